@@ -1,0 +1,1 @@
+"""Benchmarks: each prints exactly one JSON object on stdout (progress goes to stderr)."""

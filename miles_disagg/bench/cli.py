@@ -1,0 +1,29 @@
+"""``miles-disagg bench {delta,engine}``: dispatch to the benchmark modules.
+
+Each benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and
+prints one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "delta": ("miles_disagg.bench.delta", "disk-delta codec: ours vs the reference codec"),
+    "engine": ("miles_disagg.bench.engine", "built-in engine throughput and activation pause"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    subparsers = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
+    subparsers.required = True
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub)
+        sub.set_defaults(_bench_run=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args._bench_run(args) or 0)

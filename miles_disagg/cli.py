@@ -1,0 +1,60 @@
+"""``miles-disagg`` command line: one subcommand per component.
+
+Each subcommand lives in its component's own module, which exposes
+``add_arguments(parser)`` and ``run(args) -> int``. Modules are imported only when
+their subcommand runs, so ``miles-disagg --help`` stays fast (no torch/ray import).
+
+Exit codes: 0 success, 2 bad input or a refused operation (a message on stderr,
+no traceback), 1 an unexpected internal fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from miles_disagg.types import MilesDisaggError
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "weights": ("miles_disagg.weights.cli", "publish, apply, verify and inspect versioned weight deltas"),
+    "engine": ("miles_disagg.engine.cli", "run the built-in rollout engine (SGLang HTTP API)"),
+    "bench": ("miles_disagg.bench.cli", "benchmarks that print one JSON object"),
+}
+
+
+class _LazyParser(argparse.ArgumentParser):
+    """Exit code 2 with a one-line message on bad arguments (argparse's own contract)."""
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = _LazyParser(prog="miles-disagg", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        if name == wanted:  # import only the module that will run
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub)
+            sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except MilesDisaggError as exc:
+        print(f"miles-disagg {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""Pure domain types and rules: policy versions, version constraints, samples, errors.
+
+No I/O and no heavy imports (no torch, ray, numpy, HTTP) so this module imports anywhere.
+
+Errors are typed by what the caller must do:
+
+* ``Retryable``       - try again later (``VersionNotReady``, ``PublishConflict``).
+* ``ReplaceReplica``  - the engine/replica is unusable; take it out of rotation.
+* ``FailRun``         - the run cannot continue safely (``LineageError``,
+  ``ChecksumMismatch``, ``LayoutMismatch``, ``FormatError``, ``ConfigError``).
+* ``InvalidInput``    - the request or argument is wrong; nothing was changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+VERSION_DIR_PREFIX = "weight_v"
+BASE_VERSION = 0
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class MilesDisaggError(Exception):
+    """Root of every error this project raises on purpose."""
+
+
+class Retryable(MilesDisaggError):
+    """The operation may succeed if tried again later; nothing was changed."""
+
+
+class ReplaceReplica(MilesDisaggError):
+    """The replica/engine is unusable; take it out of rotation and replace it."""
+
+
+class FailRun(MilesDisaggError):
+    """Continuing would risk a wrong policy; stop and surface to the operator."""
+
+
+class InvalidInput(MilesDisaggError):
+    """The caller passed something malformed; nothing was changed."""
+
+
+class ConfigError(FailRun, InvalidInput):
+    """The configuration is invalid; raised before anything starts."""
+
+    def __init__(self, message: str, flags: tuple[str, ...] = ()):
+        self.flags = tuple(flags)
+        super().__init__(message)
+
+
+class VersionNotReady(Retryable):
+    """No replica/host can serve a request's version constraint yet."""
+
+    def __init__(self, constraint: "VersionConstraint", available: list[int] | None = None):
+        self.constraint = constraint
+        self.available = list(available or [])
+        super().__init__(
+            f"no ready worker satisfies {constraint.describe()}; available versions: {self.available}"
+        )
+
+
+class PublishConflict(Retryable):
+    """Another publisher moved the pointer first (expected, actual, proposed)."""
+
+    def __init__(self, expected: "VersionRef | None", actual: "VersionRef | None", proposed: "VersionRef"):
+        self.expected, self.actual, self.proposed = expected, actual, proposed
+        super().__init__(
+            f"publish of {proposed} lost a race: expected the store at {expected}, found {actual}"
+        )
+
+
+class EngineUnrecoverable(ReplaceReplica):
+    """An engine failed after activation started or stopped answering."""
+
+
+class LineageError(FailRun):
+    """A delta does not apply onto the version the host holds (expected vs actual)."""
+
+    def __init__(self, message: str, expected: "VersionRef | None" = None, actual: "VersionRef | None" = None):
+        self.expected, self.actual = expected, actual
+        super().__init__(message)
+
+
+class ChecksumMismatch(FailRun):
+    """A tensor's final bytes do not hash to the published checksum."""
+
+    def __init__(self, tensor: str, expected: str, actual: str, algorithm: str):
+        self.tensor, self.expected, self.actual, self.algorithm = tensor, expected, actual, algorithm
+        super().__init__(
+            f"checksum mismatch for tensor {tensor!r} ({algorithm}): expected {expected}, got {actual}"
+        )
+
+
+class LayoutMismatch(FailRun):
+    """A tensor's dtype/shape/size differs between the version and the local checkpoint."""
+
+
+class FormatError(FailRun, InvalidInput):
+    """A version directory or payload is malformed, truncated or of an unknown format."""
+
+
+# --------------------------------------------------------------------------- versions
+
+
+@dataclass(frozen=True, order=True)
+class VersionRef:
+    """Identity of one policy version: ``(run_id, version)``; version 0 is the base checkpoint."""
+
+    run_id: str
+    version: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 0:
+            raise ValueError(f"version must be a non-negative int, got {self.version!r}")
+        if not isinstance(self.run_id, str):
+            raise ValueError(f"run_id must be a string, got {self.run_id!r}")
+
+    @property
+    def dirname(self) -> str:
+        return version_dirname(self.version)
+
+    def __str__(self) -> str:
+        return f"{self.run_id or '<no run>'}@v{self.version}"
+
+
+def version_dirname(version: int) -> str:
+    """``weight_vNNNNNN`` for a version number (six digits, zero padded)."""
+    if version < 0:
+        raise ValueError(f"version must be >= 0, got {version}")
+    return f"{VERSION_DIR_PREFIX}{version:06d}"
+
+
+def parse_version_dirname(name: str) -> int | None:
+    """Inverse of :func:`version_dirname`; ``None`` for names that are not version directories."""
+    if not name.startswith(VERSION_DIR_PREFIX):
+        return None
+    digits = name[len(VERSION_DIR_PREFIX):]
+    if not digits.isdigit() or len(digits) < 6:
+        return None
+    return int(digits)
+
+
+def check_applies_onto(delta_base: VersionRef, held: VersionRef) -> None:
+    """A delta applies only onto exactly its base version of the same run.
+
+    XOR deltas applied onto the wrong base (or twice) silently corrupt weights, so
+    this is a hard rule, not a heuristic.
+    """
+    if delta_base.run_id and held.run_id and delta_base.run_id != held.run_id:
+        raise LineageError(
+            f"delta is based on {delta_base} but the host holds {held} (different run)",
+            expected=delta_base, actual=held,
+        )
+    if delta_base.version != held.version:
+        raise LineageError(
+            f"delta is based on {delta_base} but the host holds {held}",
+            expected=delta_base, actual=held,
+        )
+
+
+def check_pointer_advance(current: VersionRef | None, proposed: VersionRef) -> None:
+    """The store pointer only moves forward by exactly one within a run."""
+    if current is None:
+        if proposed.version != 1:
+            raise PublishConflict(None, None, proposed)
+        return
+    if current.run_id != proposed.run_id or proposed.version != current.version + 1:
+        raise PublishConflict(current, current, proposed)
+
+
+@dataclass(frozen=True)
+class VersionConstraint:
+    """What a rollout request accepts: at least ``min_version``, or exactly ``exact_version``."""
+
+    min_version: int | None = None
+    exact_version: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_version is not None and self.exact_version is not None:
+            raise ValueError("give min_version or exact_version, not both")
+        for value in (self.min_version, self.exact_version):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"version constraint must be a non-negative int, got {value!r}")
+
+    def allows(self, version: int) -> bool:
+        if self.exact_version is not None:
+            return version == self.exact_version
+        if self.min_version is not None:
+            return version >= self.min_version
+        return True
+
+    def describe(self) -> str:
+        if self.exact_version is not None:
+            return f"exact_version={self.exact_version}"
+        if self.min_version is not None:
+            return f"min_version={self.min_version}"
+        return "any version"
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "VersionConstraint":
+        """Parse ``{"min_version": N}`` / ``{"exact_version": N}``; ``InvalidInput`` otherwise."""
+        if obj is None:
+            return cls()
+        if not isinstance(obj, dict) or set(obj) - {"min_version", "exact_version"}:
+            raise InvalidInput(f"weight_version must be {{'min_version': N}} or {{'exact_version': N}}, got {obj!r}")
+        try:
+            return cls(min_version=obj.get("min_version"), exact_version=obj.get("exact_version"))
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from exc
+
+
+# --------------------------------------------------------------------------- samples
+
+
+@dataclass
+class Sample:
+    """One trajectory and the policy versions that generated it (from the response)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    reward: float = 0.0
+    weight_version_start: int = BASE_VERSION
+    weight_version_end: int = BASE_VERSION
+    finish_reason: str = "length"
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def mixed_version(self) -> bool:
+        return self.weight_version_start != self.weight_version_end
+
+
+@dataclass
+class Group:
+    """The ``n_samples_per_prompt`` samples of one prompt (the unit GRPO normalizes over)."""
+
+    prompt_index: int
+    samples: list[Sample]
+
+    @property
+    def oldest_version(self) -> int:
+        return min(s.weight_version_start for s in self.samples)
+
+    def staleness(self, current_version: int) -> int:
+        return current_version - self.oldest_version
+
+
+def asdict(obj: Any) -> dict[str, Any]:
+    """Dataclass to plain dict (re-exported so callers need not import dataclasses)."""
+    return dataclasses.asdict(obj)
