@@ -1,0 +1,87 @@
+"""Make small Qwen3 checkpoints on the spot (random weights, character-level tokenizer).
+
+Nothing is downloaded: the tokenizer is built with the ``tokenizers`` library from a
+fixed character set, the model from a ``Qwen3Config`` with a fixed seed. The result is
+an ordinary HF checkpoint directory (``config.json``, ``model.safetensors``,
+tokenizer files) that transformers, the built-in engine and the trainer all load.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHARSET = string.digits + string.ascii_letters + string.punctuation + " \n"
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer: one token per character, three special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARSET:
+        vocab.setdefault(ch, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+    )
+
+
+def make_tiny_qwen3(
+    out_dir: str | Path,
+    *,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 16,
+    vocab_size: int | None = None,
+    max_position_embeddings: int = 2048,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> Path:
+    """Write a random tiny Qwen3 checkpoint with its tokenizer into ``out_dir``; return the path.
+
+    ``vocab_size`` defaults to the tokenizer's size rounded up to a multiple of 8.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    vocab_size = vocab_size or _round_up(len(tokenizer), 8)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple

@@ -1,0 +1,22 @@
+"""Shared fixtures: tiny checkpoints made on the spot (no downloads)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Keep test processes from oversubscribing the 2-core CI machine.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Qwen3 (2 layers, hidden 64, float32) with a character-level tokenizer."""
+    from miles_disagg.models.tiny_qwen3 import make_tiny_qwen3
+
+    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3") / "model")
