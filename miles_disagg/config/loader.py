@@ -1,0 +1,142 @@
+"""Flags + YAML -> one validated :class:`RunConfig`.
+
+Precedence: field defaults < ``--config file.yaml`` < the command line. The YAML may
+be flat (``rollout_batch_size: 4`` or ``rollout-batch-size: 4``) or grouped by
+component (``rollout: {rollout_batch_size: 4}``). Unknown keys, wrong types and
+invalid choices fail with a ``ConfigError`` that names the flag; nothing starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from miles_disagg.config.components import SECTIONS, RunConfig
+from miles_disagg.config.fields import FlagSpec, flag_specs
+from miles_disagg.config.validate import validate
+from miles_disagg.types import ConfigError
+
+ENTRY_DESCRIPTIONS = {
+    "train": "Synchronous RL training: rollout, then train, then update weights (supports --colocate).",
+    "train_async": "Fully async RL training: rollout stays in flight while the trainer consumes completed groups.",
+}
+
+
+class _ConfigArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors become ``ConfigError`` (so the caller controls the exit)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def all_flag_specs() -> dict[str, list[FlagSpec]]:
+    return {section: flag_specs(cls) for section, cls in SECTIONS.items()}
+
+
+def build_parser(entry: str) -> argparse.ArgumentParser:
+    parser = _ConfigArgumentParser(prog=f"{entry}.py", description=ENTRY_DESCRIPTIONS[entry],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", default=None, help="YAML file setting any flag (the command line wins).")
+    parser.add_argument("--print-config", action="store_true", help="Print the resolved config and exit.")
+    for section, specs in all_flag_specs().items():
+        group = parser.add_argument_group(section)
+        for spec in specs:
+            _add_flag(group, spec)
+    return parser
+
+
+def _add_flag(group: argparse._ArgumentGroup, spec: FlagSpec) -> None:
+    # Defaults are applied later (after YAML), so argparse leaves unset flags as SUPPRESS.
+    kwargs: dict[str, Any] = {"dest": spec.dest, "help": spec.help, "default": argparse.SUPPRESS}
+    if spec.base_type is bool and not spec.is_list:
+        group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **kwargs)
+        return
+    kwargs["type"] = spec.base_type
+    kwargs["metavar"] = spec.dest.upper().split("_")[-1]
+    if spec.choices:
+        kwargs["choices"] = spec.choices
+        kwargs.pop("metavar")
+    if spec.is_list:
+        kwargs["nargs"] = "*"
+    if spec.default not in (None, [], argparse.SUPPRESS):
+        kwargs["help"] = f"{spec.help} (default: {spec.default})"
+    group.add_argument(spec.flag, **kwargs)
+
+
+def load_config(argv: Sequence[str] | None, entry: str) -> tuple[RunConfig, bool]:
+    """Parse ``argv`` for ``entry`` (train | train_async); return (validated config, print_config)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = vars(build_parser(entry).parse_args(argv))
+    config_path = args.pop("config", None)
+    print_config = args.pop("print_config", False)
+    values = _read_yaml(Path(config_path)) if config_path else {}
+    values.update(args)  # the command line wins
+    config = _build(values, entry)
+    validate(config)
+    return config, print_config
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not path.is_file():
+        raise ConfigError(f"--config {str(path)!r}: no such file", ("--config",))
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except (OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(f"--config {str(path)!r}: cannot parse YAML: {exc}", ("--config",)) from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {str(path)!r}: expected a mapping of flag names to values", ("--config",))
+    return _flatten(raw, path)
+
+
+def _flatten(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    known = {spec.dest for specs in all_flag_specs().values() for spec in specs}
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name in SECTIONS and isinstance(value, dict):
+            flat.update(_flatten(value, path))
+        elif name in known:
+            flat[name] = value
+        else:
+            raise ConfigError(f"--config {str(path)!r}: unknown key {key!r}", ("--config",))
+    return flat
+
+
+def _build(values: dict[str, Any], entry: str) -> RunConfig:
+    sections: dict[str, Any] = {}
+    for section, specs in all_flag_specs().items():
+        kwargs = {}
+        for spec in specs:
+            if spec.dest in values:
+                kwargs[spec.dest] = _convert(spec, values[spec.dest])
+        try:
+            sections[section] = SECTIONS[section](**kwargs)
+        except ValueError as exc:
+            raise ConfigError(str(exc), tuple(w for w in str(exc).split() if w.startswith("--"))) from None
+    return RunConfig(entry=entry, **sections)
+
+
+def _convert(spec: FlagSpec, value: Any) -> Any:
+    try:
+        return spec.convert(value)
+    except ValueError as exc:
+        raise ConfigError(str(exc), (spec.flag,)) from None
+
+
+def config_to_dict(config: RunConfig) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(config)
+
+
+def config_to_yaml(config: RunConfig) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create(config_to_dict(config)))

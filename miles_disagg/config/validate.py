@@ -1,0 +1,99 @@
+"""Rules that span components. Run before anything starts; each failure names its flags."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from miles_disagg.config.components import RunConfig
+from miles_disagg.types import ConfigError
+
+_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,5})$")
+
+
+def validate(config: RunConfig) -> None:
+    """Raise ``ConfigError`` (naming the offending flags) for the first invalid combination."""
+    for check in (_check_entry, _check_disk_delta, _check_topology, _check_batches):
+        check(config)
+
+
+def parse_host_port(addr: str) -> tuple[str, int]:
+    """``host:port`` -> (host, port); ``ValueError`` when malformed."""
+    match = _HOST_PORT.match(addr)
+    if not match or not 0 < int(match.group(2)) < 65536:
+        raise ValueError(f"malformed engine address {addr!r}: expected host:port with port 1-65535")
+    return match.group(1).strip("[]"), int(match.group(2))
+
+
+def _check_entry(config: RunConfig) -> None:
+    if config.entry == "train_async" and config.cluster.colocate:
+        raise ConfigError(
+            "train_async.py (fully async rollout) needs separate trainer and rollout GPUs: "
+            "drop --colocate or use train.py", ("--colocate",))
+
+
+def _check_disk_delta(config: RunConfig) -> None:
+    weights, train = config.weights, config.train
+    if weights.update_weight_transfer_mode != "disk-delta":
+        return
+    mode = "--update-weight-transfer-mode disk-delta"
+    if config.cluster.colocate:
+        raise ConfigError(f"{mode} does not support --colocate (colocated jobs update in memory)",
+                          ("--update-weight-transfer-mode", "--colocate"))
+    if train.lora_rank > 0:
+        raise ConfigError(f"{mode} does not support LoRA (--lora-rank {train.lora_rank})",
+                          ("--update-weight-transfer-mode", "--lora-rank"))
+    if config.rollout.prefill_num_servers:
+        raise ConfigError(f"{mode} does not support PD disaggregation (--prefill-num-servers)",
+                          ("--update-weight-transfer-mode", "--prefill-num-servers"))
+    for flag_name, value in (("--update-weight-disk-dir", weights.update_weight_disk_dir),
+                             ("--update-weight-local-checkpoint-dir", weights.update_weight_local_checkpoint_dir)):
+        if not value:
+            raise ConfigError(f"{mode} requires {flag_name}", ("--update-weight-transfer-mode", flag_name))
+    _check_local_checkpoint(config)
+
+
+def _check_local_checkpoint(config: RunConfig) -> None:
+    train = config.train
+    if not train.hf_checkpoint:
+        raise ConfigError("--update-weight-transfer-mode disk-delta requires --hf-checkpoint (the base version 0)",
+                          ("--update-weight-transfer-mode", "--hf-checkpoint"))
+    path = Path(train.hf_checkpoint)
+    if train.hf_checkpoint_init != "none" and not path.exists():
+        return  # created at start-up
+    if not path.is_dir():
+        raise ConfigError(
+            f"--hf-checkpoint {train.hf_checkpoint!r} is not a local directory "
+            "(disk-delta diffs against a local base checkpoint)", ("--hf-checkpoint",))
+
+
+def _check_topology(config: RunConfig) -> None:
+    rollout = config.rollout
+    if rollout.rollout_external and rollout.rollout_service_url:
+        raise ConfigError("--rollout-external and --rollout-service-url are different topologies; give one",
+                          ("--rollout-external", "--rollout-service-url"))
+    if rollout.rollout_external_engine_addrs and not rollout.rollout_external:
+        raise ConfigError("--rollout-external-engine-addrs needs --rollout-external",
+                          ("--rollout-external-engine-addrs", "--rollout-external"))
+    if not rollout.rollout_external:
+        return
+    if not rollout.rollout_external_engine_addrs:
+        raise ConfigError("--rollout-external requires --rollout-external-engine-addrs host:port [host:port ...]",
+                          ("--rollout-external", "--rollout-external-engine-addrs"))
+    for addr in rollout.rollout_external_engine_addrs:
+        try:
+            parse_host_port(addr)
+        except ValueError as exc:
+            raise ConfigError(f"--rollout-external-engine-addrs: {exc}", ("--rollout-external-engine-addrs",)) from None
+
+
+def _check_batches(config: RunConfig) -> None:
+    rollout, train = config.rollout, config.train
+    if rollout.rollout_batch_size is None or train.global_batch_size is None:
+        return
+    samples = rollout.rollout_batch_size * rollout.n_samples_per_prompt
+    if samples % train.global_batch_size:
+        raise ConfigError(
+            f"--rollout-batch-size x --n-samples-per-prompt ({samples}) must be a multiple of "
+            f"--global-batch-size ({train.global_batch_size})",
+            ("--rollout-batch-size", "--n-samples-per-prompt", "--global-batch-size"))

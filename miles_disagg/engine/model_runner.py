@@ -1,0 +1,223 @@
+"""The HF causal LM and a batched, left-padded KV cache that rows join and leave between steps.
+
+A :class:`KVBatch` holds the KV cache of the running rows as one ``DynamicCache`` whose
+tensors are ``[rows, kv_heads, length, head_dim]``, left-padded, plus a ``[rows, length]``
+attention mask (0 on padding) and each row's real length (its next RoPE position).
+Prefill builds a new ``KVBatch`` for the joining rows; :meth:`ModelRunner.merge` and
+:meth:`ModelRunner.select` let rows join and leave without recomputing anything.
+
+Concurrency: a ``ModelRunner`` is used by exactly one thread (the scheduler's); weight
+swaps happen on that thread between steps, so a forward pass never sees half-new weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from miles_disagg.types import InvalidInput, LayoutMismatch
+
+# config.json keys that must agree for a checkpoint to be loadable into the live model
+_ARCH_KEYS = (
+    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "intermediate_size", "vocab_size", "head_dim",
+)
+
+
+@dataclass
+class KVBatch:
+    """KV cache of the running rows (row ``i`` belongs to the scheduler's ``running[i]``)."""
+
+    cache: object  # transformers DynamicCache
+    mask: torch.Tensor  # [rows, length] long, 0 on left padding
+    positions: torch.Tensor  # [rows] long: real tokens in the cache = next position
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.mask.shape[0])
+
+    def layer_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+
+def resolve_dtype(name: str, model_dir: Path) -> torch.dtype:
+    """``auto`` takes the checkpoint's ``torch_dtype``/``dtype`` (float32 when absent)."""
+    if name != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    config = read_config(model_dir)
+    declared = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return getattr(torch, str(declared), torch.float32)
+
+
+def read_config(model_dir: Path) -> dict:
+    """``config.json`` of a checkpoint directory; ``InvalidInput`` when absent or unreadable."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise InvalidInput(f"model_path {str(model_dir)!r} is not a checkpoint directory (no config.json)")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidInput(f"config.json in {str(model_dir)!r} is unreadable: {exc}") from exc
+
+
+class ModelRunner:
+    """One HF causal LM on one device: batched prefill/decode and weight swaps."""
+
+    def __init__(self, model_dir: Path, *, device: str = "cpu", dtype: str = "auto"):
+        from transformers import AutoModelForCausalLM
+
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.model_dir)
+        self.config_json = read_config(self.model_dir)
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.config = self.model.config
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.max_context = int(getattr(self.config, "max_position_embeddings", 4096) or 4096)
+        self.params = dict(self.model.named_parameters(remove_duplicate=False))
+
+    # ------------------------------------------------------------------ forward passes
+
+    @torch.inference_mode()
+    def prefill(self, token_lists: list[list[int]]) -> tuple[torch.Tensor, KVBatch]:
+        """Run the rows' tokens from scratch; return last-position float32 logits and their KV."""
+        from transformers import DynamicCache
+
+        length = max(len(t) for t in token_lists)
+        ids = torch.zeros((len(token_lists), length), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, tokens in enumerate(token_lists):
+            ids[row, length - len(tokens):] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, length - len(tokens):] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.config)
+        out = self.model(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+            position_ids=position_ids.to(self.device), cache=cache, use_cache=True, logits_to_keep=1,
+        )
+        positions = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
+        return out.logits[:, -1, :].float(), KVBatch(cache=out.cache, mask=mask, positions=positions)
+
+    @torch.inference_mode()
+    def decode(self, batch: KVBatch, next_tokens: list[int]) -> torch.Tensor:
+        """Feed one token per row; the cache grows in place; return float32 logits ``[rows, vocab]``."""
+        ids = torch.tensor(next_tokens, dtype=torch.long).unsqueeze(1)
+        batch.mask = torch.cat([batch.mask, torch.ones((batch.num_rows, 1), dtype=torch.long)], dim=1)
+        out = self.model(
+            input_ids=ids.to(self.device), attention_mask=batch.mask.to(self.device),
+            position_ids=batch.positions.unsqueeze(1).to(self.device), cache=batch.cache, use_cache=True,
+        )
+        batch.cache = out.cache
+        batch.positions = batch.positions + 1
+        return out.logits[:, -1, :].float()
+
+    @torch.inference_mode()
+    def full_logprobs(self, tokens: list[int], temperature: float = 1.0) -> torch.Tensor:
+        """Reference: ``log_softmax(logits / T)`` of one unbatched forward pass (tests use it)."""
+        out = self.model(input_ids=torch.tensor([tokens], device=self.device))
+        return torch.log_softmax(out.logits[0].float() / temperature, dim=-1)
+
+    # ------------------------------------------------------------------ batch surgery
+
+    def merge(self, a: KVBatch | None, b: KVBatch) -> KVBatch:
+        """Rows of ``a`` then rows of ``b`` in one batch (the shorter side is left-padded)."""
+        if a is None or a.num_rows == 0:
+            return b
+        length = max(a.mask.shape[1], b.mask.shape[1])
+        layers = [
+            (torch.cat([_left_pad(ka, length), _left_pad(kb, length)]), torch.cat([_left_pad(va, length), _left_pad(vb, length)]))
+            for (ka, va), (kb, vb) in zip(a.layer_tensors(), b.layer_tensors())
+        ]
+        mask = torch.cat([_left_pad(a.mask, length), _left_pad(b.mask, length)])
+        return KVBatch(self._cache_from(layers), mask, torch.cat([a.positions, b.positions]))
+
+    def select(self, batch: KVBatch, keep: list[int]) -> KVBatch | None:
+        """Only the rows ``keep`` (in that order); columns that became all-padding are dropped."""
+        if not keep:
+            return None
+        if keep == list(range(batch.num_rows)):
+            return batch
+        index = torch.tensor(keep, dtype=torch.long)
+        mask = batch.mask.index_select(0, index)
+        start = int((mask.sum(0) > 0).nonzero()[0]) if mask.any() else 0
+        dev_index = index.to(self.device)
+        layers = [
+            (k.index_select(0, dev_index)[:, :, start:], v.index_select(0, dev_index)[:, :, start:])
+            for k, v in batch.layer_tensors()
+        ]
+        return KVBatch(self._cache_from(layers), mask[:, start:], batch.positions.index_select(0, index))
+
+    def _cache_from(self, layers: Iterable[tuple[torch.Tensor, torch.Tensor]]):
+        from transformers import DynamicCache
+
+        return DynamicCache(ddp_cache_data=list(layers), config=self.config)
+
+    # ------------------------------------------------------------------ weights
+
+    def check_compatible(self, model_dir: Path) -> None:
+        """``InvalidInput`` unless ``model_dir`` holds a checkpoint of the live architecture."""
+        other = read_config(Path(model_dir))
+        for key in _ARCH_KEYS:
+            if key in self.config_json and other.get(key) != self.config_json.get(key):
+                raise InvalidInput(
+                    f"model_path {str(model_dir)!r} holds a different architecture: "
+                    f"{key}={other.get(key)!r}, the live model has {self.config_json.get(key)!r}"
+                )
+
+    def load_tensors(self, model_dir: Path, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Read ``names`` (all parameters when ``None``) from a checkpoint's safetensors, checked
+        against the live layout and converted to the live dtype/device. Nothing live changes."""
+        from safetensors import safe_open
+
+        wanted = set(self.params) if names is None else set(names)
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise InvalidInput(f"no *.safetensors files in {str(model_dir)!r}")
+        loaded: dict[str, torch.Tensor] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    if name in wanted:
+                        loaded[name] = self._converted(name, handle.get_tensor(name))
+        missing = wanted - set(loaded) - self._tied_names()
+        if missing:
+            raise LayoutMismatch(f"checkpoint {str(model_dir)!r} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        return loaded
+
+    def _converted(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        live = self.params.get(name)
+        if live is None:
+            raise LayoutMismatch(f"tensor {name!r} is not a parameter of the live model")
+        if tuple(tensor.shape) != tuple(live.shape):
+            raise LayoutMismatch(f"tensor {name!r} has shape {tuple(tensor.shape)}, the live model {tuple(live.shape)}")
+        return tensor.to(device=self.device, dtype=live.dtype).contiguous()
+
+    def _tied_names(self) -> set[str]:
+        seen: dict[int, str] = {}
+        tied = set()
+        for name, param in self.params.items():
+            if id(param) in seen:
+                tied.add(name)
+            seen.setdefault(id(param), name)
+        return tied
+
+    def swap_in(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Make ``tensors`` live by pointer swap (``param.data = t``): O(1) per tensor."""
+        for name, tensor in tensors.items():
+            self.params[name].data = tensor
+
+
+def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """Left-pad dim 2 (KV ``[b, h, L, d]``) or dim 1 (mask ``[b, L]``) with zeros to ``length``."""
+    dim = 2 if tensor.dim() == 4 else 1
+    missing = length - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)

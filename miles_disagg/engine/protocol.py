@@ -1,0 +1,351 @@
+"""Request bodies of SGLang's HTTP API, parsed and validated into dataclasses.
+
+Field names and defaults follow SGLang's ``io_struct.py`` (``GenerateReqInput``,
+``UpdateWeightFromDiskReqInput``, ``PauseGenerationReqInput``, ``AbortReq``,
+``InitWeightsUpdateGroupReqInput``, ``UpdateWeightsFromDistributedReqInput``,
+``UpdateWeightVersionReqInput``) plus this project's ``PullWeightsReqInput``. Every
+parser raises ``InvalidInput`` with a message naming the field; nothing is half-parsed.
+Unknown fields are ignored, as SGLang ignores fields it does not use.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_disagg.types import InvalidInput
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+
+
+def parse_json(body: bytes) -> dict:
+    """The request body as a JSON object; ``InvalidInput`` for anything else."""
+    if not body:
+        return {}
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise InvalidInput(f"request body must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+# --------------------------------------------------------------------------- field checks
+
+
+def _get(obj: dict, name: str, kinds: tuple, default: Any) -> Any:
+    value = obj.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:
+        raise InvalidInput(f"{name} must be {_describe(kinds)}, got {value!r}")
+    if not isinstance(value, kinds):
+        raise InvalidInput(f"{name} must be {_describe(kinds)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _describe(kinds: tuple) -> str:
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def _number(obj: dict, name: str, default: float, low: float, high: float) -> float:
+    value = float(_get(obj, name, (int, float), default))
+    if not low <= value <= high:
+        raise InvalidInput(f"sampling_params.{name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _int_list(obj: dict, name: str) -> list[int]:
+    value = _get(obj, name, (list,), [])
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise InvalidInput(f"{name} must be a list of ints, got {value!r}")
+    return list(value)
+
+
+# --------------------------------------------------------------------------- generate
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """SGLang's ``sampling_params`` subset (same names, same defaults)."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: the whole vocabulary
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "SamplingParams":
+        if obj is None:
+            return cls()
+        if not isinstance(obj, dict):
+            raise InvalidInput(f"sampling_params must be an object, got {type(obj).__name__}")
+        max_new = _get(obj, "max_new_tokens", (int,), DEFAULT_MAX_NEW_TOKENS)
+        if max_new < 0:
+            raise InvalidInput(f"sampling_params.max_new_tokens must be >= 0, got {max_new}")
+        stop = _get(obj, "stop", (str, list), [])
+        stop = [stop] if isinstance(stop, str) else stop
+        if not all(isinstance(s, str) and s for s in stop):
+            raise InvalidInput(f"sampling_params.stop must be a string or a list of non-empty strings, got {stop!r}")
+        top_k = _get(obj, "top_k", (int,), -1)
+        if top_k < -1:
+            raise InvalidInput(f"sampling_params.top_k must be -1 (all) or >= 0, got {top_k}")
+        seed = _get(obj, "sampling_seed", (int,), None)
+        return cls(
+            max_new_tokens=max_new,
+            temperature=_number(obj, "temperature", 1.0, 0.0, 1e4),
+            top_p=_number(obj, "top_p", 1.0, 1e-9, 1.0),
+            top_k=top_k,
+            min_p=_number(obj, "min_p", 0.0, 0.0, 1.0),
+            stop=tuple(stop),
+            stop_token_ids=tuple(_int_list(obj, "stop_token_ids")),
+            ignore_eos=_get(obj, "ignore_eos", (bool,), False),
+            no_stop_trim=_get(obj, "no_stop_trim", (bool,), False),
+            skip_special_tokens=_get(obj, "skip_special_tokens", (bool,), True),
+            sampling_seed=seed,
+        )
+
+
+@dataclass(frozen=True)
+class GenerateItem:
+    """One sequence to generate (a batched request is split into several)."""
+
+    rid: str
+    input_ids: tuple[int, ...] | None
+    text: str | None
+    sampling: SamplingParams
+    return_logprob: bool
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A parsed ``/generate`` body: ``batched`` answers with a list, else with one object."""
+
+    items: tuple[GenerateItem, ...]
+    batched: bool
+    stream: bool
+
+
+def parse_generate(obj: dict) -> GenerateRequest:
+    """``GenerateReqInput``: exactly one of ``text``/``input_ids``, each single or batched."""
+    text, input_ids = obj.get("text"), obj.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise InvalidInput("give exactly one of text or input_ids")
+    prompts, batched = _prompts(text, input_ids)
+    count = len(prompts)
+    sampling = _per_item(obj.get("sampling_params"), count, "sampling_params", dict)
+    return_logprob = _per_item(obj.get("return_logprob", False), count, "return_logprob", bool)
+    rids = _per_item(obj.get("rid"), count, "rid", str)
+    items = tuple(
+        GenerateItem(
+            rid=rids[i] or uuid.uuid4().hex,
+            input_ids=prompts[i] if input_ids is not None else None,
+            text=prompts[i] if text is not None else None,
+            sampling=SamplingParams.from_json(sampling[i]),
+            return_logprob=bool(return_logprob[i]),
+        )
+        for i in range(count)
+    )
+    stream = _get(obj, "stream", (bool,), False)
+    if stream and batched:
+        raise InvalidInput("stream=true is supported for single requests only")
+    return GenerateRequest(items=items, batched=batched, stream=stream)
+
+
+def _prompts(text: Any, input_ids: Any) -> tuple[list, bool]:
+    if text is not None:
+        if isinstance(text, str):
+            return [text], False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return list(text), True
+        raise InvalidInput("text must be a string or a non-empty list of strings")
+    if not isinstance(input_ids, list) or not input_ids:
+        raise InvalidInput("input_ids must be a non-empty list of ints or of lists of ints")
+    if all(_is_int(t) for t in input_ids):
+        return [tuple(input_ids)], False
+    if all(isinstance(seq, list) and seq and all(_is_int(t) for t in seq) for seq in input_ids):
+        return [tuple(seq) for seq in input_ids], True
+    raise InvalidInput("input_ids must be a non-empty list of ints or of non-empty lists of ints")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _per_item(value: Any, count: int, name: str, kind: type) -> list:
+    """SGLang lets a batch share one value or give one per item."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise InvalidInput(f"{name} has {len(value)} entries for a batch of {count}")
+        values = value
+    else:
+        values = [value] * count
+    for v in values:
+        if v is not None and (not isinstance(v, kind) or (kind is not bool and isinstance(v, bool))):
+            raise InvalidInput(f"{name} must be {kind.__name__}, got {type(v).__name__} {v!r}")
+    return values
+
+
+# --------------------------------------------------------------------------- control endpoints
+
+
+@dataclass(frozen=True)
+class UpdateFromDisk:
+    """``UpdateWeightFromDiskReqInput`` (fields this engine acts on)."""
+
+    model_path: str
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "UpdateFromDisk":
+        model_path = _get(obj, "model_path", (str,), "")
+        if not model_path:
+            raise InvalidInput("model_path is required")
+        return cls(
+            model_path=model_path,
+            weight_version=_version_string(obj.get("weight_version"), "weight_version"),
+            abort_all_requests=_get(obj, "abort_all_requests", (bool,), False),
+            flush_cache=_get(obj, "flush_cache", (bool,), True),
+        )
+
+
+def _version_string(value: Any, name: str) -> str | None:
+    """SGLang's versions are strings; ints are accepted and reported as their decimal string."""
+    if value is None:
+        return None
+    if _is_int(value):
+        return str(value)
+    if isinstance(value, str) and value:
+        return value
+    raise InvalidInput(f"{name} must be a non-empty string or an int, got {value!r}")
+
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def parse_pause_mode(obj: dict) -> str:
+    mode = _get(obj, "mode", (str,), "abort")
+    if mode not in PAUSE_MODES:
+        raise InvalidInput(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+    return mode
+
+
+def parse_new_version(obj: dict) -> tuple[str, bool]:
+    """``UpdateWeightVersionReqInput``: ``new_version`` and ``abort_all_requests`` (default true)."""
+    version = _version_string(obj.get("new_version"), "new_version")
+    if version is None:
+        raise InvalidInput("new_version is required")
+    return version, _get(obj, "abort_all_requests", (bool,), True)
+
+
+def parse_abort(obj: dict) -> tuple[str, bool]:
+    """``AbortReq``: ``rid`` and ``abort_all``."""
+    return _get(obj, "rid", (str,), ""), _get(obj, "abort_all", (bool,), False)
+
+
+@dataclass(frozen=True)
+class InitGroup:
+    """``InitWeightsUpdateGroupReqInput``."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "InitGroup":
+        for required in ("master_address", "master_port", "rank_offset", "world_size"):
+            if obj.get(required) is None:
+                raise InvalidInput(f"{required} is required")
+        group = cls(
+            master_address=_get(obj, "master_address", (str,), ""),
+            master_port=_get(obj, "master_port", (int,), 0),
+            rank_offset=_get(obj, "rank_offset", (int,), 0),
+            world_size=_get(obj, "world_size", (int,), 0),
+            group_name=_get(obj, "group_name", (str,), "weight_update_group"),
+            backend=_get(obj, "backend", (str,), "nccl"),
+        )
+        if not 0 < group.rank_offset < group.world_size or not 0 < group.master_port < 65536:
+            raise InvalidInput(f"need 0 < rank_offset < world_size and a valid port, got {group}")
+        return group
+
+
+@dataclass(frozen=True)
+class DistributedUpdate:
+    """``UpdateWeightsFromDistributedReqInput``: names/dtypes/shapes broadcast from rank 0."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str = "weight_update_group"
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "DistributedUpdate":
+        names = _get(obj, "names", (list,), None)
+        dtypes = _get(obj, "dtypes", (list,), None)
+        shapes = _get(obj, "shapes", (list,), None)
+        if names is None or dtypes is None or shapes is None:
+            raise InvalidInput("names, dtypes and shapes are required")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise InvalidInput("names, dtypes and shapes must have the same length")
+        if not all(isinstance(s, list) and all(_is_int(d) and d >= 0 for d in s) for s in shapes):
+            raise InvalidInput("shapes must be lists of non-negative ints")
+        return cls(
+            names=tuple(str(n) for n in names),
+            dtypes=tuple(str(d) for d in dtypes),
+            shapes=tuple(tuple(s) for s in shapes),
+            group_name=_get(obj, "group_name", (str,), "weight_update_group"),
+            weight_version=_version_string(obj.get("weight_version"), "weight_version"),
+            abort_all_requests=_get(obj, "abort_all_requests", (bool,), False),
+            flush_cache=_get(obj, "flush_cache", (bool,), True),
+        )
+
+
+@dataclass(frozen=True)
+class PullWeights:
+    """This project's ``/pull_weights``: materialize and stage a published version."""
+
+    target_version: int
+    source_dir: str
+    local_checkpoint_dir: str
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "PullWeights":
+        version = obj.get("target_version")
+        if isinstance(version, str) and version.isdigit():
+            version = int(version)
+        if not _is_int(version) or version < 0:
+            raise InvalidInput(f"target_version must be a non-negative int, got {version!r}")
+        source = _get(obj, "source_dir", (str,), "")
+        local = _get(obj, "local_checkpoint_dir", (str,), "")
+        if not source or not local:
+            raise InvalidInput("source_dir and local_checkpoint_dir are required")
+        return cls(target_version=version, source_dir=source, local_checkpoint_dir=local)
+
+
+@dataclass
+class FinishReason:
+    """SGLang's ``finish_reason`` object: ``{"type": "stop"|"length"|"abort", ...}``."""
+
+    type: str
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"type": self.type, **self.extra}

@@ -1,0 +1,53 @@
+"""Per-request sampling and the logprob the engine reports.
+
+Reported logprob (SGLang's default, ``SGLANG_RETURN_ORIGINAL_LOGPROB`` unset): the log
+probability of the sampled token under the *sampling distribution after temperature and
+before top-p/top-k/min-p truncation*, i.e. ``log_softmax(logits / T)[token]``; for greedy
+requests (``temperature`` ~ 0) SGLang uses ``T = 1``, and so do we. A trainer recomputing
+``log_softmax(logits / T)`` over prompt + output with the same weights gets the same
+numbers (to float32 rounding).
+
+Each request has its own ``torch.Generator``: seeded by ``sampling_seed`` when given
+(reproducible regardless of batch mates), otherwise from the engine's seeded RNG.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GREEDY_EPS = 1e-6
+
+
+def sample_token(logits: torch.Tensor, params, generator: torch.Generator) -> tuple[int, float]:
+    """Sample one token from float32 ``logits`` ``[vocab]``; return ``(token_id, logprob)``."""
+    temperature = params.temperature
+    if temperature < GREEDY_EPS or params.top_k == 1:
+        scaled = logits if temperature < GREEDY_EPS else logits / temperature
+        token = int(torch.argmax(logits))
+        return token, float(torch.log_softmax(scaled, dim=-1)[token])
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    probs = _truncated(logprobs.exp(), params)
+    token = int(torch.multinomial(probs, 1, generator=generator))
+    return token, float(logprobs[token])
+
+
+def _truncated(probs: torch.Tensor, params) -> torch.Tensor:
+    """Apply top-k, top-p and min-p to ``probs`` (renormalization is left to multinomial)."""
+    if params.top_k > 0 and params.top_k < probs.numel():
+        kth = torch.topk(probs, params.top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = sorted_probs.cumsum(0)
+        drop_sorted = (cumulative - sorted_probs) > params.top_p  # keep the token that crosses top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs
+
+
+def make_generator(seed: int) -> torch.Generator:
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    return generator

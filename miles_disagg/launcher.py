@@ -1,0 +1,71 @@
+"""What ``train.py`` and ``train_async.py`` run: resolve the config, prepare, then train.
+
+Exit codes: 0 done, 2 invalid configuration (a message naming the flags, no
+traceback), 3 a stage that is not implemented yet (a message naming it).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from miles_disagg.config import RunConfig, config_to_dict, config_to_yaml, load_config
+from miles_disagg.tracking import status
+from miles_disagg.types import ConfigError
+
+EXIT_CONFIG_ERROR = 2
+EXIT_NOT_IMPLEMENTED = 3
+
+
+class NotYetImplemented(Exception):
+    """A stage of the run that this build does not have yet."""
+
+
+def main(entry: str, argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``train.py`` (entry="train") and ``train_async.py`` (entry="train_async")."""
+    try:
+        config, print_only = load_config(argv, entry)
+        if print_only:
+            print(config_to_yaml(config), end="")
+            return 0
+        prepare_run(config)
+        return run_training(config)
+    except ConfigError as exc:
+        print(f"{entry}.py: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except NotYetImplemented as exc:
+        print(f"{entry}.py: not yet implemented: {exc}", file=sys.stderr)
+        return EXIT_NOT_IMPLEMENTED
+
+
+def prepare_run(config: RunConfig) -> None:
+    """Create the run directory, record the resolved config, and make the base checkpoint if asked."""
+    output_dir = Path(config.tracking.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+    status(f"run directory: {output_dir}")
+    ensure_base_checkpoint(config)
+
+
+def ensure_base_checkpoint(config: RunConfig) -> None:
+    train = config.train
+    if train.hf_checkpoint is None:
+        raise ConfigError("--hf-checkpoint is required", ("--hf-checkpoint",))
+    path = Path(train.hf_checkpoint)
+    if path.is_dir():
+        return
+    if train.hf_checkpoint_init == "tiny-qwen3":
+        from miles_disagg.models.tiny_qwen3 import make_tiny_qwen3
+
+        status(f"creating a random tiny Qwen3 at {path}")
+        make_tiny_qwen3(path, seed=train.seed)
+        return
+    raise ConfigError(f"--hf-checkpoint {str(path)!r} is not a local directory", ("--hf-checkpoint",))
+
+
+def run_training(config: RunConfig) -> int:
+    raise NotYetImplemented(
+        f"the {config.entry} training loop (trainer group, rollout manager, weight updater); "
+        "configuration, run directory and base checkpoint are ready")

@@ -1,0 +1,128 @@
+"""Metrics and progress output.
+
+Metrics always go to ``<output_dir>/metrics.jsonl``: one JSON object per step with
+``step`` and ``wall_time`` (seconds since the epoch), flushed and fsynced per line so a
+crash loses at most the step being written. TensorBoard and wandb are added when asked
+for; asking for one that is not installed is a ``ConfigError`` at start-up, not a
+silent skip. Progress goes to stderr, never stdout (stdout is for results/JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, TypeVar
+
+from miles_disagg.types import ConfigError
+
+T = TypeVar("T")
+METRICS_FILENAME = "metrics.jsonl"
+
+
+class MetricsTracker:
+    """Log ``{name: number}`` per step to JSONL (+ TensorBoard / wandb when enabled).
+
+    Not thread-safe: one tracker per process, called from the driver loop.
+    """
+
+    def __init__(self, output_dir: str | Path, *, use_tensorboard: bool = False, use_wandb: bool = False,
+                 wandb_project: str | None = None, wandb_group: str | None = None,
+                 run_config: Mapping[str, Any] | None = None):
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.output_dir / METRICS_FILENAME
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tensorboard = _open_tensorboard(self.output_dir) if use_tensorboard else None
+        self._wandb = _open_wandb(wandb_project, wandb_group, run_config) if use_wandb else None
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Append one record for ``step``; returns the record written."""
+        record = {"step": int(step), "wall_time": time.time()}
+        record.update({name: _jsonable(value) for name, value in metrics.items()})
+        self._file.write(json.dumps(record, sort_keys=False) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "wall_time")}
+        if self._tensorboard is not None:
+            for name, value in numeric.items():
+                self._tensorboard.add_scalar(name, value, step)
+            self._tensorboard.flush()
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+        return record
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+    def __enter__(self) -> "MetricsTracker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Read a metrics.jsonl back (skips a torn last line left by a crash)."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def progress(items: Iterable[T], *, desc: str, total: int | None = None, unit: str = "it") -> Iterator[T]:
+    """A progress bar on stderr for long work (quiet when stderr is not a terminal, except a final line)."""
+    from tqdm import tqdm
+
+    interactive = sys.stderr.isatty()
+    bar = tqdm(items, desc=desc, total=total, unit=unit, file=sys.stderr, disable=not interactive,
+               dynamic_ncols=True, leave=interactive)
+    count = 0
+    start = time.monotonic()
+    for item in bar:
+        count += 1
+        yield item
+    if not interactive:
+        print(f"{desc}: {count} {unit} in {time.monotonic() - start:.1f}s", file=sys.stderr)
+
+
+def status(message: str) -> None:
+    """One progress line on stderr."""
+    print(f"[miles-disagg {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else str(value)  # JSON has no NaN/inf
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def _open_tensorboard(output_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError("--use-tensorboard: tensorboard is not installed (pip install tensorboard)",
+                          ("--use-tensorboard",)) from None
+    return SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+
+
+def _open_wandb(project: str | None, group: str | None, run_config: Mapping[str, Any] | None):
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("--use-wandb: wandb is not installed (pip install wandb)", ("--use-wandb",)) from None
+    return wandb.init(project=project, group=group, config=dict(run_config or {}))

@@ -1,0 +1,333 @@
+"""Per-tensor byte deltas: ``xor`` / ``overwrite`` / ``full``, optional byte planes, zstd.
+
+Wire format of one tensor's payload (a 1-D uint8 tensor in a payload file):
+
+* filter ``none`` (the plain format other disk-delta producers write): ONE zstd frame of
+  the whole tensor's delta. ``xor``: ``old ^ new``; ``overwrite``:
+  ``[u32 count][u32 byte positions...][new bytes...]`` (little-endian; idempotent);
+  ``full``: the new bytes.
+* filter ``byteplane``: the tensor is cut into chunks of ``chunk_bytes``; a chunk of a
+  2-byte dtype is split into its low-byte and high-byte planes (other dtypes: one plane)
+  and each plane is delta-encoded as above (positions counted within the plane) and
+  compressed as its own zstd frame. Payload: ``[u32 num_frames][u32 frame sizes...]``
+  then the frames, chunk-major. A size-0 frame means "no change in this plane".
+  The high byte of a bf16 (sign + exponent) almost never changes, so its plane
+  compresses to nothing and the low plane compresses better on its own.
+
+Encoding and decoding fan out over a thread pool at chunk granularity (numpy, zstd and
+the hashers release the GIL). Each worker thread owns one compressor, one decompressor
+and preallocated scratch buffers: zstd objects are not thread-safe, and fresh
+allocations page-fault on every chunk.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from miles_disagg.types import ChecksumMismatch, FormatError
+from miles_disagg.weights.checksums import checksum
+
+ENCODINGS = ("xor", "overwrite", "full")
+PUBLISH_ENCODINGS = ("xor", "overwrite")
+FILTERS = ("byteplane", "none")
+COMPRESSIONS = ("zstd",)
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+ZSTD_LEVEL = 1
+_U32 = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """How one version's payloads are encoded: delta encoding, filter and chunk size."""
+
+    encoding: str = "xor"
+    filter: str = "byteplane"
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    def __post_init__(self) -> None:
+        if self.encoding not in ENCODINGS:
+            raise FormatError(f"unknown delta encoding {self.encoding!r} (known: {', '.join(ENCODINGS)})")
+        if self.filter not in FILTERS:
+            raise FormatError(f"unknown delta filter {self.filter!r} (known: {', '.join(FILTERS)})")
+        if self.chunk_bytes < 8:
+            raise FormatError(f"chunk_bytes must be >= 8, got {self.chunk_bytes}")
+
+    def num_planes(self, itemsize: int) -> int:
+        return 2 if self.filter == "byteplane" and itemsize == 2 else 1
+
+    def chunks(self, nbytes: int, itemsize: int) -> list[tuple[int, int]]:
+        """Byte ranges the tensor is cut into (one range without the filter)."""
+        if self.filter == "none":
+            return [(0, nbytes)]
+        step = max(itemsize, self.chunk_bytes - self.chunk_bytes % itemsize)
+        return [(start, min(start + step, nbytes)) for start in range(0, max(nbytes, 1), step)]
+
+
+class _Scratch(threading.local):
+    """Per-thread zstd objects and reusable buffers (created lazily in each thread)."""
+
+    def __init__(self) -> None:
+        import zstandard
+
+        self.compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        self.decompressor = zstandard.ZstdDecompressor()
+        self.buffers: dict[str, np.ndarray] = {}
+
+    def get(self, key: str, nbytes: int) -> np.ndarray:
+        buf = self.buffers.get(key)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self.buffers[key] = np.empty(max(nbytes, 1), dtype=np.uint8)
+        return buf[:nbytes]
+
+
+_scratch: _Scratch | None = None
+
+
+def _local() -> _Scratch:
+    global _scratch
+    if _scratch is None:
+        _scratch = _Scratch()
+    return _scratch
+
+
+def _split_planes(data: np.ndarray, out_key: str, s: _Scratch) -> list[np.ndarray]:
+    """Low and high byte planes of a 2-byte-element buffer (contiguous copies in scratch)."""
+    m = data.nbytes // 2
+    words = data.view("<u2")
+    lo, hi = s.get(out_key + ".lo", m), s.get(out_key + ".hi", m)
+    np.copyto(lo, words, casting="unsafe")
+    shifted = s.get(out_key + ".sh", 2 * m).view("<u2")
+    np.right_shift(words, 8, out=shifted)
+    np.copyto(hi, shifted, casting="unsafe")
+    return [lo, hi]
+
+
+def _planes(data: np.ndarray, num_planes: int, key: str, s: _Scratch) -> list[np.ndarray]:
+    return [data] if num_planes == 1 else _split_planes(data, key, s)
+
+
+def _overwrite_payload(old: np.ndarray, new: np.ndarray) -> tuple[bytes, int]:
+    positions = np.flatnonzero(old != new).astype("<u4")
+    if positions.size == 0:
+        return b"", 0
+    return _U32.pack(positions.size) + positions.tobytes() + new[positions].tobytes(), int(positions.size)
+
+
+def encode_chunk(spec: CodecSpec, old: np.ndarray, new: np.ndarray, itemsize: int) -> tuple[list[bytes], int]:
+    """Encode one chunk; returns (one compressed frame per plane, changed byte count).
+
+    ``xor``/``overwrite`` frames are ``b""`` where a plane did not change.
+    """
+    s = _local()
+    num_planes = spec.num_planes(itemsize)
+    diff = s.get("xor", new.nbytes)
+    np.bitwise_xor(old, new, out=diff)
+    changed = int(np.count_nonzero(diff))
+    if spec.encoding == "xor":
+        if changed == 0:
+            return [b""] * num_planes, 0
+        planes = _planes(diff, num_planes, "x", s)
+        return [s.compressor.compress(p) if p.any() else b"" for p in planes], changed
+    if spec.encoding == "full":
+        return [s.compressor.compress(p) for p in _planes(new, num_planes, "n", s)], changed
+    if changed == 0:
+        return [b""] * num_planes, 0
+    old_planes = _planes(old, num_planes, "o", s)
+    new_planes = _planes(new, num_planes, "n", s)
+    frames = []
+    for old_p, new_p in zip(old_planes, new_planes):
+        raw, _ = _overwrite_payload(old_p, new_p)
+        frames.append(s.compressor.compress(raw) if raw else b"")
+    return frames, changed
+
+
+def _decompress(frame: memoryview, max_bytes: int, s: _Scratch, name: str) -> np.ndarray:
+    import zstandard
+
+    try:
+        raw = s.decompressor.decompress(frame, max_output_size=max_bytes)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"tensor {name!r}: corrupt zstd frame ({exc})") from None
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _apply_overwrite(plane: np.ndarray, raw: np.ndarray, name: str) -> None:
+    if raw.nbytes < 4:
+        raise FormatError(f"tensor {name!r}: overwrite payload shorter than its count field")
+    count = int(raw[:4].view("<u4")[0])
+    if raw.nbytes != 4 + 5 * count:
+        raise FormatError(f"tensor {name!r}: overwrite payload of {raw.nbytes} bytes does not hold {count} changes")
+    positions = raw[4:4 + 4 * count].view("<u4")
+    if count and int(positions.max()) >= plane.size:
+        raise FormatError(f"tensor {name!r}: overwrite position {int(positions.max())} outside {plane.size} bytes")
+    plane[positions] = raw[4 + 4 * count:]
+
+
+def decode_chunk(spec: CodecSpec, target: np.ndarray, frames: list[memoryview], itemsize: int, name: str) -> None:
+    """Apply one chunk's frames onto ``target`` (a writable uint8 view of the chunk) in place."""
+    s = _local()
+    num_planes = spec.num_planes(itemsize)
+    m = target.nbytes // num_planes
+    lanes = target.reshape(m, num_planes)  # column i = plane i (a strided view)
+    max_bytes = 4 + 5 * m if spec.encoding == "overwrite" else m
+    raws: list[np.ndarray | None] = []
+    for frame in frames:
+        raw = _decompress(frame, max_bytes, s, name) if len(frame) else None
+        if raw is not None and spec.encoding != "overwrite" and raw.nbytes != m:
+            raise FormatError(f"tensor {name!r}: delta plane has {raw.nbytes} bytes, expected {m}")
+        raws.append(raw)
+    if spec.encoding == "overwrite":
+        for i, raw in enumerate(raws):
+            if raw is not None:
+                _apply_overwrite(target if num_planes == 1 else lanes[:, i], raw, name)
+        return
+    if spec.encoding == "full" and any(r is None for r in raws):
+        raise FormatError(f"tensor {name!r}: full payload has an empty plane")
+    if num_planes == 1:
+        if raws[0] is not None:
+            if spec.encoding == "full":
+                np.copyto(target, raws[0])
+            else:
+                np.bitwise_xor(target, raws[0], out=target)
+        return
+    words = s.get("dec", 2 * m).view("<u2")
+    lo, hi = raws
+    if hi is not None:
+        np.copyto(words, hi, casting="unsafe")
+        np.left_shift(words, 8, out=words)
+        if lo is not None:
+            np.bitwise_or(words, lo, out=words)
+    elif lo is not None:
+        np.copyto(words, lo, casting="unsafe")
+    else:
+        return
+    out = target.view("<u2")
+    if spec.encoding == "full":
+        np.copyto(out, words)
+    else:
+        np.bitwise_xor(out, words, out=out)
+
+
+# ------------------------------------------------------------------ payload framing
+
+
+def join_frames(spec: CodecSpec, frames: list[bytes]) -> bytes:
+    """One tensor's payload from its frames (chunk-major, plane-minor)."""
+    if spec.filter == "none":
+        return frames[0]
+    header = struct.pack(f"<I{len(frames)}I", len(frames), *(len(f) for f in frames))
+    return header + b"".join(frames)
+
+
+def split_frames(spec: CodecSpec, payload: memoryview, nbytes: int, itemsize: int, name: str) -> list[list[memoryview]]:
+    """Inverse of :func:`join_frames`: frames per chunk; ``FormatError`` if the payload is malformed."""
+    chunks = spec.chunks(nbytes, itemsize)
+    if spec.filter == "none":
+        return [[payload]]
+    num_planes = spec.num_planes(itemsize)
+    expected = len(chunks) * num_planes
+    if len(payload) < 4 or _U32.unpack_from(payload, 0)[0] != expected or len(payload) < 4 + 4 * expected:
+        raise FormatError(f"tensor {name!r}: payload header does not describe {expected} frames")
+    sizes = struct.unpack_from(f"<{expected}I", payload, 4)
+    pos = 4 + 4 * expected
+    if pos + sum(sizes) != len(payload):
+        raise FormatError(f"tensor {name!r}: payload is {len(payload)} bytes, frames need {pos + sum(sizes)}")
+    frames = []
+    for size in sizes:
+        frames.append(payload[pos:pos + size])
+        pos += size
+    return [frames[i:i + num_planes] for i in range(0, expected, num_planes)]
+
+
+# ------------------------------------------------------------------ whole tensors over a pool
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    name: str
+    payload: bytes | None  # None: unchanged (not published)
+    changed_bytes: int
+    nbytes: int
+    checksum: str
+
+
+@dataclass
+class _PendingEncode:
+    name: str
+    nbytes: int
+    chunk_futures: list[Future]
+    hash_future: Future
+
+
+def encode_tensors(pool: ThreadPoolExecutor, spec: CodecSpec, checksum_format: str,
+                   items: Iterable[tuple[str, np.ndarray, np.ndarray, int]],
+                   max_inflight_bytes: int = 256 * 1024 * 1024) -> Iterator[EncodedTensor]:
+    """Encode ``(name, old, new, itemsize)`` items (uint8 arrays) in input order.
+
+    Chunks of several tensors are in flight at once; at most ``max_inflight_bytes`` of
+    input is pending, so a caller streaming tensors one at a time keeps memory bounded.
+    """
+    pending: deque[_PendingEncode] = deque()
+    inflight = 0
+    for name, old, new, itemsize in items:
+        futures = [pool.submit(encode_chunk, spec, old[a:b], new[a:b], itemsize) for a, b in spec.chunks(new.nbytes, itemsize)]
+        pending.append(_PendingEncode(name, new.nbytes, futures, pool.submit(checksum, checksum_format, new)))
+        inflight += new.nbytes
+        while pending and inflight > max_inflight_bytes:
+            inflight -= pending[0].nbytes
+            yield _finish_encode(spec, pending.popleft())
+    while pending:
+        yield _finish_encode(spec, pending.popleft())
+
+
+def _finish_encode(spec: CodecSpec, item: _PendingEncode) -> EncodedTensor:
+    frames: list[bytes] = []
+    changed = 0
+    for future in item.chunk_futures:
+        chunk_frames, chunk_changed = future.result()
+        frames.extend(chunk_frames)
+        changed += chunk_changed
+    digest = item.hash_future.result()
+    if changed == 0 and spec.encoding != "full":
+        return EncodedTensor(item.name, None, 0, item.nbytes, digest)
+    return EncodedTensor(item.name, join_frames(spec, frames), changed, item.nbytes, digest)
+
+
+def decode_tensors(pool: ThreadPoolExecutor, spec: CodecSpec, checksum_format: str,
+                   items: Iterable[tuple[str, np.ndarray, memoryview, int, str]],
+                   max_inflight_bytes: int = 256 * 1024 * 1024) -> Iterator[str]:
+    """Apply ``(name, target, payload, itemsize, expected_checksum)`` items in place; yield names.
+
+    Each target is verified against its final-state checksum before its name is
+    yielded; a mismatch raises ``ChecksumMismatch`` (targets already yielded stay patched:
+    callers apply into scratch space they can discard).
+    """
+    pending: deque[tuple[str, np.ndarray, str, list[Future]]] = deque()
+    inflight = 0
+    for name, target, payload, itemsize, expected in items:
+        frames = split_frames(spec, payload, target.nbytes, itemsize, name)
+        ranges = spec.chunks(target.nbytes, itemsize)
+        futures = [pool.submit(decode_chunk, spec, target[a:b], f, itemsize, name) for (a, b), f in zip(ranges, frames)]
+        pending.append((name, target, expected, futures))
+        inflight += target.nbytes
+        while pending and inflight > max_inflight_bytes:
+            inflight -= pending[0][1].nbytes
+            yield _finish_decode(checksum_format, *pending.popleft())
+    while pending:
+        yield _finish_decode(checksum_format, *pending.popleft())
+
+
+def _finish_decode(checksum_format: str, name: str, target: np.ndarray, expected: str, futures: list[Future]) -> str:
+    for future in futures:
+        future.result()
+    actual = checksum(checksum_format, target)
+    if actual != expected:
+        raise ChecksumMismatch(name, expected, actual, checksum_format)
+    return name

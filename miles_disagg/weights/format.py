@@ -1,0 +1,179 @@
+"""The version directory format: ``model.safetensors.index.json`` and its validation.
+
+Index metadata written by this project (strings where other producers write strings)::
+
+    version            "000007"           (required)
+    base_version       "000006"           (required)
+    delta_encoding     xor | overwrite | full
+    compression_format zstd
+    checksum_format    xxh3-128 | blake3 | adler32
+    run_id             this project's addition ("" / absent for foreign producers)
+    filter             byteplane | none   (absent: none, the plain format)
+    chunk_bytes        byte-plane chunk size
+    tensors            {name: {"dtype", "shape", "nbytes"}} for every changed tensor
+    changed_bytes, total_bytes, created_unix   (inspection only)
+
+A directory without the additions is read as the plain format (filter ``none``,
+no layout list, empty run id).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from miles_disagg.types import FormatError, VersionRef
+from miles_disagg.weights.checksums import CHECKSUMS
+from miles_disagg.weights.codec import COMPRESSIONS, DEFAULT_CHUNK_BYTES, CodecSpec, ENCODINGS, FILTERS
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class VersionIndex:
+    """A parsed, validated index of one version directory."""
+
+    version: int
+    base_version: int
+    run_id: str
+    delta_encoding: str
+    compression_format: str
+    checksum_format: str
+    filter: str
+    chunk_bytes: int
+    weight_map: dict[str, str]
+    layouts: dict[str, TensorLayout] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ref(self) -> VersionRef:
+        return VersionRef(self.run_id, self.version)
+
+    @property
+    def base_ref(self) -> VersionRef:
+        return VersionRef(self.run_id, self.base_version)
+
+    @property
+    def codec(self) -> CodecSpec:
+        return CodecSpec(self.delta_encoding, self.filter, self.chunk_bytes)
+
+    @property
+    def is_foreign(self) -> bool:
+        """Written by another producer (no ``run_id`` addition)."""
+        return "run_id" not in self.extra.get("_keys", ())
+
+    def files(self) -> list[str]:
+        return sorted(set(self.weight_map.values()))
+
+    def to_json(self) -> dict[str, Any]:
+        metadata: dict[str, Any] = {
+            "version": f"{self.version:06d}",
+            "base_version": f"{self.base_version:06d}",
+            "delta_encoding": self.delta_encoding,
+            "compression_format": self.compression_format,
+            "checksum_format": self.checksum_format,
+            "run_id": self.run_id,
+            "filter": self.filter,
+            "chunk_bytes": str(self.chunk_bytes),
+            "tensors": {n: {"dtype": l.dtype, "shape": list(l.shape), "nbytes": l.nbytes} for n, l in self.layouts.items()},
+        }
+        metadata.update({k: v for k, v in self.extra.items() if not k.startswith("_")})
+        return {"metadata": metadata, "weight_map": dict(self.weight_map)}
+
+
+def check_payload_name(file_name: object, version_dir: str | Path = "") -> str:
+    """A weight_map file name must be a plain file name inside the version directory."""
+    if not isinstance(file_name, str) or not file_name:
+        raise FormatError(f"weight_map of {version_dir} names a non-string or empty file {file_name!r}")
+    pure = PurePosixPath(file_name)
+    if pure.is_absolute() or "\\" in file_name or len(pure.parts) != 1 or file_name in (".", "..") or "\x00" in file_name:
+        raise FormatError(f"weight_map of {version_dir} names file {file_name!r} outside the version directory")
+    if not file_name.endswith(".safetensors"):
+        raise FormatError(f"weight_map of {version_dir} names {file_name!r}, not a .safetensors file")
+    return file_name
+
+
+def _version_number(metadata: dict[str, Any], key: str, where: str) -> int:
+    value = metadata.get(key)
+    try:
+        number = int(str(value), 10)
+    except ValueError:
+        raise FormatError(f"{where}: metadata {key!r} is {value!r}, not a version number") from None
+    if number < 0:
+        raise FormatError(f"{where}: metadata {key!r} is negative")
+    return number
+
+
+def _choice(metadata: dict[str, Any], key: str, known: tuple[str, ...], where: str, default: str | None = None) -> str:
+    value = metadata.get(key, default)
+    if value not in known:
+        raise FormatError(f"{where}: unknown {key} {value!r} (known: {', '.join(known)})")
+    return str(value)
+
+
+def _layouts(raw: Any, where: str) -> dict[str, TensorLayout]:
+    if raw is None:
+        return {}
+    try:
+        return {str(n): TensorLayout(str(v["dtype"]), tuple(int(d) for d in v["shape"]), int(v["nbytes"])) for n, v in raw.items()}
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise FormatError(f"{where}: malformed per-tensor layout metadata") from None
+
+
+def parse_index(obj: Any, where: str) -> VersionIndex:
+    """Validate a loaded index JSON object; ``FormatError`` naming the bad field."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("metadata"), dict) or not isinstance(obj.get("weight_map"), dict):
+        raise FormatError(f"{where}: index must hold 'metadata' and 'weight_map' objects")
+    metadata: dict[str, Any] = obj["metadata"]
+    for key in ("version", "base_version", "delta_encoding", "compression_format", "checksum_format"):
+        if key not in metadata:
+            raise FormatError(f"{where}: index metadata lacks {key!r}")
+    try:
+        chunk_bytes = int(metadata.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
+    except (TypeError, ValueError):
+        raise FormatError(f"{where}: chunk_bytes {metadata.get('chunk_bytes')!r} is not an integer") from None
+    known_keys = {"version", "base_version", "delta_encoding", "compression_format", "checksum_format",
+                  "run_id", "filter", "chunk_bytes", "tensors"}
+    extra = {k: v for k, v in metadata.items() if k not in known_keys}
+    extra["_keys"] = tuple(metadata)
+    index = VersionIndex(
+        version=_version_number(metadata, "version", where),
+        base_version=_version_number(metadata, "base_version", where),
+        run_id=str(metadata.get("run_id") or ""),
+        delta_encoding=_choice(metadata, "delta_encoding", ENCODINGS, where),
+        compression_format=_choice(metadata, "compression_format", COMPRESSIONS, where),
+        checksum_format=_choice(metadata, "checksum_format", CHECKSUMS, where),
+        filter=_choice(metadata, "filter", FILTERS, where, default="none"),
+        chunk_bytes=chunk_bytes,
+        weight_map={str(n): check_payload_name(f, where) for n, f in obj["weight_map"].items()},
+        layouts=_layouts(metadata.get("tensors"), where),
+        extra=extra,
+    )
+    if index.chunk_bytes < 8:
+        raise FormatError(f"{where}: chunk_bytes {index.chunk_bytes} is too small")
+    return index
+
+
+def read_index(version_dir: Path) -> VersionIndex:
+    """Read and validate ``version_dir/model.safetensors.index.json``."""
+    path = version_dir / INDEX_NAME
+    try:
+        obj = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FormatError(f"{version_dir} has no {INDEX_NAME}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{path}: not valid JSON ({exc})") from None
+    index = parse_index(obj, str(version_dir))
+    if version_dir.name.startswith("weight_v") and version_dir.name[len("weight_v"):].isdigit():
+        if int(version_dir.name[len("weight_v"):]) != index.version:
+            raise FormatError(f"{version_dir}: index says version {index.version}")
+    return index

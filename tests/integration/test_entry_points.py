@@ -1,0 +1,79 @@
+"""train.py / train_async.py driven as a user does: subprocesses, exit codes, stderr."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+FLAGS = [
+    "--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus", "--rollout-num-gpus-per-engine",
+    "--colocate", "--rollout-external", "--rollout-external-engine-addrs", "--rollout-service-url",
+    "--update-weight-transfer-mode", "--update-weight-disk-dir", "--update-weight-local-checkpoint-dir",
+    "--update-weight-delta-encoding", "--update-weight-delta-checksum", "--custom-update-weight-post-write-path",
+    "--sglang-custom-pull-weights-pre-read-hook", "--max-weight-staleness", "--pause-generation-mode",
+    "--hf-checkpoint", "--update-weights-interval", "--num-rollout", "--rollout-batch-size",
+    "--n-samples-per-prompt", "--global-batch-size", "--config", "--print-config",
+]
+
+
+def run(script: str, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / script), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_help_lists_every_flag() -> None:
+    result = run("train_async.py", "--help")
+    assert result.returncode == 0, result.stderr
+    for flag_name in FLAGS:
+        assert flag_name in result.stdout, flag_name
+
+
+DD = ["--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", "/tmp/u",
+      "--update-weight-local-checkpoint-dir", "/tmp/l"]
+
+
+@pytest.mark.parametrize("script, args, named", [
+    ("train.py", DD + ["--hf-checkpoint", "{tmp}", "--colocate"], ["--colocate", "--update-weight-transfer-mode"]),
+    ("train_async.py", DD + ["--hf-checkpoint", "{tmp}", "--lora-rank", "4"], ["--lora-rank"]),
+    ("train_async.py", DD + ["--hf-checkpoint", "{tmp}", "--prefill-num-servers", "2"], ["--prefill-num-servers"]),
+    ("train_async.py", DD[:4] + ["--hf-checkpoint", "{tmp}"], ["--update-weight-local-checkpoint-dir"]),
+    ("train_async.py", DD[:2] + DD[4:] + ["--hf-checkpoint", "{tmp}"], ["--update-weight-disk-dir"]),
+    ("train_async.py", DD + ["--hf-checkpoint", "Qwen/Qwen3-4B"], ["--hf-checkpoint"]),
+    ("train_async.py", ["--rollout-external"], ["--rollout-external-engine-addrs"]),
+    ("train_async.py", ["--rollout-external", "--rollout-external-engine-addrs", "nohost"], ["--rollout-external-engine-addrs"]),
+    ("train_async.py", ["--colocate"], ["--colocate"]),
+    ("train_async.py", ["--update-weight-delta-encoding", "rle"], ["--update-weight-delta-encoding"]),
+    ("train_async.py", ["--pause-generation-mode", "sleep"], ["--pause-generation-mode"]),
+])
+def test_rejections_exit_2_naming_the_flags(tmp_path: Path, script: str, args: list[str], named: list[str]) -> None:
+    result = run(script, *[a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
+    for flag_name in named:
+        assert flag_name in result.stderr, (flag_name, result.stderr)
+
+
+def test_print_config_merges_yaml_and_command_line_wins() -> None:
+    result = run("train_async.py", "--config", "configs/tiny_cpu.yaml", "--print-config")
+    assert result.returncode == 0, result.stderr
+    assert "rollout_batch_size: 8" in result.stdout
+    assert "update_weight_transfer_mode: disk-delta" in result.stdout
+    override = run("train_async.py", "--config", "configs/tiny_cpu.yaml", "--print-config",
+                   "--rollout-batch-size", "16", "--update-weight-delta-encoding", "overwrite")
+    assert override.returncode == 0, override.stderr
+    assert "rollout_batch_size: 16" in override.stdout
+    assert "update_weight_delta_encoding: overwrite" in override.stdout
+    assert "rollout_batch_size: 8" not in override.stdout
+
+
+def test_cli_help_is_fast_and_lists_subcommands() -> None:
+    result = subprocess.run([sys.executable, "-m", "miles_disagg.cli", "--help"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0
+    for name in ("weights", "engine", "bench"):
+        assert name in result.stdout

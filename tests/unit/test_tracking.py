@@ -1,0 +1,46 @@
+"""Tracking: JSONL per step, crash-tolerant reading, clear errors for missing backends."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from miles_disagg.tracking import MetricsTracker, read_metrics
+from miles_disagg.types import ConfigError
+
+
+def test_one_json_object_per_step(tmp_path: Path) -> None:
+    with MetricsTracker(tmp_path / "run") as tracker:
+        tracker.log(1, {"perf/update_weights_density": 0.25, "rollout/staleness_max": 2})
+        tracker.log(2, {"loss": math.nan, "reward": float("inf"), "note": "ok"})
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    first, second = (json.loads(line) for line in lines)
+    assert first["step"] == 1 and first["perf/update_weights_density"] == 0.25
+    assert isinstance(first["wall_time"], float)
+    assert second["loss"] is None and second["reward"] == "inf" and second["note"] == "ok"
+
+
+def test_reading_skips_a_torn_last_line(tmp_path: Path) -> None:
+    with MetricsTracker(tmp_path) as tracker:
+        tracker.log(1, {"x": 1.0})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "x"')  # a crash mid-write
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+
+
+def test_appends_across_restarts(tmp_path: Path) -> None:
+    for step in (1, 2):
+        with MetricsTracker(tmp_path) as tracker:
+            tracker.log(step, {"x": step})
+    assert [r["x"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+def test_wandb_asked_for_but_missing_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--use-wandb"):
+        MetricsTracker(tmp_path, use_wandb=True)

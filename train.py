@@ -1,0 +1,13 @@
+"""Synchronous RL training: rollout, train, update weights, repeat (supports --colocate).
+
+    python train.py --config configs/tiny_cpu.yaml [--flag value ...]
+
+The logic lives in ``miles_disagg``; this file only hands over the command line.
+"""
+
+import sys
+
+from miles_disagg.launcher import main
+
+if __name__ == "__main__":
+    sys.exit(main("train"))
