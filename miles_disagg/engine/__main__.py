@@ -1,18 +1,8 @@
-"""``python -m miles_disagg.engine ...``: run the built-in engine."""
+"""``python -m miles_disagg.engine ...``: the same as ``miles-disagg engine ...``."""
 
-from __future__ import annotations
-
-import argparse
 import sys
 
-from miles_disagg.engine import cli
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m miles_disagg.engine", description=cli.__doc__.splitlines()[0])
-    cli.add_arguments(parser)
-    return cli.run(parser.parse_args())
-
+from miles_disagg.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["engine", *sys.argv[1:]]))

@@ -19,7 +19,7 @@ from typing import Iterable
 
 import torch
 
-from miles_disagg.types import InvalidInput, LayoutMismatch
+from miles_disagg.types import FormatError, InvalidInput, LayoutMismatch
 
 # config.json keys that must agree for a checkpoint to be loadable into the live model
 _ARCH_KEYS = (
@@ -180,10 +180,15 @@ class ModelRunner:
             raise InvalidInput(f"no *.safetensors files in {str(model_dir)!r}")
         loaded: dict[str, torch.Tensor] = {}
         for file in files:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():
-                    if name in wanted:
-                        loaded[name] = self._converted(name, handle.get_tensor(name))
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    for name in handle.keys():
+                        if name in wanted:
+                            loaded[name] = self._converted(name, handle.get_tensor(name))
+            except (LayoutMismatch, InvalidInput):
+                raise
+            except Exception as exc:  # truncated or corrupt file: the caller's input, not our fault
+                raise FormatError(f"cannot read {str(file)!r}: {type(exc).__name__}: {exc}") from exc
         missing = wanted - set(loaded) - self._tied_names()
         if missing:
             raise LayoutMismatch(f"checkpoint {str(model_dir)!r} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
@@ -195,7 +200,9 @@ class ModelRunner:
             raise LayoutMismatch(f"tensor {name!r} is not a parameter of the live model")
         if tuple(tensor.shape) != tuple(live.shape):
             raise LayoutMismatch(f"tensor {name!r} has shape {tuple(tensor.shape)}, the live model {tuple(live.shape)}")
-        return tensor.to(device=self.device, dtype=live.dtype).contiguous()
+        # copy=True: the result must own its memory; safetensors may hand out views of an mmap of
+        # a checkpoint file that the materializer later rewrites.
+        return tensor.to(device=self.device, dtype=live.dtype, copy=True).contiguous()
 
     def _tied_names(self) -> set[str]:
         seen: dict[int, str] = {}

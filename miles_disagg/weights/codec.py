@@ -11,8 +11,14 @@ Wire format of one tensor's payload (a 1-D uint8 tensor in a payload file):
   and each plane is delta-encoded as above (positions counted within the plane) and
   compressed as its own zstd frame. Payload: ``[u32 num_frames][u32 frame sizes...]``
   then the frames, chunk-major. A size-0 frame means "no change in this plane".
+  An ``xor``/``full`` plane of ``m`` bytes decompresses either to exactly ``m`` bytes
+  (dense) or, when fewer than half its bytes are non-zero, to fewer: a sparse plane,
+  ``[bitmap of non-zero positions: ceil(m/8) bytes, MSB-first as numpy.packbits]
+  [the non-zero bytes in position order]``; the size tells the two apart.
   The high byte of a bf16 (sign + exponent) almost never changes, so its plane
-  compresses to nothing and the low plane compresses better on its own.
+  compresses to nothing; the low plane's changed bytes are scattered, which zstd's
+  match finder handles slowly and poorly, so coding them as bitmap + values is both
+  smaller and several times faster.
 
 Encoding and decoding fan out over a thread pool at chunk granularity (numpy, zstd and
 the hashers release the GIL). Each worker thread owns one compressor, one decompressor
@@ -31,7 +37,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from miles_disagg.types import ChecksumMismatch, FormatError
+from miles_disagg.types import ChecksumMismatch, FormatError, LayoutMismatch
 from miles_disagg.weights.checksums import checksum
 
 ENCODINGS = ("xor", "overwrite", "full")
@@ -76,9 +82,15 @@ class _Scratch(threading.local):
     def __init__(self) -> None:
         import zstandard
 
-        self.compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        # byte-plane frames carry zstd's own frame checksum (corruption is reported at the
+        # frame); plain frames are written exactly as other producers write them
+        self.checked = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
+        self.plain = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         self.decompressor = zstandard.ZstdDecompressor()
         self.buffers: dict[str, np.ndarray] = {}
+
+    def compress(self, spec: "CodecSpec", data: np.ndarray | bytes) -> bytes:
+        return (self.checked if spec.filter == "byteplane" else self.plain).compress(data)
 
     def get(self, key: str, nbytes: int) -> np.ndarray:
         buf = self.buffers.get(key)
@@ -114,10 +126,47 @@ def _planes(data: np.ndarray, num_planes: int, key: str, s: _Scratch) -> list[np
 
 
 def _overwrite_payload(old: np.ndarray, new: np.ndarray) -> tuple[bytes, int]:
+    if new.size > 0xFFFFFFFF:
+        raise LayoutMismatch(f"overwrite positions are u32: a plane of {new.size} bytes is too large (use xor or byteplane)")
     positions = np.flatnonzero(old != new).astype("<u4")
     if positions.size == 0:
         return b"", 0
     return _U32.pack(positions.size) + positions.tobytes() + new[positions].tobytes(), int(positions.size)
+
+
+def _compress_plane(spec: CodecSpec, plane: np.ndarray, s: _Scratch, *, allow_empty: bool) -> bytes:
+    """One plane as a zstd frame: dense, or (byteplane filter only) sparse bitmap + values."""
+    nonzero = int(np.count_nonzero(plane))
+    if nonzero == 0 and allow_empty:
+        return b""
+    m = plane.size
+    bitmap_bytes = (m + 7) // 8
+    if spec.filter == "none" or nonzero > m // 2 or bitmap_bytes + nonzero >= m:
+        return s.compress(spec, plane)
+    mask = s.get("mask", m).view(np.bool_)
+    np.not_equal(plane, 0, out=mask)
+    sparse = s.get("sparse", bitmap_bytes + nonzero)
+    sparse[:bitmap_bytes] = np.packbits(mask)
+    np.compress(mask, plane, out=sparse[bitmap_bytes:])
+    return s.compress(spec, sparse)
+
+
+def _expand_plane(raw: np.ndarray, m: int, key: str, s: _Scratch, name: str) -> np.ndarray:
+    """Inverse of the sparse form of :func:`_compress_plane`; a dense plane passes through."""
+    if raw.nbytes == m:
+        return raw
+    bitmap_bytes = (m + 7) // 8
+    if raw.nbytes > m:
+        raise LayoutMismatch(f"tensor {name!r}: a delta plane has {raw.nbytes} bytes, the local plane has {m}")
+    if raw.nbytes < bitmap_bytes:
+        raise FormatError(f"tensor {name!r}: sparse delta plane shorter than its bitmap")
+    positions = np.flatnonzero(np.unpackbits(raw[:bitmap_bytes], count=m).view(np.bool_))
+    if positions.size != raw.nbytes - bitmap_bytes:
+        raise FormatError(f"tensor {name!r}: sparse delta plane has {raw.nbytes - bitmap_bytes} values for {positions.size} positions")
+    plane = s.get(key, m)
+    plane.fill(0)
+    plane[positions] = raw[bitmap_bytes:]
+    return plane
 
 
 def encode_chunk(spec: CodecSpec, old: np.ndarray, new: np.ndarray, itemsize: int) -> tuple[list[bytes], int]:
@@ -134,9 +183,9 @@ def encode_chunk(spec: CodecSpec, old: np.ndarray, new: np.ndarray, itemsize: in
         if changed == 0:
             return [b""] * num_planes, 0
         planes = _planes(diff, num_planes, "x", s)
-        return [s.compressor.compress(p) if p.any() else b"" for p in planes], changed
+        return [_compress_plane(spec, p, s, allow_empty=True) for p in planes], changed
     if spec.encoding == "full":
-        return [s.compressor.compress(p) for p in _planes(new, num_planes, "n", s)], changed
+        return [_compress_plane(spec, p, s, allow_empty=False) for p in _planes(new, num_planes, "n", s)], changed
     if changed == 0:
         return [b""] * num_planes, 0
     old_planes = _planes(old, num_planes, "o", s)
@@ -144,17 +193,26 @@ def encode_chunk(spec: CodecSpec, old: np.ndarray, new: np.ndarray, itemsize: in
     frames = []
     for old_p, new_p in zip(old_planes, new_planes):
         raw, _ = _overwrite_payload(old_p, new_p)
-        frames.append(s.compressor.compress(raw) if raw else b"")
+        frames.append(s.compress(spec, raw) if raw else b"")
     return frames, changed
 
 
 def _decompress(frame: memoryview, max_bytes: int, s: _Scratch, name: str) -> np.ndarray:
+    """Decompress one frame, refusing (before allocating) more than ``max_bytes`` of output."""
     import zstandard
 
     try:
-        raw = s.decompressor.decompress(frame, max_output_size=max_bytes)
+        size = zstandard.frame_content_size(frame)
+        if size > max_bytes:
+            raise LayoutMismatch(f"tensor {name!r}: a delta frame holds {size} bytes, more than the local tensor allows ({max_bytes})")
+        if size >= 0:
+            raw = s.decompressor.decompress(frame)
+        else:  # producers that stream do not record the size
+            raw = s.decompressor.decompressobj().decompress(frame)
     except zstandard.ZstdError as exc:
         raise FormatError(f"tensor {name!r}: corrupt zstd frame ({exc})") from None
+    if len(raw) > max_bytes:
+        raise LayoutMismatch(f"tensor {name!r}: a delta frame holds {len(raw)} bytes, more than the local tensor allows ({max_bytes})")
     return np.frombuffer(raw, dtype=np.uint8)
 
 
@@ -176,12 +234,14 @@ def decode_chunk(spec: CodecSpec, target: np.ndarray, frames: list[memoryview], 
     num_planes = spec.num_planes(itemsize)
     m = target.nbytes // num_planes
     lanes = target.reshape(m, num_planes)  # column i = plane i (a strided view)
-    max_bytes = 4 + 5 * m if spec.encoding == "overwrite" else m
+    max_bytes = 4 + 5 * m if spec.encoding == "overwrite" else m + 1  # +1: report oversized deltas
     raws: list[np.ndarray | None] = []
-    for frame in frames:
+    for i, frame in enumerate(frames):
         raw = _decompress(frame, max_bytes, s, name) if len(frame) else None
-        if raw is not None and spec.encoding != "overwrite" and raw.nbytes != m:
-            raise FormatError(f"tensor {name!r}: delta plane has {raw.nbytes} bytes, expected {m}")
+        if raw is not None and spec.encoding != "overwrite":
+            if spec.filter == "none" and raw.nbytes != m:
+                raise LayoutMismatch(f"tensor {name!r}: the delta covers {raw.nbytes} bytes, the local tensor has {m}")
+            raw = _expand_plane(raw, m, f"plane{i}", s, name)
         raws.append(raw)
     if spec.encoding == "overwrite":
         for i, raw in enumerate(raws):
@@ -213,6 +273,29 @@ def decode_chunk(spec: CodecSpec, target: np.ndarray, frames: list[memoryview], 
         np.copyto(out, words)
     else:
         np.bitwise_xor(out, words, out=out)
+
+
+def check_frames(spec: CodecSpec, payload: memoryview, nbytes: int | None, itemsize: int, name: str) -> None:
+    """Decompress every frame of one payload and check its size, without a target.
+
+    ``nbytes=None`` (a foreign plain payload without layout metadata) only checks that
+    the single frame decompresses.
+    """
+    s = _local()
+    if nbytes is None:
+        _decompress(payload, 1 << 40, s, name)
+        return
+    planes = spec.num_planes(itemsize)
+    for (a, b), frames in zip(spec.chunks(nbytes, itemsize), split_frames(spec, payload, nbytes, itemsize, name)):
+        m = (b - a) // planes
+        for i, frame in enumerate(frames):
+            if not len(frame):
+                continue
+            raw = _decompress(frame, 4 + 5 * m if spec.encoding == "overwrite" else m + 1, s, name)
+            if spec.encoding != "overwrite":
+                if spec.filter == "none" and raw.nbytes != m:
+                    raise LayoutMismatch(f"tensor {name!r}: the delta covers {raw.nbytes} bytes, the tensor has {m}")
+                _expand_plane(raw, m, f"plane{i}", s, name)
 
 
 # ------------------------------------------------------------------ payload framing

@@ -52,7 +52,8 @@ class VersionIndex:
     chunk_bytes: int
     weight_map: dict[str, str]
     layouts: dict[str, TensorLayout] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # other metadata keys, kept as read
+    foreign: bool = False  # written by another producer (no ``run_id`` addition)
 
     @property
     def ref(self) -> VersionRef:
@@ -65,11 +66,6 @@ class VersionIndex:
     @property
     def codec(self) -> CodecSpec:
         return CodecSpec(self.delta_encoding, self.filter, self.chunk_bytes)
-
-    @property
-    def is_foreign(self) -> bool:
-        """Written by another producer (no ``run_id`` addition)."""
-        return "run_id" not in self.extra.get("_keys", ())
 
     def files(self) -> list[str]:
         return sorted(set(self.weight_map.values()))
@@ -86,7 +82,7 @@ class VersionIndex:
             "chunk_bytes": str(self.chunk_bytes),
             "tensors": {n: {"dtype": l.dtype, "shape": list(l.shape), "nbytes": l.nbytes} for n, l in self.layouts.items()},
         }
-        metadata.update({k: v for k, v in self.extra.items() if not k.startswith("_")})
+        metadata.update(self.extra)
         return {"metadata": metadata, "weight_map": dict(self.weight_map)}
 
 
@@ -144,7 +140,6 @@ def parse_index(obj: Any, where: str) -> VersionIndex:
     known_keys = {"version", "base_version", "delta_encoding", "compression_format", "checksum_format",
                   "run_id", "filter", "chunk_bytes", "tensors"}
     extra = {k: v for k, v in metadata.items() if k not in known_keys}
-    extra["_keys"] = tuple(metadata)
     index = VersionIndex(
         version=_version_number(metadata, "version", where),
         base_version=_version_number(metadata, "base_version", where),
@@ -157,6 +152,7 @@ def parse_index(obj: Any, where: str) -> VersionIndex:
         weight_map={str(n): check_payload_name(f, where) for n, f in obj["weight_map"].items()},
         layouts=_layouts(metadata.get("tensors"), where),
         extra=extra,
+        foreign="run_id" not in metadata,
     )
     if index.chunk_bytes < 8:
         raise FormatError(f"{where}: chunk_bytes {index.chunk_bytes} is too small")

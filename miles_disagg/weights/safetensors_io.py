@@ -12,7 +12,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Mapping
 
 from miles_disagg.types import FormatError
 
@@ -154,7 +154,3 @@ def fsync_dir(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def iter_files(paths: Iterable[Path]) -> Iterable[Path]:
-    return (p for p in paths if p.is_file())

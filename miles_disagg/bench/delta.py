@@ -1,0 +1,263 @@
+"""``miles-disagg bench delta``: this project's disk-delta codec vs the reference codec.
+
+Model: synthetic bf16 tensors with LLM shapes (embedding, per-layer attention with GQA,
+gated MLP, norms, LM head), N(0, 0.02). Update: one AdamW step on an fp32 master copy
+(first-step Adam moves every weight by ``lr`` in the gradient's sign, plus weight decay
+0.1) re-rounded to bf16, so only a fraction of bf16 elements change.
+
+Codecs, both over ``--workers`` threads:
+
+* ours: the default codec (XOR, byte planes, 4 MiB chunks, zstd-1, xxh3-128), decoding
+  into place;
+* reference: XOR + zstd level 1 per whole tensor, no filter (the plain disk-delta format),
+  a thread pool over tensors.
+
+Prints one JSON object on stdout; progress goes to stderr. GB/s are model bytes per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+
+BENCH_CHECKSUM = "xxh3-128"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size-mb", type=float, default=512.0, help="model size in MiB (default 512)")
+    parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate of the simulated step")
+    parser.add_argument("--workers", type=int, default=2, help="worker threads for both codecs")
+    parser.add_argument("--repeat", type=int, default=5, help="interleaved timed rounds; the best of each is reported")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print the JSON object only (always JSON on stdout)")
+
+
+def _log(message: str) -> None:
+    print(f"[bench delta] {message}", file=sys.stderr, flush=True)
+
+
+def model_shapes(size_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
+    """LLM-like bf16 shapes (3 layers) whose total is close to ``size_bytes``."""
+    hidden = max(64, int(round(math.sqrt(size_bytes / 128.5) / 64)) * 64)
+    kv, inter, vocab = hidden // 4, int(hidden * 2.75) // 64 * 64, hidden * 16
+    shapes = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(3):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "input_layernorm.weight", (hidden,)),
+            (p + "self_attn.q_proj.weight", (hidden, hidden)),
+            (p + "self_attn.k_proj.weight", (kv, hidden)),
+            (p + "self_attn.v_proj.weight", (kv, hidden)),
+            (p + "self_attn.o_proj.weight", (hidden, hidden)),
+            (p + "post_attention_layernorm.weight", (hidden,)),
+            (p + "mlp.gate_proj.weight", (inter, hidden)),
+            (p + "mlp.up_proj.weight", (inter, hidden)),
+            (p + "mlp.down_proj.weight", (hidden, inter)),
+        ]
+    shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+    return shapes
+
+
+def make_model(size_mb: float, lr: float, seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(old, new) bf16 byte arrays per tensor: N(0, 0.02) and one AdamW step later."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    old, new = {}, {}
+    for name, shape in model_shapes(int(size_mb * 1024 * 1024)):
+        master = torch.randn(shape, generator=gen) * 0.02
+        if name.endswith("norm.weight"):
+            master += 1.0
+        sign = torch.randint(0, 2, shape, generator=gen, dtype=torch.int8).float().mul_(2).sub_(1)
+        old[name] = master.bfloat16().view(torch.uint8).reshape(-1).numpy()
+        master.sub_(lr * (sign + 0.1 * master))
+        new[name] = master.bfloat16().view(torch.uint8).reshape(-1).numpy()
+    return old, new
+
+
+def _best_s(fn: Callable[[], object], repeat: int, setup: Callable[[], None] | None = None) -> float:
+    best = float("inf")
+    for _ in range(max(1, repeat)):
+        if setup is not None:
+            setup()
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+# ------------------------------------------------------------------ the reference codec
+
+
+def _ref_encode_one(old: np.ndarray, new: np.ndarray) -> tuple[bytes | None, int, str]:
+    import zstandard
+
+    from miles_disagg.weights.checksums import checksum
+
+    diff = new ^ old
+    changed = int(np.count_nonzero(diff))
+    if not changed:
+        return None, 0, ""
+    return zstandard.ZstdCompressor(level=1).compress(diff), changed, checksum(BENCH_CHECKSUM, new)
+
+
+def _ref_decode_one(old: np.ndarray, payload: bytes, expected: str) -> np.ndarray:
+    import zstandard
+
+    from miles_disagg.weights.checksums import checksum
+
+    new = old ^ np.frombuffer(zstandard.ZstdDecompressor().decompress(payload), dtype=np.uint8)
+    if checksum(BENCH_CHECKSUM, new) != expected:
+        raise RuntimeError("reference codec round trip failed")
+    return new
+
+
+# ------------------------------------------------------------------ measurements
+
+
+def entropy_bound_bytes(old: dict[str, np.ndarray], new: dict[str, np.ndarray]) -> int:
+    """Order-0 entropy of the XOR low and high byte planes (bf16), in bytes."""
+    hist = np.zeros((2, 256), dtype=np.int64)
+    for name in old:
+        diff = (old[name] ^ new[name]).reshape(-1, 2)
+        for plane in range(2):
+            hist[plane] += np.bincount(diff[:, plane], minlength=256)
+    bits = 0.0
+    for counts in hist:
+        p = counts[counts > 0] / counts.sum()
+        bits += float(-(p * np.log2(p)).sum()) * counts.sum()
+    return int(math.ceil(bits / 8))
+
+
+def memcpy_gbps(pool: ThreadPoolExecutor, new: dict[str, np.ndarray], repeat: int) -> float:
+    dst = {n: np.empty_like(a) for n, a in new.items()}
+    total = sum(a.nbytes for a in new.values())
+    seconds = _best_s(lambda: list(pool.map(lambda n: np.copyto(dst[n], new[n]), new)), repeat)
+    return total / seconds / 1e9
+
+
+class _Codec:
+    """One codec's encode/decode phases, timed over interleaved rounds (best round wins)."""
+
+    def __init__(self, pool: ThreadPoolExecutor, old: dict[str, np.ndarray], new: dict[str, np.ndarray]):
+        self.pool, self.old, self.new = pool, old, new
+        self.total = sum(a.nbytes for a in new.values())
+        self.encode_s = self.decode_s = float("inf")
+        self.wire_bytes = 0
+
+    def timed_round(self) -> None:
+        self.encode_s = min(self.encode_s, _best_s(self.encode, 1))
+        self.decode_s = min(self.decode_s, _best_s(self.decode, 1, setup=self.reset))
+
+    def report(self) -> dict[str, float]:
+        return {"wire_bytes": self.wire_bytes, "encode_gbps": self.total / self.encode_s / 1e9,
+                "decode_gbps": self.total / self.decode_s / 1e9}
+
+    def encode(self) -> None: ...
+    def decode(self) -> None: ...
+    def reset(self) -> None: ...
+    def exact(self) -> bool: ...
+
+
+class Ours(_Codec):
+    """The default codec: XOR, byte planes (dense or sparse), 4 MiB chunks, zstd-1, xxh3-128."""
+
+    def __init__(self, *args):
+        from miles_disagg.weights.codec import CodecSpec
+
+        super().__init__(*args)
+        self.spec = CodecSpec("xor", "byteplane")
+        self.encoded: list = []
+        self.targets = {n: np.empty_like(a) for n, a in self.old.items()}
+
+    def encode(self) -> None:
+        from miles_disagg.weights.codec import encode_tensors
+
+        items = ((n, self.old[n], self.new[n], 2) for n in self.new)
+        self.encoded = [e for e in encode_tensors(self.pool, self.spec, BENCH_CHECKSUM, items) if e.payload is not None]
+        self.wire_bytes = sum(len(e.payload) for e in self.encoded)
+
+    def reset(self) -> None:
+        for name, array in self.old.items():
+            np.copyto(self.targets[name], array)
+
+    def decode(self) -> None:
+        from miles_disagg.weights.codec import decode_tensors
+
+        items = ((e.name, self.targets[e.name], memoryview(e.payload), 2, e.checksum) for e in self.encoded)
+        for _ in decode_tensors(self.pool, self.spec, BENCH_CHECKSUM, items):
+            pass
+
+    def exact(self) -> bool:
+        return all(np.array_equal(self.targets[n], self.new[n]) for n in self.new)
+
+
+class Reference(_Codec):
+    """XOR + zstd level 1 per whole tensor, no filter; a thread pool over tensors."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.encoded: dict[str, tuple[bytes | None, int, str]] = {}
+        self.results: dict[str, np.ndarray] = {}
+
+    def encode(self) -> None:
+        names = list(self.new)
+        self.encoded = dict(zip(names, self.pool.map(lambda n: _ref_encode_one(self.old[n], self.new[n]), names)))
+        self.wire_bytes = sum(len(p) for p, _, _ in self.encoded.values() if p is not None)
+
+    def reset(self) -> None:
+        self.results = {}
+
+    def decode(self) -> None:
+        changed = [n for n, (p, _, _) in self.encoded.items() if p is not None]
+        decoded = self.pool.map(lambda n: _ref_decode_one(self.old[n], self.encoded[n][0], self.encoded[n][2]), changed)
+        self.results = dict(zip(changed, decoded))
+
+    def exact(self) -> bool:
+        return all(np.array_equal(self.results.get(n, self.old[n]), self.new[n]) for n in self.new)
+
+
+def run(args: argparse.Namespace) -> int:
+    from miles_disagg.types import InvalidInput
+
+    if args.size_mb <= 0 or args.workers < 1 or args.lr < 0:
+        raise InvalidInput("--size-mb must be > 0, --workers >= 1 and --lr >= 0")
+    _log(f"building a {args.size_mb:g} MiB bf16 model and one AdamW step (lr {args.lr:g})")
+    old, new = make_model(args.size_mb, args.lr, args.seed)
+    total = sum(a.nbytes for a in new.values())
+    changed = sum(int(np.count_nonzero(old[n] != new[n])) for n in new)
+    with ThreadPoolExecutor(args.workers) as pool:
+        _log("memcpy")
+        memcpy = memcpy_gbps(pool, new, args.repeat)
+        ours, reference = Ours(pool, old, new), Reference(pool, old, new)
+        for round_index in range(max(1, args.repeat)):  # interleaved so machine noise hits both alike
+            _log(f"round {round_index + 1}/{args.repeat}: reference, then ours")
+            reference.timed_round()
+            ours.timed_round()
+        exact = ours.exact() and reference.exact()
+        ours_report, reference_report = ours.report(), reference.report()
+    _log("entropy bound")
+    result = {
+        "model_bytes": total,
+        "num_tensors": len(new),
+        "lr": args.lr,
+        "workers": args.workers,
+        "density": changed / total,
+        "entropy_bound_bytes": entropy_bound_bytes(old, new),
+        "memcpy_gbps": memcpy,
+        "ours": ours_report,
+        "reference": reference_report,
+        "wire_ratio": ours_report["wire_bytes"] / max(reference_report["wire_bytes"], 1),
+        "encode_speedup": ours_report["encode_gbps"] / reference_report["encode_gbps"],
+        "decode_speedup": ours_report["decode_gbps"] / reference_report["decode_gbps"],
+        "round_trip_exact": bool(exact),
+    }
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0 if result["round_trip_exact"] else 1

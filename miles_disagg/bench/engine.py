@@ -1,0 +1,189 @@
+"""``miles-disagg bench engine``: built-in engine throughput and activation pause.
+
+Makes a random ~100M-parameter Qwen3 (character vocabulary) in a temp dir, starts the
+built-in engine on it as a subprocess, and measures over HTTP:
+
+* tokens/s at concurrency 1 and 16 (``/generate``, ``ignore_eos``, fixed lengths),
+  against sequential ``transformers`` ``generate`` on the same model in this process;
+* the activation pause for a staged update (``/pull_weights`` then
+  ``/update_weights_from_disk`` naming the pulled version) against a disk reload of
+  the same checkpoint; both pauses are the engine's own measurement of the time its
+  scheduler stood still (``pause_ms`` in the response).
+
+Prints one JSON object on stdout; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+MODEL_SHAPE = dict(hidden_size=768, num_hidden_layers=12, intermediate_size=3072, num_attention_heads=12,
+                   num_key_value_heads=4, head_dim=64)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the result as JSON (always on; kept for scripts)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2, help="activations measured per kind")
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep the model and store here")
+
+
+def _progress(message: str) -> None:
+    print(f"[bench engine] {message}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        root = Path(args.work_dir or tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        result = _bench(root, args)
+    print(json.dumps(result))
+    return 0
+
+
+def _bench(root: Path, args: argparse.Namespace) -> dict:
+    from miles_disagg.models.tiny_qwen3 import make_tiny_qwen3
+
+    _progress("writing a random ~100M-parameter Qwen3")
+    model_dir = make_tiny_qwen3(root / "model", **MODEL_SHAPE)
+    prompts = [[(7 * i + j) % 90 + 3 for j in range(args.prompt_tokens)] for i in range(args.concurrency)]
+    num_params, sequential = _sequential_generate(model_dir, prompts, args.max_new_tokens)
+    engine = _Engine(model_dir, root)
+    try:
+        c1 = _engine_throughput(engine, prompts[:4], args.max_new_tokens, concurrency=1)
+        c16 = _engine_throughput(engine, prompts, args.max_new_tokens, concurrency=args.concurrency)
+        staged, disk, prepare = _activation_pauses(engine, model_dir, root, args.rounds)
+    finally:
+        engine.stop()
+    return {
+        "model_params": num_params,
+        "max_new_tokens": args.max_new_tokens,
+        "concurrency": args.concurrency,
+        "tokens_per_s_c1": round(c1, 2),
+        "tokens_per_s_c16": round(c16, 2),
+        "tokens_per_s_sequential": round(sequential, 2),
+        "throughput_ratio": round(c16 / sequential, 3),
+        "staged_pause_ms": round(statistics.median(staged), 3),
+        "disk_reload_ms": round(statistics.median(disk), 3),
+        "pause_ratio": round(statistics.median(disk) / max(statistics.median(staged), 1e-6), 1),
+        "staged_prepare_ms": round(statistics.median(prepare), 1),
+        "staged_pause_ms_all": staged,
+        "disk_reload_ms_all": disk,
+    }
+
+
+def _sequential_generate(model_dir: Path, prompts: list[list[int]], max_new: int) -> tuple[int, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    kwargs = dict(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(torch.tensor([prompts[0]]), **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        _progress(f"sequential transformers generate: {len(prompts)} x {max_new} tokens")
+        start = time.perf_counter()
+        for prompt in prompts:
+            model.generate(torch.tensor([prompt]), **kwargs)
+        elapsed = time.perf_counter() - start
+    del model
+    return num_params, len(prompts) * max_new / elapsed
+
+
+class _Engine:
+    """A launched engine and an HTTP client for it."""
+
+    def __init__(self, model_dir: Path, root: Path):
+        import httpx
+
+        from miles_disagg.engine.launch import launch_engine
+
+        _progress("starting the built-in engine")
+        self.launched = launch_engine(model_dir, log_path=root / "engine.log",
+                                      extra_args=("--max-running-requests", "64"))
+        self.client = httpx.Client(base_url=self.launched.url, timeout=600.0)
+
+    def post(self, path: str, body: dict):
+        return self.client.post(path, json=body)
+
+    def generate(self, body: dict) -> dict:
+        return _ok(self.post("/generate", body))
+
+    def stop(self) -> None:
+        self.client.close()
+        self.launched.stop()
+
+
+def _engine_throughput(engine, prompts: list[list[int]], max_new: int, concurrency: int) -> float:
+    params = {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}
+    engine.generate({"input_ids": prompts[0], "sampling_params": {**params, "max_new_tokens": 4}})
+    _progress(f"engine: {len(prompts)} x {max_new} tokens at concurrency {concurrency}")
+
+    def one(prompt: list[int]) -> int:
+        return engine.generate({"input_ids": prompt, "sampling_params": params})["meta_info"]["completion_tokens"]
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        tokens = sum(pool.map(one, prompts))
+    return tokens / (time.perf_counter() - start)
+
+
+def _activation_pauses(engine, model_dir: Path, root: Path, rounds: int):
+    import torch
+
+    from miles_disagg.weights.publisher import DeltaPublisher
+
+    store, local = root / "store", root / "local" / "ckpt"
+    local.parent.mkdir(parents=True, exist_ok=True)
+    publisher = DeltaPublisher(store, base_dir=model_dir)
+    publisher.capture_baseline()
+    tensors = _load(model_dir)
+    staged, disk, prepare = [], [], []
+    try:
+        for round_index in range(rounds):
+            generator = torch.Generator().manual_seed(round_index)
+            for name, t in tensors.items():  # every tensor changes: the staged swap covers the whole model
+                tensors[name] = t + 1e-3 * torch.randn(t.shape, generator=generator)
+            _progress(f"publishing version {round_index + 1} (all tensors changed)")
+            version = publisher.publish(tensors.items()).ref.version
+            start = time.perf_counter()
+            pulled = _ok(engine.post("/pull_weights", {"target_version": version, "source_dir": str(store),
+                                                        "local_checkpoint_dir": str(local)}))
+            prepare.append((time.perf_counter() - start) * 1e3)
+            _progress(f"pulled v{version}: {pulled['num_tensors_staged']} tensors staged")
+            activated = _ok(engine.post("/update_weights_from_disk",
+                                        {"model_path": str(local), "weight_version": str(version)}))
+            assert activated["activation"] == "staged", activated
+            staged.append(activated["pause_ms"])
+            reloaded = _ok(engine.post("/update_weights_from_disk",
+                                       {"model_path": str(local), "weight_version": str(version)}))
+            assert reloaded["activation"] == "disk", reloaded
+            disk.append(reloaded["pause_ms"])
+            _progress(f"staged pause {staged[-1]:.2f} ms, disk reload {disk[-1]:.1f} ms")
+    finally:
+        publisher.close()
+    return staged, disk, prepare
+
+
+def _ok(response) -> dict:
+    if response.status_code != 200:
+        raise RuntimeError(f"{response.request.url}: {response.status_code} {response.text}")
+    return response.json()
+
+
+def _load(model_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors

@@ -1,0 +1,331 @@
+"""Continuous batching on one background thread, with SGLang's pause modes.
+
+Loop, one iteration per step::
+
+    run queued commands (pause, continue, activation, abort) -> admit waiting requests
+    (one batched prefill) -> one batched decode step -> finished requests leave
+
+Requests join and leave only between steps, and every mutation of the running set,
+the KV cache or the weights happens on this thread, so a step never sees a half-swapped
+policy. Commands from other threads (:meth:`Scheduler.call`) run between steps, also
+while paused; a command that raises fails only its own future.
+
+Pause modes (``/pause_generation``), all of which hold new requests in the queue until
+``/continue_generation``:
+
+* ``abort``    - in-flight and queued requests finish now with ``finish_reason.type == "abort"``
+  and the tokens generated so far.
+* ``retract``  - in-flight requests drop their KV and go back to the head of the queue;
+  after continue they are re-prefilled over prompt + tokens generated so far (with
+  whatever weights are live then) and carry on.
+* ``in_place`` - stepping stops; the KV cache is kept and decoding resumes on continue.
+
+Versions: a request records the live weight version at its first forward pass
+(``weight_version_start``) and at every sampled token (``weight_version_end``); they
+differ exactly when an activation happened while it was in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from miles_disagg.engine.model_runner import KVBatch, ModelRunner
+from miles_disagg.engine.protocol import FinishReason, GenerateItem
+from miles_disagg.engine.sampling import make_generator, sample_token
+
+log = logging.getLogger(__name__)
+
+
+class Sink(Protocol):
+    """Where a sequence's progress goes (the HTTP layer bridges it to the event loop)."""
+
+    def on_token(self, seq: "Sequence") -> None: ...
+
+    def on_finish(self, seq: "Sequence") -> None: ...
+
+
+@dataclass
+class Sequence:
+    """One request in flight: its tokens, sampling state, versions and result sink."""
+
+    item: GenerateItem
+    prompt_ids: list[int]
+    generator: torch.Generator
+    sink: Sink
+    stop_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    version_start: str | None = None
+    version_end: str | None = None
+    finish: FinishReason | None = None
+    num_retractions: int = 0
+    created_s: float = field(default_factory=time.monotonic)
+
+    @property
+    def rid(self) -> str:
+        return self.item.rid
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+class StopTextChecker(Protocol):
+    def __call__(self, seq: Sequence) -> str | None: ...
+
+
+class Scheduler:
+    """Owns the running batch; see the module docstring for the loop and pause contract."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        version: str,
+        max_running: int,
+        seed: int,
+        stop_text: StopTextChecker,
+    ):
+        self.runner = runner
+        self.version = version
+        self.max_running = max_running
+        self._stop_text = stop_text
+        self._seed_rng = make_generator(seed)
+        self._cond = threading.Condition()
+        self._inbox: collections.deque[Sequence] = collections.deque()
+        self._commands: collections.deque[tuple[Callable, concurrent.futures.Future]] = collections.deque()
+        self._stopping = False
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.kv: KVBatch | None = None
+        self.paused_mode: str | None = None
+        self.num_steps = 0
+        self.num_aborted = 0
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+
+    # ------------------------------------------------------------------ other threads
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    def new_generator(self, seed: int | None) -> torch.Generator:
+        if seed is None:
+            with self._cond:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        return make_generator(seed)
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue a sequence; it joins the batch at the next step boundary (unless paused)."""
+        with self._cond:
+            self._inbox.append(seq)
+            self._cond.notify_all()
+
+    def call(self, fn: Callable[["Scheduler"], Any]) -> concurrent.futures.Future:
+        """Run ``fn(self)`` on the scheduler thread between two steps (also while paused)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping:
+                future.set_exception(RuntimeError("engine is shutting down"))
+                return future
+            self._commands.append((fn, future))
+            self._cond.notify_all()
+        return future
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued requests, including those submitted since the last step boundary."""
+        return len(self.waiting) + len(self._inbox)
+
+    # ------------------------------------------------------------------ commands (scheduler thread)
+
+    def pause(self, mode: str) -> int:
+        """Enter pause ``mode``; return how many requests were in flight."""
+        self._drain_inbox()
+        count = len(self.running) + len(self.waiting)
+        if mode == "abort":
+            self.abort_all("aborted by pause_generation(mode=abort)")
+        elif mode == "retract":
+            self._retract_all()
+        self.paused_mode = mode
+        return count
+
+    def resume(self) -> None:
+        self.paused_mode = None
+
+    def abort_all(self, message: str) -> int:
+        self._drain_inbox()
+        victims = list(self.running) + list(self.waiting)
+        self.running, self.kv = [], None
+        self.waiting.clear()
+        for seq in victims:
+            self._finish(seq, FinishReason("abort", {"message": message}))
+        return len(victims)
+
+    def abort(self, rid: str, message: str) -> bool:
+        self._drain_inbox()
+        for seq in list(self.waiting):
+            if seq.rid == rid:
+                self.waiting.remove(seq)
+                self._finish(seq, FinishReason("abort", {"message": message}))
+                return True
+        for row, seq in enumerate(self.running):
+            if seq.rid == rid:
+                keep = [i for i in range(len(self.running)) if i != row]
+                self._keep_rows(keep)
+                self._finish(seq, FinishReason("abort", {"message": message}))
+                return True
+        return False
+
+    def can_flush(self) -> bool:
+        """SGLang refuses to flush while requests hold KV in place."""
+        return not (self.paused_mode == "in_place" and self.running)
+
+    def _retract_all(self) -> None:
+        for seq in reversed(self.running):
+            seq.num_retractions += 1
+            self.waiting.appendleft(seq)
+        self.running, self.kv = [], None
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._commands and not self._has_work():
+                    self._cond.wait(timeout=1.0)
+                if self._stopping:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, future in commands:
+                self._run_command(fn, future)
+            if self.paused_mode is None:
+                self._guarded_step()
+        self._fail_commands()
+
+    def _has_work(self) -> bool:
+        return self.paused_mode is None and bool(self._inbox or self.waiting or self.running)
+
+    def _run_command(self, fn: Callable, future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(self))
+        except BaseException as exc:  # the caller decides; the loop keeps serving
+            future.set_exception(exc)
+
+    def _fail_commands(self) -> None:
+        with self._cond:
+            for _, future in self._commands:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(RuntimeError("engine is shutting down"))
+            self._commands.clear()
+
+    def _guarded_step(self) -> None:
+        try:
+            self._drain_inbox()
+            self._admit()
+            self._decode()
+            self.num_steps += 1
+        except Exception as exc:  # a real internal fault: fail the batch, keep the server up
+            log.error("engine step failed:\n%s", traceback.format_exc())
+            self.abort_all(f"internal engine error: {type(exc).__name__}: {exc}")
+
+    def _drain_inbox(self) -> None:
+        with self._cond:
+            while self._inbox:
+                self.waiting.append(self._inbox.popleft())
+
+    def _admit(self) -> None:
+        room = self.max_running - len(self.running)
+        if room <= 0 or not self.waiting:
+            return
+        joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+        for seq in joining:
+            if seq.version_start is None:
+                seq.version_start = self.version
+        try:
+            logits, kv = self.runner.prefill([seq.all_ids for seq in joining])
+        except Exception as exc:  # they are in neither queue now: answer them before re-raising
+            for seq in joining:
+                self._finish(seq, FinishReason("abort", {"message": f"internal engine error: {exc}"}))
+            raise
+        self.running.extend(joining)
+        self.kv = self.runner.merge(self.kv, kv)
+        self._sample_rows(logits, first_row=len(self.running) - len(joining))
+
+    def _decode(self) -> None:
+        if not self.running:
+            return
+        logits = self.runner.decode(self.kv, [seq.output_ids[-1] for seq in self.running])
+        self._sample_rows(logits, first_row=0)
+
+    def _sample_rows(self, logits: torch.Tensor, first_row: int) -> None:
+        """Sample for rows ``first_row..`` of the running batch; finished rows leave."""
+        logits = logits.cpu()
+        finished: list[int] = []
+        for offset in range(logits.shape[0]):
+            row = first_row + offset
+            seq = self.running[row]
+            token, logprob = sample_token(logits[offset], seq.item.sampling, seq.generator)
+            seq.output_ids.append(token)
+            seq.output_logprobs.append(logprob)
+            seq.version_end = self.version
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                seq.finish = reason
+                finished.append(row)
+            else:
+                seq.sink.on_token(seq)
+        if finished:
+            done = [self.running[row] for row in finished]
+            self._keep_rows([i for i in range(len(self.running)) if i not in set(finished)])
+            for seq in done:
+                self._finish(seq, seq.finish)
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        self.kv = self.runner.select(self.kv, keep) if self.kv is not None else None
+        self.running = [self.running[i] for i in keep]
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.item.sampling
+        if token in seq.stop_ids and not params.ignore_eos:
+            return FinishReason("stop", {"matched": token})
+        if token in params.stop_token_ids:
+            return FinishReason("stop", {"matched": token})
+        if params.stop:
+            matched = self._stop_text(seq)
+            if matched is not None:
+                return FinishReason("stop", {"matched": matched})
+        if len(seq.output_ids) >= params.max_new_tokens:
+            return FinishReason("length", {"length": params.max_new_tokens})
+        if len(seq.all_ids) >= self.runner.max_context:
+            return FinishReason("length", {"length": len(seq.output_ids)})
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish = reason
+        self.num_aborted += reason.type == "abort"
+        if seq.version_start is None:
+            seq.version_start = self.version
+        if seq.version_end is None:
+            seq.version_end = seq.version_start
+        try:
+            seq.sink.on_finish(seq)
+        except Exception:  # a broken sink must not take the loop down
+            log.error("result sink failed:\n%s", traceback.format_exc())

@@ -1,0 +1,259 @@
+"""FastAPI app: SGLang's HTTP API over an :class:`~miles_disagg.engine.runtime.Engine`.
+
+Errors are JSON ``{"error": {"message", "type", "retryable"}}`` (plus SGLang's
+``success``/``message`` on the weight endpoints) with status 400 for bad input and
+refused updates (``InvalidInput``, ``FormatError``, ``LineageError``, ``ChecksumMismatch``,
+``LayoutMismatch``), 409 for ``Retryable`` (e.g. ``VersionNotReady``), 503 for
+``ReplaceReplica`` and 500 only for real internal faults. Blocking engine calls run in
+worker threads, so the event loop always answers, and a weight pull never blocks
+generation. A client that disconnects mid-request has its request aborted (its slot
+is freed at the next step boundary).
+"""
+
+# no "from __future__ import annotations": FastAPI must see the real Request class
+
+import asyncio
+import json
+import logging
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable, Callable
+
+from miles_disagg.engine import protocol
+from miles_disagg.engine.runtime import Engine
+from miles_disagg.engine.scheduler import Sequence
+from miles_disagg.types import FailRun, InvalidInput, MilesDisaggError, ReplaceReplica, Retryable
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.25
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+def status_for(exc: BaseException) -> int:
+    if isinstance(exc, (InvalidInput, FailRun)):
+        return 400
+    if isinstance(exc, Retryable):
+        return 409
+    if isinstance(exc, ReplaceReplica):
+        return 503
+    return 500
+
+
+def error_response(exc: BaseException, *, weight_endpoint: bool = False):
+    from fastapi.responses import JSONResponse
+
+    status = status_for(exc)
+    message = str(exc) if isinstance(exc, MilesDisaggError) else f"{type(exc).__name__}: {exc}"
+    if status == 500:
+        log.error("internal error:\n%s", traceback.format_exc())
+    body: dict[str, Any] = {"error": {"message": message, "type": type(exc).__name__, "code": status,
+                                      "retryable": isinstance(exc, Retryable)}}
+    if weight_endpoint:
+        body = {"success": False, "message": message, **body}
+    return JSONResponse(body, status_code=status)
+
+
+class _HttpSink:
+    """Bridges one sequence from the scheduler thread to the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, engine: Engine, stream: bool):
+        self.loop, self.engine, self.stream = loop, engine, stream
+        self.done: asyncio.Future = loop.create_future()
+        self.chunks: asyncio.Queue | None = asyncio.Queue() if stream else None
+
+    def on_token(self, seq: Sequence) -> None:
+        if self.chunks is not None:
+            chunk = self.engine.result_json(seq)
+            self.loop.call_soon_threadsafe(self.chunks.put_nowait, chunk)
+
+    def on_finish(self, seq: Sequence) -> None:
+        result = self.engine.result_json(seq)
+        self.loop.call_soon_threadsafe(self._resolve, result)
+
+    def _resolve(self, result: dict) -> None:
+        if not self.done.done():
+            self.done.set_result(result)
+        if self.chunks is not None:
+            self.chunks.put_nowait(None)
+
+
+def create_app(engine: Engine):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+    app = FastAPI(title="miles-disagg built-in engine")
+
+    async def body_of(request: Request) -> dict:
+        return protocol.parse_json(await request.body())
+
+    # Own pool: long blocking calls (a pull, a group rendezvous) must not starve short ones.
+    executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="engine-http")
+
+    async def blocking(fn: Callable, *args) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+    def weight_endpoint(handler: Callable[[dict], Awaitable[dict]]):
+        async def wrapped(request: Request):
+            try:
+                return JSONResponse(await handler(await body_of(request)))
+            except Exception as exc:
+                return error_response(exc, weight_endpoint=True)
+        return wrapped
+
+    # ------------------------------------------------------------------ generation
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        try:
+            req = protocol.parse_generate(await body_of(request))
+            loop = asyncio.get_running_loop()
+            sinks: list[_HttpSink] = []
+
+            def make_sink(_item):
+                sinks.append(_HttpSink(loop, engine, req.stream))
+                return sinks[-1]
+
+            seqs = engine.make_sequences(req, make_sink)
+        except Exception as exc:
+            return error_response(exc)
+        for seq in seqs:
+            engine.submit(seq)
+        if req.stream:
+            return StreamingResponse(_stream(request, seqs[0], sinks[0]), media_type="text/event-stream")
+        results = await _wait_or_abort(request, seqs, sinks)
+        if results is None:
+            return Response(status_code=499)
+        return JSONResponse(results if req.batched else results[0])
+
+    async def _wait_or_abort(request: Request, seqs: list[Sequence], sinks: list[_HttpSink]):
+        everything = asyncio.gather(*(s.done for s in sinks))
+        while True:
+            done, _ = await asyncio.wait({everything}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return everything.result()
+            if await request.is_disconnected():
+                for seq in seqs:
+                    engine.abort_async(seq.rid)
+                return None
+
+    async def _stream(request: Request, seq: Sequence, sink: _HttpSink):
+        finished = False
+        try:
+            while True:
+                chunk = await sink.chunks.get()
+                if chunk is None:
+                    finished = True
+                    yield f"data: {json.dumps(sink.done.result())}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                yield f"data: {json.dumps(chunk)}\n\n"
+        finally:
+            if not finished:
+                engine.abort_async(seq.rid)
+
+    # ------------------------------------------------------------------ weights
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        return await weight_endpoint(
+            lambda body: blocking(engine.update_from_disk, protocol.UpdateFromDisk.from_json(body))
+        )(request)
+
+    @app.post("/pull_weights")
+    async def pull_weights(request: Request):
+        return await weight_endpoint(
+            lambda body: blocking(engine.pull_weights, protocol.PullWeights.from_json(body))
+        )(request)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        return await weight_endpoint(
+            lambda body: blocking(engine.init_weights_update_group, protocol.InitGroup.from_json(body))
+        )(request)
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        return await weight_endpoint(
+            lambda body: blocking(engine.update_from_distributed, protocol.DistributedUpdate.from_json(body))
+        )(request)
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": engine.version}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        async def handler(body: dict) -> dict:
+            version, abort_all = protocol.parse_new_version(body)
+            await blocking(engine.set_version, version, abort_all)
+            return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+        return await weight_endpoint(handler)(request)
+
+    # ------------------------------------------------------------------ pause / cache / abort
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        try:
+            mode = protocol.parse_pause_mode(await body_of(request))
+            count = await blocking(engine.pause, mode)
+        except Exception as exc:
+            return error_response(exc)
+        return {"message": "Generation paused successfully.", "status": "ok", "mode": mode,
+                "num_paused_requests": count}
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request):
+        try:
+            await body_of(request)
+            await blocking(engine.resume)
+        except Exception as exc:
+            return error_response(exc)
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        ok = await blocking(engine.flush_cache)
+        if ok:
+            return PlainTextResponse("Cache flushed.\n", status_code=200)
+        return PlainTextResponse("Cache not flushed: requests hold KV in place (paused in_place).\n", status_code=400)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        try:
+            rid, abort_all = protocol.parse_abort(await body_of(request))
+            await blocking(engine.abort, rid, abort_all)
+        except Exception as exc:
+            return error_response(exc)
+        return Response(status_code=200)
+
+    # ------------------------------------------------------------------ info / health
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return engine.model_info()
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        return engine.server_info()
+
+    @app.api_route("/health", methods=["GET", "POST"])
+    async def health():
+        return Response(status_code=200)
+
+    @app.api_route("/health_generate", methods=["GET", "POST"])
+    async def health_generate(request: Request):
+        if engine.scheduler.paused_mode is not None:
+            return Response(status_code=200)  # paused is healthy; a probe must not wait for continue
+        try:
+            req = protocol.parse_generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1}})
+            loop = asyncio.get_running_loop()
+            sink = _HttpSink(loop, engine, False)
+            seq = engine.make_sequences(req, lambda _item: sink)[0]
+            engine.submit(seq)
+            await asyncio.wait_for(asyncio.shield(sink.done), timeout=HEALTH_GENERATE_TIMEOUT_S)
+        except Exception:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    return app

@@ -1,0 +1,90 @@
+"""Applying one published version onto tensor bytes (a checkpoint's files or RAM buffers).
+
+``load_payloads`` validates a version directory's payload files against its index before
+anything is applied: every mapped tensor present as a 1-D uint8 payload with a checksum,
+no missing or truncated file. ``apply_version`` then decodes and verifies each changed
+tensor's final bytes; targets are the caller's scratch copies, so a failure part-way
+leaves nothing the caller cannot discard.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+
+import numpy as np
+
+from miles_disagg.types import FormatError, LayoutMismatch
+from miles_disagg.weights.codec import decode_tensors
+from miles_disagg.weights.format import VersionIndex
+from miles_disagg.weights.safetensors_io import read_bytes, read_header
+
+
+@dataclass(frozen=True)
+class LocalTensor:
+    """Layout of a tensor the host holds: what a delta must agree with."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    itemsize: int
+
+
+@dataclass(frozen=True)
+class Payload:
+    data: memoryview
+    checksum: str
+
+
+def load_payloads(version_dir: Path, index: VersionIndex) -> dict[str, Payload]:
+    """Read and validate every payload of a version; ``FormatError`` on any malformed file."""
+    payloads: dict[str, Payload] = {}
+    for file_name in index.files():
+        header = read_header(version_dir / file_name)
+        mapped = {n for n, f in index.weight_map.items() if f == file_name}
+        if set(header.tensors) != mapped:
+            raise FormatError(
+                f"{version_dir.name}/{file_name} holds {sorted(header.tensors)}, the index maps {sorted(mapped)} to it"
+            )
+        for name in sorted(mapped):
+            entry = header.tensors[name]
+            if entry.dtype != "U8" or len(entry.shape) != 1:
+                raise FormatError(f"{version_dir.name}/{file_name}: payload {name!r} is not a 1-D uint8 tensor")
+            digest = header.metadata.get(name)
+            if not digest:
+                raise FormatError(f"{version_dir.name}/{file_name}: no checksum for tensor {name!r} in __metadata__")
+            payloads[name] = Payload(memoryview(read_bytes(header.path, entry)), digest)
+    return payloads
+
+
+def check_layouts(index: VersionIndex, local: Mapping[str, LocalTensor], where: str) -> None:
+    """Every changed tensor exists locally with the dtype/shape/size the version declares."""
+    for name in index.weight_map:
+        have = local.get(name)
+        if have is None:
+            raise LayoutMismatch(f"{where} changes tensor {name!r}, which the local checkpoint does not have")
+        want = index.layouts.get(name)
+        if want is not None and (want.dtype, tuple(want.shape), want.nbytes) != (have.dtype, have.shape, have.nbytes):
+            raise LayoutMismatch(
+                f"{where}: tensor {name!r} is {want.dtype}{list(want.shape)} ({want.nbytes} bytes) in the version "
+                f"but {have.dtype}{list(have.shape)} ({have.nbytes} bytes) locally"
+            )
+
+
+def apply_version(pool: ThreadPoolExecutor, version_dir: Path, index: VersionIndex,
+                  local: Mapping[str, LocalTensor], target_of: Callable[[str], np.ndarray]) -> Iterator[str]:
+    """Apply ``index``'s deltas onto ``target_of(name)`` buffers in place; yield each verified name.
+
+    Validates layouts and payload files up front, then decodes in parallel. Raises
+    ``LayoutMismatch``, ``FormatError`` or ``ChecksumMismatch``.
+    """
+    where = f"version {index.version} ({version_dir})"
+    check_layouts(index, local, where)
+    payloads = load_payloads(version_dir, index)
+    items = (
+        (name, target_of(name), payloads[name].data, local[name].itemsize, payloads[name].checksum)
+        for name in sorted(payloads)
+    )
+    yield from decode_tensors(pool, index.codec, index.checksum_format, items)

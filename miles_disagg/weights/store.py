@@ -1,0 +1,301 @@
+"""The version store: ``weight_vNNNNNN/`` directories plus the ``LATEST`` pointer.
+
+Visibility: when ``LATEST`` exists it is the only source of truth; versions above it are
+uncommitted (a crashed or racing publisher) and invisible. A store without ``LATEST``
+(written by another disk-delta producer) exposes exactly the directories whose index is
+present and carries no ``run_id`` (this project's own directories never count without
+the pointer).
+
+Commit (``commit``): the staged directory is complete and fsynced; under the store's
+publish lock the pointer is compared with what the publisher expected, the directory is
+renamed into place, the parent fsynced, the post-write hook run, and only then is
+``LATEST`` replaced. A failure before the pointer moves removes the directory again; a
+crash leaves at most an orphan directory that the next commit clears.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from miles_disagg.types import (
+    FormatError,
+    LineageError,
+    PublishConflict,
+    VersionConstraint,
+    VersionNotReady,
+    VersionRef,
+    check_pointer_advance,
+    parse_version_dirname,
+    version_dirname,
+)
+from miles_disagg.weights.format import INDEX_NAME, VersionIndex, read_index
+from miles_disagg.weights.safetensors_io import fsync_dir
+
+POINTER_NAME = "LATEST"
+LOCK_NAME = ".publish.lock"
+STAGING_PREFIX = ".staging-"
+TRASH_PREFIX = ".trash-"
+STALE_STAGING_S = 3600.0  # a staging dir this old belongs to a publisher that died
+
+PostWriteHook = Callable[[str, VersionRef], None]  # (version_dir, ref)
+PreReadHook = Callable[[str, int], None]  # (source_dir, target_version)
+
+
+@dataclass(frozen=True)
+class ChainPlan:
+    """How to reach a target: start from ``start`` ("held", "anchor" or "base"), then apply ``versions`` in order."""
+
+    start: str
+    versions: tuple[VersionIndex, ...]
+
+
+class VersionStore:
+    """One publication directory. Reads are lock-free; commits are serialized by a file lock."""
+
+    def __init__(self, root: str | Path, *, pre_read_hook: PreReadHook | None = None):
+        self.root = Path(root)
+        self.pre_read_hook = pre_read_hook
+
+    # ---------------------------------------------------------------- reading
+
+    def version_dir(self, version: int) -> Path:
+        return self.root / version_dirname(version)
+
+    def pointer(self) -> VersionRef | None:
+        """The ``LATEST`` pointer, or ``None`` when absent."""
+        path = self.root / POINTER_NAME
+        try:
+            obj = json.loads(path.read_text())
+            return VersionRef(str(obj["run_id"]), int(obj["version"]))
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FormatError(f"{path} is malformed: {exc}") from None
+
+    def _directories(self) -> Iterator[tuple[int, Path]]:
+        if not self.root.is_dir():
+            return
+        for path in self.root.iterdir():
+            number = parse_version_dirname(path.name)
+            if number is not None and (path / INDEX_NAME).is_file():
+                yield number, path
+
+    def _foreign_versions(self) -> list[int]:
+        found = []
+        for number, path in self._directories():
+            try:
+                if read_index(path).foreign:
+                    found.append(number)
+            except FormatError:
+                found.append(number)  # visible, and reading it will report the problem
+        return sorted(found)
+
+    def _is_visible(self, version: int, pointer: VersionRef | None) -> bool:
+        path = self.version_dir(version)
+        if not (path / INDEX_NAME).is_file():
+            return False
+        if pointer is not None:
+            return version <= pointer.version
+        try:
+            return read_index(path).foreign
+        except FormatError:
+            return True  # visible, and reading it will report the problem
+
+    def visible_versions(self) -> list[int]:
+        """Committed version numbers, oldest first."""
+        pointer = self.pointer()
+        if pointer is None:
+            return self._foreign_versions()
+        return sorted(n for n, _ in self._directories() if n <= pointer.version)
+
+    def latest(self) -> VersionRef | None:
+        """The newest committed version (``LATEST``, or the newest foreign directory)."""
+        pointer = self.pointer()
+        if pointer is not None:
+            return pointer
+        foreign = self._foreign_versions()
+        return VersionRef("", foreign[-1]) if foreign else None
+
+    def read_index(self, version: int) -> VersionIndex:
+        """Index of a committed version; ``VersionNotReady`` when it is not visible.
+
+        Runs the pre-read hook first, so object-store mounts can make the files visible.
+        """
+        pointer = self.pointer()
+        path = self.version_dir(version)
+        if self.pre_read_hook is not None:
+            self.pre_read_hook(str(self.root), version)
+        if not self._is_visible(version, pointer):
+            raise not_published(self.root, version, self.visible_versions())
+        index = read_index(path)
+        if pointer is not None and index.run_id != pointer.run_id:
+            raise LineageError(
+                f"{path.name} belongs to run {index.run_id!r} but LATEST names run {pointer.run_id!r}",
+                expected=VersionRef(pointer.run_id, version), actual=index.ref,
+            )
+        return index
+
+    def plan_chain(self, target: int, held: VersionRef | None) -> ChainPlan:
+        """Versions to apply to reach ``target``: from the held version when it is on the
+        target's lineage, else from the newest full anchor, else from the base.
+
+        ``LineageError`` when the chain is broken (a delta whose base is not the previous
+        version, mixed runs, or a pruned gap with no anchor to restart from).
+        """
+        chain = [self.read_index(target)]
+        while True:
+            index = chain[-1]
+            if held is not None and same_run(held.run_id, index.run_id) and held.version == index.base_version:
+                return ChainPlan("held", tuple(reversed(chain)))
+            if index.delta_encoding == "full":
+                return ChainPlan("anchor", tuple(reversed(chain)))
+            if index.base_version != index.version - 1:
+                raise LineageError(
+                    f"{index.ref} declares base version {index.base_version}, expected {index.version - 1}",
+                    expected=VersionRef(index.run_id, index.version - 1), actual=index.base_ref,
+                )
+            if index.base_version == 0:
+                return ChainPlan("base", tuple(reversed(chain)))
+            try:
+                previous = self.read_index(index.base_version)
+            except VersionNotReady:
+                raise LineageError(
+                    f"cannot reach {index.ref}: its base version {index.base_version} is not in the store "
+                    "(pruned?) and no full anchor precedes it",
+                    expected=index.base_ref, actual=held,
+                ) from None
+            if not same_run(previous.run_id, index.run_id):
+                raise LineageError(
+                    f"{index.ref} is based on version {previous.version} of a different run ({previous.run_id!r})",
+                    expected=index.base_ref, actual=previous.ref,
+                )
+            chain.append(previous)
+
+    # ---------------------------------------------------------------- committing
+
+    def new_staging_dir(self, version: int) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / f"{STAGING_PREFIX}{version:06d}-{uuid.uuid4().hex[:12]}"
+        path.mkdir()
+        return path
+
+    @contextlib.contextmanager
+    def publish_lock(self) -> Iterator[None]:
+        """Serialize commits across processes (``flock``; a no-op where unsupported)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
+    def commit(self, staging: Path, ref: VersionRef, expected: VersionRef | None,
+               post_write_hook: PostWriteHook | None = None) -> None:
+        """Make ``staging`` visible as ``ref``; ``PublishConflict`` if the pointer is not ``expected``.
+
+        Ordering: rename into place -> fsync parent -> post-write hook -> replace LATEST.
+        On any failure the pointer is unchanged and neither staging nor the directory remains.
+        """
+        final = self.version_dir(ref.version)
+        try:
+            with self.publish_lock():
+                actual = self.latest()
+                if actual != expected:
+                    raise PublishConflict(expected, actual, ref)
+                check_pointer_advance(expected, ref)
+                if final.exists():
+                    self._discard(final)  # an orphan: committed dirs never sit above the pointer
+                os.rename(staging, final)
+                fsync_dir(self.root)
+                try:
+                    if post_write_hook is not None:
+                        post_write_hook(str(final), ref)
+                    self._write_pointer(ref)
+                except BaseException:
+                    self._discard(final)
+                    raise
+                self.sweep()
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+
+    def sweep(self, max_age_s: float = STALE_STAGING_S) -> list[str]:
+        """Delete leftovers of crashed publishers: trash, and staging dirs older than ``max_age_s``."""
+        removed = []
+        now = time.time()
+        for path in self.root.iterdir():
+            stale = path.name.startswith(TRASH_PREFIX) or (
+                path.name.startswith(STAGING_PREFIX) and now - path.stat().st_mtime > max_age_s)
+            if stale and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path.name)
+        return removed
+
+    def _write_pointer(self, ref: VersionRef) -> None:
+        tmp = self.root / f".{POINTER_NAME}.{uuid.uuid4().hex[:12]}"
+        with open(tmp, "w") as f:
+            json.dump({"run_id": ref.run_id, "version": ref.version}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.root / POINTER_NAME)
+        fsync_dir(self.root)
+
+    def _discard(self, path: Path) -> None:
+        """Remove a directory atomically from readers' view, then delete it."""
+        trash = self.root / f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:12]}"
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def reset(self) -> None:
+        """Remove every version, the pointer and leftovers (a new run taking over the store)."""
+        with self.publish_lock():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.root / POINTER_NAME)
+            for path in list(self.root.iterdir()):
+                if parse_version_dirname(path.name) is not None or path.name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
+                    self._discard(path) if path.is_dir() else path.unlink()
+            fsync_dir(self.root)
+
+    # ---------------------------------------------------------------- retention
+
+    def prune(self) -> list[int]:
+        """Delete versions older than the newest full anchor; return the removed numbers.
+
+        The newest anchor and every version after it stay, so a new or restarted host can
+        always seed from the base layout plus the anchor and catch up. Without an anchor
+        nothing is removed (hosts catch up from the base through every version).
+        """
+        with self.publish_lock():
+            versions = self.visible_versions()
+            anchors = [v for v in versions if read_index(self.version_dir(v)).delta_encoding == "full"]
+            if not anchors:
+                return []
+            removed = [v for v in versions if v < anchors[-1]]
+            for version in removed:
+                self._discard(self.version_dir(version))
+            self.sweep()
+            return removed
+
+
+def not_published(root: Path, version: int, visible: list[int]) -> VersionNotReady:
+    """``VersionNotReady`` worded for the store (retryable: the version may still appear)."""
+    error = VersionNotReady(VersionConstraint(exact_version=version), visible)
+    shown = visible if len(visible) <= 8 else visible[:3] + ["..."] + visible[-3:]  # type: ignore[operator]
+    error.args = (f"version {version} is not published in {root} (published: {shown or 'none'})",)
+    return error
+
+
+def same_run(a: str, b: str) -> bool:
+    """Runs match when equal; an empty run id (foreign producer) matches any run."""
+    return not a or not b or a == b

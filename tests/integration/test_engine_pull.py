@@ -1,0 +1,264 @@
+"""``/pull_weights`` + staged activation on the built-in engine, end to end over HTTP.
+
+Versions are published with the weights package's ``DeltaPublisher`` onto a store; the
+engine materializes them into a host-local checkpoint while serving, then
+``/update_weights_from_disk`` naming the pulled version swaps the staged tensors in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_fixtures import ENGINE_URL_ENV, Background, start_engine, stop_engine
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(bool(os.environ.get(ENGINE_URL_ENV)), reason="needs the built-in engine"),
+]
+GREEDY = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+PROMPT = [5, 6, 7, 8]
+
+
+def _load(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def _greedy_reference(model_dir: Path, tensors: dict[str, torch.Tensor]) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.load_state_dict(tensors, strict=False)
+    ids = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(GREEDY["max_new_tokens"]):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(PROMPT):]
+
+
+class World:
+    """A model dir, a store with published versions, a local checkpoint dir, an engine."""
+
+    def __init__(self, root: Path, base: Path):
+        from miles_disagg.weights.publisher import DeltaPublisher
+
+        self.model_dir = root / "model"
+        shutil.copytree(base, self.model_dir)
+        self.store = root / "store"
+        self.local = root / "local" / "ckpt"
+        self.local.parent.mkdir(parents=True)
+        self.publisher = DeltaPublisher(self.store, base_dir=self.model_dir)
+        self.publisher.capture_baseline()
+        self.tensors = _load(self.model_dir)
+        self.engine = start_engine(self.model_dir, root)
+
+    def publish(self, names: list[str], seed: int) -> int:
+        generator = torch.Generator().manual_seed(seed)
+        for name in names:
+            t = self.tensors[name]
+            self.tensors[name] = t + 0.5 * torch.randn(t.shape, generator=generator, dtype=t.dtype)
+        return self.publisher.publish((name, self.tensors[name]) for name in names).ref.version
+
+    def pull(self, version: int):
+        return self.engine.post("/pull_weights", {"target_version": version, "source_dir": str(self.store),
+                                                  "local_checkpoint_dir": str(self.local)})
+
+    def activate(self, version: int):
+        return self.engine.post("/update_weights_from_disk",
+                                {"model_path": str(self.local), "weight_version": str(version)})
+
+    def greedy(self) -> list[int]:
+        return self.engine.generate({"input_ids": PROMPT, "sampling_params": GREEDY})["output_ids"]
+
+
+@pytest.fixture(scope="module")
+def world(tiny_qwen3_dir, tmp_path_factory):
+    w = World(tmp_path_factory.mktemp("pull"), tiny_qwen3_dir)
+    yield w
+    stop_engine(w.engine)
+    w.publisher.close()
+
+
+def test_pull_then_staged_activation_serves_the_new_policy(world):
+    before = world.greedy()
+    version = world.publish(sorted(world.tensors), seed=1)  # every tensor changes
+    pulled = world.pull(version)
+    assert pulled.status_code == 200, pulled.text
+    assert pulled.json()["success"] is True and pulled.json()["target_version"] == version
+    assert world.engine.version() == "0" and world.greedy() == before  # staged, not live
+    activated = world.activate(version)
+    assert activated.status_code == 200, activated.text
+    assert activated.json()["activation"] == "staged"
+    assert world.engine.version() == str(version)
+    assert world.greedy() == _greedy_reference(world.model_dir, world.tensors)
+
+
+def test_second_pull_stages_only_changed_tensors(world):
+    names = ["model.layers.0.mlp.down_proj.weight", "lm_head.weight"]
+    version = world.publish(names, seed=2)
+    pulled = world.pull(version)
+    assert pulled.status_code == 200, pulled.text
+    assert pulled.json()["num_tensors_staged"] == len(names) and pulled.json()["full"] is False
+    activated = world.activate(version)
+    assert activated.json()["activation"] == "staged", activated.text
+    assert world.greedy() == _greedy_reference(world.model_dir, world.tensors)
+
+
+def _corrupt_a_checksum(version_dir: Path) -> None:
+    """Flip one hex digit of a published final-state checksum (header length unchanged)."""
+    payload = sorted(version_dir.glob("*.safetensors"))[0]
+    raw = bytearray(payload.read_bytes())
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    name, checksum = next(iter(header["__metadata__"].items()))
+    flipped = ("1" if checksum[-1] != "1" else "2")
+    header["__metadata__"][name] = checksum[:-1] + flipped
+    encoded = json.dumps(header, separators=(",", ":")).encode().ljust(length)
+    assert len(encoded) == length
+    raw[8:8 + length] = encoded
+    payload.write_bytes(bytes(raw))
+
+
+def test_failed_checksum_is_4xx_and_changes_nothing(world):
+    version_before = world.engine.version()
+    output_before = world.greedy()
+    good = dict(world.tensors)
+    version = world.publish(["model.layers.1.self_attn.q_proj.weight"], seed=3)
+    from miles_disagg.types import version_dirname
+
+    _corrupt_a_checksum(world.store / version_dirname(version))
+    pulled = world.pull(version)
+    assert 400 <= pulled.status_code < 500, pulled.text
+    assert pulled.json()["success"] is False
+    assert pulled.json()["error"]["type"] == "ChecksumMismatch", pulled.text
+    assert world.engine.version() == version_before
+    assert world.greedy() == output_before
+    world.tensors = good
+    # activating the version that failed to pull must not silently serve something else
+    activated = world.activate(version)
+    if activated.status_code == 200:
+        assert activated.json()["activation"] == "disk"
+
+
+@pytest.mark.parametrize("body", [
+    {}, {"target_version": -1, "source_dir": "s", "local_checkpoint_dir": "l"},
+    {"target_version": "x", "source_dir": "s", "local_checkpoint_dir": "l"}, {"target_version": 1},
+])
+def test_pull_with_bad_fields_is_4xx(world, body):
+    response = world.engine.post("/pull_weights", body)
+    assert 400 <= response.status_code < 500, response.text
+
+
+def test_pull_of_unpublished_version_is_4xx(world):
+    response = world.pull(999)
+    assert 400 <= response.status_code < 500, response.text
+
+
+# --------------------------------------------------------------------------- pull never blocks generation
+
+
+def test_requests_keep_completing_during_a_pull(tiny_qwen3_dir, monkeypatch):
+    """In process: a materializer that blocks until released; generation must not wait for it."""
+    import uvicorn
+
+    from engine_fixtures import EngineHandle, free_port, wait_until
+    from miles_disagg.engine.runtime import Engine, EngineConfig
+    from miles_disagg.engine.server import create_app
+    from miles_disagg.types import VersionRef
+    from miles_disagg.weights import materializer as materializer_module
+
+    release, entered = threading.Event(), threading.Event()
+
+    class BlockingMaterializer:
+        def __init__(self, local_dir, *, base_dir, pre_read_hook=None, num_workers=2):
+            self.base_dir = Path(base_dir)
+
+        def prepare(self, store_dir, target_version=None):
+            entered.set()
+            assert release.wait(60)
+            return materializer_module.PreparedVersion(VersionRef("run", 1), None, self.base_dir, ())
+
+    monkeypatch.setattr(materializer_module, "Materializer", BlockingMaterializer)
+    engine = Engine(EngineConfig(model_path=tiny_qwen3_dir))
+    engine.start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    handle = EngineHandle(url=f"http://127.0.0.1:{port}", builtin=True)
+    try:
+        wait_until(lambda: server.started, what="in-process server")
+        pull = Background(lambda: handle.post("/pull_weights", {"target_version": 1, "source_dir": "s",
+                                                                "local_checkpoint_dir": "l"}))
+        assert entered.wait(30)
+        for _ in range(3):  # the pull is still blocked while these complete
+            result = handle.generate({"input_ids": PROMPT, "sampling_params": GREEDY})
+            assert result["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
+        assert not pull.done()
+        release.set()
+        assert pull.result().status_code == 200
+        assert handle.post("/update_weights_from_disk", {"model_path": str(tiny_qwen3_dir),
+                                                         "weight_version": "1"}).json()["activation"] == "staged"
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(10)
+        handle.client.close()
+        engine.stop()
+
+
+HOOK_MODULE = """
+import json, os
+
+def record(source_dir, target_version):
+    with open(os.environ["PRE_READ_HOOK_LOG"], "a") as f:
+        f.write(json.dumps([source_dir, target_version]) + "\\n")
+"""
+
+
+def test_pre_read_hook_runs_before_a_pull_reads(tiny_qwen3_dir, tmp_path, monkeypatch):
+    """``--custom-pull-weights-pre-read-hook`` gets SGLang's (source_dir, target_version)."""
+    from miles_disagg.weights.publisher import DeltaPublisher
+
+    (tmp_path / "my_hooks.py").write_text(HOOK_MODULE)
+    log = tmp_path / "hook.log"
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("PRE_READ_HOOK_LOG", str(log))
+    store = tmp_path / "store"
+    publisher = DeltaPublisher(store, base_dir=tiny_qwen3_dir)
+    publisher.capture_baseline()
+    tensors = _load(tiny_qwen3_dir)
+    version = publisher.publish([("lm_head.weight", tensors["lm_head.weight"] + 1.0)]).ref.version
+    engine = start_engine(tiny_qwen3_dir, tmp_path, "--custom-pull-weights-pre-read-hook", "my_hooks:record")
+    try:
+        pulled = engine.post("/pull_weights", {"target_version": version, "source_dir": str(store),
+                                               "local_checkpoint_dir": str(tmp_path / "local")})
+        assert pulled.status_code == 200, pulled.text
+        calls = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [str(store), version] in calls
+    finally:
+        stop_engine(engine)
+        publisher.close()
+
+
+def test_engine_refuses_a_bad_pre_read_hook_at_start(tiny_qwen3_dir, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "miles_disagg.engine", "--model-path", str(tiny_qwen3_dir), "--port", "1",
+         "--custom-pull-weights-pre-read-hook", "no_such_module_xyz:hook"],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "no_such_module_xyz" in result.stderr and "Traceback" not in result.stderr

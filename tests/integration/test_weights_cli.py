@@ -1,0 +1,130 @@
+"""``miles-disagg weights ...`` as a subprocess: exit codes, one-line errors, store/local state."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from miles_disagg.weights.testing import fingerprint
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "miles_disagg.cli", "weights", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def ok(*args: str) -> dict:
+    proc = cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def refused(*args: str, match: str) -> str:
+    proc = cli(*args)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and match in proc.stderr, proc.stderr
+    return proc.stderr
+
+
+def make_target(base: Path, out: Path, seed: int, source: Path | None = None) -> Path:
+    """A copy of ``source`` (default: base) whose MLP weights took a small step."""
+    shutil.copytree(base, out)
+    tensors = load_file(str((source or base) / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    tensors = {k: v + 1e-3 * torch.randn(v.shape, generator=g) if ".mlp." in k else v for k, v in tensors.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory, tiny_qwen3_dir):
+    root = tmp_path_factory.mktemp("cli")
+    base = tiny_qwen3_dir
+    t1 = make_target(base, root / "t1", 1)
+    t2 = make_target(base, root / "t2", 2, source=t1)
+    store = root / "store"
+    first = ok("publish", "--base-dir", str(base), "--target-dir", str(t1), "--store", str(store), "--run-id", "cli-run")
+    second = ok("publish", "--base-dir", str(base), "--target-dir", str(t2), "--store", str(store),
+                "--encoding", "overwrite", "--filter", "none", "--checksum", "blake3")
+    return root, base, store, (first, second), (t1, t2)
+
+
+def test_publish_apply_verify_inspect(published):
+    root, base, store, (first, second), (t1, t2) = published
+    assert (first["version"], first["base_version"], first["run_id"]) == (1, 0, "cli-run")
+    assert (second["version"], second["delta_encoding"], second["run_id"]) == (2, "overwrite", "cli-run")
+    assert 0 < first["density"] < 1 and first["wire_bytes"] > 0
+
+    local = root / "host"
+    applied = ok("apply", "--store", str(store), "--base-dir", str(base), "--local-dir", str(local), "--to-version", "1")
+    assert applied["version"] == 1 and applied["previous"] is None
+    applied = ok("apply", "--store", str(store), "--base-dir", str(base), "--local-dir", str(local))
+    assert applied["version"] == 2 and applied["previous"] == 1
+    want = load_file(str(t2 / "model.safetensors"))
+    got = load_file(str(local / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (local / name).read_bytes() == (base / name).read_bytes()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(local))
+    AutoTokenizer.from_pretrained(str(local))
+    name = next(k for k in want if ".mlp." in k)
+    assert torch.equal(model.state_dict()[name], want[name])
+
+    report = ok("verify", "--store", str(store), "--base-dir", str(base))
+    assert report["ok"] and report["chain"] == [1, 2] and report["final_checksums_verified"]
+    summary = ok("inspect", "--store", str(store))
+    assert summary["latest"] == {"run_id": "cli-run", "version": 2}
+    assert [(v["version"], v["base_version"], v["delta_encoding"], v["filter"]) for v in summary["versions"]] == [
+        (1, 0, "xor", "byteplane"), (2, 1, "overwrite", "none")]
+    assert all(0 < v["density"] < 1 and v["wire_bytes"] > 0 for v in summary["versions"])
+
+
+def test_bad_inputs_exit_2_with_one_line_and_change_nothing(published, tmp_path):
+    root, base, store, _, (t1, t2) = published
+    local = tmp_path / "host"
+    ok("apply", "--store", str(store), "--base-dir", str(base), "--local-dir", str(local), "--to-version", "1")
+    before = fingerprint(local, store)
+
+    refused("apply", "--store", str(store), "--base-dir", str(base), "--local-dir", str(local), "--to-version", "7",
+            match="version 7 is not published")
+    refused("publish", "--base-dir", str(base), "--target-dir", str(t1), "--store", str(store), "--encoding", "rle",
+            match="invalid choice")
+    refused("publish", "--base-dir", str(base), "--target-dir", str(t1), "--store", str(store), "--run-id", "other",
+            match="holds run 'cli-run'")
+    refused("publish", "--base-dir", str(base), "--target-dir", str(tmp_path / "nope"), "--store", str(store),
+            match="is not a directory")
+    refused("publish", "--base-dir", str(base), "--target-dir", str(t1), "--store", str(store),
+            "--post-write-hook", "no_such_mod:fn", match="--custom-update-weight-post-write-path")
+    assert fingerprint(local, store) == before
+
+    # corrupt version 2 in a copy of the store: apply and verify refuse, nothing moves
+    bad_store = tmp_path / "bad_store"
+    shutil.copytree(store, bad_store)
+    vdir = bad_store / "weight_v000002"
+    payload = next(vdir.glob("*.safetensors"))
+    payload.write_bytes(payload.read_bytes()[:-40])
+    before = fingerprint(local, bad_store)
+    refused("apply", "--store", str(bad_store), "--base-dir", str(base), "--local-dir", str(local), match="truncated")
+    refused("verify", "--store", str(bad_store), match="truncated")
+    assert fingerprint(local, bad_store) == before
+
+    index = json.loads((vdir / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: "../../escape.safetensors" for k in index["weight_map"]}
+    (vdir / "model.safetensors.index.json").write_text(json.dumps(index))
+    refused("apply", "--store", str(bad_store), "--base-dir", str(base), "--local-dir", str(local),
+            match="outside the version directory")
+    assert fingerprint(local, bad_store) == before

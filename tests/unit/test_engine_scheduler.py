@@ -1,0 +1,108 @@
+"""Batched KV surgery and the scheduler's pause modes, in process on the tiny Qwen3."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from miles_disagg.engine.model_runner import ModelRunner
+from miles_disagg.engine.protocol import GenerateItem, SamplingParams
+from miles_disagg.engine.scheduler import Scheduler, Sequence
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_qwen3_dir):
+    return ModelRunner(tiny_qwen3_dir)
+
+
+def test_rows_joining_and_leaving_match_unbatched_forward(runner):
+    seqs = [[5, 6, 7, 8, 9, 10], [20, 21]]
+    logits, kv = runner.prefill(seqs)
+    tokens = [int(row.argmax()) for row in logits]
+    for step in range(4):
+        for seq, token in zip(seqs, tokens):
+            seq.append(token)
+        if step == 1:  # a row joins
+            new_logits, new_kv = runner.prefill([[30, 31, 32]])
+            kv = runner.merge(kv, new_kv)
+            seqs.append([30, 31, 32])
+            tokens.append(int(new_logits[0].argmax()))
+            seqs[-1].append(tokens[-1])
+        if step == 2:  # the first row leaves
+            kv, seqs, tokens = runner.select(kv, [1, 2]), seqs[1:], tokens[1:]
+        logits = runner.decode(kv, [seq[-1] for seq in seqs])
+        for row, seq in enumerate(seqs):
+            expected = runner.full_logprobs(seq)[-1]
+            assert torch.allclose(torch.log_softmax(logits[row], -1), expected, atol=1e-5)
+        tokens = [int(row.argmax()) for row in logits]
+
+
+class _Sink:
+    def __init__(self):
+        self.done = threading.Event()
+        self.tokens = 0
+
+    def on_token(self, seq):
+        self.tokens += 1
+
+    def on_finish(self, seq):
+        self.done.set()
+
+
+def _sequence(scheduler, rid, max_new=60):
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    item = GenerateItem(rid=rid, input_ids=(5, 6, 7), text=None, sampling=params, return_logprob=True)
+    return Sequence(item=item, prompt_ids=[5, 6, 7], generator=scheduler.new_generator(0), sink=_Sink(),
+                    stop_ids=frozenset())
+
+
+def _run(scheduler, seq):
+    scheduler.submit(seq)
+    assert seq.sink.done.wait(60)
+    return seq.output_ids
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_and_continue_do_not_change_greedy_output(runner, mode):
+    scheduler = Scheduler(runner, version="0", max_running=8, seed=0, stop_text=lambda seq: None)
+    scheduler.start()
+    try:
+        reference = _run(scheduler, _sequence(scheduler, "ref"))
+        seq = _sequence(scheduler, "paused")
+        scheduler.submit(seq)
+        while len(seq.output_ids) < 5:
+            threading.Event().wait(0.001)
+        assert scheduler.call(lambda s: s.pause(mode)).result(10) == 1
+        generated = len(seq.output_ids)
+        scheduler.call(lambda s: None).result(10)  # commands still run while paused; steps do not
+        assert len(seq.output_ids) == generated
+        scheduler.call(lambda s: s.resume()).result(10)
+        assert seq.sink.done.wait(60)
+        assert seq.output_ids == reference
+        assert (seq.num_retractions == 1) == (mode == "retract")
+    finally:
+        scheduler.stop()
+
+
+def test_pause_abort_finishes_in_flight_with_abort(runner):
+    scheduler = Scheduler(runner, version="0", max_running=8, seed=0, stop_text=lambda seq: None)
+    scheduler.start()
+    try:
+        seq = _sequence(scheduler, "victim", max_new=2000)
+        scheduler.submit(seq)
+        while not seq.output_ids:
+            threading.Event().wait(0.001)
+        scheduler.call(lambda s: s.pause("abort")).result(10)
+        assert seq.sink.done.wait(10)
+        assert seq.finish.type == "abort" and len(seq.output_ids) < 2000
+        held = _sequence(scheduler, "held", max_new=3)
+        scheduler.submit(held)
+        assert not held.sink.done.wait(0.2)
+        scheduler.call(lambda s: s.resume()).result(10)
+        assert held.sink.done.wait(30) and held.finish.type == "length"
+    finally:
+        scheduler.stop()
