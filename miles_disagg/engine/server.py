@@ -154,29 +154,14 @@ def create_app(engine: Engine):
 
     # ------------------------------------------------------------------ weights
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request):
-        return await weight_endpoint(
-            lambda body: blocking(engine.update_from_disk, protocol.UpdateFromDisk.from_json(body))
-        )(request)
-
-    @app.post("/pull_weights")
-    async def pull_weights(request: Request):
-        return await weight_endpoint(
-            lambda body: blocking(engine.pull_weights, protocol.PullWeights.from_json(body))
-        )(request)
-
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request):
-        return await weight_endpoint(
-            lambda body: blocking(engine.init_weights_update_group, protocol.InitGroup.from_json(body))
-        )(request)
-
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request):
-        return await weight_endpoint(
-            lambda body: blocking(engine.update_from_distributed, protocol.DistributedUpdate.from_json(body))
-        )(request)
+    # Each weight endpoint parses its SGLang request type, then runs the blocking engine call.
+    for path, parse, call in (
+        ("/update_weights_from_disk", protocol.UpdateFromDisk.from_json, engine.update_from_disk),
+        ("/pull_weights", protocol.PullWeights.from_json, engine.pull_weights),
+        ("/init_weights_update_group", protocol.InitGroup.from_json, engine.init_weights_update_group),
+        ("/update_weights_from_distributed", protocol.DistributedUpdate.from_json, engine.update_from_distributed),
+    ):
+        app.post(path)(weight_endpoint(_parse_then_call(blocking, parse, call)))
 
     @app.get("/get_weight_version")
     async def get_weight_version():
@@ -257,3 +242,9 @@ def create_app(engine: Engine):
         return Response(status_code=200)
 
     return app
+
+
+def _parse_then_call(blocking: Callable, parse: Callable[[dict], Any], call: Callable[[Any], dict]):
+    async def handler(body: dict) -> dict:
+        return await blocking(call, parse(body))
+    return handler

@@ -175,3 +175,17 @@ def sse_events(response: httpx.Response) -> list[Any]:
             payload = line[len("data: "):]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+def greedy_reference(model_dir: Path, tensors: dict, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation computed with plain transformers forward passes over ``tensors``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.load_state_dict(tensors, strict=False)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from engine_fixtures import ENGINE_URL_ENV, Background, free_port, start_engine, stop_engine
+from engine_fixtures import ENGINE_URL_ENV, Background, free_port, start_engine, stop_engine, greedy_reference
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -29,15 +29,7 @@ def engine(tiny_qwen3_dir, tmp_path_factory):
 
 
 def _greedy_reference(model_dir, tensors) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.load_state_dict(tensors, strict=False)
-    ids = list(PROMPT)
-    with torch.no_grad():
-        for _ in range(GREEDY["max_new_tokens"]):
-            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(PROMPT):]
+    return greedy_reference(model_dir, tensors, PROMPT, GREEDY["max_new_tokens"])
 
 
 def test_broadcast_update_serves_new_weights(engine, tiny_qwen3_dir):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_fixtures import ENGINE_URL_ENV, Background, start_engine, stop_engine
+from engine_fixtures import ENGINE_URL_ENV, Background, start_engine, stop_engine, greedy_reference
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -38,16 +38,8 @@ def _load(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _greedy_reference(model_dir: Path, tensors: dict[str, torch.Tensor]) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.load_state_dict(tensors, strict=False)
-    ids = list(PROMPT)
-    with torch.no_grad():
-        for _ in range(GREEDY["max_new_tokens"]):
-            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(PROMPT):]
+def _greedy_reference(model_dir, tensors) -> list[int]:
+    return greedy_reference(model_dir, tensors, PROMPT, GREEDY["max_new_tokens"])
 
 
 class World:
