@@ -17,7 +17,10 @@ Compression: zstd level 1. Filter ``byteplane`` (default) cuts tensors into 4 Mi
 chunks and splits 2-byte dtypes into low/high byte planes, each its own zstd frame
 (sparse planes as a bitmap of changed positions plus the changed bytes; see ``codec``);
 ``none`` writes the plain format other disk-delta producers write (one zstd frame per
-tensor). Checksums: ``xxh3-128`` (default), ``blake3``, ``adler32``.
+tensor; miles' publisher, SGLang's /pull_weights applier: see ``format``). ``full`` anchors
+are this project's extension: SGLang's applier knows only ``xor``/``overwrite`` deltas and
+ordinary checkpoints, so a store meant for it keeps anchors off (the default).
+Checksums: ``xxh3-128`` (default), ``blake3``, ``adler32`` (lowercase hex digests).
 
 Public API (import from the submodules; this package imports nothing heavy):
 

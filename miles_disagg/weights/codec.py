@@ -207,13 +207,26 @@ def _decompress(frame: memoryview, max_bytes: int, s: _Scratch, name: str) -> np
             raise LayoutMismatch(f"tensor {name!r}: a delta frame holds {size} bytes, more than the local tensor allows ({max_bytes})")
         if size >= 0:
             raw = s.decompressor.decompress(frame)
-        else:  # producers that stream do not record the size
-            raw = s.decompressor.decompressobj().decompress(frame)
+        else:  # producers that stream do not record the size: read at most one byte too many
+            raw = _read_bounded(s, frame, max_bytes + 1)
     except zstandard.ZstdError as exc:
         raise FormatError(f"tensor {name!r}: corrupt zstd frame ({exc})") from None
     if len(raw) > max_bytes:
         raise LayoutMismatch(f"tensor {name!r}: a delta frame holds {len(raw)} bytes, more than the local tensor allows ({max_bytes})")
     return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _read_bounded(s: _Scratch, frame: memoryview, limit: int) -> bytes:
+    """Decompress a frame without a recorded size, stopping after ``limit`` bytes of output."""
+    parts, total = [], 0
+    with s.decompressor.stream_reader(frame) as reader:
+        while total < limit:
+            block = reader.read(min(1 << 22, limit - total))
+            if not block:
+                break
+            parts.append(block)
+            total += len(block)
+    return b"".join(parts)
 
 
 def _apply_overwrite(plane: np.ndarray, raw: np.ndarray, name: str) -> None:

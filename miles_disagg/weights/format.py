@@ -14,7 +14,15 @@ Index metadata written by this project (strings where other producers write stri
     changed_bytes, total_bytes, created_unix   (inspection only)
 
 A directory without the additions is read as the plain format (filter ``none``,
-no layout list, empty run id).
+no layout list, empty run id). That is the layout miles' disk-delta publisher writes
+and SGLang's /pull_weights applies: only the five keys above (``version`` and
+``base_version`` as "%06d" strings, read here with ``int()`` so integers work too),
+``weight_map`` naming ``model-{i:05d}-of-{n:05d}.safetensors`` files (one per writing
+rank, possibly several), no ``LATEST``; an empty ``weight_map`` is a version that changed
+nothing. An index without ``delta_encoding`` is an ordinary checkpoint, which SGLang
+copies as a full version; it is refused here with a ``FormatError``, and so is a
+``checksum_scope`` key (a fork's checksums of the compressed payload instead of the
+tensor's final bytes).
 """
 
 from __future__ import annotations
@@ -130,9 +138,17 @@ def parse_index(obj: Any, where: str) -> VersionIndex:
     if not isinstance(obj, dict) or not isinstance(obj.get("metadata"), dict) or not isinstance(obj.get("weight_map"), dict):
         raise FormatError(f"{where}: index must hold 'metadata' and 'weight_map' objects")
     metadata: dict[str, Any] = obj["metadata"]
+    if "delta_encoding" not in metadata:
+        raise FormatError(
+            f"{where}: index metadata has no 'delta_encoding': an ordinary (full) checkpoint, not a delta; "
+            "full versions of other producers are not read here (use it as --base-dir instead)"
+        )
     for key in ("version", "base_version", "delta_encoding", "compression_format", "checksum_format"):
         if key not in metadata:
             raise FormatError(f"{where}: index metadata lacks {key!r}")
+    if metadata.get("checksum_scope") is not None:  # e.g. a fork's "compressed_delta"
+        raise FormatError(f"{where}: checksum_scope {metadata['checksum_scope']!r} is not supported "
+                          "(checksums here are of each tensor's full new bytes)")
     try:
         chunk_bytes = int(metadata.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
     except (TypeError, ValueError):

@@ -2,11 +2,15 @@
 
 * post-write (``--custom-update-weight-post-write-path``), called as
   ``hook(version_dir: str, ref: VersionRef)`` after a version's files are written and
-  renamed into place, before ``LATEST`` moves; raising aborts the publish.
+  renamed into place, before ``LATEST`` moves; raising aborts the publish. (miles calls
+  its hook as ``(args, path, rollout_engines)``; such a hook is refused at load with a
+  ``ConfigError`` naming the expected parameters.)
 * pre-read (``--sglang-custom-pull-weights-pre-read-hook``), called as
   ``hook(source_dir: str, target_version: int)`` (the signature of SGLang's pull-weights
-  pre-read hook, so existing hooks work unchanged) before a host reads a version
-  directory of the store at ``source_dir``; raising aborts the prepare.
+  pre-read hook, so existing hooks work unchanged) once per prepare, before a host reads
+  anything of the store at ``source_dir``, for a target above 0 (as SGLang's /pull_weights
+  calls it; without an explicit target, after the latest version number was read);
+  raising aborts the prepare.
 """
 
 from __future__ import annotations

@@ -121,7 +121,9 @@ class Materializer:
         Raises ``VersionNotReady`` (not published yet), ``LineageError``, ``LayoutMismatch``,
         ``FormatError`` or ``ChecksumMismatch``; on any error the held version is untouched.
         Preparing the held version returns at once with ``changed == ()``; an older version
-        of the same run is refused (``LineageError``). A host holding another run's version
+        of the same run is refused (``LineageError``), except version 0: an explicit reset to
+        the base checkpoint (no delta is applied; miles asks every host for version 0 when a
+        trainer starts a new stream in a wiped store). A host holding another run's version
         (or one whose chain was pruned) reseeds from the base or the newest full anchor: a
         delta is only ever applied onto exactly its base version of its run.
         """
@@ -131,12 +133,11 @@ class Materializer:
             if state is not None:
                 self._point_link(state["slot"])  # heal a crash between state write and link swap
             held = self.held()
-            store = VersionStore(store_dir, pre_read_hook=self._pre_read)
-            target_ref = _resolve_target(store, target_version)
+            store, target_ref = self._open(store_dir, target_version)
             if held is not None and same_run(held.run_id, target_ref.run_id):
                 if held.version == target_ref.version:
                     return PreparedVersion(held, held, self.slots_dir / state["slot"], ())
-                if held.version > target_ref.version:
+                if held.version > target_ref.version and target_ref.version != 0:
                     raise LineageError(
                         f"the host holds {held}, newer than the requested {target_ref}; "
                         "a delta is never applied twice and a host never moves backwards",
@@ -210,6 +211,20 @@ class Materializer:
         os.replace(tmp, self.local_dir)
         fsync_dir(self.local_dir.parent)
 
+    def _open(self, store_dir: str | Path, target_version: int | None) -> tuple[VersionStore, VersionRef]:
+        """The store and the target; the pre-read hook runs once, before any version is read.
+
+        As SGLang's /pull_weights calls it: ``hook(source_dir, target_version)`` for a target
+        above 0 (the latest version number when no target is given).
+        """
+        store = VersionStore(store_dir)
+        if target_version is None:
+            latest = store.latest()
+            target_version = latest.version if latest else 0
+        if target_version > 0 and self._pre_read is not None:
+            self._pre_read(str(store_dir), target_version)
+        return store, _resolve_target(store, target_version)
+
     def _check_local_dir(self) -> None:
         """``local_dir`` must be absent, an empty directory, or this materializer's symlink."""
         path = self.local_dir
@@ -234,8 +249,7 @@ class Materializer:
         """
         from miles_disagg.weights.torch_bytes import bytes_to_tensor, dtype_code, tensor_bytes
 
-        store = VersionStore(store_dir, pre_read_hook=self._pre_read)
-        target = _resolve_target(store, target_version)
+        store, target = self._open(store_dir, target_version)
         if same_run(held.run_id, target.run_id) and held.version >= target.version:
             if held.version == target.version:
                 return {}

@@ -47,7 +47,6 @@ TRASH_PREFIX = ".trash-"
 STALE_STAGING_S = 3600.0  # a staging dir this old belongs to a publisher that died
 
 PostWriteHook = Callable[[str, VersionRef], None]  # (version_dir, ref)
-PreReadHook = Callable[[str, int], None]  # (source_dir, target_version)
 
 
 @dataclass(frozen=True)
@@ -61,9 +60,8 @@ class ChainPlan:
 class VersionStore:
     """One publication directory. Reads are lock-free; commits are serialized by a file lock."""
 
-    def __init__(self, root: str | Path, *, pre_read_hook: PreReadHook | None = None):
+    def __init__(self, root: str | Path):
         self.root = Path(root)
-        self.pre_read_hook = pre_read_hook
 
     # ---------------------------------------------------------------- reading
 
@@ -128,12 +126,10 @@ class VersionStore:
     def read_index(self, version: int) -> VersionIndex:
         """Index of a committed version; ``VersionNotReady`` when it is not visible.
 
-        Runs the pre-read hook first, so object-store mounts can make the files visible.
+        (Hosts run the pre-read hook once before they read a store: ``Materializer``.)
         """
         pointer = self.pointer()
         path = self.version_dir(version)
-        if self.pre_read_hook is not None:
-            self.pre_read_hook(str(self.root), version)
         if not self._is_visible(version, pointer):
             raise not_published(self.root, version, self.visible_versions())
         index = read_index(path)

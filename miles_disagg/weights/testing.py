@@ -13,7 +13,6 @@ import numpy as np
 
 from miles_disagg.weights.checksums import checksum
 from miles_disagg.weights.format import INDEX_NAME
-from miles_disagg.weights.safetensors_io import write_file
 
 
 def write_checkpoint(out_dir: str | Path, tensors: Mapping[str, Any], *, config: bool = True) -> Path:
@@ -35,34 +34,56 @@ def raw_bytes(tensor: Any) -> np.ndarray:
 
 
 def write_foreign_version(store_dir: str | Path, version: int, old: Mapping[str, Any], new: Mapping[str, Any], *,
-                          encoding: str = "xor", checksum_format: str = "xxh3-128") -> Path:
-    """Write ``weight_vNNNNNN`` the way another disk-delta producer does: one zstd frame per
-    changed tensor, index metadata without this project's additions, no ``LATEST``."""
+                          encoding: str = "xor", checksum_format: str = "xxh3-128", ranks: int = 1) -> Path:
+    """Write ``weight_vNNNNNN`` exactly as miles' disk-delta publisher does (no ``LATEST``).
+
+    Per changed tensor ONE zstd frame (level 1, content size recorded, no frame checksum) of
+    ``old ^ new`` (xor) or ``[u32 count][u32 byte positions][new bytes]`` (overwrite), stored as a
+    1-D U8 tensor under the HF name by ``safetensors.numpy.save`` with ``__metadata__`` = {name:
+    hex digest of the full new bytes}; one ``model-{i:05d}-of-{n:05d}.safetensors`` per writing
+    rank that has changes (``ranks`` of them, round robin); every file written ``.tmp`` + rename,
+    the index last, its metadata only ``version``/``base_version`` ("%06d"), ``delta_encoding``,
+    ``compression_format`` ("zstd") and ``checksum_format``.
+    """
+    import safetensors.numpy
     import zstandard
 
     vdir = Path(store_dir) / f"weight_v{version:06d}"
     vdir.mkdir(parents=True)
-    payloads, checksums = {}, {}
+    shards: list[tuple[dict[str, np.ndarray], dict[str, str]]] = [({}, {}) for _ in range(max(1, ranks))]
     for name in new:
         o, n = raw_bytes(old[name]), raw_bytes(new[name])
-        if np.array_equal(o, n):
+        mask = o != n
+        if not mask.any():
             continue
         if encoding == "xor":
-            delta = (o ^ n).tobytes()
+            delta = o ^ n
         else:
-            pos = np.flatnonzero(o != n).astype("<u4")
-            delta = np.array([pos.size], "<u4").tobytes() + pos.tobytes() + n[pos].tobytes()
-        payloads[name] = ("U8", (len(zstandard.ZstdCompressor(level=1).compress(delta)),),
-                          zstandard.ZstdCompressor(level=1).compress(delta))
+            pos = np.flatnonzero(mask).astype("<u4")
+            delta = np.concatenate([np.array([pos.size], "<u4").view(np.uint8), pos.view(np.uint8), n[mask]])
+        deltas, checksums = shards[sum(len(s[0]) for s in shards) % len(shards)]
+        deltas[name] = np.frombuffer(zstandard.ZstdCompressor(level=1).compress(delta), dtype=np.uint8)
         checksums[name] = checksum(checksum_format, n)
-    file_name = "model-00000-of-00001.safetensors"
-    if payloads:
-        write_file(vdir / file_name, payloads, checksums)
+    shards = [s for s in shards if s[0]]
+    weight_map: dict[str, str] = {}
+    for i, (deltas, checksums) in enumerate(shards):
+        file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        _atomic_write(vdir / file_name, safetensors.numpy.save(deltas, metadata=checksums))
+        weight_map.update({name: file_name for name in deltas})
     index = {"metadata": {"version": f"{version:06d}", "base_version": f"{version - 1:06d}", "delta_encoding": encoding,
                           "compression_format": "zstd", "checksum_format": checksum_format},
-             "weight_map": {name: file_name for name in payloads}}
-    (vdir / INDEX_NAME).write_text(json.dumps(index))
+             "weight_map": weight_map}
+    _atomic_write(vdir / INDEX_NAME, json.dumps(index).encode())
     return vdir
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = Path(f"{path}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def fingerprint(local_dir: str | Path, store_dir: str | Path | None = None) -> dict[str, Any]:

@@ -128,3 +128,31 @@ def test_bad_inputs_exit_2_with_one_line_and_change_nothing(published, tmp_path)
     refused("apply", "--store", str(bad_store), "--base-dir", str(base), "--local-dir", str(local),
             match="outside the version directory")
     assert fingerprint(local, bad_store) == before
+
+
+def test_a_store_in_the_plain_format_of_another_producer(published, tmp_path):
+    """A store miles wrote (no LATEST, no additions, payloads from two ranks) through the CLI."""
+    from miles_disagg.weights.testing import write_foreign_version
+
+    root, base, store, _, (t1, t2) = published
+    foreign = tmp_path / "miles-store"
+    states = [load_file(str(d / "model.safetensors")) for d in (base, t1, t2)]
+    write_foreign_version(foreign, 1, states[0], states[1], ranks=2)
+    write_foreign_version(foreign, 2, states[1], states[2], encoding="overwrite", checksum_format="adler32", ranks=2)
+    local = tmp_path / "host"
+    applied = ok("apply", "--store", str(foreign), "--base-dir", str(base), "--local-dir", str(local))
+    assert (applied["version"], applied["run_id"]) == (2, "")
+    got = load_file(str(local / "model.safetensors"))
+    assert all(torch.equal(got[k], states[2][k]) for k in states[2])
+    report = ok("verify", "--store", str(foreign), "--base-dir", str(base))
+    assert report["chain"] == [1, 2] and report["final_checksums_verified"]
+    summary = ok("inspect", "--store", str(foreign))
+    assert summary["latest"] is None
+    assert [(v["version"], v["base_version"], v["foreign"], v["files"]) for v in summary["versions"]] == [
+        (1, 0, True, 2), (2, 1, True, 2)]
+    before = fingerprint(local, foreign)
+    (foreign / "weight_v000002" / "model-00001-of-00002.safetensors").unlink()
+    refused("verify", "--store", str(foreign), match="missing")
+    refused("apply", "--store", str(foreign), "--base-dir", str(base), "--local-dir", str(local), "--to-version", "1",
+            match="never applied twice")
+    assert fingerprint(local, foreign) == before

@@ -172,3 +172,15 @@ def test_frames_without_content_size_and_oversized_frames():
     huge = zstandard.ZstdCompressor(level=1).compress(bytes(1 << 20))  # claims 1 MiB for a 4000-byte tensor
     with pytest.raises(LayoutMismatch, match="more than the local tensor allows"):
         list(decode_tensors(POOL, spec, "xxh3-128", [("t", old.copy(), memoryview(huge), 2, "x")]))
+
+
+def test_a_streamed_frame_is_decompressed_within_the_local_size():
+    """Without a recorded content size the decoder stops after the local size (+1), not at the frame's end."""
+    import zstandard
+
+    streamer = zstandard.ZstdCompressor(level=1, write_content_size=False).compressobj()
+    bomb = streamer.compress(bytes(64 << 20)) + streamer.flush()  # 64 MiB of zeros for a 4000-byte tensor
+    assert zstandard.frame_content_size(bomb) == -1
+    with pytest.raises(LayoutMismatch, match=r"holds 4002 bytes, more than the local tensor allows"):
+        list(decode_tensors(POOL, CodecSpec("xor", "none"), "xxh3-128",
+                            [("t", np.zeros(4000, np.uint8), memoryview(bomb), 2, "x")]))

@@ -191,7 +191,7 @@ def test_foreign_plain_format_without_pointer_is_read(tmp_path):
     store.mkdir()
     write_foreign_version(store, 1, tensors_at(0), tensors_at(1))
     write_foreign_version(store, 2, tensors_at(1), tensors_at(2), encoding="overwrite", checksum_format="adler32")
-    write_foreign_version(store, 3, tensors_at(2), tensors_at(3), checksum_format="blake3")
+    write_foreign_version(store, 3, tensors_at(2), tensors_at(3), checksum_format="blake3", ranks=2)
     assert VersionStore(store).latest() == VersionRef("", 3)
     host = Materializer(tmp_path / "local", base_dir=base)
     assert host.prepare(store, 2).ref.version == 2
@@ -212,7 +212,9 @@ def test_pre_read_hook_runs_first_and_can_abort(world):
     hooked = Materializer(local, base_dir=base,
                           pre_read_hook=lambda source_dir, target_version: calls.append((source_dir, target_version)))
     hooked.prepare(store, 3)
-    assert (str(store), 3) in calls  # SGLang's pre-read hook signature: (source_dir, target_version)
+    assert calls == [(str(store), 3)]  # as SGLang calls it: once per pull, (source_dir, target_version)
+    hooked.prepare(store, 0)  # an explicit reset to the base reads nothing from the store
+    assert calls == [(str(store), 3)]
 
     def refuse(source_dir, target_version):
         raise OSError("object store unavailable")
@@ -250,3 +252,28 @@ def test_concurrent_prepares_serialize(world):
         t.join(60)
     assert not errors and results == [VersionRef("run", 3)] * 3
     assert_holds(local, 3)
+
+
+def test_unchanged_shards_are_hard_linked_and_patched_shards_are_fresh_copies(tmp_path):
+    from safetensors.torch import save_file
+
+    base = tmp_path / "base"
+    base.mkdir()
+    first = {"a.weight": tensors_at(0)["a.weight"], "c.bias": tensors_at(0)["c.bias"]}
+    save_file(first, str(base / "model-00001-of-00002.safetensors"))
+    save_file({"b.weight": tensors_at(0)["b.weight"]}, str(base / "model-00002-of-00002.safetensors"))
+    (base / "config.json").write_text("{}")
+    store = tmp_path / "store"
+    pub = DeltaPublisher(store, base_dir=base, run_id="r")
+    pub.capture_baseline()
+    pub.publish({**tensors_at(0), "a.weight": tensors_at(1)["a.weight"]}.items())  # only shard 1 changes
+    host = Materializer(tmp_path / "local", base_dir=base)
+    slot = host.prepare(store).path
+    unchanged, patched = "model-00002-of-00002.safetensors", "model-00001-of-00002.safetensors"
+    assert (slot / unchanged).stat().st_ino == (base / unchanged).stat().st_ino
+    assert (slot / patched).stat().st_ino != (base / patched).stat().st_ino
+    assert (slot / "config.json").stat().st_ino != (base / "config.json").stat().st_ino
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(base / patched))["a.weight"], tensors_at(0)["a.weight"])  # base untouched
+    assert torch.equal(load_file(str(slot / patched))["a.weight"], tensors_at(1)["a.weight"])
