@@ -1,6 +1,7 @@
 """Built-in rollout engine: a CPU-friendly server that speaks SGLang's HTTP API.
 
 Modules (dependencies point down): ``cli`` (flags) -> ``server`` (FastAPI app) ->
+``response`` (SGLang's ``/generate`` response shape) ->
 ``scheduler`` (continuous batching, pause modes, activation between steps) ->
 ``model_runner`` (HF model, batched KV cache), ``sampling``, ``staging`` (pulled weights
 held in RAM), ``dist_update`` (torch.distributed weight-update group), ``protocol``

@@ -71,11 +71,25 @@ class DistUpdater:
         with self._lock:
             if req.group_name in self.groups:
                 raise InvalidInput(f"weight update group {req.group_name!r} already exists")
-            self.groups[req.group_name] = init_custom_process_group(
-                backend=backend, init_method=f"tcp://{req.master_address}:{req.master_port}",
-                world_size=req.world_size, rank=req.rank_offset, group_name=req.group_name, timeout_s=timeout_s,
-            )
+            try:
+                self.groups[req.group_name] = init_custom_process_group(
+                    backend=backend, init_method=f"tcp://{req.master_address}:{req.master_port}",
+                    world_size=req.world_size, rank=req.rank_offset, group_name=req.group_name, timeout_s=timeout_s,
+                )
+            except (RuntimeError, ValueError, OSError) as exc:  # the rendezvous the caller named failed
+                raise InvalidInput(f"could not join weight update group {req.group_name!r} at "
+                                   f"{req.master_address}:{req.master_port}: {type(exc).__name__}: {exc}") from exc
         return backend
+
+    def destroy_group(self, group_name: str) -> None:
+        """``/destroy_weights_update_group``: leave and forget the group (400 if there is none)."""
+        import torch.distributed as dist
+
+        with self._lock:
+            group = self.groups.pop(group_name, None)
+        if group is None:
+            raise InvalidInput(f"no weight update group named {group_name!r}")
+        dist.destroy_process_group(group)
 
     def receive(self, req: DistributedUpdate, live_params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Receive every tensor of ``req`` from rank 0, converted to the live dtype.

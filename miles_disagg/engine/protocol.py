@@ -19,6 +19,15 @@ from miles_disagg.types import InvalidInput
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
+# SGLang sampling knobs this engine does not implement, with their no-op values. A client that
+# sends the no-op value (as SGLang clients commonly do) is served; any other value is refused
+# with 400 rather than silently sampling from a different distribution than the one asked for.
+UNSUPPORTED_SAMPLING = {
+    "n": 1, "min_new_tokens": 0, "repetition_penalty": 1.0, "frequency_penalty": 0.0,
+    "presence_penalty": 0.0, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+    "logit_bias": None, "custom_params": None,
+}
+
 
 def parse_json(body: bytes) -> dict:
     """The request body as a JSON object; ``InvalidInput`` for anything else."""
@@ -90,6 +99,7 @@ class SamplingParams:
             return cls()
         if not isinstance(obj, dict):
             raise InvalidInput(f"sampling_params must be an object, got {type(obj).__name__}")
+        _refuse_unsupported(obj)
         max_new = _get(obj, "max_new_tokens", (int,), DEFAULT_MAX_NEW_TOKENS)
         if max_new < 0:
             raise InvalidInput(f"sampling_params.max_new_tokens must be >= 0, got {max_new}")
@@ -116,6 +126,31 @@ class SamplingParams:
         )
 
 
+# Top-level ``/generate`` fields of SGLang this engine does not implement, with their no-op
+# values (a list of no-op values, one per batch item, is accepted too).
+UNSUPPORTED_GENERATE = {
+    "logprob_start_len": (-1,), "token_ids_logprob": (), "return_hidden_states": (False,),
+    "return_routed_experts": (False,), "return_indexer_topk": (False,), "return_sampling_mask": (False,),
+    "lora_path": (), "input_embeds": (), "image_data": (), "video_data": (), "audio_data": (),
+}
+
+
+def _refuse_unsupported_fields(obj: dict) -> None:
+    for name, noops in UNSUPPORTED_GENERATE.items():
+        value = obj.get(name)
+        values = value if isinstance(value, list) and name not in ("token_ids_logprob", "input_embeds") else [value]
+        if any(v is not None and v not in noops for v in values):
+            raise InvalidInput(f"{name}={value!r} is not supported by the built-in engine")
+
+
+def _refuse_unsupported(obj: dict) -> None:
+    for name, noop in UNSUPPORTED_SAMPLING.items():
+        value = obj.get(name)
+        if value is not None and value != noop:
+            raise InvalidInput(f"sampling_params.{name}={value!r} is not supported by the built-in engine "
+                               f"(only {noop!r} or null)")
+
+
 @dataclass(frozen=True)
 class GenerateItem:
     """One sequence to generate (a batched request is split into several)."""
@@ -125,6 +160,8 @@ class GenerateItem:
     text: str | None
     sampling: SamplingParams
     return_logprob: bool
+    return_text_in_logprobs: bool = False
+    top_logprobs_num: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,11 +178,16 @@ def parse_generate(obj: dict) -> GenerateRequest:
     text, input_ids = obj.get("text"), obj.get("input_ids")
     if (text is None) == (input_ids is None):
         raise InvalidInput("give exactly one of text or input_ids")
+    _refuse_unsupported_fields(obj)
     prompts, batched = _prompts(text, input_ids)
     count = len(prompts)
     sampling = _per_item(obj.get("sampling_params"), count, "sampling_params", dict)
     return_logprob = _per_item(obj.get("return_logprob", False), count, "return_logprob", bool)
-    rids = _per_item(obj.get("rid"), count, "rid", str)
+    top_logprobs = _per_item(obj.get("top_logprobs_num"), count, "top_logprobs_num", int)
+    if any(k is not None and k < 0 for k in top_logprobs):
+        raise InvalidInput(f"top_logprobs_num must be >= 0, got {obj.get('top_logprobs_num')!r}")
+    rids = _rids(obj.get("rid"), count, batched)
+    text_in_logprobs = _get(obj, "return_text_in_logprobs", (bool,), False)
     items = tuple(
         GenerateItem(
             rid=rids[i] or uuid.uuid4().hex,
@@ -153,6 +195,8 @@ def parse_generate(obj: dict) -> GenerateRequest:
             text=prompts[i] if text is not None else None,
             sampling=SamplingParams.from_json(sampling[i]),
             return_logprob=bool(return_logprob[i]),
+            return_text_in_logprobs=text_in_logprobs,
+            top_logprobs_num=top_logprobs[i] or 0,
         )
         for i in range(count)
     )
@@ -176,6 +220,16 @@ def _prompts(text: Any, input_ids: Any) -> tuple[list, bool]:
     if all(isinstance(seq, list) and seq and all(_is_int(t) for t in seq) for seq in input_ids):
         return [tuple(seq) for seq in input_ids], True
     raise InvalidInput("input_ids must be a non-empty list of ints or of non-empty lists of ints")
+
+
+def _rids(value: Any, count: int, batched: bool) -> list:
+    """SGLang's ``rid``: one string, or one per item; a string for a batch is a prefix (``rid_i``)."""
+    if batched and isinstance(value, str):
+        return [f"{value}_{i}" for i in range(count)]
+    rids = _per_item(value, count, "rid", str)
+    if len(set(r for r in rids if r)) != len([r for r in rids if r]):
+        raise InvalidInput(f"rid values must be distinct within a request, got {rids!r}")
+    return rids
 
 
 def _is_int(value: Any) -> bool:
@@ -284,6 +338,11 @@ class InitGroup:
         return group
 
 
+def parse_group_name(obj: dict) -> str:
+    """``DestroyWeightsUpdateGroupReqInput``: ``group_name`` (default ``weight_update_group``)."""
+    return _get(obj, "group_name", (str,), "weight_update_group")
+
+
 @dataclass(frozen=True)
 class DistributedUpdate:
     """``UpdateWeightsFromDistributedReqInput``: names/dtypes/shapes broadcast from rank 0."""
@@ -346,6 +405,16 @@ class FinishReason:
 
     type: str
     extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def abort(cls, message: str, status_code: int | None = None, err_type: str | None = None) -> "FinishReason":
+        """SGLang's ``FINISH_ABORT``: a plain abort has ``status_code`` null (HTTP 200 with the
+        tokens so far); an internal fault carries 500/503 and is answered with that status."""
+        return cls("abort", {"message": message, "status_code": status_code, "err_type": err_type})
+
+    @property
+    def status_code(self) -> int | None:
+        return self.extra.get("status_code") if self.type == "abort" else None
 
     def to_json(self) -> dict:
         return {"type": self.type, **self.extra}

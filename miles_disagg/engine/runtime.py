@@ -17,7 +17,14 @@ Where this differs from SGLang (documented, deliberate):
   in-flight requests to drain. ``abort_all_requests=true`` aborts them first, as in SGLang.
 * ``update_weights_from_disk`` whose ``weight_version`` names the version staged by
   ``/pull_weights`` activates the staged tensors whatever ``model_path`` says (the pulled
-  checkpoint is the one that was verified); otherwise ``model_path`` is read from disk.
+  checkpoint is the one that was verified); otherwise ``model_path`` is read from disk. A
+  ``model_path`` that is a ``/pull_weights`` local checkpoint holding another version than
+  the ``weight_version`` named is refused (400): one policy is never served under another's label.
+* ``/begin_weight_update`` and ``/end_weight_update`` (miles' SGLang branch) only acknowledge;
+  sampling knobs this engine does not implement (``n``, penalties, ``min_new_tokens``,
+  constrained decoding) are refused with 400 unless they carry their no-op value.
+* A request id already in flight is refused (400); a string ``rid`` for a batch is a prefix
+  (``rid_0``, ``rid_1``, ...), as in SGLang.
 * Accepted and ignored: ``load_format``, ``is_async``, ``keep_pause``, ``torch_empty_cache``,
   ``recapture_cuda_graph``, ``token_step``, ``flush_cache`` (there is no prefix cache to flush).
 * Versions are strings as in SGLang (ints are accepted and reported as decimal strings);
@@ -27,6 +34,7 @@ Where this differs from SGLang (documented, deliberate):
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,14 +45,33 @@ from miles_disagg.engine.model_runner import ModelRunner
 from miles_disagg.engine.protocol import (
     DistributedUpdate, FinishReason, GenerateItem, GenerateRequest, InitGroup, PullWeights, UpdateFromDisk,
 )
+from miles_disagg.engine.response import result_json
 from miles_disagg.engine.scheduler import Scheduler, Sequence, Sink
 from miles_disagg.engine.staging import Stager, version_ref_from_string
-from miles_disagg.types import InvalidInput
+from miles_disagg.types import EngineUnrecoverable, InvalidInput, VersionRef
 from miles_disagg.weights.hooks import PRE_READ_FLAG, load_hook
 
 log = logging.getLogger(__name__)
 
 ENGINE_VERSION = "miles-disagg-builtin-0.1.0"
+
+# SGLang ``server_args`` keys a client may compare (miles checks an external engine's layout):
+# this engine is one process on one device.
+_SINGLE_PROCESS_SERVER_ARGS = {"tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "nnodes": 1, "node_rank": 0}
+
+
+class _ReleasingSink:
+    """Forwards to the HTTP sink and frees the request id when the sequence finishes."""
+
+    def __init__(self, inner: Sink, release: Callable[[str], None]):
+        self.inner, self.release = inner, release
+
+    def on_token(self, seq: Sequence) -> None:
+        self.inner.on_token(seq)
+
+    def on_finish(self, seq: Sequence) -> None:
+        self.release(seq.rid)
+        self.inner.on_finish(seq)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +126,8 @@ class Engine:
                              pre_read_hook=load_hook(config.pull_weights_pre_read_hook, PRE_READ_FLAG))
         self.dist = DistUpdater(self.runner.device)
         self.weights_path = Path(config.model_path)
+        self._rid_lock = threading.Lock()
+        self._live_rids: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -123,20 +152,37 @@ class Engine:
     # ------------------------------------------------------------------ generation
 
     def make_sequences(self, request: GenerateRequest, make_sink: Callable[[GenerateItem], Sink]) -> list[Sequence]:
-        """Tokenize and validate every item first: a bad item rejects the whole request."""
+        """Tokenize and validate every item first: a bad item rejects the whole request.
+
+        A ``rid`` already in flight is refused (400, as SGLang does): ``/abort_request`` must
+        name exactly one request. The rid is released when its sequence finishes."""
+        if self.scheduler.dead:
+            raise EngineUnrecoverable(self.scheduler.dead)
         prompts = [self._prompt_ids(item) for item in request.items]
+        self._claim_rids([item.rid for item in request.items])
         return [
             Sequence(
                 item=item, prompt_ids=prompt, generator=self.scheduler.new_generator(item.sampling.sampling_seed),
-                sink=make_sink(item), stop_ids=self.stop_ids,
+                sink=_ReleasingSink(make_sink(item), self._release_rid), stop_ids=self.stop_ids,
             )
             for item, prompt in zip(request.items, prompts)
         ]
 
+    def _claim_rids(self, rids: list[str]) -> None:
+        with self._rid_lock:
+            taken = [rid for rid in rids if rid in self._live_rids]
+            if taken:
+                raise InvalidInput(f"duplicate request id(s) already in flight: {taken[:3]}")
+            self._live_rids.update(rids)
+
+    def _release_rid(self, rid: str) -> None:
+        with self._rid_lock:
+            self._live_rids.discard(rid)
+
     def submit(self, seq: Sequence) -> None:
         if seq.item.sampling.max_new_tokens == 0:
             seq.version_start = seq.version_end = self.version
-            seq.finish = FinishReason("length", {"length": 0})
+            seq.finish = FinishReason("length", {"length": 0})  # SGLang answers at once too
             seq.sink.on_finish(seq)
             return
         self.scheduler.submit(seq)
@@ -148,7 +194,7 @@ class Engine:
             if bad:
                 raise InvalidInput(f"input_ids holds token ids outside [0, {self.runner.vocab_size}): {bad[:5]}")
         else:
-            ids = self.tokenizer.encode(item.text, add_special_tokens=False)
+            ids = self.tokenizer.encode(item.text)  # SGLang: the tokenizer's default special tokens
         if not ids:
             raise InvalidInput("the prompt is empty")
         total = len(ids) + item.sampling.max_new_tokens
@@ -176,26 +222,7 @@ class Engine:
 
     def result_json(self, seq: Sequence) -> dict:
         """SGLang's ``/generate`` response object for a sequence (finished or not)."""
-        params = seq.item.sampling
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=params.skip_special_tokens)
-        matched = seq.finish.extra.get("matched") if seq.finish else None
-        if isinstance(matched, str) and not params.no_stop_trim and matched in text:
-            text = text[: text.index(matched)]
-        meta = {
-            "id": seq.rid,
-            "finish_reason": seq.finish.to_json() if seq.finish else None,
-            "prompt_tokens": len(seq.prompt_ids),
-            "completion_tokens": len(seq.output_ids),
-            "cached_tokens": 0,
-            "weight_version": seq.version_end,
-            "weight_version_start": seq.version_start,
-            "weight_version_end": seq.version_end,
-            "num_retractions": seq.num_retractions,
-            "e2e_latency": round(time.monotonic() - seq.created_s, 6),
-        }
-        if seq.item.return_logprob:
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.output_logprobs, seq.output_ids)]
-        return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
+        return result_json(seq, self.tokenizer)
 
     # ------------------------------------------------------------------ pause / abort / versions
 
@@ -222,8 +249,7 @@ class Engine:
         def apply(s: Scheduler) -> None:
             if abort_all:
                 s.abort_all("aborted by update_weight_version")
-            s.version = version
-            self.stager.set_live(version_ref_from_string(version))
+            s.version = version  # a label only: the stager keeps tracking what the weights are
 
         self.scheduler.call(apply).result()
 
@@ -231,45 +257,54 @@ class Engine:
 
     def update_from_disk(self, req: UpdateFromDisk) -> dict:
         """Activate the staged version named ``weight_version`` if there is one, else reload
-        ``model_path`` from disk (read and checked in the pause, before anything is swapped)."""
-        staged = self.stager.take(req.weight_version)
-        if staged is None:
-            self.runner.check_compatible(Path(req.model_path))
+        ``model_path`` from disk (read and checked in the pause, before anything is swapped).
+
+        Everything runs on the scheduler thread, so the staged version is taken, checked
+        against the live weights and swapped in with no other activation in between."""
+        how: list[str] = []
 
         def activate(s: Scheduler) -> dict:
             start = time.perf_counter()
+            tensors, live_ref, path, kind = self._weights_for(req)
+            how.append(kind)
             num_paused = len(s.running) + len(s.waiting) if s.paused_mode else 0
             if req.abort_all_requests:
                 s.abort_all("aborted by update_weights_from_disk(abort_all_requests=true)")
-            if staged is not None:
-                self.runner.swap_in(staged.tensors)
-                live_ref, self.weights_path = staged.ref, staged.path
-            else:
-                self.runner.swap_in(self.runner.load_tensors(Path(req.model_path)))
-                live_ref, self.weights_path = None, Path(req.model_path)
+            self.runner.swap_in(tensors)
+            self.weights_path = path
+            self.stager.set_live(live_ref)
             if req.weight_version is not None:
                 s.version = req.weight_version
-                live_ref = live_ref or version_ref_from_string(req.weight_version)
-            self.stager.set_live(live_ref if staged is not None or req.weight_version is not None else None)
-            pause_ms = (time.perf_counter() - start) * 1e3
-            return {"num_paused_requests": num_paused, "pause_ms": round(pause_ms, 3)}
+            return {"num_paused_requests": num_paused, "pause_ms": round((time.perf_counter() - start) * 1e3, 3)}
 
-        try:
-            result = self.scheduler.call(activate).result()
-        except BaseException:
-            if staged is not None:  # keep it staged for a retry
-                self.stager.staged = self.stager.staged or staged
-            raise
-        how = "staged" if staged is not None else "disk"
-        log.info("activated weights (%s) version=%s pause=%.1f ms", how, self.version, result["pause_ms"])
+        result = self.scheduler.call(activate).result()
+        log.info("activated weights (%s) version=%s pause=%.1f ms", how[0], self.version, result["pause_ms"])
         return {
             "success": True,
-            "message": f"Succeeded to update model weights ({how} activation, pause {result['pause_ms']:.1f} ms).",
+            "message": f"Succeeded to update model weights ({how[0]} activation, pause {result['pause_ms']:.1f} ms).",
             "num_paused_requests": result["num_paused_requests"],
             "weight_version": self.version,
-            "activation": how,
+            "activation": how[0],
             "pause_ms": result["pause_ms"],
         }
+
+    def _weights_for(self, req: UpdateFromDisk) -> tuple[dict, VersionRef | None, Path, str]:
+        """``(tensors, published version they are or None, path, "staged"|"disk")``; nothing live changes.
+
+        The live weights' version (what a staged delta must apply onto) comes only from
+        where the tensors came from: the staged version, or the version a ``/pull_weights``
+        local checkpoint records; a version *label* never vouches for the weights."""
+        staged = self.stager.take(req.weight_version)
+        if staged is not None:
+            return staged.tensors, staged.ref, staged.path, "staged"
+        model_path = Path(req.model_path)
+        self.runner.check_compatible(model_path)
+        held = _held_version(model_path, self.config.model_path)
+        wanted = req.weight_version
+        if held is not None and wanted is not None and wanted.isdigit() and int(wanted) != held.version:
+            raise InvalidInput(f"model_path {str(model_path)!r} holds pulled version {held.version}, "
+                               f"not weight_version {wanted}; pull {wanted} first")
+        return self.runner.load_tensors(model_path), held, model_path, "disk"
 
     def pull_weights(self, req: PullWeights) -> dict:
         """Materialize + verify + stage (blocking, off the scheduler thread)."""
@@ -287,6 +322,10 @@ class Engine:
         backend = self.dist.init_group(req)
         return {"success": True, "message": f"Succeeded to initialize group {req.group_name!r} ({backend})."}
 
+    def destroy_weights_update_group(self, group_name: str) -> dict:
+        self.dist.destroy_group(group_name)
+        return {"success": True, "message": f"Succeeded to destroy group {group_name!r}."}
+
     def update_from_distributed(self, req: DistributedUpdate) -> dict:
         tensors = self.dist.receive(req, self.runner.params)
 
@@ -297,7 +336,7 @@ class Engine:
             self.runner.swap_in(tensors)
             if req.weight_version is not None:
                 s.version = req.weight_version
-            self.stager.set_live(version_ref_from_string(req.weight_version) if req.weight_version else None)
+            self.stager.set_live(None)  # broadcast weights are of no published version we can vouch for
             return (time.perf_counter() - start) * 1e3
 
         pause_ms = self.scheduler.call(activate).result()
@@ -318,9 +357,17 @@ class Engine:
             "architectures": list(getattr(self.runner.config, "architectures", None) or []),
         }
 
+    def health(self) -> str | None:
+        """None when serving; else why not (the scheduler died, or its last step failed)."""
+        s = self.scheduler
+        if s.dead or not s.alive:
+            return s.dead or "engine scheduler thread is not running"
+        return s.fault
+
     def server_info(self) -> dict:
         s = self.scheduler
         return {
+            **_SINGLE_PROCESS_SERVER_ARGS,
             "model_path": str(self.config.model_path),
             "tokenizer_path": str(self.config.model_path),
             "host": self.config.host,
@@ -330,6 +377,7 @@ class Engine:
             "max_running_requests": self.config.max_running_requests,
             "random_seed": self.config.random_seed,
             "context_length": self.runner.max_context,
+            "max_req_input_len": self.runner.max_context - 1,
             "weight_version": self.version,
             "version": ENGINE_VERSION,
             "internal_states": [{
@@ -338,7 +386,16 @@ class Engine:
                 "num_waiting_requests": s.num_waiting,
                 "num_steps": s.num_steps,
                 "num_aborted_requests": s.num_aborted,
+                "num_faults": s.num_faults,
+                "fault": s.fault or s.dead,
                 "staged_version": self.stager.staged_version(),
                 "weights_path": str(self.weights_path),
             }],
         }
+
+
+def _held_version(model_path: Path, base_dir: Path):
+    """The published version a ``/pull_weights`` local checkpoint holds (None for a plain checkpoint)."""
+    from miles_disagg.weights.materializer import Materializer
+
+    return Materializer(model_path, base_dir=base_dir).held()

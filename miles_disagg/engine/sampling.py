@@ -20,15 +20,25 @@ GREEDY_EPS = 1e-6
 
 def sample_token(logits: torch.Tensor, params, generator: torch.Generator) -> tuple[int, float]:
     """Sample one token from float32 ``logits`` ``[vocab]``; return ``(token_id, logprob)``."""
-    temperature = params.temperature
-    if temperature < GREEDY_EPS or params.top_k == 1:
-        scaled = logits if temperature < GREEDY_EPS else logits / temperature
+    logprobs = reported_logprobs(logits, params)
+    if params.temperature < GREEDY_EPS or params.top_k == 1:
         token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(scaled, dim=-1)[token])
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        return token, float(logprobs[token])
     probs = _truncated(logprobs.exp(), params)
     token = int(torch.multinomial(probs, 1, generator=generator))
     return token, float(logprobs[token])
+
+
+def reported_logprobs(logits: torch.Tensor, params) -> torch.Tensor:
+    """The distribution reported logprobs come from: ``log_softmax(logits / T)``, ``T = 1`` if greedy."""
+    temperature = params.temperature
+    return torch.log_softmax(logits if temperature < GREEDY_EPS else logits / temperature, dim=-1)
+
+
+def top_logprobs(logits: torch.Tensor, params, k: int) -> list[tuple[float, int]]:
+    """SGLang's ``top_logprobs_num``: the ``k`` most likely ``(logprob, token_id)`` of that distribution."""
+    values, ids = torch.topk(reported_logprobs(logits, params), min(k, logits.numel()))
+    return list(zip(values.tolist(), ids.tolist()))
 
 
 def _truncated(probs: torch.Tensor, params) -> torch.Tensor:

@@ -20,6 +20,12 @@ Pause modes (``/pause_generation``), all of which hold new requests in the queue
   whatever weights are live then) and carry on.
 * ``in_place`` - stepping stops; the KV cache is kept and decoding resumes on continue.
 
+Faults: a step that raises fails the requests in the batch with ``finish_reason`` abort and
+``status_code`` 500 (the HTTP layer answers them with 500) and sets :attr:`Scheduler.fault`
+until a later step runs a forward pass cleanly; if the thread itself ever dies,
+:attr:`Scheduler.dead` is set, every queued and in-flight request and command is failed
+(503) and later ones fail at once. Both show in ``/health``: the engine never dies silently.
+
 Versions: a request records the live weight version at its first forward pass
 (``weight_version_start``) and at every sampled token (``weight_version_end``); they
 differ exactly when an activation happened while it was in flight.
@@ -40,7 +46,8 @@ import torch
 
 from miles_disagg.engine.model_runner import KVBatch, ModelRunner
 from miles_disagg.engine.protocol import FinishReason, GenerateItem
-from miles_disagg.engine.sampling import make_generator, sample_token
+from miles_disagg.engine.sampling import make_generator, sample_token, top_logprobs
+from miles_disagg.types import EngineUnrecoverable
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +76,24 @@ class Sequence:
     finish: FinishReason | None = None
     num_retractions: int = 0
     created_s: float = field(default_factory=time.monotonic)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    version_spans: list[list] = field(default_factory=list)
+    """SGLang's ``weight_versions``: ``[version, start, end)`` over output-token indices."""
 
     @property
     def rid(self) -> str:
         return self.item.rid
+
+    def record_token(self, token: int, logprob: float, version: str) -> None:
+        """Append a sampled token and the weight version whose forward pass produced it."""
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        self.version_end = version
+        count = len(self.output_ids)
+        if self.version_spans and self.version_spans[-1][0] == version:
+            self.version_spans[-1][2] = count
+        else:
+            self.version_spans.append([version, count - 1, count])
 
     @property
     def all_ids(self) -> list[int]:
@@ -110,6 +131,9 @@ class Scheduler:
         self.paused_mode: str | None = None
         self.num_steps = 0
         self.num_aborted = 0
+        self.num_faults = 0
+        self.fault: str | None = None  # last step failure, cleared by the next clean forward pass
+        self.dead: str | None = None  # why the scheduler thread stopped (None while it runs)
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
 
     # ------------------------------------------------------------------ other threads
@@ -132,15 +156,22 @@ class Scheduler:
     def submit(self, seq: Sequence) -> None:
         """Queue a sequence; it joins the batch at the next step boundary (unless paused)."""
         with self._cond:
-            self._inbox.append(seq)
-            self._cond.notify_all()
+            if not self._stopping:
+                self._inbox.append(seq)
+                self._cond.notify_all()
+                return
+        self._finish(seq, FinishReason.abort(self.dead or "engine is shutting down", 503, "ServiceUnavailable"))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
 
     def call(self, fn: Callable[["Scheduler"], Any]) -> concurrent.futures.Future:
         """Run ``fn(self)`` on the scheduler thread between two steps (also while paused)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._stopping:
-                future.set_exception(RuntimeError("engine is shutting down"))
+                future.set_exception(EngineUnrecoverable(self.dead or "engine is shutting down"))
                 return future
             self._commands.append((fn, future))
             self._cond.notify_all()
@@ -167,13 +198,13 @@ class Scheduler:
     def resume(self) -> None:
         self.paused_mode = None
 
-    def abort_all(self, message: str) -> int:
+    def abort_all(self, message: str, status_code: int | None = None, err_type: str | None = None) -> int:
         self._drain_inbox()
         victims = list(self.running) + list(self.waiting)
         self.running, self.kv = [], None
         self.waiting.clear()
         for seq in victims:
-            self._finish(seq, FinishReason("abort", {"message": message}))
+            self._finish(seq, FinishReason.abort(message, status_code, err_type))
         return len(victims)
 
     def abort(self, rid: str, message: str) -> bool:
@@ -181,19 +212,24 @@ class Scheduler:
         for seq in list(self.waiting):
             if seq.rid == rid:
                 self.waiting.remove(seq)
-                self._finish(seq, FinishReason("abort", {"message": message}))
+                self._finish(seq, FinishReason.abort(message))
                 return True
         for row, seq in enumerate(self.running):
             if seq.rid == rid:
                 keep = [i for i in range(len(self.running)) if i != row]
                 self._keep_rows(keep)
-                self._finish(seq, FinishReason("abort", {"message": message}))
+                self._finish(seq, FinishReason.abort(message))
                 return True
         return False
 
     def can_flush(self) -> bool:
-        """SGLang refuses to flush while requests hold KV in place."""
-        return not (self.paused_mode == "in_place" and self.running)
+        """SGLang's rule: flush only when idle. While paused, requests held or retracted hold no
+        KV (SGLang keeps new requests out of its scheduler while paused), so only KV held in
+        place blocks a flush then; unpaused, any running or queued request does."""
+        self._drain_inbox()
+        if self.paused_mode is not None:
+            return not (self.paused_mode == "in_place" and self.running)
+        return not self.running and not self.waiting
 
     def _retract_all(self) -> None:
         for seq in reversed(self.running):
@@ -204,6 +240,25 @@ class Scheduler:
     # ------------------------------------------------------------------ the loop
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # never die silently: record, then fail everyone below
+            self.dead = f"engine scheduler thread died: {type(exc).__name__}: {exc}"
+            log.critical("%s\n%s", self.dead, traceback.format_exc())
+        finally:
+            self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Fail queued commands and requests; later ones fail at once (``_stopping``)."""
+        with self._cond:
+            self._stopping = True
+        message = self.dead or "engine is shutting down"
+        try:
+            self.abort_all(message, 503, "ServiceUnavailable")
+        finally:
+            self._fail_commands()
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not self._stopping and not self._commands and not self._has_work():
@@ -216,7 +271,6 @@ class Scheduler:
                 self._run_command(fn, future)
             if self.paused_mode is None:
                 self._guarded_step()
-        self._fail_commands()
 
     def _has_work(self) -> bool:
         return self.paused_mode is None and bool(self._inbox or self.waiting or self.running)
@@ -233,28 +287,33 @@ class Scheduler:
         with self._cond:
             for _, future in self._commands:
                 if future.set_running_or_notify_cancel():
-                    future.set_exception(RuntimeError("engine is shutting down"))
+                    future.set_exception(EngineUnrecoverable(self.dead or "engine is shutting down"))
             self._commands.clear()
 
     def _guarded_step(self) -> None:
         try:
             self._drain_inbox()
-            self._admit()
-            self._decode()
+            ran = self._admit()
+            ran = self._decode() or ran
             self.num_steps += 1
-        except Exception as exc:  # a real internal fault: fail the batch, keep the server up
+        except Exception as exc:  # a real internal fault: fail the batch (500), keep the server up
+            self.num_faults += 1
+            self.fault = f"internal engine error: {type(exc).__name__}: {exc}"
             log.error("engine step failed:\n%s", traceback.format_exc())
-            self.abort_all(f"internal engine error: {type(exc).__name__}: {exc}")
+            self.abort_all(self.fault, 500, "InternalServerError")
+            return
+        if ran:
+            self.fault = None
 
     def _drain_inbox(self) -> None:
         with self._cond:
             while self._inbox:
                 self.waiting.append(self._inbox.popleft())
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
         room = self.max_running - len(self.running)
         if room <= 0 or not self.waiting:
-            return
+            return False
         joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
         for seq in joining:
             if seq.version_start is None:
@@ -262,18 +321,21 @@ class Scheduler:
         try:
             logits, kv = self.runner.prefill([seq.all_ids for seq in joining])
         except Exception as exc:  # they are in neither queue now: answer them before re-raising
+            message = f"internal engine error: {type(exc).__name__}: {exc}"
             for seq in joining:
-                self._finish(seq, FinishReason("abort", {"message": f"internal engine error: {exc}"}))
+                self._finish(seq, FinishReason.abort(message, 500, "InternalServerError"))
             raise
         self.running.extend(joining)
         self.kv = self.runner.merge(self.kv, kv)
         self._sample_rows(logits, first_row=len(self.running) - len(joining))
+        return True
 
-    def _decode(self) -> None:
+    def _decode(self) -> bool:
         if not self.running:
-            return
+            return False
         logits = self.runner.decode(self.kv, [seq.output_ids[-1] for seq in self.running])
         self._sample_rows(logits, first_row=0)
+        return True
 
     def _sample_rows(self, logits: torch.Tensor, first_row: int) -> None:
         """Sample for rows ``first_row..`` of the running batch; finished rows leave."""
@@ -283,9 +345,10 @@ class Scheduler:
             row = first_row + offset
             seq = self.running[row]
             token, logprob = sample_token(logits[offset], seq.item.sampling, seq.generator)
-            seq.output_ids.append(token)
-            seq.output_logprobs.append(logprob)
-            seq.version_end = self.version
+            if seq.item.top_logprobs_num:
+                seq.output_top_logprobs.append(top_logprobs(logits[offset], seq.item.sampling,
+                                                            seq.item.top_logprobs_num))
+            seq.record_token(token, logprob, self.version)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 seq.finish = reason

@@ -4,10 +4,16 @@ Errors are JSON ``{"error": {"message", "type", "retryable"}}`` (plus SGLang's
 ``success``/``message`` on the weight endpoints) with status 400 for bad input and
 refused updates (``InvalidInput``, ``FormatError``, ``LineageError``, ``ChecksumMismatch``,
 ``LayoutMismatch``), 409 for ``Retryable`` (e.g. ``VersionNotReady``), 503 for
-``ReplaceReplica`` and 500 only for real internal faults. Blocking engine calls run in
-worker threads, so the event loop always answers, and a weight pull never blocks
-generation. A client that disconnects mid-request has its request aborted (its slot
-is freed at the next step boundary).
+``ReplaceReplica`` (e.g. the scheduler thread died) and 500 only for real internal faults.
+A ``/generate`` request ended by an internal fault (``finish_reason`` abort with a 5xx
+``status_code``) is answered with that status and ``{"error": {...}}`` (a stream ends with
+that error event, then ``[DONE]``), as SGLang does; a plain abort is a 200 with the tokens
+so far. ``/health`` is 503 with the reason while the scheduler is dead or its last step
+failed. Blocking engine calls run in worker threads, so the event loop always answers,
+and a weight pull never blocks generation. A client that disconnects mid-request has its
+request aborted (its slot is freed at the next step boundary).
+
+Aliases of newer SGLang: ``/model_info``, ``/server_info``; ``/generate`` takes PUT too.
 """
 
 # no "from __future__ import annotations": FastAPI must see the real Request class
@@ -103,7 +109,7 @@ def create_app(engine: Engine):
 
     # ------------------------------------------------------------------ generation
 
-    @app.post("/generate")
+    @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
         try:
             req = protocol.parse_generate(await body_of(request))
@@ -124,6 +130,9 @@ def create_app(engine: Engine):
         results = await _wait_or_abort(request, seqs, sinks)
         if results is None:
             return Response(status_code=499)
+        fault = next((f for f in map(_fault_of, results) if f is not None), None)
+        if fault is not None:  # an internal fault failed the request: 5xx, as SGLang does
+            return JSONResponse({"error": fault}, status_code=fault["code"])
         return JSONResponse(results if req.batched else results[0])
 
     async def _wait_or_abort(request: Request, seqs: list[Sequence], sinks: list[_HttpSink]):
@@ -144,7 +153,9 @@ def create_app(engine: Engine):
                 chunk = await sink.chunks.get()
                 if chunk is None:
                     finished = True
-                    yield f"data: {json.dumps(sink.done.result())}\n\n"
+                    final = sink.done.result()
+                    fault = _fault_of(final)
+                    yield f"data: {json.dumps({'error': fault} if fault else final)}\n\n"
                     yield "data: [DONE]\n\n"
                     return
                 yield f"data: {json.dumps(chunk)}\n\n"
@@ -166,6 +177,17 @@ def create_app(engine: Engine):
     @app.get("/get_weight_version")
     async def get_weight_version():
         return {"weight_version": engine.version}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        async def handler(body: dict) -> dict:
+            return await blocking(engine.destroy_weights_update_group, protocol.parse_group_name(body))
+        return await weight_endpoint(handler)(request)
+
+    # miles brackets broadcast updates with these (a packed/quantized engine restores and
+    # re-packs its weights); this engine loads unpacked tensors, so both only acknowledge.
+    for path in ("/begin_weight_update", "/end_weight_update"):
+        app.post(path)(weight_endpoint(_acknowledge(path)))
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):
@@ -198,10 +220,16 @@ def create_app(engine: Engine):
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
-        ok = await blocking(engine.flush_cache)
+        """SGLang: 200 when idle (there is nothing to flush here), 400 while requests run."""
+        try:
+            ok = await blocking(engine.flush_cache)
+        except Exception as exc:
+            return error_response(exc)
         if ok:
             return PlainTextResponse("Cache flushed.\n", status_code=200)
-        return PlainTextResponse("Cache not flushed: requests hold KV in place (paused in_place).\n", status_code=400)
+        return PlainTextResponse("Cache not flushed: requests are running or hold KV in place. "
+                                 "(When there are running or waiting requests, the operation will not be performed.)\n",
+                                 status_code=400)
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
@@ -214,20 +242,23 @@ def create_app(engine: Engine):
 
     # ------------------------------------------------------------------ info / health
 
-    @app.get("/get_model_info")
-    async def get_model_info():
-        return engine.model_info()
-
-    @app.get("/get_server_info")
-    async def get_server_info():
-        return engine.server_info()
+    # Newer SGLang also serves these as /model_info and /server_info (miles tries /model_info first).
+    for path in ("/get_model_info", "/model_info"):
+        app.get(path)(engine.model_info)
+    for path in ("/get_server_info", "/server_info"):
+        app.get(path)(engine.server_info)
 
     @app.api_route("/health", methods=["GET", "POST"])
     async def health():
+        problem = engine.health()
+        if problem is not None:  # a dead scheduler thread or a failing step is never silent
+            return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
         return Response(status_code=200)
 
     @app.api_route("/health_generate", methods=["GET", "POST"])
     async def health_generate(request: Request):
+        if engine.scheduler.dead:
+            return JSONResponse({"status": "unhealthy", "error": engine.scheduler.dead}, status_code=503)
         if engine.scheduler.paused_mode is not None:
             return Response(status_code=200)  # paused is healthy; a probe must not wait for continue
         try:
@@ -236,12 +267,28 @@ def create_app(engine: Engine):
             sink = _HttpSink(loop, engine, False)
             seq = engine.make_sequences(req, lambda _item: sink)[0]
             engine.submit(seq)
-            await asyncio.wait_for(asyncio.shield(sink.done), timeout=HEALTH_GENERATE_TIMEOUT_S)
+            result = await asyncio.wait_for(asyncio.shield(sink.done), timeout=HEALTH_GENERATE_TIMEOUT_S)
         except Exception:
             return Response(status_code=503)
-        return Response(status_code=200)
+        fault = _fault_of(result)
+        return Response(status_code=200) if fault is None else JSONResponse({"error": fault}, status_code=503)
 
     return app
+
+
+def _fault_of(result: dict) -> dict | None:
+    """SGLang's error body when an internal fault (abort with a 5xx ``status_code``) ended it."""
+    finish = result["meta_info"].get("finish_reason") or {}
+    code = finish.get("status_code")
+    if finish.get("type") != "abort" or not isinstance(code, int) or code < 500:
+        return None
+    return {"message": finish.get("message"), "type": finish.get("err_type"), "code": code}
+
+
+def _acknowledge(path: str):
+    async def handler(body: dict) -> dict:
+        return {"success": True, "message": f"{path.strip('/')}: nothing to do for unpacked weights"}
+    return handler
 
 
 def _parse_then_call(blocking: Callable, parse: Callable[[dict], Any], call: Callable[[Any], dict]):

@@ -9,6 +9,7 @@ server with a reason.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
@@ -92,6 +93,31 @@ def engine(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     handle = start_engine(tiny_qwen3_dir, tmp_path_factory.mktemp("engine-logs"))
     yield handle
     stop_engine(handle)
+
+
+@contextlib.contextmanager
+def inprocess_engine(model_dir: Path, **config) -> Iterator[tuple[Any, EngineHandle]]:
+    """The built-in engine in this process behind a real HTTP server (tests inject faults)."""
+    import uvicorn
+
+    from miles_disagg.engine.runtime import Engine, EngineConfig
+    from miles_disagg.engine.server import create_app
+
+    engine = Engine(EngineConfig(model_path=model_dir, **config))
+    engine.start()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=free_port(),
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    handle = EngineHandle(url=f"http://127.0.0.1:{server.config.port}", builtin=True)
+    try:
+        wait_until(lambda: server.started, what="in-process server")
+        yield engine, handle
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        handle.client.close()
+        engine.stop()
 
 
 # --------------------------------------------------------------------------- concurrency helpers

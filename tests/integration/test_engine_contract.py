@@ -229,6 +229,7 @@ def test_pause_update_continue_spans_activation(engine, mode):
         if engine.builtin:
             assert (meta["weight_version_start"], meta["weight_version_end"]) == (old, new)
             assert (meta["num_retractions"] >= 1) == (mode == "retract")
+        _assert_spans(meta, old, new)
 
 
 def test_update_while_requests_run(engine):
@@ -243,7 +244,18 @@ def test_update_while_requests_run(engine):
         assert meta["completion_tokens"] == LONG_TOKENS and meta["weight_version"] == new
         if engine.builtin:
             assert meta["weight_version_start"] == old and meta["weight_version_end"] == new
+        _assert_spans(meta, old, new)
     assert engine.version() == new
+
+
+def _assert_spans(meta: dict, old: str, new: str) -> None:
+    """SGLang's ``weight_versions``: contiguous spans over the output, old weights then new."""
+    spans = meta.get("weight_versions")
+    if spans is None:  # servers before SGLang added the spans
+        return
+    assert [s["version"] for s in spans] == [old, new]
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0
+    assert spans[1]["end"] == meta["completion_tokens"]
 
 
 # --------------------------------------------------------------------------- bad input
@@ -283,6 +295,33 @@ def test_malformed_json_is_4xx(engine, raw):
 def test_bad_pause_mode_is_4xx(engine):
     assert 400 <= engine.post("/pause_generation", {"mode": "sideways"}).status_code < 500
     assert engine.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+
+
+POST_ENDPOINTS = ["/generate", "/update_weights_from_disk", "/pause_generation", "/continue_generation",
+                  "/abort_request", "/update_weight_version", "/init_weights_update_group",
+                  "/update_weights_from_distributed", "/destroy_weights_update_group"]
+
+
+@pytest.mark.parametrize("path", POST_ENDPOINTS)
+def test_malformed_json_on_every_post_endpoint_is_4xx(engine, path):
+    before = engine.version()
+    response = engine.client.post(path, content=b'{"mode": ', headers={"content-type": "application/json"})
+    assert 400 <= response.status_code < 500, (path, response.status_code, response.text)
+    assert engine.version() == before and engine.internal_state().get("paused_mode") is None
+    assert engine.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/abort_request", {"rid": 5}), ("/abort_request", {"abort_all": "yes"}),
+    ("/update_weight_version", {}), ("/update_weight_version", {"new_version": [1]}),
+    ("/pause_generation", {"mode": 3}), ("/destroy_weights_update_group", {"group_name": 7}),
+    ("/update_weights_from_disk", {"model_path": "x", "abort_all_requests": "no"}),
+])
+def test_wrong_typed_control_fields_are_4xx(engine, path, body):
+    before = engine.version()
+    response = engine.post(path, body)
+    assert 400 <= response.status_code < 500, (path, response.status_code, response.text)
+    assert engine.version() == before
 
 
 def _assert_rejected_update(engine, body: dict) -> None:

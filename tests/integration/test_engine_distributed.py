@@ -66,6 +66,10 @@ def test_broadcast_update_serves_new_weights(engine, tiny_qwen3_dir):
     assert engine.version() == "7"
     output = engine.generate({"input_ids": PROMPT, "sampling_params": GREEDY})["output_ids"]
     assert output == _greedy_reference(tiny_qwen3_dir, new)
+    destroyed = engine.post("/destroy_weights_update_group", {"group_name": "weight_update_group"})
+    assert destroyed.status_code == 200 and destroyed.json()["success"] is True, destroyed.text
+    again = engine.post("/destroy_weights_update_group", {"group_name": "weight_update_group"})
+    assert 400 <= again.status_code < 500  # miles tolerates this on a fresh engine
 
 
 def test_distributed_update_without_group_is_4xx(engine):

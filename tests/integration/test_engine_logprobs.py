@@ -49,3 +49,24 @@ def test_logprobs_match_one_forward_pass(engine, trainer_model, case):
         reported = [t[0] for t in result["meta_info"]["output_token_logprobs"]]
         expected = _recompute(trainer_model, prompt, result["output_ids"], temperature)
         assert max(abs(a - b) for a, b in zip(reported, expected)) < TOLERANCE
+
+
+def test_logprobs_match_when_requests_join_and_leave_mid_batch(engine, trainer_model):
+    """Continuous batching: a request that joins a running batch (left-padded KV merge) and
+    one that leaves early still report the trainer's numbers."""
+    engine.require_builtin("recomputes with the engine's checkpoint")
+    from engine_fixtures import Background, wait_in_flight
+
+    def body(prompt, n):
+        return {"input_ids": prompt, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": n, "temperature": 0.8, "ignore_eos": True, "sampling_seed": 11}}
+
+    cases = [([5, 6, 7, 8, 9, 10, 11], 400), ([30, 31], 8), ([60, 61, 62], 20)]
+    first = Background(lambda: engine.generate(body(*cases[0])))
+    wait_in_flight(engine, [first])
+    later = [Background(lambda c=c: engine.generate(body(*c))) for c in cases[1:]]
+    for (prompt, _), request in zip(cases, [first, *later]):
+        result = request.result()
+        reported = [t[0] for t in result["meta_info"]["output_token_logprobs"]]
+        expected = _recompute(trainer_model, prompt, result["output_ids"], 0.8)
+        assert max(abs(a - b) for a, b in zip(reported, expected)) < TOLERANCE

@@ -110,6 +110,19 @@ def test_second_pull_stages_only_changed_tensors(world):
     assert world.greedy() == _greedy_reference(world.model_dir, world.tensors)
 
 
+def test_a_version_label_never_vouches_for_the_weights(world):
+    """Base weights reloaded under the held version's label must not take a delta meant for it."""
+    held = world.engine.version()
+    reloaded = world.engine.post("/update_weights_from_disk", {"model_path": str(world.model_dir),
+                                                               "weight_version": held})
+    assert reloaded.status_code == 200 and reloaded.json()["activation"] == "disk", reloaded.text
+    version = world.publish(["model.layers.0.mlp.up_proj.weight"], seed=5)
+    pulled = world.pull(version)
+    assert pulled.status_code == 200 and pulled.json()["full"] is True, pulled.text
+    assert world.activate(version).json()["activation"] == "staged"
+    assert world.greedy() == _greedy_reference(world.model_dir, world.tensors)
+
+
 def _corrupt_a_checksum(version_dir: Path) -> None:
     """Flip one hex digit of a published final-state checksum (header length unchanged)."""
     payload = sorted(version_dir.glob("*.safetensors"))[0]
@@ -126,6 +139,8 @@ def _corrupt_a_checksum(version_dir: Path) -> None:
 
 
 def test_failed_checksum_is_4xx_and_changes_nothing(world):
+    held = world.publish(["model.norm.weight"], seed=30)  # the host holds a verified version first
+    assert world.pull(held).status_code == 200 and world.activate(held).status_code == 200
     version_before = world.engine.version()
     output_before = world.greedy()
     good = dict(world.tensors)
@@ -140,10 +155,12 @@ def test_failed_checksum_is_4xx_and_changes_nothing(world):
     assert world.engine.version() == version_before
     assert world.greedy() == output_before
     world.tensors = good
-    # activating the version that failed to pull must not silently serve something else
+    # activating the version that failed to pull must not serve the held version under its label
     activated = world.activate(version)
-    if activated.status_code == 200:
-        assert activated.json()["activation"] == "disk"
+    assert 400 <= activated.status_code < 500, activated.text
+    assert activated.json()["success"] is False and "holds pulled version" in activated.json()["message"]
+    assert world.engine.version() == version_before
+    assert world.greedy() == output_before
 
 
 @pytest.mark.parametrize("body", [
@@ -165,11 +182,7 @@ def test_pull_of_unpublished_version_is_4xx(world):
 
 def test_requests_keep_completing_during_a_pull(tiny_qwen3_dir, monkeypatch):
     """In process: a materializer that blocks until released; generation must not wait for it."""
-    import uvicorn
-
-    from engine_fixtures import EngineHandle, free_port, wait_until
-    from miles_disagg.engine.runtime import Engine, EngineConfig
-    from miles_disagg.engine.server import create_app
+    from engine_fixtures import inprocess_engine
     from miles_disagg.types import VersionRef
     from miles_disagg.weights import materializer as materializer_module
 
@@ -185,32 +198,22 @@ def test_requests_keep_completing_during_a_pull(tiny_qwen3_dir, monkeypatch):
             return materializer_module.PreparedVersion(VersionRef("run", 1), None, self.base_dir, ())
 
     monkeypatch.setattr(materializer_module, "Materializer", BlockingMaterializer)
-    engine = Engine(EngineConfig(model_path=tiny_qwen3_dir))
-    engine.start()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    handle = EngineHandle(url=f"http://127.0.0.1:{port}", builtin=True)
-    try:
-        wait_until(lambda: server.started, what="in-process server")
-        pull = Background(lambda: handle.post("/pull_weights", {"target_version": 1, "source_dir": "s",
-                                                                "local_checkpoint_dir": "l"}))
-        assert entered.wait(30)
-        for _ in range(3):  # the pull is still blocked while these complete
-            result = handle.generate({"input_ids": PROMPT, "sampling_params": GREEDY})
-            assert result["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
-        assert not pull.done()
-        release.set()
-        assert pull.result().status_code == 200
-        assert handle.post("/update_weights_from_disk", {"model_path": str(tiny_qwen3_dir),
-                                                         "weight_version": "1"}).json()["activation"] == "staged"
-    finally:
-        release.set()
-        server.should_exit = True
-        thread.join(10)
-        handle.client.close()
-        engine.stop()
+    with inprocess_engine(tiny_qwen3_dir) as (_engine, handle):
+        try:
+            pull = Background(lambda: handle.post("/pull_weights", {"target_version": 1, "source_dir": "s",
+                                                                    "local_checkpoint_dir": "l"}))
+            assert entered.wait(30)
+            for _ in range(3):  # the pull is still blocked while these complete
+                result = handle.generate({"input_ids": PROMPT, "sampling_params": GREEDY})
+                assert result["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
+            assert not pull.done()
+            release.set()
+            assert pull.result().status_code == 200
+            activated = handle.post("/update_weights_from_disk", {"model_path": str(tiny_qwen3_dir),
+                                                                  "weight_version": "1"})
+            assert activated.json()["activation"] == "staged"
+        finally:
+            release.set()
 
 
 HOOK_MODULE = """

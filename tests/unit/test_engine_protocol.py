@@ -84,3 +84,54 @@ def test_pull_and_group_requests():
     assert upd.shapes == ((2, 3),) and upd.flush_cache
     with pytest.raises(InvalidInput):
         protocol.DistributedUpdate.from_json({"names": ["a"], "dtypes": [], "shapes": [[2]]})
+
+
+def test_batch_rid_string_is_a_prefix_and_rids_must_be_distinct():
+    req = protocol.parse_generate({"input_ids": [[1], [2], [3]], "rid": "g"})
+    assert [i.rid for i in req.items] == ["g_0", "g_1", "g_2"]
+    assert protocol.parse_generate({"input_ids": [1], "rid": "solo"}).items[0].rid == "solo"
+    with pytest.raises(InvalidInput):
+        protocol.parse_generate({"input_ids": [[1], [2]], "rid": ["same", "same"]})
+
+
+@pytest.mark.parametrize("knob", [{"n": 2}, {"min_new_tokens": 3}, {"repetition_penalty": 1.1},
+                                  {"frequency_penalty": 0.5}, {"presence_penalty": -0.5}, {"json_schema": "{}"},
+                                  {"regex": "x"}, {"ebnf": "r"}])
+def test_unimplemented_sampling_knobs_are_refused_unless_no_op(knob):
+    with pytest.raises(InvalidInput, match=next(iter(knob))):
+        protocol.SamplingParams.from_json(knob)
+
+
+def test_no_op_sampling_knobs_are_accepted():
+    params = {"n": 1, "min_new_tokens": 0, "repetition_penalty": 1.0, "frequency_penalty": 0,
+              "presence_penalty": 0.0, "json_schema": None, "regex": None, "spaces_between_special_tokens": True}
+    assert protocol.SamplingParams.from_json(params) == protocol.SamplingParams()
+
+
+def test_finish_reason_abort_has_sglang_keys():
+    assert protocol.FinishReason.abort("gone").to_json() == {
+        "type": "abort", "message": "gone", "status_code": None, "err_type": None}
+    fault = protocol.FinishReason.abort("boom", 500, "InternalServerError")
+    assert fault.status_code == 500 and protocol.FinishReason("length", {"length": 3}).status_code is None
+
+
+def test_return_text_in_logprobs_and_group_name():
+    req = protocol.parse_generate({"input_ids": [1], "return_logprob": True, "return_text_in_logprobs": True})
+    assert req.items[0].return_text_in_logprobs
+    assert protocol.parse_group_name({}) == "weight_update_group"
+    with pytest.raises(InvalidInput):
+        protocol.parse_group_name({"group_name": 3})
+
+
+@pytest.mark.parametrize("field", [{"logprob_start_len": 0}, {"top_logprobs_num": -1}, {"token_ids_logprob": [1]},
+                                   {"return_hidden_states": True}, {"lora_path": "a"}, {"image_data": "x.png"},
+                                   {"logprob_start_len": [-1, 0]}])
+def test_unimplemented_generate_fields_are_refused(field):
+    with pytest.raises(InvalidInput, match=next(iter(field))):
+        protocol.parse_generate({"input_ids": [[1], [2]], **field})
+
+
+def test_no_op_generate_fields_are_accepted():
+    body = {"input_ids": [[1], [2]], "logprob_start_len": -1, "top_logprobs_num": [0, 0], "return_hidden_states": False,
+            "return_routed_experts": False, "return_indexer_topk": False, "lora_path": None, "image_data": None}
+    assert len(protocol.parse_generate(body).items) == 2

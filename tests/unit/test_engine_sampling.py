@@ -37,3 +37,16 @@ def test_seeded_generators_reproduce_and_differ():
     draws = lambda seed: [sample_token(LOGITS, params, g)[0] for g in [make_generator(seed)] for _ in range(30)]
     assert draws(1) == draws(1)
     assert draws(1) != draws(2)
+
+
+def test_top_logprobs_come_from_the_reported_distribution():
+    from miles_disagg.engine.sampling import top_logprobs
+
+    params = SamplingParams(temperature=0.7, top_k=2)
+    expected = torch.log_softmax(LOGITS / 0.7, -1)
+    top = top_logprobs(LOGITS, params, 3)
+    assert [t for _, t in top] == [5, 0, 1]
+    assert all(abs(lp - float(expected[t])) < 1e-6 for lp, t in top)
+    token, logprob = sample_token(LOGITS, params, make_generator(0))
+    assert any(t == token and lp == logprob for lp, t in top)
+    assert len(top_logprobs(LOGITS, SamplingParams(temperature=0.0), 100)) == LOGITS.numel()

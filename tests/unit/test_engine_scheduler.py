@@ -106,3 +106,71 @@ def test_pause_abort_finishes_in_flight_with_abort(runner):
         assert held.sink.done.wait(30) and held.finish.type == "length"
     finally:
         scheduler.stop()
+
+
+def test_flush_follows_sglang_idle_rule(runner):
+    scheduler = Scheduler(runner, version="0", max_running=8, seed=0, stop_text=lambda seq: None)
+    scheduler.start()
+    try:
+        assert scheduler.call(lambda s: s.can_flush()).result(10)
+        seq = _sequence(scheduler, "busy", max_new=2000)
+        scheduler.submit(seq)
+        while not seq.output_ids:
+            threading.Event().wait(0.001)
+        assert not scheduler.call(lambda s: s.can_flush()).result(10)  # running, not paused
+        scheduler.call(lambda s: s.pause("retract")).result(10)
+        assert scheduler.call(lambda s: s.can_flush()).result(10)  # retracted: no KV held
+        scheduler.call(lambda s: s.resume()).result(10)
+        generated = len(seq.output_ids)
+        while len(seq.output_ids) <= generated:  # re-admitted and decoding again
+            threading.Event().wait(0.001)
+        scheduler.call(lambda s: s.pause("in_place")).result(10)
+        assert not scheduler.call(lambda s: s.can_flush()).result(10)  # KV held in place
+        scheduler.call(lambda s: s.abort_all("done")).result(10)
+        assert scheduler.call(lambda s: s.can_flush()).result(10)
+    finally:
+        scheduler.stop()
+
+
+def test_version_spans_follow_the_live_version(runner):
+    scheduler = Scheduler(runner, version="1", max_running=8, seed=0, stop_text=lambda seq: None)
+    scheduler.start()
+    try:
+        seq = _sequence(scheduler, "spans", max_new=40)
+        scheduler.submit(seq)
+        while len(seq.output_ids) < 3:
+            threading.Event().wait(0.001)
+        switched_at = scheduler.call(lambda s: (setattr(s, "version", "2"), len(seq.output_ids))[1]).result(10)
+        assert seq.sink.done.wait(60)
+        assert seq.version_spans == [["1", 0, switched_at], ["2", switched_at, 40]]
+        assert (seq.version_start, seq.version_end) == ("1", "2")
+    finally:
+        scheduler.stop()
+
+
+class _Fatal(BaseException):
+    pass
+
+
+def test_a_dead_scheduler_fails_in_flight_queued_and_later_work(runner):
+    scheduler = Scheduler(runner, version="0", max_running=1, seed=0, stop_text=lambda seq: None)
+    scheduler.start()
+    first, queued = _sequence(scheduler, "first", max_new=2000), _sequence(scheduler, "queued", max_new=5)
+    scheduler.submit(first)
+    scheduler.submit(queued)  # max_running=1: waits behind ``first``
+    while not first.output_ids:
+        threading.Event().wait(0.001)
+
+    def die(_s):
+        raise _Fatal("loop bug")
+
+    scheduler._decode = lambda: die(None)  # the next step escapes the per-step guard
+    assert first.sink.done.wait(30) and queued.sink.done.wait(30)
+    for seq in (first, queued):
+        assert seq.finish.type == "abort" and seq.finish.status_code == 503
+    assert "loop bug" in scheduler.dead and not scheduler.alive
+    later = _sequence(scheduler, "later")
+    scheduler.submit(later)
+    assert later.sink.done.is_set() and later.finish.status_code == 503
+    with pytest.raises(Exception, match="loop bug"):
+        scheduler.call(lambda s: None).result(5)

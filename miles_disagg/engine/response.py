@@ -1,0 +1,68 @@
+"""SGLang's ``/generate`` response object for one sequence (finished or still running).
+
+Shape (SGLang's tokenizer manager, default options)::
+
+    {"text": str, "output_ids": [int],
+     "meta_info": {"id", "finish_reason" (null while running), "prompt_tokens",
+                   "completion_tokens", "cached_tokens", "weight_version",
+                   "weight_versions": [{"version", "start", "end"}],  # spans of output tokens
+                   "e2e_latency", "output_token_logprobs": [[logprob, token_id, text|null]],
+                   "output_top_logprobs": [[[logprob, token_id, text|null] x top_logprobs_num]]}}
+
+``text`` follows SGLang's stop trimming: a matched stop string is cut off and so is a
+matched stop token (``output_ids`` keeps every token), unless ``no_stop_trim``.
+``weight_version_start``/``weight_version_end`` and ``num_retractions`` are this project's
+additions. Streaming chunks use the same shape with cumulative ``text``/``output_ids``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from miles_disagg.engine.scheduler import Sequence
+
+
+def result_json(seq: Sequence, tokenizer) -> dict:
+    params = seq.item.sampling
+    finish = seq.finish.to_json() if seq.finish else None
+    meta = {
+        "id": seq.rid,
+        "finish_reason": finish,
+        "prompt_tokens": len(seq.prompt_ids),
+        "completion_tokens": len(seq.output_ids),
+        "cached_tokens": 0,
+        "weight_version": seq.version_end,
+        "weight_versions": [{"version": v, "start": a, "end": b} for v, a, b in seq.version_spans],
+        "weight_version_start": seq.version_start,
+        "weight_version_end": seq.version_end,
+        "num_retractions": seq.num_retractions,
+        "e2e_latency": round(time.monotonic() - seq.created_s, 6),
+    }
+    if seq.item.return_logprob:
+        meta["output_token_logprobs"] = _logprob_triples(seq, tokenizer)
+        if seq.item.top_logprobs_num:
+            meta["output_top_logprobs"] = [_triples(row, tokenizer, seq.item.return_text_in_logprobs)
+                                           for row in seq.output_top_logprobs]
+    text = _trimmed_text(seq, tokenizer, finish, params.no_stop_trim, params.skip_special_tokens)
+    return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
+
+
+def _trimmed_text(seq: Sequence, tokenizer, finish: dict | None, no_stop_trim: bool, skip_special: bool) -> str:
+    matched = finish.get("matched") if finish and not no_stop_trim else None
+    ids = seq.output_ids
+    if isinstance(matched, int) and ids:
+        ids = ids[:-1]  # SGLang drops the matched stop token from the text
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special)
+    if isinstance(matched, str) and matched in text:
+        text = text[: text.index(matched)]
+    return text
+
+
+def _logprob_triples(seq: Sequence, tokenizer) -> list[list]:
+    pairs = list(zip(seq.output_logprobs, seq.output_ids))
+    return _triples(pairs, tokenizer, seq.item.return_text_in_logprobs)
+
+
+def _triples(pairs: list[tuple[float, int]], tokenizer, with_text: bool) -> list[list]:
+    """SGLang's ``[logprob, token_id, token_text | null]`` entries."""
+    return [[lp, tok, tokenizer.decode([tok]) if with_text else None] for lp, tok in pairs]
