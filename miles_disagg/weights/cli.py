@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from miles_disagg.tracking import status
 from miles_disagg.types import FormatError, InvalidInput, LayoutMismatch
 from miles_disagg.weights.checksums import CHECKSUMS, DEFAULT_CHECKSUM
 from miles_disagg.weights.codec import FILTERS, PUBLISH_ENCODINGS
@@ -79,10 +80,13 @@ def _publish(args: argparse.Namespace) -> dict[str, Any]:
         num_workers=args.workers,
     )
     try:
+        status(f"capturing the baseline from {base}")
         publisher.capture_baseline()
-        result = publisher.publish(_stream_checkpoint(target, set(publisher._layouts)))
+        status(f"diffing {target} against it and publishing to {args.store}")
+        result = publisher.publish(_stream_checkpoint(target, set(publisher.tensor_names)))
     finally:
         publisher.close()
+    status(f"published version {result.ref.version} ({result.wire_bytes} bytes on the wire, density {result.density:.4f})")
     return {"run_id": result.ref.run_id, "version": result.ref.version, "base_version": result.ref.version - 1,
             "delta_encoding": result.delta_encoding, "density": result.density, "wire_bytes": result.wire_bytes,
             "changed_bytes": result.changed_bytes, "total_bytes": result.total_bytes,
@@ -119,7 +123,10 @@ def _apply(args: argparse.Namespace) -> dict[str, Any]:
     base = _require_dir(args.base_dir, "--base-dir")
     _require_dir(args.store, "--store")
     materializer = Materializer(args.local_dir, base_dir=base, pre_read_hook=args.pre_read_hook, num_workers=args.workers)
+    status(f"materializing {'the latest version' if args.to_version is None else f'version {args.to_version}'} "
+           f"of {args.store} into {materializer.local_dir}")
     prepared = materializer.prepare(args.store, args.to_version)
+    status(f"{materializer.local_dir} holds version {prepared.ref.version} (verified)")
     return {"run_id": prepared.ref.run_id, "version": prepared.ref.version,
             "previous": None if prepared.previous is None else prepared.previous.version,
             "num_changed_tensors": len(prepared.changed), "path": str(prepared.path),

@@ -87,6 +87,11 @@ class DeltaPublisher:
         self._publish_lock = threading.Lock()
 
     @property
+    def tensor_names(self) -> frozenset[str]:
+        """Names of the baseline's tensors (empty before ``capture_baseline``)."""
+        return frozenset(self._layouts)
+
+    @property
     def latest(self) -> VersionRef | None:
         """The last version this publisher committed or caught up with."""
         return self._latest
