@@ -25,12 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class _LazyParser(argparse.ArgumentParser):
-    """Exit code 2 with a one-line message on bad arguments (argparse's own contract)."""
-
-
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser = _LazyParser(prog="miles-disagg", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="miles-disagg", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     wanted = next((a for a in argv if not a.startswith("-")), None)

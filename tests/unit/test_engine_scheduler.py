@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from typing import Iterator
 
 import pytest
 import torch
@@ -18,6 +20,17 @@ pytestmark = pytest.mark.timeout(120)
 def runner(tiny_qwen3_dir):
     return ModelRunner(tiny_qwen3_dir)
 
+
+
+@contextlib.contextmanager
+def running_scheduler(runner, *, version: str, max_running: int = 8) -> Iterator[Scheduler]:
+    """A started scheduler (seed 0, no stop strings), stopped on exit."""
+    scheduler = Scheduler(runner, version=version, max_running=max_running, seed=0, stop_text=lambda seq: None)
+    scheduler.start()
+    try:
+        yield scheduler
+    finally:
+        scheduler.stop()
 
 def test_rows_joining_and_leaving_match_unbatched_forward(runner):
     seqs = [[5, 6, 7, 8, 9, 10], [20, 21]]
@@ -68,9 +81,7 @@ def _run(scheduler, seq):
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 def test_pause_and_continue_do_not_change_greedy_output(runner, mode):
-    scheduler = Scheduler(runner, version="0", max_running=8, seed=0, stop_text=lambda seq: None)
-    scheduler.start()
-    try:
+    with running_scheduler(runner, version="0") as scheduler:
         reference = _run(scheduler, _sequence(scheduler, "ref"))
         seq = _sequence(scheduler, "paused")
         scheduler.submit(seq)
@@ -84,14 +95,10 @@ def test_pause_and_continue_do_not_change_greedy_output(runner, mode):
         assert seq.sink.done.wait(60)
         assert seq.output_ids == reference
         assert (seq.num_retractions == 1) == (mode == "retract")
-    finally:
-        scheduler.stop()
 
 
 def test_pause_abort_finishes_in_flight_with_abort(runner):
-    scheduler = Scheduler(runner, version="0", max_running=8, seed=0, stop_text=lambda seq: None)
-    scheduler.start()
-    try:
+    with running_scheduler(runner, version="0") as scheduler:
         seq = _sequence(scheduler, "victim", max_new=2000)
         scheduler.submit(seq)
         while not seq.output_ids:
@@ -104,14 +111,10 @@ def test_pause_abort_finishes_in_flight_with_abort(runner):
         assert not held.sink.done.wait(0.2)
         scheduler.call(lambda s: s.resume()).result(10)
         assert held.sink.done.wait(30) and held.finish.type == "length"
-    finally:
-        scheduler.stop()
 
 
 def test_flush_follows_sglang_idle_rule(runner):
-    scheduler = Scheduler(runner, version="0", max_running=8, seed=0, stop_text=lambda seq: None)
-    scheduler.start()
-    try:
+    with running_scheduler(runner, version="0") as scheduler:
         assert scheduler.call(lambda s: s.can_flush()).result(10)
         seq = _sequence(scheduler, "busy", max_new=2000)
         scheduler.submit(seq)
@@ -128,14 +131,10 @@ def test_flush_follows_sglang_idle_rule(runner):
         assert not scheduler.call(lambda s: s.can_flush()).result(10)  # KV held in place
         scheduler.call(lambda s: s.abort_all("done")).result(10)
         assert scheduler.call(lambda s: s.can_flush()).result(10)
-    finally:
-        scheduler.stop()
 
 
 def test_version_spans_follow_the_live_version(runner):
-    scheduler = Scheduler(runner, version="1", max_running=8, seed=0, stop_text=lambda seq: None)
-    scheduler.start()
-    try:
+    with running_scheduler(runner, version="1") as scheduler:
         seq = _sequence(scheduler, "spans", max_new=40)
         scheduler.submit(seq)
         while len(seq.output_ids) < 3:
@@ -144,8 +143,6 @@ def test_version_spans_follow_the_live_version(runner):
         assert seq.sink.done.wait(60)
         assert seq.version_spans == [["1", 0, switched_at], ["2", switched_at, 40]]
         assert (seq.version_start, seq.version_end) == ("1", "2")
-    finally:
-        scheduler.stop()
 
 
 class _Fatal(BaseException):
