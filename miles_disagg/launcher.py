@@ -42,7 +42,7 @@ def main(entry: str, argv: Sequence[str] | None = None) -> int:
 
 def prepare_run(config: RunConfig) -> None:
     """Create the run directory, record the resolved config, and make the base checkpoint if asked."""
-    output_dir = Path(config.tracking.output_dir)
+    output_dir = Path(config.tracking.run_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
     status(f"run directory: {output_dir}")
@@ -56,16 +56,24 @@ def ensure_base_checkpoint(config: RunConfig) -> None:
     path = Path(train.hf_checkpoint)
     if path.is_dir():
         return
-    if train.hf_checkpoint_init == "tiny-qwen3":
-        from miles_disagg.models.tiny_qwen3 import make_tiny_qwen3
+    if train.hf_checkpoint_init in ("tiny-qwen3", "tiny-qwen3-digits"):
+        from miles_disagg.models.tiny_qwen3 import CHARSETS, make_tiny_qwen3
 
-        status(f"creating a random tiny Qwen3 at {path}")
-        make_tiny_qwen3(path, seed=train.seed)
+        charset = CHARSETS["digits" if train.hf_checkpoint_init.endswith("digits") else "full"]
+        status(f"creating a random {train.hf_checkpoint_init} at {path}")
+        staging = path.with_name(path.name + ".partial")
+        make_tiny_qwen3(staging, seed=train.seed, charset=charset)
+        staging.rename(path)  # a half-written base is never picked up
         return
     raise ConfigError(f"--hf-checkpoint {str(path)!r} is not a local directory", ("--hf-checkpoint",))
 
 
 def run_training(config: RunConfig) -> int:
-    raise NotYetImplemented(
-        f"the {config.entry} training loop (trainer group, rollout manager, weight updater); "
-        "configuration, run directory and base checkpoint are ready")
+    if config.weights.update_weight_transfer_mode != "disk-delta" and not config.rollout.debug_train_only:
+        raise NotYetImplemented(
+            f"--update-weight-transfer-mode {config.weights.update_weight_transfer_mode} in the training loop "
+            "(disk-delta is implemented; the engines support broadcast, the trainer side does not yet)")
+    from miles_disagg.loop.train_loops import run
+
+    run(config)
+    return 0

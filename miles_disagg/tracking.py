@@ -108,6 +108,8 @@ def _jsonable(value: Any) -> Any:
         return None if math.isnan(value) else str(value)  # JSON has no NaN/inf
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
     return str(value)
 
 

@@ -228,6 +228,7 @@ class Sample:
     weight_version_end: int = BASE_VERSION
     finish_reason: str = "length"
     metadata: dict[str, Any] = field(default_factory=dict)
+    advantage: float = 0.0  # set by the trainer's advantage estimator
 
     @property
     def mixed_version(self) -> bool:

@@ -74,8 +74,24 @@ def load_config(argv: Sequence[str] | None, entry: str) -> tuple[RunConfig, bool
     values = _read_yaml(Path(config_path)) if config_path else {}
     values.update(args)  # the command line wins
     config = _build(values, entry)
+    fill_run_paths(config)
     validate(config)
     return config, print_config
+
+
+def fill_run_paths(config: RunConfig, now: float | None = None) -> None:
+    """Default paths inside the run directory: ``--run-dir`` itself (``runs/<timestamp>``) and,
+    for disk-delta, the publication dir and the host-local checkpoint dir when not given."""
+    import time
+
+    tracking, weights = config.tracking, config.weights
+    if tracking.run_dir is None:
+        tracking.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.localtime(now)))
+    if weights.update_weight_transfer_mode == "disk-delta":
+        run_dir = Path(tracking.run_dir)
+        weights.update_weight_disk_dir = weights.update_weight_disk_dir or str(run_dir / "weight-updates")
+        weights.update_weight_local_checkpoint_dir = (
+            weights.update_weight_local_checkpoint_dir or str(run_dir / "rollout-checkpoints"))
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

@@ -13,15 +13,18 @@ from pathlib import Path
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHARSET = string.digits + string.ascii_letters + string.punctuation + " \n"
+DIGITS_CHARSET = string.digits + "+-=:, \n"
+"""A small vocabulary for arithmetic-style tasks: a random policy hits a digit often enough to learn from."""
+CHARSETS = {"full": CHARSET, "digits": DIGITS_CHARSET}
 
 
-def build_tokenizer():
-    """A character-level fast tokenizer: one token per character, three special tokens."""
+def build_tokenizer(charset: str = CHARSET):
+    """A character-level fast tokenizer: one token per character of ``charset``, three special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for ch in CHARSET:
+    for ch in charset:
         vocab.setdefault(ch, len(vocab))
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
@@ -48,17 +51,19 @@ def make_tiny_qwen3(
     max_position_embeddings: int = 2048,
     dtype: str = "float32",
     seed: int = 0,
+    charset: str = CHARSET,
 ) -> Path:
     """Write a random tiny Qwen3 checkpoint with its tokenizer into ``out_dir``; return the path.
 
-    ``vocab_size`` defaults to the tokenizer's size rounded up to a multiple of 8.
+    ``vocab_size`` defaults to the tokenizer's size rounded up to a multiple of 8;
+    ``charset`` is the tokenizer's character set (``CHARSETS`` names two).
     """
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(charset)
     vocab_size = vocab_size or _round_up(len(tokenizer), 8)
     config = Qwen3Config(
         vocab_size=vocab_size,

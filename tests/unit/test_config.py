@@ -98,13 +98,20 @@ def test_disk_delta_rejects_unsupported_modes(tmp_path: Path, extra, entry, flag
         assert flag_name in str(info.value)
 
 
-@pytest.mark.parametrize("missing", ["--update-weight-disk-dir", "--update-weight-local-checkpoint-dir"])
-def test_disk_delta_requires_directories(tmp_path: Path, missing: str) -> None:
+@pytest.mark.parametrize("missing, default", [("--update-weight-disk-dir", "weight-updates"),
+                                              ("--update-weight-local-checkpoint-dir", "rollout-checkpoints")])
+def test_disk_delta_directories_default_into_the_run_dir(tmp_path: Path, missing: str, default: str) -> None:
     argv = disk_delta(tmp_path)
     index = argv.index(missing)
     del argv[index:index + 2]
-    with pytest.raises(ConfigError, match=missing):
-        load_config(argv, "train_async")
+    config, _ = load_config(argv + ["--run-dir", str(tmp_path / "run")], "train_async")
+    attr = missing.removeprefix("--").replace("-", "_")
+    assert getattr(config.weights, attr) == str(tmp_path / "run" / default)
+
+
+def test_run_dir_defaults_to_a_timestamp_under_runs() -> None:
+    config, _ = load_config([], "train_async")
+    assert config.tracking.run_dir.startswith("runs/") and len(config.tracking.run_dir) > len("runs/")
 
 
 def test_disk_delta_requires_local_hf_checkpoint(tmp_path: Path) -> None:

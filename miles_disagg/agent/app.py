@@ -1,0 +1,402 @@
+"""The agent: host-side ``/pull_weights`` for an engine that lacks it, plus a transparent proxy.
+
+Endpoints the agent answers itself (everything else is proxied unchanged):
+
+* ``POST /pull_weights`` ``{target_version, source_dir, local_checkpoint_dir?}``: materialize
+  and verify ``target_version`` into the local checkpoint while the engine keeps serving.
+  The engine is never called (so never paused); a failure leaves the held version held.
+* ``POST /update_weights_from_disk``: a decimal ``weight_version`` must name the version the
+  agent holds; ``model_path`` is then rewritten to the slot directory holding exactly that
+  version and the request forwarded. Any other decimal version is refused (400,
+  ``VersionNotPrepared``) without calling the engine: one policy is never loaded under
+  another's label. A ``model_path`` naming the agent's local checkpoint is rewritten to the
+  held slot too. Other requests (no or non-decimal ``weight_version``, another path) are
+  forwarded unchanged.
+* ``GET /agent_info`` (state), ``GET /agent_health`` (the agent itself is up).
+
+Why the slot directory and not the ``local_checkpoint_dir`` symlink: the symlink flips at
+the end of every pull, so an engine reading through it could mix two versions. The slot
+that holds version N is only rewritten by the pull after next (the materializer writes the
+inactive slot), and the agent makes a pull wait while any activation still reads a slot
+other than the held one. So a slot never changes while the engine reads it.
+
+Ordering and failure contracts: one pull at a time; pulls run on worker threads, so the
+proxy keeps answering during a pull. Engine unreachable (connect/transport failure) is a
+502 JSON error. Errors are ``{"success": false, "message", "error": {message, type, code,
+retryable}}``: 400 bad input or a refused update (``InvalidInput``, ``FailRun``: lineage,
+checksum, layout, format), 409 retryable (``VersionNotReady``), 502 engine unreachable.
+The agent owns the local checkpoint directory: nothing else may write it.
+"""
+
+# no "from __future__ import annotations": FastAPI must see the real Request class
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from miles_disagg.engine import protocol
+from miles_disagg.types import FailRun, InvalidInput, MilesDisaggError, ReplaceReplica, Retryable, VersionRef
+
+log = logging.getLogger(__name__)
+
+# Headers that describe one hop, not the message; never forwarded (content-length is recomputed
+# for requests; for responses the raw upstream bytes are relayed, so its length stays right).
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+                        "transfer-encoding", "upgrade", "host"})
+SERVER_SET = frozenset({"date", "server"})  # the agent's own HTTP server adds these
+PROXY_METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_READER_WAIT_S = 600.0
+
+
+class EngineUnreachable(Retryable):
+    """The engine behind the agent did not answer (connection refused, reset, timed out)."""
+
+
+class VersionNotPrepared(InvalidInput):
+    """An activation named a version the agent does not hold (requested vs held)."""
+
+    def __init__(self, requested: str, held: VersionRef | None):
+        self.requested, self.held = requested, held
+        holds = f"holds version {held.version} (run {held.run_id or '<none>'})" if held else "holds no version yet"
+        super().__init__(f"weight_version {requested} is not prepared on this host: the agent {holds}; "
+                         f"POST /pull_weights with target_version {requested} first")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """Settings of one agent process."""
+
+    engine_url: str
+    """Base URL of the engine this agent fronts, e.g. ``http://127.0.0.1:30000``."""
+    local_checkpoint_dir: Path
+    """Host-local checkpoint the agent materializes into (a symlink to the held slot)."""
+    base_dir: Path | None = None
+    """Version 0 (the base checkpoint); default: the engine's ``model_path``, read at the first pull."""
+    pre_read_hook: str | Callable[..., Any] | None = None
+    """``module:function`` called as ``hook(source_dir, target_version)`` before a pull reads a version."""
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    """How long a connection to the engine may take before the request fails with 502."""
+    reader_wait_s: float = DEFAULT_READER_WAIT_S
+    """How long a pull waits for activations still reading the slot it would rewrite (then 409)."""
+
+
+class Agent:
+    """The host state: what the local checkpoint holds, pulls, and activations reading slots."""
+
+    def __init__(self, config: AgentConfig):
+        from miles_disagg.weights.hooks import PRE_READ_FLAG, load_hook
+        from miles_disagg.weights.materializer import Materializer
+
+        self.config = config
+        self.engine_url = config.engine_url.rstrip("/")
+        self.local_dir = Path(os.path.abspath(config.local_checkpoint_dir))
+        self.base_dir = Path(config.base_dir) if config.base_dir is not None else None
+        self._hook = load_hook(config.pre_read_hook, PRE_READ_FLAG)  # ConfigError now, not at the first pull
+        view = Materializer(self.local_dir, base_dir=self.local_dir)  # reads state.json only; never prepares
+        held = view.held()
+        self._held: tuple[VersionRef, Path] | None = (held, view.held_path()) if held is not None else None
+        self._materializer: Any = None
+        self._cond = threading.Condition()
+        self._reading: Counter[Path] = Counter()  # slot path -> activations reading it now
+        self._pull_lock = threading.Lock()
+        self.pulling: int | None = None
+        self.last_pull: dict | None = None
+        self.last_activation: dict | None = None
+        self.last_error: str | None = None
+
+    # ---------------------------------------------------------------- pulls
+
+    def held(self) -> tuple[VersionRef, Path] | None:
+        with self._cond:
+            return self._held
+
+    def pull(self, req: protocol.PullWeights) -> dict:
+        """Materialize + verify ``req.target_version`` (blocking; run off the event loop).
+
+        Waits (up to ``reader_wait_s``, then ``Retryable``) while an activation reads a slot
+        other than the held one, since the pull may rewrite it. Raises the materializer's
+        typed errors; on any error the held version stays held and loadable.
+        """
+        self._check_local_dir(req.local_checkpoint_dir)
+        with self._pull_lock:
+            self._wait_for_stale_readers()
+            self.pulling = req.target_version
+            start = time.perf_counter()
+            try:
+                prepared = self._get_materializer().prepare(Path(req.source_dir), req.target_version)
+            except OSError as exc:  # the paths named are unusable; nothing was activated
+                unusable = InvalidInput(f"pull of version {req.target_version} failed: {type(exc).__name__}: {exc}")
+                raise self._failed(req, unusable) from exc
+            except Exception as exc:
+                raise self._failed(req, exc)
+            finally:
+                self.pulling = None
+            with self._cond:
+                self._held = (prepared.ref, Path(prepared.path))
+        self.last_pull = {
+            "version": prepared.ref.version, "run_id": prepared.ref.run_id, "path": str(prepared.path),
+            "previous_version": prepared.previous.version if prepared.previous else None,
+            "num_changed_tensors": len(prepared.changed),
+            "prepare_ms": round((time.perf_counter() - start) * 1e3, 3),
+        }
+        log.info("prepared %s at %s in %.1f ms", prepared.ref, prepared.path, self.last_pull["prepare_ms"])
+        return {"success": True, "target_version": prepared.ref.version, **self.last_pull,
+                "message": f"Prepared version {prepared.ref.version} at {prepared.path}; "
+                           f"activate it with update_weights_from_disk weight_version={prepared.ref.version}"}
+
+    def _failed(self, req: protocol.PullWeights, exc: Exception) -> Exception:
+        failed = f"pull of version {req.target_version} failed: "
+        self.last_error = str(exc) if str(exc).startswith(failed) else f"{failed}{type(exc).__name__}: {exc}"
+        log.warning("%s", self.last_error)
+        return exc
+
+    def _check_local_dir(self, given: str) -> None:
+        if given and Path(os.path.abspath(given)) != self.local_dir:
+            raise InvalidInput(f"local_checkpoint_dir {given!r} is not this agent's ({str(self.local_dir)!r}); "
+                               "the agent materializes only into the directory it was started with")
+
+    def _wait_for_stale_readers(self) -> None:
+        with self._cond:
+            held_path = self._held[1] if self._held else None
+            idle = self._cond.wait_for(
+                lambda: all(p == held_path for p, n in self._reading.items() if n > 0), self.config.reader_wait_s)
+            if not idle:
+                busy = sorted(str(p) for p, n in self._reading.items() if n > 0 and p != held_path)
+                raise Retryable(f"activations still read {busy}, which this pull would rewrite; retry the pull")
+
+    def _get_materializer(self):
+        from miles_disagg.weights.materializer import Materializer
+
+        if self._materializer is None:
+            if self.base_dir is None:
+                raise InvalidInput("the base checkpoint is unknown (pass --base-dir)")
+            self._materializer = Materializer(self.local_dir, base_dir=self.base_dir, pre_read_hook=self._hook)
+        return self._materializer
+
+    def set_base_dir(self, model_path: str) -> None:
+        """Use the engine's ``model_path`` as version 0; ``InvalidInput`` unless it is a local checkpoint."""
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise InvalidInput(f"the engine's model_path {model_path!r} is not a local checkpoint directory "
+                               "on this host; start the agent with --base-dir")
+        self.base_dir = path
+
+    # ---------------------------------------------------------------- activations
+
+    def begin_activation(self, weight_version: str | None) -> tuple[Path, VersionRef]:
+        """The held slot for an activation of ``weight_version`` (None: of whatever is held),
+        registered as being read until :meth:`end_activation`; ``VersionNotPrepared`` otherwise."""
+        with self._cond:
+            held = self._held
+            if held is None or (weight_version is not None and int(weight_version) != held[0].version):
+                raise VersionNotPrepared(weight_version if weight_version is not None else "<none>",
+                                         held[0] if held else None)
+            self._reading[held[1]] += 1
+            return held[1], held[0]
+
+    def end_activation(self, path: Path, ref: VersionRef, status_code: int | None, error: str | None) -> None:
+        with self._cond:
+            self._reading[path] -= 1
+            if self._reading[path] <= 0:
+                del self._reading[path]
+            self._cond.notify_all()
+        self.last_activation = {"version": ref.version, "run_id": ref.run_id, "path": str(path),
+                                "engine_status": status_code, "error": error}
+        if error:
+            self.last_error = f"activation of version {ref.version} failed: {error}"
+
+    def names_local_checkpoint(self, model_path: str) -> bool:
+        """True for the local checkpoint symlink or one of its slots (reads must go through the held slot)."""
+        path = Path(os.path.abspath(model_path))
+        slots = self.local_dir.parent / (self.local_dir.name + ".slots")
+        return path == self.local_dir or path.parent == slots
+
+    def info(self) -> dict:
+        held = self.held()
+        with self._cond:
+            reading = sum(self._reading.values())
+        return {
+            "engine_url": self.engine_url,
+            "local_checkpoint_dir": str(self.local_dir),
+            "base_dir": str(self.base_dir) if self.base_dir else None,
+            "held": {"run_id": held[0].run_id, "version": held[0].version, "path": str(held[1])} if held else None,
+            "pulling": self.pulling,
+            "num_activations_in_flight": reading,
+            "last_pull": self.last_pull,
+            "last_activation": self.last_activation,
+            "last_error": self.last_error,
+        }
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def status_for(exc: BaseException) -> int:
+    if isinstance(exc, EngineUnreachable):
+        return 502
+    if isinstance(exc, (InvalidInput, FailRun)):
+        return 400
+    if isinstance(exc, Retryable):
+        return 409
+    if isinstance(exc, ReplaceReplica):
+        return 503
+    return 500
+
+
+def error_response(exc: BaseException):
+    from fastapi.responses import JSONResponse
+
+    status = status_for(exc)
+    message = str(exc) if isinstance(exc, MilesDisaggError) else f"{type(exc).__name__}: {exc}"
+    if status == 500:
+        log.error("internal error:\n%s", "".join(traceback.format_exception(exc)))
+    return JSONResponse({"success": False, "message": message,
+                         "error": {"message": message, "type": type(exc).__name__, "code": status,
+                                   "retryable": isinstance(exc, Retryable)}}, status_code=status)
+
+
+def _unreachable(engine_url: str, exc: Exception) -> EngineUnreachable:
+    return EngineUnreachable(f"engine at {engine_url} is unreachable: {type(exc).__name__}: {exc}")
+
+
+# --------------------------------------------------------------------------- HTTP app
+
+
+def create_app(agent: Agent):
+    import contextlib
+
+    import httpx
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    timeout = httpx.Timeout(None, connect=agent.config.connect_timeout_s)  # generations may run for minutes
+    client = httpx.AsyncClient(base_url=agent.engine_url, timeout=timeout)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="miles-disagg agent", lifespan=lifespan)
+
+    async def engine_json(path: str) -> dict:
+        try:
+            response = await client.get(path)
+        except httpx.TransportError as exc:
+            raise _unreachable(agent.engine_url, exc) from exc
+        if response.status_code != 200:
+            raise EngineUnreachable(f"engine GET {path} answered {response.status_code}: {response.text[:200]}")
+        return response.json()
+
+    async def ensure_base_dir() -> None:
+        if agent.base_dir is None:
+            info = await engine_json("/get_model_info")
+            if not info.get("model_path"):
+                info = await engine_json("/get_server_info")
+            agent.set_base_dir(str(info.get("model_path") or ""))
+
+    @app.get("/agent_health")
+    async def agent_health():
+        return {"status": "ok"}
+
+    @app.get("/agent_info")
+    async def agent_info():
+        return agent.info()
+
+    @app.post("/pull_weights")
+    async def pull_weights(request: Request):
+        try:
+            body = protocol.parse_json(await request.body())
+            req = protocol.PullWeights.from_json({"local_checkpoint_dir": str(agent.local_dir), **body})
+            await ensure_base_dir()
+            result = await asyncio.get_running_loop().run_in_executor(None, agent.pull, req)
+        except Exception as exc:
+            return error_response(exc)
+        return JSONResponse(result)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        raw = await request.body()
+        try:
+            body = protocol.parse_json(raw)
+            req = protocol.UpdateFromDisk.from_json(body)
+            by_version = req.weight_version is not None and _is_version_number(req.weight_version)
+            if not by_version and not agent.names_local_checkpoint(req.model_path):
+                return await forward(request, raw)
+            path, ref = agent.begin_activation(req.weight_version if by_version else None)
+        except Exception as exc:
+            return error_response(exc)
+        return await activate(request, {**body, "model_path": str(path)}, path, ref)
+
+    async def activate(request: Request, body: dict, path: Path, ref: VersionRef):
+        """Forward the rewritten activation; the slot counts as being read until the engine answers."""
+        status, error = None, "cancelled"
+        try:
+            response = await client.post("/update_weights_from_disk", json=body, headers=_request_headers(request))
+            status = response.status_code
+            error = None if status == 200 else f"engine answered {status}: {response.text[:500]}"
+        except httpx.TransportError as exc:
+            failure = _unreachable(agent.engine_url, exc)
+            error = str(failure)
+            return error_response(failure)
+        finally:
+            agent.end_activation(path, ref, status, error)
+        return _relay_with_path(response, path)
+
+    @app.api_route("/{path:path}", methods=PROXY_METHODS)
+    async def proxy(request: Request, path: str):
+        return await forward(request, await request.body())
+
+    async def forward(request: Request, body: bytes):
+        url = httpx.URL(path=request.url.path, query=request.url.query.encode())
+        upstream_request = client.build_request(request.method, url, headers=_request_headers(request), content=body)
+        try:
+            upstream = await client.send(upstream_request, stream=True)
+        except httpx.TransportError as exc:
+            return error_response(_unreachable(agent.engine_url, exc))
+        response = StreamingResponse(_relay(upstream), status_code=upstream.status_code)
+        response.raw_headers = [(k, v) for k, v in upstream.headers.raw
+                                if k.decode("latin-1").lower() not in HOP_BY_HOP | SERVER_SET]
+        return response
+
+    return app
+
+
+def _is_version_number(label: str) -> bool:
+    """This project's version labels are ASCII decimal ints ("7"); others are the client's own labels."""
+    return label.isascii() and label.isdigit()
+
+
+def _request_headers(request) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP and k.lower() != "content-length"]
+
+
+async def _relay(upstream):
+    """The engine's raw bytes as they arrive (SSE streams included); the upstream closes when done or dropped."""
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    finally:
+        await upstream.aclose()
+
+
+def _relay_with_path(response, path: Path):
+    """The engine's activation answer; a JSON object gains ``loaded_path`` (the slot it read)."""
+    from fastapi.responses import JSONResponse, Response
+
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        return JSONResponse({**body, "loaded_path": str(path)}, status_code=response.status_code)
+    return Response(response.content, status_code=response.status_code,
+                    media_type=response.headers.get("content-type"))

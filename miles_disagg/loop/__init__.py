@@ -1,0 +1,1 @@
+"""The training loops (train.py, train_async.py) and the job they run on."""

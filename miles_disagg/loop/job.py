@@ -1,0 +1,132 @@
+"""Start and stop everything a run needs: Ray, placement, trainer group, engines, router, rollout.
+
+``Job.start(config)`` brings the pieces up in dependency order and ``Job.stop()`` tears them
+down in reverse; a failure while starting stops what was already started.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles_disagg.config.components import RunConfig
+from miles_disagg.tracking import status
+
+RAY_TMPDIR_ENV = "MILES_DISAGG_RAY_TMPDIR"
+
+
+@dataclass
+class Job:
+    config: RunConfig
+    placement: Any = None
+    trainer: Any = None
+    manager: Any = None
+    rollout: Any = None
+    router_url: str | None = None
+    engine_urls: list[str] = field(default_factory=list)
+    run_id: str | None = None
+    _owns_ray: bool = False
+
+    @classmethod
+    def start(cls, config: RunConfig, *, with_trainer: bool = True, with_engines: bool = True) -> "Job":
+        job = cls(config)
+        try:
+            job._start(with_trainer, with_engines)
+        except BaseException:
+            job.stop()
+            raise
+        return job
+
+    def _start(self, with_trainer: bool, with_engines: bool) -> None:
+        import ray
+
+        from miles_disagg.trainer.placement import create_placement, plan_layout
+
+        cfg = self.config
+        layout = plan_layout(cfg.cluster, external_rollout=cfg.rollout.rollout_external or not with_engines)
+        self._owns_ray = init_ray(layout.num_bundles)
+        status(f"placement: {layout.num_bundles} GPU bundles (trainer {list(layout.trainer)}, "
+               f"engines {[list(e) for e in layout.engines] or 'attached'})")
+        self.placement = create_placement(layout)
+        if with_trainer:
+            self._start_trainer()
+        if with_engines:
+            self._start_engines()
+
+    def _start_trainer(self) -> None:
+        from miles_disagg.trainer.group import TrainerGroup
+
+        cfg = self.config
+        self.trainer = TrainerGroup(self.placement, cfg.train, cfg.weights, cfg.train.hf_checkpoint,
+                                    colocated=cfg.cluster.colocate)
+        info = self.trainer.setup()
+        self.run_id = info.get("run_id")
+        status(f"trainer: {self.trainer.world_size} rank(s), {info['backend']}, ready in {info['setup_s']:.1f}s")
+
+    def _start_engines(self) -> None:
+        import ray
+
+        from miles_disagg.rollout.engine_manager import EngineManager
+        from miles_disagg.rollout.manager import RolloutManager
+
+        cfg = self.config
+        manager_cls = ray.remote(EngineManager)
+        self.manager = manager_cls.options(num_cpus=0, max_concurrency=8).remote(
+            cfg.cluster, cfg.rollout, cfg.weights, cfg.train.hf_checkpoint, cfg.tracking.run_dir,
+            placement=self.placement, seed=cfg.train.seed)
+        info = ray.get(self.manager.start.remote())
+        self.router_url, self.engine_urls = info["router_url"], info["engine_urls"]
+        status(f"engines: {len(self.engine_urls)} behind the router at {self.router_url}")
+        rollout_cls = ray.remote(RolloutManager)
+        self.rollout = rollout_cls.options(num_cpus=0).remote(
+            cfg.rollout, self.router_url, cfg.train.hf_checkpoint, cfg.train.seed)
+
+    def stop(self) -> None:
+        import ray
+
+        for step in (self._stop_rollout, self._stop_manager, self._stop_trainer):
+            try:
+                step()
+            except Exception as exc:  # keep tearing down the rest
+                status(f"shutdown: {type(exc).__name__}: {exc}")
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def _stop_rollout(self) -> None:
+        import ray
+
+        if self.rollout is not None:
+            ray.get(self.rollout.stop.remote(), timeout=30)
+
+    def _stop_manager(self) -> None:
+        import ray
+
+        if self.manager is not None:
+            ray.get(self.manager.shutdown.remote(), timeout=60)
+
+    def _stop_trainer(self) -> None:
+        if self.trainer is not None:
+            self.trainer.shutdown()
+
+
+def init_ray(num_bundles: int) -> bool:
+    """Connect to ``RAY_ADDRESS`` if set, else start a local Ray; on a machine without CUDA
+    the local Ray gets ``num_bundles`` logical GPUs. Returns whether this process started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
+        return True
+    import torch
+
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else num_bundles
+    tmp = os.environ.get(RAY_TMPDIR_ENV)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
+    ray.init(num_cpus=max(8, os.cpu_count() or 1), num_gpus=num_gpus, include_dashboard=False,
+             logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    return True

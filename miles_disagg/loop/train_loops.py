@@ -1,0 +1,109 @@
+"""The two training loops. They read top to bottom like the reference's train.py/train_async.py.
+
+``train_sync``: generate a batch on the current version, train on it, publish, update, repeat.
+``train_async``: the rollout manager keeps generating while the trainer consumes completed
+groups; at an update boundary the engines prepare the new version while serving and pause
+only to activate it. ``--max-weight-staleness`` bounds how old a consumed sample may be.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from miles_disagg.config.components import RunConfig
+from miles_disagg.loop.job import Job
+from miles_disagg.loop.steps import assign_advantages, publish_and_update, step_record
+from miles_disagg.rollout.manager import load_groups, save_groups
+from miles_disagg.tracking import MetricsTracker, status
+
+
+def train_async(job: Job, tracker: MetricsTracker) -> None:
+    cfg = job.config
+    version = 0
+    ray.get(job.rollout.start.remote())
+    for step in range(cfg.rollout.num_rollout):
+        start = time.perf_counter()
+        batch = ray.get(job.rollout.take.remote(cfg.rollout.rollout_batch_size, version))
+        got_batch = time.perf_counter()
+        if cfg.rollout.save_debug_rollout_data:
+            save_groups(cfg.rollout.save_debug_rollout_data.format(rollout_id=step), batch["groups"], version)
+        train_metrics = job.trainer.train(assign_advantages(batch["groups"], cfg))
+        trained = time.perf_counter()
+        update_metrics = {}
+        if (step + 1) % cfg.weights.update_weights_interval == 0:
+            version, update_metrics = publish_and_update(job, version)
+            ray.get(job.rollout.set_version.remote(version))
+        timings = {"perf/wait_rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
+                   "perf/step_time": time.perf_counter() - start}
+        _log_step(tracker, step, batch, train_metrics, update_metrics, timings)
+
+
+def train_sync(job: Job, tracker: MetricsTracker) -> None:
+    cfg = job.config
+    version = 0
+    for step in range(cfg.rollout.num_rollout):
+        start = time.perf_counter()
+        batch = _rollout_batch(job, step, version)
+        got_batch = time.perf_counter()
+        train_metrics = {} if cfg.rollout.debug_rollout_only else job.trainer.train(assign_advantages(batch["groups"], cfg))
+        trained = time.perf_counter()
+        update_metrics = {}
+        if not cfg.rollout.debug_rollout_only and job.manager is not None:
+            version, update_metrics = publish_and_update(job, version)
+        timings = {"perf/rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
+                   "perf/step_time": time.perf_counter() - start}
+        _log_step(tracker, step, batch, train_metrics, update_metrics, timings)
+
+
+def _rollout_batch(job: Job, step: int, version: int) -> dict:
+    cfg = job.config.rollout
+    if cfg.load_debug_rollout_data:
+        groups = load_groups(cfg.load_debug_rollout_data.format(rollout_id=step))
+        from miles_disagg.rollout.buffer import summarize
+
+        return {"groups": groups, "metrics": {"rollout/raw_reward": _mean_reward(groups),
+                                              **summarize(groups, version, 0).metrics()}}
+    batch = ray.get(job.rollout.generate.remote(cfg.rollout_batch_size, version))
+    if cfg.save_debug_rollout_data:
+        save_groups(cfg.save_debug_rollout_data.format(rollout_id=step), batch["groups"], version)
+    return batch
+
+
+def _mean_reward(groups) -> float:
+    rewards = [s.reward for g in groups for s in g.samples]
+    return sum(rewards) / len(rewards) if rewards else 0.0
+
+
+def _log_step(tracker: MetricsTracker, step: int, batch: dict, train_metrics: dict, update_metrics: dict,
+              timings: dict) -> None:
+    num_samples = sum(len(g.samples) for g in batch["groups"])
+    record = tracker.log(step, step_record(train_metrics, batch["metrics"], update_metrics, timings, num_samples))
+    parts = [f"step {step}", f"reward {record.get('rollout/raw_reward', 0):.3f}",
+             f"staleness max {record.get('rollout/staleness_max', 0):.0f}"]
+    if "weights/version" in record:
+        parts.append(f"v{record['weights/version']} ({record['perf/update_weights_wire_bytes'] / 1024:.0f} KiB, "
+                     f"pause {record.get('perf/update_weights_pause_time', 0) * 1e3:.0f} ms)")
+    parts.append(f"{timings['perf/step_time']:.2f}s")
+    status(" | ".join(parts))
+
+
+def run(config: RunConfig) -> None:
+    """Start the job, run the entry's loop, write the report, stop the job."""
+    from miles_disagg.loop.report import write_report
+
+    with_engines = not config.rollout.debug_train_only
+    job = Job.start(config, with_trainer=not config.rollout.debug_rollout_only, with_engines=with_engines)
+    tracker = MetricsTracker(config.tracking.run_dir, use_tensorboard=config.tracking.use_tensorboard,
+                             use_wandb=config.tracking.use_wandb, wandb_project=config.tracking.wandb_project,
+                             wandb_group=config.tracking.wandb_group)
+    try:
+        if config.entry == "train_async":
+            train_async(job, tracker)
+        else:
+            train_sync(job, tracker)
+    finally:
+        tracker.close()
+        job.stop()
+    write_report(config.tracking.run_dir)

@@ -1,0 +1,227 @@
+"""The engine manager (a Ray actor): launches or attaches engines, runs the router, updates
+weights, and replaces failed engines.
+
+Managed: one ``EngineProcess`` actor per engine group of bundles (built-in engine, or SGLang
+behind ``miles-disagg agent``). Attached (``--rollout-external``): nothing is launched; each
+address must answer and match the job (architecture, tp size, context length, dtype), else
+``ConfigError`` naming the field and both values. Either way every engine is registered with
+the version-aware router that this actor starts.
+
+Faults: a monitor thread watches the engines. A managed engine whose process died is taken
+out of the router at once, restarted, brought to the current version (base + chain through
+``/pull_weights``) and only then registered again. An attached engine that stops answering
+is removed; when it answers again it is re-checked and brought to the current version
+before it is registered again. Weight updates and restores never interleave (one lock).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from miles_disagg.config.components import ClusterConfig, RolloutConfig, WeightUpdateConfig
+from miles_disagg.rollout.engine_client import EngineClient, EngineRequestFailed
+from miles_disagg.rollout.updater import DiskDeltaUpdater, UpdateFailed
+from miles_disagg.types import ConfigError
+
+log = logging.getLogger(__name__)
+
+ATTACH_TIMEOUT_S = 120.0
+MONITOR_INTERVAL_S = 1.0
+
+
+class EngineManager:
+    def __init__(self, cluster: ClusterConfig, rollout: RolloutConfig, weights: WeightUpdateConfig,
+                 model_path: str, run_dir: str, placement=None, seed: int = 0):
+        self.cluster, self.rollout, self.weights = cluster, rollout, weights
+        self.model_path, self.run_dir, self.placement, self.seed = model_path, Path(run_dir), placement, seed
+        self.router = None
+        self.router_client = None
+        self.engine_urls: list[str] = []
+        self.local_dirs: list[str] = []
+        self._actors: list[Any] = []
+        self._lock = threading.RLock()
+        self._version = 0
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self.events: list[dict] = []
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> dict:
+        """Start the router and the engines (or attach them); returns the URLs."""
+        from miles_disagg.router.launch import launch_router
+
+        self.router = launch_router(log_path=self.run_dir / "logs" / "router.log",
+                                    health_check_interval_s=self.rollout.rollout_health_check_interval,
+                                    retry_after_s=0.2)
+        self.router_client = self.router.client()
+        if self.rollout.rollout_external:
+            self.engine_urls = self._attach()
+        else:
+            self.engine_urls = self._launch()
+        local_root = Path(self.weights.update_weight_local_checkpoint_dir or self.run_dir / "rollout-checkpoints")
+        self.local_dirs = [self._local_dir(url, local_root / f"engine-{i}") for i, url in enumerate(self.engine_urls)]
+        for url in self.engine_urls:
+            self.router_client.add_worker(url)
+        for url in self.engine_urls:
+            self.router_client.wait_worker_version(url, 0, timeout_s=60)
+        self._monitor = threading.Thread(target=self._watch, name="engine-monitor", daemon=True)
+        self._monitor.start()
+        return {"router_url": self.router.url, "engine_urls": list(self.engine_urls)}
+
+    def _launch(self) -> list[str]:
+        import ray
+
+        from miles_disagg.rollout.engine_process import EngineProcess, EngineSpec
+
+        backend = _resolve_backend(self.rollout.rollout_backend)
+        remote_cls = ray.remote(EngineProcess)
+        local_root = Path(self.weights.update_weight_local_checkpoint_dir or self.run_dir / "rollout-checkpoints")
+        for index, bundles in enumerate(self.placement.layout.engines):
+            spec = EngineSpec(index=index, backend=backend, model_path=self.model_path,
+                              log_dir=str(self.run_dir / "logs"), local_checkpoint_dir=str(local_root / f"engine-{index}"),
+                              tp_size=len(bundles), dtype=self.rollout.engine_dtype, seed=self.seed + index,
+                              pre_read_hook=self.weights.sglang_custom_pull_weights_pre_read_hook)
+            actor = remote_cls.options(num_cpus=0.2, num_gpus=0.2, max_concurrency=4,
+                                       scheduling_strategy=self.placement.strategy(bundles[0])).remote(spec)
+            self._actors.append(actor)
+        return ray.get([a.start.remote() for a in self._actors])
+
+    def _attach(self) -> list[str]:
+        from miles_disagg.rollout.engine_check import EngineExpectation, check_engine_matches
+
+        expected = EngineExpectation.from_hf_checkpoint(self.model_path, self.cluster.rollout_num_gpus_per_engine,
+                                                        self.rollout.engine_dtype)
+        urls = [f"http://{addr}" for addr in self.rollout.rollout_external_engine_addrs]
+        for url in urls:
+            client = _wait_answering(url, ATTACH_TIMEOUT_S)
+            problems = check_engine_matches(expected, client.get("/get_server_info"), client.get("/get_model_info"))
+            if problems:
+                raise ConfigError(f"--rollout-external-engine-addrs {url.removeprefix('http://')} does not match this "
+                                  f"job: {'; '.join(problems)}", ("--rollout-external-engine-addrs",))
+        return urls
+
+    @staticmethod
+    def _local_dir(url: str, default: Path) -> str:
+        """An agent owns its local checkpoint dir (ask it); a built-in engine takes ours."""
+        try:
+            return EngineClient(url, timeout_s=5).get("/agent_info")["local_checkpoint_dir"]
+        except (EngineRequestFailed, KeyError):
+            return str(default)
+
+    # ------------------------------------------------------------------ updates
+
+    def update_weights(self, version: int) -> dict[str, float]:
+        """Bring every engine to ``version`` (already published); returns the phase timings."""
+        with self._lock:
+            report = self._updater().update(version)
+            self._version = version
+        return report.metrics()
+
+    def _updater(self, indices: list[int] | None = None) -> DiskDeltaUpdater:
+        indices = list(range(len(self.engine_urls))) if indices is None else indices
+        return DiskDeltaUpdater([self.engine_urls[i] for i in indices],
+                                store_dir=self.weights.update_weight_disk_dir,
+                                local_dirs=[self.local_dirs[i] for i in indices],
+                                pause_mode=self.rollout.pause_generation_mode, set_state=self._set_state)
+
+    def _set_state(self, url: str, state: str) -> None:
+        self.router_client.set_worker_state(url, state)
+
+    def versions(self) -> list[str]:
+        return [EngineClient(url, timeout_s=10).weight_version() for url in self.engine_urls]
+
+    def info(self) -> dict:
+        return {"router_url": self.router.url if self.router else None, "engine_urls": list(self.engine_urls),
+                "version": self._version, "events": list(self.events)}
+
+    # ------------------------------------------------------------------ faults
+
+    def _watch(self) -> None:
+        down: set[int] = set()
+        while not self._stop.wait(MONITOR_INTERVAL_S):
+            for index in range(len(self.engine_urls)):
+                try:
+                    self._check_engine(index, down)
+                except Exception as exc:  # keep watching the others; record why
+                    log.exception("engine %d: recovery failed", index)
+                    self.events.append({"engine": index, "event": "recovery_failed", "error": str(exc)})
+
+    def _check_engine(self, index: int, down: set[int]) -> None:
+        import ray
+
+        url = self.engine_urls[index]
+        managed = bool(self._actors)
+        healthy = ray.get(self._actors[index].alive.remote()) if managed else EngineClient(url, timeout_s=3).healthy()
+        if healthy and index not in down:
+            return
+        if not healthy and index not in down:
+            down.add(index)
+            self.router_client.remove_worker(url)
+            self.events.append({"engine": index, "event": "down", "url": url, "time": time.time()})
+            if not managed:
+                return
+        if managed:
+            self.engine_urls[index] = ray.get(self._actors[index].restart.remote())
+        elif not EngineClient(url, timeout_s=3).healthy():
+            return
+        self._restore(index)
+        down.discard(index)
+
+    def _restore(self, index: int) -> None:
+        """Bring a (re)started engine to the current version, then let the router use it."""
+        with self._lock:
+            version = self._version
+            if version > 0:
+                updater = self._updater([index])
+                try:
+                    updater.update(version)
+                finally:
+                    updater.close()
+            self.router_client.add_worker(self.engine_urls[index])
+            self.events.append({"engine": index, "event": "restored", "url": self.engine_urls[index],
+                                "version": version, "time": time.time()})
+
+    def kill_engine(self, index: int) -> int | None:
+        """Tests and drills: SIGKILL one managed engine's process; returns its pid."""
+        import os
+        import signal
+
+        import ray
+
+        pid = ray.get(self._actors[index].pid.remote())
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def shutdown(self) -> None:
+        import ray
+
+        self._stop.set()
+        if self._actors:
+            ray.get([a.stop.remote() for a in self._actors])
+        if self.router is not None:
+            self.router.stop()
+
+
+def _resolve_backend(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "sglang" if torch.cuda.is_available() else "builtin"
+
+
+def _wait_answering(url: str, timeout_s: float) -> EngineClient:
+    client = EngineClient(url, timeout_s=10)
+    deadline = time.monotonic() + timeout_s
+    while not client.healthy():
+        if time.monotonic() > deadline:
+            raise ConfigError(f"--rollout-external-engine-addrs: {url} did not answer /health within {timeout_s:.0f}s",
+                              ("--rollout-external-engine-addrs",))
+        time.sleep(1.0)
+    return client

@@ -1,0 +1,88 @@
+"""One rollout sample over HTTP: an SGLang ``/generate`` request through the router.
+
+The request carries the version constraint (``weight_version: {"min_version": N}``); the
+response's ``meta_info.weight_version_start/_end`` (what actually served it) are recorded
+on the sample. Retryable refusals (409 version not ready, 502/503 worker failed or none
+available) are retried after ``Retry-After`` with a fresh request: the failed attempt
+produced nothing this run uses, so nothing is replayed into a sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from miles_disagg.types import FailRun, Sample
+
+RETRYABLE_STATUS = (409, 429, 502, 503)
+MAX_ATTEMPTS = 200
+
+
+class GenerationFailed(FailRun):
+    """A generation request failed in a way retrying cannot fix (a 4xx, or too many retries)."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "top_k": self.top_k}
+
+
+def request_body(prompt_ids: list[int], sampling: SamplingSettings, min_version: int | None,
+                 exact_version: int | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"input_ids": prompt_ids, "sampling_params": sampling.to_json(), "return_logprob": True}
+    if exact_version is not None:
+        body["weight_version"] = {"exact_version": exact_version}
+    elif min_version is not None:
+        body["weight_version"] = {"min_version": min_version}
+    return body
+
+
+def sample_from_response(prompt_ids: list[int], payload: dict) -> Sample:
+    """Build a Sample from an SGLang ``/generate`` answer routed by our router."""
+    meta = payload["meta_info"]
+    triples = meta.get("output_token_logprobs") or []
+    output_ids = list(payload.get("output_ids") or [t[1] for t in triples])
+    finish = meta.get("finish_reason") or {}
+    return Sample(
+        prompt_ids=list(prompt_ids), response_ids=output_ids, response_logprobs=[float(t[0]) for t in triples],
+        weight_version_start=int(meta["weight_version_start"]), weight_version_end=int(meta["weight_version_end"]),
+        finish_reason=finish.get("type", "length") if isinstance(finish, dict) else str(finish),
+    )
+
+
+async def generate_one(client, url: str, body: dict, counters: dict[str, int]) -> dict:
+    """POST ``body`` to ``url``/generate until it succeeds; retry only retryable refusals."""
+    for attempt in range(MAX_ATTEMPTS):
+        try:
+            response = await client.post(f"{url}/generate", json=body)
+        except Exception as exc:  # router unreachable for a moment: treat as retryable
+            counters["retried"] = counters.get("retried", 0) + 1
+            await asyncio.sleep(min(2.0, 0.1 * (attempt + 1)))
+            last = f"{type(exc).__name__}: {exc}"
+            continue
+        if response.status_code == 200:
+            return response.json()
+        if response.status_code not in RETRYABLE_STATUS:
+            raise GenerationFailed(f"/generate answered {response.status_code}: {response.text[:500]}")
+        counters["retried"] = counters.get("retried", 0) + 1
+        if response.status_code == 409:
+            counters["version_not_ready"] = counters.get("version_not_ready", 0) + 1
+        await asyncio.sleep(_retry_after(response) * (0.5 + random.random()))
+        last = response.text[:300]
+    raise GenerationFailed(f"/generate failed {MAX_ATTEMPTS} times; last: {last}")
+
+
+def _retry_after(response) -> float:
+    try:
+        return min(5.0, max(0.02, float(response.headers.get("retry-after", 0.2))))
+    except ValueError:
+        return 0.2

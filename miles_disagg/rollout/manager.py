@@ -1,0 +1,199 @@
+"""The rollout manager: keeps the engines busy and hands scored groups to the trainer.
+
+Run as a Ray actor (asyncio). ``start()`` launches a producer that keeps up to
+``--rollout-concurrency`` requests in flight through the router, groups
+``--n-samples-per-prompt`` samples per prompt, scores them and puts each finished group
+into the staleness-aware buffer. Each request asks for ``min_version = current - K``
+(``--max-weight-staleness``); ``take`` applies the same bound when the trainer consumes.
+The producer stops admitting new groups while ``capacity_groups`` are buffered or in
+flight, so a slow trainer does not make the engines generate work that will be dropped.
+Sync mode (``train.py``) uses ``generate(n)`` instead: exactly n groups, then idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from miles_disagg.config.components import RolloutConfig
+from miles_disagg.rollout.buffer import GroupBuffer
+from miles_disagg.rollout.generate import SamplingSettings, generate_one, request_body, sample_from_response
+from miles_disagg.types import Group
+
+log = logging.getLogger(__name__)
+
+
+class RolloutManager:
+    def __init__(self, config: RolloutConfig, router_url: str, hf_dir: str, seed: int,
+                 capacity_groups: int | None = None):
+        from transformers import AutoTokenizer
+
+        from miles_disagg.rollout.prompts import make_prompt_source, make_reward
+
+        self.config, self.router_url = config, router_url.rstrip("/")
+        self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        self.prompts = make_prompt_source(config, self.tokenizer, seed)
+        self.reward = make_reward(config)
+        self.sampling = SamplingSettings(config.rollout_max_response_len, config.rollout_temperature,
+                                         config.rollout_top_p, config.rollout_top_k)
+        self.buffer = GroupBuffer(config.max_weight_staleness)
+        self.capacity = capacity_groups or 2 * (config.rollout_batch_size or 1)
+        self.current_version = 0
+        self.counters: dict[str, int] = {"requests": 0, "retried": 0, "version_not_ready": 0, "groups": 0}
+        self._client = None
+        self._producer: asyncio.Task | None = None
+        self._pending = 0
+        self._slots: asyncio.Semaphore | None = None
+        self._room: asyncio.Condition | None = None
+        self._failure: BaseException | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _ensure_client(self) -> None:
+        import httpx
+
+        if self._client is None:
+            limits = httpx.Limits(max_connections=self.config.rollout_concurrency + 8)
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=limits)
+            self._slots = asyncio.Semaphore(self.config.rollout_concurrency)
+            self._room = asyncio.Condition()
+
+    async def start(self) -> None:
+        """Begin continuous generation (train_async.py)."""
+        await self._ensure_client()
+        if self._producer is None:
+            self._producer = asyncio.create_task(self._produce_forever())
+
+    async def set_version(self, version: int) -> None:
+        """The trainer's newest version: new requests ask for at least ``version - K``."""
+        self.current_version = version
+
+    async def take(self, n_groups: int, current_version: int, timeout_s: float = 900.0) -> dict[str, Any]:
+        """The next ``n_groups`` admissible groups (oldest first) and their staleness metrics."""
+        self._raise_failure()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                result = await asyncio.to_thread(self.buffer.take, n_groups, current_version, 1.0)
+                break
+            except Exception as exc:  # BufferTimeout: check the producer, then keep waiting
+                self._raise_failure()
+                if time.monotonic() > deadline or type(exc).__name__ != "BufferTimeout":
+                    raise
+        async with self._room:
+            self._pending -= len(result.groups)
+            self._room.notify_all()
+        return {"groups": result.groups, "metrics": {**result.metrics(), **self._group_metrics(result.groups)}}
+
+    async def generate(self, n_groups: int, current_version: int) -> dict[str, Any]:
+        """Sync mode: generate exactly ``n_groups`` groups now and return them."""
+        await self._ensure_client()
+        self.current_version = current_version
+        prompts = self.prompts.next_batch(n_groups)
+        groups = await asyncio.gather(*(self._group(p) for p in prompts))
+        for g in groups:
+            self.buffer.put(g)
+        result = await asyncio.to_thread(self.buffer.take, n_groups, current_version, 60.0)
+        return {"groups": result.groups, "metrics": {**result.metrics(), **self._group_metrics(result.groups)}}
+
+    async def stop(self) -> None:
+        if self._producer is not None:
+            self._producer.cancel()
+        self.buffer.close()
+        if self._client is not None:
+            await self._client.aclose()
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, "buffered": len(self.buffer), "pending": self._pending, **self.buffer.counters()}
+
+    # ------------------------------------------------------------------ producer
+
+    async def _produce_forever(self) -> None:
+        try:
+            while True:
+                async with self._room:
+                    await self._room.wait_for(lambda: self._pending < self.capacity)
+                    self._pending += 1
+                prompt = self.prompts.next_batch(1)[0]
+                asyncio.create_task(self._group_into_buffer(prompt))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # surfaced to the trainer by take()
+            self._failure = exc
+            raise
+
+    async def _group_into_buffer(self, prompt) -> None:
+        try:
+            self.buffer.put(await self._group(prompt))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            if type(exc).__name__ != "BufferClosed":
+                log.exception("rollout group failed")
+                self._failure = exc
+
+    async def _group(self, prompt) -> Group:
+        prompt_ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+        samples = await asyncio.gather(*(self._sample(prompt, prompt_ids) for _ in range(self.config.n_samples_per_prompt)))
+        self.counters["groups"] += 1
+        return Group(prompt_index=prompt.index, samples=list(samples))
+
+    async def _sample(self, prompt, prompt_ids: list[int]):
+        min_version = self.buffer.admission_min_version(self.current_version)
+        body = request_body(prompt_ids, self.sampling, min_version)
+        async with self._slots:
+            self.counters["requests"] += 1
+            payload = await generate_one(self._client, self.router_url, body, self.counters)
+        sample = sample_from_response(prompt_ids, payload)
+        text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+        sample.reward = float(self.reward(prompt.text, text, prompt.label, dict(prompt.metadata)))
+        sample.metadata.update({"prompt_index": prompt.index, "response_text": text,
+                                "requested_min_version": min_version,
+                                "routed_worker": payload["meta_info"].get("routed_worker")})
+        return sample
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    @staticmethod
+    def _group_metrics(groups: list[Group]) -> dict[str, float]:
+        samples = [s for g in groups for s in g.samples]
+        if not samples:
+            return {}
+        lengths = [len(s.response_ids) for s in samples]
+        return {"rollout/raw_reward": sum(s.reward for s in samples) / len(samples),
+                "rollout/response_len_mean": sum(lengths) / len(lengths),
+                "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
+                "rollout/served_version_mean": _mean(s.weight_version_end for s in samples)}
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def save_groups(path: str | Path, groups: list[Group], consumed_at_version: int) -> None:
+    """``--save-debug-rollout-data``: one JSON line per group, with the trainer version that consumed it."""
+    from miles_disagg.types import asdict
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for g in groups:
+            f.write(json.dumps({**asdict(g), "consumed_at_version": consumed_at_version}) + "\n")
+
+
+def load_groups(path: str | Path) -> list[Group]:
+    """``--load-debug-rollout-data``: what ``save_groups`` wrote."""
+    from miles_disagg.types import Sample
+
+    groups = []
+    for line in Path(path).read_text().splitlines():
+        raw = json.loads(line)
+        groups.append(Group(prompt_index=raw["prompt_index"], samples=[Sample(**s) for s in raw["samples"]]))
+    return groups

@@ -1,0 +1,444 @@
+"""The version-aware router: FastAPI app over a worker registry, a health checker and a proxy.
+
+Generation (each request proxied to one worker):
+``POST /generate`` (SGLang body; PUT too), ``POST /v1/completions``, ``POST /v1/chat/completions``.
+A version constraint comes from the body key ``"weight_version": {"min_version": N}`` or
+``{"exact_version": N}`` (removed before forwarding; the engine does not know it) or from
+the headers ``X-Weight-Version-Min`` / ``X-Weight-Version-Exact``; giving both, differently,
+is a 400. ``stream: true`` is refused with 400: the router does not relay SSE.
+
+Contracts:
+
+* Routing: only ``ready`` workers whose known version satisfies the constraint, fewest
+  outstanding requests first (:mod:`miles_disagg.router.policy`). None ready: 503
+  ``NoWorkerAvailable``; ready ones but none satisfying: 409 ``WeightVersionNotReady``
+  with ``required`` and ``available_versions``. Both carry ``Retry-After`` and
+  ``retryable: true``. An older policy than the constraint allows is never used.
+* Served versions: every 2xx ``/generate`` item gets ``meta_info.weight_version_start`` /
+  ``weight_version_end`` (ints, null if unknown) and ``meta_info.routed_worker``; the engine's
+  own start/end win, else start is the worker's version at dispatch and end the response's
+  ``weight_version``. OpenAI responses get the same keys in ``metadata``. If the served start
+  version does not satisfy the constraint (the router's view was stale) the answer is a 409
+  instead of that sample; the version seen in every response updates the registry.
+* Failures: a refused connection (nothing was sent) marks the worker unhealthy and the
+  request is tried on another worker. Any later failure (connection lost, timeout, 5xx)
+  marks the worker unhealthy and answers 502 ``WorkerFailed`` (retryable). A request that
+  may have started generating is never replayed, ``rid`` or not. 4xx answers pass through.
+* A client that disconnects has its upstream request closed, so the engine aborts it.
+
+Registry: ``POST /add_worker`` and ``POST /remove_worker`` (``{"url"}`` or ``?url=``),
+``GET /list_workers``, ``POST /set_worker_state`` ``{"url", "state": ready|paused|activating,
+"weight_version"?}``. ``GET /health`` (router alive), ``GET /metrics`` (JSON counters).
+"""
+
+# no "from __future__ import annotations": FastAPI must see the real Request class
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import httpx
+from fastapi.responses import JSONResponse, Response
+
+from miles_disagg.router.health import HealthChecker
+from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, constraint_json, request_constraint,
+                                       satisfies)
+from miles_disagg.router.registry import UnknownWorker, Worker, WorkerRegistry, WorkerState, parse_version
+from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
+
+log = logging.getLogger(__name__)
+
+GENERATE_PATH = "/generate"
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
+FORWARDED_HEADERS = ("authorization",)
+DISCONNECT_RECHECK_S = 1.0
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """Settings of one router process (the bind address is the server's, not here)."""
+
+    workers: tuple[str, ...] = ()
+    """Worker URLs registered at start; each is probed before it is routed to."""
+    health_check_interval_s: float = 1.0
+    """Seconds between health passes over all workers."""
+    health_check_timeout_s: float = 2.0
+    """Timeout of each probe request (``/health``, ``/get_weight_version``)."""
+    health_failure_threshold: int = 2
+    """Probe timeouts in a row that take a worker out (refusals and error statuses: one)."""
+    retry_after_s: float = 1.0
+    """Advised wait sent with 409/503 answers (``Retry-After`` rounds it up to whole seconds)."""
+    request_timeout_s: float = 600.0
+    """Read timeout of a proxied request (generation can take long)."""
+    connect_timeout_s: float = 5.0
+    """Connect timeout of a proxied request (a refused connection fails at once)."""
+
+    def __post_init__(self) -> None:
+        for name in ("health_check_interval_s", "health_check_timeout_s", "request_timeout_s", "connect_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s!r}")
+        if self.health_failure_threshold < 1:
+            raise ValueError(f"health_failure_threshold must be >= 1, got {self.health_failure_threshold!r}")
+
+
+class WorkerFailed(Retryable):
+    """The worker failed while serving the request; it is out of routing, the request may be retried."""
+
+    def __init__(self, url: str, reason: str):
+        self.url = url
+        super().__init__(f"worker {url} failed: {reason}")
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class Router:
+    """Registry + policy + health checker + proxy; lives on one event loop."""
+
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry | None = None):
+        self.config = config
+        self.registry = registry or WorkerRegistry(failure_threshold=config.health_failure_threshold)
+        self.policy = LeastOutstandingPolicy()
+        self.counters: Counter[str] = Counter()
+        self._client: httpx.AsyncClient | None = None
+        self.health: HealthChecker | None = None
+        self._health_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Open the HTTP clients, register ``config.workers``, run one health pass, start the loop."""
+        timeout = httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s)
+        # Idle connections are dropped before uvicorn's 5 s keep-alive closes them from the
+        # engine side, so a request never races a closing connection (that would read as a
+        # worker failure). trust_env=False: worker traffic never goes through an env proxy.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        self._client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+        probe_client = httpx.AsyncClient(timeout=self.config.health_check_timeout_s, limits=limits,
+                                         trust_env=False)
+        self.health = HealthChecker(self.registry, probe_client, interval_s=self.config.health_check_interval_s)
+        for url in self.config.workers:
+            self.registry.add(url)
+        await self.health.check_all()
+        self._health_task = asyncio.create_task(self.health.run_forever())
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        for client in (self._client, self.health and self.health.client):
+            if client is not None:
+                await client.aclose()
+
+    # ------------------------------------------------------------------ registry operations
+
+    async def add_worker(self, url: str) -> Worker:
+        """Register ``url`` and probe it at once, so a live engine is ``ready`` on return."""
+        worker = self.registry.add(url)
+        await self.health.check(worker)
+        return worker
+
+    async def set_worker_state(self, url: str, state: str, weight_version: int | None) -> Worker:
+        """Set the admin state; marking ``ready`` without a version re-reads the version first,
+        so requests are routed by the version the engine holds after its update."""
+        worker = self.registry.set_admin_state(url, state, weight_version)
+        if worker.admin_state is WorkerState.READY and weight_version is None:
+            await self.health.check(worker)
+        return worker
+
+    # ------------------------------------------------------------------ proxy
+
+    async def proxy(self, request: Any, path: str) -> Any:
+        """Route one generation request (see the module docstring for the contract)."""
+        self.counters["requests"] += 1
+        try:
+            body = _parse_body(await request.body())
+            constraint = request_constraint(body, request.headers)
+            if body.get("stream"):
+                raise InvalidInput("stream=true is not supported by the router; send stream=false")
+        except InvalidInput as exc:
+            return _error_response(400, exc)
+        payload = json.dumps(body).encode()
+        headers = {"content-type": "application/json",
+                   **{k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}}
+        for _ in range(len(self.registry.workers()) + 1):
+            try:
+                worker = self.policy.choose(self.registry.workers(), constraint)
+            except (VersionNotReady, NoWorkerAvailable) as exc:
+                return self._not_ready(exc, constraint)
+            response = await self._dispatch(worker, path, payload, headers, request, constraint)
+            if response is not None:
+                return response
+        return self._not_ready(NoWorkerAvailable("every ready worker refused the connection"), constraint)
+
+    async def _dispatch(self, worker: Worker, path: str, payload: bytes, headers: dict, request: Any,
+                        constraint: VersionConstraint) -> Any:
+        """Send to ``worker``; ``None`` if it could not be reached (nothing was sent)."""
+        dispatch_version = worker.weight_version
+        self.registry.acquire(worker)
+        served = False
+        try:
+            send = self._client.post(worker.url + path, content=payload, headers=headers)
+            upstream = await _unless_client_gone(request, send)
+            if upstream.status_code >= 500:
+                raise WorkerFailed(worker.url, f"{path} answered {upstream.status_code}: {upstream.text[:500]}")
+            served = True
+        except _ClientGone:
+            self.counters["client_disconnected"] += 1
+            return Response(status_code=499)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            self._fail(worker, f"cannot connect: {type(exc).__name__}: {exc}")
+            self.counters["connect_retries"] += 1
+            return None
+        except (httpx.HTTPError, WorkerFailed) as exc:
+            failure = exc if isinstance(exc, WorkerFailed) else WorkerFailed(worker.url, f"{type(exc).__name__}: {exc}")
+            self._fail(worker, str(failure))
+            self.counters["worker_failed"] += 1
+            return _error_response(502, failure, worker=worker.url)
+        finally:
+            self.registry.release(worker, served=served)
+        return self._relay(worker, path, upstream, dispatch_version, constraint)
+
+    def _fail(self, worker: Worker, reason: str) -> None:
+        log.warning("worker %s taken out of routing: %s", worker.url, reason)
+        self.registry.mark_failed(worker, reason)
+
+    def _relay(self, worker: Worker, path: str, upstream: httpx.Response, dispatch_version: int | None,
+               constraint: VersionConstraint) -> Any:
+        """The worker's answer with served versions added (non-JSON or non-2xx: as is)."""
+        routed = {"X-Routed-Worker": worker.url}
+        content_type = upstream.headers.get("content-type", "")
+        obj = _json_or_none(upstream) if upstream.is_success and "json" in content_type else None
+        if obj is None:
+            return Response(upstream.content, status_code=upstream.status_code,
+                            media_type=content_type or None, headers=routed)
+        metas = _metas_of(obj, "meta_info" if path == GENERATE_PATH else "metadata")
+        for meta in metas:
+            self.registry.observe_version(worker, parse_version(meta.get("weight_version")))
+        for meta in metas:
+            annotate_served_versions(meta, dispatch_version, worker)
+        wrong = [m for m in metas if violates(m["weight_version_start"], m["weight_version_end"], constraint)]
+        if wrong:
+            self.counters["stale_view"] += 1
+            served = (wrong[0]["weight_version_start"], wrong[0]["weight_version_end"])
+            message = (f"worker {worker.url} served versions {served} (start, end), which do not satisfy "
+                       f"{constraint.describe()} (the router's view of it was stale); retry")
+            available = [worker.weight_version] if worker.weight_version is not None else []
+            return self._not_ready(VersionNotReady(constraint, available), constraint, message=message)
+        return Response(json.dumps(obj).encode(), status_code=upstream.status_code,
+                        media_type="application/json", headers=routed)
+
+    def _not_ready(self, exc: Retryable, constraint: VersionConstraint, message: str | None = None) -> Any:
+        retry = {"Retry-After": str(max(1, math.ceil(self.config.retry_after_s)))}
+        extra: dict[str, Any] = {"retry_after_s": self.config.retry_after_s}
+        if isinstance(exc, VersionNotReady):
+            self.counters["version_not_ready"] += 1
+            extra.update(required=constraint_json(constraint), available_versions=exc.available)
+            return _error_response(409, exc, type_name="WeightVersionNotReady", headers=retry,
+                                   message=message, **extra)
+        self.counters["no_worker_available"] += 1
+        return _error_response(503, exc, headers=retry, worker_states=getattr(exc, "states", {}), **extra)
+
+    def metrics(self) -> dict[str, Any]:
+        return {**{k: self.counters.get(k, 0) for k in (
+            "requests", "version_not_ready", "no_worker_available", "worker_failed", "connect_retries",
+            "stale_view", "client_disconnected")},
+            "served_per_worker": {w.url: w.num_served for w in self.registry.workers()}}
+
+
+# --------------------------------------------------------------------------- request/response helpers
+
+
+def _parse_body(raw: bytes) -> dict:
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidInput(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _json_or_none(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
+def _metas_of(obj: Any, key: str) -> list[dict]:
+    """The per-item metadata dicts of a response (a batched ``/generate`` answers a list)."""
+    metas = []
+    for item in obj if isinstance(obj, list) else [obj]:
+        if isinstance(item, dict):
+            if not isinstance(item.get(key), dict):
+                item[key] = {}
+            metas.append(item[key])
+    return metas
+
+
+def violates(start: int | None, end: int | None, constraint: VersionConstraint) -> bool:
+    """Whether a sample served from ``start`` to ``end`` breaks ``constraint``: its start does
+    not satisfy it, or (``min_version``) it ended below the minimum, so it started below too."""
+    if not satisfies(start, constraint):
+        return True
+    return constraint.min_version is not None and end is not None and end < constraint.min_version
+
+
+def annotate_served_versions(meta: dict, dispatch_version: int | None, worker: Worker) -> int | None:
+    """Add served start/end versions (ints) and the worker URL; returns the start version."""
+    if "weight_version_start" in meta:
+        start = parse_version(meta["weight_version_start"])
+    else:
+        start = dispatch_version
+    if "weight_version_end" in meta:
+        end = parse_version(meta["weight_version_end"])
+    elif "weight_version" in meta:
+        end = parse_version(meta["weight_version"])
+    else:
+        end = worker.weight_version
+    meta.update(weight_version_start=start, weight_version_end=end, routed_worker=worker.url)
+    return start
+
+
+def _error_response(status: int, exc: BaseException, *, type_name: str | None = None,
+                    headers: dict | None = None, message: str | None = None, **extra: Any) -> JSONResponse:
+    body = {"type": type_name or type(exc).__name__, "retryable": isinstance(exc, Retryable),
+            "message": message or str(exc), **extra}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _unless_client_gone(request: Any, send: Awaitable[httpx.Response]) -> httpx.Response:
+    """Await ``send``; if the client disconnects first, cancel it (closing the upstream
+    connection, which makes the engine abort the request) and raise ``_ClientGone``."""
+    sending = asyncio.ensure_future(send)
+    watching = asyncio.ensure_future(_client_disconnected(request))
+    try:
+        await asyncio.wait({sending, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not sending.done():
+            sending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await sending
+    if sending.cancelled():
+        raise _ClientGone()
+    return sending.result()
+
+
+async def _client_disconnected(request: Any) -> None:
+    """Returns when the client is gone (the body was read, so ``receive`` waits for that).
+
+    Never returns if the server cannot tell: not watching is safer than a false abort.
+    """
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            await asyncio.sleep(DISCONNECT_RECHECK_S)
+    except Exception:
+        log.exception("cannot watch for client disconnects")
+        await asyncio.Event().wait()
+
+
+# --------------------------------------------------------------------------- app
+
+
+def create_app(config: RouterConfig, registry: WorkerRegistry | None = None):
+    """The router as an ASGI app; its lifespan starts and stops the health checker."""
+    from fastapi import FastAPI, Request
+
+    router = Router(config, registry)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="miles-disagg router", lifespan=lifespan)
+    app.state.router = router
+
+    for path in (GENERATE_PATH, *OPENAI_PATHS):
+        app.add_api_route(path, _proxy_route(router, path), methods=["POST", "PUT"] if path == GENERATE_PATH
+                          else ["POST"])
+
+    def admin(handler: Callable[[Request], Awaitable[dict]]):
+        async def wrapped(request: Request):
+            try:
+                return await handler(request)
+            except UnknownWorker as exc:
+                return _error_response(404, exc)
+            except MilesDisaggError as exc:
+                return _error_response(400 if isinstance(exc, InvalidInput) else 409, exc)
+        return wrapped
+
+    @app.post("/add_worker")
+    @admin
+    async def add_worker(request: Request):
+        worker = await router.add_worker(await _url_of(request))
+        return {"worker": worker.to_json()}
+
+    @app.post("/remove_worker")
+    @admin
+    async def remove_worker(request: Request):
+        return {"worker": router.registry.remove(await _url_of(request)).to_json()}
+
+    @app.post("/set_worker_state")
+    @admin
+    async def set_worker_state(request: Request):
+        body = _parse_body(await request.body())
+        version = body.get("weight_version")
+        if version is not None and parse_version(version) is None:
+            raise InvalidInput(f"weight_version must be a non-negative integer, got {version!r}")
+        worker = await router.set_worker_state(await _url_of(request, body), body.get("state"),
+                                               parse_version(version))
+        return {"worker": worker.to_json()}
+
+    @app.get("/list_workers")
+    async def list_workers():
+        workers = router.registry.workers()
+        # "urls" is sglang-router's shape (miles/slime read it to reach every engine)
+        return {"workers": [w.to_json() for w in workers], "urls": [w.url for w in workers]}
+
+    @app.get("/health")
+    async def health():
+        ready = sum(w.state is WorkerState.READY for w in router.registry.workers())
+        return JSONResponse({"status": "ok", "num_workers": len(router.registry.workers()), "num_ready": ready})
+
+    @app.get("/metrics")
+    async def metrics():
+        return router.metrics()
+
+    return app
+
+
+def _proxy_route(router: Router, path: str):
+    from fastapi import Request
+
+    async def route(request: Request):
+        return await router.proxy(request, path)
+    route.__name__ = f"proxy_{path.strip('/').replace('/', '_')}"
+    return route
+
+
+async def _url_of(request: Any, body: dict | None = None) -> str:
+    """The worker URL from ``?url=`` or the JSON body's ``url``."""
+    url = request.query_params.get("url")
+    if url is None:
+        body = body if body is not None else _parse_body(await request.body())
+        url = body.get("url")
+    if url is None:
+        raise InvalidInput("give the worker url as {'url': ...} or ?url=")
+    return url

@@ -1,0 +1,91 @@
+"""Health checks: probe every worker's ``/health`` and ``/get_weight_version`` each interval.
+
+One pass at a time; within a pass all workers are probed concurrently, each bounded by
+the client's timeout, so one hung worker never delays the others' checks. A refused
+connection or an error status takes a worker out of routing at once; timeouts count
+towards the registry's failure threshold. A later successful probe brings it back with
+the version it reads. A server without ``/get_weight_version`` (404) is healthy with an
+unknown version (it then serves only unconstrained requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, parse_version
+
+log = logging.getLogger(__name__)
+
+
+class ProbeFailed(Exception):
+    """A probe did not find the worker healthy; ``definite`` unless it was a timeout."""
+
+    def __init__(self, message: str, *, definite: bool):
+        self.definite = definite
+        super().__init__(message)
+
+
+class HealthChecker:
+    """Periodic prober over a :class:`WorkerRegistry` (``client`` carries the probe timeout)."""
+
+    def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, *, interval_s: float):
+        self.registry = registry
+        self.client = client
+        self.interval_s = interval_s
+
+    async def run_forever(self) -> None:
+        """Sleep ``interval_s``, probe all workers, repeat until cancelled (the owner runs
+        the first pass itself, before it starts serving)."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # a bug here must not stop health checking for good
+                log.exception("health pass failed")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in self.registry.workers()))
+
+    async def check(self, worker: Worker) -> None:
+        """Probe one worker and record the outcome in the registry."""
+        ticket = self.registry.ticket(worker)
+        before = worker.state
+        try:
+            version = await self.probe(worker.url)
+        except ProbeFailed as exc:
+            self.registry.record_probe_failure(worker, str(exc), definite=exc.definite)
+        else:
+            self.registry.record_probe_ok(worker, version, ticket)
+        if worker.state is not before:
+            level = logging.WARNING if worker.state is WorkerState.UNHEALTHY else logging.INFO
+            log.log(level, "worker %s: %s -> %s (version %s%s)", worker.url, before.value, worker.state.value,
+                    worker.weight_version, f"; {worker.last_error}" if worker.last_error else "")
+
+    async def probe(self, url: str) -> int | None:
+        """The worker's version if ``/health`` answers 200; ``ProbeFailed`` otherwise."""
+        health = await self._get(url, "/health")
+        if health.status_code != 200:
+            raise ProbeFailed(f"/health answered {health.status_code}: {health.text[:200]}", definite=True)
+        answer = await self._get(url, "/get_weight_version")
+        if answer.status_code == 404:
+            return None
+        if answer.status_code != 200:
+            raise ProbeFailed(f"/get_weight_version answered {answer.status_code}: {answer.text[:200]}",
+                              definite=True)
+        try:
+            return parse_version(answer.json().get("weight_version"))
+        except (ValueError, AttributeError) as exc:
+            raise ProbeFailed(f"/get_weight_version answered {answer.text[:200]!r}: {exc}", definite=True)
+
+    async def _get(self, url: str, path: str) -> httpx.Response:
+        try:
+            return await self.client.get(url + path)
+        except httpx.TimeoutException as exc:
+            raise ProbeFailed(f"GET {path} timed out ({type(exc).__name__})", definite=False) from exc
+        except httpx.ConnectError as exc:
+            raise ProbeFailed(f"GET {path}: cannot connect ({exc})", definite=True) from exc
+        except httpx.HTTPError as exc:
+            raise ProbeFailed(f"GET {path} failed: {type(exc).__name__}: {exc}", definite=False) from exc

@@ -1,0 +1,109 @@
+"""Routing policy: which worker serves a request. Pure, no I/O.
+
+Only ``ready`` workers whose version satisfies the request's constraint are eligible; a
+worker of unknown version serves only unconstrained requests. Among eligible workers the
+one with the fewest outstanding requests wins; ties rotate round robin. There is no
+fallback to an older policy: when nothing satisfies the constraint the caller gets
+``VersionNotReady`` (retry later), never a worker of another version.
+
+A request states its constraint in the body (``"weight_version": {"min_version": N}`` or
+``{"exact_version": N}``) or in the ``X-Weight-Version-Min`` / ``X-Weight-Version-Exact``
+headers; :func:`request_constraint` reads (and strips) it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict
+from typing import Mapping, Sequence
+
+from miles_disagg.router.registry import Worker, WorkerState, parse_version
+from miles_disagg.types import InvalidInput, Retryable, VersionConstraint, VersionNotReady
+
+MIN_HEADER, EXACT_HEADER = "x-weight-version-min", "x-weight-version-exact"
+
+
+class NoWorkerAvailable(Retryable):
+    """No worker is ready at all (none registered, or all starting/paused/activating/unhealthy)."""
+
+    def __init__(self, message: str, states: dict[str, int] | None = None):
+        self.states = dict(states or {})
+        super().__init__(message)
+
+
+def is_unconstrained(constraint: VersionConstraint) -> bool:
+    return constraint.min_version is None and constraint.exact_version is None
+
+
+def satisfies(version: int | None, constraint: VersionConstraint) -> bool:
+    """Whether a worker at ``version`` may serve ``constraint`` (unknown satisfies only "any")."""
+    if version is None:
+        return is_unconstrained(constraint)
+    return constraint.allows(version)
+
+
+def ready_versions(workers: Sequence[Worker]) -> list[int]:
+    """Distinct known versions of the ready workers, ascending."""
+    return sorted({w.weight_version for w in workers
+                   if w.state is WorkerState.READY and w.weight_version is not None})
+
+
+class LeastOutstandingPolicy:
+    """Fewest outstanding requests among eligible workers; ties go round robin."""
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, workers: Sequence[Worker], constraint: VersionConstraint) -> Worker:
+        """The worker for one request (``workers`` in registration order).
+
+        Raises ``NoWorkerAvailable`` when no worker is ready and ``VersionNotReady`` when
+        ready workers exist but none satisfies ``constraint``.
+        """
+        ready = [w for w in workers if w.state is WorkerState.READY]
+        if not ready:
+            states = dict(Counter(w.state.value for w in workers))
+            what = f"worker states: {states}" if workers else "no workers are registered"
+            raise NoWorkerAvailable(f"no ready worker ({what})", states)
+        eligible = [w for w in ready if satisfies(w.weight_version, constraint)]
+        if not eligible:
+            raise VersionNotReady(constraint, ready_versions(ready))
+        fewest = min(w.outstanding for w in eligible)
+        tied = [w for w in eligible if w.outstanding == fewest]
+        chosen = tied[self._turn % len(tied)]
+        self._turn += 1
+        return chosen
+
+
+# --------------------------------------------------------------------------- request constraints
+
+
+def request_constraint(body: dict, headers: Mapping[str, str]) -> VersionConstraint:
+    """The request's constraint; pops ``weight_version`` from ``body`` (engines do not know it).
+
+    ``headers``: lower-case names, or a case-insensitive mapping. Both sources may be given
+    only if they agree. ``InvalidInput`` for anything malformed.
+    """
+    from_body = VersionConstraint.from_json(body.pop("weight_version", None))
+    try:
+        from_headers = VersionConstraint(min_version=_header_version(headers, MIN_HEADER),
+                                         exact_version=_header_version(headers, EXACT_HEADER))
+    except ValueError as exc:
+        raise InvalidInput(f"headers {MIN_HEADER} and {EXACT_HEADER}: {exc}") from exc
+    if from_body != VersionConstraint() and from_headers != VersionConstraint() and from_body != from_headers:
+        raise InvalidInput(f"body asks for {from_body.describe()} but headers ask for {from_headers.describe()}")
+    return from_body if from_body != VersionConstraint() else from_headers
+
+
+def _header_version(headers: Mapping[str, str], name: str) -> int | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    version = parse_version(raw.strip())
+    if version is None:
+        raise InvalidInput(f"header {name} must be a non-negative integer, got {raw!r}")
+    return version
+
+
+def constraint_json(constraint: VersionConstraint) -> dict[str, int]:
+    return {k: v for k, v in asdict(constraint).items() if v is not None}

@@ -1,0 +1,241 @@
+"""Worker registry of the router: each worker's state, weight version and load. Pure, no I/O.
+
+A worker's displayed ``state`` combines two independent axes:
+
+* the *admin state* (``ready`` | ``paused`` | ``activating``), set by whoever updates the
+  worker's weights (``POST /set_worker_state``); it starts as ``ready``;
+* its *health*, learned from probes and from proxied requests.
+
+``state`` is ``unhealthy`` while the health axis says so, ``starting`` until the first
+successful probe, and the admin state otherwise. Only ``ready`` workers receive new
+requests. Because the axes are separate, a worker that recovers from ``unhealthy``
+returns to its admin state: a worker paused for an update stays out of routing until the
+updater marks it ready again, so a half-updated engine is never routed to by accident.
+
+Versions are ints; ``None`` means unknown (e.g. SGLang's ``"default"``). The version a
+probe reads is authoritative (it may go down, e.g. an engine restarted from the base),
+except that a probe whose read predates a newer version seen since it started does not
+move the version back. A version seen in a proxied response only moves it forward.
+
+Not thread-safe: the router mutates it from one event loop.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from miles_disagg.types import InvalidInput
+
+
+class UnknownWorker(InvalidInput):
+    """The URL names no registered worker."""
+
+    def __init__(self, url: str):
+        self.url = url
+        super().__init__(f"no worker {url!r} is registered")
+
+
+class WorkerState(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    PAUSED = "paused"
+    ACTIVATING = "activating"
+    UNHEALTHY = "unhealthy"
+
+
+ADMIN_STATES = frozenset({WorkerState.READY, WorkerState.PAUSED, WorkerState.ACTIVATING})
+
+
+def parse_version(value: Any) -> int | None:
+    """A weight version as an int: a non-negative int or a decimal string; ``None`` otherwise."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    return None
+
+
+def normalize_url(url: Any) -> str:
+    """``http://host:port`` without a trailing slash; ``host:port`` gets ``http://``.
+
+    Raises ``InvalidInput`` for anything that is not an http(s) URL with a host.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise InvalidInput(f"worker url must be a non-empty string, got {url!r}")
+    given = url
+    url = url.strip()
+    if "://" not in url:
+        url = f"http://{url}"
+    scheme, _, rest = url.partition("://")
+    rest = rest.rstrip("/")
+    if scheme not in ("http", "https") or not rest or "/" in rest or any(c.isspace() for c in rest):
+        raise InvalidInput(f"worker url must look like http://host:port, got {given!r}")
+    return f"{scheme}://{rest}"
+
+
+@dataclass(frozen=True)
+class ProbeTicket:
+    """What a probe saw when it started; lets a slow probe's result yield to newer news."""
+
+    version_seq: int
+    failure_seq: int
+
+
+@dataclass(eq=False)
+class Worker:
+    """One engine behind the router. Mutated only through :class:`WorkerRegistry`."""
+
+    url: str
+    admin_state: WorkerState = WorkerState.READY
+    weight_version: int | None = None
+    outstanding: int = 0
+    num_served: int = 0
+    consecutive_failures: int = 0
+    ever_healthy: bool = False
+    unhealthy: bool = False
+    last_error: str | None = None
+    version_seq: int = 0
+    failure_seq: int = 0
+
+    @property
+    def state(self) -> WorkerState:
+        if self.unhealthy:
+            return WorkerState.UNHEALTHY
+        if not self.ever_healthy:
+            return WorkerState.STARTING
+        return self.admin_state
+
+    @property
+    def healthy(self) -> bool:
+        """The last probe succeeded and nothing failed since."""
+        return self.ever_healthy and not self.unhealthy and self.consecutive_failures == 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"url": self.url, "weight_version": self.weight_version, "state": self.state.value,
+                "outstanding": self.outstanding, "healthy": self.healthy, "last_error": self.last_error,
+                "num_served": self.num_served}
+
+
+class WorkerRegistry:
+    """Registered workers in registration order (the round-robin order of the policy)."""
+
+    def __init__(self, *, failure_threshold: int = 2):
+        if failure_threshold < 1:
+            raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
+        self.failure_threshold = failure_threshold
+        self._workers: dict[str, Worker] = {}
+
+    # ------------------------------------------------------------------ membership
+
+    def add(self, url: str) -> Worker:
+        """Register ``url`` (state ``starting``); re-adding a registered URL returns it unchanged."""
+        url = normalize_url(url)
+        worker = self._workers.get(url)
+        if worker is None:
+            worker = self._workers[url] = Worker(url=url)
+        return worker
+
+    def remove(self, url: str) -> Worker:
+        """Unregister; requests already sent to it finish normally. ``UnknownWorker`` if absent."""
+        worker = self.get(url)
+        del self._workers[worker.url]
+        return worker
+
+    def get(self, url: str) -> Worker:
+        worker = self._workers.get(normalize_url(url))
+        if worker is None:
+            raise UnknownWorker(url)
+        return worker
+
+    def workers(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    # ------------------------------------------------------------------ admin state and load
+
+    def set_admin_state(self, url: str, state: WorkerState | str, weight_version: int | None = None) -> Worker:
+        """Mark a worker ``ready``/``paused``/``activating`` (and optionally its new version).
+
+        A version given here is authoritative (the updater just loaded it).
+        """
+        try:
+            state = WorkerState(state)
+        except ValueError:
+            state = None
+        if state not in ADMIN_STATES:
+            raise InvalidInput(f"state must be one of {sorted(s.value for s in ADMIN_STATES)}, got {state!r}")
+        worker = self.get(url)
+        worker.admin_state = state
+        if weight_version is not None:
+            self._set_version(worker, weight_version)
+        return worker
+
+    def acquire(self, worker: Worker) -> None:
+        """A request was dispatched to ``worker``."""
+        worker.outstanding += 1
+
+    def release(self, worker: Worker, *, served: bool) -> None:
+        """A dispatched request ended (``served``: the worker answered it without failing)."""
+        worker.outstanding -= 1
+        if served:
+            worker.num_served += 1
+
+    # ------------------------------------------------------------------ versions
+
+    def observe_version(self, worker: Worker, version: int | None) -> None:
+        """A proxied response reported ``version``: move the worker's version forward only.
+
+        Responses finish out of order, so an older version in a late response is stale news.
+        """
+        if version is not None and (worker.weight_version is None or version > worker.weight_version):
+            self._set_version(worker, version)
+
+    def _set_version(self, worker: Worker, version: int | None) -> None:
+        if version != worker.weight_version:
+            worker.weight_version = version
+            worker.version_seq += 1
+
+    # ------------------------------------------------------------------ health
+
+    def ticket(self, worker: Worker) -> ProbeTicket:
+        """Take before probing ``worker``; hand back to :meth:`record_probe_ok`."""
+        return ProbeTicket(worker.version_seq, worker.failure_seq)
+
+    def record_probe_ok(self, worker: Worker, version: int | None, ticket: ProbeTicket) -> None:
+        """A probe found the worker healthy at ``version``.
+
+        Ignored when a failure was recorded after the probe started (the next probe decides).
+        The version read is applied unless a newer one was learned while the probe ran.
+        """
+        if worker.failure_seq != ticket.failure_seq:
+            return
+        newer_seen = worker.version_seq != ticket.version_seq and (
+            version is None or (worker.weight_version is not None and version < worker.weight_version))
+        if not newer_seen:
+            self._set_version(worker, version)
+        worker.ever_healthy = True
+        worker.unhealthy = False
+        worker.consecutive_failures = 0
+        worker.last_error = None
+
+    def record_probe_failure(self, worker: Worker, error: str, *, definite: bool) -> None:
+        """A probe failed. ``definite`` (refused connection, error status) takes a ready worker
+        out at once; otherwise (a timeout) only ``failure_threshold`` failures in a row do.
+
+        A worker that never passed a probe stays ``starting`` (with ``last_error``).
+        """
+        worker.consecutive_failures += 1
+        worker.last_error = error
+        worker.failure_seq += 1
+        if worker.ever_healthy and (definite or worker.consecutive_failures >= self.failure_threshold):
+            worker.unhealthy = True
+
+    def mark_failed(self, worker: Worker, error: str) -> None:
+        """A proxied request failed on the worker: out of routing at once, until a later probe passes."""
+        worker.consecutive_failures += 1
+        worker.last_error = error
+        worker.failure_seq += 1
+        worker.unhealthy = True

@@ -1,0 +1,1 @@
+"""The policy trainer: placement, trainer group (Ray actors), backends, losses."""

@@ -1,0 +1,79 @@
+"""One trainer rank (a Ray actor): torch.distributed, a backend, and on rank 0 the publisher.
+
+Every method is called on all ranks at once by ``TrainerGroup`` (the backend's methods
+are collective). Only rank 0 (the source rank) feeds the ``DeltaPublisher``; the other
+ranks take part in the gather and drop the tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from miles_disagg.config.components import TrainConfig, WeightUpdateConfig
+from miles_disagg.types import Sample
+
+
+class TrainerRank:
+    def __init__(self, rank: int, world_size: int, train: TrainConfig, weights: WeightUpdateConfig, hf_dir: str):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        self.rank, self.world_size = rank, world_size
+        self.train_config, self.weights_config, self.hf_dir = train, weights, hf_dir
+        self.backend = None
+        self.publisher = None
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        from miles_disagg.engine.launch import free_port
+
+        return ray.util.get_node_ip_address(), free_port("0.0.0.0")
+
+    def setup(self, master_addr: str, master_port: int, run_id: str | None) -> dict:
+        import torch
+
+        from miles_disagg.trainer.backend import make_backend
+        from miles_disagg.trainer.fsdp import init_distributed
+
+        torch.set_num_threads(1)
+        start = time.perf_counter()
+        backend = init_distributed(self.rank, self.world_size, master_addr, master_port)
+        self.backend = make_backend(self.train_config, self.hf_dir, rank=self.rank, world_size=self.world_size)
+        if self.rank == 0 and self.weights_config.update_weight_transfer_mode == "disk-delta":
+            self.publisher = self._make_publisher(run_id)
+        return {"backend": backend, "setup_s": time.perf_counter() - start,
+                "run_id": self.publisher.run_id if self.publisher else run_id}
+
+    def _make_publisher(self, run_id: str | None):
+        from miles_disagg.weights.publisher import DeltaPublisher
+
+        w = self.weights_config
+        publisher = DeltaPublisher(
+            w.update_weight_disk_dir, base_dir=self.hf_dir, run_id=run_id, encoding=w.update_weight_delta_encoding,
+            checksum=w.update_weight_delta_checksum, filter=w.update_weight_delta_filter,
+            post_write_hook=w.custom_update_weight_post_write_path,
+            full_anchor_interval=w.update_weight_full_anchor_interval)
+        publisher.capture_baseline()  # the first update only captures the baseline
+        return publisher
+
+    def train(self, steps: list[list[Sample]]) -> dict[str, float]:
+        return self.backend.train(steps)
+
+    def publish(self) -> dict | None:
+        """Publish the current policy as the next version (rank 0); other ranks join the gather."""
+        tensors = self.backend.named_tensors()
+        if self.publisher is None:
+            for _ in tensors:
+                pass
+            return None
+        result = self.publisher.publish(tensors)
+        return {"version": result.ref.version, "run_id": result.ref.run_id, "density": result.density,
+                "wire_bytes": result.wire_bytes, "encode_time_s": result.encode_time_s,
+                "publish_time_s": result.publish_time_s, "num_changed_tensors": result.num_changed_tensors,
+                "total_bytes": result.total_bytes}
+
+    def named_tensor_bytes(self) -> dict[str, bytes]:
+        """Rank 0's exported tensors as raw bytes (tests compare them with what engines serve)."""
+        from miles_disagg.weights.torch_bytes import tensor_bytes
+
+        return {name: tensor_bytes(t).tobytes() for name, t in self.backend.named_tensors()}

@@ -1,0 +1,50 @@
+"""The trainer backend port: what one trainer rank does, whatever the parallelism library.
+
+A backend lives inside one trainer rank (a Ray actor) after ``torch.distributed`` is
+initialized. Every method is collective: all ranks call it in the same order.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterator
+
+import torch
+
+from miles_disagg.config.components import TrainConfig
+from miles_disagg.types import ConfigError, Sample
+
+
+class TrainerBackend(ABC):
+    """One rank of a policy trainer."""
+
+    @abstractmethod
+    def train(self, steps: list[list[Sample]]) -> dict[str, float]:
+        """One rollout's optimizer steps; ``steps[i]`` is this rank's share of global batch i.
+
+        The behaviour policy's logprobs are recomputed with the current weights before the
+        first step, so the first step's ratio is 1. Returns this rank's mean metrics
+        (``train/loss``, ``train/pg_clipfrac``, ``train/ppo_kl``, ``train/grad_norm``,
+        ``train/entropy``, ``train/train_rollout_logprob_abs_diff``, ...).
+        """
+
+    @abstractmethod
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy as canonical HF-named CPU tensors in the checkpoint's dtypes (collective)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict:
+        """Model, optimizer and RNG state for a training checkpoint."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned."""
+
+
+def make_backend(config: TrainConfig, hf_dir: str, *, rank: int, world_size: int) -> TrainerBackend:
+    if config.train_backend == "fsdp":
+        from miles_disagg.trainer.fsdp import FSDPBackend
+
+        return FSDPBackend(config, hf_dir, rank=rank, world_size=world_size)
+    raise ConfigError(f"--train-backend {config.train_backend} is not available in this build "
+                      "(the megatron backend is a later issue); use --train-backend fsdp", ("--train-backend",))

@@ -1,0 +1,86 @@
+"""Samples -> padded tensors for the trainer, and the split of a rollout into optimizer steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from miles_disagg.types import Sample
+
+
+@dataclass
+class PackedBatch:
+    """Right-padded ``[batch, seq]`` tokens and ``[batch, response]`` per-token fields."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    response_start: torch.Tensor  # index of each sample's first response token in input_ids
+    rollout_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.response_mask.sum().item())
+
+
+def pack(samples: Sequence[Sample], pad_id: int = 0) -> PackedBatch:
+    """Pack samples; a sample must have at least one response token."""
+    if not samples:
+        raise ValueError("cannot pack an empty batch")
+    seq_len = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    resp_len = max(len(s.response_ids) for s in samples)
+    n = len(samples)
+    input_ids = torch.full((n, seq_len), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, seq_len), dtype=torch.long)
+    response_ids = torch.zeros((n, resp_len), dtype=torch.long)
+    response_mask = torch.zeros((n, resp_len), dtype=torch.float32)
+    rollout_lp = torch.zeros((n, resp_len), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        if not s.response_ids:
+            raise ValueError(f"sample {i} has an empty response")
+        tokens = list(s.prompt_ids) + list(s.response_ids)
+        input_ids[i, :len(tokens)] = torch.tensor(tokens)
+        attention[i, :len(tokens)] = 1
+        r = len(s.response_ids)
+        response_ids[i, :r] = torch.tensor(s.response_ids)
+        response_mask[i, :r] = 1.0
+        if s.response_logprobs:
+            rollout_lp[i, :r] = torch.tensor(s.response_logprobs[:r], dtype=torch.float32)
+    return PackedBatch(
+        input_ids=input_ids, attention_mask=attention, response_ids=response_ids, response_mask=response_mask,
+        response_start=torch.tensor([len(s.prompt_ids) for s in samples]), rollout_logprobs=rollout_lp,
+        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+    )
+
+
+def response_logits(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """``[batch, seq, vocab]`` logits -> the ``[batch, response, vocab]`` logits that predict each response token."""
+    n, resp_len = batch.response_ids.shape
+    offsets = torch.arange(resp_len).unsqueeze(0) + batch.response_start.unsqueeze(1) - 1
+    offsets = offsets.clamp(max=logits.shape[1] - 1).to(logits.device)
+    return logits.gather(1, offsets.unsqueeze(-1).expand(n, resp_len, logits.shape[-1]))
+
+
+def split_for_steps(samples: Sequence[Sample], global_batch_size: int, world_size: int) -> list[list[list[Sample]]]:
+    """``samples`` -> ``[step][rank] -> samples``: consecutive global batches, each dealt round-robin to ranks.
+
+    ``ValueError`` when the samples do not fill whole global batches or a global batch does not
+    divide over the ranks (the config validation prevents both for a normal run).
+    """
+    if global_batch_size % world_size:
+        raise ValueError(f"global batch {global_batch_size} does not divide over {world_size} trainer ranks")
+    if len(samples) % global_batch_size:
+        raise ValueError(f"{len(samples)} samples are not a whole number of global batches of {global_batch_size}")
+    steps = []
+    for start in range(0, len(samples), global_batch_size):
+        chunk = samples[start:start + global_batch_size]
+        steps.append([list(chunk[rank::world_size]) for rank in range(world_size)])
+    return steps
+
+
+def micro_batches(samples: Sequence[Sample], micro_batch_size: int) -> list[list[Sample]]:
+    return [list(samples[i:i + micro_batch_size]) for i in range(0, len(samples), micro_batch_size)]

@@ -1,0 +1,191 @@
+"""``--train-backend fsdp``: any HF causal LM, PyTorch FSDP2 on GPU.
+
+On GPU each decoder layer and the root are sharded with ``fully_shard`` (FSDP2), parameters
+kept in float32 and computed in bfloat16. On CPU (no CUDA) the same backend runs plain
+data parallelism over gloo (``DistributedDataParallel``; a single rank runs unwrapped):
+sharding buys nothing there and FSDP2 needs an accelerator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from miles_disagg.config.components import TrainConfig
+from miles_disagg.trainer.backend import TrainerBackend
+from miles_disagg.trainer.batches import PackedBatch, micro_batches, pack, response_logits
+from miles_disagg.trainer.losses import kl_penalty, masked_mean, policy_loss, tis_weights, token_logprobs_and_entropy
+from miles_disagg.types import Sample
+
+log = logging.getLogger(__name__)
+
+
+class FSDPBackend(TrainerBackend):
+    def __init__(self, config: TrainConfig, hf_dir: str, *, rank: int, world_size: int):
+        from transformers import AutoModelForCausalLM
+
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        torch.manual_seed(config.seed + rank)
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype="auto")
+        self.export_dtypes = {name: t.dtype for name, t in model.state_dict().items()}
+        self.pad_id = model.config.pad_token_id or 0
+        self.module = model.float().to(self.device)  # float32 master weights
+        self.model = self._wrap(self.module)
+        self.ref_model = self._load_reference(hf_dir) if config.use_kl_loss and config.kl_loss_coef > 0 else None
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps, weight_decay=config.weight_decay)
+
+    # ------------------------------------------------------------------ setup
+
+    def _wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.device.type == "cuda":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for layer in module.model.layers:
+                fully_shard(layer, mp_policy=policy)
+            fully_shard(module, mp_policy=policy)
+            return module
+        if self.world_size > 1:
+            return torch.nn.parallel.DistributedDataParallel(module)
+        return module
+
+    def _load_reference(self, hf_dir: str) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        ref = AutoModelForCausalLM.from_pretrained(self.config.ref_load or hf_dir, dtype=torch.float32)
+        return ref.to(self.device).eval().requires_grad_(False)
+
+    # ------------------------------------------------------------------ training
+
+    def _token_logprobs(self, model: torch.nn.Module, batch: PackedBatch, with_entropy: bool):
+        logits = model(input_ids=batch.input_ids.to(self.device),
+                       attention_mask=batch.attention_mask.to(self.device)).logits
+        return token_logprobs_and_entropy(response_logits(logits, batch), batch.response_ids.to(self.device),
+                                          with_entropy)
+
+    @torch.no_grad()
+    def _frozen_logprobs(self, model: torch.nn.Module, batches: list[PackedBatch]) -> list[torch.Tensor]:
+        return [self._token_logprobs(model, b, with_entropy=False)[0] for b in batches]
+
+    def train(self, steps: list[list[Sample]]) -> dict[str, float]:
+        mbs = self.config.micro_batch_size
+        packed = [[pack(mb, self.pad_id) for mb in micro_batches(step, mbs)] for step in steps]
+        flat = [b for step in packed for b in step]
+        old = self._frozen_logprobs(self.model, flat)
+        ref = self._frozen_logprobs(self.ref_model, flat) if self.ref_model is not None else [None] * len(flat)
+        diffs = [masked_mean((o - b.rollout_logprobs.to(self.device)).abs(), b.response_mask.to(self.device))
+                 for o, b in zip(old, flat)]
+        metrics = _MetricSum()
+        metrics.add("train/train_rollout_logprob_abs_diff", torch.stack(diffs).mean().item())
+        cursor = 0
+        for index, step in enumerate(packed):
+            step_old, step_ref = old[cursor:cursor + len(step)], ref[cursor:cursor + len(step)]
+            cursor += len(step)
+            step_metrics = self._optimizer_step(step, step_old, step_ref)
+            if index == 0:  # on-policy by construction: its ratio is exactly 1
+                metrics.add("train/ppo_kl_first_minibatch", step_metrics["train/ppo_kl"])
+            for key, value in step_metrics.items():
+                metrics.add(key, value)
+        return metrics.means()
+
+    def _optimizer_step(self, batches: list[PackedBatch], old: list, ref: list) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        total_tokens = max(sum(b.num_tokens for b in batches), 1)
+        sums = _MetricSum()
+        for i, batch in enumerate(batches):
+            last = i == len(batches) - 1
+            with self._no_sync(not last):
+                out = self._micro_loss(batch, old[i], ref[i])
+                (out.pop("loss") * (batch.num_tokens / total_tokens)).backward()
+            for key, value in out.items():
+                sums.add(key, value)
+        grad_norm = self._clip_and_step()
+        result = sums.means()
+        result["train/grad_norm"] = grad_norm
+        result["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        return result
+
+    def _micro_loss(self, batch: PackedBatch, old: torch.Tensor, ref: torch.Tensor | None) -> dict:
+        cfg = self.config
+        mask = batch.response_mask.to(self.device)
+        logprobs, entropy = self._token_logprobs(self.model, batch, with_entropy=True)
+        weights = tis_weights(old, batch.rollout_logprobs.to(self.device), cfg.tis_clip) if cfg.use_tis else None
+        pg = policy_loss(logprobs, old, batch.advantages.to(self.device), mask, eps_clip=cfg.eps_clip,
+                         eps_clip_high=cfg.eps_clip_high, token_weights=weights)
+        entropy_mean = masked_mean(entropy, mask)
+        loss = pg.loss - cfg.entropy_coef * entropy_mean
+        out = {"train/pg_loss": pg.loss.item(), "train/pg_clipfrac": pg.clipfrac.item(),
+               "train/ppo_kl": pg.ppo_kl.item(), "train/entropy": entropy_mean.item()}
+        if ref is not None:
+            kl = masked_mean(kl_penalty(logprobs, ref, cfg.kl_loss_type), mask)
+            loss = loss + cfg.kl_loss_coef * kl
+            out["train/kl_loss"] = kl.item()
+        if weights is not None:
+            out["train/tis_weight_mean"] = masked_mean(weights, mask).item()
+        out["train/loss"] = loss.item()
+        out["loss"] = loss
+        return out
+
+    def _no_sync(self, skip_sync: bool):
+        if skip_sync and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def _clip_and_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.config.clip_grad if self.config.clip_grad > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        return float(norm)
+
+    # ------------------------------------------------------------------ export / state
+
+    @torch.no_grad()
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.module.state_dict().items():
+            if name not in self.export_dtypes:
+                continue
+            if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor: gather (collective)
+                tensor = tensor.full_tensor()
+            yield name, tensor.detach().to("cpu", self.export_dtypes[name])
+
+    def state_dict(self) -> dict:
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "torch_rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+
+
+class _MetricSum:
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+
+    def add(self, key: str, value: float) -> None:
+        self._sums[key] = self._sums.get(key, 0.0) + float(value)
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def means(self) -> dict[str, float]:
+        return {k: self._sums[k] / self._counts[k] for k in self._sums}
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> str:
+    """Join the trainer's process group (nccl on GPU, gloo on CPU); returns the backend."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this rank's GPU
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size)
+    return backend

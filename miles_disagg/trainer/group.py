@@ -1,0 +1,64 @@
+"""The trainer group: one Ray actor per rank in the trainer's bundles, called in lockstep."""
+
+from __future__ import annotations
+
+from miles_disagg.config.components import TrainConfig, WeightUpdateConfig
+from miles_disagg.trainer.batches import split_for_steps
+from miles_disagg.trainer.placement import Placement
+from miles_disagg.types import Sample
+
+
+class TrainerGroup:
+    """``world_size`` TrainerRank actors; every call fans out to all ranks and waits for all."""
+
+    def __init__(self, placement: Placement, train: TrainConfig, weights: WeightUpdateConfig, hf_dir: str,
+                 *, colocated: bool = False):
+        import ray
+
+        from miles_disagg.trainer.actor import TrainerRank
+
+        self.train_config = train
+        positions = placement.layout.trainer
+        self.world_size = len(positions)
+        gpus = 0.4 if colocated else 0.8
+        remote_cls = ray.remote(TrainerRank)
+        self.ranks = [
+            remote_cls.options(num_cpus=0.5, num_gpus=gpus, scheduling_strategy=placement.strategy(pos),
+                               runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+            .remote(rank, self.world_size, train, weights, hf_dir)
+            for rank, pos in enumerate(positions)
+        ]
+        self.run_id: str | None = None
+
+    def setup(self, run_id: str | None = None) -> dict:
+        import ray
+
+        master_addr, master_port = ray.get(self.ranks[0].address.remote())
+        infos = ray.get([r.setup.remote(master_addr, master_port, run_id) for r in self.ranks])
+        self.run_id = infos[0]["run_id"]
+        return infos[0]
+
+    def train(self, samples: list[Sample]) -> dict[str, float]:
+        """Train on one rollout's samples (whole global batches); mean metrics over ranks."""
+        import ray
+
+        per_step = split_for_steps(samples, self.train_config.global_batch_size or len(samples), self.world_size)
+        results = ray.get([r.train.remote([step[rank] for step in per_step]) for rank, r in enumerate(self.ranks)])
+        keys = results[0].keys()
+        return {k: sum(res[k] for res in results) / len(results) for k in keys}
+
+    def publish(self) -> dict:
+        import ray
+
+        return ray.get([r.publish.remote() for r in self.ranks])[0]
+
+    def tensor_bytes(self) -> dict[str, bytes]:
+        import ray
+
+        return ray.get([r.named_tensor_bytes.remote() for r in self.ranks])[0]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for r in self.ranks:
+            ray.kill(r)
