@@ -69,10 +69,6 @@ def ensure_base_checkpoint(config: RunConfig) -> None:
 
 
 def run_training(config: RunConfig) -> int:
-    if config.weights.update_weight_transfer_mode != "disk-delta" and not config.rollout.debug_train_only:
-        raise NotYetImplemented(
-            f"--update-weight-transfer-mode {config.weights.update_weight_transfer_mode} in the training loop "
-            "(disk-delta is implemented; the engines support broadcast, the trainer side does not yet)")
     from miles_disagg.loop.train_loops import run
 
     run(config)

@@ -27,6 +27,7 @@ class Job:
     router_url: str | None = None
     engine_urls: list[str] = field(default_factory=list)
     run_id: str | None = None
+    tensor_meta: dict | None = None  # broadcast mode: what the engines receive
     _owns_ray: bool = False
 
     @classmethod
@@ -54,6 +55,8 @@ class Job:
             self._start_trainer()
         if with_engines:
             self._start_engines()
+        if with_trainer and with_engines and cfg.weights.update_weight_transfer_mode == "broadcast":
+            self._join_broadcast_group()
 
     def _start_trainer(self) -> None:
         from miles_disagg.trainer.group import TrainerGroup
@@ -82,6 +85,17 @@ class Job:
         rollout_cls = ray.remote(RolloutManager)
         self.rollout = rollout_cls.options(num_cpus=0).remote(
             cfg.rollout, self.router_url, cfg.train.hf_checkpoint, cfg.train.seed)
+
+    def _join_broadcast_group(self) -> None:
+        import ray
+
+        addr, port = self.trainer.broadcast_address()
+        world = ray.get(self.manager.broadcast_world_size.remote())
+        joining = self.trainer.init_broadcast_group(addr, port, world, "miles_disagg_weight_update")
+        ray.get(self.manager.init_broadcast_group.remote(addr, port))
+        ray.get(joining)
+        self.tensor_meta = self.trainer.tensor_meta()
+        status(f"weights: broadcast group of the trainer and {world - 1} engine(s) at {addr}:{port}")
 
     def stop(self) -> None:
         import ray

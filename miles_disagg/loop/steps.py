@@ -30,6 +30,8 @@ def assign_advantages(groups: list[Group], config: RunConfig) -> list[Sample]:
 
 def publish_and_update(job, version_before: int) -> tuple[int, dict[str, Any]]:
     """Publish the trainer's policy as the next version and bring every engine to it."""
+    if job.config.weights.update_weight_transfer_mode == "broadcast":
+        return broadcast_update(job, version_before + 1)
     import ray
 
     published = job.trainer.publish()
@@ -62,3 +64,27 @@ def step_record(train_metrics: dict, rollout_metrics: dict, update_metrics: dict
     if timings.get("perf/step_time"):
         record["perf/samples_per_s"] = num_samples / timings["perf/step_time"]
     return record
+
+
+def broadcast_update(job, version: int) -> tuple[int, dict[str, Any]]:
+    """Broadcast mode: the trainer sends every tensor over the weight-update group."""
+    import ray
+
+    start = time.perf_counter()
+    sending = job.trainer.broadcast_weights()
+    metrics: dict[str, Any] = dict(ray.get(job.manager.broadcast_update.remote(version, job.tensor_meta)))
+    ray.get(sending)
+    metrics["perf/update_weights_time"] = time.perf_counter() - start
+    metrics["perf/update_weights_wire_bytes"] = metrics["perf/update_weights_total_bytes"] = _nbytes(job.tensor_meta)
+    metrics["perf/update_weights_density"] = 1.0  # broadcast sends every tensor whole
+    metrics["weights/version"] = version
+    metrics["weights/engine_versions"] = ray.get(job.manager.versions.remote())
+    return version, metrics
+
+
+def _nbytes(meta: dict[str, list]) -> int:
+    import math
+
+    import torch
+
+    return sum(math.prod(shape) * getattr(torch, dtype).itemsize for dtype, shape in zip(meta["dtypes"], meta["shapes"]))

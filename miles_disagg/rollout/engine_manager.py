@@ -24,7 +24,7 @@ from typing import Any
 
 from miles_disagg.config.components import ClusterConfig, RolloutConfig, WeightUpdateConfig
 from miles_disagg.rollout.engine_client import EngineClient, EngineRequestFailed
-from miles_disagg.rollout.updater import DiskDeltaUpdater, UpdateFailed
+from miles_disagg.rollout.updater import BroadcastUpdater, DiskDeltaUpdater
 from miles_disagg.types import ConfigError
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class EngineManager:
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self.events: list[dict] = []
+        self._broadcast: BroadcastUpdater | None = None
 
     # ------------------------------------------------------------------ start
 
@@ -122,6 +123,23 @@ class EngineManager:
             self._version = version
         return report.metrics()
 
+    def init_broadcast_group(self, master_addr: str, master_port: int) -> int:
+        """Broadcast mode: every engine joins the trainer's weight-update group; returns its world size."""
+        self._broadcast = BroadcastUpdater(self.engine_urls, pause_mode=self.rollout.pause_generation_mode,
+                                           set_state=self._set_state)
+        self._broadcast.init_group(master_addr, master_port)
+        return self._broadcast.world_size
+
+    def broadcast_world_size(self) -> int:
+        return len(self.engine_urls) + 1
+
+    def broadcast_update(self, version: int, meta: dict[str, list]) -> dict[str, float]:
+        """Broadcast mode: receive ``version`` from the trainer (which broadcasts concurrently)."""
+        with self._lock:
+            report = self._broadcast.update(version, meta)
+            self._version = version
+        return report.metrics()
+
     def _updater(self, indices: list[int] | None = None) -> DiskDeltaUpdater:
         indices = list(range(len(self.engine_urls))) if indices is None else indices
         return DiskDeltaUpdater([self.engine_urls[i] for i in indices],
@@ -165,6 +183,8 @@ class EngineManager:
             self.events.append({"engine": index, "event": "down", "url": url, "time": time.time()})
             if not managed:
                 return
+        if self._broadcast is not None:
+            return  # a broadcast group cannot take a new member: the engine stays out (the run reports it)
         if managed:
             self.engine_urls[index] = ray.get(self._actors[index].restart.remote())
         elif not EngineClient(url, timeout_s=3).healthy():

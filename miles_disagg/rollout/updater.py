@@ -96,18 +96,72 @@ class DiskDeltaUpdater:
         return pause
 
     def _all(self, fn: Callable[[int], float | None], phase: str) -> list:
-        futures = [self._pool.submit(fn, i) for i in range(len(self.clients))]
-        results, errors = [], []
-        for client, future in zip(self.clients, futures):
-            try:
-                results.append(future.result())
-            except EngineRequestFailed as exc:
-                errors.append(f"{phase} on {client.url}: {exc}")
-        if errors:
-            raise UpdateFailed("; ".join(errors))
-        return results
+        return _run_all(self._pool, self.clients, fn, phase)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
         for c in self.clients:
             c.close()
+
+
+class BroadcastUpdater:
+    """``--update-weight-transfer-mode broadcast``: SGLang's stock torch.distributed path.
+
+    ``init_group`` has every engine join the trainer's weight-update group (engine i at rank
+    i + 1; the trainer's source rank is 0) with ``/init_weights_update_group``; the trainer
+    joins concurrently. ``update`` pauses every engine, posts
+    ``/update_weights_from_distributed`` to all of them at once (they receive while the
+    trainer broadcasts), then continues each; ``/continue_generation`` runs whatever happened.
+    """
+
+    def __init__(self, engine_urls: Sequence[str], *, pause_mode: str = "retract", set_state: StateHook | None = None,
+                 group_name: str = "miles_disagg_weight_update"):
+        self.clients = [EngineClient(url) for url in engine_urls]
+        self.pause_mode, self.group_name = pause_mode, group_name
+        self.set_state = set_state or (lambda url, state: None)
+        self._pool = ThreadPoolExecutor(max(1, len(self.clients)), thread_name_prefix="broadcast")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.clients) + 1
+
+    def init_group(self, master_addr: str, master_port: int) -> None:
+        def join(i: int) -> None:
+            self.clients[i].post("/init_weights_update_group", {
+                "master_address": master_addr, "master_port": master_port, "rank_offset": i + 1,
+                "world_size": self.world_size, "group_name": self.group_name, "backend": "nccl"})
+        _run_all(self._pool, self.clients, join, "init_weights_update_group")
+
+    def update(self, version: int, meta: dict[str, list]) -> UpdateReport:
+        start = time.perf_counter()
+        for client in self.clients:
+            self.set_state(client.url, "paused")
+        _run_all(self._pool, self.clients, lambda i: self.clients[i].post("/pause_generation", {"mode": self.pause_mode}),
+                 "pause_generation")
+        try:
+            body = {**meta, "group_name": self.group_name, "weight_version": str(version),
+                    "flush_cache": self.pause_mode != "in_place"}
+            _run_all(self._pool, self.clients,
+                     lambda i: self.clients[i].post("/update_weights_from_distributed", body), "update")
+        finally:
+            for client in self.clients:
+                client.post("/continue_generation")
+                self.set_state(client.url, "ready")
+        pause = time.perf_counter() - start
+        for client in self.clients:
+            if client.weight_version() != str(version):
+                raise UpdateFailed(f"{client.url} does not report version {version} after the broadcast")
+        return UpdateReport(version, 0.0, pause, pause, [pause] * len(self.clients))
+
+
+def _run_all(pool: ThreadPoolExecutor, clients: Sequence[EngineClient], fn: Callable[[int], object], phase: str) -> list:
+    futures = [pool.submit(fn, i) for i in range(len(clients))]
+    results, errors = [], []
+    for client, future in zip(clients, futures):
+        try:
+            results.append(future.result())
+        except EngineRequestFailed as exc:
+            errors.append(f"{phase} on {client.url}: {exc}")
+    if errors:
+        raise UpdateFailed("; ".join(errors))
+    return results

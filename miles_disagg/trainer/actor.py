@@ -72,6 +72,41 @@ class TrainerRank:
                 "publish_time_s": result.publish_time_s, "num_changed_tensors": result.num_changed_tensors,
                 "total_bytes": result.total_bytes}
 
+    # ------------------------------------------------------------------ broadcast transfer mode
+
+    def tensor_meta(self) -> dict[str, list]:
+        """Names, dtypes and shapes of the exported policy (the engines' receive plan)."""
+        names, dtypes, shapes = [], [], []
+        for name, tensor in self.backend.named_tensors():
+            names.append(name)
+            dtypes.append(str(tensor.dtype).removeprefix("torch."))
+            shapes.append(list(tensor.shape))
+        return {"names": names, "dtypes": dtypes, "shapes": shapes}
+
+    def init_broadcast_group(self, master_addr: str, master_port: int, world_size: int, group_name: str) -> None:
+        """Rank 0 joins the weight-update group as its rank 0 (blocks until every engine joined)."""
+        import torch
+
+        from miles_disagg.engine.dist_update import init_custom_process_group
+
+        if self.rank != 0:
+            return
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self._broadcast_group = init_custom_process_group(
+            backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
+            world_size=world_size, rank=0, group_name=group_name)
+
+    def broadcast_weights(self) -> float:
+        """Send every exported tensor to the engines (rank 0; other ranks join the gather)."""
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        for _, tensor in self.backend.named_tensors():
+            if self.rank == 0:
+                device_tensor = tensor.cuda() if dist.get_backend(self._broadcast_group) == "nccl" else tensor
+                dist.broadcast(device_tensor, src=0, group=self._broadcast_group)
+        return time.perf_counter() - start
+
     def named_tensor_bytes(self) -> dict[str, bytes]:
         """Rank 0's exported tensors as raw bytes (tests compare them with what engines serve)."""
         from miles_disagg.weights.torch_bytes import tensor_bytes

@@ -52,6 +52,25 @@ class TrainerGroup:
 
         return ray.get([r.publish.remote() for r in self.ranks])[0]
 
+    def tensor_meta(self) -> dict[str, list]:
+        import ray
+
+        return ray.get([r.tensor_meta.remote() for r in self.ranks])[0]
+
+    def broadcast_address(self) -> tuple[str, int]:
+        """Rank 0's node address and a free port there (the weight-update group's rendezvous)."""
+        import ray
+
+        return ray.get(self.ranks[0].address.remote())
+
+    def init_broadcast_group(self, master_addr: str, master_port: int, world_size: int, group_name: str):
+        """Start joining (returns the pending Ray refs; the engines must join concurrently)."""
+        return [r.init_broadcast_group.remote(master_addr, master_port, world_size, group_name) for r in self.ranks]
+
+    def broadcast_weights(self):
+        """Start the broadcast (pending Ray refs; the engines receive concurrently)."""
+        return [r.broadcast_weights.remote() for r in self.ranks]
+
     def tensor_bytes(self) -> dict[str, bytes]:
         import ray
 
