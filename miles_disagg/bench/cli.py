@@ -1,4 +1,4 @@
-"""``miles-disagg bench {delta,engine}``: dispatch to the benchmark modules.
+"""``miles-disagg bench {delta,engine,async}``: dispatch to the benchmark modules.
 
 Each benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and
 prints one JSON object on stdout.
@@ -12,6 +12,7 @@ import importlib
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "delta": ("miles_disagg.bench.delta", "disk-delta codec: ours vs the reference codec"),
     "engine": ("miles_disagg.bench.engine", "built-in engine throughput and activation pause"),
+    "async": ("miles_disagg.bench.async_train", "train.py vs train_async.py throughput and engine busy fraction"),
 }
 
 

@@ -32,26 +32,49 @@ def publish_and_update(job, version_before: int) -> tuple[int, dict[str, Any]]:
     """Publish the trainer's policy as the next version and bring every engine to it."""
     if job.config.weights.update_weight_transfer_mode == "broadcast":
         return broadcast_update(job, version_before + 1)
-    import ray
+    version, metrics = publish(job, version_before)
+    metrics.update(start_update(job, version).finish())
+    return version, metrics
 
+
+def publish(job, version_before: int) -> tuple[int, dict[str, Any]]:
+    """The trainer commits its policy as version ``version_before + 1`` (disk-delta)."""
     published = job.trainer.publish()
     version = published["version"]
     if version != version_before + 1:
         raise RuntimeError(f"published version {version}, expected {version_before + 1}")
-    metrics: dict[str, Any] = {
+    return version, {
         "perf/update_weights_encode_time": published["encode_time_s"],
         "perf/update_weights_publish_time": published["publish_time_s"],
         "perf/update_weights_density": published["density"],
         "perf/update_weights_wire_bytes": published["wire_bytes"],
         "perf/update_weights_total_bytes": published["total_bytes"],
+        "weights/version": version,
     }
-    if job.manager is not None:
-        start = time.perf_counter()
-        metrics.update(ray.get(job.manager.update_weights.remote(version)))
-        metrics["perf/update_weights_time"] = time.perf_counter() - start
-        metrics["weights/engine_versions"] = ray.get(job.manager.versions.remote())
-    metrics["weights/version"] = version
-    return version, metrics
+
+
+class PendingUpdate:
+    """Engines preparing and activating a published version while the trainer goes on."""
+
+    def __init__(self, job, version: int):
+        self.job, self.version = job, version
+        self.started = time.perf_counter()
+        self.ref = job.manager.update_weights.remote(version) if job.manager is not None else None
+
+    def finish(self) -> dict[str, Any]:
+        """Wait for every engine to serve the version; its timings and the engines' versions."""
+        import ray
+
+        if self.ref is None:
+            return {}
+        metrics: dict[str, Any] = dict(ray.get(self.ref))
+        metrics["perf/update_weights_time"] = time.perf_counter() - self.started
+        metrics["weights/engine_versions"] = ray.get(self.job.manager.versions.remote())
+        return metrics
+
+
+def start_update(job, version: int) -> PendingUpdate:
+    return PendingUpdate(job, version)
 
 
 def step_record(train_metrics: dict, rollout_metrics: dict, update_metrics: dict, timings: dict,
@@ -88,3 +111,26 @@ def _nbytes(meta: dict[str, list]) -> int:
     import torch
 
     return sum(math.prod(shape) * getattr(torch, dtype).itemsize for dtype, shape in zip(meta["dtypes"], meta["shapes"]))
+
+
+class BusyMeter:
+    """Fraction of wall time the engines had a request in flight, from the router's counters."""
+
+    def __init__(self, router_url: str | None):
+        self.router_url = router_url
+        self._last = self._read() if router_url else None
+
+    def _read(self) -> tuple[float, float, int]:
+        import httpx
+
+        workers = httpx.get(f"{self.router_url}/list_workers", timeout=10).json()["workers"]
+        return time.monotonic(), sum(w.get("busy_s", 0.0) for w in workers), max(1, len(workers))
+
+    def fraction(self) -> float | None:
+        """Busy fraction since the previous call (None without a router)."""
+        if self._last is None:
+            return None
+        now = self._read()
+        (t0, busy0, _), (t1, busy1, n) = self._last, now
+        self._last = now
+        return min(1.0, max(0.0, (busy1 - busy0) / ((t1 - t0) * n))) if t1 > t0 else None

@@ -14,15 +14,20 @@ import ray
 
 from miles_disagg.config.components import RunConfig
 from miles_disagg.loop.job import Job
-from miles_disagg.loop.steps import assign_advantages, publish_and_update, step_record
+from miles_disagg.loop.steps import BusyMeter, assign_advantages, publish, publish_and_update, start_update, step_record
 from miles_disagg.rollout.manager import load_groups, save_groups
 from miles_disagg.tracking import MetricsTracker, status
 
 
 def train_async(job: Job, tracker: MetricsTracker) -> None:
+    """Generation never stops; a published version is activated on the engines while the
+    trainer already trains on the next batch. A step's record is written once its update
+    has finished (so it carries the activation timings and the engines' versions)."""
     cfg = job.config
     version = 0
     ray.get(job.rollout.start.remote())
+    busy = BusyMeter(job.router_url)
+    unlogged = None  # (step, batch, train metrics, update metrics, timings, PendingUpdate | None)
     for step in range(cfg.rollout.num_rollout):
         start = time.perf_counter()
         batch = ray.get(job.rollout.take.remote(cfg.rollout.rollout_batch_size, version))
@@ -31,18 +36,40 @@ def train_async(job: Job, tracker: MetricsTracker) -> None:
             save_groups(cfg.rollout.save_debug_rollout_data.format(rollout_id=step), batch["groups"], version)
         train_metrics = job.trainer.train(assign_advantages(batch["groups"], cfg))
         trained = time.perf_counter()
-        update_metrics = {}
+        update_metrics, pending = {}, None
         if (step + 1) % cfg.weights.update_weights_interval == 0:
-            version, update_metrics = publish_and_update(job, version)
+            _flush(tracker, unlogged)  # one activation at a time: the previous one finishes first
+            unlogged = None
+            version, update_metrics, pending = _begin_update(job, version)
             ray.get(job.rollout.set_version.remote(version))
         timings = {"perf/wait_rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
-                   "perf/step_time": time.perf_counter() - start}
-        _log_step(tracker, step, batch, train_metrics, update_metrics, timings)
+                   "perf/step_time": time.perf_counter() - start, "perf/engine_busy_fraction": busy.fraction()}
+        _flush(tracker, unlogged)
+        unlogged = (step, batch, train_metrics, update_metrics, timings, pending)
+    _flush(tracker, unlogged)
+
+
+def _begin_update(job: Job, version: int):
+    if job.config.weights.update_weight_transfer_mode == "broadcast":
+        version, metrics = publish_and_update(job, version)
+        return version, metrics, None
+    version, metrics = publish(job, version)
+    return version, metrics, start_update(job, version)
+
+
+def _flush(tracker: MetricsTracker, unlogged) -> None:
+    if unlogged is None:
+        return
+    step, batch, train_metrics, update_metrics, timings, pending = unlogged
+    if pending is not None:
+        update_metrics.update(pending.finish())
+    _log_step(tracker, step, batch, train_metrics, update_metrics, timings)
 
 
 def train_sync(job: Job, tracker: MetricsTracker) -> None:
     cfg = job.config
     version = 0
+    busy = BusyMeter(job.router_url)
     for step in range(cfg.rollout.num_rollout):
         start = time.perf_counter()
         batch = _rollout_batch(job, step, version)
@@ -53,7 +80,7 @@ def train_sync(job: Job, tracker: MetricsTracker) -> None:
         if not cfg.rollout.debug_rollout_only and job.manager is not None:
             version, update_metrics = publish_and_update(job, version)
         timings = {"perf/rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
-                   "perf/step_time": time.perf_counter() - start}
+                   "perf/step_time": time.perf_counter() - start, "perf/engine_busy_fraction": busy.fraction()}
         _log_step(tracker, step, batch, train_metrics, update_metrics, timings)
 
 

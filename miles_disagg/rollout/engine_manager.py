@@ -53,7 +53,17 @@ class EngineManager:
     # ------------------------------------------------------------------ start
 
     def start(self) -> dict:
-        """Start the router and the engines (or attach them); returns the URLs."""
+        """Start the router and the engines (or attach them); returns the URLs.
+
+        On any failure (an attached engine that does not match, an engine that does not
+        start) whatever was started is stopped again before the error propagates."""
+        try:
+            return self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self) -> dict:
         from miles_disagg.router.launch import launch_router
 
         self.router = launch_router(log_path=self.run_dir / "logs" / "router.log",
@@ -119,7 +129,11 @@ class EngineManager:
     def update_weights(self, version: int) -> dict[str, float]:
         """Bring every engine to ``version`` (already published); returns the phase timings."""
         with self._lock:
-            report = self._updater().update(version)
+            updater = self._updater()
+            try:
+                report = updater.update(version)
+            finally:
+                updater.close()
             self._version = version
         return report.metrics()
 
@@ -140,12 +154,15 @@ class EngineManager:
             self._version = version
         return report.metrics()
 
-    def _updater(self, indices: list[int] | None = None) -> DiskDeltaUpdater:
+    def _updater(self, indices: list[int] | None = None, *, registered: bool = True) -> DiskDeltaUpdater:
+        """``registered=False``: the engines are not in the router (a restore), so the updater
+        does not tell the router to pause/resume routing to them."""
         indices = list(range(len(self.engine_urls))) if indices is None else indices
         return DiskDeltaUpdater([self.engine_urls[i] for i in indices],
                                 store_dir=self.weights.update_weight_disk_dir,
                                 local_dirs=[self.local_dirs[i] for i in indices],
-                                pause_mode=self.rollout.pause_generation_mode, set_state=self._set_state)
+                                pause_mode=self.rollout.pause_generation_mode,
+                                set_state=self._set_state if registered else None)
 
     def _set_state(self, url: str, state: str) -> None:
         self.router_client.set_worker_state(url, state)
@@ -197,7 +214,7 @@ class EngineManager:
         with self._lock:
             version = self._version
             if version > 0:
-                updater = self._updater([index])
+                updater = self._updater([index], registered=False)  # added to the router only below
                 try:
                     updater.update(version)
                 finally:

@@ -37,8 +37,11 @@ class SamplingSettings:
 
 
 def request_body(prompt_ids: list[int], sampling: SamplingSettings, min_version: int | None,
-                 exact_version: int | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"input_ids": prompt_ids, "sampling_params": sampling.to_json(), "return_logprob": True}
+                 exact_version: int | None = None, num_samples: int = 1) -> dict[str, Any]:
+    """One ``/generate`` body; ``num_samples > 1`` sends the prompt that many times in one
+    batched request (SGLang's list-of-prompts form), answered by a list of results."""
+    input_ids: Any = prompt_ids if num_samples == 1 else [list(prompt_ids) for _ in range(num_samples)]
+    body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling.to_json(), "return_logprob": True}
     if exact_version is not None:
         body["weight_version"] = {"exact_version": exact_version}
     elif min_version is not None:
@@ -49,12 +52,17 @@ def request_body(prompt_ids: list[int], sampling: SamplingSettings, min_version:
 def sample_from_response(prompt_ids: list[int], payload: dict) -> Sample:
     """Build a Sample from an SGLang ``/generate`` answer routed by our router."""
     meta = payload["meta_info"]
+    start, end = meta.get("weight_version_start"), meta.get("weight_version_end")
+    if not (_is_version(start) and _is_version(end)):
+        raise GenerationFailed(f"the serving engine reported no numeric weight version ({start!r}, {end!r}); "
+                               "a sample must name the policy that generated it (start engines with a numeric "
+                               "--weight-version)")
     triples = meta.get("output_token_logprobs") or []
     output_ids = list(payload.get("output_ids") or [t[1] for t in triples])
     finish = meta.get("finish_reason") or {}
     return Sample(
         prompt_ids=list(prompt_ids), response_ids=output_ids, response_logprobs=[float(t[0]) for t in triples],
-        weight_version_start=int(meta["weight_version_start"]), weight_version_end=int(meta["weight_version_end"]),
+        weight_version_start=int(start), weight_version_end=int(end),
         finish_reason=finish.get("type", "length") if isinstance(finish, dict) else str(finish),
     )
 
@@ -82,7 +90,18 @@ async def generate_one(client, url: str, body: dict, counters: dict[str, int]) -
 
 
 def _retry_after(response) -> float:
+    """The router's exact ``retry_after_s`` from the JSON body, else the (whole-second) header."""
     try:
-        return min(5.0, max(0.02, float(response.headers.get("retry-after", 0.2))))
-    except ValueError:
+        body = response.json()
+        value = body.get("retry_after_s") if isinstance(body, dict) else None
+        if value is None:
+            value = (body.get("error") or {}).get("retry_after_s") if isinstance(body, dict) else None
+        if value is None:
+            value = response.headers.get("retry-after", 0.2)
+        return min(5.0, max(0.02, float(value)))
+    except (ValueError, TypeError, AttributeError):
         return 0.2
+
+
+def _is_version(value) -> bool:
+    return isinstance(value, int) or (isinstance(value, str) and value.isdigit())

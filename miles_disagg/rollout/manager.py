@@ -21,7 +21,9 @@ from typing import Any
 
 from miles_disagg.config.components import RolloutConfig
 from miles_disagg.rollout.buffer import GroupBuffer
-from miles_disagg.rollout.generate import SamplingSettings, generate_one, request_body, sample_from_response
+from miles_disagg.rollout.generate import (
+    GenerationFailed, SamplingSettings, generate_one, request_body, sample_from_response,
+)
 from miles_disagg.types import Group
 
 log = logging.getLogger(__name__)
@@ -59,7 +61,8 @@ class RolloutManager:
         if self._client is None:
             limits = httpx.Limits(max_connections=self.config.rollout_concurrency + 8)
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=limits)
-            self._slots = asyncio.Semaphore(self.config.rollout_concurrency)
+            # one request carries a whole group: the concurrency bound counts samples
+            self._slots = asyncio.Semaphore(max(1, self.config.rollout_concurrency // self.config.n_samples_per_prompt))
             self._room = asyncio.Condition()
 
     async def start(self) -> None:
@@ -137,23 +140,28 @@ class RolloutManager:
                 self._failure = exc
 
     async def _group(self, prompt) -> Group:
+        """All samples of one prompt in one batched request (one engine serves the group)."""
+        n = self.config.n_samples_per_prompt
         prompt_ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
-        samples = await asyncio.gather(*(self._sample(prompt, prompt_ids) for _ in range(self.config.n_samples_per_prompt)))
-        self.counters["groups"] += 1
-        return Group(prompt_index=prompt.index, samples=list(samples))
-
-    async def _sample(self, prompt, prompt_ids: list[int]):
         min_version = self.buffer.admission_min_version(self.current_version)
-        body = request_body(prompt_ids, self.sampling, min_version)
+        body = request_body(prompt_ids, self.sampling, min_version, num_samples=n)
         async with self._slots:
             self.counters["requests"] += 1
             payload = await generate_one(self._client, self.router_url, body, self.counters)
-        sample = sample_from_response(prompt_ids, payload)
+        items = payload if isinstance(payload, list) else [payload]
+        if len(items) != n:
+            raise GenerationFailed(f"asked for {n} samples of one prompt, got {len(items)}")
+        samples = [self._score(prompt, prompt_ids, item, min_version) for item in items]
+        self.counters["groups"] += 1
+        return Group(prompt_index=prompt.index, samples=samples)
+
+    def _score(self, prompt, prompt_ids: list[int], item: dict, min_version: int | None):
+        sample = sample_from_response(prompt_ids, item)
         text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
         sample.reward = float(self.reward(prompt.text, text, prompt.label, dict(prompt.metadata)))
         sample.metadata.update({"prompt_index": prompt.index, "response_text": text,
                                 "requested_min_version": min_version,
-                                "routed_worker": payload["meta_info"].get("routed_worker")})
+                                "routed_worker": item["meta_info"].get("routed_worker")})
         return sample
 
     def _raise_failure(self) -> None:

@@ -23,6 +23,7 @@ Not thread-safe: the router mutates it from one event loop.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,14 @@ class Worker:
     last_error: str | None = None
     version_seq: int = 0
     failure_seq: int = 0
+    busy_s: float = 0.0  # wall time with at least one request outstanding, up to busy_since
+    busy_since: float | None = None
+
+    def busy_seconds(self, now: float | None = None) -> float:
+        """Cumulative time this worker had a request in flight (the engine-busy metric)."""
+        if self.busy_since is None:
+            return self.busy_s
+        return self.busy_s + ((time.monotonic() if now is None else now) - self.busy_since)
 
     @property
     def state(self) -> WorkerState:
@@ -117,7 +126,7 @@ class Worker:
     def to_json(self) -> dict[str, Any]:
         return {"url": self.url, "weight_version": self.weight_version, "state": self.state.value,
                 "outstanding": self.outstanding, "healthy": self.healthy, "last_error": self.last_error,
-                "num_served": self.num_served}
+                "num_served": self.num_served, "busy_s": round(self.busy_seconds(), 6)}
 
 
 class WorkerRegistry:
@@ -175,11 +184,16 @@ class WorkerRegistry:
 
     def acquire(self, worker: Worker) -> None:
         """A request was dispatched to ``worker``."""
+        if worker.outstanding == 0:
+            worker.busy_since = time.monotonic()
         worker.outstanding += 1
 
     def release(self, worker: Worker, *, served: bool) -> None:
         """A dispatched request ended (``served``: the worker answered it without failing)."""
         worker.outstanding -= 1
+        if worker.outstanding == 0 and worker.busy_since is not None:
+            worker.busy_s += time.monotonic() - worker.busy_since
+            worker.busy_since = None
         if served:
             worker.num_served += 1
 

@@ -74,12 +74,17 @@ class Placement:
 
 
 def create_placement(layout: Layout) -> Placement:
-    """Reserve ``layout.num_bundles`` GPU bundles (PACK) and sort them by (node, GPU id)."""
+    """Reserve ``layout.num_bundles`` GPU bundles (PACK) and sort them by (node, GPU id).
+
+    ``ConfigError`` (and nothing left reserved or pending) when the cluster cannot provide
+    them within ``PLACEMENT_TIMEOUT_S``."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, remove_placement_group
 
     group = placement_group([{"GPU": 1, "CPU": 1} for _ in range(layout.num_bundles)], strategy="PACK")
-    if not ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S):
+    ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(group)
         raise ConfigError(f"could not reserve {layout.num_bundles} GPU bundles within {PLACEMENT_TIMEOUT_S:.0f}s",
                           ("--actor-num-gpus-per-node", "--rollout-num-gpus"))
     probes = [_probe_bundle(group, i) for i in range(layout.num_bundles)]

@@ -65,7 +65,7 @@ def test_first_successful_probe_makes_ready_with_version():
     worker = healthy_worker(registry, version=4)
     assert (worker.state, worker.weight_version, worker.healthy) == (WorkerState.READY, 4, True)
     assert worker.to_json() == {"url": URL, "weight_version": 4, "state": "ready", "outstanding": 0,
-                                "healthy": True, "last_error": None, "num_served": 0}
+                                "healthy": True, "last_error": None, "num_served": 0, "busy_s": 0.0}
 
 
 def test_never_healthy_worker_stays_starting_with_its_error():
@@ -154,3 +154,21 @@ def test_acquire_release_counts():
 def test_threshold_must_be_positive():
     with pytest.raises(ValueError):
         WorkerRegistry(failure_threshold=0)
+
+
+def test_busy_seconds_count_only_time_with_requests_in_flight(monkeypatch) -> None:
+    import miles_disagg.router.registry as registry_module
+
+    clock = [100.0]
+    monkeypatch.setattr(registry_module.time, "monotonic", lambda: clock[0])
+    registry = WorkerRegistry()
+    worker = healthy_worker(registry, version=0)
+    registry.acquire(worker)
+    clock[0] = 101.0
+    registry.acquire(worker)  # overlapping requests do not double-count
+    clock[0] = 102.0
+    registry.release(worker, served=True)
+    assert worker.busy_seconds() == 2.0
+    registry.release(worker, served=True)
+    clock[0] = 110.0  # idle time is not busy time
+    assert worker.busy_seconds() == 2.0

@@ -1,0 +1,101 @@
+"""``miles-disagg bench async``: the same tiny workload through train.py and train_async.py.
+
+Both runs use the tiny CPU config (one trainer rank, built-in engines on logical GPUs,
+disk-delta updates, staleness bound 2) with the same prompts, batch and steps; each runs as
+a subprocess, as a user would start it. Defaults fit a 2-core machine: one engine (one core
+generating, one training), a random Qwen3 of hidden size 128 and 32-token responses, so that
+generation and training cost about the same, as in real RL. Throughput is samples trained per second of step time, excluding the
+first ``--warmup-steps`` steps (start-up, first update). ``engine_busy_fraction`` is the
+router's measure of how much of the wall time each engine had a request in flight, under
+train_async, over the same steps. Prints one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from miles_disagg.tracking import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the result as JSON (always on; kept for scripts)")
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "tiny_cpu.yaml")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--response-len", type=int, default=32, help="--rollout-max-response-len of both runs")
+    parser.add_argument("--engines", type=int, default=1, help="built-in engines of both runs (--rollout-num-gpus)")
+    parser.add_argument("--hidden-size", type=int, default=128, help="of the random digits-vocabulary Qwen3 both runs train")
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep both run directories here")
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="more flags for both runs, after --")
+
+
+def _progress(message: str) -> None:
+    print(f"[bench async] {message}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.steps <= args.warmup_steps:
+        from miles_disagg.types import InvalidInput
+
+        raise InvalidInput(f"--steps {args.steps} must exceed --warmup-steps {args.warmup_steps}")
+    with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
+        root = Path(args.work_dir or tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        _make_model(root / "base-model", args)
+        sync = _measure("train", root, args)
+        async_ = _measure("train_async", root, args)
+    result = {
+        "samples_per_s_sync": sync["samples_per_s"],
+        "samples_per_s_async": async_["samples_per_s"],
+        "ratio": async_["samples_per_s"] / sync["samples_per_s"],
+        "engine_busy_fraction": async_["engine_busy_fraction"],
+        "engine_busy_fraction_sync": sync["engine_busy_fraction"],
+        "steps_measured": args.steps - args.warmup_steps,
+        "samples_per_step": sync["samples_per_step"],
+        "reward_last_async": async_["reward_last"],
+        "reward_last_sync": sync["reward_last"],
+        "staleness_max_async": async_["staleness_max"],
+    }
+    print(json.dumps(result))
+    return 0
+
+
+def _make_model(path: Path, args: argparse.Namespace) -> None:
+    from miles_disagg.models.tiny_qwen3 import DIGITS_CHARSET, make_tiny_qwen3
+
+    if not path.exists():
+        _progress(f"writing a random Qwen3 (hidden {args.hidden_size}, {args.num_layers} layers, digits vocabulary)")
+        make_tiny_qwen3(path, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
+                        num_hidden_layers=args.num_layers, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=args.hidden_size // 4, charset=DIGITS_CHARSET)
+
+
+def _measure(entry: str, root: Path, args: argparse.Namespace) -> dict:
+    run_dir = root / entry
+    extra = [a for a in args.extra if a != "--"]
+    cmd = [sys.executable, str(REPO / f"{entry}.py"), "--config", str(args.config), "--run-dir", str(run_dir),
+           "--hf-checkpoint", str(root / "base-model"), "--num-rollout", str(args.steps),
+           "--rollout-max-response-len", str(args.response_len), "--rollout-num-gpus", str(args.engines), *extra]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp")}
+    _progress(f"{entry}.py: {args.steps} steps")
+    result = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{entry}.py exited {result.returncode}:\n{result.stderr[-4000:]}")
+    records = read_metrics(run_dir / "metrics.jsonl")[args.warmup_steps:]
+    samples = sum(r["perf/samples_per_s"] * r["perf/step_time"] for r in records)
+    seconds = sum(r["perf/step_time"] for r in records)
+    busy = [r["perf/engine_busy_fraction"] * r["perf/step_time"] for r in records
+            if r.get("perf/engine_busy_fraction") is not None]
+    return {"samples_per_s": samples / seconds, "engine_busy_fraction": sum(busy) / seconds,
+            "samples_per_step": round(samples / len(records)),
+            "reward_last": sum(r["rollout/raw_reward"] for r in records[-5:]) / len(records[-5:]),
+            "staleness_max": max(r.get("rollout/staleness_max", 0) for r in records)}

@@ -1,0 +1,204 @@
+"""Placement on a real (logical-GPU) Ray cluster, and attaching engines by address.
+
+Placement: ``create_placement(plan_layout(...))`` for the default, colocated and external
+layouts; a task scheduled with ``placement.strategy(pos)`` must land on the GPU the
+placement reports for ``pos``.
+
+Attach: an ``EngineManager`` (in this process: attaching launches no Ray actor) attaches a
+built-in engine by ``host:port``. A matching engine is registered with the manager's router
+at version 0; every mismatch the job can detect (tp size, dtype, architecture, context
+length) is refused with a ``ConfigError`` naming the field and both values, and the router
+the manager had started is stopped again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine_fixtures import start_engine, stop_engine
+from rollout_fixtures import checkpoint_copy, ray_session
+from miles_disagg.config.components import ClusterConfig, RolloutConfig, WeightUpdateConfig
+from miles_disagg.rollout.engine_manager import EngineManager
+from miles_disagg.router.client import RouterClient
+from miles_disagg.trainer.placement import create_placement, plan_layout
+from miles_disagg.types import ConfigError
+
+pytestmark = pytest.mark.timeout(180)
+
+
+# --------------------------------------------------------------------------- placement
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    with ray_session(num_gpus=8):
+        yield
+
+
+_GPU_IDS = None
+
+
+def gpu_ids_by_position(placement) -> list[list[str]]:
+    """For each sorted position, the GPU ids Ray gives a task scheduled with ``placement.strategy(pos)``."""
+    import ray
+
+    global _GPU_IDS
+    if _GPU_IDS is None:
+        @ray.remote(num_cpus=0.01, num_gpus=0.01)
+        def gpu_ids() -> list[str]:
+            return [str(i) for i in ray.get_gpu_ids()]
+
+        _GPU_IDS = gpu_ids
+    tasks = [_GPU_IDS.options(scheduling_strategy=placement.strategy(p)).remote()
+             for p in range(placement.layout.num_bundles)]
+    return ray.get(tasks, timeout=60)
+
+
+@pytest.fixture
+def placed(ray_cluster):
+    """``placed(cluster, external_rollout=False)`` -> a ready Placement, removed after the test."""
+    from ray.util.placement_group import remove_placement_group
+
+    made = []
+
+    def make(cluster: ClusterConfig, external_rollout: bool = False):
+        placement = create_placement(plan_layout(cluster, external_rollout=external_rollout))
+        made.append(placement)
+        return placement
+
+    yield make
+    for placement in made:
+        remove_placement_group(placement.group)
+
+
+def placed_gpus(placement) -> list[str]:
+    """Checks that the sorted bundles cover the group and that each position's task runs on
+    exactly the GPU the placement reports for it; returns those GPU ids by position."""
+    from ray.util.placement_group import placement_group_table
+
+    n = placement.layout.num_bundles
+    assert len(placement_group_table(placement.group)["bundles"]) == n
+    assert sorted(placement.sorted_bundles) == list(range(n))
+    assert placement.gpu_ids == sorted(placement.gpu_ids, key=int)
+    seen = gpu_ids_by_position(placement)
+    assert seen == [[gpu] for gpu in placement.gpu_ids]
+    return [ids[0] for ids in seen]
+
+
+def test_default_layout_gives_trainer_and_each_engine_their_own_gpus(placed):
+    placement = placed(ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=4, rollout_num_gpus_per_engine=2))
+    assert placement.layout.trainer == (0, 1)
+    assert placement.layout.engines == ((2, 3), (4, 5))
+    gpus = placed_gpus(placement)
+    assert len(set(gpus)) == 6, f"positions share GPUs: {gpus}"
+
+
+def test_colocated_layout_puts_each_engine_on_a_trainer_gpu(placed):
+    placement = placed(ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=True))
+    assert placement.layout.num_bundles == 2
+    assert placement.layout.trainer == (0, 1)
+    assert placement.layout.engines == ((0,), (1,))
+    gpus = placed_gpus(placement)
+    assert [gpus[e[0]] for e in placement.layout.engines] == [gpus[r] for r in placement.layout.trainer]
+    assert len(set(gpus)) == 2
+
+
+def test_external_rollout_reserves_only_the_trainer_bundles(placed):
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    placement = placed(ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=4), external_rollout=True)
+    assert placement.layout.num_bundles == 2 and placement.layout.trainer == (0, 1)
+    assert placement.layout.engines == ()
+    assert len(set(placed_gpus(placement))) == 2
+    # nothing else is held: the other 6 of the 8 GPUs can be reserved at once
+    rest = placement_group([{"GPU": 1, "CPU": 0.1}] * 6)
+    try:
+        assert ray.get(rest.ready(), timeout=30)
+    finally:
+        remove_placement_group(rest)
+
+
+def test_a_layout_the_cluster_cannot_hold_fails_with_config_error_and_reserves_nothing(ray_cluster, monkeypatch):
+    from ray.util.placement_group import placement_group_table
+
+    from miles_disagg.trainer import placement as placement_module
+
+    monkeypatch.setattr(placement_module, "PLACEMENT_TIMEOUT_S", 1.0)
+    layout = plan_layout(ClusterConfig(actor_num_gpus_per_node=4, rollout_num_gpus=6))  # 10 of 8 GPUs
+    with pytest.raises(ConfigError, match="could not reserve 10 GPU bundles") as refused:
+        create_placement(layout)
+    assert "--rollout-num-gpus" in refused.value.flags
+    states = {pg["state"] for pg in placement_group_table().values()}
+    assert "PENDING" not in states, f"the refused placement group is still pending: {states}"
+
+
+# --------------------------------------------------------------------------- attach by address
+
+
+@pytest.fixture(scope="module")
+def attached_engine(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    handle = start_engine(tiny_qwen3_dir, tmp_path_factory.mktemp("attach-engine-logs"))
+    yield handle
+    stop_engine(handle)
+
+
+def attach_manager(addr: str, model_path: Path, run_dir: Path, *, tp: int = 1, dtype: str = "auto") -> EngineManager:
+    return EngineManager(
+        ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus_per_engine=tp),
+        RolloutConfig(rollout_external=True, rollout_external_engine_addrs=[addr], engine_dtype=dtype,
+                      rollout_health_check_interval=0.2),
+        WeightUpdateConfig(update_weight_transfer_mode="disk-delta", update_weight_disk_dir=str(run_dir / "store")),
+        str(model_path), str(run_dir))
+
+
+def test_a_matching_engine_is_attached_and_registered_at_version_0(attached_engine, tiny_qwen3_dir, tmp_path):
+    addr = attached_engine.url.removeprefix("http://")
+    manager = attach_manager(addr, tiny_qwen3_dir, tmp_path)
+    try:
+        info = manager.start()
+        assert info["engine_urls"] == [attached_engine.url]
+        with RouterClient(info["router_url"]) as router:
+            [worker] = router.list_workers()
+        assert (worker["url"], worker["state"], worker["weight_version"]) == (attached_engine.url, "ready", 0)
+        assert manager.versions() == ["0"]
+    finally:
+        manager.shutdown()
+    assert manager.router.proc.poll() is not None, "shutdown left the router running"
+    assert attached_engine.get("/health").status_code == 200, "shutdown stopped an engine it does not own"
+
+
+def _arch_copy(model: Path, tmp: Path) -> Path:
+    return checkpoint_copy(model, tmp / "llama-labelled", architectures=["LlamaForCausalLM"])
+
+
+def _long_context_copy(model: Path, tmp: Path) -> Path:
+    return checkpoint_copy(model, tmp / "long-context", max_position_embeddings=8192)
+
+
+@pytest.mark.parametrize("case, kwargs, make_model, expected", [
+    ("tp_size", {"tp": 2}, None, ["tp_size", "tp_size=1", "--rollout-num-gpus-per-engine is 2"]),
+    ("dtype", {"dtype": "bfloat16"}, None, ["dtype", "serves float32", "expects bfloat16"]),
+    ("architecture", {}, _arch_copy, ["architectures", "Qwen3ForCausalLM", "LlamaForCausalLM"]),
+    ("context_length", {}, _long_context_copy, ["context_length", "accepts 2048", "needs 8192"]),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_a_mismatching_engine_is_refused_and_nothing_is_left_running(
+        attached_engine, tiny_qwen3_dir, tmp_path, case, kwargs, make_model, expected):
+    model = make_model(tiny_qwen3_dir, tmp_path) if make_model else tiny_qwen3_dir
+    addr = attached_engine.url.removeprefix("http://")
+    manager = attach_manager(addr, model, tmp_path, **kwargs)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            manager.start()
+        message = str(refused.value)
+        assert addr in message
+        for part in expected:
+            assert part in message, f"{part!r} not in {message!r}"
+        assert "--rollout-external-engine-addrs" in refused.value.flags
+        assert manager.router is not None, "the router is started before engines are attached"
+        assert manager.router.proc.poll() is not None, "a refused attach left the manager's router running"
+    finally:
+        manager.shutdown()
+    assert attached_engine.get("/health").status_code == 200
