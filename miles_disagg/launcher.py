@@ -13,8 +13,9 @@ from typing import Sequence
 
 from miles_disagg.config import RunConfig, config_to_dict, config_to_yaml, load_config
 from miles_disagg.tracking import status
-from miles_disagg.types import ConfigError
+from miles_disagg.types import ConfigError, MilesDisaggError
 
+EXIT_FAILED = 1
 EXIT_CONFIG_ERROR = 2
 EXIT_NOT_IMPLEMENTED = 3
 
@@ -30,11 +31,15 @@ def main(entry: str, argv: Sequence[str] | None = None) -> int:
         if print_only:
             print(config_to_yaml(config), end="")
             return 0
+        check_runnable(config)
         prepare_run(config)
         return run_training(config)
     except ConfigError as exc:
-        print(f"{entry}.py: error: {exc}", file=sys.stderr)
+        print(f"{entry}.py: error: {_cause(exc)}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except MilesDisaggError as exc:
+        print(f"{entry}.py: failed: {type(_cause(exc)).__name__}: {_cause(exc)}", file=sys.stderr)
+        return EXIT_FAILED
     except NotYetImplemented as exc:
         print(f"{entry}.py: not yet implemented: {exc}", file=sys.stderr)
         return EXIT_NOT_IMPLEMENTED
@@ -47,6 +52,20 @@ def prepare_run(config: RunConfig) -> None:
     (output_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
     status(f"run directory: {output_dir}")
     ensure_base_checkpoint(config)
+
+
+def check_runnable(config: RunConfig) -> None:
+    """What a training run needs beyond a valid config (``--print-config`` does not need these)."""
+    rollout, train = config.rollout, config.train
+    for flag_name, value in (("--num-rollout", rollout.num_rollout), ("--rollout-batch-size", rollout.rollout_batch_size)):
+        if value is None:
+            raise ConfigError(f"{flag_name} is required to train", (flag_name,))
+    ranks = config.cluster.num_actor_gpus
+    batch = train.global_batch_size or rollout.rollout_batch_size * rollout.n_samples_per_prompt
+    if batch % ranks:
+        raise ConfigError(f"--global-batch-size {batch} does not divide over {ranks} trainer ranks "
+                          "(--actor-num-nodes x --actor-num-gpus-per-node)",
+                          ("--global-batch-size", "--actor-num-gpus-per-node"))
 
 
 def ensure_base_checkpoint(config: RunConfig) -> None:
@@ -73,3 +92,8 @@ def run_training(config: RunConfig) -> int:
 
     run(config)
     return 0
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The original error of one raised inside a Ray actor (Ray wraps it with its traceback)."""
+    return getattr(exc, "cause", None) or exc

@@ -13,7 +13,7 @@ _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,
 
 def validate(config: RunConfig) -> None:
     """Raise ``ConfigError`` (naming the offending flags) for the first invalid combination."""
-    for check in (_check_entry, _check_disk_delta, _check_topology, _check_batches):
+    for check in (_check_entry, _check_disk_delta, _check_topology, _check_batches, _check_debug):
         check(config)
 
 
@@ -97,3 +97,17 @@ def _check_batches(config: RunConfig) -> None:
             f"--rollout-batch-size x --n-samples-per-prompt ({samples}) must be a multiple of "
             f"--global-batch-size ({train.global_batch_size})",
             ("--rollout-batch-size", "--n-samples-per-prompt", "--global-batch-size"))
+
+
+def _check_debug(config: RunConfig) -> None:
+    rollout = config.rollout
+    if rollout.debug_rollout_only and rollout.debug_train_only:
+        raise ConfigError("--debug-rollout-only and --debug-train-only run opposite halves; give one",
+                          ("--debug-rollout-only", "--debug-train-only"))
+    if rollout.debug_train_only and not rollout.load_debug_rollout_data:
+        raise ConfigError("--debug-train-only trains on saved rollouts: give --load-debug-rollout-data PATTERN",
+                          ("--debug-train-only", "--load-debug-rollout-data"))
+    for flag_name, value in (("--save-debug-rollout-data", rollout.save_debug_rollout_data),
+                             ("--load-debug-rollout-data", rollout.load_debug_rollout_data)):
+        if value and "{rollout_id}" not in value:
+            raise ConfigError(f"{flag_name} {value!r} must contain {{rollout_id}} (one file per step)", (flag_name,))

@@ -126,7 +126,7 @@ def run(config: RunConfig) -> None:
                              use_wandb=config.tracking.use_wandb, wandb_project=config.tracking.wandb_project,
                              wandb_group=config.tracking.wandb_group)
     try:
-        if config.entry == "train_async":
+        if config.entry == "train_async" and not (config.rollout.debug_rollout_only or config.rollout.debug_train_only):
             train_async(job, tracker)
         else:
             train_sync(job, tracker)

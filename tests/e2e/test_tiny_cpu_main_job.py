@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 from miles_disagg.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 18
+STEPS = 24
 STALENESS = 2
 
 
@@ -28,7 +29,8 @@ STALENESS = 2
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("tiny_run")
     run_dir = tmp / "run"
-    env = {**os.environ, "MILES_DISAGG_RAY_TMPDIR": str(tmp / "ray"), "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+           "RAY_AUTH_MODE": "disabled"}  # Ray socket paths must be short
     result = subprocess.run(
         [sys.executable, str(REPO / "train_async.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
          "--run-dir", str(run_dir), "--hf-checkpoint", str(tmp / "base-model"), "--num-rollout", str(STEPS),

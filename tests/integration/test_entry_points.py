@@ -41,8 +41,11 @@ DD = ["--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir",
     ("train.py", DD + ["--hf-checkpoint", "{tmp}", "--colocate"], ["--colocate", "--update-weight-transfer-mode"]),
     ("train_async.py", DD + ["--hf-checkpoint", "{tmp}", "--lora-rank", "4"], ["--lora-rank"]),
     ("train_async.py", DD + ["--hf-checkpoint", "{tmp}", "--prefill-num-servers", "2"], ["--prefill-num-servers"]),
-    ("train_async.py", DD[:4] + ["--hf-checkpoint", "{tmp}"], ["--update-weight-local-checkpoint-dir"]),
-    ("train_async.py", DD[:2] + DD[4:] + ["--hf-checkpoint", "{tmp}"], ["--update-weight-disk-dir"]),
+    ("train_async.py", DD + ["--hf-checkpoint", "{tmp}", "--rollout-batch-size", "4"], ["--num-rollout"]),
+    ("train_async.py", DD + ["--hf-checkpoint", "{tmp}", "--num-rollout", "2", "--rollout-batch-size", "3",
+                             "--actor-num-gpus-per-node", "2"], ["--global-batch-size", "--actor-num-gpus-per-node"]),
+    ("train.py", ["--debug-train-only"], ["--load-debug-rollout-data"]),
+    ("train.py", ["--save-debug-rollout-data", "/tmp/x.jsonl"], ["--save-debug-rollout-data", "{rollout_id}"]),
     ("train_async.py", DD + ["--hf-checkpoint", "Qwen/Qwen3-4B"], ["--hf-checkpoint"]),
     ("train_async.py", ["--rollout-external"], ["--rollout-external-engine-addrs"]),
     ("train_async.py", ["--rollout-external", "--rollout-external-engine-addrs", "nohost"], ["--rollout-external-engine-addrs"]),
@@ -61,19 +64,19 @@ def test_rejections_exit_2_naming_the_flags(tmp_path: Path, script: str, args: l
 def test_print_config_merges_yaml_and_command_line_wins() -> None:
     result = run("train_async.py", "--config", "configs/tiny_cpu.yaml", "--print-config")
     assert result.returncode == 0, result.stderr
-    assert "rollout_batch_size: 8" in result.stdout
+    assert "rollout_batch_size: 32" in result.stdout
     assert "update_weight_transfer_mode: disk-delta" in result.stdout
     override = run("train_async.py", "--config", "configs/tiny_cpu.yaml", "--print-config",
                    "--rollout-batch-size", "16", "--update-weight-delta-encoding", "overwrite")
     assert override.returncode == 0, override.stderr
     assert "rollout_batch_size: 16" in override.stdout
     assert "update_weight_delta_encoding: overwrite" in override.stdout
-    assert "rollout_batch_size: 8" not in override.stdout
+    assert "rollout_batch_size: 32" not in override.stdout
 
 
 def test_cli_help_is_fast_and_lists_subcommands() -> None:
     result = subprocess.run([sys.executable, "-m", "miles_disagg.cli", "--help"], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0
-    for name in ("weights", "engine", "bench"):
+    for name in ("weights", "engine", "router", "agent", "make-tiny-checkpoint", "bench"):
         assert name in result.stdout

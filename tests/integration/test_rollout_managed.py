@@ -124,7 +124,6 @@ def test_disk_delta_update_prepares_everywhere_before_any_pause_while_generation
     try:
         wait_until(lambda: all(running_requests(u) >= 1 for u in urls), timeout=60,
                    what="long requests in flight on both engines")
-        started = time.monotonic()
         metrics = world.call("update_weights", target)
         updated = time.monotonic()
         wait_until(lambda: sum(a.sent_at > updated and a.status == 200 for a in load.answers) >= 2, timeout=60,
@@ -159,7 +158,6 @@ def test_disk_delta_update_prepares_everywhere_before_any_pause_while_generation
             assert (start, end) == (target, target), answer.body["meta_info"]
     assert any(a.status == 200 and served_versions(a.body) == (before, target) for a in answers), \
         "no request was in flight across an activation"
-    assert any(a.status == 200 and a.sent_at < started and a.done_at > updated for a in answers)
 
     assert world.call("versions") == [str(target)] * 2
     for key in ("perf/update_weights_prepare_time", "perf/update_weights_pause_time"):
