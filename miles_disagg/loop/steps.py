@@ -114,23 +114,28 @@ def _nbytes(meta: dict[str, list]) -> int:
 
 
 class BusyMeter:
-    """Fraction of wall time the engines had a request in flight, from the router's counters."""
+    """Fraction of wall time the engines had a request in flight, from the router's counters
+    (None where the router does not count busy time, e.g. sglang-router)."""
 
     def __init__(self, router_url: str | None):
         self.router_url = router_url
         self._last = self._read() if router_url else None
 
-    def _read(self) -> tuple[float, float, int]:
+    def _read(self) -> tuple[float, float, int] | None:
         import httpx
 
-        workers = httpx.get(f"{self.router_url}/list_workers", timeout=10).json()["workers"]
-        return time.monotonic(), sum(w.get("busy_s", 0.0) for w in workers), max(1, len(workers))
+        workers = httpx.get(f"{self.router_url}/list_workers", timeout=10).json().get("workers")
+        if not workers or not all("busy_s" in w for w in workers):
+            return None
+        return time.monotonic(), sum(w["busy_s"] for w in workers), len(workers)
 
     def fraction(self) -> float | None:
-        """Busy fraction since the previous call (None without a router)."""
+        """Busy fraction since the previous call."""
         if self._last is None:
             return None
         now = self._read()
+        if now is None:
+            return None
         (t0, busy0, _), (t1, busy1, n) = self._last, now
         self._last = now
         return min(1.0, max(0.0, (busy1 - busy0) / ((t1 - t0) * n))) if t1 > t0 else None

@@ -26,7 +26,7 @@ def train_async(job: Job, tracker: MetricsTracker) -> None:
     cfg = job.config
     version = 0
     ray.get(job.rollout.start.remote())
-    busy = BusyMeter(job.router_url)
+    busy = BusyMeter(job.router_url if cfg.rollout.router == "builtin" else None)
     unlogged = None  # (step, batch, train metrics, update metrics, timings, PendingUpdate | None)
     for step in range(cfg.rollout.num_rollout):
         start = time.perf_counter()
@@ -69,7 +69,7 @@ def _flush(tracker: MetricsTracker, unlogged) -> None:
 def train_sync(job: Job, tracker: MetricsTracker) -> None:
     cfg = job.config
     version = 0
-    busy = BusyMeter(job.router_url)
+    busy = BusyMeter(job.router_url if cfg.rollout.router == "builtin" else None)
     for step in range(cfg.rollout.num_rollout):
         start = time.perf_counter()
         batch = _rollout_batch(job, step, version)

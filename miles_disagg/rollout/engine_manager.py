@@ -55,8 +55,8 @@ class EngineManager:
     def start(self) -> dict:
         """Start the router and the engines (or attach them); returns the URLs.
 
-        On any failure (an attached engine that does not match, an engine that does not
-        start) whatever was started is stopped again before the error propagates."""
+        A failure stops whatever was started (router, engine processes) before it propagates.
+        """
         try:
             return self._start()
         except BaseException:
@@ -64,16 +64,15 @@ class EngineManager:
             raise
 
     def _start(self) -> dict:
-        from miles_disagg.router.launch import launch_router
+        if self.rollout.router == "sglang":
+            from miles_disagg.router.sglang_router import require_sglang_router
 
-        self.router = launch_router(log_path=self.run_dir / "logs" / "router.log",
-                                    health_check_interval_s=self.rollout.rollout_health_check_interval,
-                                    retry_after_s=0.2)
-        self.router_client = self.router.client()
-        if self.rollout.rollout_external:
-            self.engine_urls = self._attach()
+            require_sglang_router()
         else:
-            self.engine_urls = self._launch()
+            self._start_router([])
+        self.engine_urls = self._attach() if self.rollout.rollout_external else self._launch()
+        if self.router is None:
+            self._start_router(self.engine_urls)
         local_root = Path(self.weights.update_weight_local_checkpoint_dir or self.run_dir / "rollout-checkpoints")
         self.local_dirs = [self._local_dir(url, local_root / f"engine-{i}") for i, url in enumerate(self.engine_urls)]
         for url in self.engine_urls:
@@ -83,6 +82,20 @@ class EngineManager:
         self._monitor = threading.Thread(target=self._watch, name="engine-monitor", daemon=True)
         self._monitor.start()
         return {"router_url": self.router.url, "engine_urls": list(self.engine_urls)}
+
+    def _start_router(self, workers: list[str]) -> None:
+        log_path = self.run_dir / "logs" / "router.log"
+        if self.rollout.router == "sglang":
+            from miles_disagg.router.sglang_router import SglangRouterClient, launch_sglang_router
+
+            self.router = launch_sglang_router(log_path=log_path, workers=workers)
+            self.router_client = SglangRouterClient(self.router.url)
+            return
+        from miles_disagg.router.launch import launch_router
+
+        self.router = launch_router(log_path=log_path, health_check_interval_s=self.rollout.rollout_health_check_interval,
+                                    retry_after_s=0.2)
+        self.router_client = self.router.client()
 
     def _launch(self) -> list[str]:
         import ray
@@ -241,6 +254,7 @@ class EngineManager:
         self._stop.set()
         if self._actors:
             ray.get([a.stop.remote() for a in self._actors])
+            self._actors = []
         if self.router is not None:
             self.router.stop()
 

@@ -143,7 +143,8 @@ class RolloutManager:
         """All samples of one prompt in one batched request (one engine serves the group)."""
         n = self.config.n_samples_per_prompt
         prompt_ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
-        min_version = self.buffer.admission_min_version(self.current_version)
+        # sglang-router cannot route by version: no admission constraint there (the buffer still drops stale groups)
+        min_version = None if self.config.router == "sglang" else self.buffer.admission_min_version(self.current_version)
         body = request_body(prompt_ids, self.sampling, min_version, num_samples=n)
         async with self._slots:
             self.counters["requests"] += 1

@@ -8,6 +8,7 @@ this directory on ``PYTHONPATH`` so actors defined here (``RecordingManager``) i
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -45,6 +46,8 @@ def ray_session(num_gpus: int = 8) -> Iterator[None]:
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+        # Ray's exiting workers may still write logs there; remove what they leave at exit
+        atexit.register(shutil.rmtree, temp_dir, ignore_errors=True)
 
 
 def checkpoint_copy(source: Path, target: Path, **config_overrides: Any) -> Path:
