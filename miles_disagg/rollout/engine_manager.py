@@ -24,7 +24,7 @@ from typing import Any
 
 from miles_disagg.config.components import ClusterConfig, RolloutConfig, WeightUpdateConfig
 from miles_disagg.rollout.engine_client import EngineClient, EngineRequestFailed
-from miles_disagg.rollout.updater import BroadcastUpdater, DiskDeltaUpdater
+from miles_disagg.rollout.updater import BroadcastUpdater, DiskDeltaUpdater, UpdateFailed
 from miles_disagg.types import ConfigError
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class EngineManager:
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self.events: list[dict] = []
+        self._down: set[int] = set()  # engine indices out of the router until restored
         self._broadcast: BroadcastUpdater | None = None
 
     # ------------------------------------------------------------------ start
@@ -140,15 +141,29 @@ class EngineManager:
     # ------------------------------------------------------------------ updates
 
     def update_weights(self, version: int) -> dict[str, float]:
-        """Bring every engine to ``version`` (already published); returns the phase timings."""
+        """Bring every live engine to ``version`` (already published); returns the phase timings.
+
+        An engine that is down (its process died, or it stopped answering) is left out and
+        marked down; the monitor restarts it and brings it to the newest version before the
+        router uses it again. A live engine that fails the update fails it.
+        """
         with self._lock:
-            updater = self._updater()
-            try:
-                report = updater.update(version)
-            finally:
-                updater.close()
+            report = self._update_live(version)
             self._version = version
         return report.metrics()
+
+    def _update_live(self, version: int):
+        while True:
+            live = [i for i in range(len(self.engine_urls)) if self._is_live(i)]
+            updater = self._updater(live)
+            try:
+                return updater.update(version)
+            except UpdateFailed:
+                if all(self._alive(i) for i in live):
+                    raise  # a live engine refused: the update fails
+                # an engine died during the update: it is marked down now; the rest go again
+            finally:
+                updater.close()
 
     def init_broadcast_group(self, master_addr: str, master_port: int) -> int:
         """Broadcast mode: every engine joins the trainer's weight-update group; returns its world size."""
@@ -180,8 +195,15 @@ class EngineManager:
     def _set_state(self, url: str, state: str) -> None:
         self.router_client.set_worker_state(url, state)
 
-    def versions(self) -> list[str]:
-        return [EngineClient(url, timeout_s=10).weight_version() for url in self.engine_urls]
+    def versions(self) -> list[str | None]:
+        """What each engine reports (None for an engine that is down)."""
+        out: list[str | None] = []
+        for index, url in enumerate(self.engine_urls):
+            try:
+                out.append(None if index in self._down else EngineClient(url, timeout_s=10).weight_version())
+            except EngineRequestFailed:
+                out.append(None)
+        return out
 
     def info(self) -> dict:
         return {"router_url": self.router.url if self.router else None, "engine_urls": list(self.engine_urls),
@@ -189,38 +211,57 @@ class EngineManager:
 
     # ------------------------------------------------------------------ faults
 
+    def _alive(self, index: int) -> bool:
+        import ray
+
+        if self._actors:
+            return bool(ray.get(self._actors[index].alive.remote()))
+        return EngineClient(self.engine_urls[index], timeout_s=3).healthy()
+
+    def _is_live(self, index: int) -> bool:
+        """False (and the engine marked down) when it is down or just died."""
+        if index in self._down:
+            return False
+        if self._alive(index):
+            return True
+        self._mark_down(index)
+        return False
+
+    def _mark_down(self, index: int) -> None:
+        url = self.engine_urls[index]
+        self._down.add(index)
+        try:
+            self.router_client.remove_worker(url)
+        except Exception as exc:  # the router may already have dropped it
+            log.info("remove_worker %s: %s", url, exc)
+        self.events.append({"engine": index, "event": "down", "url": url, "time": time.time()})
+
     def _watch(self) -> None:
-        down: set[int] = set()
         while not self._stop.wait(MONITOR_INTERVAL_S):
             for index in range(len(self.engine_urls)):
+                if self._stop.is_set():
+                    return
                 try:
-                    self._check_engine(index, down)
+                    self._check_engine(index)
                 except Exception as exc:  # keep watching the others; record why
                     log.exception("engine %d: recovery failed", index)
                     self.events.append({"engine": index, "event": "recovery_failed", "error": str(exc)})
 
-    def _check_engine(self, index: int, down: set[int]) -> None:
+    def _check_engine(self, index: int) -> None:
         import ray
 
-        url = self.engine_urls[index]
         managed = bool(self._actors)
-        healthy = ray.get(self._actors[index].alive.remote()) if managed else EngineClient(url, timeout_s=3).healthy()
-        if healthy and index not in down:
-            return
-        if not healthy and index not in down:
-            down.add(index)
-            self.router_client.remove_worker(url)
-            self.events.append({"engine": index, "event": "down", "url": url, "time": time.time()})
-            if not managed:
-                return
+        if index not in self._down:
+            with self._lock:
+                if self._is_live(index) or not managed and index not in self._down:
+                    return
         if self._broadcast is not None:
             return  # a broadcast group cannot take a new member: the engine stays out (the run reports it)
         if managed:
             self.engine_urls[index] = ray.get(self._actors[index].restart.remote())
-        elif not EngineClient(url, timeout_s=3).healthy():
+        elif not EngineClient(self.engine_urls[index], timeout_s=3).healthy():
             return
         self._restore(index)
-        down.discard(index)
 
     def _restore(self, index: int) -> None:
         """Bring a (re)started engine to the current version, then let the router use it."""
@@ -233,6 +274,7 @@ class EngineManager:
                 finally:
                     updater.close()
             self.router_client.add_worker(self.engine_urls[index])
+            self._down.discard(index)
             self.events.append({"engine": index, "event": "restored", "url": self.engine_urls[index],
                                 "version": version, "time": time.time()})
 
@@ -252,9 +294,14 @@ class EngineManager:
         import ray
 
         self._stop.set()
-        if self._actors:
-            ray.get([a.stop.remote() for a in self._actors])
-            self._actors = []
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=60)  # a restart in progress finishes before the engines stop
+        for actor in self._actors:
+            try:
+                ray.get(actor.stop.remote(), timeout=60)
+            except Exception as exc:  # a dead actor: its process is gone already
+                log.info("engine actor stop: %s", exc)
+        self._actors = []
         if self.router is not None:
             self.router.stop()
 

@@ -67,7 +67,7 @@ class DiskDeltaUpdater:
         prepared = time.perf_counter()
         pauses = self._all(lambda i: self.activate(i, version), "activate")
         done = time.perf_counter()
-        return UpdateReport(version, prepared - start, max(pauses), done - prepared, pauses)
+        return UpdateReport(version, prepared - start, max(pauses, default=0.0), done - prepared, pauses)
 
     def prepare(self, index: int, version: int) -> None:
         self.clients[index].post("/pull_weights", {"target_version": version, "source_dir": self.store_dir,
@@ -89,10 +89,10 @@ class DiskDeltaUpdater:
                 client.post("/continue_generation")
         finally:
             pause = time.perf_counter() - paused_at
+            self.set_state(client.url, "ready")  # routed again by the version it really serves
         reported = client.weight_version()
         if reported != str(version):
             raise UpdateFailed(f"{client.url} reports weight_version {reported!r} after activating {version}")
-        self.set_state(client.url, "ready")
         return pause
 
     def _all(self, fn: Callable[[int], float | None], phase: str) -> list:

@@ -141,10 +141,10 @@ class RecordingManager(EngineManager):
         self._update_log: list = []
 
     def _updater(self, indices: list[int] | None = None, **kwargs) -> DiskDeltaUpdater:
-        if indices is not None:  # restores of one engine are not recorded
+        if indices is not None and len(indices) < len(self.engine_urls):  # restores of one engine are not recorded
             return super()._updater(indices, **kwargs)
-        return RecordingUpdater(self.engine_urls, store_dir=self.weights.update_weight_disk_dir,
-                                local_dirs=self.local_dirs, pause_mode=self.rollout.pause_generation_mode,
+        return RecordingUpdater(list(self.engine_urls), store_dir=self.weights.update_weight_disk_dir,
+                                local_dirs=list(self.local_dirs), pause_mode=self.rollout.pause_generation_mode,
                                 set_state=self._set_state, log=self._update_log)
 
     def update_log(self) -> list:

@@ -16,8 +16,7 @@ import httpx
 import pytest
 
 from engine_fixtures import wait_until
-from rollout_fixtures import (RETRYABLE_STATUSES, Load, RecordingManager, VersionSource, long_body, ray_session,
-                              running_requests)
+from rollout_fixtures import RETRYABLE_STATUSES, Load, RecordingManager, VersionSource, ray_session, running_requests
 from miles_disagg.config.components import ClusterConfig, RolloutConfig, WeightUpdateConfig
 from miles_disagg.router.client import RouterClient
 from miles_disagg.trainer.placement import create_placement, plan_layout
@@ -118,7 +117,7 @@ def assert_retryable(answer) -> None:
     assert isinstance(answer.body, dict) and answer.body.get("retryable") is True, answer.body
 
 
-def test_managed_engines_start_in_their_bundles_and_register_at_version_0(world):
+def test_managed_engines_start_and_register_at_version_0(world):
     urls = world.engine_urls()
     assert len(urls) == 2 and len(set(urls)) == 2
     assert {w["url"]: (w["state"], w["weight_version"]) for w in world.router.list_workers()} == {
@@ -178,10 +177,13 @@ def test_disk_delta_update_prepares_everywhere_before_any_pause_while_generation
 
 
 def test_router_constraints_through_the_managed_router(world):
+    """min_version served; exact_version of a published but not yet activated version refused with a
+    retryable 409 (never an older policy), then served once the manager has activated it."""
     current = world.version()
-    ok = generate(world, weight_version={"min_version": current})
-    assert ok.status_code == 200, ok.text
-    assert served_versions(ok.json())[0] == current
+    for minimum in (0, current):
+        ok = generate(world, weight_version={"min_version": minimum})
+        assert ok.status_code == 200, ok.text
+        assert served_versions(ok.json()) == (current, current)
 
     target = world.versions.publish_next(seed=2)  # published, not yet activated
     refused = generate(world, weight_version={"exact_version": target})
@@ -275,3 +277,16 @@ def test_a_restarted_engine_is_routed_to_only_once_it_serves_the_current_version
     # the restored engine now takes requests again, at the current version
     wait_until(lambda: generate(world, weight_version={"exact_version": version}).json()["meta_info"]
                ["routed_worker"] == new_url, timeout=30, what="a request routed to the restored engine")
+
+
+def test_an_update_while_an_engine_is_down_skips_it_and_the_restore_catches_up(world):
+    """The training run does not stop for a dead engine: the update reaches the live one, and the
+    restarted engine is brought to the newest version (base + chain) before it is routed to."""
+    world.wait_all_ready(world.version())
+    world.call("kill_engine", 0)
+    version = world.publish_and_activate()  # engine 0 is dead (or restarting) right now
+    assert world.call("versions")[1] == str(version)
+    urls = world.wait_all_ready(version)
+    assert world.call("versions") == [str(version)] * 2
+    restored = [e for e in world.call("info")["events"] if e["event"] == "restored" and e["engine"] == 0]
+    assert restored and restored[-1]["url"] == urls[0] and restored[-1]["version"] == version

@@ -183,7 +183,7 @@ def _long_context_copy(model: Path, tmp: Path) -> Path:
     ("dtype", {"dtype": "bfloat16"}, None, ["dtype", "serves float32", "expects bfloat16"]),
     ("architecture", {}, _arch_copy, ["architectures", "Qwen3ForCausalLM", "LlamaForCausalLM"]),
     ("context_length", {}, _long_context_copy, ["context_length", "accepts 2048", "needs 8192"]),
-], ids=lambda v: v if isinstance(v, str) else None)
+], ids=["tp_size", "dtype", "architecture", "context_length"])
 def test_a_mismatching_engine_is_refused_and_nothing_is_left_running(
         attached_engine, tiny_qwen3_dir, tmp_path, case, kwargs, make_model, expected):
     model = make_model(tiny_qwen3_dir, tmp_path) if make_model else tiny_qwen3_dir

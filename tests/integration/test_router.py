@@ -136,9 +136,10 @@ def test_paused_and_activating_workers_get_no_new_requests(engines):
         assert none_ready.status_code == 503 and none_ready.json()["type"] == "NoWorkerAvailable"
         assert none_ready.json()["retryable"] is True and "retry-after" in none_ready.headers
         set_engine_version(b, 2)  # "updated" while paused: ready re-reads the version at once
-        assert router.client.set_worker_state(b.url, "ready") | {"num_served": 0} == {
+        ready = router.client.set_worker_state(b.url, "ready")
+        assert ready | {"num_served": 0, "busy_s": 0} == {
             "url": b.url, "weight_version": 2, "state": "ready", "outstanding": 0, "healthy": True,
-            "last_error": None, "num_served": 0}
+            "last_error": None, "num_served": 0, "busy_s": 0}
         assert_served_versions(router.generate(generate_body()).json(), b.url, 2, 2)
 
 
