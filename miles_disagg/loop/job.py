@@ -63,7 +63,7 @@ class Job:
 
         cfg = self.config
         self.trainer = TrainerGroup(self.placement, cfg.train, cfg.weights, cfg.train.hf_checkpoint,
-                                    colocated=cfg.cluster.colocate)
+                                    colocated=cfg.cluster.colocate, temperature=cfg.rollout.rollout_temperature)
         info = self.trainer.setup()
         self.run_id = info.get("run_id")
         status(f"trainer: {self.trainer.world_size} rank(s), {info['backend']}, ready in {info['setup_s']:.1f}s")

@@ -15,10 +15,12 @@ from miles_disagg.types import Sample
 
 
 class TrainerRank:
-    def __init__(self, rank: int, world_size: int, train: TrainConfig, weights: WeightUpdateConfig, hf_dir: str):
+    def __init__(self, rank: int, world_size: int, train: TrainConfig, weights: WeightUpdateConfig, hf_dir: str,
+                 temperature: float = 1.0):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.rank, self.world_size = rank, world_size
         self.train_config, self.weights_config, self.hf_dir = train, weights, hf_dir
+        self.temperature = temperature
         self.backend = None
         self.publisher = None
 
@@ -38,7 +40,8 @@ class TrainerRank:
         torch.set_num_threads(1)
         start = time.perf_counter()
         backend = init_distributed(self.rank, self.world_size, master_addr, master_port)
-        self.backend = make_backend(self.train_config, self.hf_dir, rank=self.rank, world_size=self.world_size)
+        self.backend = make_backend(self.train_config, self.hf_dir, rank=self.rank, world_size=self.world_size,
+                                    temperature=self.temperature)
         if self.rank == 0 and self.weights_config.update_weight_transfer_mode == "disk-delta":
             self.publisher = self._make_publisher(run_id)
         return {"backend": backend, "setup_s": time.perf_counter() - start,

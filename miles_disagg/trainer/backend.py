@@ -41,10 +41,11 @@ class TrainerBackend(ABC):
         """Restore what ``state_dict`` returned."""
 
 
-def make_backend(config: TrainConfig, hf_dir: str, *, rank: int, world_size: int) -> TrainerBackend:
+def make_backend(config: TrainConfig, hf_dir: str, *, rank: int, world_size: int,
+                 temperature: float = 1.0) -> TrainerBackend:
     if config.train_backend == "fsdp":
         from miles_disagg.trainer.fsdp import FSDPBackend
 
-        return FSDPBackend(config, hf_dir, rank=rank, world_size=world_size)
+        return FSDPBackend(config, hf_dir, rank=rank, world_size=world_size, temperature=temperature)
     raise ConfigError(f"--train-backend {config.train_backend} is not available in this build "
                       "(the megatron backend is a later issue); use --train-backend fsdp", ("--train-backend",))

@@ -25,10 +25,13 @@ log = logging.getLogger(__name__)
 
 
 class FSDPBackend(TrainerBackend):
-    def __init__(self, config: TrainConfig, hf_dir: str, *, rank: int, world_size: int):
+    def __init__(self, config: TrainConfig, hf_dir: str, *, rank: int, world_size: int, temperature: float = 1.0):
+        """``temperature``: the rollout's sampling temperature; logprobs are computed on
+        ``logits / temperature`` so they are those of the distribution the engines sampled."""
         from transformers import AutoModelForCausalLM
 
         self.config, self.rank, self.world_size = config, rank, world_size
+        self.temperature = temperature if temperature > 0 else 1.0
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         torch.manual_seed(config.seed + rank)
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype="auto")
@@ -67,8 +70,8 @@ class FSDPBackend(TrainerBackend):
     def _token_logprobs(self, model: torch.nn.Module, batch: PackedBatch, with_entropy: bool):
         logits = model(input_ids=batch.input_ids.to(self.device),
                        attention_mask=batch.attention_mask.to(self.device)).logits
-        return token_logprobs_and_entropy(response_logits(logits, batch), batch.response_ids.to(self.device),
-                                          with_entropy)
+        return token_logprobs_and_entropy(response_logits(logits, batch) / self.temperature,
+                                          batch.response_ids.to(self.device), with_entropy)
 
     @torch.no_grad()
     def _frozen_logprobs(self, model: torch.nn.Module, batches: list[PackedBatch]) -> list[torch.Tensor]:

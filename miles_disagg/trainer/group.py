@@ -12,7 +12,7 @@ class TrainerGroup:
     """``world_size`` TrainerRank actors; every call fans out to all ranks and waits for all."""
 
     def __init__(self, placement: Placement, train: TrainConfig, weights: WeightUpdateConfig, hf_dir: str,
-                 *, colocated: bool = False):
+                 *, colocated: bool = False, temperature: float = 1.0):
         import ray
 
         from miles_disagg.trainer.actor import TrainerRank
@@ -25,7 +25,7 @@ class TrainerGroup:
         self.ranks = [
             remote_cls.options(num_cpus=0.5, num_gpus=gpus, scheduling_strategy=placement.strategy(pos),
                                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-            .remote(rank, self.world_size, train, weights, hf_dir)
+            .remote(rank, self.world_size, train, weights, hf_dir, temperature)
             for rank, pos in enumerate(positions)
         ]
         self.run_id: str | None = None

@@ -178,9 +178,9 @@ def test_client_disconnect_aborts_the_engine_request(engines):
 def test_openai_routes_and_unknown_versions_via_fake_worker():
     fake = FakeWorker(weight_version="default")
     with serve_in_thread(fake_worker_app(fake)) as worker_url, inprocess_router(workers=(worker_url,)) as router:
-        assert router.client.worker(worker_url) | {"num_served": 0} == {
+        assert router.client.worker(worker_url) | {"num_served": 0, "busy_s": 0} == {
             "url": worker_url, "weight_version": None, "state": "ready", "outstanding": 0, "healthy": True,
-            "last_error": None, "num_served": 0}
+            "last_error": None, "num_served": 0, "busy_s": 0}
         for path in ("/v1/completions", "/v1/chat/completions"):
             response = router.http.post(path, json={"prompt": "hi", "weight_version": None})
             assert response.status_code == 200, response.text
