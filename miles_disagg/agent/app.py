@@ -35,14 +35,15 @@ import logging
 import os
 import threading
 import time
-import traceback
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from miles_disagg.engine import protocol
-from miles_disagg.types import FailRun, InvalidInput, MilesDisaggError, ReplaceReplica, Retryable, VersionRef
+from miles_disagg.httpjson import error_json
+from miles_disagg.httpjson import status_for as _status_for
+from miles_disagg.types import InvalidInput, Retryable, VersionRef
 
 log = logging.getLogger(__name__)
 
@@ -240,27 +241,15 @@ class Agent:
 
 
 def status_for(exc: BaseException) -> int:
-    if isinstance(exc, EngineUnreachable):
-        return 502
-    if isinstance(exc, (InvalidInput, FailRun)):
-        return 400
-    if isinstance(exc, Retryable):
-        return 409
-    if isinstance(exc, ReplaceReplica):
-        return 503
-    return 500
+    return _status_for(exc, {EngineUnreachable: 502})
 
 
 def error_response(exc: BaseException):
     from fastapi.responses import JSONResponse
 
     status = status_for(exc)
-    message = str(exc) if isinstance(exc, MilesDisaggError) else f"{type(exc).__name__}: {exc}"
-    if status == 500:
-        log.error("internal error:\n%s", "".join(traceback.format_exception(exc)))
-    return JSONResponse({"success": False, "message": message,
-                         "error": {"message": message, "type": type(exc).__name__, "code": status,
-                                   "retryable": isinstance(exc, Retryable)}}, status_code=status)
+    body = error_json(exc, status)
+    return JSONResponse({"success": False, "message": body["error"]["message"], **body}, status_code=status)
 
 
 def _unreachable(engine_url: str, exc: Exception) -> EngineUnreachable:

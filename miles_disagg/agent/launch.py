@@ -7,14 +7,12 @@ stdout/stderr go to ``log_path`` so a failed start can show why.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Sequence
 
-from miles_disagg.engine.launch import LaunchedEngine, free_port
+from miles_disagg.engine.launch import LaunchedEngine
+from miles_disagg.process import free_port, start_http_process
 from miles_disagg.types import EngineUnrecoverable
 
 DEFAULT_STARTUP_TIMEOUT_S = 60.0
@@ -34,8 +32,6 @@ def launch_agent(
     Raises ``EngineUnrecoverable`` (with the log tail) if the process exits or does not
     answer ``/agent_health`` within ``startup_timeout_s``; the process is stopped then.
     """
-    import httpx
-
     port = port or free_port(host)
     cmd = [sys.executable, "-m", "miles_disagg.agent", "--engine-url", engine_url,
            "--local-checkpoint-dir", str(local_checkpoint_dir), "--host", host, "--port", str(port)]
@@ -44,19 +40,6 @@ def launch_agent(
     if pre_read_hook:
         cmd += ["--custom-pull-weights-pre-read-hook", pre_read_hook]
     cmd += list(extra_args)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    agent = LaunchedAgent(url=f"http://{host}:{port}", proc=proc, log_path=log_path)
-    deadline = time.monotonic() + startup_timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise EngineUnrecoverable(f"agent exited with {proc.returncode}:\n{agent.logs()[-4000:]}")
-        try:
-            if httpx.get(f"{agent.url}/agent_health", timeout=2.0).status_code == 200:
-                return agent
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    agent.stop()
-    raise EngineUnrecoverable(f"agent not up after {startup_timeout_s}s:\n{agent.logs()[-4000:]}")
+    return start_http_process(cmd, url=f"http://{host}:{port}", log_path=log_path, health_path="/agent_health",
+                              what="agent", error=EngineUnrecoverable, startup_timeout_s=startup_timeout_s,
+                              launched=LaunchedAgent)

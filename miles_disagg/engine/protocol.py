@@ -10,11 +10,11 @@ Unknown fields are ignored, as SGLang ignores fields it does not use.
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_disagg.httpjson import parse_json  # noqa: F401  (re-exported: protocol.parse_json)
 from miles_disagg.types import InvalidInput
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -29,17 +29,7 @@ UNSUPPORTED_SAMPLING = {
 }
 
 
-def parse_json(body: bytes) -> dict:
-    """The request body as a JSON object; ``InvalidInput`` for anything else."""
-    if not body:
-        return {}
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise InvalidInput(f"request body must be a JSON object, got {type(obj).__name__}")
-    return obj
+# parse_json lives in miles_disagg.httpjson (shared with the agent and the router)
 
 
 # --------------------------------------------------------------------------- field checks

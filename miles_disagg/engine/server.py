@@ -21,14 +21,13 @@ Aliases of newer SGLang: ``/model_info``, ``/server_info``; ``/generate`` takes 
 import asyncio
 import json
 import logging
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
 from miles_disagg.engine import protocol
 from miles_disagg.engine.runtime import Engine
 from miles_disagg.engine.scheduler import Sequence
-from miles_disagg.types import FailRun, InvalidInput, MilesDisaggError, ReplaceReplica, Retryable
+from miles_disagg.httpjson import error_json, status_for
 
 log = logging.getLogger(__name__)
 
@@ -36,27 +35,13 @@ DISCONNECT_POLL_S = 0.25
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
-def status_for(exc: BaseException) -> int:
-    if isinstance(exc, (InvalidInput, FailRun)):
-        return 400
-    if isinstance(exc, Retryable):
-        return 409
-    if isinstance(exc, ReplaceReplica):
-        return 503
-    return 500
-
-
 def error_response(exc: BaseException, *, weight_endpoint: bool = False):
     from fastapi.responses import JSONResponse
 
     status = status_for(exc)
-    message = str(exc) if isinstance(exc, MilesDisaggError) else f"{type(exc).__name__}: {exc}"
-    if status == 500:
-        log.error("internal error:\n%s", traceback.format_exc())
-    body: dict[str, Any] = {"error": {"message": message, "type": type(exc).__name__, "code": status,
-                                      "retryable": isinstance(exc, Retryable)}}
+    body: dict[str, Any] = error_json(exc, status)
     if weight_endpoint:
-        body = {"success": False, "message": message, **body}
+        body = {"success": False, "message": body["error"]["message"], **body}
     return JSONResponse(body, status_code=status)
 
 

@@ -41,8 +41,6 @@ class Job:
         return job
 
     def _start(self, with_trainer: bool, with_engines: bool) -> None:
-        import ray
-
         from miles_disagg.trainer.placement import create_placement, plan_layout
 
         cfg = self.config

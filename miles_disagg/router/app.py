@@ -49,6 +49,7 @@ from miles_disagg.router.health import HealthChecker
 from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, constraint_json, request_constraint,
                                        satisfies)
 from miles_disagg.router.registry import UnknownWorker, Worker, WorkerRegistry, WorkerState, parse_version
+from miles_disagg.httpjson import parse_json
 from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class Router:
         """Route one generation request (see the module docstring for the contract)."""
         self.counters["requests"] += 1
         try:
-            body = _parse_body(await request.body())
+            body = parse_json(await request.body())
             constraint = request_constraint(body, request.headers)
             if body.get("stream"):
                 raise InvalidInput("stream=true is not supported by the router; send stream=false")
@@ -256,18 +257,6 @@ class Router:
 
 
 # --------------------------------------------------------------------------- request/response helpers
-
-
-def _parse_body(raw: bytes) -> dict:
-    if not raw:
-        return {}
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise InvalidInput(f"request body must be a JSON object, got {type(body).__name__}")
-    return body
 
 
 def _json_or_none(response: httpx.Response) -> Any:
@@ -398,7 +387,7 @@ def create_app(config: RouterConfig, registry: WorkerRegistry | None = None):
     @app.post("/set_worker_state")
     @admin
     async def set_worker_state(request: Request):
-        body = _parse_body(await request.body())
+        body = parse_json(await request.body())
         version = body.get("weight_version")
         if version is not None and parse_version(version) is None:
             raise InvalidInput(f"weight_version must be a non-negative integer, got {version!r}")
@@ -437,7 +426,7 @@ async def _url_of(request: Any, body: dict | None = None) -> str:
     """The worker URL from ``?url=`` or the JSON body's ``url``."""
     url = request.query_params.get("url")
     if url is None:
-        body = body if body is not None else _parse_body(await request.body())
+        body = body if body is not None else parse_json(await request.body())
         url = body.get("url")
     if url is None:
         raise InvalidInput("give the worker url as {'url': ...} or ?url=")

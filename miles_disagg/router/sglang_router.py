@@ -13,8 +13,6 @@ it rather than guess. Use the built-in router (the default) for version-constrai
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ from typing import Sequence
 
 import httpx
 
+from miles_disagg.process import free_port, start_http_process
 from miles_disagg.router.launch import LaunchedRouter, RouterStartFailed
 from miles_disagg.types import ConfigError
 
@@ -38,28 +37,13 @@ def require_sglang_router() -> None:
 def launch_sglang_router(*, log_path: Path, workers: Sequence[str], port: int | None = None,
                          host: str = "127.0.0.1", startup_timeout_s: float = 120.0) -> LaunchedRouter:
     """``python -m sglang_router.launch_router`` over ``workers``; waits until it answers."""
-    from miles_disagg.engine.launch import free_port
-
     require_sglang_router()
     port = port or free_port(host)
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
            "--policy", "round_robin", "--worker-urls", *workers]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    router = LaunchedRouter(url=f"http://{host}:{port}", proc=proc, log_path=log_path)
-    deadline = time.monotonic() + startup_timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RouterStartFailed(f"sglang-router exited with {proc.returncode}:\n{router.logs()[-3000:]}")
-        try:
-            if httpx.get(f"{router.url}/health", timeout=2.0).status_code == 200:
-                return router
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    router.stop()
-    raise RouterStartFailed(f"sglang-router at {router.url} did not answer /health in {startup_timeout_s:.0f}s")
+    return start_http_process(cmd, url=f"http://{host}:{port}", log_path=log_path, health_path="/health",
+                              what="sglang-router", error=RouterStartFailed, startup_timeout_s=startup_timeout_s,
+                              poll_s=0.2, launched=LaunchedRouter)
 
 
 @dataclass
