@@ -41,6 +41,18 @@ class LaunchedProcess:
             self.proc.wait(timeout=timeout_s)
 
 
+def die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM it when the process that started it dies, so
+    a crashed or killed owner (a Ray actor, a driver) never leaves engines or routers behind."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the owner's own shutdown path still stops the child
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -56,7 +68,7 @@ def start_http_process(cmd: Sequence[str], *, url: str, log_path: Path, health_p
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ) if env is None else env)
+                                env=dict(os.environ) if env is None else env, preexec_fn=die_with_parent)
     child = launched(url=url, proc=proc, log_path=log_path)
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:

@@ -156,9 +156,10 @@ class TrainConfig:
     use_tis: bool = flag(False, "Truncated importance sampling against the rollout policy's logprobs.")
     tis_clip: float = flag(2.0, "Upper clip of the TIS ratio.")
     lora_rank: int = flag(0, "LoRA rank (0: full fine-tuning; LoRA is not supported with disk-delta).")
-    load: str | None = flag(None, "Resume from this training checkpoint directory.")
-    save: str | None = flag(None, "Save training checkpoints here.")
-    save_interval: int | None = flag(None, "Save every N rollouts.")
+    load: str | None = flag(None, "Resume from the newest complete save in this directory (none there: start from --hf-checkpoint).")
+    save: str | None = flag(None, "Save training checkpoints here (atomically: a half-written save is never loaded).")
+    save_interval: int | None = flag(None, "Save every N rollouts (and at the end).")
+    save_hf_interval: int | None = flag(None, "Also export the policy as an HF checkpoint every N rollouts (always at the end when --save is given).")
 
     def __post_init__(self) -> None:
         _require(self.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
@@ -168,6 +169,30 @@ class TrainConfig:
         _require(self.eps_clip > 0, "--eps-clip must be > 0")
         _require(self.clip_grad >= 0, "--clip-grad must be >= 0")
         _require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "--adam-beta1/--adam-beta2 must be in [0, 1)")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Evaluation on held-out prompts with the exact current policy version (never trained on)."""
+
+    eval_interval: int | None = flag(None, "Evaluate every N rollouts (and before the first).")
+    eval_prompt_data: list[str] = flag([], "name path [name path ...]: JSONL files (or task:NAME for a built-in task).")
+    n_samples_per_eval_prompt: int = flag(1, "Samples per eval prompt.")
+    eval_temperature: float | None = flag(None, "Eval sampling temperature (default: --rollout-temperature).")
+    eval_top_p: float | None = flag(None, "Eval nucleus threshold (default: --rollout-top-p).")
+    eval_max_response_len: int | None = flag(None, "Eval max new tokens (default: --rollout-max-response-len).")
+    eval_max_prompts: int = flag(256, "At most this many prompts of each eval set.")
+
+    def __post_init__(self) -> None:
+        _require(self.eval_interval is None or self.eval_interval >= 1, "--eval-interval must be >= 1")
+        _require(self.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt must be >= 1")
+        _require(len(self.eval_prompt_data) % 2 == 0, "--eval-prompt-data takes name path pairs")
+        _require(self.eval_max_prompts >= 1, "--eval-max-prompts must be >= 1")
+
+    @property
+    def datasets(self) -> list[tuple[str, str]]:
+        items = self.eval_prompt_data
+        return [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
 
 
 @dataclass(kw_only=True)
@@ -190,6 +215,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     weights: WeightUpdateConfig = field(default_factory=WeightUpdateConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
@@ -199,6 +225,7 @@ SECTIONS: dict[str, type] = {
     "rollout": RolloutConfig,
     "weights": WeightUpdateConfig,
     "train": TrainConfig,
+    "eval": EvalConfig,
     "tracking": TrackingConfig,
 }
 

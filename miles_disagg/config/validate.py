@@ -13,7 +13,7 @@ _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,
 
 def validate(config: RunConfig) -> None:
     """Raise ``ConfigError`` (naming the offending flags) for the first invalid combination."""
-    for check in (_check_entry, _check_disk_delta, _check_topology, _check_batches, _check_debug):
+    for check in (_check_entry, _check_disk_delta, _check_topology, _check_batches, _check_debug, _check_save_and_eval):
         check(config)
 
 
@@ -111,3 +111,17 @@ def _check_debug(config: RunConfig) -> None:
                              ("--load-debug-rollout-data", rollout.load_debug_rollout_data)):
         if value and "{rollout_id}" not in value:
             raise ConfigError(f"{flag_name} {value!r} must contain {{rollout_id}} (one file per step)", (flag_name,))
+
+
+def _check_save_and_eval(config: RunConfig) -> None:
+    train, evaluation = config.train, config.eval
+    for flag_name, value in (("--save-interval", train.save_interval), ("--save-hf-interval", train.save_hf_interval)):
+        if value is not None and not train.save:
+            raise ConfigError(f"{flag_name} needs --save DIR", (flag_name, "--save"))
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag_name} must be >= 1", (flag_name,))
+    if evaluation.eval_interval is not None and not evaluation.eval_prompt_data:
+        raise ConfigError("--eval-interval needs --eval-prompt-data name path [name path ...]",
+                          ("--eval-interval", "--eval-prompt-data"))
+    if train.load and Path(train.load).exists() and not Path(train.load).is_dir():
+        raise ConfigError(f"--load {train.load!r} is not a directory", ("--load",))

@@ -29,10 +29,14 @@ class Job:
     run_id: str | None = None
     tensor_meta: dict | None = None  # broadcast mode: what the engines receive
     _owns_ray: bool = False
+    _data_position: int = 0
 
     @classmethod
-    def start(cls, config: RunConfig, *, with_trainer: bool = True, with_engines: bool = True) -> "Job":
-        job = cls(config)
+    def start(cls, config: RunConfig, *, with_trainer: bool = True, with_engines: bool = True,
+              run_id: str | None = None, data_position: int = 0) -> "Job":
+        """``run_id``/``data_position``: a resumed run's version stream and prompts consumed."""
+        job = cls(config, run_id=run_id)
+        job._data_position = data_position
         try:
             job._start(with_trainer, with_engines)
         except BaseException:
@@ -62,7 +66,7 @@ class Job:
         cfg = self.config
         self.trainer = TrainerGroup(self.placement, cfg.train, cfg.weights, cfg.train.hf_checkpoint,
                                     colocated=cfg.cluster.colocate, temperature=cfg.rollout.rollout_temperature)
-        info = self.trainer.setup()
+        info = self.trainer.setup(self.run_id)
         self.run_id = info.get("run_id")
         status(f"trainer: {self.trainer.world_size} rank(s), {info['backend']}, ready in {info['setup_s']:.1f}s")
 
@@ -82,7 +86,8 @@ class Job:
         status(f"engines: {len(self.engine_urls)} behind the router at {self.router_url}")
         rollout_cls = ray.remote(RolloutManager)
         self.rollout = rollout_cls.options(num_cpus=0).remote(
-            cfg.rollout, self.router_url, cfg.train.hf_checkpoint, cfg.train.seed)
+            cfg.rollout, self.router_url, cfg.train.hf_checkpoint, cfg.train.seed,
+            data_position=self._data_position)
 
     def _join_broadcast_group(self) -> None:
         import ray

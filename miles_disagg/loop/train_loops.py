@@ -13,22 +13,24 @@ import time
 import ray
 
 from miles_disagg.config.components import RunConfig
+from miles_disagg.loop.evaluation import maybe_evaluate
 from miles_disagg.loop.job import Job
+from miles_disagg.loop.resume import LoopState, find_resume, maybe_save, restore
 from miles_disagg.loop.steps import BusyMeter, assign_advantages, publish, publish_and_update, start_update, step_record
 from miles_disagg.rollout.manager import load_groups, save_groups
 from miles_disagg.tracking import MetricsTracker, status
 
 
-def train_async(job: Job, tracker: MetricsTracker) -> None:
+def train_async(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
     """Generation never stops; a published version is activated on the engines while the
     trainer already trains on the next batch. A step's record is written once its update
     has finished (so it carries the activation timings and the engines' versions)."""
     cfg = job.config
-    version = 0
+    version = state.version
     ray.get(job.rollout.start.remote())
     busy = BusyMeter(job.router_url if cfg.rollout.router == "builtin" else None)
     unlogged = None  # (step, batch, train metrics, update metrics, timings, PendingUpdate | None)
-    for step in range(cfg.rollout.num_rollout):
+    for step in range(state.step, cfg.rollout.num_rollout):
         start = time.perf_counter()
         batch = ray.get(job.rollout.take.remote(cfg.rollout.rollout_batch_size, version))
         got_batch = time.perf_counter()
@@ -42,6 +44,9 @@ def train_async(job: Job, tracker: MetricsTracker) -> None:
             unlogged = None
             version, update_metrics, pending = _begin_update(job, version)
             ray.get(job.rollout.set_version.remote(version))
+        last = step == cfg.rollout.num_rollout - 1
+        maybe_save(job, LoopState(step + 1, version), last=last)
+        update_metrics.update(maybe_evaluate(job, step, version, last=last))
         timings = {"perf/wait_rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
                    "perf/step_time": time.perf_counter() - start, "perf/engine_busy_fraction": busy.fraction()}
         _flush(tracker, unlogged)
@@ -66,11 +71,11 @@ def _flush(tracker: MetricsTracker, unlogged) -> None:
     _log_step(tracker, step, batch, train_metrics, update_metrics, timings)
 
 
-def train_sync(job: Job, tracker: MetricsTracker) -> None:
+def train_sync(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
     cfg = job.config
-    version = 0
+    version = state.version
     busy = BusyMeter(job.router_url if cfg.rollout.router == "builtin" else None)
-    for step in range(cfg.rollout.num_rollout):
+    for step in range(state.step, cfg.rollout.num_rollout):
         start = time.perf_counter()
         batch = _rollout_batch(job, step, version)
         got_batch = time.perf_counter()
@@ -79,6 +84,10 @@ def train_sync(job: Job, tracker: MetricsTracker) -> None:
         update_metrics = {}
         if not cfg.rollout.debug_rollout_only and job.manager is not None:
             version, update_metrics = publish_and_update(job, version)
+        last = step == cfg.rollout.num_rollout - 1
+        if job.trainer is not None:
+            maybe_save(job, LoopState(step + 1, version), last=last)
+        update_metrics.update(maybe_evaluate(job, step, version, last=last))
         timings = {"perf/rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
                    "perf/step_time": time.perf_counter() - start, "perf/engine_busy_fraction": busy.fraction()}
         _log_step(tracker, step, batch, train_metrics, update_metrics, timings)
@@ -121,15 +130,18 @@ def run(config: RunConfig) -> None:
     from miles_disagg.loop.report import write_report
 
     with_engines = not config.rollout.debug_train_only
-    job = Job.start(config, with_trainer=not config.rollout.debug_rollout_only, with_engines=with_engines)
+    found = find_resume(config)
+    job = Job.start(config, with_trainer=not config.rollout.debug_rollout_only, with_engines=with_engines,
+                    run_id=found[1].run_id if found else None, data_position=found[1].data_position if found else 0)
     tracker = MetricsTracker(config.tracking.run_dir, use_tensorboard=config.tracking.use_tensorboard,
                              use_wandb=config.tracking.use_wandb, wandb_project=config.tracking.wandb_project,
                              wandb_group=config.tracking.wandb_group)
     try:
+        state = restore(job, found)
         if config.entry == "train_async" and not (config.rollout.debug_rollout_only or config.rollout.debug_train_only):
-            train_async(job, tracker)
+            train_async(job, tracker, state)
         else:
-            train_sync(job, tracker)
+            train_sync(job, tracker, state)
     finally:
         tracker.close()
         job.stop()

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from miles_disagg.process import die_with_parent
 from miles_disagg.types import EngineUnrecoverable
 
 SGLANG_STARTUP_TIMEOUT_S = 900.0
@@ -84,7 +85,7 @@ class EngineProcess:
         log_path = log_dir / f"sglang-{s.index}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "wb") as log:
-            self._engine = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self._engine = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
         engine_url = f"http://{host}:{port}"
         _wait_health_generate(engine_url, self._engine, log_path)
         self._agent = launch_agent(engine_url, Path(s.local_checkpoint_dir), log_path=log_dir / f"agent-{s.index}.log",

@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 class RolloutManager:
     def __init__(self, config: RolloutConfig, router_url: str, hf_dir: str, seed: int,
-                 capacity_groups: int | None = None):
+                 capacity_groups: int | None = None, data_position: int = 0):
+        """``data_position``: prompts already consumed by the run (a resumed run skips them)."""
         from transformers import AutoTokenizer
 
         from miles_disagg.rollout.prompts import make_prompt_source, make_reward
@@ -39,6 +40,11 @@ class RolloutManager:
         self.config, self.router_url = config, router_url.rstrip("/")
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.prompts = make_prompt_source(config, self.tokenizer, seed)
+        self.drawn = data_position
+        if data_position:
+            n = len(self.prompts)
+            self.prompts.load_state_dict({**self.prompts.state_dict(), "epoch": data_position // n,
+                                          "offset": data_position % n})
         self.reward = make_reward(config)
         self.sampling = SamplingSettings(config.rollout_max_response_len, config.rollout_temperature,
                                          config.rollout_top_p, config.rollout_top_k)
@@ -88,7 +94,7 @@ class RolloutManager:
                 if time.monotonic() > deadline or type(exc).__name__ != "BufferTimeout":
                     raise
         async with self._room:
-            self._pending -= len(result.groups)
+            self._pending -= len(result.groups) + result.num_dropped  # dropped groups left the buffer too
             self._room.notify_all()
         return {"groups": result.groups, "metrics": {**result.metrics(), **self._group_metrics(result.groups)}}
 
@@ -96,7 +102,7 @@ class RolloutManager:
         """Sync mode: generate exactly ``n_groups`` groups now and return them."""
         await self._ensure_client()
         self.current_version = current_version
-        prompts = self.prompts.next_batch(n_groups)
+        prompts = self._draw(n_groups)
         groups = await asyncio.gather(*(self._group(p) for p in prompts))
         for g in groups:
             self.buffer.put(g)
@@ -110,6 +116,34 @@ class RolloutManager:
         if self._client is not None:
             await self._client.aclose()
 
+    def _draw(self, n: int):
+        self.drawn += n
+        return self.prompts.next_batch(n)
+
+    def data_position(self) -> int:
+        """Prompts whose groups the trainer has or will have consumed: drawn minus those still
+        buffered or in flight (a resumed run generates those again)."""
+        return self.drawn - self._pending
+
+    async def evaluate(self, prompts: list, exact_version: int, sampling: SamplingSettings,
+                       n_samples: int) -> dict[str, float]:
+        """Mean reward of ``n_samples`` per prompt, each served by exactly ``exact_version``."""
+        await self._ensure_client()
+
+        async def one(prompt) -> list[float]:
+            prompt_ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+            body = request_body(prompt_ids, sampling, None, exact_version=exact_version, num_samples=n_samples)
+            async with self._slots:
+                payload = await generate_one(self._client, self.router_url, body, self.counters)
+            items = payload if isinstance(payload, list) else [payload]
+            samples = [self._score(prompt, prompt_ids, item, None) for item in items]
+            if any(s.weight_version_start != exact_version or s.weight_version_end != exact_version for s in samples):
+                raise GenerationFailed(f"an eval sample was not served by exactly version {exact_version}")
+            return [s.reward for s in samples]
+
+        rewards = [r for rs in await asyncio.gather(*(one(p) for p in prompts)) for r in rs]
+        return {"reward": sum(rewards) / len(rewards), "samples": float(len(rewards)), "version": float(exact_version)}
+
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "buffered": len(self.buffer), "pending": self._pending, **self.buffer.counters()}
 
@@ -121,7 +155,7 @@ class RolloutManager:
                 async with self._room:
                     await self._room.wait_for(lambda: self._pending < self.capacity)
                     self._pending += 1
-                prompt = self.prompts.next_batch(1)[0]
+                prompt = self._draw(1)[0]
                 asyncio.create_task(self._group_into_buffer(prompt))
         except asyncio.CancelledError:
             raise

@@ -59,17 +59,57 @@ class TrainerRank:
         publisher.capture_baseline()  # the first update only captures the baseline
         return publisher
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, directory: str) -> None:
+        """This rank's backend state into ``directory/rank{r}.pt``."""
+        import torch
+
+        torch.save(self.backend.state_dict(), os.path.join(directory, f"rank{self.rank}.pt"))
+
+    def save_hf(self, directory: str) -> None:
+        """Rank 0 writes the policy as an HF checkpoint (config and tokenizer from the base); collective."""
+        import shutil
+
+        from safetensors.torch import save_file
+
+        tensors = {name: t.contiguous() for name, t in self.backend.named_tensors()}
+        if self.rank != 0:
+            return
+        os.makedirs(directory, exist_ok=True)
+        save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        for name in os.listdir(self.hf_dir):
+            if not name.endswith(".safetensors") and not name.endswith(".index.json"):
+                source = os.path.join(self.hf_dir, name)
+                if os.path.isfile(source):
+                    shutil.copy2(source, os.path.join(directory, name))
+
+    def load(self, directory: str) -> None:
+        import torch
+
+        state = torch.load(os.path.join(directory, f"rank{self.rank}.pt"), weights_only=False)
+        self.backend.load_state_dict(state)
+
+    def publish_full(self) -> dict | None:
+        """A resumed trainer republishes its own state as a ``full`` version (rank 0; collective)."""
+        return self.publish(full=True)
+
+    def latest_published(self) -> dict | None:
+        if self.publisher is None or self.publisher.latest is None:
+            return None
+        return {"run_id": self.publisher.latest.run_id, "version": self.publisher.latest.version}
+
     def train(self, steps: list[list[Sample]]) -> dict[str, float]:
         return self.backend.train(steps)
 
-    def publish(self) -> dict | None:
+    def publish(self, full: bool = False) -> dict | None:
         """Publish the current policy as the next version (rank 0); other ranks join the gather."""
         tensors = self.backend.named_tensors()
         if self.publisher is None:
             for _ in tensors:
                 pass
             return None
-        result = self.publisher.publish(tensors)
+        result = self.publisher.publish(tensors, full=full)
         return {"version": result.ref.version, "run_id": result.ref.run_id, "density": result.density,
                 "wire_bytes": result.wire_bytes, "encode_time_s": result.encode_time_s,
                 "publish_time_s": result.publish_time_s, "num_changed_tensors": result.num_changed_tensors,

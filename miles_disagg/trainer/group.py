@@ -31,6 +31,8 @@ class TrainerGroup:
         self.run_id: str | None = None
 
     def setup(self, run_id: str | None = None) -> dict:
+        """Join torch.distributed, build the backend, and (disk-delta) capture the publisher's
+        baseline; ``run_id`` continues that run's version stream (a resumed run)."""
         import ray
 
         master_addr, master_port = ray.get(self.ranks[0].address.remote())
@@ -51,6 +53,28 @@ class TrainerGroup:
         import ray
 
         return ray.get([r.publish.remote() for r in self.ranks])[0]
+
+    def save(self, directory: str, with_hf: bool) -> None:
+        import ray
+
+        ray.get([r.save.remote(directory) for r in self.ranks])
+        if with_hf:
+            ray.get([r.save_hf.remote(f"{directory}/hf") for r in self.ranks])
+
+    def load(self, directory: str) -> None:
+        import ray
+
+        ray.get([r.load.remote(directory) for r in self.ranks])
+
+    def publish_full(self) -> dict:
+        import ray
+
+        return ray.get([r.publish_full.remote() for r in self.ranks])[0]
+
+    def latest_published(self) -> dict | None:
+        import ray
+
+        return ray.get(self.ranks[0].latest_published.remote())
 
     def tensor_meta(self) -> dict[str, list]:
         import ray

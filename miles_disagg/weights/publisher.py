@@ -121,22 +121,26 @@ class DeltaPublisher:
                     pass
         self._snapshot, self._layouts, self._latest = snapshot, layouts, latest
 
-    def publish(self, named_tensors: Iterable[tuple[str, Any]]) -> PublishResult:
+    def publish(self, named_tensors: Iterable[tuple[str, Any]], *, full: bool = False) -> PublishResult:
         """Publish the next version from ``(hf_name, tensor)`` pairs (streamed, one at a time).
 
         Raises ``LayoutMismatch`` for an unknown name or a dtype/shape that differs from the
         baseline, ``PublishConflict`` when another publisher moved the pointer, and whatever
         the post-write hook raises; in every case the pointer and the snapshot are unchanged.
+
+        ``full=True`` publishes a ``full`` anchor (every tensor whole) whatever the interval:
+        a resumed trainer whose state differs from the store's newest version uses it so every
+        host converges onto what the trainer holds.
         """
         with self._publish_lock:
-            return self._publish(named_tensors)
+            return self._publish(named_tensors, full)
 
-    def _publish(self, named_tensors: Iterable[tuple[str, Any]]) -> PublishResult:
+    def _publish(self, named_tensors: Iterable[tuple[str, Any]], force_full: bool = False) -> PublishResult:
         if self._snapshot is None:
             raise InvalidInput("capture_baseline() must run before publish()")
         start = time.perf_counter()
         version = (self._latest.version if self._latest else 0) + 1
-        anchor = self.full_anchor_interval > 0 and version % self.full_anchor_interval == 0
+        anchor = force_full or (self.full_anchor_interval > 0 and version % self.full_anchor_interval == 0)
         spec = CodecSpec("full" if anchor else self.encoding, self.filter, self.chunk_bytes)
         new_bytes: dict[str, np.ndarray] = {}
         encoded: list[EncodedTensor] = []

@@ -1,0 +1,80 @@
+"""Saving and resuming a run without breaking version identity.
+
+On ``--load DIR`` the newest complete save is restored: every rank's model, optimizer and
+RNG, the step, and the data position. The publisher continues the saved run's version stream
+from the store's ``LATEST`` (a number is never reused). If the store does not hold exactly the
+saved policy as its newest version (it moved on after the save, or lost versions), the trainer
+republishes its own state as a ``full`` version with the next number, so every host converges
+onto what the trainer really holds. Engines are brought to that version before rollout resumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles_disagg.config.components import RunConfig
+from miles_disagg.tracking import status
+from miles_disagg.trainer.checkpoint import SaveMeta, check_world_size, find_latest, write_save
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # next step to run
+    version: int = 0  # the trainer's newest published version
+
+
+def find_resume(config: RunConfig) -> tuple[Path, SaveMeta] | None:
+    if not config.train.load:
+        return None
+    found = find_latest(config.train.load)
+    if found is None:
+        status(f"--load {config.train.load}: no complete save there; starting from --hf-checkpoint")
+        return None
+    path, meta = found
+    check_world_size(meta, config.cluster.num_actor_gpus, path)
+    status(f"resuming from {path} (step {meta.step}, version {meta.version}, run {meta.run_id})")
+    return found
+
+
+def restore(job, found: tuple[Path, SaveMeta] | None) -> LoopState:
+    """Load the saved trainer state and reconcile it with the version store and the engines."""
+    import ray
+
+    if found is None:
+        return LoopState()
+    path, meta = found
+    job.trainer.load(str(path))
+    version = meta.version
+    if job.config.weights.update_weight_transfer_mode == "disk-delta":
+        latest = job.trainer.latest_published()
+        store_version = latest["version"] if latest else 0
+        version = store_version
+        if store_version != meta.version:
+            version = job.trainer.publish_full()["version"]
+            status(f"store was at v{store_version}, the save holds v{meta.version}: republished the trainer's "
+                   f"state as full v{version}")
+        if job.manager is not None and version > 0:
+            ray.get(job.manager.update_weights.remote(version))
+            status(f"engines at v{version}")
+    if job.rollout is not None:
+        ray.get(job.rollout.set_version.remote(version))
+    return LoopState(step=meta.step, version=version)
+
+
+def maybe_save(job, state: LoopState, *, last: bool) -> None:
+    """Save after the step ``state.step - 1`` when the interval says so, and at the end."""
+    import ray
+
+    train = job.config.train
+    if not train.save:
+        return
+    due = train.save_interval and state.step % train.save_interval == 0
+    if not (due or last):
+        return
+    hf_due = last or bool(train.save_hf_interval and state.step % train.save_hf_interval == 0)
+    position = ray.get(job.rollout.data_position.remote()) if job.rollout is not None else 0
+    meta = SaveMeta(step=state.step, version=state.version, run_id=job.run_id,
+                    world_size=job.trainer.world_size, data_position=position)
+    path = write_save(train.save, meta, lambda partial: job.trainer.save(str(partial), with_hf=hf_due))
+    status(f"saved {path} (step {state.step}, v{state.version}{', with HF export' if hf_due else ''})")

@@ -1,0 +1,58 @@
+"""Let megatron-core run on CPU (gloo) where CUDA is absent: tests and laptops only.
+
+megatron-core assumes a CUDA device in three places that a CPU run reaches:
+
+- ``torch.cuda.current_device()`` names the device of every buffer it allocates
+  (all-gathers, sequence-parallel scatters, rotary tables); on CPU it answers ``"cpu"``.
+- the CUDA RNG tracker's ``fork()`` swaps CUDA generator states around dropout and
+  initialization; on CPU it is a no-op context (the CPU generator is untouched, so
+  dropout still draws from it).
+- activation recomputation saves and restores the CUDA generator state; on CPU those
+  two helpers do nothing (the CPU state is still saved and restored by megatron).
+
+Nothing else is needed: the model must be built with ``use_cpu_initialization=True``
+and called with an explicit causal mask (megatron's default mask is made on "cuda").
+``apply_cpu_patches`` changes nothing when CUDA is available, and is idempotent.
+The patches are process-wide: a process that applied them runs megatron on CPU only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_applied = False
+
+
+def apply_cpu_patches() -> bool:
+    """Patch megatron-core for CPU when CUDA is absent; returns whether patches are in effect."""
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if _applied:
+        return True
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    torch.cuda.current_device = _cpu_device
+    megatron_random.CudaRNGStatesTracker.fork = _no_fork
+    megatron_random._get_cuda_rng_state = _no_cuda_rng_state
+    megatron_random._set_cuda_rng_state = _ignore_cuda_rng_state
+    _applied = True
+    return True
+
+
+def _cpu_device() -> str:
+    return "cpu"
+
+
+def _no_fork(self, name: str = "model-parallel-rng"):
+    return contextlib.nullcontext()
+
+
+def _no_cuda_rng_state(*args, **kwargs) -> None:
+    return None
+
+
+def _ignore_cuda_rng_state(*args, **kwargs) -> None:
+    return None

@@ -1,0 +1,201 @@
+"""Parallel state, the megatron-core ``GPTModel`` of an HF Qwen3 config, and loading HF weights into it.
+
+Call order inside a trainer rank (``torch.distributed`` already initialized):
+``init_parallel_state`` -> ``build_gpt`` -> ``load_hf_weights``. On CPU the model is
+float32 with megatron's local (non Transformer Engine) layers; on GPU it is bfloat16 and
+uses Transformer Engine layers when ``transformer_engine`` is importable (context
+parallelism needs them).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from miles_disagg.config.components import TrainConfig
+from miles_disagg.trainer.megatron.convert import ModelShape, ParamRule, param_rules, stage_layers, to_megatron
+from miles_disagg.types import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """This rank's place in the TP x CP x DP x PP grid (megatron's order: TP fastest)."""
+
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    cp_size: int
+    cp_rank: int
+    dp_size: int
+    dp_rank: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def import_megatron():
+    """Import megatron-core quietly (it warns about every optional accelerator library it lacks);
+    ``ConfigError`` when it is not installed."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core import parallel_state, tensor_parallel  # noqa: F401
+            from megatron.core.models.gpt import GPTModel  # noqa: F401
+            from megatron.core.models.gpt import gpt_layer_specs  # noqa: F401
+            from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"--train-backend megatron needs megatron-core ({exc}); "
+                          "install it with `pip install 'miles-disagg[megatron]'`", ("--train-backend",)) from None
+    import megatron.core
+
+    return megatron.core
+
+
+def has_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def init_parallel_state(config: TrainConfig, world_size: int) -> ParallelLayout:
+    """Create megatron's process groups from the TP/PP/CP flags (DP is what remains)."""
+    import_megatron()
+    from megatron.core import parallel_state as ps
+
+    from miles_disagg.trainer.megatron.cpu_patches import apply_cpu_patches
+
+    tp, pp, cp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size
+    if world_size % (tp * pp * cp):
+        raise ConfigError(f"{world_size} trainer ranks do not split into TP {tp} x PP {pp} x CP {cp}",
+                          ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"))
+    if cp > 1 and not (torch.cuda.is_available() and has_transformer_engine()):
+        raise ConfigError("--context-parallel-size > 1 needs CUDA and Transformer Engine (megatron's local "
+                          "attention has no context parallelism)", ("--context-parallel-size",))
+    apply_cpu_patches()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 context_parallel_size=cp)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(config.seed)
+    return current_layout()
+
+
+def current_layout() -> ParallelLayout:
+    from megatron.core import parallel_state as ps
+
+    return ParallelLayout(
+        tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        cp_size=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank())
+
+
+def read_shape(hf_dir: str) -> ModelShape:
+    from transformers import AutoConfig
+
+    return ModelShape.from_hf_config(AutoConfig.from_pretrained(hf_dir))
+
+
+def transformer_config(shape: ModelShape, config: TrainConfig, layout: ParallelLayout):
+    """megatron's ``TransformerConfig`` for ``shape`` under the trainer's flags (no dropout: RL
+    needs the trainer's logprobs to be the policy's, not a dropout sample)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    return TransformerConfig(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim, normalization="RMSNorm", layernorm_epsilon=shape.norm_eps,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        add_qkv_bias=False, qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tp_size, pipeline_model_parallel_size=layout.pp_size,
+        context_parallel_size=layout.cp_size,
+        sequence_parallel=config.sequence_parallel and layout.tp_size > 1,
+        recompute_granularity=config.recompute_granularity, recompute_method=config.recompute_method,
+        recompute_num_layers=config.recompute_num_layers,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=on_gpu, variable_seq_lengths=layout.pp_size > 1,
+        use_cpu_initialization=not on_gpu, perform_initialization=False,  # weights come from the checkpoint
+        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=on_gpu,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, attention_softmax_in_fp32=True)
+
+
+def uses_fused_norms() -> bool:
+    """Whether the layer spec is Transformer Engine's (norms fused into linear_qkv / linear_fc1)."""
+    return torch.cuda.is_available() and has_transformer_engine()
+
+
+def build_gpt(shape: ModelShape, tconfig, layout: ParallelLayout):
+    """This pipeline stage of the GPTModel (logits gathered over TP, untied or tied embeddings)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt import gpt_layer_specs as specs
+
+        if uses_fused_norms():
+            spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+        else:
+            spec = specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+        model = GPTModel(
+            tconfig, spec, vocab_size=shape.vocab_size, max_sequence_length=shape.max_position_embeddings,
+            pre_process=layout.is_first_stage, post_process=layout.is_last_stage, parallel_output=False,
+            share_embeddings_and_output_weights=shape.tied_embeddings, position_embedding_type="rope",
+            rotary_base=int(shape.rope_theta) if float(shape.rope_theta).is_integer() else shape.rope_theta)
+    if torch.cuda.is_available():
+        model = model.cuda(torch.cuda.current_device())
+    return model
+
+
+def stage_rules(shape: ModelShape, layout: ParallelLayout) -> list[ParamRule]:
+    return param_rules(shape, stage_layers(shape.num_layers, layout.pp_size, layout.pp_rank),
+                       pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
+                       fused_norms=uses_fused_norms())
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, hf_dir: str, shape: ModelShape, layout: ParallelLayout) -> None:
+    """Copy this rank's shard of every parameter from the HF checkpoint at ``hf_dir``.
+
+    ``ConfigError`` when the model's parameters and the conversion rules disagree (a layer
+    spec this converter does not know) or the checkpoint lacks a tensor."""
+    from safetensors import safe_open
+
+    from miles_disagg.weights.safetensors_io import checkpoint_tensors
+
+    rules = stage_rules(shape, layout)
+    params = dict(model.named_parameters())
+    expected = {rule.megatron for rule in rules}
+    if set(params) != expected:
+        raise ConfigError(f"megatron parameters and conversion rules differ: only in the model "
+                          f"{sorted(set(params) - expected)[:5]}, only in the rules {sorted(expected - set(params))[:5]}",
+                          ("--train-backend",))
+    files = checkpoint_tensors(hf_dir)
+    handles: dict[str, object] = {}
+    try:
+        for rule in rules:
+            hf = {}
+            for name in rule.hf:
+                if name not in files:
+                    raise ConfigError(f"{hf_dir} has no tensor {name!r}", ("--hf-checkpoint",))
+                file_name = files[name][0]
+                if file_name not in handles:
+                    handles[file_name] = safe_open(str(Path(hf_dir) / file_name), "pt")
+                hf[name] = handles[file_name].get_tensor(name)
+            shard = to_megatron(rule, hf, shape, layout.tp_rank, layout.tp_size)
+            params[rule.megatron].copy_(shard.to(params[rule.megatron].dtype))
+    finally:
+        handles.clear()
