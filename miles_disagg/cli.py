@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("miles_disagg.engine.cli", "run the built-in rollout engine (SGLang HTTP API)"),
     "router": ("miles_disagg.router.cli", "run the version-aware router (worker registry, health, routing)"),
     "agent": ("miles_disagg.agent.cli", "front a stock SGLang engine with /pull_weights (no fork needed)"),
+    "serve": ("miles_disagg.service.cli", "the external rollout service: gateway, self-converging replicas, pools"),
     "make-tiny-checkpoint": ("miles_disagg.models.cli", "write a random tiny Qwen3 HF checkpoint (no download)"),
     "bench": ("miles_disagg.bench.cli", "benchmarks that print one JSON object"),
 }

@@ -89,7 +89,8 @@ def fill_run_paths(config: RunConfig, now: float | None = None) -> None:
         tracking.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.localtime(now)))
     if weights.update_weight_transfer_mode == "disk-delta":
         run_dir = Path(tracking.run_dir)
-        weights.update_weight_disk_dir = weights.update_weight_disk_dir or str(run_dir / "weight-updates")
+        if config.rollout.rollout_service_url is None:  # a service reads the store it was given: no default
+            weights.update_weight_disk_dir = weights.update_weight_disk_dir or str(run_dir / "weight-updates")
         weights.update_weight_local_checkpoint_dir = (
             weights.update_weight_local_checkpoint_dir or str(run_dir / "rollout-checkpoints"))
 

@@ -13,7 +13,8 @@ _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,
 
 def validate(config: RunConfig) -> None:
     """Raise ``ConfigError`` (naming the offending flags) for the first invalid combination."""
-    for check in (_check_entry, _check_disk_delta, _check_topology, _check_batches, _check_debug, _check_save_and_eval):
+    for check in (_check_entry, _check_disk_delta, _check_topology, _check_batches, _check_debug, _check_save_and_eval,
+                  _check_megatron):
         check(config)
 
 
@@ -72,6 +73,8 @@ def _check_topology(config: RunConfig) -> None:
     if rollout.rollout_external and rollout.rollout_service_url:
         raise ConfigError("--rollout-external and --rollout-service-url are different topologies; give one",
                           ("--rollout-external", "--rollout-service-url"))
+    if rollout.rollout_service_url:
+        _check_service(config)
     if rollout.rollout_external_engine_addrs and not rollout.rollout_external:
         raise ConfigError("--rollout-external-engine-addrs needs --rollout-external",
                           ("--rollout-external-engine-addrs", "--rollout-external"))
@@ -125,3 +128,64 @@ def _check_save_and_eval(config: RunConfig) -> None:
                           ("--eval-interval", "--eval-prompt-data"))
     if train.load and Path(train.load).exists() and not Path(train.load).is_dir():
         raise ConfigError(f"--load {train.load!r} is not a directory", ("--load",))
+
+
+def _check_service(config: RunConfig) -> None:
+    url = config.rollout.rollout_service_url or ""
+    if not re.match(r"^https?://[^/\s]+(:\d+)?/?$", url):
+        raise ConfigError(f"--rollout-service-url {url!r} must look like http://host:port", ("--rollout-service-url",))
+    if config.weights.update_weight_transfer_mode != "disk-delta":
+        raise ConfigError("--rollout-service-url needs --update-weight-transfer-mode disk-delta (the service's "
+                          "replicas read published versions from the store)",
+                          ("--rollout-service-url", "--update-weight-transfer-mode"))
+    if not config.weights.update_weight_disk_dir:
+        raise ConfigError("--rollout-service-url needs --update-weight-disk-dir: the version store the service reads",
+                          ("--rollout-service-url", "--update-weight-disk-dir"))
+    if config.cluster.colocate:
+        raise ConfigError("--rollout-service-url cannot be colocated", ("--rollout-service-url", "--colocate"))
+
+
+_MEGATRON_ONLY = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+                  "--sequence-parallel", "--recompute-granularity", "--use-dynamic-batch-size")
+
+
+def _check_megatron(config: RunConfig) -> None:
+    """The megatron backend's parallel layout, recomputation and dynamic batch flags."""
+    train = config.train
+    sizes = {"--tensor-model-parallel-size": train.tensor_model_parallel_size,
+             "--pipeline-model-parallel-size": train.pipeline_model_parallel_size,
+             "--context-parallel-size": train.context_parallel_size}
+    for flag_name, size in sizes.items():
+        if size < 1:
+            raise ConfigError(f"{flag_name} must be >= 1, got {size}", (flag_name,))
+    if train.train_backend != "megatron":
+        used = [name for name, value in zip(_MEGATRON_ONLY, (*sizes.values(), train.sequence_parallel,
+                                                            train.recompute_granularity, train.use_dynamic_batch_size))
+                if value not in (1, False, None)]
+        if used:
+            raise ConfigError(f"{', '.join(used)}: megatron-only, but this run uses --train-backend "
+                              f"{train.train_backend}", ("--train-backend", *used))
+        return
+    model_parallel = train.tensor_model_parallel_size * train.pipeline_model_parallel_size * train.context_parallel_size
+    ranks = config.cluster.num_actor_gpus
+    if ranks % model_parallel:
+        raise ConfigError(f"{ranks} trainer GPUs (--actor-num-nodes x --actor-num-gpus-per-node) are not a multiple "
+                          f"of TP x PP x CP = {model_parallel}", ("--actor-num-gpus-per-node", *sizes))
+    if train.sequence_parallel and train.tensor_model_parallel_size == 1:
+        raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1",
+                          ("--sequence-parallel", "--tensor-model-parallel-size"))
+    if train.use_dynamic_batch_size and not (train.max_tokens_per_gpu or 0) >= 1:
+        raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu N (N >= 1)",
+                          ("--use-dynamic-batch-size", "--max-tokens-per-gpu"))
+    _check_recompute(train.recompute_granularity, train.recompute_method, train.recompute_num_layers)
+
+
+def _check_recompute(granularity: str | None, method: str | None, num_layers: int | None) -> None:
+    flags = ("--recompute-granularity", "--recompute-method", "--recompute-num-layers")
+    if granularity is None and (method is not None or num_layers is not None):
+        raise ConfigError("--recompute-method/--recompute-num-layers need --recompute-granularity full", flags)
+    if granularity == "full" and (method is None or num_layers is None or num_layers < 1):
+        raise ConfigError("--recompute-granularity full needs --recompute-method (uniform|block) and "
+                          "--recompute-num-layers N (N >= 1)", flags)
+    if granularity == "selective" and (method is not None or num_layers is not None):
+        raise ConfigError("--recompute-granularity selective takes no --recompute-method/--recompute-num-layers", flags)

@@ -13,6 +13,7 @@ from typing import Any
 
 from miles_disagg.config.components import RunConfig
 from miles_disagg.tracking import status
+from miles_disagg.types import ConfigError
 
 RAY_TMPDIR_ENV = "MILES_DISAGG_RAY_TMPDIR"
 
@@ -48,7 +49,8 @@ class Job:
         from miles_disagg.trainer.placement import create_placement, plan_layout
 
         cfg = self.config
-        layout = plan_layout(cfg.cluster, external_rollout=cfg.rollout.rollout_external or not with_engines)
+        external = cfg.rollout.rollout_external or bool(cfg.rollout.rollout_service_url) or not with_engines
+        layout = plan_layout(cfg.cluster, external_rollout=external)
         self._owns_ray = init_ray(layout.num_bundles)
         status(f"placement: {layout.num_bundles} GPU bundles (trainer {list(layout.trainer)}, "
                f"engines {[list(e) for e in layout.engines] or 'attached'})")
@@ -74,9 +76,11 @@ class Job:
         import ray
 
         from miles_disagg.rollout.engine_manager import EngineManager
-        from miles_disagg.rollout.manager import RolloutManager
 
         cfg = self.config
+        if cfg.rollout.rollout_service_url:
+            self._connect_service()
+            return
         manager_cls = ray.remote(EngineManager)
         self.manager = manager_cls.options(num_cpus=0, max_concurrency=8).remote(
             cfg.cluster, cfg.rollout, cfg.weights, cfg.train.hf_checkpoint, cfg.tracking.run_dir,
@@ -84,6 +88,28 @@ class Job:
         info = ray.get(self.manager.start.remote())
         self.router_url, self.engine_urls = info["router_url"], info["engine_urls"]
         status(f"engines: {len(self.engine_urls)} behind the router at {self.router_url}")
+        self._start_rollout()
+
+    def _connect_service(self) -> None:
+        """Service topology: no engine handle at all; one endpoint, versions from the store."""
+        import httpx
+
+        url = self.config.rollout.rollout_service_url.rstrip("/")
+        try:
+            httpx.get(f"{url}/health", timeout=10, trust_env=False).raise_for_status()
+        except httpx.HTTPError as exc:
+            raise ConfigError(f"--rollout-service-url {url}: not answering /health ({exc})",
+                              ("--rollout-service-url",)) from None
+        self.router_url = url
+        status(f"rollout service at {url}; versions go through {self.config.weights.update_weight_disk_dir}")
+        self._start_rollout()
+
+    def _start_rollout(self) -> None:
+        import ray
+
+        from miles_disagg.rollout.manager import RolloutManager
+
+        cfg = self.config
         rollout_cls = ray.remote(RolloutManager)
         self.rollout = rollout_cls.options(num_cpus=0).remote(
             cfg.rollout, self.router_url, cfg.train.hf_checkpoint, cfg.train.seed,

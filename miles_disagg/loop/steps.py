@@ -60,9 +60,12 @@ class PendingUpdate:
         self.job, self.version = job, version
         self.started = time.perf_counter()
         self.ref = job.manager.update_weights.remote(version) if job.manager is not None else None
+        if job.config.rollout.rollout_service_url:
+            wake_service(job.config.rollout.rollout_service_url)
 
     def finish(self) -> dict[str, Any]:
-        """Wait for every engine to serve the version; its timings and the engines' versions."""
+        """Wait for every engine to serve the version; its timings and the engines' versions.
+        (Service topology: nothing to wait for; the replicas converge on their own.)"""
         import ray
 
         if self.ref is None:
@@ -139,3 +142,13 @@ class BusyMeter:
         (t0, busy0, _), (t1, busy1, n) = self._last, now
         self._last = now
         return min(1.0, max(0.0, (busy1 - busy0) / ((t1 - t0) * n))) if t1 > t0 else None
+
+
+def wake_service(url: str) -> None:
+    """Tell the service a version was published (best effort: replicas also poll the store)."""
+    import httpx
+
+    try:
+        httpx.post(f"{url.rstrip('/')}/wake", timeout=5, trust_env=False)
+    except httpx.HTTPError:
+        pass

@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from miles_disagg.types import FailRun, Sample
+from miles_disagg.types import FailRun, Retryable, Sample
 
 RETRYABLE_STATUS = (409, 429, 502, 503)
 MAX_ATTEMPTS = 200
@@ -22,6 +22,10 @@ MAX_ATTEMPTS = 200
 
 class GenerationFailed(FailRun):
     """A generation request failed in a way retrying cannot fix (a 4xx, or too many retries)."""
+
+
+class RequestLost(Retryable):
+    """A request failed after it was dispatched and may not be replayed; its group is given up."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,17 @@ def sample_from_response(prompt_ids: list[int], payload: dict) -> Sample:
     )
 
 
-async def generate_one(client, url: str, body: dict, counters: dict[str, int]) -> dict:
-    """POST ``body`` to ``url``/generate until it succeeds; retry only retryable refusals."""
+DISPATCHED_FAILURE = 502  # the router had sent it to a worker that then failed
+
+
+async def generate_one(client, url: str, body: dict, counters: dict[str, int], *,
+                       replay_after_dispatch: bool = True) -> dict:
+    """POST ``body`` to ``url``/generate until it succeeds; retry only retryable refusals.
+
+    A 409/429/503 was never dispatched and is always retried. A 502 (the worker failed
+    after the request reached it) is retried only with ``replay_after_dispatch``; otherwise
+    ``RequestLost`` is raised (the service topology: nothing is replayed).
+    """
     for attempt in range(MAX_ATTEMPTS):
         try:
             response = await client.post(f"{url}/generate", json=body)
@@ -81,6 +94,9 @@ async def generate_one(client, url: str, body: dict, counters: dict[str, int]) -
             return response.json()
         if response.status_code not in RETRYABLE_STATUS:
             raise GenerationFailed(f"/generate answered {response.status_code}: {response.text[:500]}")
+        if response.status_code == DISPATCHED_FAILURE and not replay_after_dispatch:
+            counters["lost"] = counters.get("lost", 0) + 1
+            raise RequestLost(f"/generate failed after dispatch and is not replayed: {response.text[:300]}")
         counters["retried"] = counters.get("retried", 0) + 1
         if response.status_code == 409:
             counters["version_not_ready"] = counters.get("version_not_ready", 0) + 1

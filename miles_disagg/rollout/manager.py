@@ -22,7 +22,7 @@ from typing import Any
 from miles_disagg.config.components import RolloutConfig
 from miles_disagg.rollout.buffer import GroupBuffer
 from miles_disagg.rollout.generate import (
-    GenerationFailed, SamplingSettings, generate_one, request_body, sample_from_response,
+    GenerationFailed, RequestLost, SamplingSettings, generate_one, request_body, sample_from_response,
 )
 from miles_disagg.types import Group
 
@@ -168,6 +168,11 @@ class RolloutManager:
             self.buffer.put(await self._group(prompt))
         except asyncio.CancelledError:
             raise
+        except RequestLost:
+            self.counters["lost_groups"] = self.counters.get("lost_groups", 0) + 1
+            async with self._room:  # the group will never arrive: free its slot
+                self._pending -= 1
+                self._room.notify_all()
         except BaseException as exc:
             if type(exc).__name__ != "BufferClosed":
                 log.exception("rollout group failed")
@@ -179,10 +184,13 @@ class RolloutManager:
         prompt_ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
         # sglang-router cannot route by version: no admission constraint there (the buffer still drops stale groups)
         min_version = None if self.config.router == "sglang" else self.buffer.admission_min_version(self.current_version)
-        body = request_body(prompt_ids, self.sampling, min_version, num_samples=n)
+        exact = self.current_version if self.config.rollout_exact_version else None
+        body = request_body(prompt_ids, self.sampling, min_version, exact_version=exact, num_samples=n)
         async with self._slots:
             self.counters["requests"] += 1
-            payload = await generate_one(self._client, self.router_url, body, self.counters)
+            # a service request that failed after dispatch is not replayed (it carries no idempotency key)
+            payload = await generate_one(self._client, self.router_url, body, self.counters,
+                                         replay_after_dispatch=not self.config.rollout_service_url)
         items = payload if isinstance(payload, list) else [payload]
         if len(items) != n:
             raise GenerationFailed(f"asked for {n} samples of one prompt, got {len(items)}")

@@ -29,6 +29,10 @@ Contracts:
 Registry: ``POST /add_worker`` and ``POST /remove_worker`` (``{"url"}`` or ``?url=``),
 ``GET /list_workers``, ``POST /set_worker_state`` ``{"url", "state": ready|paused|activating,
 "weight_version"?}``. ``GET /health`` (router alive), ``GET /metrics`` (JSON counters).
+
+Observers (``Router.observers``, used by the rollout service's gateway): each is called
+with a :class:`ProxyRecord` once per generation request that got past parsing, after its
+answer is decided, on the event loop; an observer that raises is logged and ignored.
 """
 
 # no "from __future__ import annotations": FastAPI must see the real Request class
@@ -38,8 +42,9 @@ import contextlib
 import json
 import logging
 import math
+import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import httpx
@@ -102,6 +107,18 @@ class _ClientGone(Exception):
     pass
 
 
+@dataclass
+class ProxyRecord:
+    """One proxied generation request, as observers see it."""
+
+    constraint: VersionConstraint
+    status: int = 0
+    served: list[tuple[int | None, int | None]] = field(default_factory=list)  # (start, end) per item
+    worker: str | None = None  # the worker that answered (the last one tried)
+    total_s: float = 0.0  # in the router, from the body read to the answer
+    upstream_s: float = 0.0  # waiting for workers (every try)
+
+
 class Router:
     """Registry + policy + health checker + proxy; lives on one event loop."""
 
@@ -113,6 +130,7 @@ class Router:
         self._client: httpx.AsyncClient | None = None
         self.health: HealthChecker | None = None
         self._health_task: asyncio.Task | None = None
+        self.observers: list[Callable[[ProxyRecord], None]] = []
 
     async def start(self) -> None:
         """Open the HTTP clients, register ``config.workers``, run one health pass, start the loop."""
@@ -168,6 +186,15 @@ class Router:
                 raise InvalidInput("stream=true is not supported by the router; send stream=false")
         except InvalidInput as exc:
             return _error_response(400, exc)
+        record = ProxyRecord(constraint)
+        started = time.perf_counter()
+        response = await self._route(request, path, body, record)
+        record.status, record.total_s = response.status_code, time.perf_counter() - started
+        self._notify(record)
+        return response
+
+    async def _route(self, request: Any, path: str, body: dict, record: ProxyRecord) -> Any:
+        constraint = record.constraint
         payload = json.dumps(body).encode()
         headers = {"content-type": "application/json",
                    **{k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}}
@@ -176,17 +203,26 @@ class Router:
                 worker = self.policy.choose(self.registry.workers(), constraint)
             except (VersionNotReady, NoWorkerAvailable) as exc:
                 return self._not_ready(exc, constraint)
-            response = await self._dispatch(worker, path, payload, headers, request, constraint)
+            response = await self._dispatch(worker, path, payload, headers, request, record)
             if response is not None:
                 return response
         return self._not_ready(NoWorkerAvailable("every ready worker refused the connection"), constraint)
 
+    def _notify(self, record: ProxyRecord) -> None:
+        for observer in self.observers:
+            try:
+                observer(record)
+            except Exception:  # an observer must never break routing
+                log.exception("proxy observer failed")
+
     async def _dispatch(self, worker: Worker, path: str, payload: bytes, headers: dict, request: Any,
-                        constraint: VersionConstraint) -> Any:
+                        record: ProxyRecord) -> Any:
         """Send to ``worker``; ``None`` if it could not be reached (nothing was sent)."""
         dispatch_version = worker.weight_version
+        record.worker = worker.url
         self.registry.acquire(worker)
         served = False
+        sent_at = time.perf_counter()
         try:
             send = self._client.post(worker.url + path, content=payload, headers=headers)
             upstream = await _unless_client_gone(request, send)
@@ -206,16 +242,18 @@ class Router:
             self.counters["worker_failed"] += 1
             return _error_response(502, failure, worker=worker.url)
         finally:
+            record.upstream_s += time.perf_counter() - sent_at
             self.registry.release(worker, served=served)
-        return self._relay(worker, path, upstream, dispatch_version, constraint)
+        return self._relay(worker, path, upstream, dispatch_version, record)
 
     def _fail(self, worker: Worker, reason: str) -> None:
         log.warning("worker %s taken out of routing: %s", worker.url, reason)
         self.registry.mark_failed(worker, reason)
 
     def _relay(self, worker: Worker, path: str, upstream: httpx.Response, dispatch_version: int | None,
-               constraint: VersionConstraint) -> Any:
+               record: ProxyRecord) -> Any:
         """The worker's answer with served versions added (non-JSON or non-2xx: as is)."""
+        constraint = record.constraint
         routed = {"X-Routed-Worker": worker.url}
         content_type = upstream.headers.get("content-type", "")
         obj = _json_or_none(upstream) if upstream.is_success and "json" in content_type else None
@@ -235,6 +273,7 @@ class Router:
                        f"{constraint.describe()} (the router's view of it was stale); retry")
             available = [worker.weight_version] if worker.weight_version is not None else []
             return self._not_ready(VersionNotReady(constraint, available), constraint, message=message)
+        record.served = [(m["weight_version_start"], m["weight_version_end"]) for m in metas]
         return Response(json.dumps(obj).encode(), status_code=upstream.status_code,
                         media_type="application/json", headers=routed)
 

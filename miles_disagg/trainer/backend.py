@@ -43,9 +43,13 @@ class TrainerBackend(ABC):
 
 def make_backend(config: TrainConfig, hf_dir: str, *, rank: int, world_size: int,
                  temperature: float = 1.0) -> TrainerBackend:
+    """The ``--train-backend`` for this rank (megatron-core is imported only when chosen)."""
     if config.train_backend == "fsdp":
         from miles_disagg.trainer.fsdp import FSDPBackend
 
         return FSDPBackend(config, hf_dir, rank=rank, world_size=world_size, temperature=temperature)
-    raise ConfigError(f"--train-backend {config.train_backend} is not available in this build "
-                      "(the megatron backend is a later issue); use --train-backend fsdp", ("--train-backend",))
+    if config.train_backend == "megatron":
+        from miles_disagg.trainer.megatron.backend import MegatronBackend
+
+        return MegatronBackend(config, hf_dir, rank=rank, world_size=world_size, temperature=temperature)
+    raise ConfigError(f"unknown --train-backend {config.train_backend!r}; expected fsdp or megatron", ("--train-backend",))

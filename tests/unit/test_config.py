@@ -171,3 +171,15 @@ def test_parse_host_port() -> None:
     for bad in ("10.0.1.10", ":30000", "host:0", "host:port", "http://h:1"):
         with pytest.raises(ValueError):
             parse_host_port(bad)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--rollout-service-url", "http://gw:8000"], "--update-weight-transfer-mode"),
+    (["--rollout-service-url", "http://gw:8000", "--update-weight-transfer-mode", "disk-delta",
+      "--hf-checkpoint", "/tmp"], "--update-weight-disk-dir"),
+    (["--rollout-service-url", "gw:8000", "--update-weight-transfer-mode", "disk-delta", "--hf-checkpoint", "/tmp",
+      "--update-weight-disk-dir", "/tmp/store"], "must look like"),
+])
+def test_service_topology_needs_a_store(argv, named) -> None:
+    with pytest.raises(ConfigError, match=named):
+        load_config(argv, "train_async")

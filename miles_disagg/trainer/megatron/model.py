@@ -104,10 +104,12 @@ def current_layout() -> ParallelLayout:
         dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank())
 
 
-def read_shape(hf_dir: str) -> ModelShape:
+def read_hf_config(hf_dir: str):
+    """The checkpoint's HF config and the :class:`ModelShape` taken from it."""
     from transformers import AutoConfig
 
-    return ModelShape.from_hf_config(AutoConfig.from_pretrained(hf_dir))
+    config = AutoConfig.from_pretrained(hf_dir)
+    return config, ModelShape.from_hf_config(config)
 
 
 def transformer_config(shape: ModelShape, config: TrainConfig, layout: ParallelLayout):
@@ -130,12 +132,13 @@ def transformer_config(shape: ModelShape, config: TrainConfig, layout: ParallelL
         recompute_num_layers=config.recompute_num_layers,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=on_gpu, variable_seq_lengths=layout.pp_size > 1,
         use_cpu_initialization=not on_gpu, perform_initialization=False,  # weights come from the checkpoint
-        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=on_gpu,
+        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, attention_softmax_in_fp32=True)
 
 
-def uses_fused_norms() -> bool:
-    """Whether the layer spec is Transformer Engine's (norms fused into linear_qkv / linear_fc1)."""
+def uses_te_spec() -> bool:
+    """Whether layers are Transformer Engine's (norms fused into linear_qkv / linear_fc1, causal
+    mask built inside attention) rather than megatron's local ones."""
     return torch.cuda.is_available() and has_transformer_engine()
 
 
@@ -146,7 +149,7 @@ def build_gpt(shape: ModelShape, tconfig, layout: ParallelLayout):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt import gpt_layer_specs as specs
 
-        if uses_fused_norms():
+        if uses_te_spec():
             spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
         else:
             spec = specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
@@ -163,15 +166,17 @@ def build_gpt(shape: ModelShape, tconfig, layout: ParallelLayout):
 def stage_rules(shape: ModelShape, layout: ParallelLayout) -> list[ParamRule]:
     return param_rules(shape, stage_layers(shape.num_layers, layout.pp_size, layout.pp_rank),
                        pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
-                       fused_norms=uses_fused_norms())
+                       fused_norms=uses_te_spec())
 
 
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, hf_dir: str, shape: ModelShape, layout: ParallelLayout) -> None:
-    """Copy this rank's shard of every parameter from the HF checkpoint at ``hf_dir``.
+    """Copy this rank's shard of every parameter from the HF checkpoint at ``hf_dir``, and mark
+    the TP-split ones as megatron's initialization would (gradient norms count them once).
 
     ``ConfigError`` when the model's parameters and the conversion rules disagree (a layer
     spec this converter does not know) or the checkpoint lacks a tensor."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
     from safetensors import safe_open
 
     from miles_disagg.weights.safetensors_io import checkpoint_tensors
@@ -195,7 +200,9 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str, shape: ModelShape, layo
                 if file_name not in handles:
                     handles[file_name] = safe_open(str(Path(hf_dir) / file_name), "pt")
                 hf[name] = handles[file_name].get_tensor(name)
-            shard = to_megatron(rule, hf, shape, layout.tp_rank, layout.tp_size)
-            params[rule.megatron].copy_(shard.to(params[rule.megatron].dtype))
+            param = params[rule.megatron]
+            param.copy_(to_megatron(rule, hf, shape, layout.tp_rank, layout.tp_size).to(param.dtype))
+            if rule.kind != "dup" and not hasattr(param, "tensor_model_parallel"):
+                set_tensor_model_parallel_attributes(param, True, 1 if rule.kind == "row" else 0, 1)
     finally:
         handles.clear()

@@ -1,0 +1,93 @@
+"""``GatewayClient``: the service endpoints of a gateway, synchronously (pools, bench, tests, trainers).
+
+Errors: ``GatewayUnreachable`` (retryable) when the gateway does not answer or fails;
+``VersionNotReady`` when a wait runs out. Every call is bounded by the client's timeout;
+the ``wait_*`` helpers poll until their own deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import httpx
+
+from miles_disagg.service.adapters import GatewayUnreachable
+from miles_disagg.types import VersionConstraint, VersionNotReady
+
+POLL_S = 0.05
+
+
+class GatewayClient:
+    def __init__(self, url: str, *, timeout_s: float = 30.0):
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "GatewayClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def replicas(self) -> list[dict]:
+        """The fleet table: per replica its status (state, weight_version, staged_version, last_error,
+        activations, counters), ``lost``, ``heartbeat_age_s`` and its state ``transitions``."""
+        return self._call("GET", "/replicas")["replicas"]
+
+    def metrics(self) -> dict:
+        """``GET /service_metrics`` (see :mod:`miles_disagg.service.gateway`)."""
+        return self._call("GET", "/service_metrics")
+
+    def wake(self) -> dict:
+        """Ask every replica to reconcile now; ``{"woken": [...], "failed": {...}}``."""
+        return self._call("POST", "/wake")
+
+    def workers(self) -> list[dict]:
+        return self._call("GET", "/list_workers")["workers"]
+
+    def wait_for(self, predicate: Callable[[list[dict]], bool], timeout_s: float, what: str) -> list[dict]:
+        """Poll ``/replicas`` until ``predicate(replicas)``; ``TimeoutError`` naming ``what`` otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                replicas = self.replicas()
+                if predicate(replicas):
+                    return replicas
+            except GatewayUnreachable:
+                replicas = []
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gateway {self.url}: timed out after {timeout_s}s waiting for {what}; "
+                                   f"replicas: {[_brief(r) for r in replicas]}")
+            time.sleep(POLL_S)
+
+    def wait_converged(self, version: int, *, num_replicas: int | None = None, timeout_s: float = 120.0) -> list[dict]:
+        """Until every live replica (at least ``num_replicas`` of them) is ready at ``version`` or newer.
+
+        Raises ``VersionNotReady`` (with the versions seen) when ``timeout_s`` runs out.
+        """
+        def converged(replicas: list[dict]) -> bool:
+            live = [r for r in replicas if not r["lost"] and r["state"] != "draining"]
+            enough = len(live) >= (num_replicas or 1)
+            return enough and all(r["state"] == "ready" and (r["weight_version"] or 0) >= version for r in live)
+
+        try:
+            return self.wait_for(converged, timeout_s, f"every replica ready at v{version}+")
+        except TimeoutError:
+            seen = sorted({r["weight_version"] for r in self.replicas() if r["weight_version"] is not None})
+            raise VersionNotReady(VersionConstraint(min_version=version), seen) from None
+
+    def _call(self, method: str, path: str) -> dict:
+        try:
+            response = self._http.request(method, path)
+        except httpx.HTTPError as exc:
+            raise GatewayUnreachable(f"{method} {self.url}{path}: {type(exc).__name__}: {exc}") from exc
+        if not response.is_success:
+            raise GatewayUnreachable(f"{method} {self.url}{path} answered {response.status_code}: {response.text[:300]}")
+        return response.json()
+
+
+def _brief(replica: dict) -> str:
+    return f"{replica['replica_id']}:{replica['state']}@v{replica['weight_version']}"

@@ -1,0 +1,137 @@
+"""What replicas and the gateway say to each other. Pure: no I/O, no heavy imports.
+
+A replica reports itself with ``POST {gateway}/heartbeat`` carrying a :class:`ReplicaStatus`:
+periodically, and at once on every state change. The first heartbeat of a replica is
+its registration; ``POST {gateway}/deregister`` ends it.
+
+Replica states (only ``ready`` receives traffic; the gateway maps the others to its
+router's ``paused``/``activating`` worker states):
+
+* ``starting``    - its engine is being launched.
+* ``catching_up`` - registered, not yet at the store's newest version (new or restarted
+  replicas seed from the base or the newest anchor and apply the chain).
+* ``ready``       - serving ``weight_version``, which was acknowledged after activation.
+* ``activating``  - in the activation pause; the gateway sends it nothing new.
+* ``failed``      - an activation failed (or the engine died): out of rotation until a
+  later pass activates the store's newest version again.
+* ``draining``    - shutting down: no new requests; in-flight ones finish.
+
+Ordering: each status carries ``incarnation`` (one per replica process) and ``seq``
+(increasing within it); the gateway ignores a status older than one it already applied,
+so a delayed heartbeat can never undo an activation acknowledgement.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from miles_disagg.types import InvalidInput
+
+MAX_ACTIVATIONS_REPORTED = 8
+
+
+class ReplicaState(str, enum.Enum):
+    STARTING = "starting"
+    CATCHING_UP = "catching_up"
+    READY = "ready"
+    ACTIVATING = "activating"
+    FAILED = "failed"
+    DRAINING = "draining"
+
+
+# The router worker state each replica state maps to (only "ready" is routed).
+ROUTER_STATE = {ReplicaState.READY: "ready", ReplicaState.ACTIVATING: "activating"}
+
+
+def router_state(state: ReplicaState) -> str:
+    return ROUTER_STATE.get(state, "paused")
+
+
+@dataclass(frozen=True)
+class StoreHead:
+    """The store's newest committed version as a replica saw it."""
+
+    version: int
+    run_id: str = ""
+    published_unix: float | None = None  # when the version's files were completed (index time)
+
+
+@dataclass(frozen=True)
+class Activation:
+    """One completed activation on a replica (the acknowledgement's record)."""
+
+    version: int
+    published_unix: float | None
+    activated_unix: float
+    prepare_s: float  # staging (fetch + verify + load into RAM) while serving, all coalesced rounds
+    pause_s: float  # the engine could not admit or advance generation
+    num_restages: int = 0  # newer versions seen while staging, staged straight away (coalescing)
+
+
+@dataclass
+class ReplicaStatus:
+    """One heartbeat (see the module docstring)."""
+
+    replica_id: str
+    incarnation: str
+    seq: int
+    engine_url: str | None
+    control_url: str | None
+    state: ReplicaState
+    weight_version: int | None = None  # the live, acknowledged version (routing uses it only when ready)
+    run_id: str = ""
+    staged_version: int | None = None
+    store_head: StoreHead | None = None
+    last_error: str | None = None
+    load: int | None = None  # requests running or queued in the engine, when it says
+    activations: list[Activation] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        obj = asdict(self)
+        obj["state"] = self.state.value
+        return obj
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "ReplicaStatus":
+        """Parse a heartbeat body; ``InvalidInput`` naming the field for anything malformed."""
+        if not isinstance(obj, dict):
+            raise InvalidInput(f"a heartbeat must be a JSON object, got {type(obj).__name__}")
+        try:
+            state = ReplicaState(obj.get("state"))
+        except ValueError:
+            raise InvalidInput(f"state must be one of {[s.value for s in ReplicaState]}, got {obj.get('state')!r}") from None
+        head = obj.get("store_head")
+        try:
+            return cls(
+                replica_id=_str(obj, "replica_id"), incarnation=_str(obj, "incarnation"), seq=_int(obj, "seq"),
+                engine_url=obj.get("engine_url"), control_url=obj.get("control_url"), state=state,
+                weight_version=_opt_int(obj, "weight_version"), run_id=str(obj.get("run_id") or ""),
+                staged_version=_opt_int(obj, "staged_version"),
+                store_head=StoreHead(**head) if isinstance(head, dict) else None,
+                last_error=obj.get("last_error"), load=_opt_int(obj, "load"),
+                activations=[Activation(**a) for a in obj.get("activations") or []],
+                counters={str(k): int(v) for k, v in (obj.get("counters") or {}).items()},
+            )
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(f"malformed heartbeat: {exc}") from None
+
+
+def _str(obj: dict, key: str) -> str:
+    value = obj.get(key)
+    if not isinstance(value, str) or not value:
+        raise InvalidInput(f"heartbeat field {key!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _int(obj: dict, key: str) -> int:
+    value = obj.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidInput(f"heartbeat field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def _opt_int(obj: dict, key: str) -> int | None:
+    return None if obj.get(key) is None else _int(obj, key)
