@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "delta": ("miles_disagg.bench.delta", "disk-delta codec: ours vs the reference codec"),
     "engine": ("miles_disagg.bench.engine", "built-in engine throughput and activation pause"),
     "async": ("miles_disagg.bench.async_train", "train.py vs train_async.py throughput and engine busy fraction"),
+    "service": ("miles_disagg.bench.service", "rollout service: convergence, pauses, gateway overhead under load"),
 }
 
 

@@ -229,6 +229,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sglang_args: dict = field(default_factory=dict)  # --sglang-* passthrough for managed SGLang servers
 
 
 # section name in RunConfig / YAML -> component class

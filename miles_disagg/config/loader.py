@@ -67,13 +67,17 @@ def _add_flag(group: argparse._ArgumentGroup, spec: FlagSpec) -> None:
 
 def load_config(argv: Sequence[str] | None, entry: str) -> tuple[RunConfig, bool]:
     """Parse ``argv`` for ``entry`` (train | train_async); return (validated config, print_config)."""
+    from miles_disagg.rollout.sglang_launch import split_sglang_passthrough
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    sglang_args, argv = split_sglang_passthrough(argv)  # --sglang-* go to managed SGLang servers as they are
     args = vars(build_parser(entry).parse_args(argv))
     config_path = args.pop("config", None)
     print_config = args.pop("print_config", False)
     values = _read_yaml(Path(config_path)) if config_path else {}
     values.update(args)  # the command line wins
     config = _build(values, entry)
+    config.sglang_args = sglang_args
     fill_run_paths(config)
     validate(config)
     return config, print_config

@@ -84,7 +84,7 @@ class Job:
         manager_cls = ray.remote(EngineManager)
         self.manager = manager_cls.options(num_cpus=0, max_concurrency=8).remote(
             cfg.cluster, cfg.rollout, cfg.weights, cfg.train.hf_checkpoint, cfg.tracking.run_dir,
-            placement=self.placement, seed=cfg.train.seed)
+            placement=self.placement, seed=cfg.train.seed, sglang_args=cfg.sglang_args)
         info = ray.get(self.manager.start.remote())
         self.router_url, self.engine_urls = info["router_url"], info["engine_urls"]
         status(f"engines: {len(self.engine_urls)} behind the router at {self.router_url}")

@@ -35,9 +35,10 @@ MONITOR_INTERVAL_S = 1.0
 
 class EngineManager:
     def __init__(self, cluster: ClusterConfig, rollout: RolloutConfig, weights: WeightUpdateConfig,
-                 model_path: str, run_dir: str, placement=None, seed: int = 0):
+                 model_path: str, run_dir: str, placement=None, seed: int = 0, sglang_args: dict | None = None):
         self.cluster, self.rollout, self.weights = cluster, rollout, weights
         self.model_path, self.run_dir, self.placement, self.seed = model_path, Path(run_dir), placement, seed
+        self.sglang_args = dict(sglang_args or {})
         self.router = None
         self.router_client = None
         self.engine_urls: list[str] = []
@@ -110,7 +111,8 @@ class EngineManager:
             spec = EngineSpec(index=index, backend=backend, model_path=self.model_path,
                               log_dir=str(self.run_dir / "logs"), local_checkpoint_dir=str(local_root / f"engine-{index}"),
                               tp_size=len(bundles), dtype=self.rollout.engine_dtype, seed=self.seed + index,
-                              pre_read_hook=self.weights.sglang_custom_pull_weights_pre_read_hook)
+                              pre_read_hook=self.weights.sglang_custom_pull_weights_pre_read_hook,
+                              sglang_args=self.sglang_args)
             actor = remote_cls.options(num_cpus=0.2, num_gpus=0.2, max_concurrency=4,
                                        scheduling_strategy=self.placement.strategy(bundles[0])).remote(spec)
             self._actors.append(actor)

@@ -22,6 +22,8 @@ from miles_disagg.types import EngineUnrecoverable, FailRun, InvalidInput, Miles
 
 PULL_TIMEOUT_S = 1800.0
 CONTROL_TIMEOUT_S = 120.0
+LOAD_TIMEOUT_S = 1.0  # a heartbeat never waits long for the load figure
+HEARTBEAT_TIMEOUT_S = 2.0
 
 
 class StagingRefused(FailRun):
@@ -107,7 +109,7 @@ class HttpEngine:
     def load_count(self) -> int | None:
         """Requests running or queued in the engine (built-in engine's server info); None if unknown."""
         try:
-            states = self._call("GET", "/get_server_info", timeout=5.0).get("internal_states") or [{}]
+            states = self._call("GET", "/get_server_info", timeout=LOAD_TIMEOUT_S).get("internal_states") or [{}]
             running, waiting = states[0].get("num_running_requests"), states[0].get("num_waiting_requests")
             return int(running) + int(waiting) if running is not None and waiting is not None else None
         except (MilesDisaggError, ValueError, TypeError, AttributeError):
@@ -135,7 +137,7 @@ class HttpEngine:
 class GatewayLink:
     """Heartbeats and deregistration against the gateway."""
 
-    def __init__(self, url: str, *, timeout_s: float = 5.0):
+    def __init__(self, url: str, *, timeout_s: float = HEARTBEAT_TIMEOUT_S):
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False)
 

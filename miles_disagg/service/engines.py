@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,7 +160,3 @@ def _wait_generate_ready(engine) -> None:
             pass
         time.sleep(2.0)
     raise EngineUnrecoverable(f"SGLang at {engine.url} not ready after {SGLANG_STARTUP_TIMEOUT_S:.0f}s")
-
-
-def python_module_cmd(module: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", module, *args]

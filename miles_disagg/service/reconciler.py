@@ -117,12 +117,15 @@ class ReplicaRecord:
 def needs_sync(live: VersionRef | None, head: StoreHead) -> bool:
     """Whether an engine serving ``live`` must move to ``head``.
 
-    Unknown live weights always sync; another run's head (a new run took over the store)
-    always syncs (the materializer reseeds); within a run only a newer head does, and an
-    older one is ``StoreRolledBack`` (never move a host backwards silently).
+    Unknown live weights always sync; an empty store (head version 0: wiped for a new run)
+    resets a host to the base; another run's head (a new run took over the store) always
+    syncs (the materializer reseeds); within a run only a newer head does, and an older one
+    is ``StoreRolledBack`` (never move a host backwards silently).
     """
     if live is None:
         return True
+    if head.version == 0:
+        return live.version != 0
     if live.run_id and head.run_id and live.run_id != head.run_id:
         return True
     if head.version < live.version:

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from miles_disagg.service.adapters import GatewayLink, HttpEngine, StoreView
 from miles_disagg.service.engines import EngineSpec, RunningEngine, start_engine
-from miles_disagg.service.protocol import ReplicaState, ReplicaStatus
+from miles_disagg.service.protocol import ReplicaStatus
 from miles_disagg.service.reconciler import PhaseHook, ReconcileConfig, Reconciler
 from miles_disagg.types import ConfigError, MilesDisaggError
 

@@ -41,6 +41,21 @@ class TrainerBackend(ABC):
         """Restore what ``state_dict`` returned."""
 
 
+class MetricMeans:
+    """Running means of named metrics (per micro-batch or per optimizer step)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+
+    def add(self, key: str, value: float) -> None:
+        self._sums[key] = self._sums.get(key, 0.0) + float(value)
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def means(self) -> dict[str, float]:
+        return {k: self._sums[k] / self._counts[k] for k in self._sums}
+
+
 def make_backend(config: TrainConfig, hf_dir: str, *, rank: int, world_size: int,
                  temperature: float = 1.0) -> TrainerBackend:
     """The ``--train-backend`` for this rank (megatron-core is imported only when chosen)."""

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from miles_disagg.config.components import TrainConfig
-from miles_disagg.trainer.backend import TrainerBackend
+from miles_disagg.trainer.backend import MetricMeans, TrainerBackend
 from miles_disagg.trainer.batches import PackedBatch, micro_batches, pack, response_logits
-from miles_disagg.trainer.losses import kl_penalty, masked_mean, policy_loss, tis_weights, token_logprobs_and_entropy
+from miles_disagg.trainer.losses import masked_mean, rl_token_loss, token_logprobs_and_entropy
 from miles_disagg.types import Sample
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class FSDPBackend(TrainerBackend):
         ref = self._frozen_logprobs(self.ref_model, flat) if self.ref_model is not None else [None] * len(flat)
         diffs = [masked_mean((o - b.rollout_logprobs.to(self.device)).abs(), b.response_mask.to(self.device))
                  for o, b in zip(old, flat)]
-        metrics = _MetricSum()
+        metrics = MetricMeans()
         metrics.add("train/train_rollout_logprob_abs_diff", torch.stack(diffs).mean().item())
         cursor = 0
         for index, step in enumerate(packed):
@@ -101,7 +101,7 @@ class FSDPBackend(TrainerBackend):
     def _optimizer_step(self, batches: list[PackedBatch], old: list, ref: list) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = max(sum(b.num_tokens for b in batches), 1)
-        sums = _MetricSum()
+        sums = MetricMeans()
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             with self._no_sync(not last):
@@ -116,25 +116,9 @@ class FSDPBackend(TrainerBackend):
         return result
 
     def _micro_loss(self, batch: PackedBatch, old: torch.Tensor, ref: torch.Tensor | None) -> dict:
-        cfg = self.config
-        mask = batch.response_mask.to(self.device)
         logprobs, entropy = self._token_logprobs(self.model, batch, with_entropy=True)
-        weights = tis_weights(old, batch.rollout_logprobs.to(self.device), cfg.tis_clip) if cfg.use_tis else None
-        pg = policy_loss(logprobs, old, batch.advantages.to(self.device), mask, eps_clip=cfg.eps_clip,
-                         eps_clip_high=cfg.eps_clip_high, token_weights=weights)
-        entropy_mean = masked_mean(entropy, mask)
-        loss = pg.loss - cfg.entropy_coef * entropy_mean
-        out = {"train/pg_loss": pg.loss.item(), "train/pg_clipfrac": pg.clipfrac.item(),
-               "train/ppo_kl": pg.ppo_kl.item(), "train/entropy": entropy_mean.item()}
-        if ref is not None:
-            kl = masked_mean(kl_penalty(logprobs, ref, cfg.kl_loss_type), mask)
-            loss = loss + cfg.kl_loss_coef * kl
-            out["train/kl_loss"] = kl.item()
-        if weights is not None:
-            out["train/tis_weight_mean"] = masked_mean(weights, mask).item()
-        out["train/loss"] = loss.item()
-        out["loss"] = loss
-        return out
+        loss, metrics = rl_token_loss(self.config, batch, logprobs, entropy, old, ref, self.device)
+        return {**metrics, "loss": loss}
 
     def _no_sync(self, skip_sync: bool):
         if skip_sync and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
@@ -169,19 +153,6 @@ class FSDPBackend(TrainerBackend):
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
-
-
-class _MetricSum:
-    def __init__(self) -> None:
-        self._sums: dict[str, float] = {}
-        self._counts: dict[str, int] = {}
-
-    def add(self, key: str, value: float) -> None:
-        self._sums[key] = self._sums.get(key, 0.0) + float(value)
-        self._counts[key] = self._counts.get(key, 0) + 1
-
-    def means(self) -> dict[str, float]:
-        return {k: self._sums[k] / self._counts[k] for k in self._sums}
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> str:

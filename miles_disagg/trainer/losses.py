@@ -92,3 +92,28 @@ def token_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor,
         return chosen, None
     entropy = -(log_probs.exp() * log_probs).sum(-1)
     return chosen, entropy
+
+
+def rl_token_loss(config, batch, logprobs: torch.Tensor, entropy: torch.Tensor, old: torch.Tensor,
+                  ref: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-mean loss of one packed micro-batch (every backend uses this) and its metrics.
+
+    ``config`` is the ``TrainConfig`` (eps clips, TIS, entropy and KL coefficients); ``batch``
+    a ``PackedBatch``; ``old`` the behaviour logprobs, ``ref`` the reference model's (or None).
+    """
+    mask = batch.response_mask.to(device)
+    weights = tis_weights(old, batch.rollout_logprobs.to(device), config.tis_clip) if config.use_tis else None
+    pg = policy_loss(logprobs, old, batch.advantages.to(device), mask, eps_clip=config.eps_clip,
+                     eps_clip_high=config.eps_clip_high, token_weights=weights)
+    entropy_mean = masked_mean(entropy, mask)
+    loss = pg.loss - config.entropy_coef * entropy_mean
+    metrics = {"train/pg_loss": pg.loss.item(), "train/pg_clipfrac": pg.clipfrac.item(),
+               "train/ppo_kl": pg.ppo_kl.item(), "train/entropy": entropy_mean.item()}
+    if ref is not None:
+        kl = masked_mean(kl_penalty(logprobs, ref, config.kl_loss_type), mask)
+        loss = loss + config.kl_loss_coef * kl
+        metrics["train/kl_loss"] = kl.item()
+    if weights is not None:
+        metrics["train/tis_weight_mean"] = masked_mean(weights, mask).item()
+    metrics["train/loss"] = loss.item()
+    return loss, metrics

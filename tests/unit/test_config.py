@@ -183,3 +183,12 @@ def test_parse_host_port() -> None:
 def test_service_topology_needs_a_store(argv, named) -> None:
     with pytest.raises(ConfigError, match=named):
         load_config(argv, "train_async")
+
+
+def test_sglang_passthrough_reaches_the_config() -> None:
+    config, _ = load_config(["--sglang-mem-fraction-static", "0.8", "--sglang-enable-metrics",
+                             "--sglang-custom-pull-weights-pre-read-hook", "m:f", "--rollout-batch-size", "4"],
+                            "train_async")
+    assert config.sglang_args == {"mem-fraction-static": "0.8", "enable-metrics": True}
+    assert config.weights.sglang_custom_pull_weights_pre_read_hook == "m:f"  # the job's own flag
+    assert config.rollout.rollout_batch_size == 4

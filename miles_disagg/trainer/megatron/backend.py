@@ -6,8 +6,8 @@ replica trains on the same samples and the replicas split the batch. Each optimi
 step's samples become micro-batches of ``--micro-batch-size`` samples, or, with
 ``--use-dynamic-batch-size``, of at most ``--max-tokens-per-gpu`` padded tokens per GPU.
 
-CPU runs (gloo, float32, local layers) support TP and DP; PP, CP and sequence parallelism
-need CUDA (megatron's schedules, Transformer Engine attention and norms).
+CPU runs (gloo, float32, megatron's local layers) support TP and DP; PP needs CUDA, CP and
+sequence parallelism need CUDA and Transformer Engine (see ``model.check_layout_support``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 
 from miles_disagg.config.components import TrainConfig
-from miles_disagg.trainer.backend import TrainerBackend
-from miles_disagg.trainer.fsdp import _MetricSum
+from miles_disagg.trainer.backend import MetricMeans, TrainerBackend
 from miles_disagg.trainer.losses import masked_mean
 from miles_disagg.trainer.megatron.batching import (
     MicroBatch, fixed_size_batches, make_micro_batch, token_budget_batches)
@@ -39,12 +38,12 @@ class MegatronBackend(TrainerBackend):
         (``--use-kl-loss`` with a positive coefficient) the frozen reference from ``--ref-load``
         or ``hf_dir``. ``temperature``: the rollout's, applied to logits before logprobs."""
         import_megatron()
-        _check_cpu_support(config)
         self.config, self.rank, self.world_size = config, rank, world_size
         self.layout = init_parallel_state(config, world_size)
         hf_config, self.shape = read_hf_config(hf_dir)
         self.shape.check_parallel(self.layout.tp_size, self.layout.pp_size)
         self.pad_id = hf_config.pad_token_id or 0
+        self.plan = ExportPlan.build(hf_dir, self.shape, self.layout.pp_size, uses_te_spec())  # fail before building
         torch.manual_seed(config.seed + rank)
         self.tconfig = transformer_config(self.shape, config, self.layout)
         self.gpt = build_gpt(self.shape, self.tconfig, self.layout)
@@ -54,7 +53,6 @@ class MegatronBackend(TrainerBackend):
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.ctx = PassContext(self.layout, device, temperature if temperature > 0 else 1.0,
                                explicit_mask=not uses_te_spec())
-        self.plan = ExportPlan.build(hf_dir, self.shape, self.layout.pp_size, uses_te_spec())
 
     def _reference(self, ref_dir: str) -> torch.nn.Module:
         ref = build_gpt(self.shape, self.tconfig, self.layout)
@@ -70,7 +68,7 @@ class MegatronBackend(TrainerBackend):
         flat = [mb for step in micro for mb in step]
         old = self._frozen_logprobs(self.optim.model, flat)
         ref = self._frozen_logprobs(self.ref, flat) if self.ref is not None else [None] * len(flat)
-        sums = _MetricSum()
+        sums = MetricMeans()
         if self.layout.is_last_stage:
             sums.add("train/train_rollout_logprob_abs_diff", _rollout_diff(old, flat, self.ctx.device))
         cursor = 0
@@ -120,7 +118,7 @@ class MegatronBackend(TrainerBackend):
                                     policy_loss_fn(inputs, self.config, self.ctx), forward_only=False,
                                     no_sync=self.optim.no_sync)
         grad_norm = self.optim.step()
-        sums = _MetricSum()
+        sums = MetricMeans()
         for metrics in outputs:
             for key, value in metrics.items():
                 sums.add(key, value)
@@ -158,17 +156,6 @@ class MegatronBackend(TrainerBackend):
         self.gpt.load_state_dict(state["model"])
         self.optim.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
-
-
-def _check_cpu_support(config: TrainConfig) -> None:
-    if torch.cuda.is_available():
-        return
-    for flag_name, unsupported in (("--pipeline-model-parallel-size", config.pipeline_model_parallel_size > 1),
-                                   ("--context-parallel-size", config.context_parallel_size > 1),
-                                   ("--sequence-parallel", config.sequence_parallel)):
-        if unsupported:
-            raise ConfigError(f"--train-backend megatron on CPU supports tensor and data parallelism only; "
-                              f"{flag_name} needs CUDA", (flag_name, "--train-backend"))
 
 
 def _interleave(lists: list[list[Sample]]) -> list[Sample]:

@@ -42,7 +42,7 @@ class ParallelLayout:
         return self.pp_rank == self.pp_size - 1
 
 
-def import_megatron():
+def import_megatron() -> None:
     """Import megatron-core quietly (it warns about every optional accelerator library it lacks);
     ``ConfigError`` when it is not installed."""
     try:
@@ -55,9 +55,6 @@ def import_megatron():
     except ImportError as exc:
         raise ConfigError(f"--train-backend megatron needs megatron-core ({exc}); "
                           "install it with `pip install 'miles-disagg[megatron]'`", ("--train-backend",)) from None
-    import megatron.core
-
-    return megatron.core
 
 
 def has_transformer_engine() -> bool:
@@ -75,13 +72,11 @@ def init_parallel_state(config: TrainConfig, world_size: int) -> ParallelLayout:
 
     from miles_disagg.trainer.megatron.cpu_patches import apply_cpu_patches
 
+    check_layout_support(config)
     tp, pp, cp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size
     if world_size % (tp * pp * cp):
         raise ConfigError(f"{world_size} trainer ranks do not split into TP {tp} x PP {pp} x CP {cp}",
                           ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"))
-    if cp > 1 and not (torch.cuda.is_available() and has_transformer_engine()):
-        raise ConfigError("--context-parallel-size > 1 needs CUDA and Transformer Engine (megatron's local "
-                          "attention has no context parallelism)", ("--context-parallel-size",))
     apply_cpu_patches()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -92,6 +87,20 @@ def init_parallel_state(config: TrainConfig, world_size: int) -> ParallelLayout:
 
         model_parallel_cuda_manual_seed(config.seed)
     return current_layout()
+
+
+def check_layout_support(config: TrainConfig) -> None:
+    """``ConfigError`` for a layout this machine cannot run: pipeline parallelism needs CUDA
+    (megatron's schedules allocate CUDA tensors); context and sequence parallelism need
+    Transformer Engine layers (megatron's local attention and norms have neither)."""
+    for flag_name, wanted, available, needs in (
+            ("--pipeline-model-parallel-size", config.pipeline_model_parallel_size > 1, torch.cuda.is_available(),
+             "CUDA"),
+            ("--context-parallel-size", config.context_parallel_size > 1, uses_te_spec(), "CUDA and Transformer Engine"),
+            ("--sequence-parallel", config.sequence_parallel, uses_te_spec(), "CUDA and Transformer Engine")):
+        if wanted and not available:
+            raise ConfigError(f"{flag_name} needs {needs} with --train-backend megatron (on CPU: tensor and data "
+                              "parallelism only)", (flag_name, "--train-backend"))
 
 
 def current_layout() -> ParallelLayout:
@@ -119,7 +128,7 @@ def transformer_config(shape: ModelShape, config: TrainConfig, layout: ParallelL
 
     on_gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    return TransformerConfig(
+    fields = dict(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
         kv_channels=shape.head_dim, normalization="RMSNorm", layernorm_epsilon=shape.norm_eps,
@@ -134,6 +143,9 @@ def transformer_config(shape: ModelShape, config: TrainConfig, layout: ParallelL
         use_cpu_initialization=not on_gpu, perform_initialization=False,  # weights come from the checkpoint
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, attention_softmax_in_fp32=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecation notes about defaults this backend does not set
+        return TransformerConfig(**fields)
 
 
 def uses_te_spec() -> bool:

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from miles_disagg.config.components import TrainConfig
-from miles_disagg.trainer.losses import kl_penalty, masked_mean, policy_loss, tis_weights, token_logprobs_and_entropy
+from miles_disagg.trainer.losses import rl_token_loss, token_logprobs_and_entropy
 from miles_disagg.trainer.megatron.batching import MicroBatch, causal_mask, cp_merge, cp_split
 from miles_disagg.trainer.megatron.model import ParallelLayout
 
@@ -54,7 +54,7 @@ def run_micro_batches(model: torch.nn.Module, micro_batches: Sequence[MicroBatch
         first = micro_batches[0]
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(range(len(micro_batches))), model=[model],
-            num_microbatches=len(micro_batches), seq_length=first.seq_len // ctx.layout.cp_size,
+            num_microbatches=len(micro_batches), seq_length=first.seq_len,  # the schedule divides by CP (and TP with SP)
             micro_batch_size=first.packed.input_ids.shape[0], forward_only=forward_only)
     return _plain_loop(forward_step, model, len(micro_batches), ctx.layout.cp_size, forward_only, no_sync)
 
@@ -90,7 +90,7 @@ def response_logprobs(logits: torch.Tensor, mb: MicroBatch, ctx: PassContext,
     temperature, from this CP rank's ``[batch, seq / cp, vocab]`` logits."""
     layout = ctx.layout
     targets = cp_split(mb.targets, layout.cp_size, layout.cp_rank).to(ctx.device)
-    logprobs, entropy = token_logprobs_and_entropy(logits / ctx.temperature, targets, with_entropy)
+    logprobs, entropy = token_logprobs_and_entropy(logits.float() / ctx.temperature, targets, with_entropy)
     if layout.cp_size > 1:
         logprobs = _cp_gather(logprobs)
         entropy = _cp_gather(entropy) if entropy is not None else None
@@ -146,21 +146,5 @@ def policy_loss_fn(step: StepInputs, config: TrainConfig, ctx: PassContext) -> L
 
 def rl_loss(config: TrainConfig, mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor,
             old: torch.Tensor, ref: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, dict]:
-    """Token-mean RL loss of one micro-batch and its metrics (the fsdp backend's formula)."""
-    batch = mb.packed
-    mask = batch.response_mask.to(device)
-    weights = tis_weights(old, batch.rollout_logprobs.to(device), config.tis_clip) if config.use_tis else None
-    pg = policy_loss(logprobs, old, batch.advantages.to(device), mask, eps_clip=config.eps_clip,
-                     eps_clip_high=config.eps_clip_high, token_weights=weights)
-    entropy_mean = masked_mean(entropy, mask)
-    loss = pg.loss - config.entropy_coef * entropy_mean
-    metrics = {"train/pg_loss": pg.loss.item(), "train/pg_clipfrac": pg.clipfrac.item(),
-               "train/ppo_kl": pg.ppo_kl.item(), "train/entropy": entropy_mean.item()}
-    if ref is not None:
-        kl = masked_mean(kl_penalty(logprobs, ref, config.kl_loss_type), mask)
-        loss = loss + config.kl_loss_coef * kl
-        metrics["train/kl_loss"] = kl.item()
-    if weights is not None:
-        metrics["train/tis_weight_mean"] = masked_mean(weights, mask).item()
-    metrics["train/loss"] = loss.item()
-    return loss, metrics
+    """Token-mean RL loss of one micro-batch and its metrics (shared with the fsdp backend)."""
+    return rl_token_loss(config, mb.packed, logprobs, entropy, old, ref, device)

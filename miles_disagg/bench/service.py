@@ -1,0 +1,288 @@
+"""``miles-disagg bench service``: publish a sequence of versions to a local rollout service under load.
+
+Makes a random tiny Qwen3 in a temp dir, starts a local service (gateway + ``--replicas``
+built-in engines), and runs ``--concurrency`` client threads against the gateway, each
+request bounded by ``min_version = newest published - --staleness`` and retried, as a
+rollout client does, when refused (409/503 with ``retry_after_s``). Every fourth request
+is a greedy probe. Meanwhile it publishes ``--versions`` versions one after another
+(each once the previous one converged), then ``--burst`` more back to back (replicas
+coalesce them), and reports:
+
+* ``convergence_s``: per version, publication to 50% / 100% of the replicas advertising it
+  (the gateway's measure), plus the client's view (publish returned -> all ready);
+* ``pause_s`` / ``prepare_s``: per replica activation pause and staging time;
+* ``gateway_overhead_ms``: p50/p99 of time in the gateway minus time waiting for engines;
+* ``requests``: sent, served, retried (retryable refusals), lost (no answer or a
+  non-retryable error: must be 0) and ``misattributed`` (must be 0): a served sample whose
+  versions are missing, not published, or outside its constraint, or a greedy probe whose
+  tokens differ from what every replica produced at that version.
+
+Prints one JSON object on stdout; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROMPT = [5, 6, 7, 8, 9]
+PROBE_TOKENS = 12
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the result as JSON (always on; kept for scripts)")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--versions", type=int, default=4, help="versions published one after another")
+    parser.add_argument("--burst", type=int, default=2, help="versions then published back to back")
+    parser.add_argument("--concurrency", type=int, default=4, help="client threads")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--staleness", type=int, default=1, help="min_version = newest published - staleness")
+    parser.add_argument("--hidden-size", type=int, default=64, help="of the random Qwen3")
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--poll-interval", type=float, default=0.5, help="replicas' store polling (seconds)")
+    parser.add_argument("--no-wake", action="store_true", help="do not POST /wake after publishing (polling only)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep the model, store and logs here")
+
+
+def _progress(message: str) -> None:
+    print(f"[bench service] {message}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="bench-service-") as tmp:
+        root = Path(args.work_dir or tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        result = _bench(root, args)
+    print(json.dumps(result))
+    return 0
+
+
+# --------------------------------------------------------------------------- the load
+
+
+@dataclass
+class _Record:
+    constraint: dict
+    status: int | None
+    start: object = None
+    end: object = None
+    output_ids: list | None = None
+    greedy: bool = False
+    retry_after_s: float | None = None  # set on a retryable refusal
+    error: str | None = None
+
+
+@dataclass
+class _Load:
+    url: str
+    concurrency: int
+    max_new_tokens: int
+    staleness: int
+    newest: list  # [int]: the newest published version, updated by the publisher thread
+    records: list[_Record] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.concurrency)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, worker: int) -> None:
+        import httpx
+
+        with httpx.Client(timeout=120.0, trust_env=False) as http:
+            n = 0
+            while not self._stop.is_set():
+                greedy = n % 4 == 0
+                record = self._one(http, worker * 100_000 + n, greedy)
+                with self._lock:
+                    self.records.append(record)
+                if record.retry_after_s is not None:
+                    time.sleep(min(0.2, record.retry_after_s))
+                n += 1
+
+    def _one(self, http, seed: int, greedy: bool) -> _Record:
+        import httpx
+
+        constraint = {"min_version": max(0, self.newest[0] - self.staleness)}
+        params = {"max_new_tokens": PROBE_TOKENS if greedy else self.max_new_tokens, "ignore_eos": True,
+                  "temperature": 0.0 if greedy else 1.0, "sampling_seed": seed}
+        try:
+            response = http.post(f"{self.url}/generate", json={"input_ids": PROMPT, "sampling_params": params,
+                                                               "weight_version": constraint})
+            answer = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            return _Record(constraint, None, error=f"{type(exc).__name__}: {exc}")
+        if response.status_code != 200:
+            retryable = isinstance(answer, dict) and answer.get("retryable") is True
+            return _Record(constraint, response.status_code,
+                           retry_after_s=float(answer.get("retry_after_s", 0.0)) if retryable else None,
+                           error=None if retryable else str(answer)[:300])
+        meta = answer["meta_info"]
+        return _Record(constraint, 200, meta.get("weight_version_start"), meta.get("weight_version_end"),
+                       answer["output_ids"], greedy)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.records)
+
+    def stop(self) -> list[_Record]:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(180)
+        return list(self.records)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _bench(root: Path, args: argparse.Namespace) -> dict:
+    from miles_disagg.models.tiny_qwen3 import make_tiny_qwen3
+    from miles_disagg.service.launch import ReplicaOptions
+    from miles_disagg.service.local import launch_local_service
+
+    _progress(f"writing a random Qwen3 (hidden {args.hidden_size}, {args.num_layers} layers)")
+    model_dir = make_tiny_qwen3(root / "model", hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
+                                num_hidden_layers=args.num_layers)
+    source = _Source(root / "store", model_dir)
+    _progress(f"starting a local service with {args.replicas} replicas")
+    options = ReplicaOptions(poll_interval_s=args.poll_interval, heartbeat_interval_s=0.5)
+    service = launch_local_service(root / "store", model_dir, work_dir=root / "service", num_replicas=args.replicas,
+                                   replica=options, retry_after_s=0.2)
+    newest = [0]
+    client = service.client()
+    references: dict[int, list] = {0: _reference(client, 0)}
+    load = _Load(service.url, args.concurrency, args.max_new_tokens, args.staleness, newest)
+    client_convergence: dict[str, float] = {}
+    try:
+        for burst in [1] * args.versions + ([args.burst] if args.burst else []):
+            _wait_for_requests(load, 2 * args.concurrency)
+            published_at = time.monotonic()
+            for _ in range(burst):  # a burst: back to back, replicas coalesce
+                newest[0] = source.publish()
+                _progress(f"published v{newest[0]}")
+                if not args.no_wake:
+                    client.wake()
+            client.wait_converged(newest[0], num_replicas=args.replicas, timeout_s=300)
+            client_convergence[str(newest[0])] = round(time.monotonic() - published_at, 4)
+            references[newest[0]] = _reference(client, newest[0])
+        _wait_for_requests(load, 2 * args.concurrency)
+    finally:
+        records = load.stop()
+        metrics = client.metrics()
+        client.close()
+        service.stop()
+        source.close()
+    return _report(args, metrics, records, references, client_convergence, source.published)
+
+
+def _wait_for_requests(load: _Load, count: int) -> None:
+    target = load.count() + count
+    deadline = time.monotonic() + 120
+    while load.count() < target and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _reference(client, version: int) -> list | None:
+    """Greedy probe output at ``version`` from every replica's engine directly; None if they disagree."""
+    import httpx
+
+    outputs = []
+    with httpx.Client(timeout=60.0, trust_env=False) as http:
+        for replica in client.replicas():
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": PROBE_TOKENS, "temperature": 0.0,
+                                                             "ignore_eos": True}}
+            answer = http.post(f"{replica['engine_url']}/generate", json=body).json()
+            if int(answer["meta_info"]["weight_version_start"]) != version:
+                return None
+            outputs.append(answer["output_ids"])
+    return outputs[0] if outputs and all(o == outputs[0] for o in outputs) else None
+
+
+class _Source:
+    """Publishes versions in this process (every tensor moves, so greedy outputs change)."""
+
+    def __init__(self, store_dir: Path, base_dir: Path):
+        from safetensors.torch import load_file
+
+        from miles_disagg.weights.publisher import DeltaPublisher
+
+        self.tensors = {}
+        for file in sorted(base_dir.glob("*.safetensors")):
+            self.tensors.update(load_file(str(file)))
+        self.publisher = DeltaPublisher(store_dir, base_dir=base_dir)
+        self.publisher.capture_baseline()
+        self.published: list[int] = []
+
+    def publish(self) -> int:
+        import torch
+
+        generator = torch.Generator().manual_seed(len(self.published))
+        for name, tensor in self.tensors.items():
+            self.tensors[name] = tensor + 0.05 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+        self.published.append(self.publisher.publish(self.tensors.items()).ref.version)
+        return self.published[-1]
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def _misattributed(record: _Record, published: set[int], references: dict[int, list | None]) -> bool:
+    start, end = record.start, record.end
+    if not isinstance(start, int) or not isinstance(end, int) or start > end:
+        return True
+    if start not in published or end not in published or start < record.constraint["min_version"]:
+        return True
+    reference = references.get(start)
+    return record.greedy and start == end and reference is not None and record.output_ids != reference
+
+
+def _report(args, metrics: dict, records: list[_Record], references: dict, client_convergence: dict,
+            published: list[int]) -> dict:
+    served = [r for r in records if r.status == 200]
+    known = {0, *published}
+    checked = [r for r in served if r.greedy and r.start == r.end and references.get(r.start) is not None]
+    replicas = {r["replica_id"]: {"pause_s": r["pause_s"], "prepare_s": r["prepare_s"],
+                                  "num_restages": r["counters"].get("num_restages", 0)} for r in metrics["replicas"]}
+    pauses = [a["pause_s"] for r in metrics["replicas"] for a in r["activations"]]
+    prepares = [a["prepare_s"] for r in metrics["replicas"] for a in r["activations"]]
+    full = [v["converged_s"]["1"] for v in metrics["convergence"]["versions"].values() if v["converged_s"]["1"] is not None]
+    requests = metrics["requests"]
+    return {
+        "replicas": args.replicas, "concurrency": args.concurrency, "staleness": args.staleness,
+        "versions_published": published, "wake": not args.no_wake, "poll_interval_s": args.poll_interval,
+        "convergence_s": {v: c["converged_s"] for v, c in metrics["convergence"]["versions"].items()},
+        "convergence_s_p50": _round(statistics.median(full)) if full else None,
+        "convergence_s_max": _round(max(full)) if full else None,
+        "client_convergence_s": client_convergence,
+        "pause_s_mean": _round(statistics.fmean(pauses)) if pauses else None,
+        "pause_s_max": _round(max(pauses)) if pauses else None,
+        "prepare_s_mean": _round(statistics.fmean(prepares)) if prepares else None,
+        "per_replica": replicas,
+        "gateway_overhead_ms": {k: _round(v) for k, v in requests["gateway_overhead_ms"].items()},
+        "requests": {
+            "sent": len(records), "served": len(served),
+            "retried": sum(r.retry_after_s is not None for r in records),
+            "lost": sum(r.status is None or (r.status != 200 and r.retry_after_s is None) for r in records),
+            "misattributed": sum(_misattributed(r, known, references) for r in served),
+            "mixed_version": sum(r.start != r.end for r in served),
+            "greedy_probes_checked": len(checked),
+        },
+        "version_lag_behind_newest": requests["version_lag_behind_newest"],
+        "gateway_counts": requests["counts"],
+    }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
