@@ -34,7 +34,7 @@ exec "$python_bin" train_async.py \
   --optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 \
   --adam-beta1 0.9 --adam-beta2 0.98 \
   --actor-num-nodes 1 --actor-num-gpus-per-node 4 \
-  --rollout-backend sglang --rollout-num-gpus 4 --rollout-num-gpus-per-engine 2 \
+  --rollout-backend sglang --rollout-num-gpus 4 --rollout-num-gpus-per-engine 2 --sglang-mem-fraction-static 0.8 \
   --update-weight-transfer-mode disk-delta \
   --update-weight-disk-dir "$work/weight-updates" \
   --update-weight-local-checkpoint-dir "$work/local-checkpoint" \
