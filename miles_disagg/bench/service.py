@@ -9,7 +9,8 @@ is a greedy probe. Meanwhile it publishes ``--versions`` versions one after anot
 coalesce them), and reports:
 
 * ``convergence_s``: per version, publication to 50% / 100% of the replicas advertising it
-  (the gateway's measure), plus the client's view (publish returned -> all ready);
+  (the gateway's measure, from the version's index time), plus the client's view (the
+  publish call returned -> the gateway lists every replica ready at it);
 * ``pause_s`` / ``prepare_s``: per replica activation pause and staging time;
 * ``gateway_overhead_ms``: p50/p99 of time in the gateway minus time waiting for engines;
 * ``requests``: sent, served, retried (retryable refusals), lost (no answer or a
@@ -165,9 +166,9 @@ def _bench(root: Path, args: argparse.Namespace) -> dict:
     try:
         for burst in [1] * args.versions + ([args.burst] if args.burst else []):
             _wait_for_requests(load, 2 * args.concurrency)
-            published_at = time.monotonic()
             for _ in range(burst):  # a burst: back to back, replicas coalesce
                 newest[0] = source.publish()
+                published_at = time.monotonic()
                 _progress(f"published v{newest[0]}")
                 if not args.no_wake:
                     client.wake()

@@ -217,9 +217,7 @@ def _run_ray(args: argparse.Namespace) -> int:
                               work_dir=_work_dir(args), host=args.host, port=args.port, scaling=scaling,
                               replica=_replica_options_from(args), num_gpus_per_replica=args.num_gpus_per_replica,
                               scale_interval_s=args.scale_interval, heartbeat_timeout_s=args.heartbeat_timeout)
-    stop = threading.Event()
-    _on_signal(stop.set)
-    run_ray_service(config, address=args.address, stop=stop,
+    run_ray_service(config, address=args.address, stop=threading.Event(),
                     on_ready=lambda url: print(f"miles-disagg serve ray: gateway {url}", flush=True))
     return 0
 

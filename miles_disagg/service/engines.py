@@ -9,8 +9,8 @@
   ``/pull_weights``: a built-in engine or an agent). Its weights are of unknown version
   until the replica's first activation, and the replica cannot restart it.
 
-Managed engines are children of the replica process (same process group), so killing
-the replica's group takes its engine with it.
+Managed engines are children of the replica process (same process group; SIGTERM when the
+replica dies), so a replica never leaves its engine behind.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def _start_builtin(spec: EngineSpec) -> RunningEngine:
 
 def _start_sglang(spec: EngineSpec) -> RunningEngine:
     from miles_disagg.agent.launch import launch_agent
-    from miles_disagg.process import LaunchedProcess, free_port
+    from miles_disagg.process import LaunchedProcess, die_with_parent, free_port
     from miles_disagg.rollout.sglang_launch import sglang_command
 
     port = free_port(spec.host)
@@ -133,7 +133,8 @@ def _start_sglang(spec: EngineSpec) -> RunningEngine:
                          base_gpu_id=spec.base_gpu_id, dtype=spec.dtype, weight_version=0) + list(spec.engine_args)
     log_path = spec.log_dir / f"sglang-{port}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
+                                preexec_fn=die_with_parent)
     engine = LaunchedProcess(f"http://{spec.host}:{port}", proc, log_path)
     try:
         _wait_generate_ready(engine)

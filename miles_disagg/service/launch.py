@@ -2,7 +2,9 @@
 
 A replica runs in a new session so that it and its engine form one process group:
 :meth:`ReplicaProcess.kill` takes both down at once (a crash), :meth:`ReplicaProcess.stop`
-asks the replica to drain and leave (SIGTERM), then kills whatever is left.
+asks the replica to drain and leave (SIGTERM), then kills whatever is left. Every child
+gets SIGTERM when the thread that started it dies (``die_with_parent``), so an owner that
+crashes (a driver, a Ray actor) leaves no replica, engine or gateway behind.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from miles_disagg.process import LaunchedProcess, free_port, start_http_process
+from miles_disagg.process import LaunchedProcess, die_with_parent, free_port, start_http_process
 from miles_disagg.types import ReplaceReplica
 
 GATEWAY_STARTUP_TIMEOUT_S = 60.0
@@ -114,7 +116,7 @@ def spawn_replica(cmd: list[str], *, replica_id: str, control_url: str, log_path
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **dict(env)})
+                                env={**os.environ, **dict(env)}, preexec_fn=die_with_parent)
     replica = ReplicaProcess(replica_id, proc, control_url, log_path)
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:

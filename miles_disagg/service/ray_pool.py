@@ -17,6 +17,7 @@ replaces them).
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -163,10 +164,14 @@ class RayReplicaPool:
 def run_ray_service(config: RayServiceConfig, *, address: str | None, stop: threading.Event,
                     on_ready: Callable[[str], None] = lambda url: None) -> None:
     """Connect to the rollout Ray cluster, start the gateway and ``min_replicas``, then heal and
-    autoscale every ``scale_interval_s`` until ``stop`` is set; everything is stopped on return."""
+    autoscale every ``scale_interval_s`` until ``stop`` is set (SIGTERM/SIGINT set it when called on
+    the main thread); everything is stopped on return."""
     import ray
 
     ray.init(address=address, ignore_reinit_error=True, logging_level="WARNING")
+    if threading.current_thread() is threading.main_thread():  # after ray.init, which sets its own SIGTERM handler
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
     config.work_dir.mkdir(parents=True, exist_ok=True)
     gateway = launch_gateway(log_path=config.work_dir / "gateway.log", port=config.port, host=config.host,
                              heartbeat_timeout_s=config.heartbeat_timeout_s)

@@ -235,22 +235,33 @@ def check_answers(answers: list[Answer]) -> dict[str, int]:
 class Publisher:
     """Publishes versions of the tiny model (large enough changes that greedy outputs move)."""
 
-    def __init__(self, store_dir: Path, base_dir: Path, noise: float = 0.05):
-        from rollout_fixtures import VersionSource
+    def __init__(self, store_dir: Path, base_dir: Path, noise: float = 0.05, post_write_hook: Callable | None = None):
+        from rollout_fixtures import load_tensors
 
-        self.source = VersionSource(store_dir, base_dir)
+        from miles_disagg.weights.publisher import DeltaPublisher
+
+        self.tensors = load_tensors(base_dir)
+        self.publisher = DeltaPublisher(store_dir, base_dir=base_dir, post_write_hook=post_write_hook)
+        self.publisher.capture_baseline()
         self.noise = noise
-        self.latest = self.source.publisher.latest.version if self.source.publisher.latest else 0
+        self.latest = self.publisher.latest.version if self.publisher.latest else 0
 
     def publish(self) -> int:
         import torch
 
         generator = torch.Generator().manual_seed(1000 + self.latest)
-        for name, tensor in self.source.tensors.items():
-            self.source.tensors[name] = tensor + self.noise * torch.randn(tensor.shape, generator=generator,
-                                                                          dtype=tensor.dtype)
-        self.latest = self.source.publisher.publish(self.source.tensors.items()).ref.version
+        for name, tensor in self.tensors.items():
+            self.tensors[name] = tensor + self.noise * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+        self.latest = self.publisher.publish(self.tensors.items()).ref.version
         return self.latest
 
     def close(self) -> None:
-        self.source.close()
+        self.publisher.close()
+
+
+def corrupt_payload(version_dir: str) -> None:
+    """Flip the last byte of a version's first payload file (its data, not its header)."""
+    payload = sorted(Path(version_dir).glob("model-*.safetensors"))[0]
+    data = bytearray(payload.read_bytes())
+    data[-1] ^= 0xFF
+    payload.write_bytes(bytes(data))

@@ -84,16 +84,19 @@ def test_serve_local_follows_versions_published_with_the_weights_cli(tiny_qwen3_
             httpx.get(f"{gone}/health", timeout=5, trust_env=False)
 
 
-def test_serve_replica_attaches_to_a_running_engine_and_vouches_for_it_only_while_alive(tiny_qwen3_dir: Path,
-                                                                                        tmp_path: Path):
+def test_an_attached_replica_catches_up_keeps_serving_through_a_bad_version_and_is_vouched_for_only_alive(
+        tiny_qwen3_dir: Path, tmp_path: Path):
     from engine_fixtures import wait_until
-    from service_fixtures import Publisher
+    from service_fixtures import Publisher, corrupt_payload
     from miles_disagg.engine.launch import launch_engine
     from miles_disagg.service.launch import launch_gateway
 
-    publisher = Publisher(tmp_path / "store", tiny_qwen3_dir)
+    def corrupt_v2(version_dir, ref):
+        if ref.version == 2:
+            corrupt_payload(version_dir)
+
+    publisher = Publisher(tmp_path / "store", tiny_qwen3_dir, post_write_hook=corrupt_v2)
     version = publisher.publish()  # published before the replica exists: it must catch up
-    publisher.close()
     engine = launch_engine(tiny_qwen3_dir, log_path=tmp_path / "engine.log")
     gateway = launch_gateway(log_path=tmp_path / "gateway.log", heartbeat_timeout_s=1.0, retry_after_s=0.2)
     with open(tmp_path / "replica.log", "wb") as log:
@@ -109,6 +112,16 @@ def test_serve_replica_attaches_to_a_running_engine_and_vouches_for_it_only_whil
             assert entry["engine_url"] == engine.url and entry["counters"]["num_activations"] == 1
             answer, _ = serve_until_ok(gateway.url, body(weight_version={"exact_version": version}), timeout_s=30)
             assert answer["meta_info"]["routed_worker"] == engine.url
+            assert publisher.publish() == 2  # its payload fails verification on the host
+            [entry] = client.wait_for(lambda rs: "staging failed" in (rs[0]["last_error"] or ""), 30,
+                                      "the staging failure reported")
+            assert (entry["state"], entry["weight_version"]) == ("ready", version)  # still serving v1
+            assert "/pull_weights answered 400" in entry["last_error"], entry  # the host refused to verify it
+            answer, _ = serve_until_ok(gateway.url, body(weight_version={"min_version": version}), timeout_s=30)
+            assert answer["meta_info"]["weight_version_start"] == version
+            refused = httpx.post(f"{gateway.url}/generate", json=body(weight_version={"exact_version": 2}),
+                                 timeout=30, trust_env=False)
+            assert refused.status_code == 409  # never an older policy under a newer constraint
             replica.kill()  # the engine keeps running, but nobody vouches for its version anymore
             wait_until(lambda: client.replicas()[0]["lost"], timeout=30, what="the replica marked lost")
             refused = httpx.post(f"{gateway.url}/generate", json=body(), timeout=30, trust_env=False)
@@ -119,3 +132,4 @@ def test_serve_replica_attaches_to_a_running_engine_and_vouches_for_it_only_whil
         replica.wait(30)
         gateway.stop()
         engine.stop()
+        publisher.close()
