@@ -28,9 +28,8 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -87,28 +86,17 @@ class _Load:
     max_new_tokens: int
     staleness: int
     newest: list  # [int]: the newest published version, updated by the publisher thread
-    records: list[_Record] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.concurrency)]
-        for thread in self._threads:
-            thread.start()
+        from miles_disagg.bench.loadgen import RequestThreads
 
-    def _run(self, worker: int) -> None:
-        import httpx
+        self._threads = RequestThreads(self.concurrency, self._request, timeout_s=120.0)
 
-        with httpx.Client(timeout=120.0, trust_env=False) as http:
-            n = 0
-            while not self._stop.is_set():
-                greedy = n % 4 == 0
-                record = self._one(http, worker * 100_000 + n, greedy)
-                with self._lock:
-                    self.records.append(record)
-                if record.retry_after_s is not None:
-                    time.sleep(min(0.2, record.retry_after_s))
-                n += 1
+    def _request(self, http, worker: int, n: int) -> _Record:
+        record = self._one(http, worker * 100_000 + n, n % 4 == 0)
+        if record.retry_after_s is not None:
+            time.sleep(min(0.2, record.retry_after_s))
+        return record
 
     def _one(self, http, seed: int, greedy: bool) -> _Record:
         import httpx
@@ -132,14 +120,10 @@ class _Load:
                        answer["output_ids"], greedy)
 
     def count(self) -> int:
-        with self._lock:
-            return len(self.records)
+        return self._threads.count()
 
     def stop(self) -> list[_Record]:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(180)
-        return list(self.records)
+        return self._threads.stop(180)
 
 
 # --------------------------------------------------------------------------- the run

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,39 +178,29 @@ class Load:
     timeout_s: float = 60.0
     once: bool = False
     extra: dict = field(default_factory=dict)
-    answers: list[Answer] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.concurrency)]
-        for thread in self._threads:
-            thread.start()
+        from miles_disagg.bench.loadgen import RequestThreads
 
-    def _run(self, worker: int) -> None:
-        with httpx.Client(base_url=self.router_url, timeout=self.timeout_s, trust_env=False) as http:
-            n = 0
-            while not self._stop.is_set():
-                body = long_body(self.max_new_tokens, seed=worker * 1000 + n, **self.extra)
-                sent = time.monotonic()
-                try:
-                    response = http.post("/generate", json=body)
-                    answer = Answer(sent, time.monotonic(), response.status_code, _json(response))
-                except httpx.HTTPError as exc:
-                    answer = Answer(sent, time.monotonic(), None, error=f"{type(exc).__name__}: {exc}")
-                with self._lock:
-                    self.answers.append(answer)
-                n += 1
-                if self.once:
-                    return
+        self._threads = RequestThreads(self.concurrency, self._request, base_url=self.router_url,
+                                       timeout_s=self.timeout_s, once=self.once)
+
+    @property
+    def answers(self) -> list[Answer]:
+        return self._threads.records
+
+    def _request(self, http, worker: int, n: int) -> Answer:
+        body = long_body(self.max_new_tokens, seed=worker * 1000 + n, **self.extra)
+        sent = time.monotonic()
+        try:
+            response = http.post("/generate", json=body)
+            return Answer(sent, time.monotonic(), response.status_code, _json(response))
+        except httpx.HTTPError as exc:
+            return Answer(sent, time.monotonic(), None, error=f"{type(exc).__name__}: {exc}")
 
     def stop(self, timeout_s: float | None = None) -> list[Answer]:
         """Stop sending, wait for the requests in flight; returns every answer."""
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout_s if timeout_s is not None else self.timeout_s + 10)
-            assert not thread.is_alive(), "a client thread is still waiting (a request hangs past its timeout)"
-        return list(self.answers)
+        return self._threads.stop(timeout_s)
 
 
 def _json(response: httpx.Response) -> Any:

@@ -12,9 +12,8 @@ processes: keep its top-level imports light.
 from __future__ import annotations
 
 import os
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -169,44 +168,35 @@ class ConstrainedLoad:
     concurrency: int
     constraint: Callable[[], dict]
     max_new_tokens: int = 16
-    answers: list[Answer] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.concurrency)]
-        for thread in self._threads:
-            thread.start()
+        from miles_disagg.bench.loadgen import RequestThreads
 
-    def _run(self, worker: int) -> None:
+        self._threads = RequestThreads(self.concurrency, self._request, timeout_s=60.0)
+
+    @property
+    def answers(self) -> list[Answer]:
+        return self._threads.records
+
+    def _request(self, http, worker: int, n: int) -> Answer:
         import httpx
 
-        with httpx.Client(timeout=60.0, trust_env=False) as http:
-            n = 0
-            while not self._stop.is_set():
-                constraint = self.constraint()
-                try:
-                    status, answer, _ = post(http, self.url, body(self.max_new_tokens, seed=worker * 10_000 + n,
-                                                                  weight_version=constraint))
-                    record = Answer(constraint, status, answer)
-                except httpx.HTTPError as exc:
-                    record = Answer(constraint, None, error=f"{type(exc).__name__}: {exc}")
-                with self._lock:
-                    self.answers.append(record)
-                n += 1
-                if record.status != 200:
-                    time.sleep(0.05)
+        constraint = self.constraint()
+        try:
+            status, answer, _ = post(http, self.url, body(self.max_new_tokens, seed=worker * 10_000 + n,
+                                                          weight_version=constraint))
+            record = Answer(constraint, status, answer)
+        except httpx.HTTPError as exc:
+            record = Answer(constraint, None, error=f"{type(exc).__name__}: {exc}")
+        if record.status != 200:
+            time.sleep(0.05)
+        return record
 
     def count(self) -> int:
-        with self._lock:
-            return len(self.answers)
+        return self._threads.count()
 
     def stop(self) -> list[Answer]:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(90)
-            assert not thread.is_alive(), "a load thread still waits for an answer"
-        return list(self.answers)
+        return self._threads.stop(90)
 
 
 def check_answers(answers: list[Answer]) -> dict[str, int]:
