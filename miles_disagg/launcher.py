@@ -1,7 +1,7 @@
 """What ``train.py`` and ``train_async.py`` run: resolve the config, prepare, then train.
 
-Exit codes: 0 done, 2 invalid configuration (a message naming the flags, no
-traceback), 3 a stage that is not implemented yet (a message naming it).
+Exit codes: 0 done, 1 the run failed (one line naming the error; an unexpected internal
+fault shows its traceback), 2 invalid configuration (a message naming the flags, no traceback).
 """
 
 from __future__ import annotations
@@ -17,11 +17,6 @@ from miles_disagg.types import ConfigError, MilesDisaggError
 
 EXIT_FAILED = 1
 EXIT_CONFIG_ERROR = 2
-EXIT_NOT_IMPLEMENTED = 3
-
-
-class NotYetImplemented(Exception):
-    """A stage of the run that this build does not have yet."""
 
 
 def main(entry: str, argv: Sequence[str] | None = None) -> int:
@@ -40,9 +35,6 @@ def main(entry: str, argv: Sequence[str] | None = None) -> int:
     except MilesDisaggError as exc:
         print(f"{entry}.py: failed: {type(_cause(exc)).__name__}: {_cause(exc)}", file=sys.stderr)
         return EXIT_FAILED
-    except NotYetImplemented as exc:
-        print(f"{entry}.py: not yet implemented: {exc}", file=sys.stderr)
-        return EXIT_NOT_IMPLEMENTED
 
 
 def prepare_run(config: RunConfig) -> None:
