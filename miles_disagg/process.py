@@ -53,6 +53,24 @@ def die_with_parent() -> None:
         pass  # not Linux: the owner's own shutdown path still stops the child
 
 
+def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """Bind and listen now, so a taken port fails fast (``ConfigError`` naming --host/--port);
+    port 0 picks a free one. The socket is inheritable (a server may hand it to uvicorn)."""
+    from miles_disagg.types import ConfigError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc}", flags=("--host", "--port")) from exc
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))

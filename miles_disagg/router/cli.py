@@ -62,16 +62,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _listen(host: str, port: int) -> socket.socket:
     """Bind and listen now, so a taken port fails fast with a clear message."""
-    from miles_disagg.types import ConfigError
+    from miles_disagg.process import listen_socket
 
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc}", flags=("--host", "--port")) from exc
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
+    return listen_socket(host, port)

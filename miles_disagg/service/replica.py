@@ -244,16 +244,9 @@ class _NoEngine:
 
 def listen_socket(host: str, port: int, backlog: int = 128) -> socket.socket:
     """Bind and listen now, so a taken port fails fast (``ConfigError``); port 0 picks a free one."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc}", flags=("--host", "--port")) from exc
-    sock.listen(backlog)
-    return sock
+    from miles_disagg.process import listen_socket as listen
+
+    return listen(host, port, backlog)
 
 
 def _serve_control(replica: Replica, sock: socket.socket):
