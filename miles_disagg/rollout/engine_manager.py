@@ -119,18 +119,23 @@ class EngineManager:
         return ray.get([a.start.remote() for a in self._actors])
 
     def _attach(self) -> list[str]:
-        from miles_disagg.rollout.engine_check import EngineExpectation, check_engine_matches
-
-        expected = EngineExpectation.from_hf_checkpoint(self.model_path, self.cluster.rollout_num_gpus_per_engine,
-                                                        self.rollout.engine_dtype)
         urls = [f"http://{addr}" for addr in self.rollout.rollout_external_engine_addrs]
         for url in urls:
-            client = _wait_answering(url, ATTACH_TIMEOUT_S)
-            problems = check_engine_matches(expected, client.get("/get_server_info"), client.get("/get_model_info"))
+            _wait_answering(url, ATTACH_TIMEOUT_S)
+            problems = self._mismatches(url)
             if problems:
                 raise ConfigError(f"--rollout-external-engine-addrs {url.removeprefix('http://')} does not match this "
                                   f"job: {'; '.join(problems)}", ("--rollout-external-engine-addrs",))
         return urls
+
+    def _mismatches(self, url: str) -> list[str]:
+        """Why the engine at ``url`` cannot serve this job (architecture, tp size, context, dtype)."""
+        from miles_disagg.rollout.engine_check import EngineExpectation, check_engine_matches
+
+        expected = EngineExpectation.from_hf_checkpoint(self.model_path, self.cluster.rollout_num_gpus_per_engine,
+                                                        self.rollout.engine_dtype)
+        client = EngineClient(url, timeout_s=10)
+        return check_engine_matches(expected, client.get("/get_server_info"), client.get("/get_model_info"))
 
     @staticmethod
     def _local_dir(url: str, default: Path) -> str:
@@ -255,15 +260,30 @@ class EngineManager:
         managed = bool(self._actors)
         if index not in self._down:
             with self._lock:
-                if self._is_live(index) or not managed and index not in self._down:
+                if self._is_live(index):  # (marks the engine down when it is not)
                     return
+            if not managed:
+                return  # an attached engine: restored once it answers again (a later check)
         if self._broadcast is not None:
             return  # a broadcast group cannot take a new member: the engine stays out (the run reports it)
         if managed:
             self.engine_urls[index] = ray.get(self._actors[index].restart.remote())
-        elif not EngineClient(self.engine_urls[index], timeout_s=3).healthy():
+        elif not self._answers_and_matches(index):
             return
         self._restore(index)
+
+    def _answers_and_matches(self, index: int) -> bool:
+        """An attached engine that answers again is re-checked against the job before it is restored."""
+        url = self.engine_urls[index]
+        if not EngineClient(url, timeout_s=3).healthy():
+            return False
+        problems = self._mismatches(url)
+        if problems:
+            if not any(e["event"] == "mismatch" and e["engine"] == index for e in self.events[-5:]):
+                self.events.append({"engine": index, "event": "mismatch", "url": url, "problems": problems,
+                                    "time": time.time()})
+            return False
+        return True
 
     def _restore(self, index: int) -> None:
         """Bring a (re)started engine to the current version, then let the router use it."""

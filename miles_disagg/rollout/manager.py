@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_disagg.config.components import RolloutConfig
-from miles_disagg.rollout.buffer import GroupBuffer
+from miles_disagg.rollout.buffer import BufferClosed, BufferTimeout, GroupBuffer
 from miles_disagg.rollout.generate import (
     GenerationFailed, RequestLost, SamplingSettings, generate_one, request_body, sample_from_response,
 )
@@ -89,9 +89,9 @@ class RolloutManager:
             try:
                 result = await asyncio.to_thread(self.buffer.take, n_groups, current_version, 1.0)
                 break
-            except Exception as exc:  # BufferTimeout: check the producer, then keep waiting
+            except BufferTimeout:  # nothing yet: check the producer, then keep waiting
                 self._raise_failure()
-                if time.monotonic() > deadline or type(exc).__name__ != "BufferTimeout":
+                if time.monotonic() > deadline:
                     raise
         async with self._room:
             self._pending -= len(result.groups) + result.num_dropped  # dropped groups left the buffer too
@@ -174,7 +174,7 @@ class RolloutManager:
                 self._pending -= 1
                 self._room.notify_all()
         except BaseException as exc:
-            if type(exc).__name__ != "BufferClosed":
+            if not isinstance(exc, BufferClosed):
                 log.exception("rollout group failed")
                 self._failure = exc
 

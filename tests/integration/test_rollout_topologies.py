@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_fixtures import start_engine, stop_engine
+from engine_fixtures import start_engine, stop_engine, wait_until
 from rollout_fixtures import checkpoint_copy, ray_session
 from miles_disagg.config.components import ClusterConfig, RolloutConfig, WeightUpdateConfig
 from miles_disagg.rollout.engine_manager import EngineManager
@@ -202,3 +202,36 @@ def test_a_mismatching_engine_is_refused_and_nothing_is_left_running(
     finally:
         manager.shutdown()
     assert attached_engine.get("/health").status_code == 200
+
+
+def test_an_attached_engine_that_comes_back_is_rechecked_and_brought_to_the_current_version(tiny_qwen3_dir, tmp_path):
+    """The attached engine dies; the router drops it at once. It comes back on the same address
+    (as the deployment would restart it) and is re-checked and restored to the current version
+    before the router uses it again."""
+    from rollout_fixtures import VersionSource
+
+    from miles_disagg.engine.launch import free_port, launch_engine
+
+    port = free_port()
+    engine = launch_engine(tiny_qwen3_dir, log_path=tmp_path / "engine-a.log", port=port)
+    manager = attach_manager(f"127.0.0.1:{port}", tiny_qwen3_dir, tmp_path)
+    versions = None
+    try:
+        info = manager.start()
+        versions = VersionSource(tmp_path / "store", tiny_qwen3_dir)
+        version = versions.publish_next(seed=3)
+        manager.update_weights(version)
+        engine.stop()
+        with RouterClient(info["router_url"]) as router:
+            wait_until(lambda: router.list_workers() == [], timeout=30, what="the dead engine leaves the router")
+            engine = launch_engine(tiny_qwen3_dir, log_path=tmp_path / "engine-b.log", port=port)  # back at v0
+            worker = router.wait_worker_version(engine.url, version, timeout_s=60)
+        assert worker["state"] == "ready"
+        assert manager.versions() == [str(version)]
+        kinds = [e["event"] for e in manager.info()["events"]]
+        assert kinds.index("down") < kinds.index("restored")
+    finally:
+        if versions is not None:
+            versions.close()
+        manager.shutdown()
+        engine.stop()
