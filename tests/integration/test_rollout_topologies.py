@@ -225,8 +225,12 @@ def test_an_attached_engine_that_comes_back_is_rechecked_and_brought_to_the_curr
         with RouterClient(info["router_url"]) as router:
             wait_until(lambda: router.list_workers() == [], timeout=30, what="the dead engine leaves the router")
             engine = launch_engine(tiny_qwen3_dir, log_path=tmp_path / "engine-b.log", port=port)  # back at v0
-            worker = router.wait_worker_version(engine.url, version, timeout_s=60)
-        assert worker["state"] == "ready"
+
+            def restored() -> bool:
+                return [(w["url"], w["state"], w["weight_version"]) for w in router.list_workers()] == [
+                    (engine.url, "ready", version)]
+
+            wait_until(restored, timeout=60, what="the engine re-registered at the current version")
         assert manager.versions() == [str(version)]
         kinds = [e["event"] for e in manager.info()["events"]]
         assert kinds.index("down") < kinds.index("restored")

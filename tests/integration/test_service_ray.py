@@ -46,7 +46,9 @@ def test_ray_pool_follows_the_gateway_load_while_versions_converge(tiny_qwen3_di
                 light = ConstrainedLoad(gateway.url, 1, lambda: {"min_version": publisher.latest}, max_new_tokens=64)
                 try:
                     wait_until(lambda: light.count() >= 2, timeout=60, what="light load")
-                    assert pool.autoscale_once(client) == 1  # drains the removed replica under load
+                    # refusals counted while both replicas activated can ask for capacity once more;
+                    # under steady light load the next decisions come down to one (draining under load)
+                    wait_until(lambda: pool.autoscale_once(client) == 1, timeout=60, what="scale down to one")
                     wait_until(lambda: light.count() >= 4, timeout=60, what="light load after scaling down")
                 finally:
                     answers += light.stop()
