@@ -57,38 +57,9 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 def miles_version(store: Path, version: int, old: dict, new: dict, *, encoding: str = "xor",
                   checksum_format: str = "xxh3-128", ranks: int = 2) -> Path:
-    """One version directory exactly as miles' disk-delta publisher lays it out."""
-    import safetensors.numpy
-    import zstandard
-
-    vdir = store / f"weight_v{version:06d}"
-    vdir.mkdir(parents=True)
-    shards: list[tuple[dict, dict]] = [({}, {}) for _ in range(ranks)]
-    for name in sorted(new):
-        o, n = raw(old[name]), raw(new[name])
-        if encoding == "xor":
-            diff = n ^ o
-        else:
-            mask = n != o
-            pos = np.flatnonzero(mask).astype("<u4")
-            diff = np.concatenate([np.array([pos.size], "<u4").view(np.uint8), pos.view(np.uint8), n[mask]])
-        if np.array_equal(o, n):
-            continue
-        frame = zstandard.ZstdCompressor(level=1).compress(diff)
-        rank = sum(len(s[0]) for s in shards) % ranks  # changed tensors spread over the writing ranks
-        shards[rank][0][name] = np.frombuffer(frame, dtype=np.uint8)
-        shards[rank][1][name] = digest(checksum_format, n)
-    shards = [s for s in shards if s[0]]
-    weight_map = {}
-    for i, (deltas, checksums) in enumerate(shards):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        atomic_write(vdir / fname, safetensors.numpy.save(deltas, metadata=checksums))
-        weight_map.update({name: fname for name in deltas})
-    index = {"metadata": {"version": f"{version:06d}", "base_version": f"{version - 1:06d}", "delta_encoding": encoding,
-                          "compression_format": "zstd", "checksum_format": checksum_format},
-             "weight_map": weight_map}
-    atomic_write(vdir / "model.safetensors.index.json", json.dumps(index).encode())
-    return vdir
+    """One version directory exactly as miles' disk-delta publisher lays it out (two writing ranks)."""
+    return write_foreign_version(store, version, old, dict(sorted(new.items())), encoding=encoding,
+                                 checksum_format=checksum_format, ranks=ranks)
 
 
 def apply_like_sglang(local: Path, vdir: Path) -> None:
