@@ -57,11 +57,11 @@ def write_save(root: str | Path, meta: SaveMeta, write_files: Callable[[Path], N
     _write_synced(partial / META_NAME, json.dumps(asdict(meta), indent=2).encode())
     for path in partial.rglob("*"):
         if path.is_file():
-            _fsync_file(path)
+            _fsync(path)
     if final.exists():
         shutil.rmtree(final)
     os.rename(partial, final)
-    _fsync_dir(root)
+    _fsync(root)
     return final
 
 
@@ -106,15 +106,8 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """fsync a file or a directory (its entries)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
