@@ -96,7 +96,8 @@ class RolloutManager:
         async with self._room:
             self._pending -= len(result.groups) + result.num_dropped  # dropped groups left the buffer too
             self._room.notify_all()
-        return {"groups": result.groups, "metrics": {**result.metrics(), **self._group_metrics(result.groups)}}
+        return {"groups": result.groups, "metrics": {**result.metrics(), **self._group_metrics(result.groups),
+                                                     **self._counter_metrics()}}
 
     async def generate(self, n_groups: int, current_version: int) -> dict[str, Any]:
         """Sync mode: generate exactly ``n_groups`` groups now and return them."""
@@ -107,7 +108,8 @@ class RolloutManager:
         for g in groups:
             self.buffer.put(g)
         result = await asyncio.to_thread(self.buffer.take, n_groups, current_version, 60.0)
-        return {"groups": result.groups, "metrics": {**result.metrics(), **self._group_metrics(result.groups)}}
+        return {"groups": result.groups, "metrics": {**result.metrics(), **self._group_metrics(result.groups),
+                                                     **self._counter_metrics()}}
 
     async def stop(self) -> None:
         if self._producer is not None:
@@ -144,8 +146,11 @@ class RolloutManager:
         rewards = [r for rs in await asyncio.gather(*(one(p) for p in prompts)) for r in rs]
         return {"reward": sum(rewards) / len(rewards), "samples": float(len(rewards)), "version": float(exact_version)}
 
-    def stats(self) -> dict[str, Any]:
-        return {**self.counters, "buffered": len(self.buffer), "pending": self._pending, **self.buffer.counters()}
+    def _counter_metrics(self) -> dict[str, float]:
+        """Cumulative request counters (retries of refused requests, groups given up)."""
+        return {"rollout/requests_retried": float(self.counters.get("retried", 0)),
+                "rollout/version_not_ready": float(self.counters.get("version_not_ready", 0)),
+                "rollout/lost_groups": float(self.counters.get("lost_groups", 0))}
 
     # ------------------------------------------------------------------ producer
 
