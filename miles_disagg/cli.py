@@ -20,9 +20,9 @@ from miles_disagg.types import MilesDisaggError
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "weights": ("miles_disagg.weights.cli", "publish, apply, verify and inspect versioned weight deltas"),
-    "engine": ("miles_disagg.engine.cli", "run the built-in rollout engine (SGLang HTTP API)"),
+    "engine": ("miles_disagg.engines.builtin.cli", "run the built-in rollout engine (SGLang HTTP API)"),
     "router": ("miles_disagg.router.cli", "run the version-aware router (worker registry, health, routing)"),
-    "agent": ("miles_disagg.agent.cli", "front a stock SGLang engine with /pull_weights (no fork needed)"),
+    "agent": ("miles_disagg.engines.agent.cli", "front a stock SGLang engine with /pull_weights (no fork needed)"),
     "serve": ("miles_disagg.service.cli", "the external rollout service: gateway, self-converging replicas, pools"),
     "make-tiny-checkpoint": ("miles_disagg.models.cli", "write a random tiny Qwen3 HF checkpoint (no download)"),
     "bench": ("miles_disagg.bench.cli", "benchmarks that print one JSON object"),

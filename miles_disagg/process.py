@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from miles_disagg.types import MilesDisaggError
+
 LOG_TAIL_CHARS = 4000
 
 
@@ -77,26 +79,58 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def start_http_process(cmd: Sequence[str], *, url: str, log_path: Path, health_path: str, what: str,
-                       error: type[Exception], startup_timeout_s: float, poll_s: float = 0.1,
-                       env: dict[str, str] | None = None, launched: type[LaunchedProcess] = LaunchedProcess):
-    """Start ``cmd`` and return ``launched(url, proc, log_path)`` once ``GET url+health_path`` is 200."""
+class NotHealthy(MilesDisaggError):
+    """:func:`wait_healthy` gave up: the process exited, or time ran out (``reason`` says which)."""
+
+    def __init__(self, reason: str, exit_code: int | None = None):
+        self.reason, self.exit_code = reason, exit_code
+        super().__init__(reason)
+
+
+def wait_healthy(url: str, *, health_path: str = "/health", timeout_s: float, poll_s: float = 0.1,
+                 probe_timeout_s: float = 2.0, proc: subprocess.Popen | None = None) -> None:
+    """Until ``GET url+health_path`` answers 200: the one "is it up yet" loop of the project.
+
+    Raises :class:`NotHealthy` when ``proc`` (if given) exits first or ``timeout_s`` runs out;
+    its reason names the last answer seen. Never kills anything: that is the caller's call.
+    """
     import httpx
 
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise NotHealthy(f"exited with {proc.returncode}", proc.returncode)
+        try:
+            response = httpx.get(f"{url}{health_path}", timeout=probe_timeout_s, trust_env=False)
+            if response.status_code == 200:
+                return
+            last = f"{health_path} answered {response.status_code}"
+        except httpx.HTTPError as exc:
+            last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if time.monotonic() >= deadline:
+            raise NotHealthy(f"not healthy after {timeout_s:g}s ({last})")
+        time.sleep(poll_s)
+
+
+def start_http_process(cmd: Sequence[str], *, url: str, log_path: Path, health_path: str, what: str,
+                       error: type[Exception], startup_timeout_s: float, poll_s: float = 0.1,
+                       probe_timeout_s: float = 2.0, env: dict[str, str] | None = None,
+                       launched: type[LaunchedProcess] = LaunchedProcess):
+    """Start ``cmd`` and return ``launched(url, proc, log_path)`` once ``GET url+health_path`` is 200.
+
+    A start that fails (the process exits, or is not healthy in ``startup_timeout_s``) stops the
+    process and raises ``error`` with the log tail.
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(os.environ) if env is None else env, preexec_fn=die_with_parent)
     child = launched(url=url, proc=proc, log_path=log_path)
-    deadline = time.monotonic() + startup_timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise error(f"{what} exited with {proc.returncode}:\n{child.logs()[-LOG_TAIL_CHARS:]}")
-        try:
-            if httpx.get(f"{url}{health_path}", timeout=2.0, trust_env=False).status_code == 200:
-                return child
-        except httpx.HTTPError:
-            pass
-        time.sleep(poll_s)
-    child.stop()
-    raise error(f"{what} not healthy after {startup_timeout_s}s:\n{child.logs()[-LOG_TAIL_CHARS:]}")
+    try:
+        wait_healthy(url, health_path=health_path, timeout_s=startup_timeout_s, poll_s=poll_s,
+                     probe_timeout_s=probe_timeout_s, proc=proc)
+    except NotHealthy as exc:
+        child.stop()
+        raise error(f"{what} at {url} {exc.reason}:\n{child.logs()[-LOG_TAIL_CHARS:]}") from None
+    return child

@@ -25,7 +25,21 @@ BASE_VERSION = 0
 
 
 class MilesDisaggError(Exception):
-    """Root of every error this project raises on purpose."""
+    """Root of every error this project raises on purpose.
+
+    Every subclass survives pickling with all its fields (Ray and process boundaries), even
+    when its constructor takes other arguments than the message.
+    """
+
+    def __reduce__(self):
+        return (_rebuild_error, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild_error(cls: type, args: tuple, state: dict) -> "MilesDisaggError":
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class Retryable(MilesDisaggError):
@@ -75,6 +89,11 @@ class PublishConflict(Retryable):
 
 class EngineUnrecoverable(ReplaceReplica):
     """An engine failed after activation started or stopped answering."""
+
+
+class EngineUnreachable(EngineUnrecoverable, Retryable):
+    """An engine did not answer (down, restarting or hung): take it out of rotation until it
+    answers again; a request it did not take may be retried elsewhere."""
 
 
 class LineageError(FailRun):
@@ -144,22 +163,19 @@ def parse_version_dirname(name: str) -> int | None:
     return int(digits)
 
 
-def check_applies_onto(delta_base: VersionRef, held: VersionRef) -> None:
+def same_run(a: str, b: str) -> bool:
+    """Runs match when equal; an empty run id (a foreign producer's version) matches any run."""
+    return not a or not b or a == b
+
+
+def applies_onto(delta_base: VersionRef, held: VersionRef) -> bool:
     """A delta applies only onto exactly its base version of the same run.
 
-    XOR deltas applied onto the wrong base (or twice) silently corrupt weights, so
-    this is a hard rule, not a heuristic.
+    XOR deltas applied onto the wrong base (or twice) silently corrupt weights, so this is
+    a hard rule, not a heuristic: the store's chain planning (``VersionStore.plan_chain``)
+    starts from the held version only when the next delta applies onto it.
     """
-    if delta_base.run_id and held.run_id and delta_base.run_id != held.run_id:
-        raise LineageError(
-            f"delta is based on {delta_base} but the host holds {held} (different run)",
-            expected=delta_base, actual=held,
-        )
-    if delta_base.version != held.version:
-        raise LineageError(
-            f"delta is based on {delta_base} but the host holds {held}",
-            expected=delta_base, actual=held,
-        )
+    return same_run(delta_base.run_id, held.run_id) and delta_base.version == held.version
 
 
 def check_pointer_advance(current: VersionRef | None, proposed: VersionRef) -> None:
@@ -248,6 +264,18 @@ class Group:
 
     def staleness(self, current_version: int) -> int:
         return current_version - self.oldest_version
+
+
+@dataclass
+class RolloutBatch:
+    """Groups handed to the trainer, with the rollout's metrics for them (staleness, rewards, counters)."""
+
+    groups: list[Group]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(g.samples) for g in self.groups)
 
 
 def asdict(obj: Any) -> dict[str, Any]:

@@ -105,7 +105,7 @@ class _Engine:
     def __init__(self, model_dir: Path, root: Path):
         import httpx
 
-        from miles_disagg.engine.launch import launch_engine
+        from miles_disagg.engines.launch import launch_engine
 
         _progress("starting the built-in engine")
         self.launched = launch_engine(model_dir, log_path=root / "engine.log",

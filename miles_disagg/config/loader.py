@@ -67,7 +67,7 @@ def _add_flag(group: argparse._ArgumentGroup, spec: FlagSpec) -> None:
 
 def load_config(argv: Sequence[str] | None, entry: str) -> tuple[RunConfig, bool]:
     """Parse ``argv`` for ``entry`` (train | train_async); return (validated config, print_config)."""
-    from miles_disagg.rollout.sglang_launch import split_sglang_passthrough
+    from miles_disagg.config.sglang_args import split_sglang_passthrough
 
     argv = list(sys.argv[1:] if argv is None else argv)
     sglang_args, argv = split_sglang_passthrough(argv)  # --sglang-* go to managed SGLang servers as they are

@@ -30,8 +30,6 @@ def _max_len(config: RunConfig) -> int:
 
 def maybe_evaluate(job, step: int, version: int, *, last: bool = False) -> dict[str, Any]:
     """``eval/<name>`` (mean reward) and ``eval/<name>_version`` when the interval says so."""
-    import ray
-
     from miles_disagg.rollout.generate import SamplingSettings
 
     cfg = job.config
@@ -46,7 +44,7 @@ def maybe_evaluate(job, step: int, version: int, *, last: bool = False) -> dict[
     metrics: dict[str, Any] = {}
     for name, path in cfg.eval.datasets:
         prompts = eval_prompts(cfg, name, path, tokenizer=_tokenizer(cfg))
-        result = ray.get(job.rollout.evaluate.remote(prompts, version, sampling, cfg.eval.n_samples_per_eval_prompt))
+        result = job.rollout.evaluate(prompts, version, sampling, cfg.eval.n_samples_per_eval_prompt)
         metrics[f"eval/{name}"] = result["reward"]
         metrics[f"eval/{name}_version"] = version
         metrics[f"eval/{name}_samples"] = result["samples"]

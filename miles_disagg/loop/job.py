@@ -7,26 +7,34 @@ down in reverse; a failure while starting stops what was already started.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from miles_disagg.config.actors import EngineManagerConfig, RolloutManagerConfig, TrainerGroupConfig
 from miles_disagg.config.components import RunConfig
 from miles_disagg.tracking import status
 from miles_disagg.types import ConfigError
+
+if TYPE_CHECKING:
+    from miles_disagg.engines.handle import EngineManagerHandle
+    from miles_disagg.rollout.handle import RolloutManagerHandle
+    from miles_disagg.trainer.group import TrainerGroup
+    from miles_disagg.trainer.placement import Placement
 
 RAY_TMPDIR_ENV = "MILES_DISAGG_RAY_TMPDIR"
 
 
 @dataclass
 class Job:
+    """The running pieces of one run; each is None when the run does not use it."""
+
     config: RunConfig
-    placement: Any = None
-    trainer: Any = None
-    manager: Any = None
-    rollout: Any = None
-    router_url: str | None = None
-    engine_urls: list[str] = field(default_factory=list)
+    placement: Placement | None = None
+    trainer: TrainerGroup | None = None
+    engines: EngineManagerHandle | None = None  # managed or attached engines (not the service topology)
+    rollout: RolloutManagerHandle | None = None
+    router_url: str | None = None  # the router, or the rollout service's endpoint
     run_id: str | None = None
     tensor_meta: dict | None = None  # broadcast mode: what the engines receive
     _owns_ray: bool = False
@@ -65,29 +73,21 @@ class Job:
     def _start_trainer(self) -> None:
         from miles_disagg.trainer.group import TrainerGroup
 
-        cfg = self.config
-        self.trainer = TrainerGroup(self.placement, cfg.train, cfg.weights, cfg.train.hf_checkpoint,
-                                    colocated=cfg.cluster.colocate, temperature=cfg.rollout.rollout_temperature)
+        self.trainer = TrainerGroup(self.placement, TrainerGroupConfig.from_run(self.config))
         info = self.trainer.setup(self.run_id)
         self.run_id = info.get("run_id")
         status(f"trainer: {self.trainer.world_size} rank(s), {info['backend']}, ready in {info['setup_s']:.1f}s")
 
     def _start_engines(self) -> None:
-        import ray
+        from miles_disagg.engines.handle import EngineManagerHandle
 
-        from miles_disagg.rollout.engine_manager import EngineManager
-
-        cfg = self.config
-        if cfg.rollout.rollout_service_url:
+        if self.config.rollout.rollout_service_url:
             self._connect_service()
             return
-        manager_cls = ray.remote(EngineManager)
-        self.manager = manager_cls.options(num_cpus=0, max_concurrency=8).remote(
-            cfg.cluster, cfg.rollout, cfg.weights, cfg.train.hf_checkpoint, cfg.tracking.run_dir,
-            placement=self.placement, seed=cfg.train.seed, sglang_args=cfg.sglang_args)
-        info = ray.get(self.manager.start.remote())
-        self.router_url, self.engine_urls = info["router_url"], info["engine_urls"]
-        status(f"engines: {len(self.engine_urls)} behind the router at {self.router_url}")
+        self.engines = EngineManagerHandle(EngineManagerConfig.from_run(self.config), self.placement)
+        self.engines.start()
+        self.router_url = self.engines.router_url
+        status(f"engines: {len(self.engines.engine_urls)} behind the router at {self.router_url}")
         self._start_rollout()
 
     def _connect_service(self) -> None:
@@ -105,31 +105,24 @@ class Job:
         self._start_rollout()
 
     def _start_rollout(self) -> None:
-        import ray
+        from miles_disagg.rollout.handle import RolloutManagerHandle
 
-        from miles_disagg.rollout.manager import RolloutManager
-
-        cfg = self.config
-        rollout_cls = ray.remote(RolloutManager)
-        self.rollout = rollout_cls.options(num_cpus=0).remote(
-            cfg.rollout, self.router_url, cfg.train.hf_checkpoint, cfg.train.seed,
-            data_position=self._data_position)
+        self.rollout = RolloutManagerHandle(RolloutManagerConfig.from_run(self.config, self.router_url),
+                                            data_position=self._data_position)
 
     def _join_broadcast_group(self) -> None:
-        import ray
-
         addr, port = self.trainer.broadcast_address()
-        world = ray.get(self.manager.broadcast_world_size.remote())
+        world = self.engines.broadcast_world_size()
         joining = self.trainer.init_broadcast_group(addr, port, world, "miles_disagg_weight_update")
-        ray.get(self.manager.init_broadcast_group.remote(addr, port))
-        ray.get(joining)
+        self.engines.init_broadcast_group(addr, port).result()
+        joining.result()
         self.tensor_meta = self.trainer.tensor_meta()
         status(f"weights: broadcast group of the trainer and {world - 1} engine(s) at {addr}:{port}")
 
     def stop(self) -> None:
         import ray
 
-        for step in (self._stop_rollout, self._stop_manager, self._stop_trainer):
+        for step in (self._stop_rollout, self._stop_engines, self._stop_trainer):
             try:
                 step()
             except Exception as exc:  # keep tearing down the rest
@@ -138,16 +131,12 @@ class Job:
             ray.shutdown()
 
     def _stop_rollout(self) -> None:
-        import ray
-
         if self.rollout is not None:
-            ray.get(self.rollout.stop.remote(), timeout=30)
+            self.rollout.stop(timeout_s=30)
 
-    def _stop_manager(self) -> None:
-        import ray
-
-        if self.manager is not None:
-            ray.get(self.manager.shutdown.remote(), timeout=60)
+    def _stop_engines(self) -> None:
+        if self.engines is not None:
+            self.engines.shutdown(timeout_s=60)
 
     def _stop_trainer(self) -> None:
         if self.trainer is not None:

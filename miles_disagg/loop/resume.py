@@ -39,8 +39,6 @@ def find_resume(config: RunConfig) -> tuple[Path, SaveMeta] | None:
 
 def restore(job, found: tuple[Path, SaveMeta] | None) -> LoopState:
     """Load the saved trainer state and reconcile it with the version store and the engines."""
-    import ray
-
     if found is None:
         return LoopState()
     path, meta = found
@@ -51,21 +49,19 @@ def restore(job, found: tuple[Path, SaveMeta] | None) -> LoopState:
         store_version = latest["version"] if latest else 0
         version = store_version
         if store_version != meta.version:
-            version = job.trainer.publish_full()["version"]
+            version = job.trainer.publish_full().ref.version
             status(f"store was at v{store_version}, the save holds v{meta.version}: republished the trainer's "
                    f"state as full v{version}")
-        if job.manager is not None and version > 0:
-            ray.get(job.manager.update_weights.remote(version))
+        if job.engines is not None and version > 0:
+            job.engines.update_weights(version)
             status(f"engines at v{version}")
     if job.rollout is not None:
-        ray.get(job.rollout.set_version.remote(version))
+        job.rollout.set_version(version)
     return LoopState(step=meta.step, version=version)
 
 
 def maybe_save(job, state: LoopState, *, last: bool) -> None:
     """Save after the step ``state.step - 1`` when the interval says so, and at the end."""
-    import ray
-
     train = job.config.train
     if not train.save:
         return
@@ -73,7 +69,7 @@ def maybe_save(job, state: LoopState, *, last: bool) -> None:
     if not (due or last):
         return
     hf_due = last or bool(train.save_hf_interval and state.step % train.save_hf_interval == 0)
-    position = ray.get(job.rollout.data_position.remote()) if job.rollout is not None else 0
+    position = job.rollout.data_position() if job.rollout is not None else 0
     meta = SaveMeta(step=state.step, version=state.version, run_id=job.run_id,
                     world_size=job.trainer.world_size, data_position=position)
     path = write_save(train.save, meta, lambda partial: job.trainer.save(str(partial), with_hf=hf_due))

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import time
 
-import ray
-
 from miles_disagg.config.components import RunConfig
 from miles_disagg.loop.evaluation import maybe_evaluate
 from miles_disagg.loop.job import Job
+from miles_disagg.loop.records import BusyMeter, step_record
 from miles_disagg.loop.resume import LoopState, find_resume, maybe_save, restore
-from miles_disagg.loop.steps import BusyMeter, assign_advantages, publish, publish_and_update, start_update, step_record
+from miles_disagg.loop.updates import publish, publish_and_update, start_update
 from miles_disagg.rollout.manager import load_groups, save_groups
 from miles_disagg.tracking import MetricsTracker, status
+from miles_disagg.trainer.losses import assign_advantages
+from miles_disagg.types import RolloutBatch
 
 
 def train_async(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
@@ -27,23 +28,23 @@ def train_async(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
     has finished (so it carries the activation timings and the engines' versions)."""
     cfg = job.config
     version = state.version
-    ray.get(job.rollout.start.remote())
+    job.rollout.start()
     busy = BusyMeter(job.router_url if cfg.rollout.router == "builtin" else None)
     unlogged = None  # (step, batch, train metrics, update metrics, timings, PendingUpdate | None)
     for step in range(state.step, cfg.rollout.num_rollout):
         start = time.perf_counter()
-        batch = ray.get(job.rollout.take.remote(cfg.rollout.rollout_batch_size, version))
+        batch = job.rollout.take(cfg.rollout.rollout_batch_size, version)
         got_batch = time.perf_counter()
         if cfg.rollout.save_debug_rollout_data:
-            save_groups(cfg.rollout.save_debug_rollout_data.format(rollout_id=step), batch["groups"], version)
-        train_metrics = job.trainer.train(assign_advantages(batch["groups"], cfg))
+            save_groups(cfg.rollout.save_debug_rollout_data.format(rollout_id=step), batch.groups, version)
+        train_metrics = job.trainer.train(assign_advantages(batch.groups, cfg.train))
         trained = time.perf_counter()
         update_metrics, pending = {}, None
         if (step + 1) % cfg.weights.update_weights_interval == 0:
             _flush(tracker, unlogged)  # one activation at a time: the previous one finishes first
             unlogged = None
             version, update_metrics, pending = _begin_update(job, version)
-            ray.get(job.rollout.set_version.remote(version))
+            job.rollout.set_version(version)
         last = step == cfg.rollout.num_rollout - 1
         maybe_save(job, LoopState(step + 1, version), last=last)
         update_metrics.update(maybe_evaluate(job, step, version, last=last))
@@ -79,10 +80,10 @@ def train_sync(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         start = time.perf_counter()
         batch = _rollout_batch(job, step, version)
         got_batch = time.perf_counter()
-        train_metrics = {} if cfg.rollout.debug_rollout_only else job.trainer.train(assign_advantages(batch["groups"], cfg))
+        train_metrics = {} if cfg.rollout.debug_rollout_only else job.trainer.train(assign_advantages(batch.groups, cfg.train))
         trained = time.perf_counter()
         update_metrics = {}
-        if not cfg.rollout.debug_rollout_only and job.manager is not None:
+        if not cfg.rollout.debug_rollout_only and job.engines is not None:
             version, update_metrics = publish_and_update(job, version)
         last = step == cfg.rollout.num_rollout - 1
         if job.trainer is not None:
@@ -93,17 +94,16 @@ def train_sync(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         _log_step(tracker, step, batch, train_metrics, update_metrics, timings)
 
 
-def _rollout_batch(job: Job, step: int, version: int) -> dict:
+def _rollout_batch(job: Job, step: int, version: int) -> RolloutBatch:
     cfg = job.config.rollout
     if cfg.load_debug_rollout_data:
         groups = load_groups(cfg.load_debug_rollout_data.format(rollout_id=step))
         from miles_disagg.rollout.buffer import summarize
 
-        return {"groups": groups, "metrics": {"rollout/raw_reward": _mean_reward(groups),
-                                              **summarize(groups, version, 0).metrics()}}
-    batch = ray.get(job.rollout.generate.remote(cfg.rollout_batch_size, version))
+        return RolloutBatch(groups, {"rollout/raw_reward": _mean_reward(groups), **summarize(groups, version, 0).metrics()})
+    batch = job.rollout.generate(cfg.rollout_batch_size, version)
     if cfg.save_debug_rollout_data:
-        save_groups(cfg.save_debug_rollout_data.format(rollout_id=step), batch["groups"], version)
+        save_groups(cfg.save_debug_rollout_data.format(rollout_id=step), batch.groups, version)
     return batch
 
 
@@ -112,10 +112,9 @@ def _mean_reward(groups) -> float:
     return sum(rewards) / len(rewards) if rewards else 0.0
 
 
-def _log_step(tracker: MetricsTracker, step: int, batch: dict, train_metrics: dict, update_metrics: dict,
+def _log_step(tracker: MetricsTracker, step: int, batch: RolloutBatch, train_metrics: dict, update_metrics: dict,
               timings: dict) -> None:
-    num_samples = sum(len(g.samples) for g in batch["groups"])
-    record = tracker.log(step, step_record(train_metrics, batch["metrics"], update_metrics, timings, num_samples))
+    record = tracker.log(step, step_record(train_metrics, batch.metrics, update_metrics, timings, batch.num_samples))
     parts = [f"step {step}", f"reward {record.get('rollout/raw_reward', 0):.3f}",
              f"staleness max {record.get('rollout/staleness_max', 0):.0f}"]
     if "weights/version" in record:

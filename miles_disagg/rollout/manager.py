@@ -17,27 +17,27 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
-from miles_disagg.config.components import RolloutConfig
+from miles_disagg.config.actors import RolloutManagerConfig
 from miles_disagg.rollout.buffer import BufferClosed, BufferTimeout, GroupBuffer
 from miles_disagg.rollout.generate import (
     GenerationFailed, RequestLost, SamplingSettings, generate_one, request_body, sample_from_response,
 )
-from miles_disagg.types import Group
+from miles_disagg.types import Group, RolloutBatch
 
 log = logging.getLogger(__name__)
 
 
 class RolloutManager:
-    def __init__(self, config: RolloutConfig, router_url: str, hf_dir: str, seed: int,
-                 capacity_groups: int | None = None, data_position: int = 0):
+    def __init__(self, config: RolloutManagerConfig, capacity_groups: int | None = None, data_position: int = 0):
         """``data_position``: prompts already consumed by the run (a resumed run skips them)."""
         from transformers import AutoTokenizer
 
         from miles_disagg.rollout.prompts import make_prompt_source, make_reward
 
-        self.config, self.router_url = config, router_url.rstrip("/")
+        hf_dir, seed = config.hf_dir, config.seed
+        self.config, self.router_url = config.rollout, config.router_url.rstrip("/")
+        config = config.rollout
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.prompts = make_prompt_source(config, self.tokenizer, seed)
         self.drawn = data_position
@@ -81,7 +81,7 @@ class RolloutManager:
         """The trainer's newest version: new requests ask for at least ``version - K``."""
         self.current_version = version
 
-    async def take(self, n_groups: int, current_version: int, timeout_s: float = 900.0) -> dict[str, Any]:
+    async def take(self, n_groups: int, current_version: int, timeout_s: float = 900.0) -> RolloutBatch:
         """The next ``n_groups`` admissible groups (oldest first) and their staleness metrics."""
         self._raise_failure()
         deadline = time.monotonic() + timeout_s
@@ -96,10 +96,9 @@ class RolloutManager:
         async with self._room:
             self._pending -= len(result.groups) + result.num_dropped  # dropped groups left the buffer too
             self._room.notify_all()
-        return {"groups": result.groups, "metrics": {**result.metrics(), **self._group_metrics(result.groups),
-                                                     **self._counter_metrics()}}
+        return self._batch(result)
 
-    async def generate(self, n_groups: int, current_version: int) -> dict[str, Any]:
+    async def generate(self, n_groups: int, current_version: int) -> RolloutBatch:
         """Sync mode: generate exactly ``n_groups`` groups now and return them."""
         await self._ensure_client()
         self.current_version = current_version
@@ -108,8 +107,11 @@ class RolloutManager:
         for g in groups:
             self.buffer.put(g)
         result = await asyncio.to_thread(self.buffer.take, n_groups, current_version, 60.0)
-        return {"groups": result.groups, "metrics": {**result.metrics(), **self._group_metrics(result.groups),
-                                                     **self._counter_metrics()}}
+        return self._batch(result)
+
+    def _batch(self, result) -> RolloutBatch:
+        return RolloutBatch(result.groups, {**result.metrics(), **self._group_metrics(result.groups),
+                                            **self._counter_metrics()})
 
     async def stop(self) -> None:
         if self._producer is not None:

@@ -16,11 +16,12 @@ import logging
 import httpx
 
 from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, parse_version
+from miles_disagg.types import MilesDisaggError
 
 log = logging.getLogger(__name__)
 
 
-class ProbeFailed(Exception):
+class ProbeFailed(MilesDisaggError):
     """A probe did not find the worker healthy; ``definite`` unless it was a timeout."""
 
     def __init__(self, message: str, *, definite: bool):

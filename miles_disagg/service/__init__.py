@@ -40,7 +40,7 @@ engines; returns once every replica is ready at the store's newest version)::
 
 Modules (dependencies point down): ``cli`` -> ``local``/``ray_pool`` -> ``launch`` ->
 ``replica`` -> ``reconciler`` (pure state machine) + ``adapters`` (store, engine, gateway
-ports) + ``engines`` (run or attach one engine); ``gateway`` -> ``fleet`` (pure replica
+ports) + ``engines.launch`` (run one engine); ``gateway`` -> ``fleet`` (pure replica
 table) + ``metrics`` (pure); ``scaling`` (pure policy); ``protocol`` (pure heartbeat types);
 ``client`` (``GatewayClient``). Importing this package imports nothing else.
 """

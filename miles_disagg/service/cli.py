@@ -24,6 +24,7 @@ from pathlib import Path
 from miles_disagg.types import ConfigError
 
 DEFAULT_GATEWAY_PORT = 30090
+ENGINE_FLAG = "--engine"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -144,7 +145,6 @@ def _run_gateway(args: argparse.Namespace) -> int:
 
 def _replica_options_from(args: argparse.Namespace):
     from miles_disagg.service.launch import ReplicaOptions
-    from miles_disagg.service.engines import parse_engine
 
     parse_engine(args.engine)
     return ReplicaOptions(engine=args.engine, poll_interval_s=args.poll_interval,
@@ -154,7 +154,7 @@ def _replica_options_from(args: argparse.Namespace):
 
 
 def _run_replica(args: argparse.Namespace) -> int:
-    from miles_disagg.service.engines import EngineSpec, parse_engine
+    from miles_disagg.engines.launch import EngineSpec
     from miles_disagg.service.reconciler import ReconcileConfig
     from miles_disagg.service.replica import Replica, ReplicaConfig, load_phase_hook
 
@@ -163,13 +163,13 @@ def _run_replica(args: argparse.Namespace) -> int:
     load_phase_hook(args.phase_hook)  # fail before anything starts
     local = args.local_checkpoint_dir
     try:
-        engine = EngineSpec(kind=kind, base_dir=args.base_dir.resolve(), local_checkpoint_dir=local,
-                            log_dir=args.log_dir or local.parent / f"{local.name}.logs", host=args.host,
-                            attach_url=attach_url, pre_read_hook=args.pre_read_hook,
-                            engine_args=tuple(args.engine_args), tp_size=args.tp_size, base_gpu_id=args.base_gpu_id,
-                            dtype=args.dtype)
+        engine = EngineSpec(backend="builtin" if kind == "url" else kind, model_path=args.base_dir.resolve(),
+                            local_checkpoint_dir=local, log_dir=args.log_dir or local.parent / f"{local.name}.logs",
+                            host=args.host, pre_read_hook=args.pre_read_hook, extra_args=tuple(args.engine_args),
+                            tp_size=args.tp_size, base_gpu_id=args.base_gpu_id, dtype=args.dtype)
         config = ReplicaConfig(
             replica_id=args.replica_id, store_dir=args.store, gateway_url=args.gateway, engine=engine,
+            attach_url=attach_url,
             host=args.host, port=args.port, poll_interval_s=args.poll_interval,
             heartbeat_interval_s=args.heartbeat_interval, drain_timeout_s=args.drain_timeout,
             reconcile=ReconcileConfig(pause_mode=args.pause_mode, max_restages=args.max_restages),
@@ -180,6 +180,21 @@ def _run_replica(args: argparse.Namespace) -> int:
     print(f"miles-disagg serve replica {replica.replica_id}: control API {replica.control_url}", flush=True)
     replica.run()
     return 0
+
+
+def parse_engine(value: str) -> tuple[str, str | None]:
+    """``(kind, attach_url)`` from ``--engine builtin|sglang|url:http://H:P``; ``ConfigError`` naming the flag otherwise."""
+    if value in ("builtin", "sglang"):
+        return value, None
+    if value.startswith("url:"):
+        from miles_disagg.router.registry import normalize_url
+        from miles_disagg.types import InvalidInput
+
+        try:
+            return "url", normalize_url(value[len("url:"):])
+        except InvalidInput as exc:
+            raise ConfigError(f"{ENGINE_FLAG} {value!r}: {exc}", flags=(ENGINE_FLAG,)) from None
+    raise ConfigError(f"{ENGINE_FLAG} must be builtin, sglang or url:http://HOST:PORT, got {value!r}", flags=(ENGINE_FLAG,))
 
 
 def _work_dir(args: argparse.Namespace) -> Path:

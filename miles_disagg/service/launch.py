@@ -13,12 +13,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from miles_disagg.process import LaunchedProcess, die_with_parent, free_port, start_http_process
+from miles_disagg.process import LaunchedProcess, NotHealthy, die_with_parent, free_port, start_http_process, wait_healthy
 from miles_disagg.types import ReplaceReplica
 
 GATEWAY_STARTUP_TIMEOUT_S = 60.0
@@ -111,25 +110,17 @@ def spawn_replica(cmd: list[str], *, replica_id: str, control_url: str, log_path
                   env: Mapping[str, str] = (), startup_timeout_s: float = REPLICA_STARTUP_TIMEOUT_S) -> ReplicaProcess:
     """Start a replica in a new session; return once its control API answers ``/health``
     (its engine may still be starting: the gateway lists it ``starting``/``catching_up``)."""
-    import httpx
-
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **dict(env)}, preexec_fn=die_with_parent)
     replica = ReplicaProcess(replica_id, proc, control_url, log_path)
-    deadline = time.monotonic() + startup_timeout_s
-    while time.monotonic() < deadline:
-        if not replica.alive():
-            raise ServiceStartFailed(f"replica {replica_id} exited with {proc.returncode}:\n{replica.logs()[-4000:]}")
-        try:
-            if httpx.get(f"{control_url}/health", timeout=2.0, trust_env=False).status_code == 200:
-                return replica
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    replica.kill()
-    raise ServiceStartFailed(f"replica {replica_id} not answering after {startup_timeout_s}s:\n{replica.logs()[-4000:]}")
+    try:
+        wait_healthy(control_url, timeout_s=startup_timeout_s, poll_s=0.05, proc=proc)
+    except NotHealthy as exc:
+        replica.kill()
+        raise ServiceStartFailed(f"replica {replica_id} {exc.reason}:\n{replica.logs()[-4000:]}") from None
+    return replica
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -21,15 +21,11 @@ from collections import Counter, deque
 from typing import Iterable, Sequence
 
 from miles_disagg.service.protocol import StoreHead
-from miles_disagg.types import VersionConstraint
+from miles_disagg.types import VersionConstraint, same_run
 
 DEFAULT_FRACTIONS = (0.5, 1.0)
 MAX_TRACKED_VERSIONS = 256
 MAX_OVERHEAD_SAMPLES = 50_000
-
-
-def same_run(a: str, b: str) -> bool:
-    return not a or not b or a == b
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -23,8 +23,9 @@ Failure contract:
   and forgets which version is live, so the next pass stages and activates the head
   again before the replica is ``ready``.
 
-Ports (thin adapters in :mod:`.adapters`; fakes in unit tests): ``store.head()``,
-``engine.pull/pause/flush/load/resume/version``, ``notify()`` (send a heartbeat now, best
+The stage and activate steps are :mod:`miles_disagg.engines.activation`'s (the lifecycle the
+managed rollout uses too). Ports (fakes in unit tests): ``store.head()`` (:mod:`.adapters`),
+``engine.pull/pause/flush/load/resume/version`` (:class:`~miles_disagg.engines.client.EngineClient`), ``notify()`` (send a heartbeat now, best
 effort), ``phase_hook(phase, version)``. Clocks are injectable.
 """
 
@@ -37,8 +38,9 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Callable, Protocol
 
+from miles_disagg.engines.activation import ActivationFailed, EnginePort, activate
 from miles_disagg.service.protocol import MAX_ACTIVATIONS_REPORTED, Activation, ReplicaState, StoreHead
-from miles_disagg.types import EngineUnrecoverable, FailRun, VersionRef
+from miles_disagg.types import FailRun, VersionRef
 
 log = logging.getLogger(__name__)
 
@@ -52,26 +54,8 @@ class StoreRolledBack(FailRun):
     """The store's head is older than the version this replica serves, within one run."""
 
 
-class ActivationFailed(EngineUnrecoverable):
-    """An activation did not complete; the replica is out of rotation until a later one does."""
-
-
 class StorePort(Protocol):
     def head(self) -> StoreHead | None: ...
-
-
-class EnginePort(Protocol):
-    def pull(self, version: int) -> None: ...
-
-    def pause(self, mode: str) -> None: ...
-
-    def flush(self) -> None: ...
-
-    def load(self, version: int) -> None: ...
-
-    def resume(self) -> None: ...
-
-    def version(self) -> int | None: ...
 
 
 class PassOutcome(str, Enum):
@@ -250,23 +234,11 @@ class Reconciler:
         """Pause, load, continue, check; acknowledge only after all of it succeeded."""
         version = head.version
         self._update(state=ReplicaState.ACTIVATING)  # the gateway stops routing here before the pause
-        errors: list[str] = []
-        start = self.timer()
         try:
-            self.engine.pause(self.config.pause_mode)
-            self._hook("paused", version)
-            if self.config.pause_mode != "in_place":
-                self.engine.flush()
-            self.engine.load(version)
-        except Exception as exc:  # noqa: BLE001 - after the pause began, every fault fails the activation
-            errors.append(f"{type(exc).__name__}: {exc}")
-        finally:
-            errors += _attempt(self.engine.resume, "continue_generation")
-        pause_s = self.timer() - start
-        if not errors:
-            errors += _check_version(self.engine, version)
-        if errors:
-            return self._activation_failed(version, "; ".join(errors))
+            pause_s = activate(self.engine, version, pause_mode=self.config.pause_mode,
+                               on_paused=lambda: self._hook("paused", version), timer=self.timer)
+        except ActivationFailed as exc:
+            return self._activation_failed(version, str(exc))
         activation = Activation(version, head.published_unix, self.clock(), prepare_s, pause_s, restages)
         with self._state_lock:
             kept = (self._record.activations + [activation])[-MAX_ACTIVATIONS_REPORTED:]
@@ -277,8 +249,7 @@ class Reconciler:
         log.info("activated v%d (prepare %.3fs, pause %.3fs)", version, prepare_s, pause_s)
         return PassOutcome.ACTIVATED
 
-    def _activation_failed(self, version: int, reason: str) -> PassOutcome:
-        message = f"activation of v{version} failed: {reason}"
+    def _activation_failed(self, version: int, message: str) -> PassOutcome:
         log.error("%s; out of rotation until a later activation succeeds", message)
         self._count("num_activation_failures")
         self._update(state=ReplicaState.FAILED, live=None, staged_version=None, last_error=message)
@@ -301,19 +272,3 @@ def _newer(candidate: StoreHead, than: StoreHead) -> bool:
     if candidate.run_id and than.run_id and candidate.run_id != than.run_id:
         return True
     return candidate.version > than.version
-
-
-def _attempt(fn: Callable[[], None], what: str) -> list[str]:
-    try:
-        fn()
-        return []
-    except Exception as exc:  # noqa: BLE001 - reported as an activation failure
-        return [f"{what}: {type(exc).__name__}: {exc}"]
-
-
-def _check_version(engine: EnginePort, version: int) -> list[str]:
-    try:
-        reported = engine.version()
-    except Exception as exc:  # noqa: BLE001
-        return [f"get_weight_version: {type(exc).__name__}: {exc}"]
-    return [] if reported == version else [f"the engine reports version {reported} after activating v{version}"]

@@ -18,6 +18,7 @@ gateway never sees an older state after a newer one.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import itertools
@@ -31,16 +32,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from miles_disagg.service.adapters import GatewayLink, HttpEngine, StoreView
-from miles_disagg.service.engines import EngineSpec, RunningEngine, start_engine
+from miles_disagg.engines.client import EngineClient
+from miles_disagg.engines.launch import EngineSpec, RunningEngine, start_engine
+from miles_disagg.service.adapters import GatewayLink, StoreView
 from miles_disagg.service.protocol import ReplicaStatus
 from miles_disagg.service.reconciler import PhaseHook, ReconcileConfig, Reconciler
-from miles_disagg.types import ConfigError, MilesDisaggError
+from miles_disagg.types import ConfigError, MilesDisaggError, VersionRef
 
 log = logging.getLogger(__name__)
 
 PHASE_HOOK_FLAG = "--phase-hook"
 DRAIN_POLL_S = 0.1
+CONTROL_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +55,10 @@ class ReplicaConfig:
     gateway_url: str
     """Where to register and heartbeat."""
     engine: EngineSpec
-    """The engine to run or attach to."""
+    """The engine to run (and, attached or not, its host-local checkpoint dir)."""
+    attach_url: str | None = None
+    """An engine someone else runs (``--engine url:...``): nothing is started, and its weights
+    are of unknown version until the replica's first activation."""
     replica_id: str | None = None
     """Stable name of this replica (a restarted replica keeps it); default: the control API's host:port."""
     host: str = "127.0.0.1"
@@ -100,7 +106,8 @@ class Replica:
         self.incarnation = uuid.uuid4().hex[:12]
         self.gateway = GatewayLink(config.gateway_url)
         self.engine: RunningEngine | None = None
-        self._engine_http: HttpEngine | None = None
+        self._engine_http: EngineClient | None = None
+        self._num_engine_starts = 0
         self.reconciler = Reconciler(StoreView(config.store_dir), _NoEngine(), config=config.reconcile,
                                      notify=self.report, phase_hook=load_phase_hook(config.phase_hook))
         self._seq = itertools.count(1)
@@ -169,21 +176,26 @@ class Replica:
             self._shutdown(server, beat)
 
     def _start_engine(self, *, restarted: bool) -> None:
-        spec = self.config.engine
-        self.engine = start_engine(spec)
+        spec, attach_url = self.config.engine, self.config.attach_url
+        if attach_url:
+            self.engine, live = RunningEngine(attach_url, ()), None  # unknown until the first activation
+        else:
+            self._num_engine_starts += 1
+            self.engine = start_engine(dataclasses.replace(spec, name=f"{spec.name}-{self._num_engine_starts}"))
+            live = VersionRef("", 0)  # a fresh managed engine serves the base
         if self._engine_http is not None:
             self._engine_http.close()
-        self._engine_http = HttpEngine(self.engine.url, store_dir=self.config.store_dir,
-                                       local_checkpoint_dir=spec.local_checkpoint_dir)
+        self._engine_http = EngineClient(self.engine.url, store_dir=self.config.store_dir,
+                                         local_checkpoint_dir=spec.local_checkpoint_dir, timeout_s=CONTROL_TIMEOUT_S)
         self.reconciler.engine = self._engine_http
-        log.info("engine at %s (%s)", self.engine.url, spec.kind)
-        self.reconciler.engine_started(self.engine.live_at_start, restarted=restarted)
+        log.info("engine at %s (%s)", self.engine.url, "attached" if attach_url else spec.backend)
+        self.reconciler.engine_started(live, restarted=restarted)
 
     def _engine_ok(self) -> bool:
         """True when the engine can be reconciled; restarts a managed engine that exited."""
         code = self.engine.exit_code() if self.engine else None
         if code is None:
-            if self.engine is not None and not self.engine.managed and not self._engine_http.healthy():
+            if self.engine is not None and not self.engine.processes and not self._engine_http.healthy():
                 if self.reconciler.snapshot().live is not None:
                     self.reconciler.engine_lost(f"the attached engine {self.engine.url} does not answer /health")
                 return False

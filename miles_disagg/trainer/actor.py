@@ -10,24 +10,23 @@ from __future__ import annotations
 import os
 import time
 
-from miles_disagg.config.components import TrainConfig, WeightUpdateConfig
+from miles_disagg.config.actors import TrainerGroupConfig
 from miles_disagg.types import Sample
 
 
 class TrainerRank:
-    def __init__(self, rank: int, world_size: int, train: TrainConfig, weights: WeightUpdateConfig, hf_dir: str,
-                 temperature: float = 1.0):
+    def __init__(self, rank: int, world_size: int, config: TrainerGroupConfig):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.rank, self.world_size = rank, world_size
-        self.train_config, self.weights_config, self.hf_dir = train, weights, hf_dir
-        self.temperature = temperature
+        self.train_config, self.weights_config, self.hf_dir = config.train, config.weights, config.hf_dir
+        self.temperature = config.temperature
         self.backend = None
         self.publisher = None
 
     def address(self) -> tuple[str, int]:
         import ray
 
-        from miles_disagg.engine.launch import free_port
+        from miles_disagg.engines.launch import free_port
 
         return ray.util.get_node_ip_address(), free_port("0.0.0.0")
 
@@ -35,7 +34,7 @@ class TrainerRank:
         import torch
 
         from miles_disagg.trainer.backend import make_backend
-        from miles_disagg.trainer.fsdp import init_distributed
+        from miles_disagg.trainer.distributed import init_distributed
 
         torch.set_num_threads(1)
         start = time.perf_counter()
@@ -90,7 +89,7 @@ class TrainerRank:
         state = torch.load(os.path.join(directory, f"rank{self.rank}.pt"), weights_only=False)
         self.backend.load_state_dict(state)
 
-    def publish_full(self) -> dict | None:
+    def publish_full(self):
         """A resumed trainer republishes its own state as a ``full`` version (rank 0; collective)."""
         return self.publish(full=True)
 
@@ -102,18 +101,15 @@ class TrainerRank:
     def train(self, steps: list[list[Sample]]) -> dict[str, float]:
         return self.backend.train(steps)
 
-    def publish(self, full: bool = False) -> dict | None:
-        """Publish the current policy as the next version (rank 0); other ranks join the gather."""
+    def publish(self, full: bool = False):
+        """Publish the current policy as the next version (rank 0: its ``PublishResult``; other
+        ranks join the gather and return None)."""
         tensors = self.backend.named_tensors()
         if self.publisher is None:
             for _ in tensors:
                 pass
             return None
-        result = self.publisher.publish(tensors, full=full)
-        return {"version": result.ref.version, "run_id": result.ref.run_id, "density": result.density,
-                "wire_bytes": result.wire_bytes, "encode_time_s": result.encode_time_s,
-                "publish_time_s": result.publish_time_s, "num_changed_tensors": result.num_changed_tensors,
-                "total_bytes": result.total_bytes}
+        return self.publisher.publish(tensors, full=full)
 
     # ------------------------------------------------------------------ broadcast transfer mode
 
@@ -130,7 +126,7 @@ class TrainerRank:
         """Rank 0 joins the weight-update group as its rank 0 (blocks until every engine joined)."""
         import torch
 
-        from miles_disagg.engine.dist_update import init_custom_process_group
+        from miles_disagg.engines.builtin.dist_update import init_custom_process_group
 
         if self.rank != 0:
             return

@@ -13,7 +13,6 @@ import logging
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
 from miles_disagg.config.components import TrainConfig
 from miles_disagg.trainer.backend import MetricMeans, TrainerBackend
@@ -153,13 +152,3 @@ class FSDPBackend(TrainerBackend):
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
-
-
-def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> str:
-    """Join the trainer's process group (nccl on GPU, gloo on CPU); returns the backend."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this rank's GPU
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size)
-    return backend

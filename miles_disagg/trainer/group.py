@@ -2,30 +2,35 @@
 
 from __future__ import annotations
 
-from miles_disagg.config.components import TrainConfig, WeightUpdateConfig
+from typing import TYPE_CHECKING
+
+from miles_disagg.config.actors import TrainerGroupConfig
+from miles_disagg.remote import Pending
 from miles_disagg.trainer.batches import split_for_steps
 from miles_disagg.trainer.placement import Placement
 from miles_disagg.types import Sample
+
+if TYPE_CHECKING:
+    from miles_disagg.weights.publisher import PublishResult
 
 
 class TrainerGroup:
     """``world_size`` TrainerRank actors; every call fans out to all ranks and waits for all."""
 
-    def __init__(self, placement: Placement, train: TrainConfig, weights: WeightUpdateConfig, hf_dir: str,
-                 *, colocated: bool = False, temperature: float = 1.0):
+    def __init__(self, placement: Placement, config: TrainerGroupConfig):
         import ray
 
         from miles_disagg.trainer.actor import TrainerRank
 
-        self.train_config = train
+        self.train_config = config.train
         positions = placement.layout.trainer
         self.world_size = len(positions)
-        gpus = 0.4 if colocated else 0.8
+        gpus = 0.4 if config.colocated else 0.8
         remote_cls = ray.remote(TrainerRank)
         self.ranks = [
             remote_cls.options(num_cpus=0.5, num_gpus=gpus, scheduling_strategy=placement.strategy(pos),
                                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-            .remote(rank, self.world_size, train, weights, hf_dir, temperature)
+            .remote(rank, self.world_size, config)
             for rank, pos in enumerate(positions)
         ]
         self.run_id: str | None = None
@@ -49,7 +54,8 @@ class TrainerGroup:
         keys = results[0].keys()
         return {k: sum(res[k] for res in results) / len(results) for k in keys}
 
-    def publish(self) -> dict:
+    def publish(self) -> PublishResult:
+        """The policy as the next version (rank 0 publishes; the others join the gather)."""
         import ray
 
         return ray.get([r.publish.remote() for r in self.ranks])[0]
@@ -66,7 +72,7 @@ class TrainerGroup:
 
         ray.get([r.load.remote(directory) for r in self.ranks])
 
-    def publish_full(self) -> dict:
+    def publish_full(self) -> PublishResult:
         import ray
 
         return ray.get([r.publish_full.remote() for r in self.ranks])[0]
@@ -87,13 +93,14 @@ class TrainerGroup:
 
         return ray.get(self.ranks[0].address.remote())
 
-    def init_broadcast_group(self, master_addr: str, master_port: int, world_size: int, group_name: str):
-        """Start joining (returns the pending Ray refs; the engines must join concurrently)."""
-        return [r.init_broadcast_group.remote(master_addr, master_port, world_size, group_name) for r in self.ranks]
+    def init_broadcast_group(self, master_addr: str, master_port: int, world_size: int, group_name: str) -> Pending:
+        """Start joining (the engines must join concurrently)."""
+        return Pending([r.init_broadcast_group.remote(master_addr, master_port, world_size, group_name)
+                        for r in self.ranks])
 
-    def broadcast_weights(self):
-        """Start the broadcast (pending Ray refs; the engines receive concurrently)."""
-        return [r.broadcast_weights.remote() for r in self.ranks]
+    def broadcast_weights(self) -> Pending:
+        """Start the broadcast (the engines receive concurrently)."""
+        return Pending([r.broadcast_weights.remote() for r in self.ranks])
 
     def tensor_bytes(self) -> dict[str, bytes]:
         import ray

@@ -1,4 +1,4 @@
-"""GRPO advantages and the PPO-style policy loss, token-level and masked.
+"""Advantages (GRPO) and the PPO-style policy loss, token-level and masked.
 
 All per-token tensors are ``[batch, response_len]`` with a 0/1 ``mask`` marking real
 response tokens. ``logprobs`` are the current policy's; ``old_logprobs`` the policy that
@@ -29,6 +29,23 @@ def grpo_advantages(rewards: torch.Tensor, *, normalize_by_std: bool = True, eps
     if not normalize_by_std or rewards.shape[1] < 2:
         return centered
     return centered / (rewards.std(dim=1, keepdim=True) + eps)
+
+
+def assign_advantages(groups: list, config) -> list:
+    """Each sample's advantage from its group's rewards (``--advantage-estimator``); the samples
+    in order. GRPO: reward minus the group's mean (over the group's std); otherwise reward minus
+    the batch mean (a global baseline)."""
+    rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)
+    if config.advantage_estimator == "grpo":
+        adv = grpo_advantages(rewards, normalize_by_std=config.normalize_advantages_by_std)
+    else:
+        adv = rewards - rewards.mean()
+    samples = []
+    for g, row in zip(groups, adv.tolist()):
+        for s, a in zip(g.samples, row):
+            s.advantage = float(a)
+            samples.append(s)
+    return samples
 
 
 @dataclass

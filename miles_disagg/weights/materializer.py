@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from miles_disagg.types import InvalidInput, LayoutMismatch, LineageError, VersionRef
+from miles_disagg.types import InvalidInput, LayoutMismatch, LineageError, VersionRef, same_run
 from miles_disagg.weights.apply import LocalTensor, apply_version
 from miles_disagg.weights.format import VersionIndex
 from miles_disagg.weights.hooks import PRE_READ_FLAG, load_hook
 from miles_disagg.weights.safetensors_io import TensorEntry, checkpoint_tensors, fsync_dir, read_bytes
-from miles_disagg.weights.store import ChainPlan, VersionStore, same_run
+from miles_disagg.weights.store import ChainPlan, VersionStore
 
 if TYPE_CHECKING:
     import torch

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from miles_disagg.types import ConfigError, InvalidInput, LayoutMismatch, VersionRef
+from miles_disagg.types import ConfigError, InvalidInput, LayoutMismatch, VersionRef, same_run
 from miles_disagg.weights.apply import LocalTensor, apply_version
 from miles_disagg.weights.checksums import CHECKSUMS
 from miles_disagg.weights.codec import (
@@ -30,7 +30,7 @@ from miles_disagg.weights.codec import (
 from miles_disagg.weights.format import INDEX_NAME, TensorLayout, VersionIndex
 from miles_disagg.weights.hooks import POST_WRITE_FLAG, load_hook
 from miles_disagg.weights.safetensors_io import checkpoint_tensors, fsync_dir, read_bytes, write_file
-from miles_disagg.weights.store import VersionStore, same_run
+from miles_disagg.weights.store import VersionStore
 
 DEFAULT_SHARD_BYTES = 1 << 30
 ENCODING_FLAG = "--update-weight-delta-encoding"
@@ -51,6 +51,15 @@ class PublishResult:
     encode_time_s: float  # diff + compress + checksum (includes pulling tensors from the iterable)
     publish_time_s: float  # write + fsync + commit (hook and pointer included)
     delta_encoding: str = "xor"
+
+    def metrics(self) -> dict[str, float]:
+        """The publish phase's record (the reference page's update metrics)."""
+        return {"perf/update_weights_encode_time": self.encode_time_s,
+                "perf/update_weights_publish_time": self.publish_time_s,
+                "perf/update_weights_density": self.density,
+                "perf/update_weights_wire_bytes": self.wire_bytes,
+                "perf/update_weights_total_bytes": self.total_bytes,
+                "weights/version": self.ref.version}
 
 
 def check_codec_choices(encoding: str, checksum: str, filter: str) -> None:

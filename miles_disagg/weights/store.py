@@ -33,8 +33,10 @@ from miles_disagg.types import (
     VersionConstraint,
     VersionNotReady,
     VersionRef,
+    applies_onto,
     check_pointer_advance,
     parse_version_dirname,
+    same_run,
     version_dirname,
 )
 from miles_disagg.weights.format import INDEX_NAME, VersionIndex, read_index
@@ -150,7 +152,7 @@ class VersionStore:
         chain = [self.read_index(target)]
         while True:
             index = chain[-1]
-            if held is not None and same_run(held.run_id, index.run_id) and held.version == index.base_version:
+            if held is not None and applies_onto(index.base_ref, held):
                 return ChainPlan("held", tuple(reversed(chain)))
             if index.delta_encoding == "full":
                 return ChainPlan("anchor", tuple(reversed(chain)))
@@ -290,8 +292,3 @@ def not_published(root: Path, version: int, visible: list[int]) -> VersionNotRea
     shown = visible if len(visible) <= 8 else visible[:3] + ["..."] + visible[-3:]  # type: ignore[operator]
     error.args = (f"version {version} is not published in {root} (published: {shown or 'none'})",)
     return error
-
-
-def same_run(a: str, b: str) -> bool:
-    """Runs match when equal; an empty run id (foreign producer) matches any run."""
-    return not a or not b or a == b

@@ -2,7 +2,7 @@
 
 Set ``MILES_DISAGG_ENGINE_URL=http://host:port`` to run the contract tests against any
 server that speaks SGLang's API (a real SGLang server included); otherwise each module
-starts the built-in engine (``python -m miles_disagg.engine``) on a free port with the
+starts the built-in engine (``python -m miles_disagg.engines.builtin``) on a free port with the
 tiny Qwen3. Tests that need the built-in engine's own features skip against a foreign
 server with a reason.
 """
@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 
-from miles_disagg.engine.launch import LaunchedEngine, free_port, launch_engine
+from miles_disagg.engines.launch import LaunchedEngine, free_port, launch_engine
 
 ENGINE_URL_ENV = "MILES_DISAGG_ENGINE_URL"
 STARTUP_TIMEOUT_S = 180.0
@@ -67,7 +67,7 @@ class EngineHandle:
 
 
 def start_engine(model_dir: Path, log_dir: Path, *extra: str) -> EngineHandle:
-    """Start ``python -m miles_disagg.engine`` on a free port and wait for ``/health``."""
+    """Start ``python -m miles_disagg.engines.builtin`` on a free port and wait for ``/health``."""
     port = free_port()
     launched = launch_engine(model_dir, log_path=log_dir / f"engine-{port}.log", port=port, extra_args=extra,
                              startup_timeout_s=STARTUP_TIMEOUT_S)
@@ -100,8 +100,8 @@ def inprocess_engine(model_dir: Path, **config) -> Iterator[tuple[Any, EngineHan
     """The built-in engine in this process behind a real HTTP server (tests inject faults)."""
     import uvicorn
 
-    from miles_disagg.engine.runtime import Engine, EngineConfig
-    from miles_disagg.engine.server import create_app
+    from miles_disagg.engines.builtin.runtime import Engine, EngineConfig
+    from miles_disagg.engines.builtin.server import create_app
 
     engine = Engine(EngineConfig(model_path=model_dir, **config))
     engine.start()

@@ -21,9 +21,9 @@ from typing import Any, Iterator
 
 import httpx
 
-from miles_disagg.rollout.engine_client import EngineClient
-from miles_disagg.rollout.engine_manager import EngineManager
-from miles_disagg.rollout.updater import DiskDeltaUpdater
+from miles_disagg.engines.client import EngineClient
+from miles_disagg.engines.manager import EngineManager
+from miles_disagg.engines.updater import DiskDeltaUpdater
 
 HERE = Path(__file__).resolve().parent
 RETRYABLE_STATUSES = (409, 502, 503)

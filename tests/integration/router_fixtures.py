@@ -19,7 +19,7 @@ import httpx
 from fastapi import Request  # module level: handlers' string annotations resolve against globals
 
 from engine_fixtures import wait_until
-from miles_disagg.engine.launch import free_port
+from miles_disagg.engines.launch import free_port
 from miles_disagg.router.app import RouterConfig, create_app
 from miles_disagg.router.client import RouterClient
 

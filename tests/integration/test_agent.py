@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from engine_fixtures import ENGINE_URL_ENV, Background, greedy_reference, sse_events, start_engine, stop_engine, wait_until
-from miles_disagg.agent.launch import launch_agent
-from miles_disagg.engine.launch import free_port
-from miles_disagg.rollout.engine_check import EngineExpectation, check_engine_matches
+from miles_disagg.engines.launch import launch_agent
+from miles_disagg.engines.launch import free_port
+from miles_disagg.engines.check import EngineExpectation, check_engine_matches
 from miles_disagg.types import version_dirname
 
 pytestmark = [
@@ -286,8 +286,8 @@ def test_the_cli_refuses_a_bad_engine_url(tmp_path, url):
 
 def test_a_pull_never_rewrites_a_slot_an_activation_still_reads(tiny_qwen3_dir, tmp_path):
     """In process: the slot of version N is the scratch of the pull of N+2; that pull must wait."""
-    from miles_disagg.agent.app import Agent, AgentConfig
-    from miles_disagg.engine.protocol import PullWeights
+    from miles_disagg.engines.agent.app import Agent, AgentConfig
+    from miles_disagg.engines.builtin.protocol import PullWeights
     from miles_disagg.types import Retryable
     from miles_disagg.weights.publisher import DeltaPublisher
 

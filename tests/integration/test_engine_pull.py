@@ -252,7 +252,7 @@ def test_pre_read_hook_runs_before_a_pull_reads(tiny_qwen3_dir, tmp_path, monkey
 
 def test_engine_refuses_a_bad_pre_read_hook_at_start(tiny_qwen3_dir, tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "miles_disagg.engine", "--model-path", str(tiny_qwen3_dir), "--port", "1",
+        [sys.executable, "-m", "miles_disagg.engines.builtin", "--model-path", str(tiny_qwen3_dir), "--port", "1",
          "--custom-pull-weights-pre-read-hook", "no_such_module_xyz:hook"],
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 2

@@ -50,11 +50,12 @@ def parity_on_one_rank(model_dirs: list[str], num_tokens: int) -> list[dict]:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from miles_disagg.engine.launch import free_port
+    from miles_disagg.engines.launch import free_port
+    from miles_disagg.trainer.distributed import init_distributed
     from miles_disagg.trainer.megatron.backend import MegatronBackend
     from miles_disagg.trainer.megatron.batching import causal_mask
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    init_distributed(0, 1, "127.0.0.1", free_port())
     input_ids = torch.randint(3, 90, (3, num_tokens), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(num_tokens).unsqueeze(0).expand(3, -1)
     results = []
@@ -116,12 +117,13 @@ def train_group(model_dir: Path, world_size: int, **train_flags) -> tuple[dict[s
     """(exported bytes before training, metrics of one GRPO step, exported bytes after)."""
     from ray.util.placement_group import remove_placement_group
 
+    from miles_disagg.config.actors import TrainerGroupConfig
     from miles_disagg.trainer.group import TrainerGroup
     from miles_disagg.trainer.placement import create_placement, plan_layout
 
     placement = create_placement(plan_layout(ClusterConfig(actor_num_gpus_per_node=world_size), external_rollout=True))
     train = TrainConfig(lr=1e-2, global_batch_size=8, micro_batch_size=2, seed=0, **train_flags)
-    group = TrainerGroup(placement, train, WeightUpdateConfig(), str(model_dir))
+    group = TrainerGroup(placement, TrainerGroupConfig(train=train, weights=WeightUpdateConfig(), hf_dir=str(model_dir)))
     try:
         group.setup()
         before = group.tensor_bytes()
@@ -175,10 +177,11 @@ def train_variants(model_dir: str) -> dict:
 
     import torch.distributed as dist
 
-    from miles_disagg.engine.launch import free_port
+    from miles_disagg.engines.launch import free_port
+    from miles_disagg.trainer.distributed import init_distributed
     from miles_disagg.trainer.megatron.backend import MegatronBackend
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    init_distributed(0, 1, "127.0.0.1", free_port())
     variants = {
         "plain": {},
         "recompute": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),

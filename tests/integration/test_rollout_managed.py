@@ -17,6 +17,7 @@ import pytest
 
 from engine_fixtures import wait_until
 from rollout_fixtures import RETRYABLE_STATUSES, Load, RecordingManager, VersionSource, ray_session, running_requests
+from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.config.components import ClusterConfig, RolloutConfig, WeightUpdateConfig
 from miles_disagg.router.client import RouterClient
 from miles_disagg.trainer.placement import create_placement, plan_layout
@@ -75,8 +76,9 @@ def world(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     weights = WeightUpdateConfig(update_weight_transfer_mode="disk-delta", update_weight_disk_dir=str(store))
     with ray_session(num_gpus=4):
         placement = create_placement(plan_layout(cluster))
-        manager = ray.remote(RecordingManager).options(num_cpus=0, max_concurrency=8).remote(
-            cluster, rollout, weights, str(tiny_qwen3_dir), str(run_dir), placement=placement)
+        config = EngineManagerConfig(cluster=cluster, rollout=rollout, weights=weights, model_path=str(tiny_qwen3_dir),
+                                     run_dir=str(run_dir))
+        manager = ray.remote(RecordingManager).options(num_cpus=0, max_concurrency=8).remote(config, placement=placement)
         versions = None
         try:
             info = ray.get(manager.start.remote(), timeout=180)

@@ -20,7 +20,8 @@ import pytest
 from engine_fixtures import start_engine, stop_engine, wait_until
 from rollout_fixtures import checkpoint_copy, ray_session
 from miles_disagg.config.components import ClusterConfig, RolloutConfig, WeightUpdateConfig
-from miles_disagg.rollout.engine_manager import EngineManager
+from miles_disagg.config.actors import EngineManagerConfig
+from miles_disagg.engines.manager import EngineManager
 from miles_disagg.router.client import RouterClient
 from miles_disagg.trainer.placement import create_placement, plan_layout
 from miles_disagg.types import ConfigError
@@ -146,12 +147,12 @@ def attached_engine(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 def attach_manager(addr: str, model_path: Path, run_dir: Path, *, tp: int = 1, dtype: str = "auto") -> EngineManager:
-    return EngineManager(
-        ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus_per_engine=tp),
-        RolloutConfig(rollout_external=True, rollout_external_engine_addrs=[addr], engine_dtype=dtype,
-                      rollout_health_check_interval=0.2),
-        WeightUpdateConfig(update_weight_transfer_mode="disk-delta", update_weight_disk_dir=str(run_dir / "store")),
-        str(model_path), str(run_dir))
+    return EngineManager(EngineManagerConfig(
+        cluster=ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus_per_engine=tp),
+        rollout=RolloutConfig(rollout_external=True, rollout_external_engine_addrs=[addr], engine_dtype=dtype,
+                              rollout_health_check_interval=0.2),
+        weights=WeightUpdateConfig(update_weight_transfer_mode="disk-delta", update_weight_disk_dir=str(run_dir / "store")),
+        model_path=str(model_path), run_dir=str(run_dir)))
 
 
 def test_a_matching_engine_is_attached_and_registered_at_version_0(attached_engine, tiny_qwen3_dir, tmp_path):
@@ -210,7 +211,7 @@ def test_an_attached_engine_that_comes_back_is_rechecked_and_brought_to_the_curr
     before the router uses it again."""
     from rollout_fixtures import VersionSource
 
-    from miles_disagg.engine.launch import free_port, launch_engine
+    from miles_disagg.engines.launch import free_port, launch_engine
 
     port = free_port()
     engine = launch_engine(tiny_qwen3_dir, log_path=tmp_path / "engine-a.log", port=port)

@@ -20,7 +20,7 @@ import pytest
 from engine_fixtures import EngineHandle, running_count, start_engine, stop_engine, wait_until
 from router_fixtures import (FakeWorker, fake_worker_app, generate_body, inprocess_router, retry_until_served,
                              serve_in_thread)
-from miles_disagg.engine.launch import free_port
+from miles_disagg.engines.launch import free_port
 from miles_disagg.router.client import RouterClient
 from miles_disagg.router.launch import launch_router
 from miles_disagg.router.registry import UnknownWorker

@@ -88,7 +88,7 @@ def test_an_attached_replica_catches_up_keeps_serving_through_a_bad_version_and_
         tiny_qwen3_dir: Path, tmp_path: Path):
     from engine_fixtures import wait_until
     from service_fixtures import Publisher, corrupt_payload
-    from miles_disagg.engine.launch import launch_engine
+    from miles_disagg.engines.launch import launch_engine
     from miles_disagg.service.launch import launch_gateway
 
     def corrupt_v2(version_dir, ref):

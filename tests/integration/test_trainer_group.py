@@ -45,12 +45,13 @@ def samples(n: int = 8) -> list[Sample]:
 
 
 def train_with(world_size: int, model_dir: Path) -> tuple[dict[str, float], dict[str, bytes]]:
+    from miles_disagg.config.actors import TrainerGroupConfig
     from miles_disagg.trainer.group import TrainerGroup
     from miles_disagg.trainer.placement import create_placement, plan_layout
 
     placement = create_placement(plan_layout(ClusterConfig(actor_num_gpus_per_node=world_size), external_rollout=True))
     train = TrainConfig(lr=1e-2, global_batch_size=8, micro_batch_size=2, seed=0)
-    group = TrainerGroup(placement, train, WeightUpdateConfig(), str(model_dir))
+    group = TrainerGroup(placement, TrainerGroupConfig(train=train, weights=WeightUpdateConfig(), hf_dir=str(model_dir)))
     try:
         info = group.setup()
         assert info["backend"] == "gloo"

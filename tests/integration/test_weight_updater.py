@@ -13,9 +13,9 @@ import httpx
 import pytest
 import torch
 
-from miles_disagg.engine.launch import launch_engine
-from miles_disagg.rollout.engine_client import EngineRequestFailed
-from miles_disagg.rollout.updater import DiskDeltaUpdater, UpdateFailed
+from miles_disagg.engines.launch import launch_engine
+from miles_disagg.engines.activation import ActivationFailed
+from miles_disagg.engines.updater import DiskDeltaUpdater, UpdateFailed
 from miles_disagg.weights.publisher import DeltaPublisher
 
 pytestmark = pytest.mark.timeout(240)
@@ -82,6 +82,6 @@ def test_a_refused_activation_still_continues_every_engine(world) -> None:
     updater.prepare(0, 2)
     updater.prepare(1, 2)
     for index in range(2):
-        with pytest.raises(EngineRequestFailed, match="weight_version 3"):
+        with pytest.raises(ActivationFailed, match="weight_version 3"):
             updater.activate(index, 3)  # version 3 was never pulled: the engine refuses to load it
     assert [paused for _, paused in states(engines)] == [None, None]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_disagg.rollout.engine_check import (
+from miles_disagg.engines.check import (
     EngineExpectation, check_engine_matches, normalize_dtype, sglang_auto_dtype, unreported_fields,
 )
 from miles_disagg.types import ConfigError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles_disagg.engine import protocol
+from miles_disagg.engines.builtin import protocol
 from miles_disagg.types import InvalidInput
 
 

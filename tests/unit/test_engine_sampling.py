@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from miles_disagg.engine.protocol import SamplingParams
-from miles_disagg.engine.sampling import make_generator, sample_token
+from miles_disagg.engines.builtin.protocol import SamplingParams
+from miles_disagg.engines.builtin.sampling import make_generator, sample_token
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0, 3.0])
 
@@ -40,7 +40,7 @@ def test_seeded_generators_reproduce_and_differ():
 
 
 def test_top_logprobs_come_from_the_reported_distribution():
-    from miles_disagg.engine.sampling import top_logprobs
+    from miles_disagg.engines.builtin.sampling import top_logprobs
 
     params = SamplingParams(temperature=0.7, top_k=2)
     expected = torch.log_softmax(LOGITS / 0.7, -1)

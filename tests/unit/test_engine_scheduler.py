@@ -9,9 +9,9 @@ from typing import Iterator
 import pytest
 import torch
 
-from miles_disagg.engine.model_runner import ModelRunner
-from miles_disagg.engine.protocol import GenerateItem, SamplingParams
-from miles_disagg.engine.scheduler import Scheduler, Sequence
+from miles_disagg.engines.builtin.model_runner import ModelRunner
+from miles_disagg.engines.builtin.protocol import GenerateItem, SamplingParams
+from miles_disagg.engines.builtin.scheduler import Scheduler, Sequence
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from miles_disagg.engine.staging import StagedVersion, Stager, version_ref_from_string
+from miles_disagg.engines.builtin.staging import StagedVersion, Stager, version_ref_from_string
 from miles_disagg.types import VersionRef
 
 

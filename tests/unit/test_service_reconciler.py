@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles_disagg.service.adapters import StagingRefused
+from miles_disagg.engines.client import StagingRefused
 from miles_disagg.service.protocol import ReplicaState, StoreHead
 from miles_disagg.service.reconciler import PassOutcome, ReconcileConfig, Reconciler, StoreRolledBack, needs_sync
 from miles_disagg.types import EngineUnrecoverable, VersionRef

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from miles_disagg.rollout.sglang_launch import parse_sglang_passthrough, sglang_command, split_sglang_passthrough
+from miles_disagg.config.sglang_args import parse_sglang_passthrough, split_sglang_passthrough
+from miles_disagg.engines.sglang import sglang_command
 from miles_disagg.types import ConfigError
 
 BASE = dict(host="10.0.0.5", port=30001, tp_size=2, base_gpu_id=4, dtype="bfloat16", weight_version=0)

@@ -44,9 +44,9 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from miles_disagg.engine.model_runner import KVBatch, ModelRunner
-from miles_disagg.engine.protocol import FinishReason, GenerateItem
-from miles_disagg.engine.sampling import make_generator, sample_token, top_logprobs
+from miles_disagg.engines.builtin.model_runner import KVBatch, ModelRunner
+from miles_disagg.engines.builtin.protocol import FinishReason, GenerateItem
+from miles_disagg.engines.builtin.sampling import make_generator, sample_token, top_logprobs
 from miles_disagg.types import EngineUnrecoverable
 
 log = logging.getLogger(__name__)

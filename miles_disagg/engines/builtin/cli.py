@@ -1,6 +1,6 @@
 """Run the built-in rollout engine: an HF causal LM behind SGLang's HTTP API.
 
-``miles-disagg engine --model-path DIR --port P`` (or ``python -m miles_disagg.engine``).
+``miles-disagg engine --model-path DIR --port P`` (or ``python -m miles_disagg.engines.builtin``).
 Binds 127.0.0.1 unless ``--host`` says otherwise. Logs go to stderr.
 """
 
@@ -35,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from miles_disagg.engine.runtime import Engine, EngineConfig
-    from miles_disagg.engine.server import create_app
+    from miles_disagg.engines.builtin.runtime import Engine, EngineConfig
+    from miles_disagg.engines.builtin.server import create_app
     from miles_disagg.types import ConfigError
     from miles_disagg.weights.hooks import PRE_READ_FLAG, load_hook
 

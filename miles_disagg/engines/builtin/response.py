@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from miles_disagg.engine.scheduler import Sequence
+from miles_disagg.engines.builtin.scheduler import Sequence
 
 
 def result_json(seq: Sequence, tokenizer) -> dict:

@@ -1,4 +1,4 @@
-"""``python -m miles_disagg.engine ...``: the same as ``miles-disagg engine ...``."""
+"""``python -m miles_disagg.engines.builtin ...``: the same as ``miles-disagg engine ...``."""
 
 import sys
 

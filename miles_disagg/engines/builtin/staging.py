@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from miles_disagg.engine.model_runner import ModelRunner
+from miles_disagg.engines.builtin.model_runner import ModelRunner
 from miles_disagg.types import VersionRef
 
 

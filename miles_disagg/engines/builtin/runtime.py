@@ -40,14 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from miles_disagg.engine.dist_update import DistUpdater
-from miles_disagg.engine.model_runner import ModelRunner
-from miles_disagg.engine.protocol import (
+from miles_disagg.engines.builtin.dist_update import DistUpdater
+from miles_disagg.engines.builtin.model_runner import ModelRunner
+from miles_disagg.engines.builtin.protocol import (
     DistributedUpdate, FinishReason, GenerateItem, GenerateRequest, InitGroup, PullWeights, UpdateFromDisk,
 )
-from miles_disagg.engine.response import result_json
-from miles_disagg.engine.scheduler import Scheduler, Sequence, Sink
-from miles_disagg.engine.staging import Stager, version_ref_from_string
+from miles_disagg.engines.builtin.response import result_json
+from miles_disagg.engines.builtin.scheduler import Scheduler, Sequence, Sink
+from miles_disagg.engines.builtin.staging import Stager, version_ref_from_string
 from miles_disagg.types import EngineUnrecoverable, InvalidInput, VersionRef
 from miles_disagg.weights.hooks import PRE_READ_FLAG, load_hook
 

@@ -1,4 +1,4 @@
-"""FastAPI app: SGLang's HTTP API over an :class:`~miles_disagg.engine.runtime.Engine`.
+"""FastAPI app: SGLang's HTTP API over an :class:`~miles_disagg.engines.builtin.runtime.Engine`.
 
 Errors are JSON ``{"error": {"message", "type", "retryable"}}`` (plus SGLang's
 ``success``/``message`` on the weight endpoints) with status 400 for bad input and
@@ -24,9 +24,9 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
-from miles_disagg.engine import protocol
-from miles_disagg.engine.runtime import Engine
-from miles_disagg.engine.scheduler import Sequence
+from miles_disagg.engines.builtin import protocol
+from miles_disagg.engines.builtin.runtime import Engine
+from miles_disagg.engines.builtin.scheduler import Sequence
 from miles_disagg.httpjson import error_json, status_for
 
 log = logging.getLogger(__name__)

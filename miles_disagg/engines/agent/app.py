@@ -40,10 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from miles_disagg.engine import protocol
+from miles_disagg.engines.builtin import protocol
 from miles_disagg.httpjson import error_json
 from miles_disagg.httpjson import status_for as _status_for
-from miles_disagg.types import InvalidInput, Retryable, VersionRef
+from miles_disagg.types import EngineUnreachable, InvalidInput, Retryable, VersionRef
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +55,6 @@ SERVER_SET = frozenset({"date", "server"})  # the agent's own HTTP server adds t
 PROXY_METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_READER_WAIT_S = 600.0
-
-
-class EngineUnreachable(Retryable):
-    """The engine behind the agent did not answer (connection refused, reset, timed out)."""
 
 
 class VersionNotPrepared(InvalidInput):

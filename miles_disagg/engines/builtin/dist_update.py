@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-from miles_disagg.engine.protocol import DistributedUpdate, InitGroup
+from miles_disagg.engines.builtin.protocol import DistributedUpdate, InitGroup
 from miles_disagg.types import InvalidInput
 
 DEFAULT_TIMEOUT_S = 300.0

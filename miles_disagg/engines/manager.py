@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles_disagg.config.components import ClusterConfig, RolloutConfig, WeightUpdateConfig
-from miles_disagg.rollout.engine_client import EngineClient, EngineRequestFailed
-from miles_disagg.rollout.updater import BroadcastUpdater, DiskDeltaUpdater, UpdateFailed
-from miles_disagg.types import ConfigError
+from miles_disagg.config.actors import EngineManagerConfig
+from miles_disagg.engines.client import EngineClient
+from miles_disagg.engines.updater import BroadcastUpdater, DiskDeltaUpdater, UpdateFailed
+from miles_disagg.types import ConfigError, MilesDisaggError
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,12 @@ MONITOR_INTERVAL_S = 1.0
 
 
 class EngineManager:
-    def __init__(self, cluster: ClusterConfig, rollout: RolloutConfig, weights: WeightUpdateConfig,
-                 model_path: str, run_dir: str, placement=None, seed: int = 0, sglang_args: dict | None = None):
-        self.cluster, self.rollout, self.weights = cluster, rollout, weights
-        self.model_path, self.run_dir, self.placement, self.seed = model_path, Path(run_dir), placement, seed
-        self.sglang_args = dict(sglang_args or {})
+    def __init__(self, config: EngineManagerConfig, placement=None):
+        self.config = config
+        self.cluster, self.rollout, self.weights = config.cluster, config.rollout, config.weights
+        self.model_path, self.run_dir, self.seed = config.model_path, Path(config.run_dir), config.seed
+        self.placement = placement
+        self.sglang_args = dict(config.sglang_args)
         self.router = None
         self.router_client = None
         self.engine_urls: list[str] = []
@@ -102,15 +103,17 @@ class EngineManager:
     def _launch(self) -> list[str]:
         import ray
 
-        from miles_disagg.rollout.engine_process import EngineProcess, EngineSpec
+        from miles_disagg.engines.actor import EngineProcess
+        from miles_disagg.engines.launch import EngineSpec
 
         backend = _resolve_backend(self.rollout.rollout_backend)
         remote_cls = ray.remote(EngineProcess)
         local_root = Path(self.weights.update_weight_local_checkpoint_dir or self.run_dir / "rollout-checkpoints")
         for index, bundles in enumerate(self.placement.layout.engines):
-            spec = EngineSpec(index=index, backend=backend, model_path=self.model_path,
-                              log_dir=str(self.run_dir / "logs"), local_checkpoint_dir=str(local_root / f"engine-{index}"),
+            spec = EngineSpec(backend=backend, name=f"engine-{index}", model_path=Path(self.model_path),
+                              log_dir=self.run_dir / "logs", local_checkpoint_dir=local_root / f"engine-{index}",
                               tp_size=len(bundles), dtype=self.rollout.engine_dtype, seed=self.seed + index,
+                              max_running_requests=64,
                               pre_read_hook=self.weights.sglang_custom_pull_weights_pre_read_hook,
                               sglang_args=self.sglang_args)
             actor = remote_cls.options(num_cpus=0.2, num_gpus=0.2, max_concurrency=4,
@@ -130,20 +133,19 @@ class EngineManager:
 
     def _mismatches(self, url: str) -> list[str]:
         """Why the engine at ``url`` cannot serve this job (architecture, tp size, context, dtype)."""
-        from miles_disagg.rollout.engine_check import EngineExpectation, check_engine_matches
+        from miles_disagg.engines.check import EngineExpectation, check_engine_matches
 
         expected = EngineExpectation.from_hf_checkpoint(self.model_path, self.cluster.rollout_num_gpus_per_engine,
                                                         self.rollout.engine_dtype)
-        client = EngineClient(url, timeout_s=10)
-        return check_engine_matches(expected, client.get("/get_server_info"), client.get("/get_model_info"))
+        with EngineClient(url, timeout_s=10) as client:
+            return check_engine_matches(expected, client.server_info(), client.model_info())
 
     @staticmethod
     def _local_dir(url: str, default: Path) -> str:
         """An agent owns its local checkpoint dir (ask it); a built-in engine takes ours."""
-        try:
-            return EngineClient(url, timeout_s=5).get("/agent_info")["local_checkpoint_dir"]
-        except (EngineRequestFailed, KeyError):
-            return str(default)
+        with EngineClient(url, timeout_s=5) as client:
+            info = client.agent_info()
+        return str(info.get("local_checkpoint_dir") or default) if info else str(default)
 
     # ------------------------------------------------------------------ updates
 
@@ -207,8 +209,9 @@ class EngineManager:
         out: list[str | None] = []
         for index, url in enumerate(self.engine_urls):
             try:
-                out.append(None if index in self._down else EngineClient(url, timeout_s=10).weight_version())
-            except EngineRequestFailed:
+                with EngineClient(url, timeout_s=10) as client:
+                    out.append(None if index in self._down else client.weight_version())
+            except MilesDisaggError:
                 out.append(None)
         return out
 
@@ -223,7 +226,8 @@ class EngineManager:
 
         if self._actors:
             return bool(ray.get(self._actors[index].alive.remote()))
-        return EngineClient(self.engine_urls[index], timeout_s=3).healthy()
+        with EngineClient(self.engine_urls[index], timeout_s=3) as client:
+            return client.healthy()
 
     def _is_live(self, index: int) -> bool:
         """False (and the engine marked down) when it is down or just died."""
@@ -275,8 +279,9 @@ class EngineManager:
     def _answers_and_matches(self, index: int) -> bool:
         """An attached engine that answers again is re-checked against the job before it is restored."""
         url = self.engine_urls[index]
-        if not EngineClient(url, timeout_s=3).healthy():
-            return False
+        with EngineClient(url, timeout_s=3) as client:
+            if not client.healthy():
+                return False
         problems = self._mismatches(url)
         if problems:
             if not any(e["event"] == "mismatch" and e["engine"] == index for e in self.events[-5:]):
@@ -336,12 +341,11 @@ def _resolve_backend(choice: str) -> str:
     return "sglang" if torch.cuda.is_available() else "builtin"
 
 
-def _wait_answering(url: str, timeout_s: float) -> EngineClient:
-    client = EngineClient(url, timeout_s=10)
-    deadline = time.monotonic() + timeout_s
-    while not client.healthy():
-        if time.monotonic() > deadline:
-            raise ConfigError(f"--rollout-external-engine-addrs: {url} did not answer /health within {timeout_s:.0f}s",
-                              ("--rollout-external-engine-addrs",))
-        time.sleep(1.0)
-    return client
+def _wait_answering(url: str, timeout_s: float) -> None:
+    from miles_disagg.process import NotHealthy, wait_healthy
+
+    try:
+        wait_healthy(url, timeout_s=timeout_s, poll_s=1.0)
+    except NotHealthy as exc:
+        raise ConfigError(f"--rollout-external-engine-addrs: {url} did not answer /health: {exc.reason}",
+                          ("--rollout-external-engine-addrs",)) from None

@@ -1,4 +1,4 @@
-"""``python -m miles_disagg.agent ...``: the same as ``miles-disagg agent ...``."""
+"""``python -m miles_disagg.engines.agent ...``: the same as ``miles-disagg agent ...``."""
 
 import sys
 

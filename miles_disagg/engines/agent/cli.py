@@ -1,7 +1,7 @@
 """``miles-disagg agent``: run the agent in front of one engine on this host.
 
 ``miles-disagg agent --engine-url http://127.0.0.1:30000 --local-checkpoint-dir /nvme/ckpt --port 30010``
-(or ``python -m miles_disagg.agent ...``). Binds 127.0.0.1 unless ``--host`` says otherwise.
+(or ``python -m miles_disagg.engines.agent ...``). Binds 127.0.0.1 unless ``--host`` says otherwise.
 Bad input (a malformed ``--engine-url``, an unusable local checkpoint dir or base dir, a
 pre-read hook that does not load, an engine that is not up within ``--wait-for-engine-s``)
 exits 2 with a message before anything is served.
@@ -13,7 +13,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -44,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from miles_disagg.agent.app import Agent, AgentConfig, create_app
+    from miles_disagg.engines.agent.app import Agent, AgentConfig, create_app
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -97,18 +96,10 @@ def check_local_dir(path: Path) -> None:
 
 
 def wait_for_engine(engine_url: str, timeout_s: float) -> None:
-    import httpx
+    from miles_disagg.process import NotHealthy, wait_healthy
 
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        try:
-            response = httpx.get(f"{engine_url}/health", timeout=2.0)
-            if response.status_code == 200:
-                return
-            last = f"/health answered {response.status_code}"
-        except httpx.HTTPError as exc:
-            last = f"{type(exc).__name__}: {exc}"
-        time.sleep(0.5)
-    raise ConfigError(f"the engine at {engine_url} is not healthy after {timeout_s:g}s ({last})",
-                      flags=(ENGINE_URL_FLAG, "--wait-for-engine-s"))
+    try:
+        wait_healthy(engine_url, timeout_s=timeout_s, poll_s=0.5)
+    except NotHealthy as exc:
+        raise ConfigError(f"the engine at {engine_url} is {exc.reason}",
+                          flags=(ENGINE_URL_FLAG, "--wait-for-engine-s")) from None

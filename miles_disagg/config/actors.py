@@ -1,0 +1,72 @@
+"""One config object per actor, built once from the resolved :class:`RunConfig`.
+
+An actor receives its own config, never the whole run: the engine manager, the trainer group
+(and its ranks) and the rollout manager each take one of these. ``from_run`` is the only
+place that knows which run-wide values each actor needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_disagg.config.components import ClusterConfig, RolloutConfig, RunConfig, TrainConfig, WeightUpdateConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineManagerConfig:
+    """What the engine manager needs: which engines, where their weights come from, the router."""
+
+    cluster: ClusterConfig
+    rollout: RolloutConfig
+    weights: WeightUpdateConfig
+    model_path: str
+    """The base checkpoint (version 0) every engine starts from."""
+    run_dir: str
+    """Logs go to ``run_dir/logs``; local checkpoints default to ``run_dir/rollout-checkpoints``."""
+    seed: int = 0
+    """Engine ``i`` samples with ``seed + i``."""
+    sglang_args: dict[str, Any] = field(default_factory=dict)
+    """``--sglang-*`` passthrough for managed SGLang servers."""
+
+    @classmethod
+    def from_run(cls, config: RunConfig) -> "EngineManagerConfig":
+        return cls(cluster=config.cluster, rollout=config.rollout, weights=config.weights,
+                   model_path=str(config.train.hf_checkpoint), run_dir=str(config.tracking.run_dir),
+                   seed=config.train.seed, sglang_args=dict(config.sglang_args))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerGroupConfig:
+    """What every trainer rank needs: the model, the optimizer and loss, and how it publishes."""
+
+    train: TrainConfig
+    weights: WeightUpdateConfig
+    hf_dir: str
+    """The base checkpoint (version 0)."""
+    colocated: bool = False
+    """The ranks share GPUs with the engines (``--colocate``)."""
+    temperature: float = 1.0
+    """Logprobs are taken at the rollout temperature."""
+
+    @classmethod
+    def from_run(cls, config: RunConfig) -> "TrainerGroupConfig":
+        return cls(train=config.train, weights=config.weights, hf_dir=str(config.train.hf_checkpoint),
+                   colocated=config.cluster.colocate, temperature=config.rollout.rollout_temperature)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutManagerConfig:
+    """What the rollout manager needs: prompts, sampling, rewards, staleness and the endpoint."""
+
+    rollout: RolloutConfig
+    router_url: str
+    """The version-aware router, or the rollout service's endpoint."""
+    hf_dir: str
+    """Where the tokenizer is read from."""
+    seed: int = 0
+
+    @classmethod
+    def from_run(cls, config: RunConfig, router_url: str) -> "RolloutManagerConfig":
+        return cls(rollout=config.rollout, router_url=router_url, hf_dir=str(config.train.hf_checkpoint),
+                   seed=config.train.seed)

@@ -1,0 +1,190 @@
+"""The engine port: one synchronous client for an engine's SGLang-style API plus ``/pull_weights``.
+
+Used wherever this project talks to an engine: the managed and attached rollout (engine
+manager, weight updaters) and the service replicas. The URL is the engine itself (built-in
+engine) or its ``miles-disagg agent`` (stock SGLang).
+
+Every call checks the HTTP status and the ``success`` field SGLang puts in weight-update
+answers, so no failure is ever mistaken for success. Errors are typed by what the caller
+must do:
+
+* :class:`~miles_disagg.types.EngineUnreachable` - no answer (down, restarting, hung);
+* :class:`StagingRefused` - ``/pull_weights`` refused the version (lineage, checksum,
+  layout or format); nothing live changed;
+* :class:`EngineRefused` - any other 4xx: what was sent is wrong; nothing changed;
+* :class:`EngineBusy` - 409: retry later (e.g. the version is not visible yet);
+* :class:`~miles_disagg.types.EngineUnrecoverable` - a 5xx or a ``success: false``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from miles_disagg.types import EngineUnreachable, EngineUnrecoverable, FailRun, InvalidInput, MilesDisaggError, Retryable
+
+CONTROL_TIMEOUT_S = 600.0
+PULL_TIMEOUT_S = 1800.0
+PROBE_TIMEOUT_S = 5.0
+LOAD_TIMEOUT_S = 1.0  # a heartbeat never waits long for the load figure
+
+
+class StagingRefused(FailRun):
+    """The engine refused to stage a version (lineage, checksum, layout or format); nothing changed."""
+
+
+class EngineRefused(InvalidInput):
+    """The engine refused a request as malformed or not applicable (4xx); nothing changed."""
+
+
+class EngineBusy(Retryable):
+    """The engine cannot do this now (409); try again later."""
+
+
+class EngineClient:
+    """One engine. ``store_dir`` and ``local_checkpoint_dir`` are needed only for :meth:`pull`
+    and :meth:`load` (the version store, and the host-local checkpoint the engine serves from)."""
+
+    def __init__(self, url: str, *, store_dir: str | Path | None = None,
+                 local_checkpoint_dir: str | Path | None = None, timeout_s: float = CONTROL_TIMEOUT_S):
+        import httpx
+
+        self.url = url.rstrip("/")
+        self.store_dir = os.path.abspath(store_dir) if store_dir is not None else None
+        # not resolve(): the local checkpoint is a symlink the materializer flips
+        self.local_dir = os.path.abspath(local_checkpoint_dir) if local_checkpoint_dir is not None else None
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ weights lifecycle
+
+    def pull(self, version: int) -> dict[str, Any]:
+        """Materialize and verify ``version`` on the engine's host while it keeps serving."""
+        return self.post("/pull_weights", {"target_version": version, "source_dir": self._need("store_dir"),
+                                           "local_checkpoint_dir": self._need("local_dir")}, timeout_s=PULL_TIMEOUT_S)
+
+    def pause(self, mode: str) -> None:
+        self.post("/pause_generation", {"mode": mode})
+
+    def flush(self) -> None:
+        self.post("/flush_cache", {})
+
+    def load(self, version: int) -> None:
+        """Activate the prepared ``version`` from the local checkpoint (the engine is paused)."""
+        self.post("/update_weights_from_disk", {"model_path": self._need("local_dir"), "weight_version": str(version)})
+
+    def resume(self) -> None:
+        self.post("/continue_generation", {})
+
+    def init_weights_update_group(self, body: dict[str, Any]) -> None:
+        self.post("/init_weights_update_group", body)
+
+    def update_weights_from_distributed(self, body: dict[str, Any]) -> None:
+        self.post("/update_weights_from_distributed", body)
+
+    # ------------------------------------------------------------------ state
+
+    def weight_version(self) -> str:
+        """The version the engine reports, as it reports it."""
+        return str(self.get("/get_weight_version").get("weight_version"))
+
+    def version(self) -> int | None:
+        """The served version as a number (None when the engine reports none or a non-number)."""
+        from miles_disagg.router.registry import parse_version
+
+        return parse_version(self.get("/get_weight_version").get("weight_version"))
+
+    def healthy(self) -> bool:
+        try:
+            return self._http.get("/health", timeout=PROBE_TIMEOUT_S).status_code == 200
+        except Exception:  # noqa: BLE001 - any transport failure means "not healthy"
+            return False
+
+    def server_info(self) -> dict[str, Any]:
+        return self.get("/get_server_info")
+
+    def model_info(self) -> dict[str, Any]:
+        return self.get("/get_model_info")
+
+    def agent_info(self) -> dict[str, Any] | None:
+        """``miles-disagg agent``'s own info; None when the URL is not an agent."""
+        try:
+            return self.get("/agent_info", timeout_s=PROBE_TIMEOUT_S)
+        except (EngineRefused, EngineUnrecoverable):
+            return None
+
+    def load_count(self) -> int | None:
+        """Requests running or queued in the engine (the built-in engine's server info); None if unknown."""
+        try:
+            states = self.get("/get_server_info", timeout_s=LOAD_TIMEOUT_S).get("internal_states") or [{}]
+            running, waiting = states[0].get("num_running_requests"), states[0].get("num_waiting_requests")
+            return int(running) + int(waiting) if running is not None and waiting is not None else None
+        except (MilesDisaggError, ValueError, TypeError, AttributeError):
+            return None
+
+    def generate(self, body: dict[str, Any], timeout_s: float | None = None) -> Any:
+        """``POST /generate`` (one item or a list, as the engine answers)."""
+        return self.call("POST", "/generate", body, timeout_s=timeout_s, whole=True)
+
+    # ------------------------------------------------------------------ transport
+
+    def get(self, path: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+        return self.call("GET", path, timeout_s=timeout_s)
+
+    def post(self, path: str, body: dict | None = None, *, timeout_s: float | None = None) -> dict[str, Any]:
+        return self.call("POST", path, body if body is not None else {}, timeout_s=timeout_s)
+
+    def call(self, method: str, path: str, body: dict | None = None, *, timeout_s: float | None = None,
+             whole: bool = False) -> Any:
+        """One request; the JSON answer (a dict, or anything when ``whole``) or a typed error."""
+        import httpx
+
+        kwargs: dict[str, Any] = {"json": body} if body is not None else {}
+        if timeout_s is not None:
+            kwargs["timeout"] = timeout_s
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise EngineUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+        payload = _json(response)
+        if response.status_code == 200 and not (isinstance(payload, dict) and payload.get("success") is False):
+            return payload if whole or isinstance(payload, dict) else {"result": payload}
+        raise _error_for(f"{self.url}{path} answered {response.status_code}: {_message(payload)}",
+                         response.status_code, path)
+
+    def _need(self, attr: str) -> str:
+        value = getattr(self, attr)
+        if value is None:
+            raise ValueError(f"EngineClient({self.url}) was made without {attr}")
+        return value
+
+
+def _error_for(message: str, status: int, path: str) -> MilesDisaggError:
+    if status in (400, 403, 404, 413, 422):
+        return StagingRefused(message) if path == "/pull_weights" else EngineRefused(message)
+    if status == 409:
+        return EngineBusy(message)
+    return EngineUnrecoverable(message)
+
+
+def _json(response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return response.text[:500]
+
+
+def _message(payload: Any) -> str:
+    if isinstance(payload, dict):
+        error = payload.get("error")
+        return str(payload.get("message") or (error.get("message") if isinstance(error, dict) else error) or payload)
+    return str(payload)

@@ -1,0 +1,81 @@
+"""The engine manager as a run sees it: one Ray actor behind typed methods.
+
+:class:`EngineManagerHandle` creates the :class:`~miles_disagg.engines.manager.EngineManager`
+actor and forwards to it; nothing outside this module calls ``.remote`` on it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_disagg.config.actors import EngineManagerConfig
+from miles_disagg.remote import Pending
+
+
+@dataclass
+class EngineUpdate:
+    """What an update of every engine to one version measured, and what the engines then serve."""
+
+    version: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The phase timings (``perf/update_weights_prepare_time``, ``..._pause_time``, ...)."""
+    engine_versions: list[str | None] = field(default_factory=list)
+    """What each engine reports afterwards (None: down)."""
+
+
+class PendingEngineUpdate:
+    """Engines preparing and activating a published version while the caller goes on."""
+
+    def __init__(self, handle: "EngineManagerHandle", version: int, pending: Pending[dict]):
+        self.handle, self.version, self._pending = handle, version, pending
+        self.started = time.perf_counter()
+
+    def finish(self) -> EngineUpdate:
+        """Wait until every live engine serves the version (the manager's error if one failed)."""
+        metrics = dict(self._pending.result())
+        metrics["perf/update_weights_time"] = time.perf_counter() - self.started
+        return EngineUpdate(self.version, metrics, self.handle.versions())
+
+
+class EngineManagerHandle:
+    """Start the engine manager actor (``start``), update weights, stop it (``shutdown``)."""
+
+    def __init__(self, config: EngineManagerConfig, placement: Any = None):
+        import ray
+
+        from miles_disagg.engines.manager import EngineManager
+
+        self._actor = ray.remote(EngineManager).options(num_cpus=0, max_concurrency=8).remote(config, placement=placement)
+        self.router_url: str | None = None
+        self.engine_urls: list[str] = []
+
+    def start(self) -> None:
+        """Launch or attach the engines and the router (the manager cleans up if this fails)."""
+        info = Pending([self._actor.start.remote()]).result()
+        self.router_url, self.engine_urls = info["router_url"], list(info["engine_urls"])
+
+    def start_update(self, version: int) -> PendingEngineUpdate:
+        """Disk-delta: every engine prepares ``version`` (already published), then activates it."""
+        return PendingEngineUpdate(self, version, Pending([self._actor.update_weights.remote(version)]))
+
+    def update_weights(self, version: int) -> EngineUpdate:
+        return self.start_update(version).finish()
+
+    def versions(self) -> list[str | None]:
+        return Pending([self._actor.versions.remote()]).result()
+
+    def broadcast_world_size(self) -> int:
+        return Pending([self._actor.broadcast_world_size.remote()]).result()
+
+    def init_broadcast_group(self, master_addr: str, master_port: int) -> Pending[int]:
+        """Broadcast mode: the engines start joining the trainer's group (the trainer joins concurrently)."""
+        return Pending([self._actor.init_broadcast_group.remote(master_addr, master_port)])
+
+    def broadcast_update(self, version: int, meta: dict[str, list]) -> Pending[dict]:
+        """Broadcast mode: the engines start receiving ``version`` (the trainer sends concurrently)."""
+        return Pending([self._actor.broadcast_update.remote(version, meta)])
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        Pending([self._actor.shutdown.remote()]).result(timeout_s)

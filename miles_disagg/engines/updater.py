@@ -1,0 +1,146 @@
+"""Weight updaters: bring a set of engines to the trainer's newest version.
+
+``DiskDeltaUpdater.update(version)`` runs the reference order after the publisher has
+committed ``version``, with the per-engine steps of :mod:`miles_disagg.engines.activation`:
+
+1. :func:`~miles_disagg.engines.activation.prepare` on every engine at once, before any
+   pause: each host materializes and verifies the version while it keeps generating. One
+   failure fails the update here, and no engine has been paused.
+2. Per engine, in parallel: the router stops sending it requests, then
+   :func:`~miles_disagg.engines.activation.activate` (pause, flush, load, continue, verify),
+   and the router routes to it again by the version it really serves.
+
+``BroadcastUpdater`` is SGLang's stock torch.distributed path: the same activation, with
+the load step receiving the tensors over the weight-update group while the trainer broadcasts.
+Either raises :class:`UpdateFailed` naming each engine and phase that failed.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from miles_disagg.engines.activation import activate, prepare
+from miles_disagg.engines.client import EngineClient
+from miles_disagg.types import MilesDisaggError, ReplaceReplica
+
+
+class UpdateFailed(ReplaceReplica):
+    """An engine failed an update; the message names it and the phase."""
+
+
+@dataclass
+class UpdateReport:
+    version: int
+    prepare_time_s: float  # slowest engine's /pull_weights, overlapping generation
+    pause_time_s: float  # longest time any engine could not generate
+    activate_time_s: float  # whole step 2 (all engines, in parallel)
+    per_engine_pause_s: list[float] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        return {"perf/update_weights_prepare_time": self.prepare_time_s,
+                "perf/update_weights_pause_time": self.pause_time_s,
+                "perf/update_weights_activate_time": self.activate_time_s}
+
+
+StateHook = Callable[[str, str], None]  # (engine url, "paused" | "ready")
+
+
+class _Fleet:
+    """Engines updated together: their clients, the router hook, and one thread per engine."""
+
+    def __init__(self, clients: list[EngineClient], pause_mode: str, set_state: StateHook | None, name: str):
+        self.clients, self.pause_mode = clients, pause_mode
+        self.set_state = set_state or (lambda url, state: None)
+        self._pool = ThreadPoolExecutor(max(1, len(clients)), thread_name_prefix=name)
+
+    def _all(self, fn: Callable[[int], object], phase: str) -> list:
+        futures = [self._pool.submit(fn, i) for i in range(len(self.clients))]
+        results, errors = [], []
+        for client, future in zip(self.clients, futures):
+            try:
+                results.append(future.result())
+            except MilesDisaggError as exc:
+                errors.append(f"{phase} on {client.url}: {exc}")
+        if errors:
+            raise UpdateFailed("; ".join(errors))
+        return results
+
+    def _activate(self, index: int, version: int, **kwargs) -> float:
+        """The router stops routing to the engine, it activates, the router routes to it again."""
+        client = self.clients[index]
+        self.set_state(client.url, "paused")
+        try:
+            return activate(client, version, pause_mode=self.pause_mode, **kwargs)
+        finally:
+            self.set_state(client.url, "ready")  # routed again by the version it really serves
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        for c in self.clients:
+            c.close()
+
+
+class DiskDeltaUpdater(_Fleet):
+    def __init__(self, engine_urls: Sequence[str], *, store_dir: str, local_dirs: Sequence[str],
+                 pause_mode: str = "retract", set_state: StateHook | None = None):
+        if len(local_dirs) != len(engine_urls):
+            raise ValueError("one local checkpoint dir per engine")
+        clients = [EngineClient(url, store_dir=store_dir, local_checkpoint_dir=local)
+                   for url, local in zip(engine_urls, local_dirs)]
+        super().__init__(clients, pause_mode, set_state, "update")
+
+    def update(self, version: int) -> UpdateReport:
+        start = time.perf_counter()
+        self._all(lambda i: self.prepare(i, version), "prepare")
+        prepared = time.perf_counter()
+        pauses = self._all(lambda i: self.activate(i, version), "activate")
+        done = time.perf_counter()
+        return UpdateReport(version, prepared - start, max(pauses, default=0.0), done - prepared, pauses)
+
+    def prepare(self, index: int, version: int) -> None:
+        prepare(self.clients[index], version)
+
+    def activate(self, index: int, version: int) -> float:
+        """Pause, load the prepared version, continue, verify; returns the pause length (seconds)."""
+        return self._activate(index, version)
+
+
+class BroadcastUpdater(_Fleet):
+    """``--update-weight-transfer-mode broadcast``: SGLang's stock torch.distributed path.
+
+    ``init_group`` has every engine join the trainer's weight-update group (engine i at rank
+    i + 1; the trainer's source rank is 0) with ``/init_weights_update_group``; the trainer
+    joins concurrently. ``update`` activates every engine at once, each loading by
+    ``/update_weights_from_distributed`` (they receive while the trainer broadcasts).
+    """
+
+    def __init__(self, engine_urls: Sequence[str], *, pause_mode: str = "retract", set_state: StateHook | None = None,
+                 group_name: str = "miles_disagg_weight_update"):
+        super().__init__([EngineClient(url) for url in engine_urls], pause_mode, set_state, "broadcast")
+        self.group_name = group_name
+
+    @property
+    def world_size(self) -> int:
+        return len(self.clients) + 1
+
+    def init_group(self, master_addr: str, master_port: int) -> None:
+        def join(i: int) -> None:
+            self.clients[i].init_weights_update_group({
+                "master_address": master_addr, "master_port": master_port, "rank_offset": i + 1,
+                "world_size": self.world_size, "group_name": self.group_name, "backend": "nccl"})
+        self._all(join, "init_weights_update_group")
+
+    def update(self, version: int, meta: dict[str, list]) -> UpdateReport:
+        start = time.perf_counter()
+        body = {**meta, "group_name": self.group_name, "weight_version": str(version),
+                "flush_cache": self.pause_mode != "in_place"}
+
+        def one(i: int) -> float:
+            receive = lambda: self.clients[i].update_weights_from_distributed(body)  # noqa: E731
+            return self._activate(i, version, flush=False, load=receive)
+
+        pauses = self._all(one, "update")
+        return UpdateReport(version, 0.0, max(pauses, default=0.0), time.perf_counter() - start, pauses)

@@ -1,0 +1,46 @@
+"""One step's metrics record, and the engines' busy fraction that goes into it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def step_record(train_metrics: dict, rollout_metrics: dict, update_metrics: dict, timings: dict,
+                num_samples: int) -> dict[str, Any]:
+    record: dict[str, Any] = {}
+    record.update(rollout_metrics)
+    record.update(train_metrics)
+    record.update(update_metrics)
+    record.update(timings)
+    if timings.get("perf/step_time"):
+        record["perf/samples_per_s"] = num_samples / timings["perf/step_time"]
+    return record
+
+
+class BusyMeter:
+    """Fraction of wall time the engines had a request in flight, from the router's counters
+    (None where the router does not count busy time, e.g. sglang-router)."""
+
+    def __init__(self, router_url: str | None):
+        self.router_url = router_url
+        self._last = self._read() if router_url else None
+
+    def _read(self) -> tuple[float, float, int] | None:
+        import httpx
+
+        workers = httpx.get(f"{self.router_url}/list_workers", timeout=10).json().get("workers")
+        if not workers or not all("busy_s" in w for w in workers):
+            return None
+        return time.monotonic(), sum(w["busy_s"] for w in workers), len(workers)
+
+    def fraction(self) -> float | None:
+        """Busy fraction since the previous call."""
+        if self._last is None:
+            return None
+        now = self._read()
+        if now is None:
+            return None
+        (t0, busy0, _), (t1, busy1, n) = self._last, now
+        self._last = now
+        return min(1.0, max(0.0, (busy1 - busy0) / ((t1 - t0) * n))) if t1 > t0 else None

@@ -1,0 +1,47 @@
+"""The rollout manager as a run sees it: one asyncio Ray actor behind typed methods.
+
+Nothing outside this module calls ``.remote`` on the
+:class:`~miles_disagg.rollout.manager.RolloutManager` actor.
+"""
+
+from __future__ import annotations
+
+from miles_disagg.config.actors import RolloutManagerConfig
+from miles_disagg.remote import Pending
+from miles_disagg.types import RolloutBatch
+
+
+class RolloutManagerHandle:
+    def __init__(self, config: RolloutManagerConfig, *, data_position: int = 0):
+        """``data_position``: prompts a resumed run has already consumed."""
+        import ray
+
+        from miles_disagg.rollout.manager import RolloutManager
+
+        self._actor = ray.remote(RolloutManager).options(num_cpus=0).remote(config, data_position=data_position)
+
+    def start(self) -> None:
+        """Begin continuous generation (train_async.py)."""
+        Pending([self._actor.start.remote()]).result()
+
+    def set_version(self, version: int) -> None:
+        """The trainer's newest version: new requests ask for at least ``version - K``."""
+        Pending([self._actor.set_version.remote(version)]).result()
+
+    def take(self, n_groups: int, current_version: int) -> RolloutBatch:
+        """The next ``n_groups`` admissible groups (async mode)."""
+        return Pending([self._actor.take.remote(n_groups, current_version)]).result()
+
+    def generate(self, n_groups: int, current_version: int) -> RolloutBatch:
+        """Exactly ``n_groups`` groups generated now (sync mode)."""
+        return Pending([self._actor.generate.remote(n_groups, current_version)]).result()
+
+    def evaluate(self, prompts: list, exact_version: int, sampling, n_samples: int) -> dict[str, float]:
+        """Mean reward of ``n_samples`` per prompt, each served by exactly ``exact_version``."""
+        return Pending([self._actor.evaluate.remote(prompts, exact_version, sampling, n_samples)]).result()
+
+    def data_position(self) -> int:
+        return Pending([self._actor.data_position.remote()]).result()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        Pending([self._actor.stop.remote()]).result(timeout_s)
