@@ -26,7 +26,7 @@ class TrainerRank:
     def address(self) -> tuple[str, int]:
         import ray
 
-        from miles_disagg.engines.launch import free_port
+        from miles_disagg.process import free_port
 
         return ray.util.get_node_ip_address(), free_port("0.0.0.0")
 
@@ -34,7 +34,7 @@ class TrainerRank:
         import torch
 
         from miles_disagg.trainer.backend import make_backend
-        from miles_disagg.trainer.distributed import init_distributed
+        from miles_disagg.distributed import init_distributed
 
         torch.set_num_threads(1)
         start = time.perf_counter()
@@ -126,7 +126,7 @@ class TrainerRank:
         """Rank 0 joins the weight-update group as its rank 0 (blocks until every engine joined)."""
         import torch
 
-        from miles_disagg.engines.builtin.dist_update import init_custom_process_group
+        from miles_disagg.distributed import init_custom_process_group
 
         if self.rank != 0:
             return

@@ -51,7 +51,7 @@ def parity_on_one_rank(model_dirs: list[str], num_tokens: int) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from miles_disagg.engines.launch import free_port
-    from miles_disagg.trainer.distributed import init_distributed
+    from miles_disagg.distributed import init_distributed
     from miles_disagg.trainer.megatron.backend import MegatronBackend
     from miles_disagg.trainer.megatron.batching import causal_mask
 
@@ -178,7 +178,7 @@ def train_variants(model_dir: str) -> dict:
     import torch.distributed as dist
 
     from miles_disagg.engines.launch import free_port
-    from miles_disagg.trainer.distributed import init_distributed
+    from miles_disagg.distributed import init_distributed
     from miles_disagg.trainer.megatron.backend import MegatronBackend
 
     init_distributed(0, 1, "127.0.0.1", free_port())

@@ -24,7 +24,7 @@ def test_fsdp2_step_and_export_on_one_gpu(tiny_qwen3_dir, monkeypatch) -> None:
     from safetensors import safe_open
 
     from miles_disagg.engines.launch import free_port
-    from miles_disagg.trainer.distributed import init_distributed
+    from miles_disagg.distributed import init_distributed
     from miles_disagg.trainer.fsdp import FSDPBackend
 
     init_distributed(0, 1, "127.0.0.1", free_port())
