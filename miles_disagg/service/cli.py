@@ -109,7 +109,7 @@ class PoolFlags(ServerFlags, ReplicaFlags):
 class LocalCommand(PoolFlags):
     """a gateway and N replica processes on this machine"""
 
-    replicas: int = flag(2, "Replica processes.")
+    replicas: int = flag(2, "Replica processes.", metavar="N")
 
 
 @dataclass(kw_only=True)
@@ -117,13 +117,13 @@ class RayCommand(PoolFlags):
     """a gateway and autoscaled replicas as Ray actors"""
 
     address: str | None = flag(None, "The rollout Ray cluster (default: start a local one).")
-    min_replicas: int = flag(1, "Never fewer replicas.")
-    max_replicas: int = flag(4, "Never more replicas.")
-    target_in_flight: float = flag(8.0, "Requests in flight per replica the pool is sized for.")
+    min_replicas: int = flag(1, "Never fewer replicas.", metavar="N")
+    max_replicas: int = flag(4, "Never more replicas.", metavar="N")
+    target_in_flight: float = flag(8.0, "Requests in flight per replica the pool is sized for.", metavar="N")
     scale_interval: float = flag(2.0, "Seconds between scaling decisions.", metavar="S")
     scale_down_delay: float = flag(30.0, "How long a smaller count must be wanted before replicas are removed.",
                                    metavar="S")
-    num_gpus_per_replica: float = flag(0.0, "GPUs each replica actor reserves.")
+    num_gpus_per_replica: float = flag(0.0, "GPUs each replica actor reserves.", metavar="N")
 
 
 ROLES = {"gateway": GatewayCommand, "replica": ReplicaCommand, "local": LocalCommand, "ray": RayCommand}
@@ -155,8 +155,8 @@ def _run_gateway(command: GatewayCommand) -> int:
     try:
         config = GatewayConfig(
             router=RouterConfig(health_check_interval_s=command.health_check_interval,
-                                health_check_timeout_s=command.health_check_timeout, retry_after_s=command.retry_after_s,
-                                request_timeout_s=command.request_timeout),
+                                health_check_timeout_s=command.health_check_timeout,
+                                retry_after_s=command.retry_after_s, request_timeout_s=command.request_timeout),
             heartbeat_timeout_s=command.heartbeat_timeout, forget_after_s=command.forget_after)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
@@ -178,8 +178,9 @@ def _run_replica(command: ReplicaCommand) -> int:
     local = command.local_checkpoint_dir
     try:
         engine = EngineSpec(backend="builtin" if kind == "url" else kind, model_path=command.base_dir.resolve(),
-                            local_checkpoint_dir=local, log_dir=command.log_dir or local.parent / f"{local.name}.logs",
-                            host=command.host, pre_read_hook=command.pre_read_hook, extra_args=tuple(command.engine_args),
+                            local_checkpoint_dir=local,
+                            log_dir=command.log_dir or local.parent / f"{local.name}.logs", host=command.host,
+                            pre_read_hook=command.pre_read_hook, extra_args=tuple(command.engine_args),
                             tp_size=command.tp_size, base_gpu_id=command.base_gpu_id, dtype=command.dtype)
         config = ReplicaConfig(
             replica_id=command.replica_id, store_dir=command.store, gateway_url=command.gateway, engine=engine,
