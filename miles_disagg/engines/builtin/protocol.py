@@ -22,7 +22,7 @@ from miles_disagg.httpjson import parse_body, parse_json  # noqa: F401  (re-expo
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 DEFAULT_GROUP = "weight_update_group"
-PAUSE_MODES = ("abort", "retract", "in_place")
+PauseMode = Literal["abort", "retract", "in_place"]
 
 # SGLang sampling knobs this engine does not implement, with their no-op values. A client that
 # sends the no-op value (as SGLang clients commonly do) is served; any other value is refused
@@ -249,7 +249,7 @@ class UpdateFromDisk(Body):
 class PauseGeneration(Body):
     """``PauseGenerationReqInput``."""
 
-    mode: Literal["abort", "retract", "in_place"] = "abort"
+    mode: PauseMode = "abort"
 
 
 class UpdateWeightVersion(Body):
