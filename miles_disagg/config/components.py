@@ -26,7 +26,7 @@ OPTIMIZERS = ("adam",)
 LR_DECAY_STYLES = ("constant",)
 ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_plus_plus", "ppo")
 CHECKPOINT_INITS = ("none", "tiny-qwen3", "tiny-qwen3-digits")
-ENGINE_DTYPES = ("auto", "float32", "bfloat16")
+ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # what the built-in engine (and SGLang) accept
 
 
 def _require(condition: bool, message: str) -> None:

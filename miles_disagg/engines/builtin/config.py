@@ -8,11 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_disagg.config.components import ENGINE_DTYPES  # weight dtypes the model runner loads
 from miles_disagg.config.fields import REQUIRED, flag
 
 DEVICES = ("cpu", "cuda")
-ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-"""Weight dtypes the model runner loads (``auto``: the checkpoint's ``torch_dtype``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
