@@ -98,7 +98,8 @@ class TrainerRank:
             return None
         return {"run_id": self.publisher.latest.run_id, "version": self.publisher.latest.version}
 
-    def train(self, steps: list[list[Sample]]) -> dict[str, float]:
+    def train(self, steps: list[list[Sample]]):
+        """This rank's share of each optimizer step -> the rollout's ``TrainResult``."""
         return self.backend.train(steps)
 
     def publish(self, full: bool = False):
