@@ -67,10 +67,13 @@ class TrainerRank:
         torch.save(self.backend.state_dict(), os.path.join(directory, f"rank{self.rank}.pt"))
 
     def save_hf(self, directory: str) -> None:
-        """Rank 0 writes the policy as an HF checkpoint (config and tokenizer from the base); collective."""
+        """Rank 0 writes the policy as an HF checkpoint (config and tokenizer from the base; not the
+        base's record of its random initialisation, which the trained weights no longer are); collective."""
         import shutil
 
         from safetensors.torch import save_file
+
+        from miles_disagg.models.tiny_qwen3 import INIT_RECORD_FILENAME
 
         tensors = {name: t.contiguous() for name, t in self.backend.named_tensors()}
         if self.rank != 0:
@@ -78,7 +81,7 @@ class TrainerRank:
         os.makedirs(directory, exist_ok=True)
         save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
         for name in os.listdir(self.hf_dir):
-            if not name.endswith(".safetensors") and not name.endswith(".index.json"):
+            if not name.endswith((".safetensors", ".index.json")) and name != INIT_RECORD_FILENAME:
                 source = os.path.join(self.hf_dir, name)
                 if os.path.isfile(source):
                     shutil.copy2(source, os.path.join(directory, name))
@@ -98,7 +101,8 @@ class TrainerRank:
             return None
         return {"run_id": self.publisher.latest.run_id, "version": self.publisher.latest.version}
 
-    def train(self, steps: list[list[Sample]]) -> dict[str, float]:
+    def train(self, steps: list[list[Sample]]):
+        """This rank's share of each optimizer step -> the rollout's ``TrainResult``."""
         return self.backend.train(steps)
 
     def publish(self, full: bool = False):
