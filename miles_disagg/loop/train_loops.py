@@ -37,7 +37,7 @@ def train_async(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         got_batch = time.perf_counter()
         if cfg.rollout.save_debug_rollout_data:
             save_groups(cfg.rollout.save_debug_rollout_data.format(rollout_id=step), batch.groups, version)
-        train_metrics = job.trainer.train(assign_advantages(batch.groups, cfg.train))
+        train_metrics = job.trainer.train(_advantages(batch, cfg.train))
         trained = time.perf_counter()
         update_metrics, pending = {}, None
         if (step + 1) % cfg.weights.update_weights_interval == 0:
@@ -80,7 +80,7 @@ def train_sync(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         start = time.perf_counter()
         batch = _rollout_batch(job, step, version)
         got_batch = time.perf_counter()
-        train_metrics = {} if cfg.rollout.debug_rollout_only else job.trainer.train(assign_advantages(batch.groups, cfg.train))
+        train_metrics = {} if cfg.rollout.debug_rollout_only else job.trainer.train(_advantages(batch, cfg.train))
         trained = time.perf_counter()
         update_metrics = {}
         if not cfg.rollout.debug_rollout_only and job.engines is not None:
@@ -92,6 +92,14 @@ def train_sync(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         timings = {"perf/rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
                    "perf/step_time": time.perf_counter() - start, "perf/engine_busy_fraction": busy.fraction()}
         _log_step(tracker, step, batch, train_metrics, update_metrics, timings)
+
+
+def _advantages(batch: RolloutBatch, train_config) -> list:
+    """The batch's samples with advantages: the estimator's, unless the rollout already set them
+    (``--custom-reward-post-process-path``)."""
+    if batch.advantages_given:
+        return [s for g in batch.groups for s in g.samples]
+    return assign_advantages(batch.groups, train_config)
 
 
 def _rollout_batch(job: Job, step: int, version: int) -> RolloutBatch:
