@@ -16,6 +16,8 @@ set one, else ``--custom-rm-path`` / ``--rm-type`` / the task's, on the response
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
 from typing import Any, Callable
 
 from miles_disagg.rollout.generate import GenerationFailed, generate_one, request_body, sample_from_response
@@ -109,5 +111,8 @@ class GroupGenerator:
         sample.response = sample.response or text
         sample.metadata["response_text"] = sample.response
         if sample.reward is None:
-            sample.reward = float(self._reward(sample.prompt, sample.response, sample.label, sample.metadata))
+            sample.reward = self._reward(sample.prompt, sample.response, sample.label, sample.metadata)
+        elif not isinstance(sample.reward, numbers.Real) or not math.isfinite(sample.reward):
+            raise GenerationFailed(f"a generate function set the reward to {sample.reward!r}; expected a finite number")
+        sample.reward = float(sample.reward)
         return sample

@@ -214,11 +214,13 @@ class RolloutManager:
 
     async def _produce_forever(self) -> None:
         try:
-            while True:
+            while self._failure is None:  # after a failure, take() reports it; stop generating
                 size = min(self.batch_size if self.hooks.rollout_function else 1, self.capacity)
                 while self._window + size > self.capacity:
                     self._room.clear()
                     await self._room.wait()
+                if self._failure is not None:
+                    break
                 self._window += size
                 self._spawn(self._fill(size))
         except asyncio.CancelledError:

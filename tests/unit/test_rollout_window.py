@@ -133,3 +133,26 @@ def prompt_continuation(request) -> str:
     """The correct count-up continuation of a request's prompt (reward 1.0)."""
     last = request.input_ids[0][-1] - 3
     return "".join(str((last + i) % 10) for i in range(1, 4))
+
+
+def test_sync_dynamic_sampling_over_samples_until_the_batch_is_full(tokenizer_dir):
+    """train.py: prompts are drawn --over-sampling-batch-size at a time until enough groups pass the filter."""
+    async def scenario():
+        router = FakeRouter()
+        manager = make_manager(tokenizer_dir, router, capacity=4, max_weight_staleness=None,
+                               over_sampling_batch_size=3,
+                               dynamic_sampling_filter_path="miles_disagg.rollout.filters.check_reward_nonzero_std")
+        generating = asyncio.create_task(manager.generate(2, 0))
+        first = await router.wait_requests(3)  # one over-sampling draw: 3 groups
+        router.answer(first[0], 0, ["000", prompt_continuation(first[0])])
+        router.answer(first[1], 0, "000")
+        router.answer(first[2], 0, "000")
+        second = await router.wait_requests(6)  # one kept of three: another draw of 3
+        router.answer(second[4], 0, ["000", prompt_continuation(second[4])])
+        batch = await generating  # the other two of the second draw are no longer needed
+        assert len(batch.groups) == 2 and manager.drawn == 6
+        assert all(len({s.reward for s in g.samples}) > 1 for g in batch.groups)
+        assert batch.metrics["rollout/dynamic_filtered_groups"] == 2
+        await manager.stop()
+
+    asyncio.run(scenario())
