@@ -23,6 +23,8 @@ import pytest
 
 from miles_disagg.tracking import read_metrics
 
+pytestmark = pytest.mark.timeout(900)  # whole runs on a shared 2-core machine
+
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 BATCH = 8
@@ -108,6 +110,7 @@ def test_dynamic_sampling_keeps_full_batches_without_zero_variance_groups(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_the_built_in_multi_turn_example_learns(tmp_path: Path) -> None:
     """``configs/tiny_cpu_multiturn.yaml`` (count-up-tool): the policy learns to count around the
     tool's answer; the tool's tokens are masked and never scored."""
