@@ -52,6 +52,9 @@ def check_runnable(config: RunConfig) -> None:
     for flag_name, value in (("--num-rollout", rollout.num_rollout), ("--rollout-batch-size", rollout.rollout_batch_size)):
         if value is None:
             raise ConfigError(f"{flag_name} is required to train", (flag_name,))
+    from miles_disagg.rollout.hooks import load_rollout_hooks
+
+    load_rollout_hooks(rollout)  # imported and signature-checked before anything starts
     ranks = config.cluster.num_actor_gpus
     batch = train.global_batch_size or rollout.rollout_batch_size * rollout.n_samples_per_prompt
     if batch % ranks:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 VERSION_DIR_PREFIX = "weight_v"
@@ -232,14 +233,34 @@ class VersionConstraint:
 # --------------------------------------------------------------------------- samples
 
 
+class SampleStatus(str, Enum):
+    """miles' ``Sample.Status`` values; a member equals its string (``SampleStatus.COMPLETED == "completed"``)."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
 @dataclass
 class Sample:
-    """One trajectory and the policy versions that generated it (from the response)."""
+    """One trajectory and the policy versions that generated it (from the response).
+
+    Field names are this project's; miles' names are read-only aliases (``tokens``,
+    ``response_length``, ``rollout_log_probs``, ``weight_versions``) so hooks written against
+    miles' ``Sample`` read the same values. A multi-turn episode appends to ``response_ids``
+    turn by turn: tokens the policy generated (``loss_mask`` 1, their engine logprob) and tokens
+    the environment inserted (``loss_mask`` 0, logprob 0.0 as a placeholder).
+    """
+
+    Status = SampleStatus  # miles spells statuses Sample.Status.COMPLETED
 
     prompt_ids: list[int]
     response_ids: list[int]
     response_logprobs: list[float]
-    reward: float = 0.0
+    reward: float | None = 0.0
+    """None only while a sample is being generated (a generate function may set it; else the reward function does)."""
     weight_version_start: int = BASE_VERSION
     weight_version_end: int = BASE_VERSION
     finish_reason: str = "length"
@@ -250,6 +271,15 @@ class Sample:
     output in a multi-turn episode), which get no gradient. None: every response token is trained."""
     status: str = "completed"
     """``completed``, ``truncated`` or ``aborted`` (miles' sample status)."""
+    prompt: str = ""
+    """The rendered prompt text (miles' ``prompt``)."""
+    label: Any = None
+    """The dataset label (miles' ``label``)."""
+    response: str = ""
+    """The response text: every turn, environment text included (miles' ``response``)."""
+    call_versions: list[list[int]] = field(default_factory=list)
+    """``[start, end]`` served versions of each engine call that generated part of this sample, in
+    order; ``weight_version_start`` is the first call's start, ``weight_version_end`` the last call's end."""
 
     def trained_mask(self) -> list[int]:
         """The loss mask, all ones when none was given."""
@@ -258,6 +288,67 @@ class Sample:
     @property
     def mixed_version(self) -> bool:
         return self.weight_version_start != self.weight_version_end
+
+    # miles' names, read-only
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt and response token ids (miles' ``tokens``)."""
+        return list(self.prompt_ids) + list(self.response_ids)
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def rollout_log_probs(self) -> list[float]:
+        return self.response_logprobs
+
+    @property
+    def weight_versions(self) -> list[str]:
+        """The version that finished each engine call, as strings (miles' ``weight_versions``)."""
+        calls = self.call_versions or [[self.weight_version_start, self.weight_version_end]]
+        return [str(end) for _, end in calls]
+
+    @property
+    def effective_response_length(self) -> int:
+        """Response tokens that are trained (``loss_mask`` 1)."""
+        return sum(self.trained_mask())
+
+    # building a sample turn by turn
+    def append_response(self, token_ids: list[int], logprobs: list[float] | None = None, *, trained: bool) -> None:
+        """Append ``token_ids`` to the response: ``trained=True`` for tokens the policy generated (their
+        engine logprobs, one per token), ``trained=False`` for environment or tool tokens (no gradient;
+        logprob 0.0 placeholders). The loss mask stays one entry per response token."""
+        token_ids = list(token_ids)
+        logprobs = [0.0] * len(token_ids) if logprobs is None else [float(x) for x in logprobs]
+        if len(logprobs) != len(token_ids):
+            raise InvalidInput(f"{len(token_ids)} tokens but {len(logprobs)} logprobs")
+        if not trained and self.loss_mask is None:
+            self.loss_mask = [1] * len(self.response_ids)
+        if self.loss_mask is not None:
+            self.loss_mask.extend([1 if trained else 0] * len(token_ids))
+        self.response_ids.extend(token_ids)
+        self.response_logprobs.extend(logprobs)
+
+    def record_engine_call(self, start: int, end: int) -> None:
+        """One engine call served by versions ``start``..``end``: the sample's start is its first call's."""
+        if not self.call_versions:
+            self.weight_version_start = start
+        self.call_versions.append([start, end])
+        self.weight_version_end = end
+
+    def check_consistent(self) -> None:
+        """``InvalidInput`` unless the per-token fields line up (one logprob and one mask entry per
+        response token) and the start/end versions are the first and last calls' versions."""
+        n = len(self.response_ids)
+        if len(self.response_logprobs) != n:
+            raise InvalidInput(f"{n} response tokens but {len(self.response_logprobs)} rollout logprobs")
+        if self.loss_mask is not None and (len(self.loss_mask) != n or set(self.loss_mask) - {0, 1}):
+            raise InvalidInput(f"loss_mask must hold one 0/1 per response token ({n}), got {self.loss_mask!r}")
+        if self.call_versions and [self.weight_version_start, self.weight_version_end] != \
+                [self.call_versions[0][0], self.call_versions[-1][1]]:
+            raise InvalidInput(f"start/end versions {self.weight_version_start}/{self.weight_version_end} are not "
+                               f"those of the first and last engine calls {self.call_versions}")
 
 
 @dataclass
@@ -281,6 +372,9 @@ class RolloutBatch:
 
     groups: list[Group]
     metrics: dict[str, float] = field(default_factory=dict)
+    advantages_given: bool = False
+    """True when the rollout already set every sample's ``advantage`` (``--custom-reward-post-process-path``):
+    the trainer's advantage estimator must not overwrite them."""
 
     @property
     def num_samples(self) -> int:

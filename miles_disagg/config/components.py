@@ -87,6 +87,13 @@ class RolloutConfig:
     rm_type: str | None = flag(None, "Rule reward: math, deepscaler, or a built-in task's name (default: the task's).")
     custom_rm_path: str | None = flag(None, "module:function reward(prompt, response, label, metadata) -> float.")
     rollout_concurrency: int = flag(64, "Most generation requests in flight at once (all engines together).")
+    custom_generate_function_path: str | None = flag(None, "pkg.module.function (or pkg.module:function): async generate(args, sample, sampling_params) -> Sample, called per sample instead of one batched request per group; may call the engines several times (multi-turn, tools).")
+    rollout_function_path: str | None = flag(None, "pkg.module.function: async generate_rollout(args, rollout_id, data_source, evaluation=False) -> groups; replaces how a batch of groups is generated.")
+    eval_function_path: str | None = flag(None, "pkg.module.function: async eval_rollout(args, rollout_id, data_source, evaluation=True) -> {name: {'rewards': [...], ...}}; replaces evaluation.")
+    dynamic_sampling_filter_path: str | None = flag(None, "pkg.module.function: filter(args, samples) -> FilterOutput | bool, per completed group; a dropped group is replaced by a new one (miles_disagg.rollout.filters.check_reward_nonzero_std: DAPO's zero-variance filter).")
+    over_sampling_batch_size: int | None = flag(None, "Groups drawn at a time while a batch is short of kept groups (train.py); groups in flight or buffered beyond one batch (train_async.py). Default: --rollout-batch-size.")
+    buffer_filter_path: str | None = flag(None, "pkg.module.function: buffer_filter(args, rollout_id, buffer, num_samples) -> the groups to train on next (default: the oldest admissible).")
+    custom_reward_post_process_path: str | None = flag(None, "pkg.module.function: post_process(args, samples) -> (raw_rewards, rewards); the rewards become the samples' advantages (no further normalization).")
     debug_rollout_only: bool = flag(False, "Generate and score without training (no weight updates).")
     debug_train_only: bool = flag(False, "Train on --load-debug-rollout-data without engines.")
     save_debug_rollout_data: str | None = flag(None, "Write each step's groups to this path pattern ({rollout_id} is replaced).")
@@ -101,6 +108,7 @@ class RolloutConfig:
         _require(self.rollout_batch_size is None or self.rollout_batch_size >= 1, "--rollout-batch-size must be >= 1")
         _require(self.max_weight_staleness is None or self.max_weight_staleness >= 0, "--max-weight-staleness must be >= 0")
         _require(self.rollout_concurrency >= 1, "--rollout-concurrency must be >= 1")
+        _require(self.over_sampling_batch_size is None or self.over_sampling_batch_size >= 1, "--over-sampling-batch-size must be >= 1")
         _require(self.rollout_health_check_interval > 0, "--rollout-health-check-interval must be > 0")
 
 

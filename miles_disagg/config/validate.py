@@ -92,6 +92,11 @@ def _check_topology(config: RunConfig) -> None:
 
 def _check_batches(config: RunConfig) -> None:
     rollout, train = config.rollout, config.train
+    if (rollout.over_sampling_batch_size is not None and rollout.rollout_batch_size is not None
+            and rollout.over_sampling_batch_size < rollout.rollout_batch_size):
+        raise ConfigError(f"--over-sampling-batch-size ({rollout.over_sampling_batch_size}) must be at least "
+                          f"--rollout-batch-size ({rollout.rollout_batch_size})",
+                          ("--over-sampling-batch-size", "--rollout-batch-size"))
     if rollout.rollout_batch_size is None or train.global_batch_size is None:
         return
     samples = rollout.rollout_batch_size * rollout.n_samples_per_prompt
@@ -123,8 +128,8 @@ def _check_save_and_eval(config: RunConfig) -> None:
             raise ConfigError(f"{flag_name} needs --save DIR", (flag_name, "--save"))
         if value is not None and value < 1:
             raise ConfigError(f"{flag_name} must be >= 1", (flag_name,))
-    if evaluation.eval_interval is not None and not evaluation.eval_prompt_data:
-        raise ConfigError("--eval-interval needs --eval-prompt-data name path [name path ...]",
+    if evaluation.eval_interval is not None and not evaluation.eval_prompt_data and not config.rollout.eval_function_path:
+        raise ConfigError("--eval-interval needs --eval-prompt-data name path [name path ...] (or --eval-function-path)",
                           ("--eval-interval", "--eval-prompt-data"))
     if train.load and Path(train.load).exists() and not Path(train.load).is_dir():
         raise ConfigError(f"--load {train.load!r} is not a directory", ("--load",))

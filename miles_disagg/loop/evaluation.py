@@ -1,4 +1,9 @@
-"""Evaluation with the exact current policy version; eval samples are never trained on."""
+"""Evaluation with the exact current policy version; eval samples are never trained on.
+
+With ``--eval-function-path`` the user's eval rollout replaces the built-in one: it is called with
+the eval prompt sets (``data_source.datasets``, possibly empty) and every engine call it makes
+through ``args.engine`` asks for exactly the current version.
+"""
 
 from __future__ import annotations
 
@@ -34,13 +39,17 @@ def maybe_evaluate(job, step: int, version: int, *, last: bool = False) -> dict[
 
     cfg = job.config
     interval = cfg.eval.eval_interval
-    if job.rollout is None or not cfg.eval.datasets or not (last or (interval and (step + 1) % interval == 0)):
+    has_data = bool(cfg.eval.datasets or cfg.rollout.eval_function_path)
+    if job.rollout is None or not has_data or not (last or (interval and (step + 1) % interval == 0)):
         return {}
     sampling = SamplingSettings(
         _max_len(cfg),
         cfg.eval.eval_temperature if cfg.eval.eval_temperature is not None else cfg.rollout.rollout_temperature,
         cfg.eval.eval_top_p if cfg.eval.eval_top_p is not None else cfg.rollout.rollout_top_p,
         cfg.rollout.rollout_top_k)
+    if cfg.rollout.eval_function_path:  # the user's eval rollout, over the same prompt sets
+        datasets = {name: eval_prompts(cfg, name, path, tokenizer=_tokenizer(cfg)) for name, path in cfg.eval.datasets}
+        return job.rollout.evaluate_with_function(step, version, datasets, sampling, cfg.eval.n_samples_per_eval_prompt)
     metrics: dict[str, Any] = {}
     for name, path in cfg.eval.datasets:
         prompts = eval_prompts(cfg, name, path, tokenizer=_tokenizer(cfg))

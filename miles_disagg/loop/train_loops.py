@@ -88,7 +88,7 @@ def _train(job: Job, tracker: MetricsTracker, step: int, batch: RolloutBatch) ->
     """Train on the batch; each optimizer step goes to the ``train_steps`` stream at once
     (``step`` = global optimizer step ``rollout_step * steps_per_rollout + k``); returns the
     rollout's summary for its record."""
-    result = job.trainer.train(assign_advantages(batch.groups, job.config.train))
+    result = job.trainer.train(_advantages(batch, job.config.train))
     for k, metrics in enumerate(result.steps):
         tracker.log_stream(TRAIN_STEPS_STREAM, step * len(result.steps) + k,
                            {"rollout_step": step, "step_in_rollout": k, **metrics})
@@ -115,6 +115,14 @@ def train_sync(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         timings = {"perf/rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
                    "perf/step_time": time.perf_counter() - start, "perf/engine_busy_fraction": busy.fraction()}
         _log_step(tracker, step, batch, train_metrics, update_metrics, timings)
+
+
+def _advantages(batch: RolloutBatch, train_config) -> list:
+    """The batch's samples with advantages: the estimator's, unless the rollout already set them
+    (``--custom-reward-post-process-path``)."""
+    if batch.advantages_given:
+        return [s for g in batch.groups for s in g.samples]
+    return assign_advantages(batch.groups, train_config)
 
 
 def _rollout_batch(job: Job, step: int, version: int) -> RolloutBatch:

@@ -16,6 +16,16 @@ returned in arrival order (first put, first taken) among the admissible ones.
 Consumers must pass a non-decreasing ``current_version``: a dropped group is gone, which
 is only right because versions never go back.
 
+Removal contract: every group leaves the buffer exactly once, taken or dropped. ``on_dropped(n)``
+(if given) is called, with the lock held, each time ``n`` stale groups are dropped - also while a
+consumer is still waiting - so a producer that bounds its window by groups "in flight or
+buffered" can reuse those slots at once instead of waiting for the next successful take
+(otherwise a window made entirely of groups that turned stale together would never refill).
+The callback must not call back into the buffer.
+
+Selection: by default a take returns the oldest admissible groups; ``select(groups, n)`` (the
+``--buffer-filter-path`` hook, see ``filters.buffer_selector``) may choose other ``n`` of them.
+
 Timeout contract: ``take`` is all or nothing. When ``timeout`` passes before ``n_groups``
 admissible groups are buffered it raises :class:`BufferTimeout` and leaves every
 admissible group in the buffer (stale groups found meanwhile stay dropped and are
@@ -29,6 +39,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from miles_disagg.types import Group, InvalidInput, MilesDisaggError, Retryable
 
@@ -92,10 +103,13 @@ def _is_count(value: object) -> bool:
 class GroupBuffer:
     """Completed groups waiting for the trainer; drops groups beyond the staleness bound."""
 
-    def __init__(self, max_weight_staleness: int | None):
+    def __init__(self, max_weight_staleness: int | None, *, on_dropped: Callable[[int], None] | None = None,
+                 select: Callable[[list[Group], int], list[Group]] | None = None):
         if max_weight_staleness is not None and not _is_count(max_weight_staleness):
             raise InvalidInput(f"max_weight_staleness must be None or an int >= 0, got {max_weight_staleness!r}")
         self.max_weight_staleness = max_weight_staleness
+        self._on_dropped = on_dropped
+        self._select = select
         self._cond = threading.Condition()
         self._groups: deque[Group] = deque()
         self._closed = False
@@ -122,7 +136,8 @@ class GroupBuffer:
     # ------------------------------------------------------------------ producer / consumer
 
     def put(self, group: Group) -> None:
-        """Add a completed group and wake waiting consumers; ``BufferClosed`` after close."""
+        """Add a completed group and wake waiting consumers; ``BufferClosed`` after close. A group
+        already stale against the newest version a consumer used is dropped (and counted) at once."""
         if not group.samples:
             raise InvalidInput(f"group of prompt {group.prompt_index} has no samples")
         with self._cond:
@@ -130,6 +145,8 @@ class GroupBuffer:
                 raise BufferClosed("put on a closed buffer")
             self._groups.append(group)
             self.num_put += 1
+            if self._last_version is not None:  # stale on arrival: drop it now, not at the next take
+                self._drop_stale(self._last_version)
             self._cond.notify_all()
 
     def take(self, n_groups: int, current_version: int, timeout: float | None = None) -> TakeResult:
@@ -152,6 +169,13 @@ class GroupBuffer:
                 if len(self._groups) >= n_groups:
                     return self._pop(n_groups, current_version)
                 self._wait_until(deadline, n_groups, timeout)
+
+    def drop_stale(self, current_version: int) -> int:
+        """Drop the groups that are stale against ``current_version`` now (the trainer moved on);
+        return how many. The same version rule as ``take`` applies."""
+        with self._cond:
+            self._check_version(current_version)
+            return self._drop_stale(current_version)
 
     def close(self) -> None:
         """Refuse further puts and takes and wake every waiter (they raise ``BufferClosed``)."""
@@ -193,16 +217,24 @@ class GroupBuffer:
                                "stale groups were already dropped against the newer version")
         self._last_version = current_version
 
-    def _drop_stale(self, current_version: int) -> None:
+    def _drop_stale(self, current_version: int) -> int:
         kept = deque(g for g in self._groups if self.is_admissible(g, current_version))
         dropped = len(self._groups) - len(kept)
         if dropped:
             self._groups = kept
             self.num_dropped += dropped
             self._dropped_unreported += dropped
+            if self._on_dropped is not None:
+                self._on_dropped(dropped)
+        return dropped
 
     def _pop(self, n_groups: int, current_version: int) -> TakeResult:
-        groups = [self._groups.popleft() for _ in range(n_groups)]
+        if self._select is None:
+            groups = [self._groups.popleft() for _ in range(n_groups)]
+        else:
+            groups = self._select(list(self._groups), n_groups)
+            chosen = {id(g) for g in groups}
+            self._groups = deque(g for g in self._groups if id(g) not in chosen)
         self.num_taken += n_groups
         dropped, self._dropped_unreported = self._dropped_unreported, 0
         return summarize(groups, current_version, dropped)

@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from miles_disagg.types import FailRun, Retryable, Sample
+from miles_disagg.types import FailRun, Retryable, Sample, SampleStatus
 
 RETRYABLE_STATUS = (409, 429, 502, 503)
 MAX_ATTEMPTS = 200
@@ -64,11 +64,16 @@ def sample_from_response(prompt_ids: list[int], payload: dict) -> Sample:
     triples = meta.get("output_token_logprobs") or []
     output_ids = list(payload.get("output_ids") or [t[1] for t in triples])
     finish = meta.get("finish_reason") or {}
+    reason = finish.get("type", "length") if isinstance(finish, dict) else str(finish)
     return Sample(
         prompt_ids=list(prompt_ids), response_ids=output_ids, response_logprobs=[float(t[0]) for t in triples],
-        weight_version_start=int(start), weight_version_end=int(end),
-        finish_reason=finish.get("type", "length") if isinstance(finish, dict) else str(finish),
+        weight_version_start=int(start), weight_version_end=int(end), finish_reason=reason,
+        status=STATUS_OF_FINISH.get(reason, SampleStatus.COMPLETED).value, call_versions=[[int(start), int(end)]],
     )
+
+
+STATUS_OF_FINISH = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+"""miles' sample status from SGLang's ``finish_reason.type``."""
 
 
 DISPATCHED_FAILURE = 502  # the router had sent it to a worker that then failed

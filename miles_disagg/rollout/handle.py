@@ -40,6 +40,12 @@ class RolloutManagerHandle:
         """Mean reward of ``n_samples`` per prompt, each served by exactly ``exact_version``."""
         return Pending([self._actor.evaluate.remote(prompts, exact_version, sampling, n_samples)]).result()
 
+    def evaluate_with_function(self, rollout_id: int, exact_version: int, datasets: dict[str, list], sampling,
+                               n_samples: int) -> dict[str, float]:
+        """``--eval-function-path``: ``eval/<name>`` metrics of the user's eval rollout at exactly ``exact_version``."""
+        return Pending([self._actor.evaluate_with_function.remote(rollout_id, exact_version, datasets, sampling,
+                                                                  n_samples)]).result()
+
     def data_position(self) -> int:
         return Pending([self._actor.data_position.remote()]).result()
 

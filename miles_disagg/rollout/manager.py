@@ -1,13 +1,23 @@
 """The rollout manager: keeps the engines busy and hands scored groups to the trainer.
 
-Run as a Ray actor (asyncio). ``start()`` launches a producer that keeps up to
-``--rollout-concurrency`` requests in flight through the router, groups
-``--n-samples-per-prompt`` samples per prompt, scores them and puts each finished group
-into the staleness-aware buffer. Each request asks for ``min_version = current - K``
+Run as a Ray actor (asyncio). ``start()`` launches a producer that keeps generating groups
+through the router (one group = ``--n-samples-per-prompt`` samples of a prompt), scores them,
+passes each through the dynamic sampling filter and puts the kept ones into the
+staleness-aware buffer. Each request asks for ``min_version = current - K``
 (``--max-weight-staleness``); ``take`` applies the same bound when the trainer consumes.
-The producer stops admitting new groups while ``capacity_groups`` are buffered or in
-flight, so a slow trainer does not make the engines generate work that will be dropped.
-Sync mode (``train.py``) uses ``generate(n)`` instead: exactly n groups, then idle.
+Sync mode (``train.py``) uses ``generate(n)`` instead: exactly n kept groups, then idle.
+
+The producer's window: at most ``capacity`` groups are in flight or buffered
+(``--rollout-batch-size + --over-sampling-batch-size`` by default). A group frees its slot the
+moment it leaves for good - taken by the trainer, dropped as stale (also while a take is still
+waiting, and when ``set_version`` makes buffered groups stale), filtered out, or lost - so the
+window refills even when every group in it turned stale at once (``K = 0``, or an activation
+slower than a training step).
+
+Extension points (``rollout/hooks.py``): a custom generate function replaces how each sample
+is generated, a rollout function replaces how a batch of groups is generated, an eval function
+replaces evaluation, a buffer filter chooses which buffered groups a take returns, and a reward
+post-process sets the samples' advantages.
 """
 
 from __future__ import annotations
@@ -16,29 +26,36 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from miles_disagg.config.actors import RolloutManagerConfig
 from miles_disagg.rollout.buffer import BufferClosed, BufferTimeout, GroupBuffer
-from miles_disagg.rollout.generate import (
-    GenerationFailed, RequestLost, SamplingSettings, generate_one, request_body, sample_from_response,
-)
+from miles_disagg.rollout.filters import apply_dynamic_filter, buffer_selector
+from miles_disagg.rollout.generate import GenerationFailed, RequestLost, SamplingSettings
+from miles_disagg.rollout.groups import GroupGenerator
+from miles_disagg.rollout.hook_args import EngineCaller, EvalSamples, PromptSamples, RolloutArgs
+from miles_disagg.rollout.hooks import load_rollout_hooks
+from miles_disagg.rollout.outputs import eval_metrics, groups_from_rollout_output, post_process_rewards
 from miles_disagg.types import Group, RolloutBatch
 
 log = logging.getLogger(__name__)
 
 
 class RolloutManager:
-    def __init__(self, config: RolloutManagerConfig, capacity_groups: int | None = None, data_position: int = 0):
-        """``data_position``: prompts already consumed by the run (a resumed run skips them)."""
+    def __init__(self, config: RolloutManagerConfig, capacity_groups: int | None = None, data_position: int = 0,
+                 *, http_transport=None):
+        """``data_position``: prompts already consumed by the run (a resumed run skips them);
+        ``http_transport``: an ``httpx`` transport to reach the router through (tests: a fake router)."""
         from transformers import AutoTokenizer
 
         from miles_disagg.rollout.prompts import make_prompt_source, make_reward
 
-        hf_dir, seed = config.hf_dir, config.seed
+        self.hf_dir, seed = config.hf_dir, config.seed
         self.config, self.router_url = config.rollout, config.router_url.rstrip("/")
         config = config.rollout
-        self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
         self.prompts = make_prompt_source(config, self.tokenizer, seed)
         self.drawn = data_position
         if data_position:
@@ -46,17 +63,27 @@ class RolloutManager:
             self.prompts.load_state_dict({**self.prompts.state_dict(), "epoch": data_position // n,
                                           "offset": data_position % n})
         self.reward = make_reward(config)
+        self.hooks = load_rollout_hooks(config)
         self.sampling = SamplingSettings(config.rollout_max_response_len, config.rollout_temperature,
                                          config.rollout_top_p, config.rollout_top_k)
-        self.buffer = GroupBuffer(config.max_weight_staleness)
-        self.capacity = capacity_groups or 2 * (config.rollout_batch_size or 1)
+        self.batch_size = config.rollout_batch_size or 1
+        self.over_sampling = config.over_sampling_batch_size or self.batch_size
+        select = buffer_selector(self.hooks.buffer_filter, lambda: self.args) if self.hooks.buffer_filter else None
+        self.buffer = GroupBuffer(config.max_weight_staleness, on_dropped=self._dropped_from_buffer, select=select)
+        self.capacity = capacity_groups or self.batch_size + self.over_sampling
         self.current_version = 0
         self.counters: dict[str, int] = {"requests": 0, "retried": 0, "version_not_ready": 0, "groups": 0}
+        self.filtered: Counter[str] = Counter()  # dynamic filter drops since the last batch, by reason
+        self.rollout_metrics: dict[str, float] = {}  # what a rollout function reported since the last batch
+        self._rollout_calls = 0
         self._client = None
+        self._transport = http_transport
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._producer: asyncio.Task | None = None
-        self._pending = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._window = 0  # groups drawn and not yet taken, dropped, filtered out or lost
+        self._room: asyncio.Event | None = None
         self._slots: asyncio.Semaphore | None = None
-        self._room: asyncio.Condition | None = None
         self._failure: BaseException | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -64,12 +91,36 @@ class RolloutManager:
     async def _ensure_client(self) -> None:
         import httpx
 
-        if self._client is None:
-            limits = httpx.Limits(max_connections=self.config.rollout_concurrency + 8)
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=limits)
-            # one request carries a whole group: the concurrency bound counts samples
-            self._slots = asyncio.Semaphore(max(1, self.config.rollout_concurrency // self.config.n_samples_per_prompt))
-            self._room = asyncio.Condition()
+        if self._client is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        limits = httpx.Limits(max_connections=self.config.rollout_concurrency + 8)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=limits,
+                                         transport=self._transport)
+        # one slot per group in flight: the concurrency bound counts samples
+        self._slots = asyncio.Semaphore(max(1, self.config.rollout_concurrency // self.config.n_samples_per_prompt))
+        self._room = asyncio.Event()
+        replay = not self.config.rollout_service_url  # a service request failed after dispatch is not replayed
+        self.generator = GroupGenerator(client=self._client, router_url=self.router_url, counters=self.counters,
+                                     tokenizer=self.tokenizer, reward=self.reward,
+                                     custom_generate=self.hooks.custom_generate, replay_after_dispatch=replay)
+        engine = EngineCaller(self._client, self.router_url, self.counters, self._training_bound, self.tokenizer,
+                              self.sampling.max_new_tokens, replay_after_dispatch=replay)
+        self.args = RolloutArgs(
+            rollout_batch_size=self.batch_size, n_samples_per_prompt=self.config.n_samples_per_prompt,
+            over_sampling_batch_size=self.over_sampling, sampling=self.sampling,
+            max_weight_staleness=self.config.max_weight_staleness, hf_checkpoint=self.hf_dir,
+            router_url=self.router_url, tokenizer=self.tokenizer, engine=engine,
+            run_group=lambda samples: self.generator.run_samples(samples, self.args))
+
+    def _training_bound(self) -> tuple[int | None, int | None]:
+        """The version constraint of a training request sent now."""
+        if self.config.rollout_exact_version:
+            return None, self.current_version
+        # sglang-router cannot route by version: no admission constraint there (the buffer still drops stale groups)
+        if self.config.router == "sglang":
+            return None, None
+        return self.buffer.admission_min_version(self.current_version), None
 
     async def start(self) -> None:
         """Begin continuous generation (train_async.py)."""
@@ -78,8 +129,10 @@ class RolloutManager:
             self._producer = asyncio.create_task(self._produce_forever())
 
     async def set_version(self, version: int) -> None:
-        """The trainer's newest version: new requests ask for at least ``version - K``."""
+        """The trainer's newest version: new requests ask for at least ``version - K``, and groups
+        already stale against it leave the buffer now (their slots go back to the producer)."""
         self.current_version = version
+        self.buffer.drop_stale(version)
 
     async def take(self, n_groups: int, current_version: int, timeout_s: float = 900.0) -> RolloutBatch:
         """The next ``n_groups`` admissible groups (oldest first) and their staleness metrics."""
@@ -93,60 +146,194 @@ class RolloutManager:
                 self._raise_failure()
                 if time.monotonic() > deadline:
                     raise
-        async with self._room:
-            self._pending -= len(result.groups) + result.num_dropped  # dropped groups left the buffer too
-            self._room.notify_all()
+        self._release(len(result.groups))
         return self._batch(result)
 
     async def generate(self, n_groups: int, current_version: int) -> RolloutBatch:
-        """Sync mode: generate exactly ``n_groups`` groups now and return them."""
+        """Sync mode: generate exactly ``n_groups`` kept groups now and return them."""
         await self._ensure_client()
         self.current_version = current_version
-        prompts = self._draw(n_groups)
-        groups = await asyncio.gather(*(self._group(p) for p in prompts))
-        for g in groups:
-            self.buffer.put(g)
+        if self.hooks.rollout_function is not None:
+            groups = await self._rollout_function_groups()
+            if len(groups) != n_groups:
+                raise GenerationFailed(f"--rollout-function-path returned {len(groups)} groups; "
+                                       f"--rollout-batch-size is {n_groups}")
+        else:
+            groups = await self._generate_kept(n_groups)
+        for group in groups:
+            self.buffer.put(group)
         result = await asyncio.to_thread(self.buffer.take, n_groups, current_version, 60.0)
         return self._batch(result)
 
-    def _batch(self, result) -> RolloutBatch:
-        return RolloutBatch(result.groups, {**result.metrics(), **self._group_metrics(result.groups),
-                                            **self._counter_metrics()})
-
     async def stop(self) -> None:
-        if self._producer is not None:
-            self._producer.cancel()
+        for task in [self._producer, *self._tasks]:
+            if task is not None:
+                task.cancel()
         self.buffer.close()
         if self._client is not None:
             await self._client.aclose()
 
-    def _draw(self, n: int):
-        self.drawn += n
-        return self.prompts.next_batch(n)
-
     def data_position(self) -> int:
         """Prompts whose groups the trainer has or will have consumed: drawn minus those still
         buffered or in flight (a resumed run generates those again)."""
-        return self.drawn - self._pending
+        return self.drawn - self._window
+
+    # ------------------------------------------------------------------ evaluation
 
     async def evaluate(self, prompts: list, exact_version: int, sampling: SamplingSettings,
                        n_samples: int) -> dict[str, float]:
         """Mean reward of ``n_samples`` per prompt, each served by exactly ``exact_version``."""
         await self._ensure_client()
-
-        async def one(prompt) -> list[float]:
-            prompt_ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
-            body = request_body(prompt_ids, sampling, None, exact_version=exact_version, num_samples=n_samples)
-            async with self._slots:
-                payload = await generate_one(self._client, self.router_url, body, self.counters)
-            items = payload if isinstance(payload, list) else [payload]
-            samples = [self._score(prompt, prompt_ids, item, None) for item in items]
-            if any(s.weight_version_start != exact_version or s.weight_version_end != exact_version for s in samples):
-                raise GenerationFailed(f"an eval sample was not served by exactly version {exact_version}")
-            return [s.reward for s in samples]
-
-        rewards = [r for rs in await asyncio.gather(*(one(p) for p in prompts)) for r in rs]
+        args = self._eval_args(exact_version, sampling)
+        groups = await asyncio.gather(*(self._make_group(p, n_samples, args, lambda: (None, exact_version))
+                                        for p in prompts))
+        samples = [s for g in groups for s in g.samples]
+        _check_exact(samples, exact_version)
+        rewards = [s.reward for s in samples]
         return {"reward": sum(rewards) / len(rewards), "samples": float(len(rewards)), "version": float(exact_version)}
+
+    async def evaluate_with_function(self, rollout_id: int, exact_version: int, datasets: dict[str, list],
+                                     sampling: SamplingSettings, n_samples: int) -> dict[str, float]:
+        """``--eval-function-path``: the user's eval rollout over ``datasets`` (name -> prompts); every
+        engine call asks for exactly ``exact_version``. Returns ``eval/<name>`` metrics."""
+        await self._ensure_client()
+        args = self._eval_args(exact_version, sampling)
+        source = EvalSamples({name: [self.generator.pending_group(p, n_samples) for p in prompts]
+                              for name, prompts in datasets.items()})
+        output = await self.hooks.eval_function(args, rollout_id, source, evaluation=True)
+        for info in (getattr(output, "data", output) or {}).values():
+            _check_exact(list(info.get("samples") or []) if isinstance(info, dict) else [], exact_version)
+        return eval_metrics(output, exact_version)
+
+    def _eval_args(self, exact_version: int, sampling: SamplingSettings) -> RolloutArgs:
+        eval_args = self.args.for_evaluation(exact_version, sampling,
+                                             run_group=lambda samples: self.generator.run_samples(samples, eval_args))
+        return eval_args
+
+    # ------------------------------------------------------------------ producer (async mode)
+
+    async def _produce_forever(self) -> None:
+        try:
+            while self._failure is None:  # after a failure, take() reports it; stop generating
+                size = min(self.batch_size if self.hooks.rollout_function else 1, self.capacity)
+                while self._window + size > self.capacity:
+                    self._room.clear()
+                    await self._room.wait()
+                if self._failure is not None:
+                    break
+                self._window += size
+                self._spawn(self._fill(size))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # surfaced to the trainer by take()
+            self._failure = exc
+            raise
+
+    async def _fill(self, reserved: int) -> None:
+        """Generate ``reserved`` groups' worth into the buffer; free the slots of those that do not arrive."""
+        put = 0
+        try:
+            if self.hooks.rollout_function is not None:
+                groups = await self._rollout_function_groups()
+            else:
+                group = await self._make_group(self._draw(1)[0], self.config.n_samples_per_prompt, self.args,
+                                               self._training_bound)
+                groups = [group] if self._keep(group) else []
+            for group in groups:
+                self.buffer.put(group)
+                put += 1
+        except asyncio.CancelledError:
+            raise
+        except RequestLost:
+            self.counters["lost_groups"] = self.counters.get("lost_groups", 0) + 1
+        except BufferClosed:
+            return
+        except BaseException as exc:
+            log.exception("rollout group failed")
+            self._failure = exc
+        self._release(reserved - put)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
+
+    def _release(self, n: int) -> None:
+        """``n`` groups left the window (in the event loop's thread)."""
+        if self._producer is None or n == 0:
+            return
+        self._window -= n
+        self._room.set()
+
+    def _dropped_from_buffer(self, n: int) -> None:
+        """The buffer dropped ``n`` stale groups (any thread, buffer lock held)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._release, n)
+
+    # ------------------------------------------------------------------ groups
+
+    async def _make_group(self, prompt, n: int, args: RolloutArgs, bound) -> Group:
+        async with self._slots:
+            return await self.generator.group(prompt, n, args, bound)
+
+    def _keep(self, group: Group) -> bool:
+        """The dynamic sampling filter's decision; a drop is counted by its reason."""
+        decision = apply_dynamic_filter(self.hooks.dynamic_filter, self.args, group)
+        if not decision.keep:
+            self.filtered[decision.reason or "filtered"] += 1
+        return decision.keep
+
+    async def _generate_kept(self, n_groups: int) -> list[Group]:
+        """Sync mode: draw ``--over-sampling-batch-size`` prompts at a time until ``n_groups`` groups
+        passed the dynamic filter; groups still in flight then are cancelled, extra kept ones discarded."""
+        kept: list[Group] = []
+        pending: set[asyncio.Task] = set()
+        try:
+            while len(kept) < n_groups:
+                while len(kept) + len(pending) < n_groups:
+                    for prompt in self._draw(self.over_sampling if self.hooks.dynamic_filter else n_groups):
+                        pending.add(asyncio.create_task(self._make_group(
+                            prompt, self.config.n_samples_per_prompt, self.args, self._training_bound)))
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                kept.extend(g for g in (t.result() for t in done) if self._keep(g))
+        finally:
+            for task in pending:
+                task.cancel()
+        return kept[:n_groups]
+
+    async def _rollout_function_groups(self) -> list[Group]:
+        """One call of ``--rollout-function-path``: its groups, each sample checked and scored."""
+        source = PromptSamples(self._draw, self.generator.pending_group, self.config.n_samples_per_prompt)
+        rollout_id, self._rollout_calls = self._rollout_calls, self._rollout_calls + 1
+        output = await self.hooks.rollout_function(self.args, rollout_id, source, evaluation=False)
+        groups, metrics = groups_from_rollout_output(output, lambda s: self.generator.finish(s, self.args))
+        self.rollout_metrics.update(metrics)
+        return groups
+
+    def _draw(self, n: int):
+        self.drawn += n
+        return self.prompts.next_batch(n)
+
+    # ------------------------------------------------------------------ batches and metrics
+
+    def _batch(self, result) -> RolloutBatch:
+        advantages_given = False
+        if self.hooks.reward_post_process is not None:
+            post_process_rewards(self.hooks.reward_post_process, self.args, result.groups)
+            advantages_given = True
+        metrics = {**result.metrics(), **self._group_metrics(result.groups), **self._counter_metrics(),
+                   **self._filter_metrics(), **self.rollout_metrics}
+        self.rollout_metrics = {}
+        return RolloutBatch(result.groups, metrics, advantages_given=advantages_given)
+
+    def _filter_metrics(self) -> dict[str, float]:
+        """Groups the dynamic filter dropped since the previous batch (total and by reason)."""
+        if self.hooks.dynamic_filter is None:
+            return {}
+        metrics = {"rollout/dynamic_filtered_groups": float(sum(self.filtered.values()))}
+        metrics.update({f"rollout/dynamic_filter/drop_{reason}": float(n) for reason, n in self.filtered.items()})
+        self.filtered.clear()
+        return metrics
 
     def _counter_metrics(self) -> dict[str, float]:
         """Cumulative request counters (retries of refused requests, groups given up)."""
@@ -154,80 +341,31 @@ class RolloutManager:
                 "rollout/version_not_ready": float(self.counters.get("version_not_ready", 0)),
                 "rollout/lost_groups": float(self.counters.get("lost_groups", 0))}
 
-    # ------------------------------------------------------------------ producer
-
-    async def _produce_forever(self) -> None:
-        try:
-            while True:
-                async with self._room:
-                    await self._room.wait_for(lambda: self._pending < self.capacity)
-                    self._pending += 1
-                prompt = self._draw(1)[0]
-                asyncio.create_task(self._group_into_buffer(prompt))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # surfaced to the trainer by take()
-            self._failure = exc
-            raise
-
-    async def _group_into_buffer(self, prompt) -> None:
-        try:
-            self.buffer.put(await self._group(prompt))
-        except asyncio.CancelledError:
-            raise
-        except RequestLost:
-            self.counters["lost_groups"] = self.counters.get("lost_groups", 0) + 1
-            async with self._room:  # the group will never arrive: free its slot
-                self._pending -= 1
-                self._room.notify_all()
-        except BaseException as exc:
-            if not isinstance(exc, BufferClosed):
-                log.exception("rollout group failed")
-                self._failure = exc
-
-    async def _group(self, prompt) -> Group:
-        """All samples of one prompt in one batched request (one engine serves the group)."""
-        n = self.config.n_samples_per_prompt
-        prompt_ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
-        # sglang-router cannot route by version: no admission constraint there (the buffer still drops stale groups)
-        min_version = None if self.config.router == "sglang" else self.buffer.admission_min_version(self.current_version)
-        exact = self.current_version if self.config.rollout_exact_version else None
-        body = request_body(prompt_ids, self.sampling, min_version, exact_version=exact, num_samples=n)
-        async with self._slots:
-            self.counters["requests"] += 1
-            # a service request that failed after dispatch is not replayed (it carries no idempotency key)
-            payload = await generate_one(self._client, self.router_url, body, self.counters,
-                                         replay_after_dispatch=not self.config.rollout_service_url)
-        items = payload if isinstance(payload, list) else [payload]
-        if len(items) != n:
-            raise GenerationFailed(f"asked for {n} samples of one prompt, got {len(items)}")
-        samples = [self._score(prompt, prompt_ids, item, min_version) for item in items]
-        self.counters["groups"] += 1
-        return Group(prompt_index=prompt.index, samples=samples)
-
-    def _score(self, prompt, prompt_ids: list[int], item: dict, min_version: int | None):
-        sample = sample_from_response(prompt_ids, item)
-        text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-        sample.reward = float(self.reward(prompt.text, text, prompt.label, dict(prompt.metadata)))
-        sample.metadata.update({"prompt_index": prompt.index, "response_text": text,
-                                "requested_min_version": min_version,
-                                "routed_worker": item["meta_info"].get("routed_worker")})
-        return sample
-
     def _raise_failure(self) -> None:
         if self._failure is not None:
             raise self._failure
 
     @staticmethod
-    def _group_metrics(groups: list[Group]) -> dict[str, float]:
+    def _group_metrics(groups: list[Group]) -> dict[str, Any]:
         samples = [s for g in groups for s in g.samples]
         if not samples:
             return {}
         lengths = [len(s.response_ids) for s in samples]
-        return {"rollout/raw_reward": sum(s.reward for s in samples) / len(samples),
-                "rollout/response_len_mean": sum(lengths) / len(lengths),
-                "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
-                "rollout/served_version_mean": _mean(s.weight_version_end for s in samples)}
+        metrics = {"rollout/raw_reward": sum(s.reward for s in samples) / len(samples),
+                   "rollout/response_len_mean": sum(lengths) / len(lengths),
+                   "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
+                   "rollout/served_version_mean": _mean(s.weight_version_end for s in samples)}
+        if any(s.loss_mask is not None for s in samples):
+            metrics["rollout/trained_token_ratio"] = sum(s.effective_response_length for s in samples) / sum(lengths)
+            metrics["rollout/engine_calls_mean"] = _mean(len(s.call_versions) for s in samples)
+        return metrics
+
+
+def _check_exact(samples: list, exact_version: int) -> None:
+    for s in samples:
+        if any(call != [exact_version, exact_version] for call in s.call_versions or [[s.weight_version_start,
+                                                                                       s.weight_version_end]]):
+            raise GenerationFailed(f"an eval sample was not served by exactly version {exact_version}")
 
 
 def _mean(values) -> float:

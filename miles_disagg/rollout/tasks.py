@@ -6,6 +6,11 @@ character is one more than the character before it (the prompt's last digit for 
 position), so each correct step earns credit even after a mistake. A random policy over a
 digits vocabulary scores about 0.05; a tiny Qwen3 learns it from random weights in a few
 dozen GRPO steps.
+
+``count-up-tool``: the multi-turn version (two policy turns around a counter tool's output,
+which is masked out of the loss); it needs its generate function,
+``--custom-generate-function-path miles_disagg.rollout.counter_tool.generate``
+(``rollout/counter_tool.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +49,14 @@ def count_up_prompts(num_prompts: int, response_len: int, seed: int) -> list[Pro
     return prompts
 
 
-TASKS = {"count-up": (count_up_prompts, count_up_reward)}
+def _task_table() -> dict:
+    from miles_disagg.rollout.counter_tool import count_up_tool_prompts, count_up_tool_reward
+
+    return {"count-up": (count_up_prompts, count_up_reward),
+            "count-up-tool": (count_up_tool_prompts, count_up_tool_reward)}
+
+
+TASKS = _task_table()
 for _name, (_, _reward) in TASKS.items():
     register_reward(_name, _reward)
 

@@ -1,0 +1,118 @@
+"""One group (the ``n_samples_per_prompt`` samples of a prompt): generate, check and score it.
+
+Two ways to generate, chosen by ``--custom-generate-function-path``:
+
+* default: one batched ``/generate`` through the router carries the whole group (one engine
+  serves it), single turn;
+* custom: the user's ``async generate(args, sample, sampling_params)`` runs once per sample, all
+  samples of the group concurrently; it may call the engines several times through
+  ``args.engine`` (multi-turn, tool use) and insert environment tokens with ``loss_mask`` 0.
+
+Either way each sample leaves here with its served versions (start of its first engine call, end
+of its last), consistent per-token fields, a status and a reward (the generate function's if it
+set one, else ``--custom-rm-path`` / ``--rm-type`` / the task's, on the response text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import numbers
+from typing import Any, Callable
+
+from miles_disagg.rollout.generate import GenerationFailed, generate_one, request_body, sample_from_response
+from miles_disagg.rollout.hook_args import RolloutArgs
+from miles_disagg.types import Group, InvalidInput, Sample, SampleStatus
+
+VersionBound = Callable[[], "tuple[int | None, int | None]"]
+
+
+class GroupGenerator:
+    """Makes scored groups for the rollout manager (training, evaluation, and rollout functions)."""
+
+    def __init__(self, *, client, router_url: str, counters: dict[str, int], tokenizer, reward,
+                 custom_generate: Callable | None, replay_after_dispatch: bool):
+        self._client, self._url, self._counters = client, router_url, counters
+        self.tokenizer, self._reward, self._custom = tokenizer, reward, custom_generate
+        self._replay = replay_after_dispatch
+
+    # ------------------------------------------------------------------ pending samples
+
+    def pending_group(self, prompt, n: int) -> list[Sample]:
+        """``n`` not-yet-generated samples of ``prompt`` (miles' PENDING samples)."""
+        prompt_ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+        return [Sample(prompt_ids=list(prompt_ids), response_ids=[], response_logprobs=[], reward=None,
+                       prompt=prompt.text, label=prompt.label, status=SampleStatus.PENDING.value,
+                       metadata={**dict(prompt.metadata), "prompt_index": prompt.index})
+                for _ in range(n)]
+
+    # ------------------------------------------------------------------ generation
+
+    async def group(self, prompt, n: int, args: RolloutArgs, bound: VersionBound) -> Group:
+        """All ``n`` samples of ``prompt``, generated and scored."""
+        if self._custom is None:
+            samples = await self._batched(prompt, n, args, bound)
+        else:
+            samples = await self.run_samples(self.pending_group(prompt, n), args)
+        self._counters["groups"] = self._counters.get("groups", 0) + 1
+        return Group(prompt_index=prompt.index, samples=samples)
+
+    async def run_samples(self, samples: list[Sample], args: RolloutArgs) -> list[Sample]:
+        """Generate (custom function, or one engine call each) and score pending samples concurrently."""
+        return list(await asyncio.gather(*(self._one(sample, args) for sample in samples)))
+
+    async def _one(self, sample: Sample, args: RolloutArgs) -> Sample:
+        if self._custom is None:
+            result = await args.engine.generate(sample, args.sampling_params)
+        else:
+            result = await self._custom(args, sample, args.sampling_params)
+        return self.finish(result, args)
+
+    async def _batched(self, prompt, n: int, args: RolloutArgs, bound: VersionBound) -> list[Sample]:
+        prompt_ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+        min_version, exact_version = bound()
+        body = request_body(prompt_ids, args.sampling, min_version, exact_version=exact_version, num_samples=n)
+        self._counters["requests"] = self._counters.get("requests", 0) + 1
+        payload = await generate_one(self._client, self._url, body, self._counters,
+                                     replay_after_dispatch=self._replay)
+        items = payload if isinstance(payload, list) else [payload]
+        if len(items) != n:
+            raise GenerationFailed(f"asked for {n} samples of one prompt, got {len(items)}")
+        samples = []
+        for item in items:
+            sample = sample_from_response(prompt_ids, item)
+            sample.prompt, sample.label, sample.reward = prompt.text, prompt.label, None
+            sample.metadata.update({**dict(prompt.metadata), "prompt_index": prompt.index,
+                                    "requested_min_version": min_version,
+                                    "routed_worker": item["meta_info"].get("routed_worker")})
+            samples.append(self.finish(sample, args))
+        return samples
+
+    # ------------------------------------------------------------------ checks and reward
+
+    def finish(self, sample: Any, args: RolloutArgs) -> Sample:
+        """Check a generated sample and score it (unless its generate function already did)."""
+        if not isinstance(sample, Sample):
+            raise GenerationFailed(f"a generate function returned {type(sample).__name__}, not a Sample "
+                                   "(several samples per prompt: raise --n-samples-per-prompt instead)")
+        if not sample.call_versions:
+            raise GenerationFailed("a sample reached the rollout without an engine call recorded: every call must "
+                                   "go through args.engine.generate (it adds the version constraint and records "
+                                   "the versions that served it)")
+        if not sample.response_ids:
+            raise GenerationFailed("a generated sample has an empty response")
+        try:
+            sample.check_consistent()
+        except InvalidInput as exc:
+            raise GenerationFailed(f"a generated sample is inconsistent: {exc}") from None
+        if sample.status == SampleStatus.PENDING:
+            sample.status = SampleStatus.COMPLETED.value
+        text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+        sample.response = sample.response or text
+        sample.metadata["response_text"] = sample.response
+        if sample.reward is None:
+            sample.reward = self._reward(sample.prompt, sample.response, sample.label, sample.metadata)
+        elif not isinstance(sample.reward, numbers.Real) or not math.isfinite(sample.reward):
+            raise GenerationFailed(f"a generate function set the reward to {sample.reward!r}; expected a finite number")
+        sample.reward = float(sample.reward)
+        return sample

@@ -1,0 +1,173 @@
+"""What rollout hooks receive: ``args`` (a small typed object, not the run's config), the engine
+caller that every generation goes through, and the prompt source of a rollout function.
+
+miles hands its hooks the whole argument namespace. Ours get :class:`RolloutArgs`, whose fields
+keep miles' names for what a hook typically reads:
+
+=================================  ==========================================================
+miles                              here
+=================================  ==========================================================
+``args.rollout_batch_size``        ``args.rollout_batch_size`` (groups per training step)
+``args.n_samples_per_prompt``      ``args.n_samples_per_prompt``
+``args.over_sampling_batch_size``  ``args.over_sampling_batch_size``
+``args.rollout_max_response_len``  ``args.rollout_max_response_len`` (the whole episode's budget)
+``args.rollout_temperature`` ...   ``args.rollout_temperature``, ``rollout_top_p``, ``rollout_top_k``
+``GenerateState(args).sampling_params``  ``args.sampling_params`` (a fresh dict each time)
+``GenerateState(args).tokenizer``  ``args.tokenizer``
+``args.sglang_router_ip/port``     ``args.sglang_router_ip``, ``args.sglang_router_port``, ``args.router_url``
+``args.hf_checkpoint``             ``args.hf_checkpoint``
+``post(router_url + "/generate")`` ``await args.engine.generate(sample, sampling_params)``
+``generate_and_rm_group(...)``     ``await args.generate_group(samples)``
+=================================  ==========================================================
+
+Every engine call must go through ``args.engine``: it adds the request's version constraint
+(``min_version = current - K``, or the exact version during evaluation), retries refusals,
+appends the generated tokens with ``loss_mask`` 1 and their logprobs, and records the versions
+that served the call. A sample that reaches the trainer without a recorded call is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Awaitable, Callable
+from urllib.parse import urlsplit
+
+from miles_disagg.rollout.generate import GenerationFailed, SamplingSettings, generate_one, sample_from_response
+from miles_disagg.types import Sample, SampleStatus
+
+VersionBound = Callable[[], "tuple[int | None, int | None]"]
+"""Called at each request: ``(min_version, exact_version)`` to ask for (either may be None)."""
+
+
+class EngineCaller:
+    """Version-constrained ``/generate`` calls through the router on behalf of rollout hooks."""
+
+    def __init__(self, client, router_url: str, counters: dict[str, int], version_bound: VersionBound,
+                 tokenizer, max_response_len: int, *, replay_after_dispatch: bool = True):
+        self._client, self._url, self._counters = client, router_url, counters
+        self._version_bound, self._tokenizer = version_bound, tokenizer
+        self._max_response_len = max_response_len
+        self._replay = replay_after_dispatch
+
+    def with_bound(self, version_bound: VersionBound, max_response_len: int | None = None) -> "EngineCaller":
+        """The same caller asking for other versions (evaluation asks for exactly one)."""
+        return EngineCaller(self._client, self._url, self._counters, version_bound, self._tokenizer,
+                            max_response_len or self._max_response_len, replay_after_dispatch=self._replay)
+
+    async def generate(self, sample: Sample, sampling_params: dict[str, Any] | None = None) -> Sample:
+        """Continue ``sample`` (prompt and response so far) with one engine call and append the result.
+
+        ``max_new_tokens`` is capped by what is left of ``--rollout-max-response-len`` after the
+        response so far; with nothing left the sample is marked truncated and no call is made.
+        The call asks for the version bound in force now (not at the episode's start).
+        """
+        params = dict(sampling_params or {})
+        left = self._max_response_len - len(sample.response_ids)
+        params["max_new_tokens"] = min(int(params.get("max_new_tokens", left)), left)
+        if params["max_new_tokens"] <= 0:
+            sample.status, sample.finish_reason = SampleStatus.TRUNCATED.value, "length"
+            return sample
+        min_version, exact_version = self._version_bound()
+        body: dict[str, Any] = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True}
+        if exact_version is not None:
+            body["weight_version"] = {"exact_version": exact_version}
+        elif min_version is not None:
+            body["weight_version"] = {"min_version": min_version}
+        self._counters["requests"] = self._counters.get("requests", 0) + 1
+        payload = await generate_one(self._client, self._url, body, self._counters,
+                                     replay_after_dispatch=self._replay)
+        if not isinstance(payload, dict):
+            raise GenerationFailed(f"one prompt was sent, the router answered {type(payload).__name__}")
+        part = sample_from_response(sample.tokens, payload)
+        sample.append_response(part.response_ids, part.response_logprobs, trained=True)
+        sample.record_engine_call(part.weight_version_start, part.weight_version_end)
+        sample.response += self._tokenizer.decode(part.response_ids, skip_special_tokens=True)
+        sample.finish_reason, sample.status = part.finish_reason, part.status
+        sample.metadata.setdefault("requested_versions", []).append(
+            {"min_version": min_version, "exact_version": exact_version})
+        return sample
+
+    def append_tool_output(self, sample: Sample, text: str) -> list[int]:
+        """Append environment/tool ``text`` to the response: its tokens get ``loss_mask`` 0 (no gradient)."""
+        ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
+        sample.append_response(ids, trained=False)
+        sample.response += text
+        return ids
+
+
+@dataclass(frozen=True)
+class RolloutArgs:
+    """What a rollout hook gets as ``args`` (see the module docstring for the mapping to miles' args)."""
+
+    rollout_batch_size: int
+    n_samples_per_prompt: int
+    over_sampling_batch_size: int
+    sampling: SamplingSettings
+    max_weight_staleness: int | None
+    hf_checkpoint: str
+    router_url: str
+    tokenizer: Any = field(repr=False)
+    engine: EngineCaller = field(repr=False)
+    evaluation: bool = False
+    run_group: Callable[[list[Sample]], Awaitable[list[Sample]]] | None = field(default=None, repr=False)
+
+    @property
+    def rollout_max_response_len(self) -> int:
+        return self.sampling.max_new_tokens
+
+    @property
+    def rollout_temperature(self) -> float:
+        return self.sampling.temperature
+
+    @property
+    def rollout_top_p(self) -> float:
+        return self.sampling.top_p
+
+    @property
+    def rollout_top_k(self) -> int:
+        return self.sampling.top_k
+
+    @property
+    def sampling_params(self) -> dict[str, Any]:
+        """The run's sampling parameters as an SGLang ``sampling_params`` dict (a new dict each time)."""
+        return self.sampling.to_json()
+
+    @property
+    def sglang_router_ip(self) -> str:
+        return urlsplit(self.router_url).hostname or ""
+
+    @property
+    def sglang_router_port(self) -> int:
+        return urlsplit(self.router_url).port or 80
+
+    async def generate_group(self, samples: list[Sample]) -> list[Sample]:
+        """Generate and score one group of pending samples the way the rollout does (the custom
+        generate function if one is configured, then the reward)."""
+        if self.run_group is None:
+            raise GenerationFailed("this args object cannot generate groups")
+        return await self.run_group(samples)
+
+    def for_evaluation(self, exact_version: int, sampling: SamplingSettings,
+                       run_group: Callable[[list[Sample]], Awaitable[list[Sample]]] | None) -> "RolloutArgs":
+        return replace(self, evaluation=True, sampling=sampling, run_group=run_group,
+                       engine=self.engine.with_bound(lambda: (None, exact_version), sampling.max_new_tokens))
+
+
+class PromptSamples:
+    """A rollout function's ``data_source``: ``get_samples(n)`` draws ``n`` prompts and returns ``n``
+    groups of ``n_samples_per_prompt`` pending samples (miles' ``DataSource.get_samples``)."""
+
+    def __init__(self, draw: Callable[[int], list], make_group: Callable[[Any, int], list[Sample]],
+                 n_samples_per_prompt: int):
+        self._draw, self._make_group, self._n = draw, make_group, n_samples_per_prompt
+
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        return [self._make_group(prompt, self._n) for prompt in self._draw(num_samples)]
+
+
+@dataclass
+class EvalSamples:
+    """An eval function's ``data_source``: each ``--eval-prompt-data`` set by name, as groups of
+    ``--n-samples-per-eval-prompt`` pending samples."""
+
+    datasets: dict[str, list[list[Sample]]]
