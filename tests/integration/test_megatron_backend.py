@@ -5,7 +5,8 @@
 - Tensor parallelism: TP=2 exports the same bytes as TP=1 for the same weights, and one
   GRPO step gives the same loss and (to float tolerance) the same weights.
 - Data parallelism: two DP ranks train as the fsdp backend's two ranks do.
-- Recomputation, token-budget micro-batches, the KL reference, resuming from state_dict.
+- Recomputation, token-budget micro-batches, the KL reference, resuming from a checkpoint.
+- Distributed checkpointing: a TP=1 save loads into TP=2 and a TP=2 save into TP=1, exactly.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -113,8 +115,9 @@ def samples(n: int = 8) -> list[Sample]:
     return out
 
 
-def train_group(model_dir: Path, world_size: int, **train_flags) -> tuple[dict[str, bytes], dict, dict[str, bytes]]:
-    """(exported bytes before training, metrics of one GRPO step, exported bytes after)."""
+@contextmanager
+def trainer_group(model_dir: Path, world_size: int, **train_flags):
+    """A set-up TrainerGroup of ``world_size`` ranks (shut down, bundles freed, on exit)."""
     from ray.util.placement_group import remove_placement_group
 
     from miles_disagg.config.actors import TrainerGroupConfig
@@ -126,12 +129,18 @@ def train_group(model_dir: Path, world_size: int, **train_flags) -> tuple[dict[s
     group = TrainerGroup(placement, TrainerGroupConfig(train=train, weights=WeightUpdateConfig(), hf_dir=str(model_dir)))
     try:
         group.setup()
-        before = group.tensor_bytes()
-        metrics = group.train(samples())
-        return before, metrics, group.tensor_bytes()
+        yield group
     finally:
         group.shutdown()
         remove_placement_group(placement.group)
+
+
+def train_group(model_dir: Path, world_size: int, **train_flags) -> tuple[dict[str, bytes], dict, dict[str, bytes]]:
+    """(exported bytes before training, metrics of one GRPO step, exported bytes after)."""
+    with trainer_group(model_dir, world_size, **train_flags) as group:
+        before = group.tensor_bytes()
+        metrics = group.train(samples())
+        return before, metrics, group.tensor_bytes()
 
 
 def as_tensors(raw: dict[str, bytes], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -171,10 +180,8 @@ def test_data_parallel_matches_the_fsdp_backend(ray_cluster, tiny_qwen3_dir: Pat
 # ---------------------------------------------------------------------- recomputation, dynamic batches, KL, resume
 
 
-def train_variants(model_dir: str) -> dict:
+def train_variants(model_dir: str, save_dir: str) -> dict:
     """In a fresh process: the same two optimizer steps under several flag sets (TP=1)."""
-    import copy
-
     import torch.distributed as dist
 
     from miles_disagg.engines.launch import free_port
@@ -199,10 +206,10 @@ def train_variants(model_dir: str) -> dict:
         results[name] = {"metrics": metrics, "layer_calls": len(calls),
                          "weights": {n: t.clone() for n, t in backend.named_tensors()}}
         if name == "plain":  # resume: a restored backend continues exactly as the original does
-            state = copy.deepcopy(backend.state_dict())  # as saved: tensors, not views of live ones
+            backend.save_checkpoint(save_dir)
             backend.train([batch[:4]])
             restored = MegatronBackend(config, model_dir, rank=0, world_size=1)
-            restored.load_state_dict(state)
+            restored.load_checkpoint(save_dir)
             restored.train([batch[:4]])
             results["resume"] = [all(torch.equal(a, b) for (_, a), (_, b) in
                                      zip(backend.named_tensors(), restored.named_tensors()))]
@@ -215,10 +222,10 @@ def train_variants(model_dir: str) -> dict:
     return results
 
 
-def test_recompute_dynamic_batches_kl_and_resume(ray_cluster, tiny_qwen3_dir: Path) -> None:
+def test_recompute_dynamic_batches_kl_and_resume(ray_cluster, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
     from miles_disagg.types import ConfigError
 
-    results = run_remote(train_variants, str(tiny_qwen3_dir))
+    results = run_remote(train_variants, str(tiny_qwen3_dir), str(tmp_path / "save"))
     plain, recompute, dynamic, kl = (results[k] for k in ("plain", "recompute", "dynamic", "kl"))
     # 8 samples in micro-batches of 2: 4 frozen forwards, 4 training forwards, and with full
     # recomputation 4 more forwards of each layer during backward -- with the same result.
@@ -235,3 +242,66 @@ def test_recompute_dynamic_batches_kl_and_resume(ray_cluster, tiny_qwen3_dir: Pa
     assert any(not torch.allclose(kl["weights"][n], w, atol=1e-6) for n, w in plain["weights"].items())
     assert results["resume"] == [True]
     assert isinstance(results["pp_on_cpu"], ConfigError) and "--pipeline-model-parallel-size" in str(results["pp_on_cpu"])
+
+
+# ---------------------------------------------------------------------- distributed checkpointing across layouts
+
+
+def saved_state(save_dir: Path) -> dict:
+    """A save's state/ read back offline: every sharded tensor as one global tensor (keyed by
+    megatron's sharded keys, ``optimizer.state.exp_avg.<key>`` for the moments), plus the
+    common state rank 0 wrote (hyperparameters, the optimizer's step)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(save_dir / "state", save_dir.parent / f"{save_dir.name}.pt")
+    tensors = torch.load(save_dir.parent / f"{save_dir.name}.pt", weights_only=False)
+    return {**tensors, "common": torch.load(save_dir / "state" / "common.pt", weights_only=False)}
+
+
+def assert_same_state(a, b, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (where, set(a) ^ set(b))
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{index}]")
+    else:
+        assert a == b, where
+
+
+def test_tp1_save_loads_into_tp2_and_back(ray_cluster, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    """TP=1 trains a step and saves; TP=2 loads it (the same exported bytes; a save right after
+    holds the same global model and optimizer tensors) and saves; TP=1, moved on by another step,
+    loads the TP=2 save and is back to the first state exactly. A further step from there is
+    the same step in both layouts (Adam's moments were carried over)."""
+    tp1_saved, tp2_saved, back_saved = tmp_path / "tp1", tmp_path / "tp2", tmp_path / "back"
+    batch = samples()
+    with trainer_group(tiny_qwen3_dir, 1, train_backend="megatron") as tp1, \
+            trainer_group(tiny_qwen3_dir, 2, train_backend="megatron", tensor_model_parallel_size=2) as tp2:
+        tp1.train(batch)
+        tp1.save(str(tp1_saved), with_hf=False)
+        trained = tp1.tensor_bytes()
+        tp2.load(str(tp1_saved))
+        assert tp2.tensor_bytes() == trained  # TP=1 -> TP=2: the same parameters, to the bit
+        tp2.save(str(tp2_saved), with_hf=False)
+        tp1.train(batch)
+        assert tp1.tensor_bytes() != trained
+        tp1.load(str(tp2_saved))
+        assert tp1.tensor_bytes() == trained  # TP=2 -> TP=1
+        tp1.save(str(back_saved), with_hf=False)
+        tp1.train(batch)
+        tp2.train(batch)
+        next_tp1, next_tp2 = tp1.tensor_bytes(), tp2.tensor_bytes()
+    first = saved_state(tp1_saved)
+    assert any(key.startswith("optimizer.state.exp_avg_sq.") for key in first)
+    assert first["common"]["optimizer"]["step"] == 1.0
+    assert_same_state(first, saved_state(tp2_saved))  # every model and optimizer tensor, and the common state
+    assert_same_state(first, saved_state(back_saved))
+    base = checkpoint_tensors(tiny_qwen3_dir)
+    after_tp1, after_tp2 = as_tensors(next_tp1, base), as_tensors(next_tp2, base)
+    for name in base:
+        assert torch.allclose(after_tp2[name], after_tp1[name], atol=1e-4), name

@@ -1,4 +1,5 @@
-"""The trainer group on real Ray (logical GPUs, gloo): data parallelism is exact, export is canonical.
+"""The trainer group on real Ray (logical GPUs, gloo): data parallelism is exact, export is canonical,
+and a checkpoint written by two ranks resumes on one.
 
 Two ranks training on a global batch must end with the weights one rank gets from the same
 batch (gradients are averaged over ranks; every sample here has the same number of response
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -44,7 +46,11 @@ def samples(n: int = 8) -> list[Sample]:
     return out
 
 
-def train_with(world_size: int, model_dir: Path) -> tuple[dict[str, float], dict[str, bytes]]:
+@contextmanager
+def trainer_group(world_size: int, model_dir: Path):
+    """A set-up fsdp TrainerGroup of ``world_size`` ranks (shut down, bundles freed, on exit)."""
+    from ray.util.placement_group import remove_placement_group
+
     from miles_disagg.config.actors import TrainerGroupConfig
     from miles_disagg.trainer.group import TrainerGroup
     from miles_disagg.trainer.placement import create_placement, plan_layout
@@ -55,13 +61,16 @@ def train_with(world_size: int, model_dir: Path) -> tuple[dict[str, float], dict
     try:
         info = group.setup()
         assert info["backend"] == "gloo"
-        metrics = group.train(samples())
-        return metrics, group.tensor_bytes()
+        yield group
     finally:
         group.shutdown()
-        from ray.util.placement_group import remove_placement_group
-
         remove_placement_group(placement.group)
+
+
+def train_with(world_size: int, model_dir: Path) -> tuple[dict[str, float], dict[str, bytes]]:
+    with trainer_group(world_size, model_dir) as group:
+        metrics = group.train(samples())
+        return metrics, group.tensor_bytes()
 
 
 def test_two_ranks_match_one_rank_and_export_hf_names(ray_cluster, tiny_qwen3_dir: Path) -> None:
@@ -82,3 +91,51 @@ def test_two_ranks_match_one_rank_and_export_hf_names(ray_cluster, tiny_qwen3_di
     assert changed > len(names) // 2  # the step really moved the policy
     assert one_metrics["train/pg_loss"] == pytest.approx(two_metrics["train/pg_loss"], abs=1e-5)
     assert one_metrics["train/train_rollout_logprob_abs_diff"] > 0  # -4.0 is not what the model says
+
+
+def saved_state(save_dir: Path) -> dict:
+    """A save's state/ read back offline as full tensors (torch.distributed.checkpoint's own reader),
+    keyed ``model.<fqn>`` and ``optimizer.state.<fqn>.<moment>`` / ``optimizer.param_groups.<fqn>.<name>``."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(save_dir / "state", save_dir.parent / f"{save_dir.name}.pt")
+    nested = torch.load(save_dir.parent / f"{save_dir.name}.pt", weights_only=False)
+    return {f"{part}.{key}": value for part, entries in nested.items() for key, value in entries.items()}
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    for key, value in a.items():
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == b[key].dtype and torch.equal(value, b[key]), key
+        else:
+            assert value == b[key], key
+
+
+def test_a_save_of_two_ranks_resumes_on_one_exactly(ray_cluster, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    """2 ranks train a step and save; 1 rank loads that save: the same weights to the bit, the same
+    optimizer state (a save right after the load holds exactly what was loaded), rank 0's RNG;
+    and the next step trains on from Adam's moments as the two ranks do."""
+    two_saved, one_saved = tmp_path / "two", tmp_path / "one"
+    batch = samples()
+    with trainer_group(2, tiny_qwen3_dir) as two:
+        two.train(batch)
+        two.save(str(two_saved), with_hf=False)
+        two_weights = two.tensor_bytes()
+        two.train(batch)
+        two_next = two.tensor_bytes()
+    assert sorted(p.name for p in (two_saved / "rng").iterdir()) == ["rank0.pt", "rank1.pt"]
+    with trainer_group(1, tiny_qwen3_dir) as one:
+        one.load(str(two_saved))
+        assert one.tensor_bytes() == two_weights  # exact parameters
+        one.save(str(one_saved), with_hf=False)
+        one.train(batch)
+        one_next = one.tensor_bytes()
+    saved, resaved = saved_state(two_saved), saved_state(one_saved)
+    assert any(key.startswith("optimizer.state.") and key.endswith(".exp_avg_sq") for key in saved)
+    assert {v.item() for k, v in saved.items() if k.endswith(".step")} == {1.0}
+    assert_same_state(saved, resaved)  # model and every optimizer entry, unchanged through 2 -> 1 ranks
+    assert torch.equal(torch.load(two_saved / "rng" / "rank0.pt"), torch.load(one_saved / "rng" / "rank0.pt"))
+    like = {name: torch.frombuffer(bytearray(raw), dtype=torch.float32) for name, raw in two_next.items()}
+    for name, raw in one_next.items():  # the second step: one rank on the whole batch = two ranks on halves
+        assert torch.allclose(torch.frombuffer(bytearray(raw), dtype=torch.float32), like[name], atol=1e-5), name
