@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from checkpoint_reading import read_state
 
 from miles_disagg.tracking import read_metrics
 from miles_disagg.trainer.checkpoint import find_latest, read_complete
@@ -69,14 +69,6 @@ def newest_good_step(path: Path) -> int:
     return read_complete(path).step
 
 
-def saved_optimizer(save: Path) -> dict:
-    """The optimizer entries of a save's state/ (torch.distributed.checkpoint), read offline."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    full = Path(tempfile.mkdtemp()) / "state.pt"  # not beside the saves: find_latest reads every iter_*
-    dcp_to_torch_save(save / "state", full)
-    return torch.load(full, weights_only=False)["optimizer"]
-
 
 def test_the_torn_save_is_ignored(crashed_and_resumed) -> None:
     _, _, newest_good, resumed = crashed_and_resumed
@@ -93,7 +85,7 @@ def test_step_optimizer_and_data_position_continue(crashed_and_resumed) -> None:
     final_path, final = find_latest(tmp / "saves")
     assert final.step == start + 3 and final.run_id == read_complete(newest_good).run_id
     assert final.data_position == (start + 3) * 32  # every consumed prompt counted once, across the crash
-    steps = {int(value) for key, value in saved_optimizer(final_path).items() if key.endswith(".step")}
+    steps = {int(value) for key, value in read_state(final_path)["optimizer"].items() if key.endswith(".step")}
     assert steps == {(start + 3) * OPTIMIZER_STEPS_PER_ROLLOUT}  # Adam's moments continued, not restarted
 
 

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
+from checkpoint_reading import read_state
 
 from miles_disagg.tracking import read_metrics
 from miles_disagg.trainer.checkpoint import find_latest, read_complete
@@ -44,14 +44,6 @@ def one_rank_then_two(tmp_path_factory: pytest.TempPathFactory):
     return tmp, first_save, first_meta, at_save, resumed
 
 
-def saved_optimizer(save: Path) -> dict:
-    """The optimizer entries of a save's state/ (torch.distributed.checkpoint), read offline."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    full = Path(tempfile.mkdtemp()) / "state.pt"  # not beside the saves: find_latest reads every iter_*
-    dcp_to_torch_save(save / "state", full)
-    return torch.load(full, weights_only=False)["optimizer"]
-
 
 def test_the_one_rank_save_is_resumed_by_two_ranks(one_rank_then_two) -> None:
     tmp, first_save, first_meta, _, resumed = one_rank_then_two
@@ -72,7 +64,7 @@ def test_step_data_position_and_optimizer_continue(one_rank_then_two) -> None:
     assert final.step == 4 and final.run_id == first_meta.run_id
     assert first_meta.data_position == 2 * PROMPTS_PER_ROLLOUT
     assert final.data_position == 4 * PROMPTS_PER_ROLLOUT  # every prompt consumed once across the resume
-    steps = {int(value) for key, value in saved_optimizer(final_save).items() if key.endswith(".step")}
+    steps = {int(value) for key, value in read_state(final_save)["optimizer"].items() if key.endswith(".step")}
     assert steps == {4 * OPTIMIZER_STEPS_PER_ROLLOUT}  # Adam's moments continued, not restarted
 
 

@@ -22,6 +22,8 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'miles-disagg[megatron]')")
 
+from checkpoint_reading import assert_same_state, read_state  # noqa: E402
+
 from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig  # noqa: E402
 from miles_disagg.types import Sample  # noqa: E402
 
@@ -248,29 +250,9 @@ def test_recompute_dynamic_batches_kl_and_resume(ray_cluster, tiny_qwen3_dir: Pa
 
 
 def saved_state(save_dir: Path) -> dict:
-    """A save's state/ read back offline: every sharded tensor as one global tensor (keyed by
-    megatron's sharded keys, ``optimizer.state.exp_avg.<key>`` for the moments), plus the
+    """Every sharded tensor of a save as one global tensor (megatron's sharded keys), plus the
     common state rank 0 wrote (hyperparameters, the optimizer's step)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(save_dir / "state", save_dir.parent / f"{save_dir.name}.pt")
-    tensors = torch.load(save_dir.parent / f"{save_dir.name}.pt", weights_only=False)
-    return {**tensors, "common": torch.load(save_dir / "state" / "common.pt", weights_only=False)}
-
-
-def assert_same_state(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), (where, set(a) ^ set(b))
-        for key in a:
-            assert_same_state(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for index, (x, y) in enumerate(zip(a, b)):
-            assert_same_state(x, y, f"{where}[{index}]")
-    else:
-        assert a == b, where
+    return {**read_state(save_dir), "common": torch.load(save_dir / "state" / "common.pt", weights_only=False)}
 
 
 def test_tp1_save_loads_into_tp2_and_back(ray_cluster, tiny_qwen3_dir: Path, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from checkpoint_reading import assert_same_state, read_state
 
 from miles_disagg.config.components import TrainConfig
 from miles_disagg.types import Sample
@@ -44,29 +45,6 @@ def test_fsdp2_step_and_export_on_one_gpu(tiny_qwen3_dir, monkeypatch) -> None:
                 assert exported[name].shape == base.shape
     finally:
         dist.destroy_process_group()
-
-
-def saved_state(save_dir, name: str) -> dict:
-    """A save's state/ read back offline (no process group) as full tensors."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(save_dir / "state", save_dir.parent / f"{name}.pt")
-    return torch.load(save_dir.parent / f"{name}.pt", weights_only=False)
-
-
-def assert_same_state(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), (where, set(a) ^ set(b))
-        for key in a:
-            assert_same_state(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for index, (x, y) in enumerate(zip(a, b)):
-            assert_same_state(x, y, f"{where}[{index}]")
-    else:
-        assert a == b, where
 
 
 def four_samples() -> list[Sample]:
@@ -107,9 +85,9 @@ def test_fsdp2_checkpoint_reloads_on_gpu_and_on_cpu(tiny_qwen3_dir, tmp_path, mo
     finally:
         dist.destroy_process_group()
         monkeypatch.undo()
-    saved = saved_state(tmp_path / "gpu", "gpu")
+    saved = read_state(tmp_path / "gpu")
     assert {float(v) for k, v in saved["optimizer"].items() if k.endswith(".step")} == {1.0}
-    assert_same_state(saved, saved_state(tmp_path / "gpu-again", "gpu-again"))
+    assert_same_state(saved, read_state(tmp_path / "gpu-again"))
 
 
 def test_megatron_distributed_optimizer_checkpoint_round_trip(tiny_qwen3_dir, tmp_path) -> None:
@@ -140,8 +118,8 @@ def test_megatron_distributed_optimizer_checkpoint_round_trip(tiny_qwen3_dir, tm
         assert any(not torch.equal(t, weights[name]) for name, t in restored.named_tensors())
     finally:
         dist.destroy_process_group()
-    saved = saved_state(tmp_path / "saved", "saved")
+    saved = read_state(tmp_path / "saved")
     assert any("exp_avg" in key for key in saved), sorted(saved)[:20]
-    assert_same_state(saved, saved_state(tmp_path / "again", "again"))
+    assert_same_state(saved, read_state(tmp_path / "again"))
     common = [torch.load(tmp_path / name / "state" / "common.pt", weights_only=False) for name in ("saved", "again")]
     assert_same_state(common[0], common[1])

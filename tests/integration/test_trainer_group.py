@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint_reading import assert_same_state, read_state
+
 from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig
 from miles_disagg.types import Sample
 
@@ -93,23 +95,9 @@ def test_two_ranks_match_one_rank_and_export_hf_names(ray_cluster, tiny_qwen3_di
     assert one_metrics["train/train_rollout_logprob_abs_diff"] > 0  # -4.0 is not what the model says
 
 
-def saved_state(save_dir: Path) -> dict:
-    """A save's state/ read back offline as full tensors (torch.distributed.checkpoint's own reader),
-    keyed ``model.<fqn>`` and ``optimizer.state.<fqn>.<moment>`` / ``optimizer.param_groups.<fqn>.<name>``."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(save_dir / "state", save_dir.parent / f"{save_dir.name}.pt")
-    nested = torch.load(save_dir.parent / f"{save_dir.name}.pt", weights_only=False)
-    return {f"{part}.{key}": value for part, entries in nested.items() for key, value in entries.items()}
-
-
-def assert_same_state(a: dict, b: dict) -> None:
-    assert set(a) == set(b)
-    for key, value in a.items():
-        if isinstance(value, torch.Tensor):
-            assert value.dtype == b[key].dtype and torch.equal(value, b[key]), key
-        else:
-            assert value == b[key], key
+def flat(state: dict) -> dict:
+    """``model.<fqn>``, ``optimizer.state.<fqn>.<moment>``, ``optimizer.param_groups.<fqn>.<name>``."""
+    return {f"{part}.{key}": value for part, entries in state.items() for key, value in entries.items()}
 
 
 def test_a_save_of_two_ranks_resumes_on_one_exactly(ray_cluster, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
@@ -131,7 +119,7 @@ def test_a_save_of_two_ranks_resumes_on_one_exactly(ray_cluster, tiny_qwen3_dir:
         one.save(str(one_saved), with_hf=False)
         one.train(batch)
         one_next = one.tensor_bytes()
-    saved, resaved = saved_state(two_saved), saved_state(one_saved)
+    saved, resaved = (flat(read_state(path)) for path in (two_saved, one_saved))
     assert any(key.startswith("optimizer.state.") and key.endswith(".exp_avg_sq") for key in saved)
     assert {v.item() for k, v in saved.items() if k.endswith(".step")} == {1.0}
     assert_same_state(saved, resaved)  # model and every optimizer entry, unchanged through 2 -> 1 ranks
