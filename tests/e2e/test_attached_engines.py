@@ -60,5 +60,6 @@ def test_engines_of_an_earlier_job_are_brought_to_this_jobs_base_first(engines_a
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-6000:]
     records = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["weights/engine_versions"] for r in records] == [["1", "1"], ["2", "2"]]
+    updates = read_metrics(run_dir / "updates.jsonl")  # each activation, after its step's record
+    assert [u["weights/engine_versions"] for u in updates] == [["1", "1"], ["2", "2"]]
     assert all(r["rollout/served_version_mean"] <= r["step"] for r in records)  # never the earlier job's v4
