@@ -4,8 +4,9 @@ Each subcommand lives in its component's own module, which exposes
 ``add_arguments(parser)`` and ``run(args) -> int``. Modules are imported only when
 their subcommand runs, so ``miles-disagg --help`` stays fast (no torch/ray import).
 
-Exit codes: 0 success, 2 bad input or a refused operation (a message on stderr,
-no traceback), 1 an unexpected internal fault.
+Each subcommand's flags are fields of its config dataclass (``config/commands.py``).
+Exit codes: 0 success, 2 bad input or a refused operation (one line on stderr, no
+traceback; a malformed command line too), 1 an unexpected internal fault.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import importlib
 import sys
 from typing import Sequence
 
-from miles_disagg.types import MilesDisaggError
+from miles_disagg.config.fields import ConfigArgumentParser
+from miles_disagg.types import ConfigError, MilesDisaggError
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -29,8 +31,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _CommandLineParser(ConfigArgumentParser):
+    """Its errors (and those of every subcommand parser) name the (sub)command: one line, exit 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ConfigError(f"{self.prog}: error: {message} (see --help)")
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="miles-disagg", description=__doc__.splitlines()[0])
+    parser = _CommandLineParser(prog="miles-disagg", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     wanted = next((a for a in argv if not a.startswith("-")), None)
@@ -45,7 +54,11 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     try:
         return int(args._run(args) or 0)
     except MilesDisaggError as exc:

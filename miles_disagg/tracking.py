@@ -2,9 +2,12 @@
 
 Metrics always go to ``<output_dir>/metrics.jsonl``: one JSON object per step with
 ``step`` and ``wall_time`` (seconds since the epoch), flushed and fsynced per line so a
-crash loses at most the step being written. TensorBoard and wandb are added when asked
-for; asking for one that is not installed is a ``ConfigError`` at start-up, not a
-silent skip. Progress goes to stderr, never stdout (stdout is for results/JSON).
+crash loses at most the step being written. Named streams (``log_stream``) go beside it
+as ``<name>.jsonl`` with the same guarantee: ``train_steps`` (one record per optimizer
+step) and ``updates`` (one record per engine activation that finished after its step's
+record was written). TensorBoard and wandb are added when asked for; asking for one that is
+not installed is a ``ConfigError`` at start-up, not a silent skip. Progress goes to stderr,
+never stdout (stdout is for results/JSON).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from miles_disagg.types import ConfigError
 
 T = TypeVar("T")
 METRICS_FILENAME = "metrics.jsonl"
+TRAIN_STEPS_STREAM = "train_steps"
+UPDATES_STREAM = "updates"
 
 
 class MetricsTracker:
@@ -36,27 +41,42 @@ class MetricsTracker:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / METRICS_FILENAME
         self._file = open(self.path, "a", encoding="utf-8")
+        self._streams: dict[str, Any] = {}
         self._tensorboard = _open_tensorboard(self.output_dir) if use_tensorboard else None
         self._wandb = _open_wandb(wandb_project, wandb_group, run_config) if use_wandb else None
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Append one record for ``step``; returns the record written."""
-        record = {"step": int(step), "wall_time": time.time()}
-        record.update({name: _jsonable(value) for name, value in metrics.items()})
-        self._file.write(json.dumps(record, sort_keys=False) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "wall_time")}
-        if self._tensorboard is not None:
-            for name, value in numeric.items():
-                self._tensorboard.add_scalar(name, value, step)
-            self._tensorboard.flush()
+        record = _write_record(self._file, step, metrics)
+        numeric = _numeric(record)
+        self._to_tensorboard("", numeric, step)
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
         return record
 
+    def log_stream(self, name: str, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Append one record to the stream ``<output_dir>/<name>.jsonl`` (flushed and fsynced like
+        ``log``); TensorBoard gets its numbers as ``<name>/<metric>`` at ``step``. Streams are not
+        sent to wandb (whose step axis is the rollout step of ``log``)."""
+        if name not in self._streams:
+            if not name.isidentifier():
+                raise ValueError(f"stream name {name!r} must be an identifier")
+            self._streams[name] = open(self.output_dir / f"{name}.jsonl", "a", encoding="utf-8")
+        record = _write_record(self._streams[name], step, metrics)
+        self._to_tensorboard(f"{name}/", _numeric(record), step)
+        return record
+
+    def _to_tensorboard(self, prefix: str, numeric: dict[str, float], step: int) -> None:
+        if self._tensorboard is None:
+            return
+        for name, value in numeric.items():
+            self._tensorboard.add_scalar(prefix + name, value, step)
+        self._tensorboard.flush()
+
     def close(self) -> None:
         self._file.close()
+        for stream in self._streams.values():
+            stream.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
         if self._wandb is not None:
@@ -67,6 +87,19 @@ class MetricsTracker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _write_record(file, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    record = {"step": int(step), "wall_time": time.time()}
+    record.update({name: _jsonable(value) for name, value in metrics.items()})
+    file.write(json.dumps(record, sort_keys=False) + "\n")
+    file.flush()
+    os.fsync(file.fileno())
+    return record
+
+
+def _numeric(record: Mapping[str, Any]) -> dict[str, float]:
+    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "wall_time")}
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

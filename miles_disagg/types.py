@@ -245,6 +245,15 @@ class Sample:
     finish_reason: str = "length"
     metadata: dict[str, Any] = field(default_factory=dict)
     advantage: float = 0.0  # set by the trainer's advantage estimator
+    loss_mask: list[int] | None = None
+    """One 0/1 per response token: 0 for tokens the policy did not generate (tool or environment
+    output in a multi-turn episode), which get no gradient. None: every response token is trained."""
+    status: str = "completed"
+    """``completed``, ``truncated`` or ``aborted`` (miles' sample status)."""
+
+    def trained_mask(self) -> list[int]:
+        """The loss mask, all ones when none was given."""
+        return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.response_ids)
 
     @property
     def mixed_version(self) -> bool:

@@ -18,24 +18,38 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+from miles_disagg.config.commands import add_config_arguments, config_from_args
+from miles_disagg.config.fields import flag
 from miles_disagg.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+@dataclass(kw_only=True)
+class AsyncBench:
+    """train.py vs train_async.py throughput and engine busy fraction"""
+
+    json: bool = flag(False, "Print the result as JSON (always on; kept for scripts).")
+    config: Path = flag(REPO / "configs" / "tiny_cpu.yaml", "YAML config of both runs.")
+    steps: int = flag(12, "Steps of each run.")
+    warmup_steps: int = flag(3, "First steps left out of the measurement.")
+    response_len: int = flag(32, "--rollout-max-response-len of both runs.")
+    engines: int = flag(1, "Built-in engines of both runs (--rollout-num-gpus).")
+    hidden_size: int = flag(128, "Of the random digits-vocabulary Qwen3 both runs train.")
+    num_layers: int = flag(2, "Of the random Qwen3.")
+    work_dir: Path | None = flag(None, "Keep both run directories here (default: a temp dir).")
+    extra: list[str] = flag([], "More flags for both runs, after --.", positional=True)
+
+    def __post_init__(self) -> None:
+        if self.steps <= self.warmup_steps:
+            raise ValueError(f"--steps {self.steps} must exceed --warmup-steps {self.warmup_steps}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print the result as JSON (always on; kept for scripts)")
-    parser.add_argument("--config", type=Path, default=REPO / "configs" / "tiny_cpu.yaml")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup-steps", type=int, default=3)
-    parser.add_argument("--response-len", type=int, default=32, help="--rollout-max-response-len of both runs")
-    parser.add_argument("--engines", type=int, default=1, help="built-in engines of both runs (--rollout-num-gpus)")
-    parser.add_argument("--hidden-size", type=int, default=128, help="of the random digits-vocabulary Qwen3 both runs train")
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--work-dir", type=Path, default=None, help="keep both run directories here")
-    parser.add_argument("extra", nargs=argparse.REMAINDER, help="more flags for both runs, after --")
+    add_config_arguments(parser, AsyncBench)
 
 
 def _progress(message: str) -> None:
@@ -43,23 +57,20 @@ def _progress(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.steps <= args.warmup_steps:
-        from miles_disagg.types import InvalidInput
-
-        raise InvalidInput(f"--steps {args.steps} must exceed --warmup-steps {args.warmup_steps}")
+    command = config_from_args(AsyncBench, args)
     with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
-        root = Path(args.work_dir or tmp)
+        root = Path(command.work_dir or tmp)
         root.mkdir(parents=True, exist_ok=True)
-        _make_model(root / "base-model", args)
-        sync = _measure("train", root, args)
-        async_ = _measure("train_async", root, args)
+        _make_model(root / "base-model", command)
+        sync = _measure("train", root, command)
+        async_ = _measure("train_async", root, command)
     result = {
         "samples_per_s_sync": sync["samples_per_s"],
         "samples_per_s_async": async_["samples_per_s"],
         "ratio": async_["samples_per_s"] / sync["samples_per_s"],
         "engine_busy_fraction": async_["engine_busy_fraction"],
         "engine_busy_fraction_sync": sync["engine_busy_fraction"],
-        "steps_measured": args.steps - args.warmup_steps,
+        "steps_measured": command.steps - command.warmup_steps,
         "samples_per_step": sync["samples_per_step"],
         "reward_last_async": async_["reward_last"],
         "reward_last_sync": sync["reward_last"],
@@ -69,28 +80,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_model(path: Path, args: argparse.Namespace) -> None:
+def _make_model(path: Path, command: AsyncBench) -> None:
     from miles_disagg.models.tiny_qwen3 import DIGITS_CHARSET, make_tiny_qwen3
 
     if not path.exists():
-        _progress(f"writing a random Qwen3 (hidden {args.hidden_size}, {args.num_layers} layers, digits vocabulary)")
-        make_tiny_qwen3(path, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
-                        num_hidden_layers=args.num_layers, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=args.hidden_size // 4, charset=DIGITS_CHARSET)
+        _progress(f"writing a random Qwen3 (hidden {command.hidden_size}, {command.num_layers} layers, digits vocabulary)")
+        make_tiny_qwen3(path, hidden_size=command.hidden_size, intermediate_size=2 * command.hidden_size,
+                        num_hidden_layers=command.num_layers, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=command.hidden_size // 4, charset=DIGITS_CHARSET)
 
 
-def _measure(entry: str, root: Path, args: argparse.Namespace) -> dict:
+def _measure(entry: str, root: Path, command: AsyncBench) -> dict:
     run_dir = root / entry
-    extra = [a for a in args.extra if a != "--"]
-    cmd = [sys.executable, str(REPO / f"{entry}.py"), "--config", str(args.config), "--run-dir", str(run_dir),
-           "--hf-checkpoint", str(root / "base-model"), "--num-rollout", str(args.steps),
-           "--rollout-max-response-len", str(args.response_len), "--rollout-num-gpus", str(args.engines), *extra]
+    extra = [a for a in command.extra if a != "--"]
+    cmd = [sys.executable, str(REPO / f"{entry}.py"), "--config", str(command.config), "--run-dir", str(run_dir),
+           "--hf-checkpoint", str(root / "base-model"), "--num-rollout", str(command.steps),
+           "--rollout-max-response-len", str(command.response_len), "--rollout-num-gpus", str(command.engines), *extra]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp")}
-    _progress(f"{entry}.py: {args.steps} steps")
+    _progress(f"{entry}.py: {command.steps} steps")
     result = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{entry}.py exited {result.returncode}:\n{result.stderr[-4000:]}")
-    records = read_metrics(run_dir / "metrics.jsonl")[args.warmup_steps:]
+    records = read_metrics(run_dir / "metrics.jsonl")[command.warmup_steps:]
     samples = sum(r["perf/samples_per_s"] * r["perf/step_time"] for r in records)
     seconds = sum(r["perf/step_time"] for r in records)
     busy = [r["perf/engine_busy_fraction"] * r["perf/step_time"] for r in records

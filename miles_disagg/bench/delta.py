@@ -23,20 +23,35 @@ import math
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
+from miles_disagg.config.commands import add_config_arguments, config_from_args
+from miles_disagg.config.fields import flag
+
 BENCH_CHECKSUM = "xxh3-128"
 
 
+@dataclass(kw_only=True)
+class DeltaBench:
+    """disk-delta codec: ours vs the reference codec"""
+
+    size_mb: float = flag(512.0, "Model size in MiB.")
+    lr: float = flag(1e-5, "AdamW learning rate of the simulated step.")
+    workers: int = flag(2, "Worker threads for both codecs.")
+    repeat: int = flag(5, "Interleaved timed rounds; the best of each is reported.")
+    seed: int = flag(0, "Seed of the synthetic model.")
+    json: bool = flag(False, "Print the JSON object only (always JSON on stdout).")
+
+    def __post_init__(self) -> None:
+        if self.size_mb <= 0 or self.workers < 1 or self.lr < 0:
+            raise ValueError("--size-mb must be > 0, --workers >= 1 and --lr >= 0")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size-mb", type=float, default=512.0, help="model size in MiB (default 512)")
-    parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate of the simulated step")
-    parser.add_argument("--workers", type=int, default=2, help="worker threads for both codecs")
-    parser.add_argument("--repeat", type=int, default=5, help="interleaved timed rounds; the best of each is reported")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print the JSON object only (always JSON on stdout)")
+    add_config_arguments(parser, DeltaBench)
 
 
 def _log(message: str) -> None:
@@ -225,20 +240,17 @@ class Reference(_Codec):
 
 
 def run(args: argparse.Namespace) -> int:
-    from miles_disagg.types import InvalidInput
-
-    if args.size_mb <= 0 or args.workers < 1 or args.lr < 0:
-        raise InvalidInput("--size-mb must be > 0, --workers >= 1 and --lr >= 0")
-    _log(f"building a {args.size_mb:g} MiB bf16 model and one AdamW step (lr {args.lr:g})")
-    old, new = make_model(args.size_mb, args.lr, args.seed)
+    command = config_from_args(DeltaBench, args)
+    _log(f"building a {command.size_mb:g} MiB bf16 model and one AdamW step (lr {command.lr:g})")
+    old, new = make_model(command.size_mb, command.lr, command.seed)
     total = sum(a.nbytes for a in new.values())
     changed = sum(int(np.count_nonzero(old[n] != new[n])) for n in new)
-    with ThreadPoolExecutor(args.workers) as pool:
+    with ThreadPoolExecutor(command.workers) as pool:
         _log("memcpy")
-        memcpy = memcpy_gbps(pool, new, args.repeat)
+        memcpy = memcpy_gbps(pool, new, command.repeat)
         ours, reference = Ours(pool, old, new), Reference(pool, old, new)
-        for round_index in range(max(1, args.repeat)):  # interleaved so machine noise hits both alike
-            _log(f"round {round_index + 1}/{args.repeat}: reference, then ours")
+        for round_index in range(max(1, command.repeat)):  # interleaved so machine noise hits both alike
+            _log(f"round {round_index + 1}/{command.repeat}: reference, then ours")
             reference.timed_round()
             ours.timed_round()
         exact = ours.exact() and reference.exact()
@@ -247,8 +259,8 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "model_bytes": total,
         "num_tensors": len(new),
-        "lr": args.lr,
-        "workers": args.workers,
+        "lr": command.lr,
+        "workers": command.workers,
         "density": changed / total,
         "entropy_bound_bytes": entropy_bound_bytes(old, new),
         "memcpy_gbps": memcpy,
@@ -259,5 +271,5 @@ def run(args: argparse.Namespace) -> int:
         "decode_speedup": ours_report["decode_gbps"] / reference_report["decode_gbps"],
         "round_trip_exact": bool(exact),
     }
-    print(json.dumps(result, indent=None if args.json else 2))
+    print(json.dumps(result, indent=None if command.json else 2))
     return 0 if result["round_trip_exact"] else 1

@@ -22,19 +22,30 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+
+from miles_disagg.config.commands import add_config_arguments, config_from_args
+from miles_disagg.config.fields import flag
 
 MODEL_SHAPE = dict(hidden_size=768, num_hidden_layers=12, intermediate_size=3072, num_attention_heads=12,
                    num_key_value_heads=4, head_dim=64)
 
 
+@dataclass(kw_only=True)
+class EngineBench:
+    """built-in engine throughput and activation pause"""
+
+    json: bool = flag(False, "Print the result as JSON (always on; kept for scripts).")
+    max_new_tokens: int = flag(64, "Tokens generated per request.")
+    prompt_tokens: int = flag(16, "Tokens per prompt.")
+    concurrency: int = flag(16, "Requests in flight at once (the c16 measurement).")
+    rounds: int = flag(2, "Activations measured per kind.")
+    work_dir: Path | None = flag(None, "Keep the model and store here (default: a temp dir).")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print the result as JSON (always on; kept for scripts)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2, help="activations measured per kind")
-    parser.add_argument("--work-dir", type=Path, default=None, help="keep the model and store here")
+    add_config_arguments(parser, EngineBench)
 
 
 def _progress(message: str) -> None:
@@ -42,32 +53,33 @@ def _progress(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    command = config_from_args(EngineBench, args)
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
-        root = Path(args.work_dir or tmp)
+        root = Path(command.work_dir or tmp)
         root.mkdir(parents=True, exist_ok=True)
-        result = _bench(root, args)
+        result = _bench(root, command)
     print(json.dumps(result))
     return 0
 
 
-def _bench(root: Path, args: argparse.Namespace) -> dict:
+def _bench(root: Path, command: EngineBench) -> dict:
     from miles_disagg.models.tiny_qwen3 import make_tiny_qwen3
 
     _progress("writing a random ~100M-parameter Qwen3")
     model_dir = make_tiny_qwen3(root / "model", **MODEL_SHAPE)
-    prompts = [[(7 * i + j) % 90 + 3 for j in range(args.prompt_tokens)] for i in range(args.concurrency)]
-    num_params, sequential = _sequential_generate(model_dir, prompts, args.max_new_tokens)
+    prompts = [[(7 * i + j) % 90 + 3 for j in range(command.prompt_tokens)] for i in range(command.concurrency)]
+    num_params, sequential = _sequential_generate(model_dir, prompts, command.max_new_tokens)
     engine = _Engine(model_dir, root)
     try:
-        c1 = _engine_throughput(engine, prompts[:4], args.max_new_tokens, concurrency=1)
-        c16 = _engine_throughput(engine, prompts, args.max_new_tokens, concurrency=args.concurrency)
-        staged, disk, prepare = _activation_pauses(engine, model_dir, root, args.rounds)
+        c1 = _engine_throughput(engine, prompts[:4], command.max_new_tokens, concurrency=1)
+        c16 = _engine_throughput(engine, prompts, command.max_new_tokens, concurrency=command.concurrency)
+        staged, disk, prepare = _activation_pauses(engine, model_dir, root, command.rounds)
     finally:
         engine.stop()
     return {
         "model_params": num_params,
-        "max_new_tokens": args.max_new_tokens,
-        "concurrency": args.concurrency,
+        "max_new_tokens": command.max_new_tokens,
+        "concurrency": command.concurrency,
         "tokens_per_s_c1": round(c1, 2),
         "tokens_per_s_c16": round(c16, 2),
         "tokens_per_s_sequential": round(sequential, 2),

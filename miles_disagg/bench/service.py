@@ -32,23 +32,33 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_disagg.config.commands import add_config_arguments, config_from_args
+from miles_disagg.config.fields import flag
+
 PROMPT = [5, 6, 7, 8, 9]
 PROBE_TOKENS = 12
 
 
+@dataclass(kw_only=True)
+class ServiceBench:
+    """rollout service: convergence, pauses, gateway overhead under load"""
+
+    json: bool = flag(False, "Print the result as JSON (always on; kept for scripts).")
+    replicas: int = flag(2, "Replicas of the local service.")
+    versions: int = flag(4, "Versions published one after another.")
+    burst: int = flag(2, "Versions then published back to back.")
+    concurrency: int = flag(4, "Client threads.")
+    max_new_tokens: int = flag(32, "Tokens generated per request.")
+    staleness: int = flag(1, "min_version = newest published - staleness.")
+    hidden_size: int = flag(64, "Of the random Qwen3.")
+    num_layers: int = flag(2, "Of the random Qwen3.")
+    poll_interval: float = flag(0.5, "Replicas' store polling (seconds).")
+    wake: bool = flag(True, "POST /wake after publishing (--no-wake: store polling only).")
+    work_dir: Path | None = flag(None, "Keep the model, store and logs here (default: a temp dir).")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print the result as JSON (always on; kept for scripts)")
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--versions", type=int, default=4, help="versions published one after another")
-    parser.add_argument("--burst", type=int, default=2, help="versions then published back to back")
-    parser.add_argument("--concurrency", type=int, default=4, help="client threads")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--staleness", type=int, default=1, help="min_version = newest published - staleness")
-    parser.add_argument("--hidden-size", type=int, default=64, help="of the random Qwen3")
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--poll-interval", type=float, default=0.5, help="replicas' store polling (seconds)")
-    parser.add_argument("--no-wake", action="store_true", help="do not POST /wake after publishing (polling only)")
-    parser.add_argument("--work-dir", type=Path, default=None, help="keep the model, store and logs here")
+    add_config_arguments(parser, ServiceBench)
 
 
 def _progress(message: str) -> None:
@@ -56,10 +66,11 @@ def _progress(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    command = config_from_args(ServiceBench, args)
     with tempfile.TemporaryDirectory(prefix="bench-service-") as tmp:
-        root = Path(args.work_dir or tmp)
+        root = Path(command.work_dir or tmp)
         root.mkdir(parents=True, exist_ok=True)
-        result = _bench(root, args)
+        result = _bench(root, command)
     print(json.dumps(result))
     return 0
 
@@ -129,44 +140,44 @@ class _Load:
 # --------------------------------------------------------------------------- the run
 
 
-def _bench(root: Path, args: argparse.Namespace) -> dict:
+def _bench(root: Path, command: ServiceBench) -> dict:
     from miles_disagg.models.tiny_qwen3 import make_tiny_qwen3
     from miles_disagg.service.launch import ReplicaOptions
     from miles_disagg.service.local import launch_local_service
 
-    _progress(f"writing a random Qwen3 (hidden {args.hidden_size}, {args.num_layers} layers)")
-    model_dir = make_tiny_qwen3(root / "model", hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
-                                num_hidden_layers=args.num_layers)
+    _progress(f"writing a random Qwen3 (hidden {command.hidden_size}, {command.num_layers} layers)")
+    model_dir = make_tiny_qwen3(root / "model", hidden_size=command.hidden_size, intermediate_size=2 * command.hidden_size,
+                                num_hidden_layers=command.num_layers)
     source = _Source(root / "store", model_dir)
-    _progress(f"starting a local service with {args.replicas} replicas")
-    options = ReplicaOptions(poll_interval_s=args.poll_interval, heartbeat_interval_s=0.5)
-    service = launch_local_service(root / "store", model_dir, work_dir=root / "service", num_replicas=args.replicas,
+    _progress(f"starting a local service with {command.replicas} replicas")
+    options = ReplicaOptions(poll_interval_s=command.poll_interval, heartbeat_interval_s=0.5)
+    service = launch_local_service(root / "store", model_dir, work_dir=root / "service", num_replicas=command.replicas,
                                    replica=options, retry_after_s=0.2)
     newest = [0]
     client = service.client()
     references: dict[int, list] = {0: _reference(client, 0)}
-    load = _Load(service.url, args.concurrency, args.max_new_tokens, args.staleness, newest)
+    load = _Load(service.url, command.concurrency, command.max_new_tokens, command.staleness, newest)
     client_convergence: dict[str, float] = {}
     try:
-        for burst in [1] * args.versions + ([args.burst] if args.burst else []):
-            _wait_for_requests(load, 2 * args.concurrency)
+        for burst in [1] * command.versions + ([command.burst] if command.burst else []):
+            _wait_for_requests(load, 2 * command.concurrency)
             for _ in range(burst):  # a burst: back to back, replicas coalesce
                 newest[0] = source.publish()
                 published_at = time.monotonic()
                 _progress(f"published v{newest[0]}")
-                if not args.no_wake:
+                if command.wake:
                     client.wake()
-            client.wait_converged(newest[0], num_replicas=args.replicas, timeout_s=300)
+            client.wait_converged(newest[0], num_replicas=command.replicas, timeout_s=300)
             client_convergence[str(newest[0])] = round(time.monotonic() - published_at, 4)
             references[newest[0]] = _reference(client, newest[0])
-        _wait_for_requests(load, 2 * args.concurrency)
+        _wait_for_requests(load, 2 * command.concurrency)
     finally:
         records = load.stop()
         metrics = client.metrics()
         client.close()
         service.stop()
         source.close()
-    return _report(args, metrics, records, references, client_convergence, source.published)
+    return _report(command, metrics, records, references, client_convergence, source.published)
 
 
 def _wait_for_requests(load: _Load, count: int) -> None:
@@ -233,7 +244,7 @@ def _misattributed(record: _Record, published: set[int], references: dict[int, l
     return record.greedy and start == end and reference is not None and record.output_ids != reference
 
 
-def _report(args, metrics: dict, records: list[_Record], references: dict, client_convergence: dict,
+def _report(command: ServiceBench, metrics: dict, records: list[_Record], references: dict, client_convergence: dict,
             published: list[int]) -> dict:
     served = [r for r in records if r.status == 200]
     known = {0, *published}
@@ -245,8 +256,8 @@ def _report(args, metrics: dict, records: list[_Record], references: dict, clien
     full = [v["converged_s"]["1"] for v in metrics["convergence"]["versions"].values() if v["converged_s"]["1"] is not None]
     requests = metrics["requests"]
     return {
-        "replicas": args.replicas, "concurrency": args.concurrency, "staleness": args.staleness,
-        "versions_published": published, "wake": not args.no_wake, "poll_interval_s": args.poll_interval,
+        "replicas": command.replicas, "concurrency": command.concurrency, "staleness": command.staleness,
+        "versions_published": published, "wake": command.wake, "poll_interval_s": command.poll_interval,
         "convergence_s": {v: c["converged_s"] for v, c in metrics["convergence"]["versions"].items()},
         "convergence_s_p50": _round(statistics.median(full)) if full else None,
         "convergence_s_max": _round(max(full)) if full else None,

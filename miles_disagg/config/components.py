@@ -24,9 +24,9 @@ RECOMPUTE_METHODS = ("uniform", "block")
 KL_LOSS_TYPES = ("low_var_kl", "k1", "k2")
 OPTIMIZERS = ("adam",)
 LR_DECAY_STYLES = ("constant",)
-ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_plus_plus", "ppo")
+ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 CHECKPOINT_INITS = ("none", "tiny-qwen3", "tiny-qwen3-digits")
-ENGINE_DTYPES = ("auto", "float32", "bfloat16")
+ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # what the built-in engine (and SGLang) accept
 
 
 def _require(condition: bool, message: str) -> None:
@@ -156,12 +156,16 @@ class TrainConfig:
     adam_eps: float = flag(1e-8, "Adam epsilon.")
     clip_grad: float = flag(1.0, "Clip the global gradient norm to this (0: off).")
     seed: int = flag(1234, "Random seed.")
-    advantage_estimator: str = flag("grpo", "Advantage estimator.", choices=ADVANTAGE_ESTIMATORS)
+    advantage_estimator: str = flag("grpo", "Advantage estimator: grpo, reinforce_plus_plus (discounted per-token returns), reinforce_plus_plus_baseline (group baseline); ppo is refused (no critic).", choices=ADVANTAGE_ESTIMATORS)
     normalize_advantages_by_std: bool = flag(True, "GRPO: divide each group's advantages by its reward std.")
+    normalize_advantages: bool = flag(False, "Whiten the per-token advantages over the rollout's trained tokens (all data-parallel ranks).")
+    kl_coef: float = flag(0.0, "reinforce_plus_plus(_baseline): KL-to-reference penalty in the per-token reward (loads the reference).")
+    gamma: float = flag(1.0, "reinforce_plus_plus: discount of the per-token returns.")
+    calculate_per_token_loss: bool = flag(False, "Loss = mean over the optimizer step's trained tokens (default: mean over samples of each sample's token mean).")
     eps_clip: float = flag(0.2, "PPO clip range (low side).")
     eps_clip_high: float | None = flag(None, "PPO clip range (high side; default: --eps-clip).")
-    use_kl_loss: bool = flag(False, "Add a KL loss against the reference policy (the base checkpoint or --ref-load).")
-    kl_loss_coef: float = flag(0.0, "Weight of the KL loss.")
+    use_kl_loss: bool = flag(False, "Load the reference policy (the base checkpoint or --ref-load) and log train/kl_loss; add it to the loss with --kl-loss-coef.")
+    kl_loss_coef: float = flag(0.0, "Weight of the KL loss (0: KL is logged, not trained on).")
     kl_loss_type: str = flag("low_var_kl", "KL estimator: low_var_kl (k3), k1 or k2.", choices=KL_LOSS_TYPES)
     entropy_coef: float = flag(0.0, "Weight of the entropy bonus.")
     ref_load: str | None = flag(None, "Reference model checkpoint (default: --hf-checkpoint).")
@@ -181,6 +185,18 @@ class TrainConfig:
         _require(self.eps_clip > 0, "--eps-clip must be > 0")
         _require(self.clip_grad >= 0, "--clip-grad must be >= 0")
         _require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "--adam-beta1/--adam-beta2 must be in [0, 1)")
+        _require(self.advantage_estimator != "ppo",
+                 "--advantage-estimator ppo needs a critic (value model with GAE), which miles-disagg does not "
+                 "train; use grpo, reinforce_plus_plus or reinforce_plus_plus_baseline")
+        _require(0 <= self.gamma <= 1, "--gamma must be in [0, 1]")
+        _require(self.kl_coef == 0 or self.advantage_estimator != "grpo",
+                 "--kl-coef shapes the reward of reinforce_plus_plus(_baseline) only (miles' GRPO ignores it); "
+                 "for GRPO use --use-kl-loss --kl-loss-coef")
+
+    @property
+    def needs_reference(self) -> bool:
+        """The reference model is loaded for the KL loss (whatever its coefficient) or the KL reward."""
+        return self.use_kl_loss or self.kl_coef != 0
 
 
 @dataclass(kw_only=True)

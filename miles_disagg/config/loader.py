@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from miles_disagg.config.components import SECTIONS, RunConfig
-from miles_disagg.config.fields import FlagSpec, flag_specs
+from miles_disagg.config.fields import ConfigArgumentParser, FlagSpec, add_flag, build_config, flag_specs
 from miles_disagg.config.validate import validate
 from miles_disagg.types import ConfigError
 
@@ -24,45 +24,20 @@ ENTRY_DESCRIPTIONS = {
 }
 
 
-class _ConfigArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors become ``ConfigError`` (so the caller controls the exit)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(message)
-
-
 def all_flag_specs() -> dict[str, list[FlagSpec]]:
     return {section: flag_specs(cls) for section, cls in SECTIONS.items()}
 
 
 def build_parser(entry: str) -> argparse.ArgumentParser:
-    parser = _ConfigArgumentParser(prog=f"{entry}.py", description=ENTRY_DESCRIPTIONS[entry],
+    parser = ConfigArgumentParser(prog=f"{entry}.py", description=ENTRY_DESCRIPTIONS[entry],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", default=None, help="YAML file setting any flag (the command line wins).")
     parser.add_argument("--print-config", action="store_true", help="Print the resolved config and exit.")
     for section, specs in all_flag_specs().items():
         group = parser.add_argument_group(section)
         for spec in specs:
-            _add_flag(group, spec)
+            add_flag(group, spec)  # defaults are applied later (after YAML): unset flags stay absent
     return parser
-
-
-def _add_flag(group: argparse._ArgumentGroup, spec: FlagSpec) -> None:
-    # Defaults are applied later (after YAML), so argparse leaves unset flags as SUPPRESS.
-    kwargs: dict[str, Any] = {"dest": spec.dest, "help": spec.help, "default": argparse.SUPPRESS}
-    if spec.base_type is bool and not spec.is_list:
-        group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **kwargs)
-        return
-    kwargs["type"] = spec.base_type
-    kwargs["metavar"] = spec.dest.upper().split("_")[-1]
-    if spec.choices:
-        kwargs["choices"] = spec.choices
-        kwargs.pop("metavar")
-    if spec.is_list:
-        kwargs["nargs"] = "*"
-    if spec.default not in (None, [], argparse.SUPPRESS):
-        kwargs["help"] = f"{spec.help} (default: {spec.default})"
-    group.add_argument(spec.flag, **kwargs)
 
 
 def load_config(argv: Sequence[str] | None, entry: str) -> tuple[RunConfig, bool]:
@@ -131,24 +106,8 @@ def _flatten(raw: dict[str, Any], path: Path) -> dict[str, Any]:
 
 
 def _build(values: dict[str, Any], entry: str) -> RunConfig:
-    sections: dict[str, Any] = {}
-    for section, specs in all_flag_specs().items():
-        kwargs = {}
-        for spec in specs:
-            if spec.dest in values:
-                kwargs[spec.dest] = _convert(spec, values[spec.dest])
-        try:
-            sections[section] = SECTIONS[section](**kwargs)
-        except ValueError as exc:
-            raise ConfigError(str(exc), tuple(w for w in str(exc).split() if w.startswith("--"))) from None
+    sections = {section: build_config(cls, values) for section, cls in SECTIONS.items()}
     return RunConfig(entry=entry, **sections)
-
-
-def _convert(spec: FlagSpec, value: Any) -> Any:
-    try:
-        return spec.convert(value)
-    except ValueError as exc:
-        raise ConfigError(str(exc), (spec.flag,)) from None
 
 
 def config_to_dict(config: RunConfig) -> dict[str, Any]:

@@ -78,6 +78,8 @@ class EngineManager:
             self._start_router(self.engine_urls)
         local_root = Path(self.weights.update_weight_local_checkpoint_dir or self.run_dir / "rollout-checkpoints")
         self.local_dirs = [self._local_dir(url, local_root / f"engine-{i}") for i, url in enumerate(self.engine_urls)]
+        if self.rollout.rollout_external:
+            self._bring_to_base()
         for url in self.engine_urls:
             self.router_client.add_worker(url)
         for url in self.engine_urls:
@@ -139,6 +141,31 @@ class EngineManager:
                                                         self.rollout.engine_dtype)
         with EngineClient(url, timeout_s=10) as client:
             return check_engine_matches(expected, client.server_info(), client.model_info())
+
+    def _bring_to_base(self) -> None:
+        """Attached engines may still serve an earlier job's version: bring each to this job's
+        base (version 0) before the router sees it. Broadcast mode cannot (no store): exit 2."""
+        stale = {}
+        for index, url in enumerate(self.engine_urls):
+            with EngineClient(url, timeout_s=10) as client:
+                reported = client.weight_version()
+            if reported != "0":
+                stale[index] = reported
+        if not stale:
+            return
+        described = ", ".join(f"{self.engine_urls[i].removeprefix('http://')} serves weight version {v!r}"
+                              for i, v in stale.items())
+        if self.weights.update_weight_transfer_mode != "disk-delta":
+            raise ConfigError(f"--rollout-external-engine-addrs: {described}, not this job's base (version 0), "
+                              "and broadcast mode cannot reset an engine; restart it on --hf-checkpoint or use "
+                              "--update-weight-transfer-mode disk-delta", ("--rollout-external-engine-addrs",))
+        log.warning("%s: bringing them to this job's base (version 0)", described)
+        updater = self._updater(list(stale), registered=False)
+        try:
+            updater.update(0)
+        finally:
+            updater.close()
+        self.events.append({"event": "reset_to_base", "engines": list(stale), "time": time.time()})
 
     @staticmethod
     def _local_dir(url: str, default: Path) -> str:

@@ -1,4 +1,5 @@
-"""The end-of-run summary (stderr + ``summary.json``) and ``report.png`` from ``metrics.jsonl``."""
+"""The end-of-run summary (stderr + ``summary.json``) and ``report.png`` from ``metrics.jsonl``
+(with the ``updates`` stream's activation timings joined to the steps that published them)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from miles_disagg.tracking import METRICS_FILENAME, read_metrics
+from miles_disagg.tracking import METRICS_FILENAME, UPDATES_STREAM, read_metrics
 
 WINDOW = 5
 PLOTS = (
@@ -48,13 +49,25 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def write_report(run_dir: str | Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
-    records = read_metrics(run_dir / METRICS_FILENAME) if (run_dir / METRICS_FILENAME).exists() else []
+    records = _read(run_dir / METRICS_FILENAME)
+    records = join_updates(records, _read(run_dir / f"{UPDATES_STREAM}.jsonl"))
     summary = summarize(records)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if records:
         plot(records, run_dir / "report.png")
     print(format_summary(summary, run_dir), file=sys.stderr)
     return summary
+
+
+def join_updates(records: list[dict[str, Any]], updates: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each step's record with the activation it published (``train_async``: logged later to
+    the ``updates`` stream) merged in; the record's own values win."""
+    by_step = {u["step"]: u for u in updates}
+    return [{**by_step.get(r["step"], {}), **r} for r in records]
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    return read_metrics(path) if path.exists() else []
 
 
 def format_summary(s: dict[str, Any], run_dir: Path) -> str:

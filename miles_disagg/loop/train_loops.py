@@ -1,6 +1,7 @@
 """The two training loops. They read top to bottom like the reference's train.py/train_async.py.
 
-``train_sync``: generate a batch on the current version, train on it, publish, update, repeat.
+``train_sync``: generate a batch on the current version, train on it, publish, update, repeat
+(a step's record includes its update: the step is done once every engine serves the version).
 ``train_async``: the rollout manager keeps generating while the trainer consumes completed
 groups; at an update boundary the engines prepare the new version while serving and pause
 only to activate it. ``--max-weight-staleness`` bounds how old a consumed sample may be.
@@ -17,42 +18,48 @@ from miles_disagg.loop.records import BusyMeter, step_record
 from miles_disagg.loop.resume import LoopState, find_resume, maybe_save, restore
 from miles_disagg.loop.updates import publish, publish_and_update, start_update
 from miles_disagg.rollout.manager import load_groups, save_groups
-from miles_disagg.tracking import MetricsTracker, status
-from miles_disagg.trainer.losses import assign_advantages
+from miles_disagg.tracking import TRAIN_STEPS_STREAM, UPDATES_STREAM, MetricsTracker, status
+from miles_disagg.trainer.advantages import assign_advantages
 from miles_disagg.types import RolloutBatch
 
 
 def train_async(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
     """Generation never stops; a published version is activated on the engines while the
-    trainer already trains on the next batch. A step's record is written once its update
-    has finished (so it carries the activation timings and the engines' versions)."""
+    trainer already trains on the next batch.
+
+    Each step's record is written as soon as the step is done (trained, published, saved,
+    evaluated), so a crash never loses a completed step. The activation of the version a
+    step published finishes later: its timings and the engines' versions go to the
+    ``updates`` stream (keyed by that step) when the loop next waits for it, before it starts
+    the next activation (one at a time) or at the end of the run."""
     cfg = job.config
     version = state.version
     job.rollout.start()
     busy = BusyMeter(job.router_url if cfg.rollout.router == "builtin" else None)
-    unlogged = None  # (step, batch, train metrics, update metrics, timings, PendingUpdate | None)
+    activating = None  # (step, PendingUpdate) of the activation in flight
+    activated = None  # what the status line says about the newest finished activation
     for step in range(state.step, cfg.rollout.num_rollout):
         start = time.perf_counter()
         batch = job.rollout.take(cfg.rollout.rollout_batch_size, version)
         got_batch = time.perf_counter()
         if cfg.rollout.save_debug_rollout_data:
             save_groups(cfg.rollout.save_debug_rollout_data.format(rollout_id=step), batch.groups, version)
-        train_metrics = job.trainer.train(assign_advantages(batch.groups, cfg.train))
+        train_metrics = _train(job, tracker, step, batch)
         trained = time.perf_counter()
-        update_metrics, pending = {}, None
+        update_metrics = {}
         if (step + 1) % cfg.weights.update_weights_interval == 0:
-            _flush(tracker, unlogged)  # one activation at a time: the previous one finishes first
-            unlogged = None
+            activated = _log_activation(tracker, activating)  # one at a time: the previous one finishes first
             version, update_metrics, pending = _begin_update(job, version)
+            activating = (step, pending) if pending is not None else None
             job.rollout.set_version(version)
         last = step == cfg.rollout.num_rollout - 1
         maybe_save(job, LoopState(step + 1, version), last=last)
         update_metrics.update(maybe_evaluate(job, step, version, last=last))
         timings = {"perf/wait_rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
                    "perf/step_time": time.perf_counter() - start, "perf/engine_busy_fraction": busy.fraction()}
-        _flush(tracker, unlogged)
-        unlogged = (step, batch, train_metrics, update_metrics, timings, pending)
-    _flush(tracker, unlogged)
+        _log_step(tracker, step, batch, train_metrics, update_metrics, timings, note=activated)
+        activated = None
+    _log_activation(tracker, activating)
 
 
 def _begin_update(job: Job, version: int):
@@ -63,13 +70,29 @@ def _begin_update(job: Job, version: int):
     return version, metrics, start_update(job, version)
 
 
-def _flush(tracker: MetricsTracker, unlogged) -> None:
-    if unlogged is None:
-        return
-    step, batch, train_metrics, update_metrics, timings, pending = unlogged
-    if pending is not None:
-        update_metrics.update(pending.finish())
-    _log_step(tracker, step, batch, train_metrics, update_metrics, timings)
+def _log_activation(tracker: MetricsTracker, activating) -> str | None:
+    """Wait for the activation in flight (if any) and append it to the ``updates`` stream;
+    a few words about it for the status line."""
+    if activating is None:
+        return None
+    step, pending = activating
+    metrics = pending.finish()
+    if not metrics:  # service topology: the replicas converge on their own
+        return None
+    record = tracker.log_stream(UPDATES_STREAM, step, {"weights/version": pending.version, **metrics})
+    pause = record.get("perf/update_weights_pause_time")
+    return f"v{pending.version} active" + (f" (pause {pause * 1e3:.0f} ms)" if pause is not None else "")
+
+
+def _train(job: Job, tracker: MetricsTracker, step: int, batch: RolloutBatch) -> dict:
+    """Train on the batch; each optimizer step goes to the ``train_steps`` stream at once
+    (``step`` = global optimizer step ``rollout_step * steps_per_rollout + k``); returns the
+    rollout's summary for its record."""
+    result = job.trainer.train(assign_advantages(batch.groups, job.config.train))
+    for k, metrics in enumerate(result.steps):
+        tracker.log_stream(TRAIN_STEPS_STREAM, step * len(result.steps) + k,
+                           {"rollout_step": step, "step_in_rollout": k, **metrics})
+    return result.summary()
 
 
 def train_sync(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
@@ -80,7 +103,7 @@ def train_sync(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         start = time.perf_counter()
         batch = _rollout_batch(job, step, version)
         got_batch = time.perf_counter()
-        train_metrics = {} if cfg.rollout.debug_rollout_only else job.trainer.train(assign_advantages(batch.groups, cfg.train))
+        train_metrics = {} if cfg.rollout.debug_rollout_only else _train(job, tracker, step, batch)
         trained = time.perf_counter()
         update_metrics = {}
         if not cfg.rollout.debug_rollout_only and job.engines is not None:
@@ -113,13 +136,16 @@ def _mean_reward(groups) -> float:
 
 
 def _log_step(tracker: MetricsTracker, step: int, batch: RolloutBatch, train_metrics: dict, update_metrics: dict,
-              timings: dict) -> None:
+              timings: dict, note: str | None = None) -> None:
     record = tracker.log(step, step_record(train_metrics, batch.metrics, update_metrics, timings, batch.num_samples))
     parts = [f"step {step}", f"reward {record.get('rollout/raw_reward', 0):.3f}",
              f"staleness max {record.get('rollout/staleness_max', 0):.0f}"]
     if "weights/version" in record:
-        parts.append(f"v{record['weights/version']} ({record['perf/update_weights_wire_bytes'] / 1024:.0f} KiB, "
-                     f"pause {record.get('perf/update_weights_pause_time', 0) * 1e3:.0f} ms)")
+        pause = record.get("perf/update_weights_pause_time")
+        parts.append(f"v{record['weights/version']} ({record['perf/update_weights_wire_bytes'] / 1024:.0f} KiB"
+                     + (f", pause {pause * 1e3:.0f} ms)" if pause is not None else ")"))
+    if note:
+        parts.append(note)
     parts.append(f"{timings['perf/step_time']:.2f}s")
     status(" | ".join(parts))
 

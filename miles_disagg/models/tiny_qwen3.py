@@ -3,19 +3,25 @@
 Nothing is downloaded: the tokenizer is built with the ``tokenizers`` library from a
 fixed character set, the model from a ``Qwen3Config`` with a fixed seed. The result is
 an ordinary HF checkpoint directory (``config.json``, ``model.safetensors``,
-tokenizer files) that transformers, the built-in engine and the trainer all load.
+tokenizer files) that transformers, the built-in engine and the trainer all load, plus
+``miles_disagg_init.json``: the arguments it was made with (seed, charset, shape, dtype), so a
+run can tell whether an existing directory is the model its flags ask for.
 """
 
 from __future__ import annotations
 
+import inspect
+import json
 import string
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHARSET = string.digits + string.ascii_letters + string.punctuation + " \n"
 DIGITS_CHARSET = string.digits + "+-=:, \n"
 """A small vocabulary for arithmetic-style tasks: a random policy hits a digit often enough to learn from."""
 CHARSETS = {"full": CHARSET, "digits": DIGITS_CHARSET}
+INIT_RECORD_FILENAME = "miles_disagg_init.json"
 
 
 def build_tokenizer(charset: str = CHARSET):
@@ -56,8 +62,10 @@ def make_tiny_qwen3(
     """Write a random tiny Qwen3 checkpoint with its tokenizer into ``out_dir``; return the path.
 
     ``vocab_size`` defaults to the tokenizer's size rounded up to a multiple of 8;
-    ``charset`` is the tokenizer's character set (``CHARSETS`` names two).
+    ``charset`` is the tokenizer's character set (``CHARSETS`` names two). The arguments are
+    recorded in ``INIT_RECORD_FILENAME`` (``read_init_record``).
     """
+    spec = {name: value for name, value in locals().items() if name != "out_dir"}
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -85,7 +93,34 @@ def make_tiny_qwen3(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    (out / INIT_RECORD_FILENAME).write_text(json.dumps({"made_by": __name__, "spec": spec}, indent=2) + "\n")
     return out
+
+
+def tiny_spec(**overrides: Any) -> dict[str, Any]:
+    """The arguments ``make_tiny_qwen3`` records for a call with ``overrides`` (defaults elsewhere)."""
+    params = inspect.signature(make_tiny_qwen3).parameters
+    spec = {name: p.default for name, p in params.items() if name != "out_dir"}
+    unknown = set(overrides) - set(spec)
+    if unknown:
+        raise TypeError(f"make_tiny_qwen3 has no argument(s) {sorted(unknown)}")
+    return {**spec, **overrides}
+
+
+def read_init_record(directory: str | Path) -> dict[str, Any] | None:
+    """The arguments a checkpoint directory was made with by ``make_tiny_qwen3`` (None if it was not)."""
+    path = Path(directory) / INIT_RECORD_FILENAME
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())["spec"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def charset_name(charset: str) -> str:
+    """The ``CHARSETS`` name of a character set (``custom`` for any other)."""
+    return next((name for name, chars in CHARSETS.items() if chars == charset), "custom")
 
 
 def _round_up(value: int, multiple: int) -> int:

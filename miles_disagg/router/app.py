@@ -54,7 +54,7 @@ from miles_disagg.router.health import HealthChecker
 from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, constraint_json, request_constraint,
                                        satisfies)
 from miles_disagg.router.registry import UnknownWorker, Worker, WorkerRegistry, WorkerState, parse_version
-from miles_disagg.httpjson import parse_json
+from miles_disagg.httpjson import parse_body, parse_json
 from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,21 @@ class RouterConfig:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s!r}")
         if self.health_failure_threshold < 1:
             raise ValueError(f"health_failure_threshold must be >= 1, got {self.health_failure_threshold!r}")
+
+
+@dataclass(frozen=True)
+class WorkerRequest:
+    """Body of ``/add_worker``, ``/remove_worker`` and ``/set_worker_state`` (the url may come as ``?url=``)."""
+
+    url: str | None = None
+    state: str | None = None
+    """``ready``, ``paused`` or ``activating`` (``/set_worker_state``; checked by the registry)."""
+    weight_version: Any = None
+    """The version the worker now holds: a non-negative int or decimal string (``/set_worker_state``)."""
+
+    def __post_init__(self) -> None:
+        if self.weight_version is not None and parse_version(self.weight_version) is None:
+            raise ValueError(f"weight_version must be a non-negative integer, got {self.weight_version!r}")
 
 
 class WorkerFailed(Retryable):
@@ -415,23 +430,19 @@ def create_app(config: RouterConfig, registry: WorkerRegistry | None = None):
     @app.post("/add_worker")
     @admin
     async def add_worker(request: Request):
-        worker = await router.add_worker(await _url_of(request))
+        worker = await router.add_worker(_url_of(request, await _worker_request(request)))
         return {"worker": worker.to_json()}
 
     @app.post("/remove_worker")
     @admin
     async def remove_worker(request: Request):
-        return {"worker": router.registry.remove(await _url_of(request)).to_json()}
+        return {"worker": router.registry.remove(_url_of(request, await _worker_request(request))).to_json()}
 
     @app.post("/set_worker_state")
     @admin
     async def set_worker_state(request: Request):
-        body = parse_json(await request.body())
-        version = body.get("weight_version")
-        if version is not None and parse_version(version) is None:
-            raise InvalidInput(f"weight_version must be a non-negative integer, got {version!r}")
-        worker = await router.set_worker_state(await _url_of(request, body), body.get("state"),
-                                               parse_version(version))
+        body = await _worker_request(request)
+        worker = await router.set_worker_state(_url_of(request, body), body.state, parse_version(body.weight_version))
         return {"worker": worker.to_json()}
 
     @app.get("/list_workers")
@@ -461,12 +472,14 @@ def _proxy_route(router: Router, path: str):
     return route
 
 
-async def _url_of(request: Any, body: dict | None = None) -> str:
+async def _worker_request(request: Any) -> WorkerRequest:
+    return parse_body(WorkerRequest, await request.body())
+
+
+def _url_of(request: Any, body: WorkerRequest) -> str:
     """The worker URL from ``?url=`` or the JSON body's ``url``."""
     url = request.query_params.get("url")
-    if url is None:
-        body = body if body is not None else parse_json(await request.body())
-        url = body.get("url")
+    url = body.url if url is None else url
     if url is None:
         raise InvalidInput("give the worker url as {'url': ...} or ?url=")
     return url

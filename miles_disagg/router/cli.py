@@ -8,30 +8,32 @@ A port already in use or an invalid setting exits 2 before anything is served.
 from __future__ import annotations
 
 import argparse
-import logging
 import socket
-import sys
+from dataclasses import dataclass
+
+from miles_disagg.config.commands import ServerFlags, add_config_arguments, config_from_args
+from miles_disagg.config.fields import flag
 
 DEFAULT_PORT = 30080
 
 
+@dataclass(kw_only=True)
+class RouterCommand(ServerFlags):
+    """Run the version-aware router (worker registry, health, routing)."""
+
+    port: int = flag(DEFAULT_PORT, "HTTP port (0: any free port).")
+    workers: list[str] = flag([], "Engine URL(s) registered at start (repeatable); more via POST /add_worker.",
+                              name="--worker", metavar="URL", repeat="extend")
+    health_check_interval: float = flag(1.0, "Seconds between health checks of every worker.", metavar="S")
+    health_check_timeout: float = flag(2.0, "Timeout of one health probe.", metavar="S")
+    health_failure_threshold: int = flag(2, "Probe timeouts in a row that take a worker out; a refused connection "
+                                            "or an error status takes it out at once.", metavar="N")
+    retry_after_s: float = flag(1.0, "Wait advised to clients with 409/503 answers.", metavar="S")
+    request_timeout: float = flag(600.0, "Read timeout of a proxied generation request.", metavar="S")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default: {DEFAULT_PORT})")
-    parser.add_argument("--worker", dest="workers", action="extend", nargs="+", default=[], metavar="URL",
-                        help="engine URL(s) registered at start (repeatable); more via POST /add_worker")
-    parser.add_argument("--health-check-interval", type=float, default=1.0, metavar="S",
-                        help="seconds between health checks of every worker (default: 1.0)")
-    parser.add_argument("--health-check-timeout", type=float, default=2.0, metavar="S",
-                        help="timeout of one health probe (default: 2.0)")
-    parser.add_argument("--health-failure-threshold", type=int, default=2, metavar="N",
-                        help="probe timeouts in a row that take a worker out; a refused connection "
-                             "or an error status takes it out at once (default: 2)")
-    parser.add_argument("--retry-after-s", type=float, default=1.0, metavar="S",
-                        help="wait advised to clients with 409/503 answers (default: 1.0)")
-    parser.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
-                        help="read timeout of a proxied generation request (default: 600)")
-    parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    add_config_arguments(parser, RouterCommand)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,21 +43,22 @@ def run(args: argparse.Namespace) -> int:
     from miles_disagg.router.registry import normalize_url
     from miles_disagg.types import ConfigError, InvalidInput
 
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    command = config_from_args(RouterCommand, args)
+    command.configure_logging()
     try:
-        workers = tuple(normalize_url(url) for url in args.workers)
+        workers = tuple(normalize_url(url) for url in command.workers)
         config = RouterConfig(
-            workers=workers, health_check_interval_s=args.health_check_interval,
-            health_check_timeout_s=args.health_check_timeout, health_failure_threshold=args.health_failure_threshold,
-            retry_after_s=args.retry_after_s, request_timeout_s=args.request_timeout,
+            workers=workers, health_check_interval_s=command.health_check_interval,
+            health_check_timeout_s=command.health_check_timeout,
+            health_failure_threshold=command.health_failure_threshold,
+            retry_after_s=command.retry_after_s, request_timeout_s=command.request_timeout,
         )
     except (ValueError, InvalidInput) as exc:
         raise ConfigError(str(exc)) from exc
-    sock = _listen(args.host, args.port)
-    server = uvicorn.Server(uvicorn.Config(create_app(config), log_level=args.log_level))
+    sock = _listen(command.host, command.port)
+    server = uvicorn.Server(uvicorn.Config(create_app(config), log_level=command.log_level))
     port = sock.getsockname()[1]  # the real one when --port 0
-    print(f"miles-disagg router listening on http://{args.host}:{port} ({len(workers)} workers)", flush=True)
+    print(f"miles-disagg router listening on http://{command.host}:{port} ({len(workers)} workers)", flush=True)
     server.run(sockets=[sock])
     return 0
 

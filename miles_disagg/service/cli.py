@@ -14,106 +14,130 @@ Each prints one line once it is serving; logs go to stderr. Bad settings exit 2.
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
-import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
+from miles_disagg.config.commands import ServerFlags, action_config, add_actions
+from miles_disagg.config.fields import REQUIRED, flag
 from miles_disagg.types import ConfigError
 
 DEFAULT_GATEWAY_PORT = 30090
 ENGINE_FLAG = "--engine"
+PORT_HELP = "HTTP port (0: any free port)."
+BASE_DIR_HELP = "The base checkpoint (version 0)."
+
+
+@dataclass(kw_only=True)
+class GatewayCommand(ServerFlags):
+    """the one endpoint: version-aware router in service mode"""
+
+    port: int = flag(DEFAULT_GATEWAY_PORT, PORT_HELP)
+    health_check_interval: float = flag(0.5, "Seconds between health checks of every replica.", metavar="S")
+    health_check_timeout: float = flag(2.0, "Timeout of one health probe.", metavar="S")
+    retry_after_s: float = flag(1.0, "Wait advised with 409/503 answers.", metavar="S")
+    request_timeout: float = flag(600.0, "Read timeout of a proxied generation request.", metavar="S")
+    heartbeat_timeout: float = flag(3.0, "A replica silent this long is out of routing.", metavar="S")
+    forget_after: float = flag(60.0, "A replica silent this long is removed.", metavar="S")
+
+
+@dataclass(kw_only=True)
+class ReplicaFlags:
+    """How every replica runs its engine and follows the store (``replica``, ``local``, ``ray``)."""
+
+    engine: str = flag("builtin", "builtin | sglang | url:http://HOST:PORT (an engine someone else runs).")
+    poll_interval: float = flag(1.0, "Seconds between looks at the store's LATEST (POST /wake looks now).",
+                                metavar="S")
+    heartbeat_interval: float = flag(1.0, "Seconds between heartbeats to the gateway.", metavar="S")
+    pause_mode: str = flag("retract", "Activation pause mode (retract: in-flight requests resume on the new "
+                                      "weights).", choices=("retract", "in_place", "abort"))
+    max_restages: int = flag(2, "Newer versions staged straight away before activating.", metavar="N")
+    pre_read_hook: str | None = flag(None, "hook(source_dir, target_version) run before a pull reads the store.",
+                                     metavar="MODULE:FUNCTION")
+    phase_hook: str | None = flag(None, "hook(phase, version) at staging/staged/paused/activated/failed.",
+                                  metavar="MODULE:FUNCTION")
+    engine_args: list[str] = flag([], "Extra engine command-line argument (repeatable; --engine-arg=--flag=value).",
+                                  name="--engine-arg", metavar="ARG", repeat="append")
+    drain_timeout: float = flag(30.0, "Longest wait for in-flight requests at shutdown.", metavar="S")
+
+    def __post_init__(self) -> None:
+        parse_engine(self.engine)
+
+    def replica_options(self):
+        from miles_disagg.service.launch import ReplicaOptions
+
+        return ReplicaOptions(engine=self.engine, poll_interval_s=self.poll_interval,
+                              heartbeat_interval_s=self.heartbeat_interval, pause_mode=self.pause_mode,
+                              max_restages=self.max_restages, pre_read_hook=self.pre_read_hook,
+                              phase_hook=self.phase_hook, engine_args=tuple(self.engine_args),
+                              drain_timeout_s=self.drain_timeout)
+
+
+@dataclass(kw_only=True)
+class ReplicaCommand(ServerFlags, ReplicaFlags):
+    """one engine that follows the version store"""
+
+    port: int = flag(0, PORT_HELP)
+    store: Path = flag(REQUIRED, "The version store (the trainer's --update-weight-disk-dir).")
+    gateway: str = flag(REQUIRED, "Gateway URL to register with.")
+    base_dir: Path = flag(REQUIRED, BASE_DIR_HELP)
+    local_checkpoint_dir: Path = flag(REQUIRED, "Host-local checkpoint (A/B slots).")
+    replica_id: str | None = flag(None, "Stable replica name (default: host:port of the control API).")
+    log_dir: Path | None = flag(None, "Engine logs (default: next to the local checkpoint).")
+    tp_size: int = flag(1, "SGLang tensor-parallel size.")
+    base_gpu_id: int = flag(0, "SGLang's first GPU.")
+    dtype: str = flag("auto", "Weight dtype, passed to the engine's --dtype.")
+
+
+@dataclass(kw_only=True)
+class PoolFlags(ServerFlags, ReplicaFlags):
+    """A gateway plus replicas (``local``, ``ray``)."""
+
+    port: int = flag(DEFAULT_GATEWAY_PORT, PORT_HELP)
+    store: Path = flag(REQUIRED, "The version store replicas follow.")
+    base_dir: Path = flag(REQUIRED, BASE_DIR_HELP)
+    work_dir: Path | None = flag(None, "Local checkpoints and logs (default: a temp dir).")
+    heartbeat_timeout: float = flag(3.0, "A replica silent this long is out of routing.", metavar="S")
+
+    def work_dir_or_temp(self) -> Path:
+        return self.work_dir or Path(tempfile.mkdtemp(prefix="miles-disagg-service-"))
+
+
+@dataclass(kw_only=True)
+class LocalCommand(PoolFlags):
+    """a gateway and N replica processes on this machine"""
+
+    replicas: int = flag(2, "Replica processes.", metavar="N")
+
+
+@dataclass(kw_only=True)
+class RayCommand(PoolFlags):
+    """a gateway and autoscaled replicas as Ray actors"""
+
+    address: str | None = flag(None, "The rollout Ray cluster (default: start a local one).")
+    min_replicas: int = flag(1, "Never fewer replicas.", metavar="N")
+    max_replicas: int = flag(4, "Never more replicas.", metavar="N")
+    target_in_flight: float = flag(8.0, "Requests in flight per replica the pool is sized for.", metavar="N")
+    scale_interval: float = flag(2.0, "Seconds between scaling decisions.", metavar="S")
+    scale_down_delay: float = flag(30.0, "How long a smaller count must be wanted before replicas are removed.",
+                                   metavar="S")
+    num_gpus_per_replica: float = flag(0.0, "GPUs each replica actor reserves.", metavar="N")
+
+
+ROLES = {"gateway": GatewayCommand, "replica": ReplicaCommand, "local": LocalCommand, "ray": RayCommand}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="serve_command", metavar="ROLE")
-    sub.required = True
-    _gateway_arguments(sub.add_parser("gateway", help="the one endpoint: version-aware router in service mode"))
-    _replica_arguments(sub.add_parser("replica", help="one engine that follows the version store"))
-    local = sub.add_parser("local", help="a gateway and N replica processes on this machine")
-    _pool_arguments(local)
-    local.add_argument("--replicas", type=int, default=2, help="replica processes (default: 2)")
-    ray = sub.add_parser("ray", help="a gateway and autoscaled replicas as Ray actors")
-    _pool_arguments(ray)
-    _ray_arguments(ray)
-
-
-def _common(parser: argparse.ArgumentParser, port: int) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=port, help=f"HTTP port (default: {port}; 0 = any free port)")
-    parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
-
-
-def _gateway_arguments(parser: argparse.ArgumentParser) -> None:
-    _common(parser, DEFAULT_GATEWAY_PORT)
-    parser.add_argument("--health-check-interval", type=float, default=0.5, metavar="S")
-    parser.add_argument("--health-check-timeout", type=float, default=2.0, metavar="S")
-    parser.add_argument("--retry-after-s", type=float, default=1.0, metavar="S",
-                        help="wait advised with 409/503 answers (default: 1.0)")
-    parser.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
-    parser.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="S",
-                        help="a replica silent this long is out of routing (default: 3.0)")
-    parser.add_argument("--forget-after", type=float, default=60.0, metavar="S",
-                        help="a replica silent this long is removed (default: 60)")
-
-
-def _replica_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", default="builtin", help="builtin | sglang | url:http://HOST:PORT (default: builtin)")
-    parser.add_argument("--poll-interval", type=float, default=1.0, metavar="S",
-                        help="seconds between looks at the store's LATEST (default: 1.0; POST /wake looks now)")
-    parser.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="S")
-    parser.add_argument("--pause-mode", default="retract", choices=("retract", "in_place", "abort"),
-                        help="activation pause mode (default: retract; in-flight requests resume on the new weights)")
-    parser.add_argument("--max-restages", type=int, default=2, metavar="N",
-                        help="newer versions staged straight away before activating (default: 2)")
-    parser.add_argument("--pre-read-hook", default=None, metavar="MODULE:FUNCTION",
-                        help="hook(source_dir, target_version) run before a pull reads the store")
-    parser.add_argument("--phase-hook", default=None, metavar="MODULE:FUNCTION",
-                        help="hook(phase, version) at staging/staged/paused/activated/failed")
-    parser.add_argument("--engine-arg", dest="engine_args", action="append", default=[], metavar="ARG",
-                        help="extra engine command-line argument (repeatable; --engine-arg=--flag=value)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S")
-
-
-def _replica_arguments(parser: argparse.ArgumentParser) -> None:
-    _common(parser, 0)
-    parser.add_argument("--store", required=True, type=Path, help="the version store (the trainer's --update-weight-disk-dir)")
-    parser.add_argument("--gateway", required=True, help="gateway URL to register with")
-    parser.add_argument("--base-dir", required=True, type=Path, help="the base checkpoint (version 0)")
-    parser.add_argument("--local-checkpoint-dir", required=True, type=Path, help="host-local checkpoint (A/B slots)")
-    parser.add_argument("--replica-id", default=None, help="stable replica name (default: host:port of the control API)")
-    parser.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: next to the local checkpoint)")
-    parser.add_argument("--tp-size", type=int, default=1, help="SGLang tensor-parallel size")
-    parser.add_argument("--base-gpu-id", type=int, default=0, help="SGLang's first GPU")
-    parser.add_argument("--dtype", default="auto")
-    _replica_options(parser)
-
-
-def _pool_arguments(parser: argparse.ArgumentParser) -> None:
-    _common(parser, DEFAULT_GATEWAY_PORT)
-    parser.add_argument("--store", required=True, type=Path, help="the version store replicas follow")
-    parser.add_argument("--base-dir", required=True, type=Path, help="the base checkpoint (version 0)")
-    parser.add_argument("--work-dir", type=Path, default=None, help="local checkpoints and logs (default: a temp dir)")
-    parser.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="S")
-    _replica_options(parser)
-
-
-def _ray_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default=None, help="the rollout Ray cluster (default: start a local one)")
-    parser.add_argument("--min-replicas", type=int, default=1)
-    parser.add_argument("--max-replicas", type=int, default=4)
-    parser.add_argument("--target-in-flight", type=float, default=8.0, help="requests in flight per replica")
-    parser.add_argument("--scale-interval", type=float, default=2.0, metavar="S")
-    parser.add_argument("--scale-down-delay", type=float, default=30.0, metavar="S")
-    parser.add_argument("--num-gpus-per-replica", type=float, default=0.0)
+    add_actions(parser, "serve_command", "ROLE", ROLES)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return {"gateway": _run_gateway, "replica": _run_replica, "local": _run_local, "ray": _run_ray}[args.serve_command](args)
+    command = action_config(args, "serve_command", ROLES)
+    command.configure_logging()
+    return {"gateway": _run_gateway, "replica": _run_replica, "local": _run_local,
+            "ray": _run_ray}[args.serve_command](command)
 
 
 def _check_base_dir(path: Path) -> None:
@@ -121,7 +145,7 @@ def _check_base_dir(path: Path) -> None:
         raise ConfigError(f"--base-dir {str(path)!r} is not a checkpoint directory (no config.json)", flags=("--base-dir",))
 
 
-def _run_gateway(args: argparse.Namespace) -> int:
+def _run_gateway(command: GatewayCommand) -> int:
     import uvicorn
 
     from miles_disagg.router.app import RouterConfig
@@ -130,50 +154,41 @@ def _run_gateway(args: argparse.Namespace) -> int:
 
     try:
         config = GatewayConfig(
-            router=RouterConfig(health_check_interval_s=args.health_check_interval,
-                                health_check_timeout_s=args.health_check_timeout, retry_after_s=args.retry_after_s,
-                                request_timeout_s=args.request_timeout),
-            heartbeat_timeout_s=args.heartbeat_timeout, forget_after_s=args.forget_after)
+            router=RouterConfig(health_check_interval_s=command.health_check_interval,
+                                health_check_timeout_s=command.health_check_timeout,
+                                retry_after_s=command.retry_after_s, request_timeout_s=command.request_timeout),
+            heartbeat_timeout_s=command.heartbeat_timeout, forget_after_s=command.forget_after)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    sock = listen_socket(args.host, args.port, backlog=2048)
-    server = uvicorn.Server(uvicorn.Config(create_gateway_app(config), log_level=args.log_level))
-    print(f"miles-disagg serve gateway listening on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+    sock = listen_socket(command.host, command.port, backlog=2048)
+    server = uvicorn.Server(uvicorn.Config(create_gateway_app(config), log_level=command.log_level))
+    print(f"miles-disagg serve gateway listening on http://{command.host}:{sock.getsockname()[1]}", flush=True)
     server.run(sockets=[sock])
     return 0
 
 
-def _replica_options_from(args: argparse.Namespace):
-    from miles_disagg.service.launch import ReplicaOptions
-
-    parse_engine(args.engine)
-    return ReplicaOptions(engine=args.engine, poll_interval_s=args.poll_interval,
-                          heartbeat_interval_s=args.heartbeat_interval, pause_mode=args.pause_mode,
-                          max_restages=args.max_restages, pre_read_hook=args.pre_read_hook, phase_hook=args.phase_hook,
-                          engine_args=tuple(args.engine_args), drain_timeout_s=args.drain_timeout)
-
-
-def _run_replica(args: argparse.Namespace) -> int:
+def _run_replica(command: ReplicaCommand) -> int:
     from miles_disagg.engines.launch import EngineSpec
     from miles_disagg.service.reconciler import ReconcileConfig
     from miles_disagg.service.replica import Replica, ReplicaConfig, load_phase_hook
 
-    _check_base_dir(args.base_dir)
-    kind, attach_url = parse_engine(args.engine)
-    load_phase_hook(args.phase_hook)  # fail before anything starts
-    local = args.local_checkpoint_dir
+    _check_base_dir(command.base_dir)
+    kind, attach_url = parse_engine(command.engine)
+    load_phase_hook(command.phase_hook)  # fail before anything starts
+    local = command.local_checkpoint_dir
     try:
-        engine = EngineSpec(backend="builtin" if kind == "url" else kind, model_path=args.base_dir.resolve(),
-                            local_checkpoint_dir=local, log_dir=args.log_dir or local.parent / f"{local.name}.logs",
-                            host=args.host, pre_read_hook=args.pre_read_hook, extra_args=tuple(args.engine_args),
-                            tp_size=args.tp_size, base_gpu_id=args.base_gpu_id, dtype=args.dtype)
+        engine = EngineSpec(backend="builtin" if kind == "url" else kind, model_path=command.base_dir.resolve(),
+                            local_checkpoint_dir=local,
+                            log_dir=command.log_dir or local.parent / f"{local.name}.logs", host=command.host,
+                            pre_read_hook=command.pre_read_hook, extra_args=tuple(command.engine_args),
+                            tp_size=command.tp_size, base_gpu_id=command.base_gpu_id, dtype=command.dtype)
         config = ReplicaConfig(
-            replica_id=args.replica_id, store_dir=args.store, gateway_url=args.gateway, engine=engine,
+            replica_id=command.replica_id, store_dir=command.store, gateway_url=command.gateway, engine=engine,
             attach_url=attach_url,
-            host=args.host, port=args.port, poll_interval_s=args.poll_interval,
-            heartbeat_interval_s=args.heartbeat_interval, drain_timeout_s=args.drain_timeout,
-            reconcile=ReconcileConfig(pause_mode=args.pause_mode, max_restages=args.max_restages),
-            phase_hook=args.phase_hook)
+            host=command.host, port=command.port, poll_interval_s=command.poll_interval,
+            heartbeat_interval_s=command.heartbeat_interval, drain_timeout_s=command.drain_timeout,
+            reconcile=ReconcileConfig(pause_mode=command.pause_mode, max_restages=command.max_restages),
+            phase_hook=command.phase_hook)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     replica = Replica(config)
@@ -197,42 +212,38 @@ def parse_engine(value: str) -> tuple[str, str | None]:
     raise ConfigError(f"{ENGINE_FLAG} must be builtin, sglang or url:http://HOST:PORT, got {value!r}", flags=(ENGINE_FLAG,))
 
 
-def _work_dir(args: argparse.Namespace) -> Path:
-    return args.work_dir or Path(tempfile.mkdtemp(prefix="miles-disagg-service-"))
-
-
-def _run_local(args: argparse.Namespace) -> int:
+def _run_local(command: LocalCommand) -> int:
     from miles_disagg.service.local import launch_local_service
 
-    _check_base_dir(args.base_dir)
-    options = _replica_options_from(args)
-    work_dir = _work_dir(args)
-    service = launch_local_service(args.store.resolve(), args.base_dir.resolve(), work_dir=work_dir,
-                                   num_replicas=args.replicas, port=args.port, host=args.host, replica=options,
-                                   heartbeat_timeout_s=args.heartbeat_timeout)
-    print(f"miles-disagg serve local: gateway {service.url}, {args.replicas} replicas ready (work dir {work_dir})",
+    _check_base_dir(command.base_dir)
+    options = command.replica_options()
+    work_dir = command.work_dir_or_temp()
+    service = launch_local_service(command.store.resolve(), command.base_dir.resolve(), work_dir=work_dir,
+                                   num_replicas=command.replicas, port=command.port, host=command.host, replica=options,
+                                   heartbeat_timeout_s=command.heartbeat_timeout)
+    print(f"miles-disagg serve local: gateway {service.url}, {command.replicas} replicas ready (work dir {work_dir})",
           flush=True)
     _wait_for_signal()
     service.stop()
     return 0
 
 
-def _run_ray(args: argparse.Namespace) -> int:
+def _run_ray(command: RayCommand) -> int:
     from miles_disagg.service.ray_pool import RayServiceConfig, run_ray_service
     from miles_disagg.service.scaling import ScalingConfig
 
-    _check_base_dir(args.base_dir)
+    _check_base_dir(command.base_dir)
     try:
-        scaling = ScalingConfig(min_replicas=args.min_replicas, max_replicas=args.max_replicas,
-                                target_in_flight_per_replica=args.target_in_flight,
-                                scale_down_delay_s=args.scale_down_delay)
+        scaling = ScalingConfig(min_replicas=command.min_replicas, max_replicas=command.max_replicas,
+                                target_in_flight_per_replica=command.target_in_flight,
+                                scale_down_delay_s=command.scale_down_delay)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    config = RayServiceConfig(store_dir=args.store.resolve(), base_dir=args.base_dir.resolve(),
-                              work_dir=_work_dir(args), host=args.host, port=args.port, scaling=scaling,
-                              replica=_replica_options_from(args), num_gpus_per_replica=args.num_gpus_per_replica,
-                              scale_interval_s=args.scale_interval, heartbeat_timeout_s=args.heartbeat_timeout)
-    run_ray_service(config, address=args.address, stop=threading.Event(),
+    config = RayServiceConfig(store_dir=command.store.resolve(), base_dir=command.base_dir.resolve(),
+                              work_dir=command.work_dir_or_temp(), host=command.host, port=command.port, scaling=scaling,
+                              replica=command.replica_options(), num_gpus_per_replica=command.num_gpus_per_replica,
+                              scale_interval_s=command.scale_interval, heartbeat_timeout_s=command.heartbeat_timeout)
+    run_ray_service(config, address=command.address, stop=threading.Event(),
                     on_ready=lambda url: print(f"miles-disagg serve ray: gateway {url}", flush=True))
     return 0
 

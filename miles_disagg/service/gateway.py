@@ -38,12 +38,12 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse
 
-from miles_disagg.httpjson import error_json, parse_json, status_for
+from miles_disagg.httpjson import error_json, parse_body, status_for
 from miles_disagg.router.app import ProxyRecord, Router, RouterConfig, create_app
 from miles_disagg.router.registry import UnknownWorker
 from miles_disagg.service.fleet import Fleet
 from miles_disagg.service.metrics import DEFAULT_FRACTIONS, ConvergenceTracker, RequestStats, summary
-from miles_disagg.service.protocol import ReplicaStatus
+from miles_disagg.service.protocol import Deregistration, ReplicaStatus
 from miles_disagg.types import InvalidInput
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ def create_gateway_app(config: GatewayConfig):
 
     async def answer(handler, request: Request):
         try:
-            return await handler(parse_json(await request.body()))
+            return await handler(await request.body())
         except Exception as exc:  # typed errors -> their statuses; the rest 500, logged
             status = status_for(exc)
             return JSONResponse(error_json(exc, status), status_code=status)
@@ -221,8 +221,8 @@ def create_gateway_app(config: GatewayConfig):
 
     @app.post("/deregister")
     async def deregister(request: Request):
-        async def handler(body: dict) -> Any:
-            return gateway.deregister(str(body.get("replica_id") or ""))
+        async def handler(body: bytes) -> Any:
+            return gateway.deregister(parse_body(Deregistration, body).replica_id)
         return await answer(handler, request)
 
     @app.post("/wake")

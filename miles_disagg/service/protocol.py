@@ -27,8 +27,6 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from miles_disagg.types import InvalidInput
-
 MAX_ACTIVATIONS_REPORTED = 8
 
 
@@ -70,6 +68,13 @@ class Activation:
     num_restages: int = 0  # newer versions seen while staging, staged straight away (coalescing)
 
 
+@dataclass(frozen=True)
+class Deregistration:
+    """``POST {gateway}/deregister``: a replica leaves the fleet."""
+
+    replica_id: str
+
+
 @dataclass
 class ReplicaStatus:
     """One heartbeat (see the module docstring)."""
@@ -89,49 +94,19 @@ class ReplicaStatus:
     activations: list[Activation] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        for name in ("replica_id", "incarnation"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string")
+
     def to_json(self) -> dict[str, Any]:
         obj = asdict(self)
         obj["state"] = self.state.value
         return obj
 
     @classmethod
-    def from_json(cls, obj: Any) -> "ReplicaStatus":
-        """Parse a heartbeat body; ``InvalidInput`` naming the field for anything malformed."""
-        if not isinstance(obj, dict):
-            raise InvalidInput(f"a heartbeat must be a JSON object, got {type(obj).__name__}")
-        try:
-            state = ReplicaState(obj.get("state"))
-        except ValueError:
-            raise InvalidInput(f"state must be one of {[s.value for s in ReplicaState]}, got {obj.get('state')!r}") from None
-        head = obj.get("store_head")
-        try:
-            return cls(
-                replica_id=_str(obj, "replica_id"), incarnation=_str(obj, "incarnation"), seq=_int(obj, "seq"),
-                engine_url=obj.get("engine_url"), control_url=obj.get("control_url"), state=state,
-                weight_version=_opt_int(obj, "weight_version"), run_id=str(obj.get("run_id") or ""),
-                staged_version=_opt_int(obj, "staged_version"),
-                store_head=StoreHead(**head) if isinstance(head, dict) else None,
-                last_error=obj.get("last_error"), load=_opt_int(obj, "load"),
-                activations=[Activation(**a) for a in obj.get("activations") or []],
-                counters={str(k): int(v) for k, v in (obj.get("counters") or {}).items()},
-            )
-        except (TypeError, ValueError) as exc:
-            raise InvalidInput(f"malformed heartbeat: {exc}") from None
+    def from_json(cls, body: bytes | Any) -> "ReplicaStatus":
+        """Validate a heartbeat (raw bytes or decoded JSON) strictly; ``InvalidInput`` naming the field."""
+        from miles_disagg.httpjson import parse_body
 
-
-def _str(obj: dict, key: str) -> str:
-    value = obj.get(key)
-    if not isinstance(value, str) or not value:
-        raise InvalidInput(f"heartbeat field {key!r} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _int(obj: dict, key: str) -> int:
-    value = obj.get(key)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidInput(f"heartbeat field {key!r} must be an integer, got {value!r}")
-    return value
-
-
-def _opt_int(obj: dict, key: str) -> int | None:
-    return None if obj.get(key) is None else _int(obj, key)
+        return parse_body(cls, body)

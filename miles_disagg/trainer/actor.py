@@ -26,7 +26,7 @@ class TrainerRank:
     def address(self) -> tuple[str, int]:
         import ray
 
-        from miles_disagg.engines.launch import free_port
+        from miles_disagg.process import free_port
 
         return ray.util.get_node_ip_address(), free_port("0.0.0.0")
 
@@ -34,7 +34,7 @@ class TrainerRank:
         import torch
 
         from miles_disagg.trainer.backend import make_backend
-        from miles_disagg.trainer.distributed import init_distributed
+        from miles_disagg.distributed import init_distributed
 
         torch.set_num_threads(1)
         start = time.perf_counter()
@@ -65,10 +65,13 @@ class TrainerRank:
         self.backend.save_checkpoint(directory)
 
     def save_hf(self, directory: str) -> None:
-        """Rank 0 writes the policy as an HF checkpoint (config and tokenizer from the base); collective."""
+        """Rank 0 writes the policy as an HF checkpoint (config and tokenizer from the base; not the
+        base's record of its random initialisation, which the trained weights no longer are); collective."""
         import shutil
 
         from safetensors.torch import save_file
+
+        from miles_disagg.models.tiny_qwen3 import INIT_RECORD_FILENAME
 
         tensors = {name: t.contiguous() for name, t in self.backend.named_tensors()}
         if self.rank != 0:
@@ -76,7 +79,7 @@ class TrainerRank:
         os.makedirs(directory, exist_ok=True)
         save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
         for name in os.listdir(self.hf_dir):
-            if not name.endswith(".safetensors") and not name.endswith(".index.json"):
+            if not name.endswith((".safetensors", ".index.json")) and name != INIT_RECORD_FILENAME:
                 source = os.path.join(self.hf_dir, name)
                 if os.path.isfile(source):
                     shutil.copy2(source, os.path.join(directory, name))
@@ -94,7 +97,8 @@ class TrainerRank:
             return None
         return {"run_id": self.publisher.latest.run_id, "version": self.publisher.latest.version}
 
-    def train(self, steps: list[list[Sample]]) -> dict[str, float]:
+    def train(self, steps: list[list[Sample]]):
+        """This rank's share of each optimizer step -> the rollout's ``TrainResult``."""
         return self.backend.train(steps)
 
     def publish(self, full: bool = False):
@@ -122,7 +126,7 @@ class TrainerRank:
         """Rank 0 joins the weight-update group as its rank 0 (blocks until every engine joined)."""
         import torch
 
-        from miles_disagg.engines.builtin.dist_update import init_custom_process_group
+        from miles_disagg.distributed import init_custom_process_group
 
         if self.rank != 0:
             return

@@ -12,23 +12,35 @@ from miles_disagg.types import Sample
 
 @dataclass
 class PackedBatch:
-    """Right-padded ``[batch, seq]`` tokens and ``[batch, response]`` per-token fields."""
+    """Right-padded ``[batch, seq]`` tokens and ``[batch, response]`` per-token fields.
+
+    ``response_mask`` marks each sample's real response tokens (0 on padding); ``loss_mask``
+    marks the tokens that are trained: the response tokens whose ``Sample.loss_mask`` is 1
+    (tokens the policy did not generate, e.g. tool output, are 0 and get no gradient).
+    """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     response_ids: torch.Tensor
     response_mask: torch.Tensor
+    loss_mask: torch.Tensor
     response_start: torch.Tensor  # index of each sample's first response token in input_ids
     rollout_logprobs: torch.Tensor
-    advantages: torch.Tensor
+    advantages: torch.Tensor  # [batch]: each sample's sequence-level signal (Sample.advantage)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.input_ids.shape[0])
 
     @property
     def num_tokens(self) -> int:
-        return int(self.response_mask.sum().item())
+        """Trained tokens (the per-token loss's denominator share)."""
+        return int(self.loss_mask.sum().item())
 
 
 def pack(samples: Sequence[Sample], pad_id: int = 0) -> PackedBatch:
-    """Pack samples; a sample must have at least one response token."""
+    """Pack samples; a sample must have at least one response token, and its ``loss_mask``
+    (when given) one 0/1 per response token (``ValueError`` otherwise)."""
     if not samples:
         raise ValueError("cannot pack an empty batch")
     seq_len = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -38,6 +50,7 @@ def pack(samples: Sequence[Sample], pad_id: int = 0) -> PackedBatch:
     attention = torch.zeros((n, seq_len), dtype=torch.long)
     response_ids = torch.zeros((n, resp_len), dtype=torch.long)
     response_mask = torch.zeros((n, resp_len), dtype=torch.float32)
+    loss_mask = torch.zeros((n, resp_len), dtype=torch.float32)
     rollout_lp = torch.zeros((n, resp_len), dtype=torch.float32)
     for i, s in enumerate(samples):
         if not s.response_ids:
@@ -48,13 +61,24 @@ def pack(samples: Sequence[Sample], pad_id: int = 0) -> PackedBatch:
         r = len(s.response_ids)
         response_ids[i, :r] = torch.tensor(s.response_ids)
         response_mask[i, :r] = 1.0
+        loss_mask[i, :r] = torch.tensor(_checked_loss_mask(s, i), dtype=torch.float32)
         if s.response_logprobs:
             rollout_lp[i, :r] = torch.tensor(s.response_logprobs[:r], dtype=torch.float32)
     return PackedBatch(
         input_ids=input_ids, attention_mask=attention, response_ids=response_ids, response_mask=response_mask,
-        response_start=torch.tensor([len(s.prompt_ids) for s in samples]), rollout_logprobs=rollout_lp,
-        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        loss_mask=loss_mask, response_start=torch.tensor([len(s.prompt_ids) for s in samples]),
+        rollout_logprobs=rollout_lp, advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
     )
+
+
+def _checked_loss_mask(sample: Sample, index: int) -> list[int]:
+    mask = sample.trained_mask()
+    if len(mask) != len(sample.response_ids):
+        raise ValueError(f"sample {index}: loss_mask has {len(mask)} entries for {len(sample.response_ids)} "
+                         "response tokens")
+    if any(m not in (0, 1) for m in mask):
+        raise ValueError(f"sample {index}: loss_mask entries must be 0 or 1")
+    return mask
 
 
 def response_logits(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:

@@ -15,9 +15,11 @@ from typing import Iterator
 import torch
 
 from miles_disagg.config.components import TrainConfig
-from miles_disagg.trainer.backend import MetricMeans, TrainerBackend
+from miles_disagg.trainer.advantages import rollout_advantages
+from miles_disagg.trainer.backend import TrainerBackend, TrainResult
 from miles_disagg.trainer.batches import PackedBatch, micro_batches, pack, response_logits
-from miles_disagg.trainer.losses import masked_mean, rl_token_loss, token_logprobs_and_entropy
+from miles_disagg.trainer.losses import rl_loss, token_logprobs_and_entropy
+from miles_disagg.trainer.reduction import StepMetrics, global_token_mean, step_denominators
 from miles_disagg.types import Sample
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,7 @@ class FSDPBackend(TrainerBackend):
         self.pad_id = model.config.pad_token_id or 0
         self.module = model.float().to(self.device)  # float32 master weights
         self.model = self._wrap(self.module)
-        self.ref_model = self._load_reference(hf_dir) if config.use_kl_loss and config.kl_loss_coef > 0 else None
+        self.ref_model = self._load_reference(hf_dir) if config.needs_reference else None
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps, weight_decay=config.weight_decay)
@@ -76,48 +78,44 @@ class FSDPBackend(TrainerBackend):
     def _frozen_logprobs(self, model: torch.nn.Module, batches: list[PackedBatch]) -> list[torch.Tensor]:
         return [self._token_logprobs(model, b, with_entropy=False)[0] for b in batches]
 
-    def train(self, steps: list[list[Sample]]) -> dict[str, float]:
+    def train(self, steps: list[list[Sample]]) -> TrainResult:
         mbs = self.config.micro_batch_size
         packed = [[pack(mb, self.pad_id) for mb in micro_batches(step, mbs)] for step in steps]
         flat = [b for step in packed for b in step]
         old = self._frozen_logprobs(self.model, flat)
         ref = self._frozen_logprobs(self.ref_model, flat) if self.ref_model is not None else [None] * len(flat)
-        diffs = [masked_mean((o - b.rollout_logprobs.to(self.device)).abs(), b.response_mask.to(self.device))
-                 for o, b in zip(old, flat)]
-        metrics = MetricMeans()
-        metrics.add("train/train_rollout_logprob_abs_diff", torch.stack(diffs).mean().item())
+        advantages = rollout_advantages(self.config, flat, old, ref)
+        denominators = step_denominators(packed, per_token=self.config.calculate_per_token_loss, device=self.device)
+        diff = global_token_mean([((o - b.rollout_logprobs.to(self.device)).abs(), b.loss_mask)
+                                  for o, b in zip(old, flat)], device=self.device)
+        result = TrainResult(rollout={"train/train_rollout_logprob_abs_diff": diff})
         cursor = 0
-        for index, step in enumerate(packed):
-            step_old, step_ref = old[cursor:cursor + len(step)], ref[cursor:cursor + len(step)]
+        for step, denominator in zip(packed, denominators):
+            window = slice(cursor, cursor + len(step))
             cursor += len(step)
-            step_metrics = self._optimizer_step(step, step_old, step_ref)
-            if index == 0:  # on-policy by construction: its ratio is exactly 1
-                metrics.add("train/ppo_kl_first_minibatch", step_metrics["train/ppo_kl"])
-            for key, value in step_metrics.items():
-                metrics.add(key, value)
-        return metrics.means()
+            result.steps.append(self._optimizer_step(step, old[window], ref[window], advantages[window], denominator))
+        return result
 
-    def _optimizer_step(self, batches: list[PackedBatch], old: list, ref: list) -> dict[str, float]:
+    def _optimizer_step(self, batches: list[PackedBatch], old: list, ref: list, advantages: list,
+                        denominator: float) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches; ``denominator`` is the step's global
+        sample (or token) count. Ranks average gradients, so each backpropagates
+        ``world_size / denominator`` times its sum: the mean over the global batch."""
         self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = max(sum(b.num_tokens for b in batches), 1)
-        sums = MetricMeans()
+        scale = self.world_size / denominator
+        sums = StepMetrics()
         for i, batch in enumerate(batches):
-            last = i == len(batches) - 1
-            with self._no_sync(not last):
-                out = self._micro_loss(batch, old[i], ref[i])
-                (out.pop("loss") * (batch.num_tokens / total_tokens)).backward()
-            for key, value in out.items():
-                sums.add(key, value)
+            with self._no_sync(i < len(batches) - 1):
+                logprobs, entropy = self._token_logprobs(self.model, batch, with_entropy=True)
+                loss, metrics = rl_loss(self.config, batch, logprobs, entropy, old[i], ref[i], advantages[i],
+                                        self.device)
+                (loss * scale).backward()
+            sums.add(metrics)
         grad_norm = self._clip_and_step()
-        result = sums.means()
+        result = sums.global_means(denominator, device=self.device)
         result["train/grad_norm"] = grad_norm
         result["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return result
-
-    def _micro_loss(self, batch: PackedBatch, old: torch.Tensor, ref: torch.Tensor | None) -> dict:
-        logprobs, entropy = self._token_logprobs(self.model, batch, with_entropy=True)
-        loss, metrics = rl_token_loss(self.config, batch, logprobs, entropy, old, ref, self.device)
-        return {**metrics, "loss": loss}
 
     def _no_sync(self, skip_sync: bool):
         if skip_sync and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):

@@ -11,6 +11,7 @@ from miles_disagg.trainer.placement import Placement
 from miles_disagg.types import Sample
 
 if TYPE_CHECKING:
+    from miles_disagg.trainer.backend import TrainResult
     from miles_disagg.weights.publisher import PublishResult
 
 
@@ -45,14 +46,14 @@ class TrainerGroup:
         self.run_id = infos[0]["run_id"]
         return infos[0]
 
-    def train(self, samples: list[Sample]) -> dict[str, float]:
-        """Train on one rollout's samples (whole global batches); mean metrics over ranks."""
+    def train(self, samples: list[Sample]) -> TrainResult:
+        """Train on one rollout's samples (whole global batches); the metrics of each optimizer
+        step over the global batch (every rank computes the same; rank 0's are returned)."""
         import ray
 
         per_step = split_for_steps(samples, self.train_config.global_batch_size or len(samples), self.world_size)
         results = ray.get([r.train.remote([step[rank] for step in per_step]) for rank, r in enumerate(self.ranks)])
-        keys = results[0].keys()
-        return {k: sum(res[k] for res in results) / len(results) for k in keys}
+        return results[0]
 
     def publish(self) -> PublishResult:
         """The policy as the next version (rank 0 publishes; the others join the gather)."""

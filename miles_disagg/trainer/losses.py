@@ -1,9 +1,17 @@
-"""Advantages (GRPO) and the PPO-style policy loss, token-level and masked.
+"""The PPO-style policy loss, KL estimators, TIS weights, and how per-token values become a loss.
 
-All per-token tensors are ``[batch, response_len]`` with a 0/1 ``mask`` marking real
-response tokens. ``logprobs`` are the current policy's; ``old_logprobs`` the policy that
-the advantages are measured against (the trainer's own recomputation of the behaviour
-policy, so the first step's ratio is exactly 1); ``rollout_logprobs`` the engine's.
+All per-token tensors are ``[batch, response_len]``. ``loss_mask`` (``PackedBatch.loss_mask``)
+is 1 on the tokens that are trained: real response tokens the policy generated (0 on padding
+and on tokens it did not generate, e.g. tool output). ``logprobs`` are the current policy's;
+``old_logprobs`` the policy that the advantages are measured against (the trainer's own
+recomputation of the behaviour policy, so the first step's ratio is exactly 1);
+``rollout_logprobs`` the engine's.
+
+Aggregation (miles' meanings): an optimizer step's loss is the mean over the step's samples
+of each sample's token-mean (default), or with ``--calculate-per-token-loss`` the mean over
+all trained tokens of the step. Both are GLOBAL over the data-parallel ranks: a micro-batch
+contributes ``masked_sum(...)`` and the backend divides by the step's global sample or token
+count (``trainer.reduction``), so two ranks give exactly the gradient of one.
 """
 
 from __future__ import annotations
@@ -20,48 +28,34 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def grpo_advantages(rewards: torch.Tensor, *, normalize_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """``[groups, n]`` rewards -> ``[groups, n]`` advantages: reward minus its group's mean,
-    divided by the group's std when ``normalize_by_std`` (a group of equal rewards gets 0)."""
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be [groups, samples_per_group], got shape {tuple(rewards.shape)}")
-    centered = rewards - rewards.mean(dim=1, keepdim=True)
-    if not normalize_by_std or rewards.shape[1] < 2:
-        return centered
-    return centered / (rewards.std(dim=1, keepdim=True) + eps)
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, *, per_token: bool) -> torch.Tensor:
+    """A micro-batch's share of a step mean, before division by the step's global denominator.
 
-
-def assign_advantages(groups: list, config) -> list:
-    """Each sample's advantage from its group's rewards (``--advantage-estimator``); the samples
-    in order. GRPO: reward minus the group's mean (over the group's std); otherwise reward minus
-    the batch mean (a global baseline)."""
-    rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)
-    if config.advantage_estimator == "grpo":
-        adv = grpo_advantages(rewards, normalize_by_std=config.normalize_advantages_by_std)
-    else:
-        adv = rewards - rewards.mean()
-    samples = []
-    for g, row in zip(groups, adv.tolist()):
-        for s, a in zip(g.samples, row):
-            s.advantage = float(a)
-            samples.append(s)
-    return samples
+    ``per_token``: the sum of ``values`` over the trained tokens. Otherwise the sum over samples
+    of each sample's mean over its own trained tokens (a sample with none contributes 0 but
+    still counts in the step's sample count, as in miles).
+    """
+    if per_token:
+        return (values * mask).sum()
+    return ((values * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)).sum()
 
 
 @dataclass
 class PolicyLoss:
-    loss: torch.Tensor
-    clipfrac: torch.Tensor
-    ppo_kl: torch.Tensor
+    """Per-token terms of the clipped surrogate (reduce them with ``masked_sum``/``masked_mean``)."""
+
+    per_token: torch.Tensor  # the pessimistic clipped surrogate, TIS-weighted when asked
+    clipped: torch.Tensor  # 1.0 where the clipped branch is the binding one
+    ppo_kl: torch.Tensor  # old - new logprob
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 *, eps_clip: float, eps_clip_high: float | None = None,
                 token_weights: torch.Tensor | None = None) -> PolicyLoss:
     """PPO clipped surrogate, ratio clipped to ``[1 - eps_clip, 1 + eps_clip_high]``.
 
     ``advantages`` is per sample ``[batch]`` or per token; ``token_weights`` (TIS) multiply
-    each token's loss and carry no gradient. ``ppo_kl`` is the mean of ``old - new`` logprob.
+    each token's loss and carry no gradient.
     """
     high = eps_clip if eps_clip_high is None else eps_clip_high
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
@@ -72,9 +66,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     per_token = torch.maximum(unclipped, clipped)
     if token_weights is not None:
         per_token = per_token * token_weights.detach()
-    clipfrac = masked_mean((clipped > unclipped).float(), mask)
-    return PolicyLoss(loss=masked_mean(per_token, mask), clipfrac=clipfrac.detach(),
-                      ppo_kl=masked_mean(-log_ratio, mask).detach())
+    return PolicyLoss(per_token=per_token, clipped=(clipped > unclipped).float().detach(),
+                      ppo_kl=(-log_ratio).detach())
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
@@ -111,26 +104,38 @@ def token_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor,
     return chosen, entropy
 
 
-def rl_token_loss(config, batch, logprobs: torch.Tensor, entropy: torch.Tensor, old: torch.Tensor,
-                  ref: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-mean loss of one packed micro-batch (every backend uses this) and its metrics.
+def rl_loss(config, batch, logprobs: torch.Tensor, entropy: torch.Tensor, old: torch.Tensor,
+            ref: torch.Tensor | None, advantages: torch.Tensor,
+            device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
+    """One packed micro-batch's loss and metrics in sum form (``masked_sum``; every backend uses this).
 
-    ``config`` is the ``TrainConfig`` (eps clips, TIS, entropy and KL coefficients); ``batch``
-    a ``PackedBatch``; ``old`` the behaviour logprobs, ``ref`` the reference model's (or None).
+    ``config`` is the ``TrainConfig`` (eps clips, TIS, entropy and KL coefficients, loss
+    aggregation); ``batch`` a ``PackedBatch``; ``old`` the behaviour logprobs, ``ref`` the
+    reference model's (None when no reference is loaded); ``advantages`` per token
+    (``trainer.advantages.token_advantages``). Every metric is reduced like the loss, over the
+    trained tokens only, so dividing by the step's global denominator gives the step's value.
+    ``train/kl_loss`` is reported whenever ``--use-kl-loss`` is on, whatever its coefficient.
     """
-    mask = batch.response_mask.to(device)
+    mask = batch.loss_mask.to(device)
+    per_token = config.calculate_per_token_loss
+
+    def reduce(values: torch.Tensor) -> torch.Tensor:
+        return masked_sum(values, mask, per_token=per_token)
+
     weights = tis_weights(old, batch.rollout_logprobs.to(device), config.tis_clip) if config.use_tis else None
-    pg = policy_loss(logprobs, old, batch.advantages.to(device), mask, eps_clip=config.eps_clip,
+    pg = policy_loss(logprobs, old, advantages.to(device), eps_clip=config.eps_clip,
                      eps_clip_high=config.eps_clip_high, token_weights=weights)
-    entropy_mean = masked_mean(entropy, mask)
-    loss = pg.loss - config.entropy_coef * entropy_mean
-    metrics = {"train/pg_loss": pg.loss.item(), "train/pg_clipfrac": pg.clipfrac.item(),
-               "train/ppo_kl": pg.ppo_kl.item(), "train/entropy": entropy_mean.item()}
-    if ref is not None:
-        kl = masked_mean(kl_penalty(logprobs, ref, config.kl_loss_type), mask)
+    pg_loss, entropy_sum = reduce(pg.per_token), reduce(entropy)
+    loss = pg_loss - config.entropy_coef * entropy_sum
+    metrics = {"train/pg_loss": pg_loss.item(), "train/pg_clipfrac": reduce(pg.clipped).item(),
+               "train/ppo_kl": reduce(pg.ppo_kl).item(), "train/entropy": entropy_sum.item()}
+    if config.use_kl_loss:
+        if ref is None:
+            raise ValueError("--use-kl-loss needs the reference model's logprobs")
+        kl = reduce(kl_penalty(logprobs, ref, config.kl_loss_type))
         loss = loss + config.kl_loss_coef * kl
         metrics["train/kl_loss"] = kl.item()
     if weights is not None:
-        metrics["train/tis_weight_mean"] = masked_mean(weights, mask).item()
+        metrics["train/tis_weight_mean"] = reduce(weights).item()
     metrics["train/loss"] = loss.item()
     return loss, metrics

@@ -9,53 +9,78 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from miles_disagg.config.commands import action_config, add_actions
+from miles_disagg.config.fields import REQUIRED, flag
 from miles_disagg.tracking import status
 from miles_disagg.types import FormatError, InvalidInput, LayoutMismatch
 from miles_disagg.weights.checksums import CHECKSUMS, DEFAULT_CHECKSUM
 from miles_disagg.weights.codec import FILTERS, PUBLISH_ENCODINGS
 
+BASE_DIR_HELP = "Version 0: the base HF checkpoint."
+WORKERS_HELP = "Worker threads reading and writing payloads."
+
+
+@dataclass(kw_only=True)
+class PublishCommand:
+    """publish --target-dir as the next version on --store"""
+
+    base_dir: str = flag(REQUIRED, BASE_DIR_HELP)
+    target_dir: str = flag(REQUIRED, "HF checkpoint with the new weights (same tensors).")
+    store: str = flag(REQUIRED, "The publication directory.")
+    encoding: str = flag("xor", "Delta encoding.", choices=PUBLISH_ENCODINGS)
+    checksum: str = flag(DEFAULT_CHECKSUM, "Final-state checksum.", choices=CHECKSUMS)
+    filter: str = flag("byteplane", "Payload filter (none: the plain format).", choices=FILTERS)
+    run_id: str | None = flag(None, "Run id (default: the store's run, or a new one).")
+    anchor_interval: int = flag(0, "Publish a full version every N versions (0: never).")
+    post_write_hook: str | None = flag(None, "Hook run before LATEST moves.", metavar="MODULE:FUNCTION")
+    workers: int = flag(2, WORKERS_HELP)
+
+
+@dataclass(kw_only=True)
+class ApplyCommand:
+    """materialize --local-dir at a published version"""
+
+    store: str = flag(REQUIRED, "The publication directory.")
+    base_dir: str = flag(REQUIRED, BASE_DIR_HELP)
+    local_dir: str = flag(REQUIRED, "Host-local checkpoint (a symlink to an A/B slot).")
+    to_version: int | None = flag(None, "Target version (default: the latest).")
+    pre_read_hook: str | None = flag(None, "Hook run before reading a version.", metavar="MODULE:FUNCTION")
+    workers: int = flag(2, WORKERS_HELP)
+
+
+@dataclass(kw_only=True)
+class VerifyCommand:
+    """check a version, its payloads and its lineage"""
+
+    store: str = flag(REQUIRED, "The publication directory.")
+    version: int | None = flag(None, "Version to check (default: the latest).")
+    base_dir: str | None = flag(None, "Also replay from the base and check final checksums.")
+    workers: int = flag(2, WORKERS_HELP)
+
+
+@dataclass(kw_only=True)
+class InspectCommand:
+    """versions, sizes, density and lineage of a store"""
+
+    store: str = flag(REQUIRED, "The publication directory.")
+
+
+ACTIONS = {"publish": PublishCommand, "apply": ApplyCommand, "verify": VerifyCommand, "inspect": InspectCommand}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="weights_command", metavar="ACTION")
-    sub.required = True
-
-    publish = sub.add_parser("publish", help="publish --target-dir as the next version on --store")
-    publish.add_argument("--base-dir", required=True, help="version 0: the base HF checkpoint")
-    publish.add_argument("--target-dir", required=True, help="HF checkpoint with the new weights (same tensors)")
-    publish.add_argument("--store", required=True, help="the publication directory")
-    publish.add_argument("--encoding", default="xor", choices=PUBLISH_ENCODINGS, help="delta encoding (default xor)")
-    publish.add_argument("--checksum", default=DEFAULT_CHECKSUM, choices=CHECKSUMS, help="final-state checksum")
-    publish.add_argument("--filter", default="byteplane", choices=FILTERS, help="payload filter (none: the plain format)")
-    publish.add_argument("--run-id", default=None, help="run id (default: the store's run, or a new one)")
-    publish.add_argument("--anchor-interval", type=int, default=0, help="publish a full version every N versions")
-    publish.add_argument("--post-write-hook", default=None, help="module:function run before LATEST moves")
-    publish.add_argument("--workers", type=int, default=2)
-
-    apply = sub.add_parser("apply", help="materialize --local-dir at a published version")
-    apply.add_argument("--store", required=True)
-    apply.add_argument("--base-dir", required=True, help="version 0: the base HF checkpoint")
-    apply.add_argument("--local-dir", required=True, help="host-local checkpoint (a symlink to an A/B slot)")
-    apply.add_argument("--to-version", type=int, default=None, help="target version (default: latest)")
-    apply.add_argument("--pre-read-hook", default=None, help="module:function run before reading a version")
-    apply.add_argument("--workers", type=int, default=2)
-
-    verify = sub.add_parser("verify", help="check a version, its payloads and its lineage")
-    verify.add_argument("--store", required=True)
-    verify.add_argument("--version", type=int, default=None, help="default: latest")
-    verify.add_argument("--base-dir", default=None, help="also replay from the base and check final checksums")
-    verify.add_argument("--workers", type=int, default=2)
-
-    inspect = sub.add_parser("inspect", help="versions, sizes, density and lineage of a store")
-    inspect.add_argument("--store", required=True)
+    add_actions(parser, "weights_command", "ACTION", ACTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
     handlers = {"publish": _publish, "apply": _apply, "verify": _verify, "inspect": _inspect}
+    command = action_config(args, "weights_command", ACTIONS)
     try:
-        result = handlers[args.weights_command](args)
+        result = handlers[args.weights_command](command)
     except OSError as exc:  # a missing or unreadable path the user gave
         raise InvalidInput(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")) from None
     print(json.dumps(result, indent=1, default=str))
@@ -69,20 +94,20 @@ def _require_dir(path: str, flag: str) -> Path:
     return p
 
 
-def _publish(args: argparse.Namespace) -> dict[str, Any]:
+def _publish(command: PublishCommand) -> dict[str, Any]:
     from miles_disagg.weights.publisher import DeltaPublisher
 
-    base = _require_dir(args.base_dir, "--base-dir")
-    target = _require_dir(args.target_dir, "--target-dir")
+    base = _require_dir(command.base_dir, "--base-dir")
+    target = _require_dir(command.target_dir, "--target-dir")
     publisher = DeltaPublisher(
-        args.store, base_dir=base, run_id=args.run_id, encoding=args.encoding, checksum=args.checksum,
-        filter=args.filter, post_write_hook=args.post_write_hook, full_anchor_interval=args.anchor_interval,
-        num_workers=args.workers,
+        command.store, base_dir=base, run_id=command.run_id, encoding=command.encoding, checksum=command.checksum,
+        filter=command.filter, post_write_hook=command.post_write_hook, full_anchor_interval=command.anchor_interval,
+        num_workers=command.workers,
     )
     try:
         status(f"capturing the baseline from {base}")
         publisher.capture_baseline()
-        status(f"diffing {target} against it and publishing to {args.store}")
+        status(f"diffing {target} against it and publishing to {command.store}")
         result = publisher.publish(_stream_checkpoint(target, set(publisher.tensor_names)))
     finally:
         publisher.close()
@@ -117,15 +142,15 @@ def _stream_checkpoint(ckpt_dir: Path, expected: set[str]) -> Iterator[tuple[str
                 yield name, f.get_tensor(name)
 
 
-def _apply(args: argparse.Namespace) -> dict[str, Any]:
+def _apply(command: ApplyCommand) -> dict[str, Any]:
     from miles_disagg.weights.materializer import Materializer
 
-    base = _require_dir(args.base_dir, "--base-dir")
-    _require_dir(args.store, "--store")
-    materializer = Materializer(args.local_dir, base_dir=base, pre_read_hook=args.pre_read_hook, num_workers=args.workers)
-    status(f"materializing {'the latest version' if args.to_version is None else f'version {args.to_version}'} "
-           f"of {args.store} into {materializer.local_dir}")
-    prepared = materializer.prepare(args.store, args.to_version)
+    base = _require_dir(command.base_dir, "--base-dir")
+    _require_dir(command.store, "--store")
+    materializer = Materializer(command.local_dir, base_dir=base, pre_read_hook=command.pre_read_hook, num_workers=command.workers)
+    status(f"materializing {'the latest version' if command.to_version is None else f'version {command.to_version}'} "
+           f"of {command.store} into {materializer.local_dir}")
+    prepared = materializer.prepare(command.store, command.to_version)
     status(f"{materializer.local_dir} holds version {prepared.ref.version} (verified)")
     return {"run_id": prepared.ref.run_id, "version": prepared.ref.version,
             "previous": None if prepared.previous is None else prepared.previous.version,
@@ -133,20 +158,20 @@ def _apply(args: argparse.Namespace) -> dict[str, Any]:
             "local_dir": str(materializer.local_dir)}
 
 
-def _verify(args: argparse.Namespace) -> dict[str, Any]:
+def _verify(command: VerifyCommand) -> dict[str, Any]:
     from miles_disagg.weights.audit import verify_version
     from miles_disagg.weights.store import VersionStore
 
-    _require_dir(args.store, "--store")
-    if args.base_dir is not None:
-        _require_dir(args.base_dir, "--base-dir")
-    report = verify_version(VersionStore(args.store), args.version, args.base_dir, args.workers)
+    _require_dir(command.store, "--store")
+    if command.base_dir is not None:
+        _require_dir(command.base_dir, "--base-dir")
+    report = verify_version(VersionStore(command.store), command.version, command.base_dir, command.workers)
     return {"ok": True, **report}
 
 
-def _inspect(args: argparse.Namespace) -> dict[str, Any]:
+def _inspect(command: InspectCommand) -> dict[str, Any]:
     from miles_disagg.weights.audit import describe_store
     from miles_disagg.weights.store import VersionStore
 
-    _require_dir(args.store, "--store")
-    return describe_store(VersionStore(args.store))
+    _require_dir(command.store, "--store")
+    return describe_store(VersionStore(command.store))

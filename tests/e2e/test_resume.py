@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from checkpoint_reading import read_state
 
+from miles_disagg.loop.report import join_updates
 from miles_disagg.tracking import read_metrics
 from miles_disagg.trainer.checkpoint import find_latest, read_complete
 from miles_disagg.weights.store import VersionStore
@@ -103,7 +104,8 @@ def test_first_version_after_resume_is_latest_plus_one_of_the_same_run(crashed_a
     else:
         assert first_record["weights/version"] == at_crash.version + 1
     assert f"engines at v{first_record['weights/version'] - 1}" in resumed.stderr
-    for record in read_metrics(tmp / "run" / "metrics.jsonl")[-3:]:
+    joined = join_updates(read_metrics(tmp / "run" / "metrics.jsonl"), read_metrics(tmp / "run" / "updates.jsonl"))
+    for record in joined[-3:]:  # each activation is logged to updates.jsonl once it finished
         assert record["weights/engine_versions"] == [str(record["weights/version"])] * 2
     assert store.latest().run_id == saved.run_id
 

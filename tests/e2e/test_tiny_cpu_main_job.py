@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from miles_disagg.loop.report import join_updates
 from miles_disagg.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,7 +68,10 @@ def test_every_consumed_sample_is_attributed_and_within_the_bound(tiny_run: Path
 
 
 def test_every_update_is_measured_and_reaches_every_engine(tiny_run: Path) -> None:
-    records = read_metrics(tiny_run / "metrics.jsonl")
+    # each activation finishes after its step's record was written: it is in updates.jsonl
+    updates = read_metrics(tiny_run / "updates.jsonl")
+    assert [u["step"] for u in updates] == list(range(STEPS))  # the last one included
+    records = join_updates(read_metrics(tiny_run / "metrics.jsonl"), updates)
     for r in records:
         version = r["weights/version"]
         assert version == r["step"] + 1
@@ -81,5 +85,11 @@ def test_every_update_is_measured_and_reaches_every_engine(tiny_run: Path) -> No
 def test_first_step_is_on_policy(tiny_run: Path) -> None:
     first = read_metrics(tiny_run / "metrics.jsonl")[0]
     assert first["train/train_rollout_logprob_abs_diff"] < 1e-3
-    assert abs(first["train/ppo_kl_first_minibatch"]) < 1e-6  # the ratio is exactly 1 before any step
+    assert abs(first["train/ppo_kl_first_step"]) < 1e-6  # the ratio is exactly 1 before any step
+    assert first["train/pg_clipfrac_first_step"] == 0.0
     assert abs(first["train/ppo_kl"]) < 0.05  # the rollout's second optimizer step has moved a little
+    steps = read_metrics(tiny_run / "train_steps.jsonl")  # one record per optimizer step
+    assert [s["step"] for s in steps] == list(range(2 * STEPS))
+    for s in steps:
+        if s["step_in_rollout"] == 0:  # every rollout's first optimizer step is on-policy (miles' gate)
+            assert abs(s["train/ppo_kl"]) < 1e-6 and s["train/pg_clipfrac"] == 0.0, s

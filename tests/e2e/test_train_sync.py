@@ -85,7 +85,9 @@ def test_async_behind_sglang_router(tmp_path: Path) -> None:
                             cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stderr[-6000:]
     records = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["weights/engine_versions"] for r in records] == [["1", "1"], ["2", "2"], ["3", "3"]]
+    updates = read_metrics(run_dir / "updates.jsonl")  # train_async: activations finish after their records
+    assert [(u["step"], u["weights/engine_versions"]) for u in updates] == [(0, ["1", "1"]), (1, ["2", "2"]),
+                                                                            (2, ["3", "3"])]
     assert all(r.get("perf/engine_busy_fraction") is None for r in records)  # sglang-router does not count it
     for step in range(3):
         for line in (tmp_path / "rollouts" / f"{step}.jsonl").read_text().splitlines():

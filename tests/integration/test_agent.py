@@ -301,7 +301,8 @@ def test_a_pull_never_rewrites_a_slot_an_activation_still_reads(tiny_qwen3_dir, 
                               base_dir=tiny_qwen3_dir, reader_wait_s=0.2))
 
     def pull(version: int) -> dict:
-        return agent.pull(PullWeights(version, str(tmp_path / "store"), ""))
+        return agent.pull(PullWeights(target_version=version, source_dir=str(tmp_path / "store"),
+                                      local_checkpoint_dir=str(tmp_path / "ckpt")))
 
     first_slot = Path(pull(1)["path"])
     reading, ref = agent.begin_activation("1")  # the engine is loading version 1 from its slot

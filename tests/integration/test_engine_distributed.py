@@ -36,7 +36,7 @@ def test_broadcast_update_serves_new_weights(engine, tiny_qwen3_dir):
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from miles_disagg.engines.builtin.dist_update import init_custom_process_group
+    from miles_disagg.distributed import init_custom_process_group
 
     port = free_port()
     body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,

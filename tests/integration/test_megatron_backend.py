@@ -4,8 +4,11 @@
   export gives back the checkpoint's bytes (float32 and bfloat16 checkpoints).
 - Tensor parallelism: TP=2 exports the same bytes as TP=1 for the same weights, and one
   GRPO step gives the same loss and (to float tolerance) the same weights.
-- Data parallelism: two DP ranks train as the fsdp backend's two ranks do.
-- Recomputation, token-budget micro-batches, the KL reference, resuming from a checkpoint.
+- Data parallelism: two DP ranks on a ragged batch with masked tool tokens compute exactly what
+  one fsdp rank computes, for the per-sample and the per-token loss (the loss is normalised over
+  the global batch).
+- Recomputation, token-budget micro-batches, the KL reference (logged at coefficient 0),
+  resuming from a checkpoint.
 - Distributed checkpointing: a TP=1 save loads into TP=2 and a TP=2 save into TP=1, exactly.
 """
 
@@ -55,7 +58,7 @@ def parity_on_one_rank(model_dirs: list[str], num_tokens: int) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from miles_disagg.engines.launch import free_port
-    from miles_disagg.trainer.distributed import init_distributed
+    from miles_disagg.distributed import init_distributed
     from miles_disagg.trainer.megatron.backend import MegatronBackend
     from miles_disagg.trainer.megatron.batching import causal_mask
 
@@ -106,14 +109,16 @@ def test_logits_match_transformers_and_export_round_trips_bytes(ray_cluster, tin
 
 
 def samples(n: int = 8) -> list[Sample]:
-    """Varied prompt and response lengths (padding, several micro-batches)."""
+    """Varied prompt and response lengths (padding, several micro-batches); every third sample
+    has a token its policy did not generate (masked out of the loss)."""
     generator = torch.Generator().manual_seed(0)
     out = []
     for i in range(n):
         prompt = torch.randint(3, 60, (3 + i % 3,), generator=generator).tolist()
         response = torch.randint(3, 60, (4 + i % 2,), generator=generator).tolist()
+        mask = [0 if (i % 3 == 0 and t == 1) else 1 for t in range(len(response))]
         out.append(Sample(prompt_ids=prompt, response_ids=response, response_logprobs=[-4.0] * len(response),
-                          advantage=float(i % 2) - 0.5))
+                          advantage=float(i % 2) - 0.5 + 0.1 * i, loss_mask=mask))
     return out
 
 
@@ -127,7 +132,8 @@ def trainer_group(model_dir: Path, world_size: int, **train_flags):
     from miles_disagg.trainer.placement import create_placement, plan_layout
 
     placement = create_placement(plan_layout(ClusterConfig(actor_num_gpus_per_node=world_size), external_rollout=True))
-    train = TrainConfig(lr=1e-2, global_batch_size=8, micro_batch_size=2, seed=0, **train_flags)
+    flags = {"lr": 1e-2, "global_batch_size": 8, "micro_batch_size": 2, "seed": 0, **train_flags}
+    train = TrainConfig(**flags)
     group = TrainerGroup(placement, TrainerGroupConfig(train=train, weights=WeightUpdateConfig(), hf_dir=str(model_dir)))
     try:
         group.setup()
@@ -137,12 +143,12 @@ def trainer_group(model_dir: Path, world_size: int, **train_flags):
         remove_placement_group(placement.group)
 
 
-def train_group(model_dir: Path, world_size: int, **train_flags) -> tuple[dict[str, bytes], dict, dict[str, bytes]]:
-    """(exported bytes before training, metrics of one GRPO step, exported bytes after)."""
+def train_group(model_dir: Path, world_size: int, **train_flags) -> tuple[dict[str, bytes], object, dict[str, bytes]]:
+    """(exported bytes before training, the TrainResult of one rollout, exported bytes after)."""
     with trainer_group(model_dir, world_size, **train_flags) as group:
         before = group.tensor_bytes()
-        metrics = group.train(samples())
-        return before, metrics, group.tensor_bytes()
+        result = group.train(samples())
+        return before, result, group.tensor_bytes()
 
 
 def as_tensors(raw: dict[str, bytes], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -152,13 +158,15 @@ def as_tensors(raw: dict[str, bytes], like: dict[str, torch.Tensor]) -> dict[str
 def test_tp2_matches_tp1(ray_cluster, tiny_qwen3_dir: Path) -> None:
     base = checkpoint_tensors(tiny_qwen3_dir)
     base_bytes = {n: t.contiguous().view(torch.uint8).numpy().tobytes() for n, t in base.items()}
-    tp1_before, tp1_metrics, tp1_after = train_group(tiny_qwen3_dir, 1, train_backend="megatron")
-    tp2_before, tp2_metrics, tp2_after = train_group(tiny_qwen3_dir, 2, train_backend="megatron",
-                                                     tensor_model_parallel_size=2)
+    tp1_before, tp1_result, tp1_after = train_group(tiny_qwen3_dir, 1, train_backend="megatron")
+    tp2_before, tp2_result, tp2_after = train_group(tiny_qwen3_dir, 2, train_backend="megatron",
+                                                    tensor_model_parallel_size=2)
+    tp1_metrics, tp2_metrics = tp1_result.summary(), tp2_result.summary()
     assert tp1_before == tp2_before == base_bytes  # same weights, same bytes, canonical names
     for key in ("train/pg_loss", "train/loss", "train/entropy", "train/train_rollout_logprob_abs_diff"):
         assert tp2_metrics[key] == pytest.approx(tp1_metrics[key], abs=1e-6), key
-    assert tp1_metrics["train/ppo_kl_first_minibatch"] == pytest.approx(0.0, abs=1e-7)
+    assert tp1_metrics["train/ppo_kl_first_step"] == pytest.approx(0.0, abs=1e-7)
+    assert tp1_metrics["train/pg_clipfrac_first_step"] == 0.0
     assert tp2_metrics["train/grad_norm"] == pytest.approx(tp1_metrics["train/grad_norm"], rel=1e-5)
     tp1, tp2 = as_tensors(tp1_after, base), as_tensors(tp2_after, base)
     for name in base:
@@ -166,17 +174,24 @@ def test_tp2_matches_tp1(ray_cluster, tiny_qwen3_dir: Path) -> None:
         assert torch.allclose(tp2[name], tp1[name], atol=1e-4), name  # Adam amplifies float-order noise
 
 
-def test_data_parallel_matches_the_fsdp_backend(ray_cluster, tiny_qwen3_dir: Path) -> None:
-    """Two DP ranks: each trains on its own share, gradients averaged, as the fsdp backend does."""
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
+def test_two_data_parallel_ranks_match_one_fsdp_rank(ray_cluster, tiny_qwen3_dir: Path, per_token: bool) -> None:
+    """Two DP ranks, each with its share of a ragged, masked global batch, give the gradient and
+    the weights of one fsdp rank training on all of it. (``adam_eps`` 1: the first Adam step is
+    ~ lr * g, so the weights show the gradient's scale, not only its sign.)"""
     base = checkpoint_tensors(tiny_qwen3_dir)
-    _, megatron_metrics, megatron_after = train_group(tiny_qwen3_dir, 2, train_backend="megatron")
-    _, fsdp_metrics, fsdp_after = train_group(tiny_qwen3_dir, 2, train_backend="fsdp")
-    for key in ("train/pg_loss", "train/entropy", "train/train_rollout_logprob_abs_diff", "train/grad_norm"):
-        assert megatron_metrics[key] == pytest.approx(fsdp_metrics[key], abs=1e-5), key
-    megatron, fsdp = as_tensors(megatron_after, base), as_tensors(fsdp_after, base)
+    flags = {"lr": 1.0, "adam_eps": 1.0, "clip_grad": 0.0, "global_batch_size": 4, "calculate_per_token_loss": per_token}
+    _, megatron, megatron_after = train_group(tiny_qwen3_dir, 2, train_backend="megatron", **flags)
+    _, fsdp, fsdp_after = train_group(tiny_qwen3_dir, 1, train_backend="fsdp", **flags)
+    assert len(megatron.steps) == len(fsdp.steps) == 2
+    for m, f in zip(megatron.steps, fsdp.steps):
+        for key in ("train/pg_loss", "train/entropy", "train/ppo_kl"):
+            assert m[key] == pytest.approx(f[key], abs=1e-5), key
+        assert m["train/grad_norm"] == pytest.approx(f["train/grad_norm"], rel=1e-4)
+    megatron_w, fsdp_w = as_tensors(megatron_after, base), as_tensors(fsdp_after, base)
     for name in base:
-        assert not torch.equal(megatron[name], base[name]), name
-        assert torch.allclose(megatron[name], fsdp[name], atol=1e-4), name
+        assert not torch.equal(megatron_w[name], base[name]), name
+        assert torch.allclose(megatron_w[name], fsdp_w[name], rtol=1e-3, atol=1e-6), name
 
 
 # ---------------------------------------------------------------------- recomputation, dynamic batches, KL, resume
@@ -187,7 +202,7 @@ def train_variants(model_dir: str, save_dir: str) -> dict:
     import torch.distributed as dist
 
     from miles_disagg.engines.launch import free_port
-    from miles_disagg.trainer.distributed import init_distributed
+    from miles_disagg.distributed import init_distributed
     from miles_disagg.trainer.megatron.backend import MegatronBackend
 
     init_distributed(0, 1, "127.0.0.1", free_port())
@@ -196,6 +211,7 @@ def train_variants(model_dir: str, save_dir: str) -> dict:
         "recompute": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
         "dynamic": dict(use_dynamic_batch_size=True, max_tokens_per_gpu=10),
         "kl": dict(use_kl_loss=True, kl_loss_coef=0.5),
+        "kl_watched": dict(use_kl_loss=True, kl_loss_coef=0.0),
     }
     results = {}
     for name, flags in variants.items():
@@ -204,8 +220,8 @@ def train_variants(model_dir: str, save_dir: str) -> dict:
         calls = []
         backend.gpt.decoder.layers[0].register_forward_hook(lambda *args: calls.append(1))
         batch = samples()
-        metrics = backend.train([batch[:4], batch[4:]])
-        results[name] = {"metrics": metrics, "layer_calls": len(calls),
+        result = backend.train([batch[:4], batch[4:]])
+        results[name] = {"metrics": result.summary(), "steps": result.steps, "layer_calls": len(calls),
                          "weights": {n: t.clone() for n, t in backend.named_tensors()}}
         if name == "plain":  # resume: a restored backend continues exactly as the original does
             backend.save_checkpoint(save_dir)
@@ -228,7 +244,7 @@ def test_recompute_dynamic_batches_kl_and_resume(ray_cluster, tiny_qwen3_dir: Pa
     from miles_disagg.types import ConfigError
 
     results = run_remote(train_variants, str(tiny_qwen3_dir), str(tmp_path / "save"))
-    plain, recompute, dynamic, kl = (results[k] for k in ("plain", "recompute", "dynamic", "kl"))
+    plain, recompute, dynamic, kl, watched = (results[k] for k in ("plain", "recompute", "dynamic", "kl", "kl_watched"))
     # 8 samples in micro-batches of 2: 4 frozen forwards, 4 training forwards, and with full
     # recomputation 4 more forwards of each layer during backward -- with the same result.
     assert plain["layer_calls"] == 8 and recompute["layer_calls"] == 12
@@ -241,7 +257,11 @@ def test_recompute_dynamic_batches_kl_and_resume(ray_cluster, tiny_qwen3_dir: Pa
     assert all(torch.allclose(dynamic["weights"][n], w, atol=1e-4) for n, w in plain["weights"].items())
     # The reference is the base policy: no KL on the first step, some after it, and it pulls the update.
     assert "train/kl_loss" not in plain["metrics"] and kl["metrics"]["train/kl_loss"] > 0
+    assert kl["steps"][0]["train/kl_loss"] == 0.0  # miles' gate: the first step's policy is the reference
     assert any(not torch.allclose(kl["weights"][n], w, atol=1e-6) for n, w in plain["weights"].items())
+    # --use-kl-loss --kl-loss-coef 0: the reference is loaded and KL logged, the update is unchanged
+    assert watched["steps"][0]["train/kl_loss"] == 0.0 and watched["steps"][1]["train/kl_loss"] > 0
+    assert all(torch.equal(watched["weights"][n], w) for n, w in plain["weights"].items())
     assert results["resume"] == [True]
     assert isinstance(results["pp_on_cpu"], ConfigError) and "--pipeline-model-parallel-size" in str(results["pp_on_cpu"])
 

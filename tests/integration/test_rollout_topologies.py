@@ -240,3 +240,27 @@ def test_an_attached_engine_that_comes_back_is_rechecked_and_brought_to_the_curr
             versions.close()
         manager.shutdown()
         engine.stop()
+
+
+def test_an_engine_serving_another_version_is_refused_in_broadcast_mode(tiny_qwen3_dir, tmp_path):
+    """Broadcast mode has no store to bring an attached engine back to the base: exit 2, one line."""
+    from rollout_fixtures import VersionSource
+
+    from miles_disagg.engines.client import EngineClient
+    from miles_disagg.engines.launch import launch_engine
+
+    engine = launch_engine(tiny_qwen3_dir, log_path=tmp_path / "engine.log")
+    versions = VersionSource(tmp_path / "earlier-store", tiny_qwen3_dir)
+    try:
+        versions.publish_next(seed=1)
+        with EngineClient(engine.url, store_dir=tmp_path / "earlier-store", local_checkpoint_dir=tmp_path / "local") as c:
+            c.pull(1)
+            c.load(1)
+        manager = attach_manager(engine.url.removeprefix("http://"), tiny_qwen3_dir, tmp_path)
+        manager.weights.update_weight_transfer_mode = "broadcast"
+        with pytest.raises(ConfigError, match="serves weight version '1'.*broadcast mode cannot reset"):
+            manager.start()
+        assert manager.router.proc.poll() is not None, "a failed start left the router running"
+    finally:
+        versions.close()
+        engine.stop()

@@ -1,9 +1,10 @@
 """The trainer group on real Ray (logical GPUs, gloo): data parallelism is exact, export is canonical,
 and a checkpoint written by two ranks resumes on one.
 
-Two ranks training on a global batch must end with the weights one rank gets from the same
-batch (gradients are averaged over ranks; every sample here has the same number of response
-tokens, so the per-rank token means average to the global one).
+The loss is normalised over the whole global batch (miles' per-sample mean by default,
+``--calculate-per-token-loss`` for the token mean), so two ranks training on a ragged batch
+with tool tokens masked out must compute exactly what one rank computes: the same loss, the
+same gradient (its norm, before clipping, at every optimizer step) and the same weights.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from checkpoint_reading import assert_same_state, read_state
 
 from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig
 from miles_disagg.types import Sample
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(400)
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +38,21 @@ def ray_cluster():
 
 
 def samples(n: int = 8) -> list[Sample]:
+    """Ragged responses (2 to 7 tokens); every third sample has tool output its policy did not generate."""
     generator = torch.Generator().manual_seed(0)
     out = []
     for i in range(n):
-        prompt = torch.randint(3, 60, (4,), generator=generator).tolist()
-        response = torch.randint(3, 60, (5,), generator=generator).tolist()
-        out.append(Sample(prompt_ids=prompt, response_ids=response, response_logprobs=[-4.0] * 5,
-                          advantage=float(i % 2) - 0.5))
+        prompt = torch.randint(3, 60, (3 + i % 3,), generator=generator).tolist()
+        length = 2 + (5 * i) % 6
+        response = torch.randint(3, 60, (length,), generator=generator).tolist()
+        mask = [0 if (i % 3 == 0 and 0 < t < length - 1) else 1 for t in range(length)]
+        out.append(Sample(prompt_ids=prompt, response_ids=response, response_logprobs=[-4.0] * length,
+                          advantage=float(i % 2) - 0.5 + 0.1 * i, loss_mask=mask))
     return out
 
 
 @contextmanager
-def trainer_group(world_size: int, model_dir: Path):
+def trainer_group(world_size: int, model_dir: Path, train: TrainConfig):
     """A set-up fsdp TrainerGroup of ``world_size`` ranks (shut down, bundles freed, on exit)."""
     from ray.util.placement_group import remove_placement_group
 
@@ -58,7 +61,6 @@ def trainer_group(world_size: int, model_dir: Path):
     from miles_disagg.trainer.placement import create_placement, plan_layout
 
     placement = create_placement(plan_layout(ClusterConfig(actor_num_gpus_per_node=world_size), external_rollout=True))
-    train = TrainConfig(lr=1e-2, global_batch_size=8, micro_batch_size=2, seed=0)
     group = TrainerGroup(placement, TrainerGroupConfig(train=train, weights=WeightUpdateConfig(), hf_dir=str(model_dir)))
     try:
         info = group.setup()
@@ -69,30 +71,74 @@ def trainer_group(world_size: int, model_dir: Path):
         remove_placement_group(placement.group)
 
 
-def train_with(world_size: int, model_dir: Path) -> tuple[dict[str, float], dict[str, bytes]]:
-    with trainer_group(world_size, model_dir) as group:
-        metrics = group.train(samples())
-        return metrics, group.tensor_bytes()
+def train_with(world_size: int, model_dir: Path, **flags):
+    """(the rollout's TrainResult, rank 0's exported bytes after it)."""
+    # adam_eps 1: a first Adam step of lr * g / (|g| + 1) ~ lr * g, so the weights show the gradient's
+    # scale and direction (with the default eps Adam's first step is ~ lr * sign(g), blind to scale).
+    train = TrainConfig(lr=1.0, adam_eps=1.0, global_batch_size=4, micro_batch_size=1, seed=0, clip_grad=0.0,
+                        **flags)
+    with trainer_group(world_size, model_dir, train) as group:
+        result = group.train(samples())
+        return result, group.tensor_bytes()
 
 
-def test_two_ranks_match_one_rank_and_export_hf_names(ray_cluster, tiny_qwen3_dir: Path) -> None:
-    from safetensors import safe_open
+@pytest.fixture(scope="module")
+def trained(ray_cluster, tiny_qwen3_dir: Path):
+    """``trained(world_size, **flags)``: a cached ``train_with`` (each run starts Ray actors: slow)."""
+    cache: dict = {}
 
-    one_metrics, one = train_with(1, tiny_qwen3_dir)
-    two_metrics, two = train_with(2, tiny_qwen3_dir)
-    with safe_open(str(next(tiny_qwen3_dir.glob("*.safetensors"))), "pt") as f:
-        names = set(f.keys())
-        base = {n: f.get_tensor(n) for n in names}
-    assert set(one) == set(two) == names  # canonical HF names, nothing more, nothing less
+    def run(world_size: int, **flags):
+        key = (world_size, tuple(sorted(flags.items())))
+        if key not in cache:
+            cache[key] = train_with(world_size, tiny_qwen3_dir, **flags)
+        return cache[key]
+
+    return run
+
+
+def assert_same_training(one, two, base: dict[str, torch.Tensor]) -> None:
+    (one_result, one_bytes), (two_result, two_bytes) = one, two
+    assert len(one_result.steps) == len(two_result.steps) == 2  # 8 samples, global batch 4
+    for a, b in zip(one_result.steps, two_result.steps):
+        for key in ("train/loss", "train/pg_loss", "train/entropy", "train/ppo_kl", "train/pg_clipfrac"):
+            assert b[key] == pytest.approx(a[key], abs=1e-6), key
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)  # the same gradient
     changed = 0
-    for name in names:
-        a = torch.frombuffer(bytearray(one[name]), dtype=base[name].dtype).view(base[name].shape)
-        b = torch.frombuffer(bytearray(two[name]), dtype=base[name].dtype).view(base[name].shape)
-        assert torch.allclose(a, b, atol=1e-5), name
-        changed += not torch.equal(a, base[name])
-    assert changed > len(names) // 2  # the step really moved the policy
-    assert one_metrics["train/pg_loss"] == pytest.approx(two_metrics["train/pg_loss"], abs=1e-5)
-    assert one_metrics["train/train_rollout_logprob_abs_diff"] > 0  # -4.0 is not what the model says
+    for name, tensor in base.items():
+        a = torch.frombuffer(bytearray(one_bytes[name]), dtype=tensor.dtype).view(tensor.shape)
+        b = torch.frombuffer(bytearray(two_bytes[name]), dtype=tensor.dtype).view(tensor.shape)
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7), name
+        changed += not torch.equal(a, tensor)
+    assert changed > len(base) // 2  # the steps really moved the policy
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
+def test_two_ranks_match_one_rank(trained, tiny_qwen3_dir: Path, per_token: bool) -> None:
+    from safetensors.torch import load_file
+
+    base = load_file(str(next(tiny_qwen3_dir.glob("*.safetensors"))))
+    one = trained(1, calculate_per_token_loss=per_token)
+    two = trained(2, calculate_per_token_loss=per_token)
+    assert set(one[1]) == set(two[1]) == set(base)  # canonical HF names, nothing more, nothing less
+    assert_same_training(one, two, base)
+    first = one[0].steps[0]
+    assert first["train/ppo_kl"] == 0.0 and first["train/pg_clipfrac"] == 0.0  # on-policy: ratio exactly 1
+    assert one[0].rollout["train/train_rollout_logprob_abs_diff"] > 0  # -4.0 is not what the model says
+
+
+def test_the_two_modes_differ_and_kl_is_logged_at_coefficient_zero(trained) -> None:
+    """With --use-kl-loss --kl-loss-coef 0 the reference is loaded and train/kl_loss logged (0 at the
+    first step: the reference is the base policy) without changing the update; REINFORCE++ with
+    --kl-coef and whitening trains through the same ranks."""
+    per_sample, per_sample_bytes = trained(1, calculate_per_token_loss=False)
+    watched, watched_bytes = trained(1, use_kl_loss=True, kl_loss_coef=0.0)
+    assert "train/kl_loss" not in per_sample.steps[0]
+    assert watched.steps[0]["train/kl_loss"] == 0.0 and watched.steps[1]["train/kl_loss"] > 0
+    assert watched_bytes == per_sample_bytes  # logged, not trained on
+    per_token, _ = trained(1, calculate_per_token_loss=True)
+    assert per_token.steps[0]["train/pg_loss"] != pytest.approx(per_sample.steps[0]["train/pg_loss"], abs=1e-4)
+    rpp, _ = trained(1, advantage_estimator="reinforce_plus_plus", kl_coef=0.01, normalize_advantages=True)
+    assert rpp.steps[0]["train/ppo_kl"] == 0.0 and rpp.steps[1]["train/grad_norm"] > 0
 
 
 def flat(state: dict) -> dict:
@@ -106,14 +152,15 @@ def test_a_save_of_two_ranks_resumes_on_one_exactly(ray_cluster, tiny_qwen3_dir:
     and the next step trains on from Adam's moments as the two ranks do."""
     two_saved, one_saved = tmp_path / "two", tmp_path / "one"
     batch = samples()
-    with trainer_group(2, tiny_qwen3_dir) as two:
+    train = TrainConfig(lr=1e-2, global_batch_size=8, micro_batch_size=2, seed=0)
+    with trainer_group(2, tiny_qwen3_dir, train) as two:
         two.train(batch)
         two.save(str(two_saved), with_hf=False)
         two_weights = two.tensor_bytes()
         two.train(batch)
         two_next = two.tensor_bytes()
     assert sorted(p.name for p in (two_saved / "rng").iterdir()) == ["rank0.pt", "rank1.pt"]
-    with trainer_group(1, tiny_qwen3_dir) as one:
+    with trainer_group(1, tiny_qwen3_dir, train) as one:
         one.load(str(two_saved))
         assert one.tensor_bytes() == two_weights  # exact parameters
         one.save(str(one_saved), with_hf=False)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles_disagg.weights.testing import fingerprint
+from weights_fixtures import fingerprint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -132,7 +132,7 @@ def test_bad_inputs_exit_2_with_one_line_and_change_nothing(published, tmp_path)
 
 def test_a_store_in_the_plain_format_of_another_producer(published, tmp_path):
     """A store miles wrote (no LATEST, no additions, payloads from two ranks) through the CLI."""
-    from miles_disagg.weights.testing import write_foreign_version
+    from weights_fixtures import write_foreign_version
 
     root, base, store, _, (t1, t2) = published
     foreign = tmp_path / "miles-store"

@@ -63,12 +63,14 @@ def test_update_from_disk_accepts_int_or_string_versions():
 
 
 def test_pause_modes_and_abort():
-    assert protocol.parse_pause_mode({}) == "abort"
-    assert protocol.parse_pause_mode({"mode": "in_place"}) == "in_place"
+    assert protocol.PauseGeneration.from_json({}).mode == "abort"
+    assert protocol.PauseGeneration.from_json({"mode": "in_place"}).mode == "in_place"
     with pytest.raises(InvalidInput):
-        protocol.parse_pause_mode({"mode": "later"})
-    assert protocol.parse_abort({"rid": "r"}) == ("r", False)
-    assert protocol.parse_abort({"abort_all": True}) == ("", True)
+        protocol.PauseGeneration.from_json({"mode": "later"})
+    abort = protocol.AbortReq.from_json({"rid": "r"})
+    assert (abort.rid, abort.abort_all) == ("r", False)
+    abort = protocol.AbortReq.from_json({"abort_all": True})
+    assert (abort.rid, abort.abort_all) == ("", True)
 
 
 def test_pull_and_group_requests():
@@ -118,9 +120,9 @@ def test_finish_reason_abort_has_sglang_keys():
 def test_return_text_in_logprobs_and_group_name():
     req = protocol.parse_generate({"input_ids": [1], "return_logprob": True, "return_text_in_logprobs": True})
     assert req.items[0].return_text_in_logprobs
-    assert protocol.parse_group_name({}) == "weight_update_group"
+    assert protocol.DestroyGroup.from_json({}).group_name == "weight_update_group"
     with pytest.raises(InvalidInput):
-        protocol.parse_group_name({"group_name": 3})
+        protocol.DestroyGroup.from_json({"group_name": 3})
 
 
 @pytest.mark.parametrize("field", [{"logprob_start_len": 0}, {"top_logprobs_num": -1}, {"token_ids_logprob": [1]},

@@ -44,3 +44,14 @@ def test_appends_across_restarts(tmp_path: Path) -> None:
 def test_wandb_asked_for_but_missing_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--use-wandb"):
         MetricsTracker(tmp_path, use_wandb=True)
+
+
+def test_streams_are_separate_durable_jsonl_files(tmp_path: Path) -> None:
+    with MetricsTracker(tmp_path) as tracker:
+        tracker.log(0, {"x": 1.0})
+        tracker.log_stream("train_steps", 0, {"train/ppo_kl": 0.0})
+        tracker.log_stream("train_steps", 1, {"train/ppo_kl": 0.1})
+        with pytest.raises(ValueError, match="identifier"):
+            tracker.log_stream("../escape", 0, {})
+    assert [r["train/ppo_kl"] for r in read_metrics(tmp_path / "train_steps.jsonl")] == [0.0, 0.1]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0]

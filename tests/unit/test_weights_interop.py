@@ -30,7 +30,7 @@ from miles_disagg.weights.audit import describe_store, verify_version
 from miles_disagg.weights.materializer import Materializer
 from miles_disagg.weights.publisher import DeltaPublisher
 from miles_disagg.weights.store import VersionStore
-from miles_disagg.weights.testing import fingerprint, write_checkpoint, write_foreign_version
+from weights_fixtures import fingerprint, write_checkpoint, write_foreign_version
 
 
 def raw(t: torch.Tensor) -> np.ndarray:

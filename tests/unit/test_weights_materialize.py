@@ -17,7 +17,7 @@ from miles_disagg.weights.materializer import Materializer
 from miles_disagg.weights.publisher import DeltaPublisher
 from miles_disagg.weights.safetensors_io import read_header, write_file
 from miles_disagg.weights.store import VersionStore
-from miles_disagg.weights.testing import fingerprint, write_checkpoint, write_foreign_version
+from weights_fixtures import fingerprint, write_checkpoint, write_foreign_version
 
 NAMES = ("a.weight", "b.weight", "c.bias")
 

@@ -19,7 +19,7 @@ from miles_disagg.weights.materializer import Materializer
 from miles_disagg.weights.publisher import DeltaPublisher
 from miles_disagg.weights.safetensors_io import read_header
 from miles_disagg.weights.store import VersionStore
-from miles_disagg.weights.testing import write_checkpoint
+from weights_fixtures import write_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,34 +10,42 @@ exits 2 with a message before anything is served.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from miles_disagg.config.commands import ServerFlags, add_config_arguments, config_from_args
+from miles_disagg.config.fields import REQUIRED, flag
 from miles_disagg.types import ConfigError
 
 ENGINE_URL_FLAG = "--engine-url"
 LOCAL_DIR_FLAG = "--local-checkpoint-dir"
 
 
+@dataclass(kw_only=True)
+class AgentCommand(ServerFlags):
+    """Front a stock SGLang engine with /pull_weights (no fork needed)."""
+
+    port: int = flag(REQUIRED, "HTTP port of the agent.")
+    engine_url: str = flag(REQUIRED, "Base URL of the engine to front, e.g. http://127.0.0.1:30000.")
+    local_checkpoint_dir: Path = flag(REQUIRED, "Host-local checkpoint the agent materializes versions into "
+                                                "(it owns this path).")
+    base_dir: Path | None = flag(None, "Base checkpoint (version 0); default: the engine's model_path, read at "
+                                       "the first pull.")
+    custom_pull_weights_pre_read_hook: str | None = flag(
+        None, "Run hook(source_dir, target_version) before a pull reads a version "
+              "(miles passes --sglang-custom-pull-weights-pre-read-hook here).", metavar="MODULE:FUNCTION")
+    wait_for_engine_s: float = flag(0.0, "Wait up to this long for the engine's /health before serving "
+                                         "(0: do not wait).")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(ENGINE_URL_FLAG, required=True, help="base URL of the engine to front, e.g. http://127.0.0.1:30000")
-    parser.add_argument(LOCAL_DIR_FLAG, required=True, type=Path,
-                        help="host-local checkpoint the agent materializes versions into (it owns this path)")
-    parser.add_argument("--port", required=True, type=int, help="HTTP port of the agent")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--base-dir", type=Path, default=None,
-                        help="base checkpoint (version 0); default: the engine's model_path, read at the first pull")
-    parser.add_argument(
-        "--custom-pull-weights-pre-read-hook", default=None, metavar="MODULE:FUNCTION",
-        help="run hook(source_dir, target_version) before a pull reads a version "
-             "(miles passes --sglang-custom-pull-weights-pre-read-hook here)",
-    )
-    parser.add_argument("--wait-for-engine-s", type=float, default=0.0,
-                        help="wait up to this long for the engine's /health before serving (default 0: do not wait)")
-    parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    add_config_arguments(parser, AgentCommand)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,20 +53,18 @@ def run(args: argparse.Namespace) -> int:
 
     from miles_disagg.engines.agent.app import Agent, AgentConfig, create_app
 
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine_url = check_engine_url(args.engine_url)
-    if not 0 < args.port < 65536:
-        raise ConfigError(f"--port must be in 1..65535, got {args.port}", flags=("--port",))
-    check_local_dir(args.local_checkpoint_dir)
-    if args.base_dir is not None and not (args.base_dir / "config.json").is_file():
-        raise ConfigError(f"--base-dir {str(args.base_dir)!r} is not a checkpoint directory (no config.json)",
+    command = config_from_args(AgentCommand, args)
+    command.configure_logging()
+    engine_url = check_engine_url(command.engine_url)
+    check_local_dir(command.local_checkpoint_dir)
+    if command.base_dir is not None and not (command.base_dir / "config.json").is_file():
+        raise ConfigError(f"--base-dir {str(command.base_dir)!r} is not a checkpoint directory (no config.json)",
                           flags=("--base-dir",))
-    agent = Agent(AgentConfig(engine_url=engine_url, local_checkpoint_dir=args.local_checkpoint_dir,
-                              base_dir=args.base_dir, pre_read_hook=args.custom_pull_weights_pre_read_hook))
-    if args.wait_for_engine_s > 0:
-        wait_for_engine(engine_url, args.wait_for_engine_s)
-    uvicorn.run(create_app(agent), host=args.host, port=args.port, log_level=args.log_level)
+    agent = Agent(AgentConfig(engine_url=engine_url, local_checkpoint_dir=command.local_checkpoint_dir,
+                              base_dir=command.base_dir, pre_read_hook=command.custom_pull_weights_pre_read_hook))
+    if command.wait_for_engine_s > 0:
+        wait_for_engine(engine_url, command.wait_for_engine_s)
+    uvicorn.run(create_app(agent), host=command.host, port=command.port, log_level=command.log_level)
     return 0
 
 

@@ -9,41 +9,19 @@ thread; only the pointer swap happens in the pause.
 
 Backend: the requested one, except that ``nccl`` on a CPU engine is served with
 ``gloo`` (the trainer side must then use gloo too, as this project's CPU trainer does).
-:func:`init_custom_process_group` is also what a trainer-side caller (and the tests)
-use to join the same group.
+The group is made by :func:`miles_disagg.distributed.init_custom_process_group`, which
+the trainer's rank 0 (and the tests) use to join the same group.
 """
 
 from __future__ import annotations
 
-import datetime
 import threading
 
 import torch
 
+from miles_disagg.distributed import DEFAULT_TIMEOUT_S, init_custom_process_group
 from miles_disagg.engines.builtin.protocol import DistributedUpdate, InitGroup
 from miles_disagg.types import InvalidInput
-
-DEFAULT_TIMEOUT_S = 300.0
-
-
-def init_custom_process_group(
-    *, backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-):
-    """A process group of its own (the default group is neither needed nor touched)."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    prefix_store = dist.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], dist.Backend(backend), prefix_store, group_name=group_name, timeout=timeout,
-    )
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
-
 
 def parse_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name.removeprefix("torch."), None)

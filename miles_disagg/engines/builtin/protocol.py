@@ -1,23 +1,28 @@
-"""Request bodies of SGLang's HTTP API, parsed and validated into dataclasses.
+"""Request bodies of SGLang's HTTP API as pydantic models.
 
 Field names and defaults follow SGLang's ``io_struct.py`` (``GenerateReqInput``,
 ``UpdateWeightFromDiskReqInput``, ``PauseGenerationReqInput``, ``AbortReq``,
 ``InitWeightsUpdateGroupReqInput``, ``UpdateWeightsFromDistributedReqInput``,
-``UpdateWeightVersionReqInput``) plus this project's ``PullWeightsReqInput``. Every
-parser raises ``InvalidInput`` with a message naming the field; nothing is half-parsed.
-Unknown fields are ignored, as SGLang ignores fields it does not use.
+``DestroyWeightsUpdateGroupReqInput``, ``UpdateWeightVersionReqInput``) plus this project's
+``PullWeightsReqInput``. ``Model.from_json(raw_body_or_dict)`` validates strictly (an int
+field takes no float, string or bool) and raises ``InvalidInput`` with a message naming the
+field; nothing is half-parsed. Unknown fields are ignored and ``null`` means the default,
+as in SGLang.
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, Self
 
-from miles_disagg.httpjson import parse_json  # noqa: F401  (re-exported: protocol.parse_json)
-from miles_disagg.types import InvalidInput
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from miles_disagg.httpjson import parse_body, parse_json  # noqa: F401  (re-exported: protocol.parse_json)
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+DEFAULT_GROUP = "weight_update_group"
+PauseMode = Literal["abort", "retract", "in_place"]
 
 # SGLang sampling knobs this engine does not implement, with their no-op values. A client that
 # sends the no-op value (as SGLang clients commonly do) is served; any other value is refused
@@ -28,94 +33,6 @@ UNSUPPORTED_SAMPLING = {
     "logit_bias": None, "custom_params": None,
 }
 
-
-# parse_json lives in miles_disagg.httpjson (shared with the agent and the router)
-
-
-# --------------------------------------------------------------------------- field checks
-
-
-def _get(obj: dict, name: str, kinds: tuple, default: Any) -> Any:
-    value = obj.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds:
-        raise InvalidInput(f"{name} must be {_describe(kinds)}, got {value!r}")
-    if not isinstance(value, kinds):
-        raise InvalidInput(f"{name} must be {_describe(kinds)}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _describe(kinds: tuple) -> str:
-    return " or ".join(k.__name__ for k in kinds)
-
-
-def _number(obj: dict, name: str, default: float, low: float, high: float) -> float:
-    value = float(_get(obj, name, (int, float), default))
-    if not low <= value <= high:
-        raise InvalidInput(f"sampling_params.{name} must be in [{low}, {high}], got {value}")
-    return value
-
-
-def _int_list(obj: dict, name: str) -> list[int]:
-    value = _get(obj, name, (list,), [])
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise InvalidInput(f"{name} must be a list of ints, got {value!r}")
-    return list(value)
-
-
-# --------------------------------------------------------------------------- generate
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """SGLang's ``sampling_params`` subset (same names, same defaults)."""
-
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: the whole vocabulary
-    min_p: float = 0.0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    no_stop_trim: bool = False
-    skip_special_tokens: bool = True
-    sampling_seed: int | None = None
-
-    @classmethod
-    def from_json(cls, obj: Any) -> "SamplingParams":
-        if obj is None:
-            return cls()
-        if not isinstance(obj, dict):
-            raise InvalidInput(f"sampling_params must be an object, got {type(obj).__name__}")
-        _refuse_unsupported(obj)
-        max_new = _get(obj, "max_new_tokens", (int,), DEFAULT_MAX_NEW_TOKENS)
-        if max_new < 0:
-            raise InvalidInput(f"sampling_params.max_new_tokens must be >= 0, got {max_new}")
-        stop = _get(obj, "stop", (str, list), [])
-        stop = [stop] if isinstance(stop, str) else stop
-        if not all(isinstance(s, str) and s for s in stop):
-            raise InvalidInput(f"sampling_params.stop must be a string or a list of non-empty strings, got {stop!r}")
-        top_k = _get(obj, "top_k", (int,), -1)
-        if top_k < -1:
-            raise InvalidInput(f"sampling_params.top_k must be -1 (all) or >= 0, got {top_k}")
-        seed = _get(obj, "sampling_seed", (int,), None)
-        return cls(
-            max_new_tokens=max_new,
-            temperature=_number(obj, "temperature", 1.0, 0.0, 1e4),
-            top_p=_number(obj, "top_p", 1.0, 1e-9, 1.0),
-            top_k=top_k,
-            min_p=_number(obj, "min_p", 0.0, 0.0, 1.0),
-            stop=tuple(stop),
-            stop_token_ids=tuple(_int_list(obj, "stop_token_ids")),
-            ignore_eos=_get(obj, "ignore_eos", (bool,), False),
-            no_stop_trim=_get(obj, "no_stop_trim", (bool,), False),
-            skip_special_tokens=_get(obj, "skip_special_tokens", (bool,), True),
-            sampling_seed=seed,
-        )
-
-
 # Top-level ``/generate`` fields of SGLang this engine does not implement, with their no-op
 # values (a list of no-op values, one per batch item, is accepted too).
 UNSUPPORTED_GENERATE = {
@@ -125,20 +42,155 @@ UNSUPPORTED_GENERATE = {
 }
 
 
+def _array(value: Any) -> Any:
+    """A JSON array as a tuple (strict validation takes tuples only)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _version_string(value: Any) -> Any:
+    """SGLang's versions are strings; ints are accepted and reported as their decimal string."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, str) and value:
+        return value
+    raise ValueError(f"must be a non-empty string or an int, got {value!r}")
+
+
+def _digits_to_int(value: Any) -> Any:
+    return int(value) if isinstance(value, str) and value.isascii() and value.isdigit() else value
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+Ints = Annotated[tuple[int, ...], BeforeValidator(_array)]
+VersionString = Annotated[str, BeforeValidator(_version_string)]
+
+
+class Body(BaseModel):
+    """A JSON request body: strict types, unknown fields ignored, ``null`` meaning the default."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, obj: Any) -> Any:
+        return {k: v for k, v in obj.items() if v is not None} if isinstance(obj, dict) else obj
+
+    @classmethod
+    def from_json(cls, body: bytes | Any) -> Self:
+        """The body (raw bytes or decoded JSON) validated; ``InvalidInput`` naming the field otherwise."""
+        return parse_body(cls, body)
+
+
+# --------------------------------------------------------------------------- generate
+
+
+class SamplingParams(Body):
+    """SGLang's ``sampling_params`` subset (same names, same defaults); the knobs in
+    ``UNSUPPORTED_SAMPLING`` are refused unless they carry their no-op value."""
+
+    max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=0)
+    temperature: float = Field(1.0, ge=0.0, le=1e4)
+    top_p: float = Field(1.0, ge=1e-9, le=1.0)
+    top_k: int = Field(-1, ge=-1)  # -1 or 0: the whole vocabulary
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    stop: Annotated[tuple[NonEmptyStr, ...], BeforeValidator(lambda v: (v,) if isinstance(v, str) else _array(v))] = ()
+    stop_token_ids: Ints = ()
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, obj: Any) -> Any:
+        for name, noop in UNSUPPORTED_SAMPLING.items():
+            value = obj.get(name) if isinstance(obj, dict) else None
+            if value is not None and value != noop:
+                raise ValueError(f"{name}={value!r} is not supported by the built-in engine (only {noop!r} or null)")
+        return obj
+
+
+class GenerateReqInput(Body):
+    """SGLang's ``GenerateReqInput``: exactly one of ``text``/``input_ids``, each one prompt or a
+    batch. ``sampling_params``, ``return_logprob``, ``top_logprobs_num`` and ``rid`` are one value
+    shared by the batch or a list with one entry per item (a string ``rid`` for a batch is a
+    prefix: ``rid_0``, ``rid_1``, ...); they are validated split per item."""
+
+    text: tuple[str, ...] | None = None
+    input_ids: tuple[Annotated[Ints, Field(min_length=1)], ...] | None = None
+    batched: bool = False
+    sampling_params: tuple[SamplingParams, ...] = ()
+    return_logprob: tuple[bool, ...] = ()
+    top_logprobs_num: tuple[Annotated[int, Field(ge=0)], ...] = ()
+    rid: tuple[str, ...] = ()  # "": none given (a fresh one is made)
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_batch(cls, obj: Any) -> Any:
+        if not isinstance(obj, dict):
+            return obj
+        _refuse_unsupported_fields(obj)
+        text, input_ids = obj.get("text"), obj.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        prompts, batched = _prompts(text, input_ids)
+        count, rid = len(prompts), obj.get("rid")
+        return {
+            **obj, "text" if text is not None else "input_ids": prompts, "batched": batched,
+            "sampling_params": _per_item(obj.get("sampling_params"), count, "sampling_params", {}),
+            "return_logprob": _per_item(obj.get("return_logprob"), count, "return_logprob", False),
+            "top_logprobs_num": _per_item(obj.get("top_logprobs_num"), count, "top_logprobs_num", 0),
+            "rid": (tuple(f"{rid}_{i}" for i in range(count)) if batched and isinstance(rid, str)
+                    else _per_item(rid, count, "rid", "")),
+        }
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        given = [r for r in self.rid if r]
+        if len(set(given)) != len(given):
+            raise ValueError(f"rid values must be distinct within a request, got {list(self.rid)!r}")
+        if self.stream and self.batched:
+            raise ValueError("stream=true is supported for single requests only")
+        return self
+
+
 def _refuse_unsupported_fields(obj: dict) -> None:
     for name, noops in UNSUPPORTED_GENERATE.items():
         value = obj.get(name)
         values = value if isinstance(value, list) and name not in ("token_ids_logprob", "input_embeds") else [value]
         if any(v is not None and v not in noops for v in values):
-            raise InvalidInput(f"{name}={value!r} is not supported by the built-in engine")
+            raise ValueError(f"{name}={value!r} is not supported by the built-in engine")
 
 
-def _refuse_unsupported(obj: dict) -> None:
-    for name, noop in UNSUPPORTED_SAMPLING.items():
-        value = obj.get(name)
-        if value is not None and value != noop:
-            raise InvalidInput(f"sampling_params.{name}={value!r} is not supported by the built-in engine "
-                               f"(only {noop!r} or null)")
+def _prompts(text: Any, input_ids: Any) -> tuple[tuple, bool]:
+    """(one prompt per item, batched)."""
+    if text is not None:
+        if isinstance(text, str):
+            return (text,), False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return tuple(text), True
+        raise ValueError("text must be a string or a non-empty list of strings")
+    if not isinstance(input_ids, list) or not input_ids:
+        raise ValueError("input_ids must be a non-empty list of ints or of lists of ints")
+    if all(_is_int(t) for t in input_ids):
+        return (tuple(input_ids),), False
+    if all(isinstance(seq, list) and seq and all(_is_int(t) for t in seq) for seq in input_ids):
+        return tuple(tuple(seq) for seq in input_ids), True
+    raise ValueError("input_ids must be a non-empty list of ints or of non-empty lists of ints")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _per_item(value: Any, count: int, name: str, default: Any) -> tuple:
+    """SGLang lets a batch share one value or give one per item (``null``: the default)."""
+    values = value if isinstance(value, list) else [value] * count
+    if len(values) != count:
+        raise ValueError(f"{name} has {len(values)} entries for a batch of {count}")
+    return tuple(default if v is None else v for v in values)
 
 
 @dataclass(frozen=True)
@@ -163,230 +215,106 @@ class GenerateRequest:
     stream: bool
 
 
-def parse_generate(obj: dict) -> GenerateRequest:
-    """``GenerateReqInput``: exactly one of ``text``/``input_ids``, each single or batched."""
-    text, input_ids = obj.get("text"), obj.get("input_ids")
-    if (text is None) == (input_ids is None):
-        raise InvalidInput("give exactly one of text or input_ids")
-    _refuse_unsupported_fields(obj)
-    prompts, batched = _prompts(text, input_ids)
-    count = len(prompts)
-    sampling = _per_item(obj.get("sampling_params"), count, "sampling_params", dict)
-    return_logprob = _per_item(obj.get("return_logprob", False), count, "return_logprob", bool)
-    top_logprobs = _per_item(obj.get("top_logprobs_num"), count, "top_logprobs_num", int)
-    if any(k is not None and k < 0 for k in top_logprobs):
-        raise InvalidInput(f"top_logprobs_num must be >= 0, got {obj.get('top_logprobs_num')!r}")
-    rids = _rids(obj.get("rid"), count, batched)
-    text_in_logprobs = _get(obj, "return_text_in_logprobs", (bool,), False)
+def parse_generate(body: bytes | Any) -> GenerateRequest:
+    """``/generate``'s body split into items (``InvalidInput`` naming the field if malformed)."""
+    req = GenerateReqInput.from_json(body)
+    prompts = req.text if req.text is not None else req.input_ids
     items = tuple(
         GenerateItem(
-            rid=rids[i] or uuid.uuid4().hex,
-            input_ids=prompts[i] if input_ids is not None else None,
-            text=prompts[i] if text is not None else None,
-            sampling=SamplingParams.from_json(sampling[i]),
-            return_logprob=bool(return_logprob[i]),
-            return_text_in_logprobs=text_in_logprobs,
-            top_logprobs_num=top_logprobs[i] or 0,
+            rid=req.rid[i] or uuid.uuid4().hex,
+            input_ids=prompt if req.input_ids is not None else None,
+            text=prompt if req.text is not None else None,
+            sampling=req.sampling_params[i],
+            return_logprob=req.return_logprob[i],
+            return_text_in_logprobs=req.return_text_in_logprobs,
+            top_logprobs_num=req.top_logprobs_num[i],
         )
-        for i in range(count)
+        for i, prompt in enumerate(prompts)
     )
-    stream = _get(obj, "stream", (bool,), False)
-    if stream and batched:
-        raise InvalidInput("stream=true is supported for single requests only")
-    return GenerateRequest(items=items, batched=batched, stream=stream)
-
-
-def _prompts(text: Any, input_ids: Any) -> tuple[list, bool]:
-    if text is not None:
-        if isinstance(text, str):
-            return [text], False
-        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            return list(text), True
-        raise InvalidInput("text must be a string or a non-empty list of strings")
-    if not isinstance(input_ids, list) or not input_ids:
-        raise InvalidInput("input_ids must be a non-empty list of ints or of lists of ints")
-    if all(_is_int(t) for t in input_ids):
-        return [tuple(input_ids)], False
-    if all(isinstance(seq, list) and seq and all(_is_int(t) for t in seq) for seq in input_ids):
-        return [tuple(seq) for seq in input_ids], True
-    raise InvalidInput("input_ids must be a non-empty list of ints or of non-empty lists of ints")
-
-
-def _rids(value: Any, count: int, batched: bool) -> list:
-    """SGLang's ``rid``: one string, or one per item; a string for a batch is a prefix (``rid_i``)."""
-    if batched and isinstance(value, str):
-        return [f"{value}_{i}" for i in range(count)]
-    rids = _per_item(value, count, "rid", str)
-    if len(set(r for r in rids if r)) != len([r for r in rids if r]):
-        raise InvalidInput(f"rid values must be distinct within a request, got {rids!r}")
-    return rids
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _per_item(value: Any, count: int, name: str, kind: type) -> list:
-    """SGLang lets a batch share one value or give one per item."""
-    if isinstance(value, list):
-        if len(value) != count:
-            raise InvalidInput(f"{name} has {len(value)} entries for a batch of {count}")
-        values = value
-    else:
-        values = [value] * count
-    for v in values:
-        if v is not None and (not isinstance(v, kind) or (kind is not bool and isinstance(v, bool))):
-            raise InvalidInput(f"{name} must be {kind.__name__}, got {type(v).__name__} {v!r}")
-    return values
+    return GenerateRequest(items=items, batched=req.batched, stream=req.stream)
 
 
 # --------------------------------------------------------------------------- control endpoints
 
 
-@dataclass(frozen=True)
-class UpdateFromDisk:
+class UpdateFromDisk(Body):
     """``UpdateWeightFromDiskReqInput`` (fields this engine acts on)."""
 
-    model_path: str
-    weight_version: str | None = None
+    model_path: NonEmptyStr
+    weight_version: VersionString | None = None
     abort_all_requests: bool = False
     flush_cache: bool = True
 
-    @classmethod
-    def from_json(cls, obj: dict) -> "UpdateFromDisk":
-        model_path = _get(obj, "model_path", (str,), "")
-        if not model_path:
-            raise InvalidInput("model_path is required")
-        return cls(
-            model_path=model_path,
-            weight_version=_version_string(obj.get("weight_version"), "weight_version"),
-            abort_all_requests=_get(obj, "abort_all_requests", (bool,), False),
-            flush_cache=_get(obj, "flush_cache", (bool,), True),
-        )
+
+class PauseGeneration(Body):
+    """``PauseGenerationReqInput``."""
+
+    mode: PauseMode = "abort"
 
 
-def _version_string(value: Any, name: str) -> str | None:
-    """SGLang's versions are strings; ints are accepted and reported as their decimal string."""
-    if value is None:
-        return None
-    if _is_int(value):
-        return str(value)
-    if isinstance(value, str) and value:
-        return value
-    raise InvalidInput(f"{name} must be a non-empty string or an int, got {value!r}")
+class UpdateWeightVersion(Body):
+    """``UpdateWeightVersionReqInput``."""
+
+    new_version: VersionString
+    abort_all_requests: bool = True
 
 
-PAUSE_MODES = ("abort", "retract", "in_place")
+class AbortReq(Body):
+    """``AbortReq``: one request by ``rid``, or all of them."""
+
+    rid: str = ""
+    abort_all: bool = False
 
 
-def parse_pause_mode(obj: dict) -> str:
-    mode = _get(obj, "mode", (str,), "abort")
-    if mode not in PAUSE_MODES:
-        raise InvalidInput(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
-    return mode
+class DestroyGroup(Body):
+    """``DestroyWeightsUpdateGroupReqInput``."""
+
+    group_name: str = DEFAULT_GROUP
 
 
-def parse_new_version(obj: dict) -> tuple[str, bool]:
-    """``UpdateWeightVersionReqInput``: ``new_version`` and ``abort_all_requests`` (default true)."""
-    version = _version_string(obj.get("new_version"), "new_version")
-    if version is None:
-        raise InvalidInput("new_version is required")
-    return version, _get(obj, "abort_all_requests", (bool,), True)
+class InitGroup(Body):
+    """``InitWeightsUpdateGroupReqInput`` (this engine joins at ``rank_offset``; rank 0 is the trainer)."""
 
-
-def parse_abort(obj: dict) -> tuple[str, bool]:
-    """``AbortReq``: ``rid`` and ``abort_all``."""
-    return _get(obj, "rid", (str,), ""), _get(obj, "abort_all", (bool,), False)
-
-
-@dataclass(frozen=True)
-class InitGroup:
-    """``InitWeightsUpdateGroupReqInput``."""
-
-    master_address: str
-    master_port: int
-    rank_offset: int
+    master_address: NonEmptyStr
+    master_port: int = Field(gt=0, lt=65536)
+    rank_offset: int = Field(gt=0)
     world_size: int
-    group_name: str = "weight_update_group"
+    group_name: str = DEFAULT_GROUP
     backend: str = "nccl"
 
-    @classmethod
-    def from_json(cls, obj: dict) -> "InitGroup":
-        for required in ("master_address", "master_port", "rank_offset", "world_size"):
-            if obj.get(required) is None:
-                raise InvalidInput(f"{required} is required")
-        group = cls(
-            master_address=_get(obj, "master_address", (str,), ""),
-            master_port=_get(obj, "master_port", (int,), 0),
-            rank_offset=_get(obj, "rank_offset", (int,), 0),
-            world_size=_get(obj, "world_size", (int,), 0),
-            group_name=_get(obj, "group_name", (str,), "weight_update_group"),
-            backend=_get(obj, "backend", (str,), "nccl"),
-        )
-        if not 0 < group.rank_offset < group.world_size or not 0 < group.master_port < 65536:
-            raise InvalidInput(f"need 0 < rank_offset < world_size and a valid port, got {group}")
-        return group
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> Self:
+        if not self.rank_offset < self.world_size:
+            raise ValueError(f"need 0 < rank_offset < world_size, got rank_offset {self.rank_offset}, "
+                             f"world_size {self.world_size}")
+        return self
 
 
-def parse_group_name(obj: dict) -> str:
-    """``DestroyWeightsUpdateGroupReqInput``: ``group_name`` (default ``weight_update_group``)."""
-    return _get(obj, "group_name", (str,), "weight_update_group")
-
-
-@dataclass(frozen=True)
-class DistributedUpdate:
+class DistributedUpdate(Body):
     """``UpdateWeightsFromDistributedReqInput``: names/dtypes/shapes broadcast from rank 0."""
 
-    names: tuple[str, ...]
-    dtypes: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    group_name: str = "weight_update_group"
-    weight_version: str | None = None
+    names: Annotated[tuple[str, ...], BeforeValidator(_array)]
+    dtypes: Annotated[tuple[str, ...], BeforeValidator(_array)]
+    shapes: Annotated[tuple[Annotated[tuple[Annotated[int, Field(ge=0)], ...], BeforeValidator(_array)], ...],
+                      BeforeValidator(_array)]
+    group_name: str = DEFAULT_GROUP
+    weight_version: VersionString | None = None
     abort_all_requests: bool = False
     flush_cache: bool = True
 
-    @classmethod
-    def from_json(cls, obj: dict) -> "DistributedUpdate":
-        names = _get(obj, "names", (list,), None)
-        dtypes = _get(obj, "dtypes", (list,), None)
-        shapes = _get(obj, "shapes", (list,), None)
-        if names is None or dtypes is None or shapes is None:
-            raise InvalidInput("names, dtypes and shapes are required")
-        if not len(names) == len(dtypes) == len(shapes):
-            raise InvalidInput("names, dtypes and shapes must have the same length")
-        if not all(isinstance(s, list) and all(_is_int(d) and d >= 0 for d in s) for s in shapes):
-            raise InvalidInput("shapes must be lists of non-negative ints")
-        return cls(
-            names=tuple(str(n) for n in names),
-            dtypes=tuple(str(d) for d in dtypes),
-            shapes=tuple(tuple(s) for s in shapes),
-            group_name=_get(obj, "group_name", (str,), "weight_update_group"),
-            weight_version=_version_string(obj.get("weight_version"), "weight_version"),
-            abort_all_requests=_get(obj, "abort_all_requests", (bool,), False),
-            flush_cache=_get(obj, "flush_cache", (bool,), True),
-        )
+    @model_validator(mode="after")
+    def _same_lengths(self) -> Self:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError("names, dtypes and shapes must have the same length")
+        return self
 
 
-@dataclass(frozen=True)
-class PullWeights:
+class PullWeights(Body):
     """This project's ``/pull_weights``: materialize and stage a published version."""
 
-    target_version: int
-    source_dir: str
-    local_checkpoint_dir: str
-
-    @classmethod
-    def from_json(cls, obj: dict) -> "PullWeights":
-        version = obj.get("target_version")
-        if isinstance(version, str) and version.isdigit():
-            version = int(version)
-        if not _is_int(version) or version < 0:
-            raise InvalidInput(f"target_version must be a non-negative int, got {version!r}")
-        source = _get(obj, "source_dir", (str,), "")
-        local = _get(obj, "local_checkpoint_dir", (str,), "")
-        if not source or not local:
-            raise InvalidInput("source_dir and local_checkpoint_dir are required")
-        return cls(target_version=version, source_dir=source, local_checkpoint_dir=local)
+    target_version: Annotated[int, BeforeValidator(_digits_to_int), Field(ge=0)]
+    source_dir: NonEmptyStr
+    local_checkpoint_dir: NonEmptyStr
 
 
 @dataclass

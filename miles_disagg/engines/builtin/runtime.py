@@ -36,10 +36,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from miles_disagg.engines.builtin.config import EngineConfig
 from miles_disagg.engines.builtin.dist_update import DistUpdater
 from miles_disagg.engines.builtin.model_runner import ModelRunner
 from miles_disagg.engines.builtin.protocol import (
@@ -72,40 +72,6 @@ class _ReleasingSink:
     def on_finish(self, seq: Sequence) -> None:
         self.release(seq.rid)
         self.inner.on_finish(seq)
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    """Settings of one built-in engine process."""
-
-    model_path: Path
-    """HF causal LM checkpoint directory (config.json, safetensors, tokenizer files)."""
-    host: str = "127.0.0.1"
-    """Address the HTTP server binds (loopback unless told otherwise)."""
-    port: int = 30000
-    """HTTP port."""
-    weight_version: str = "0"
-    """Version reported before any update (SGLang's default is "default"; this project's base is 0)."""
-    device: str = "cpu"
-    """``cpu`` or ``cuda``."""
-    dtype: str = "auto"
-    """``auto`` (the checkpoint's), ``float32`` or ``bfloat16``."""
-    max_running_requests: int = 64
-    """Most requests decoded together in one batch; the rest wait in the queue."""
-    random_seed: int = 0
-    """Seeds the generators of requests without ``sampling_seed``."""
-    pull_weights_pre_read_hook: str | None = None
-    """``module:function`` called as ``hook(source_dir, target_version)`` before a pull reads a version."""
-
-    def __post_init__(self) -> None:
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port out of range: {self.port}")
 
 
 class Engine:

@@ -75,19 +75,16 @@ def create_app(engine: Engine):
 
     app = FastAPI(title="miles-disagg built-in engine")
 
-    async def body_of(request: Request) -> dict:
-        return protocol.parse_json(await request.body())
-
     # Own pool: long blocking calls (a pull, a group rendezvous) must not starve short ones.
     executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="engine-http")
 
     async def blocking(fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
-    def weight_endpoint(handler: Callable[[dict], Awaitable[dict]]):
+    def weight_endpoint(handler: Callable[[bytes], Awaitable[dict]]):
         async def wrapped(request: Request):
             try:
-                return JSONResponse(await handler(await body_of(request)))
+                return JSONResponse(await handler(await request.body()))
             except Exception as exc:
                 return error_response(exc, weight_endpoint=True)
         return wrapped
@@ -97,7 +94,7 @@ def create_app(engine: Engine):
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
         try:
-            req = protocol.parse_generate(await body_of(request))
+            req = protocol.parse_generate(await request.body())
             loop = asyncio.get_running_loop()
             sinks: list[_HttpSink] = []
 
@@ -150,7 +147,7 @@ def create_app(engine: Engine):
 
     # ------------------------------------------------------------------ weights
 
-    # Each weight endpoint parses its SGLang request type, then runs the blocking engine call.
+    # Each weight endpoint validates its SGLang request type, then runs the blocking engine call.
     for path, parse, call in (
         ("/update_weights_from_disk", protocol.UpdateFromDisk.from_json, engine.update_from_disk),
         ("/pull_weights", protocol.PullWeights.from_json, engine.pull_weights),
@@ -165,8 +162,9 @@ def create_app(engine: Engine):
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
-        async def handler(body: dict) -> dict:
-            return await blocking(engine.destroy_weights_update_group, protocol.parse_group_name(body))
+        async def handler(body: bytes) -> dict:
+            req = protocol.DestroyGroup.from_json(body)
+            return await blocking(engine.destroy_weights_update_group, req.group_name)
         return await weight_endpoint(handler)(request)
 
     # miles brackets broadcast updates with these (a packed/quantized engine restores and
@@ -176,10 +174,11 @@ def create_app(engine: Engine):
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):
-        async def handler(body: dict) -> dict:
-            version, abort_all = protocol.parse_new_version(body)
-            await blocking(engine.set_version, version, abort_all)
-            return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+        async def handler(body: bytes) -> dict:
+            req = protocol.UpdateWeightVersion.from_json(body)
+            await blocking(engine.set_version, req.new_version, req.abort_all_requests)
+            return {"success": True, "message": f"Weight version updated to {req.new_version}",
+                    "new_version": req.new_version}
         return await weight_endpoint(handler)(request)
 
     # ------------------------------------------------------------------ pause / cache / abort
@@ -187,7 +186,7 @@ def create_app(engine: Engine):
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         try:
-            mode = protocol.parse_pause_mode(await body_of(request))
+            mode = protocol.PauseGeneration.from_json(await request.body()).mode
             count = await blocking(engine.pause, mode)
         except Exception as exc:
             return error_response(exc)
@@ -197,7 +196,7 @@ def create_app(engine: Engine):
     @app.post("/continue_generation")
     async def continue_generation(request: Request):
         try:
-            await body_of(request)
+            protocol.parse_json(await request.body())  # a JSON object (SGLang's takes no fields)
             await blocking(engine.resume)
         except Exception as exc:
             return error_response(exc)
@@ -219,8 +218,8 @@ def create_app(engine: Engine):
     @app.post("/abort_request")
     async def abort_request(request: Request):
         try:
-            rid, abort_all = protocol.parse_abort(await body_of(request))
-            await blocking(engine.abort, rid, abort_all)
+            req = protocol.AbortReq.from_json(await request.body())
+            await blocking(engine.abort, req.rid, req.abort_all)
         except Exception as exc:
             return error_response(exc)
         return Response(status_code=200)
@@ -271,12 +270,13 @@ def _fault_of(result: dict) -> dict | None:
 
 
 def _acknowledge(path: str):
-    async def handler(body: dict) -> dict:
+    async def handler(body: bytes) -> dict:
+        protocol.parse_json(body)
         return {"success": True, "message": f"{path.strip('/')}: nothing to do for unpacked weights"}
     return handler
 
 
-def _parse_then_call(blocking: Callable, parse: Callable[[dict], Any], call: Callable[[Any], dict]):
-    async def handler(body: dict) -> dict:
+def _parse_then_call(blocking: Callable, parse: Callable[[bytes], Any], call: Callable[[Any], dict]):
+    async def handler(body: bytes) -> dict:
         return await blocking(call, parse(body))
     return handler

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from miles_disagg.config.components import TrainConfig
-from miles_disagg.trainer.backend import MetricMeans, TrainerBackend
-from miles_disagg.trainer.losses import masked_mean
+from miles_disagg.trainer.advantages import rollout_advantages
+from miles_disagg.trainer.backend import TrainerBackend, TrainResult
 from miles_disagg.trainer.megatron.batching import (
     MicroBatch, fixed_size_batches, make_micro_batch, token_budget_batches)
 from miles_disagg.trainer.megatron.checkpoint import load_checkpoint, save_checkpoint
@@ -30,13 +30,14 @@ from miles_disagg.trainer.megatron.model import (
 from miles_disagg.trainer.megatron.optim import make_optimizer
 from miles_disagg.trainer.megatron.step import (
     PassContext, StepInputs, logprob_loss_fn, policy_loss_fn, run_micro_batches)
+from miles_disagg.trainer.reduction import StepMetrics, global_token_mean, step_denominators
 from miles_disagg.types import Sample
 
 
 class MegatronBackend(TrainerBackend):
     def __init__(self, config: TrainConfig, hf_dir: str, *, rank: int, world_size: int, temperature: float = 1.0):
         """Build the parallel state, this rank's model stage from ``hf_dir``, its optimizer and
-        (``--use-kl-loss`` with a positive coefficient) the frozen reference from ``--ref-load``
+        (``--use-kl-loss`` whatever its coefficient, or ``--kl-coef``) the frozen reference from ``--ref-load``
         or ``hf_dir``. ``temperature``: the rollout's, applied to logits before logprobs."""
         import_megatron()
         self.config, self.rank, self.world_size = config, rank, world_size
@@ -50,7 +51,7 @@ class MegatronBackend(TrainerBackend):
         self.gpt = build_gpt(self.shape, self.tconfig, self.layout)
         load_hf_weights(self.gpt, hf_dir, self.shape, self.layout)
         self.optim = make_optimizer(self.gpt, config, self.tconfig)
-        self.ref = self._reference(config.ref_load or hf_dir) if config.use_kl_loss and config.kl_loss_coef > 0 else None
+        self.ref = self._reference(config.ref_load or hf_dir) if config.needs_reference else None
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.ctx = PassContext(self.layout, device, temperature if temperature > 0 else 1.0,
                                explicit_mask=not uses_te_spec())
@@ -62,26 +63,38 @@ class MegatronBackend(TrainerBackend):
 
     # ------------------------------------------------------------------ training
 
-    def train(self, steps: list[list[Sample]]) -> dict[str, float]:
+    def train(self, steps: list[list[Sample]]) -> TrainResult:
         steps = self._replica_share(steps)
         micro = [[make_micro_batch(mb, self.pad_id, self._seq_multiple()) for mb in self._split(step)]
                  for step in steps]
         flat = [mb for step in micro for mb in step]
         old = self._frozen_logprobs(self.optim.model, flat)
         ref = self._frozen_logprobs(self.ref, flat) if self.ref is not None else [None] * len(flat)
-        sums = MetricMeans()
-        if self.layout.is_last_stage:
-            sums.add("train/train_rollout_logprob_abs_diff", _rollout_diff(old, flat, self.ctx.device))
+        if not self.layout.is_last_stage:  # the loss, advantages and metrics live on the last stage
+            for step in micro:
+                none = [None] * len(step)
+                self._optimizer_step(StepInputs(step, none, none, none, denominator=1.0))
+            return self._from_last_stage(TrainResult())
+        group, device = self._dp_group(), self.ctx.device
+        advantages = rollout_advantages(self.config, [mb.packed for mb in flat], old, ref, group)
+        denominators = step_denominators([[mb.packed for mb in step] for step in micro],
+                                         per_token=self.config.calculate_per_token_loss, group=group, device=device)
+        diff = global_token_mean([((o - mb.packed.rollout_logprobs.to(device)).abs(), mb.packed.loss_mask)
+                                  for o, mb in zip(old, flat)], group, device)
+        result = TrainResult(rollout={"train/train_rollout_logprob_abs_diff": diff})
         cursor = 0
-        for index, step in enumerate(micro):
-            inputs = StepInputs(step, old[cursor:cursor + len(step)], ref[cursor:cursor + len(step)])
+        for step, denominator in zip(micro, denominators):
+            window = slice(cursor, cursor + len(step))
             cursor += len(step)
-            step_metrics = self._optimizer_step(inputs)
-            if index == 0 and "train/ppo_kl" in step_metrics:  # on-policy by construction: ratio 1
-                sums.add("train/ppo_kl_first_minibatch", step_metrics["train/ppo_kl"])
-            for key, value in step_metrics.items():
-                sums.add(key, value)
-        return self._from_last_stage(sums.means())
+            inputs = StepInputs(step, old[window], ref[window], advantages[window], denominator)
+            result.steps.append(self._optimizer_step(inputs, group))
+        return self._from_last_stage(result)
+
+    def _dp_group(self):
+        """The data-parallel group (replicas of this stage; TP and CP peers hold the same samples)."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group()
 
     def _replica_share(self, steps: list[list[Sample]]) -> list[list[Sample]]:
         """Pool the shares of this rank's DP replica (collective over all ranks).
@@ -113,28 +126,30 @@ class MegatronBackend(TrainerBackend):
             return [None] * len(batches)
         return [out["logprobs"] for out in outputs]
 
-    def _optimizer_step(self, inputs: StepInputs) -> dict[str, float]:
+    def _optimizer_step(self, inputs: StepInputs, group=None) -> dict[str, float]:
+        """One optimizer step (collective over all ranks); the step's global metrics on the last stage."""
         self.optim.zero_grad()
         outputs = run_micro_batches(self.optim.model, inputs.micro_batches, self.ctx,
                                     policy_loss_fn(inputs, self.config, self.ctx), forward_only=False,
                                     no_sync=self.optim.no_sync)
         grad_norm = self.optim.step()
-        sums = MetricMeans()
+        if not self.layout.is_last_stage:
+            return {}
+        sums = StepMetrics()
         for metrics in outputs:
-            for key, value in metrics.items():
-                sums.add(key, value)
-        result = sums.means()
+            sums.add(metrics)
+        result = sums.global_means(inputs.denominator, group, self.ctx.device)
         result["train/grad_norm"] = grad_norm
         result["train/lr"] = self.optim.lr
         return result
 
-    def _from_last_stage(self, metrics: dict[str, float]) -> dict[str, float]:
+    def _from_last_stage(self, result: TrainResult) -> TrainResult:
         """Every rank reports its replica's metrics (the loss is computed on the last stage)."""
         if self.layout.pp_size == 1:
-            return metrics
+            return result
         from megatron.core import parallel_state as ps
 
-        box = [metrics]
+        box = [result]
         dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
                                    group=ps.get_pipeline_model_parallel_group())
         return box[0]
@@ -156,8 +171,3 @@ def _interleave(lists: list[list[Sample]]) -> list[Sample]:
     longest = max(len(items) for items in lists)
     return [items[k] for k in range(longest) for items in lists if k < len(items)]
 
-
-def _rollout_diff(old: list[torch.Tensor], batches: list[MicroBatch], device: torch.device) -> float:
-    diffs = [masked_mean((o - b.packed.rollout_logprobs.to(device)).abs(), b.packed.response_mask.to(device))
-             for o, b in zip(old, batches)]
-    return torch.stack(diffs).mean().item()

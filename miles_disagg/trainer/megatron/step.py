@@ -7,10 +7,14 @@ function returns ``(loss, metrics)`` and the driver backpropagates
 micro-batches (megatron's own schedules allocate CUDA tensors, so this loop is also what
 runs on CPU); with it, megatron's pipelined schedule does (GPU only).
 
-Scaling: each micro-batch's loss is its token-mean times ``tokens / step_tokens`` (this
-rank's token-weighted mean, as the fsdp backend computes it), pre-multiplied by
-``num_microbatches / cp_size`` to cancel the schedule's factor; gradients are then
-averaged over data- and context-parallel ranks.
+Scaling: each micro-batch's loss is its sum form (``losses.masked_sum``: the sum of its
+samples' token means, or of its trained tokens with ``--calculate-per-token-loss``) divided
+by the optimizer step's GLOBAL sample (or token) count over the data-parallel replicas and
+multiplied by the data-parallel size, since gradients are averaged over replicas: the
+result is the mean over the whole global batch, whatever the number of replicas. It is
+pre-multiplied by ``num_microbatches / cp_size`` to cancel the schedule's factor. (Every CP
+rank computes the whole sequence's loss from gathered logprobs; the gather's backward sums
+the CP ranks' gradients, which the average over data- and context-parallel ranks undoes.)
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from miles_disagg.config.components import TrainConfig
-from miles_disagg.trainer.losses import rl_token_loss, token_logprobs_and_entropy
+from miles_disagg.trainer.losses import rl_loss, token_logprobs_and_entropy
 from miles_disagg.trainer.megatron.batching import MicroBatch, causal_mask, cp_merge, cp_split
 from miles_disagg.trainer.megatron.model import ParallelLayout
 
@@ -117,34 +121,27 @@ def logprob_loss_fn(micro_batches: Sequence[MicroBatch], ctx: PassContext) -> Lo
 
 @dataclass
 class StepInputs:
-    """One optimizer step's micro-batches with their frozen logprobs (None off the last stage)."""
+    """One optimizer step's micro-batches with their frozen logprobs and per-token advantages
+    (None off the last stage), and the step's global denominator (samples or trained tokens)."""
 
     micro_batches: list[MicroBatch]
     old_logprobs: list[torch.Tensor | None]
     ref_logprobs: list[torch.Tensor | None]
-
-    @property
-    def num_tokens(self) -> int:
-        return max(sum(mb.packed.num_tokens for mb in self.micro_batches), 1)
+    advantages: list[torch.Tensor | None]
+    denominator: float
 
 
 def policy_loss_fn(step: StepInputs, config: TrainConfig, ctx: PassContext) -> LossFn:
     """The RL loss of one micro-batch (PPO clip, optional TIS, entropy bonus, KL to the reference),
-    scaled as the module docstring says; metrics are this micro-batch's values."""
+    scaled as the module docstring says; metrics are this micro-batch's sums (``losses.rl_loss``)."""
     num_microbatches = len(step.micro_batches)
+    scale = ctx.layout.dp_size / step.denominator * num_microbatches / ctx.layout.cp_size
 
     def loss_fn(index: int, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
         mb = step.micro_batches[index]
         logprobs, entropy = response_logprobs(output, mb, ctx, with_entropy=True)
-        loss, metrics = rl_loss(config, mb, logprobs, entropy, step.old_logprobs[index], step.ref_logprobs[index],
-                                ctx.device)
-        scale = mb.packed.num_tokens / step.num_tokens * num_microbatches / ctx.layout.cp_size
+        loss, metrics = rl_loss(config, mb.packed, logprobs, entropy, step.old_logprobs[index],
+                                step.ref_logprobs[index], step.advantages[index], ctx.device)
         return loss * scale, metrics
 
     return loss_fn
-
-
-def rl_loss(config: TrainConfig, mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor,
-            old: torch.Tensor, ref: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, dict]:
-    """Token-mean RL loss of one micro-batch and its metrics (shared with the fsdp backend)."""
-    return rl_token_loss(config, mb.packed, logprobs, entropy, old, ref, device)

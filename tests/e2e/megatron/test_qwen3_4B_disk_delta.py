@@ -58,6 +58,7 @@ def test_qwen3_4B_megatron_disk_delta(tmp_path: Path) -> None:
     reason = missing_requirement()
     if reason:
         pytest.skip(reason)
+    from miles_disagg.loop.report import join_updates
     from miles_disagg.tracking import read_metrics
 
     run_dir, publish_dir, local_dir = tmp_path / "run", tmp_path / "weight-updates", tmp_path / "local-checkpoint"
@@ -68,7 +69,7 @@ def test_qwen3_4B_megatron_disk_delta(tmp_path: Path) -> None:
         cwd=REPO, capture_output=True, text=True, timeout=2300, env=env)
     assert result.returncode == 0, result.stderr[-8000:]
 
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = join_updates(read_metrics(run_dir / "metrics.jsonl"), read_metrics(run_dir / "updates.jsonl"))
     assert [r["step"] for r in records] == list(range(NUM_ROLLOUT))
     for r in records:
         version = r["step"] + 1
@@ -80,4 +81,5 @@ def test_qwen3_4B_megatron_disk_delta(tmp_path: Path) -> None:
     assert (publish_dir / f"weight_v{NUM_ROLLOUT:06d}").is_dir()
     assert any(local_dir.rglob("*.safetensors"))  # the host-local checkpoint was materialized
     # The trainer recomputes the behaviour logprobs with the weights it then trains: ratio 1.
-    assert abs(records[0]["train/ppo_kl_first_minibatch"]) < 1e-3
+    assert abs(records[0]["train/ppo_kl_first_step"]) < 1e-3
+    assert records[0]["train/pg_clipfrac_first_step"] < 1e-3

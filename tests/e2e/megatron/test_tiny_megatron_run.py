@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'miles-disagg[megatron]')")
 
+from miles_disagg.loop.report import join_updates  # noqa: E402
 from miles_disagg.tracking import read_metrics  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
@@ -30,7 +31,7 @@ def test_tp2_megatron_trainer_publishes_versions_the_engines_activate(tmp_path: 
          "--run-dir", str(run_dir), "--hf-checkpoint", str(tmp_path / "base-model")],
         cwd=tmp_path, capture_output=True, text=True, timeout=280, env=env)
     assert result.returncode == 0, result.stderr[-6000:]
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = join_updates(read_metrics(run_dir / "metrics.jsonl"), read_metrics(run_dir / "updates.jsonl"))
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records:
         version = r["step"] + 1
@@ -39,7 +40,7 @@ def test_tp2_megatron_trainer_publishes_versions_the_engines_activate(tmp_path: 
         assert 0 < r["perf/update_weights_density"] <= 1
     # The first step trains on samples of version 0, which the engines and the trainer agree on.
     assert records[0]["train/train_rollout_logprob_abs_diff"] < 1e-3
-    assert records[0]["train/ppo_kl_first_minibatch"] == pytest.approx(0.0, abs=1e-6)
+    assert records[0]["train/ppo_kl_first_step"] == pytest.approx(0.0, abs=1e-6)
     published = sorted(p.name for p in (run_dir / "weight-updates").glob("weight_v*"))
     assert "weight_v000003" in published  # the newest version was published (older ones may be pruned)
     assert all(r["perf/update_weights_wire_bytes"] > 0 for r in records)

@@ -1,0 +1,43 @@
+"""Settings of one built-in engine process: the ``miles-disagg engine`` flags, declared once.
+
+Pure: no heavy imports, so ``miles-disagg engine --help`` does not load torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles_disagg.config.components import ENGINE_DTYPES  # weight dtypes the model runner loads
+from miles_disagg.config.fields import REQUIRED, flag
+
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Run the built-in rollout engine (SGLang HTTP API) on one device."""
+
+    model_path: Path = flag(REQUIRED, "HF causal LM checkpoint directory (config.json, safetensors, tokenizer files).")
+    host: str = flag("127.0.0.1", "Address the HTTP server binds (loopback only unless told otherwise).")
+    port: int = flag(30000, "HTTP port.")
+    weight_version: str = flag("0", "Version reported before any update (a string, as in SGLang, whose default is "
+                                    "'default'; this project's versions are ints and its base is 0).")
+    device: str = flag("cpu", "Device the model runs on.", choices=DEVICES)
+    dtype: str = flag("auto", "Weight dtype (auto: the checkpoint's).", choices=ENGINE_DTYPES)
+    max_running_requests: int = flag(64, "Most requests decoded together in one batch; the rest wait in the queue.")
+    random_seed: int = flag(0, "Seeds the generators of requests without sampling_seed.")
+    pull_weights_pre_read_hook: str | None = flag(
+        None, "Run hook(source_dir, target_version) before /pull_weights reads a version "
+              "(miles passes --sglang-custom-pull-weights-pre-read-hook here).",
+        name="--custom-pull-weights-pre-read-hook", metavar="MODULE:FUNCTION")
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.dtype not in ENGINE_DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(ENGINE_DTYPES)}, got {self.dtype!r}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port out of range: {self.port}")

@@ -1,0 +1,138 @@
+"""Advantage estimators (``--advantage-estimator``), with miles' meanings, in two halves.
+
+Driver side, before the batch is dealt to the ranks (miles' reward post-processing):
+``assign_advantages`` sets each sample's sequence-level signal ``Sample.advantage`` from its
+group's rewards:
+- ``grpo``: reward minus the group's mean, divided by the group's std + 1e-6
+  (``--normalize-advantages-by-std``, on by default; a group of one gets 0);
+- ``reinforce_plus_plus_baseline``: reward minus the group's mean (the group baseline);
+- ``reinforce_plus_plus``: the raw reward.
+
+Trainer side, once the behaviour (``old``) and reference logprobs are known:
+``token_advantages`` turns it into per-token advantages ``[batch, response]``:
+- ``grpo``: the signal on every response token;
+- ``reinforce_plus_plus``: discounted returns ``G_t = r_t + gamma * G_{t+1}`` of the token
+  rewards ``r_t = -kl_coef * KL_t``, with the sample's reward added at its LAST TRAINED token
+  (``--gamma``, ``--kl-coef``; ``KL_t`` is the ``--kl-loss-type`` estimate of old vs reference);
+- ``reinforce_plus_plus_baseline``: ``signal - kl_coef * KL_t`` on every token.
+As in miles, the KL shaping runs over every response token (trained or not), and a sample
+without trained tokens gets no reward placed (it receives no gradient either way).
+``--normalize-advantages`` then whitens them over the trained tokens of the whole rollout,
+across data-parallel ranks (``whiten``): ``(A - mean) / sqrt(var + 1e-8)``, unbiased variance.
+``ppo`` (a critic with GAE) is refused by the config.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles_disagg.trainer.losses import kl_penalty
+from miles_disagg.trainer.reduction import all_reduce_sum
+
+GROUP_STD_EPS = 1e-6
+WHITEN_EPS = 1e-8
+
+
+def grpo_advantages(rewards: torch.Tensor, *, normalize_by_std: bool = True, eps: float = GROUP_STD_EPS) -> torch.Tensor:
+    """``[groups, n]`` rewards -> ``[groups, n]`` advantages: reward minus its group's mean,
+    divided by the group's std when ``normalize_by_std`` (a group of equal rewards gets 0)."""
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [groups, samples_per_group], got shape {tuple(rewards.shape)}")
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if not normalize_by_std or rewards.shape[1] < 2:
+        return centered
+    return centered / (rewards.std(dim=1, keepdim=True) + eps)
+
+
+def assign_advantages(groups: list, config) -> list:
+    """Set each sample's sequence-level signal (module docstring) from its group; the samples in order.
+
+    ``config`` is the ``TrainConfig``. Groups may differ in size."""
+    estimator = config.advantage_estimator
+    samples = []
+    for group in groups:
+        rewards = torch.tensor([[s.reward for s in group.samples]], dtype=torch.float32)
+        if estimator == "grpo":
+            signal = grpo_advantages(rewards, normalize_by_std=config.normalize_advantages_by_std)
+        elif estimator == "reinforce_plus_plus_baseline":
+            signal = grpo_advantages(rewards, normalize_by_std=False)
+        elif estimator == "reinforce_plus_plus":
+            signal = rewards
+        else:
+            raise ValueError(f"unsupported --advantage-estimator {estimator!r}")
+        for sample, value in zip(group.samples, signal[0].tolist()):
+            sample.advantage = float(value)
+            samples.append(sample)
+    return samples
+
+
+def token_advantages(config, batch, old: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
+    """Per-token advantages ``[batch, response]`` of one ``PackedBatch`` (before whitening; 0 on padding)."""
+    response = batch.response_mask.to(old.device)
+    signal = batch.advantages.to(old.device).unsqueeze(-1)
+    estimator = config.advantage_estimator
+    if estimator == "grpo":
+        return signal * response
+    kl = _reward_kl(config, old, ref) * response
+    if estimator == "reinforce_plus_plus_baseline":
+        return (signal - config.kl_coef * kl) * response
+    if estimator == "reinforce_plus_plus":
+        token_rewards = -config.kl_coef * kl
+        last = last_trained_index(batch.loss_mask.to(old.device))
+        rows = torch.nonzero(last >= 0).squeeze(-1)
+        token_rewards[rows, last[rows]] += signal[rows, 0]
+        return discounted_returns(token_rewards, config.gamma) * response
+    raise ValueError(f"unsupported --advantage-estimator {estimator!r}")
+
+
+def _reward_kl(config, old: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
+    if config.kl_coef == 0:
+        return torch.zeros_like(old)
+    if ref is None:
+        raise ValueError("--kl-coef needs the reference model's logprobs")
+    return kl_penalty(old, ref, config.kl_loss_type)
+
+
+def last_trained_index(loss_mask: torch.Tensor) -> torch.Tensor:
+    """``[batch]`` index of each row's last 1 in ``loss_mask`` (-1 for a row without any)."""
+    positions = torch.arange(loss_mask.shape[-1], device=loss_mask.device).expand_as(loss_mask)
+    return torch.where(loss_mask > 0, positions, torch.full_like(positions, -1)).max(dim=-1).values
+
+
+def discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = r_t + gamma * G_{t+1}`` along the last dimension (``G`` after the end is 0)."""
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[..., 0])
+    for t in reversed(range(rewards.shape[-1])):
+        running = rewards[..., t] + gamma * running
+        returns[..., t] = running
+    return returns
+
+
+def whiten(advantages: list[torch.Tensor], masks: list[torch.Tensor], group=None) -> list[torch.Tensor]:
+    """Whiten ``advantages`` with the mean and (unbiased) variance over every token where ``masks``
+    is 1, in all of them and on every rank of ``group`` (collective); ``ValueError`` when no token is."""
+    device = advantages[0].device if advantages else torch.device("cpu")
+    stats = torch.zeros(3, dtype=torch.float64, device=device)
+    for adv, mask in zip(advantages, masks, strict=True):
+        mask = mask.to(adv.device, torch.float64)
+        values = adv.double()
+        stats += torch.stack([(values * mask).sum(), (values.square() * mask).sum(), mask.sum()])
+    total, total_sq, count = all_reduce_sum(stats, group).tolist()  # on the advantages' device (nccl: CUDA)
+    if count == 0:
+        raise ValueError("--normalize-advantages: the rollout has no trained token to whiten over")
+    mean = total / count
+    var = total_sq / count - mean * mean
+    if count >= 2:
+        var *= count / (count - 1)
+    scale = (max(var, 0.0) + WHITEN_EPS) ** -0.5
+    return [(adv - mean) * scale for adv in advantages]
+
+
+def rollout_advantages(config, batches: list, old: list[torch.Tensor], ref: list, group=None) -> list[torch.Tensor]:
+    """Per-token advantages of every micro-batch of one rollout on this rank, whitened over the
+    whole rollout (all ranks of ``group``; collective) when ``--normalize-advantages``."""
+    advantages = [token_advantages(config, b, o, r) for b, o, r in zip(batches, old, ref, strict=True)]
+    if config.normalize_advantages:
+        advantages = whiten(advantages, [b.loss_mask for b in batches], group)
+    return advantages
