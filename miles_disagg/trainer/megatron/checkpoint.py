@@ -5,8 +5,9 @@ written through ``torch.distributed.checkpoint``): the model's sharded state dic
 parameter as a global tensor, each rank writing the shards it owns, TP-duplicated and
 DP-replicated ones once) and the optimizer's (see ``optim.py``: on CPU the moments of the
 plain AdamW share their parameter's sharding; on GPU the distributed optimizer's
-``fully_reshardable`` state). A save therefore loads under any TP, DP (and, on GPU, PP)
-layout of the same model. ``directory/rng`` holds each rank's generator state
+``fully_reshardable`` state). A save therefore loads under another TP or DP layout of the
+same model (the CPU path is tested TP 1 <-> 2; keys are global, so pipeline stages reshard
+the same way in megatron-core). ``directory/rng`` holds each rank's generator state
 (``trainer/rank_state.py``). Both functions are collective over all trainer ranks.
 """
 
