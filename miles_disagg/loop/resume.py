@@ -1,7 +1,9 @@
 """Saving and resuming a run without breaking version identity.
 
-On ``--load DIR`` the newest complete save is restored: every rank's model, optimizer and
-RNG, the step, and the data position. The publisher continues the saved run's version stream
+On ``--load DIR`` the newest complete save is restored: the model, optimizer and RNG of
+every rank, the step, and the data position. The save may have been written by another
+number of trainer ranks (or, megatron, another TP/DP layout): the state reshards on load and
+the change is logged. The publisher continues the saved run's version stream
 from the store's ``LATEST`` (a number is never reused). If the store does not hold exactly the
 saved policy as its newest version (it moved on after the save, or lost versions), the trainer
 republishes its own state as a ``full`` version with the next number, so every host converges
@@ -15,7 +17,8 @@ from pathlib import Path
 
 from miles_disagg.config.components import RunConfig
 from miles_disagg.tracking import status
-from miles_disagg.trainer.checkpoint import SaveMeta, check_world_size, find_latest, write_save
+from miles_disagg.trainer.checkpoint import (
+    STATE_FORMATS, SaveMeta, check_state_format, check_world_size, find_latest, write_save)
 
 
 @dataclass
@@ -32,8 +35,11 @@ def find_resume(config: RunConfig) -> tuple[Path, SaveMeta] | None:
         status(f"--load {config.train.load}: no complete save there; starting from --hf-checkpoint")
         return None
     path, meta = found
-    check_world_size(meta, config.cluster.num_actor_gpus, path)
+    check_state_format(meta, config.train.train_backend, path)
     status(f"resuming from {path} (step {meta.step}, version {meta.version}, run {meta.run_id})")
+    change = check_world_size(meta, config.cluster.num_actor_gpus)
+    if change:
+        status(change)
     return found
 
 
@@ -71,6 +77,7 @@ def maybe_save(job, state: LoopState, *, last: bool) -> None:
     hf_due = last or bool(train.save_hf_interval and state.step % train.save_hf_interval == 0)
     position = job.rollout.data_position() if job.rollout is not None else 0
     meta = SaveMeta(step=state.step, version=state.version, run_id=job.run_id,
-                    world_size=job.trainer.world_size, data_position=position)
+                    world_size=job.trainer.world_size, data_position=position,
+                    state_format=STATE_FORMATS[train.train_backend])
     path = write_save(train.save, meta, lambda partial: job.trainer.save(str(partial), with_hf=hf_due))
     status(f"saved {path} (step {state.step}, v{state.version}{', with HF export' if hf_due else ''})")

@@ -61,10 +61,8 @@ class TrainerRank:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, directory: str) -> None:
-        """This rank's backend state into ``directory/rank{r}.pt``."""
-        import torch
-
-        torch.save(self.backend.state_dict(), os.path.join(directory, f"rank{self.rank}.pt"))
+        """This rank's part of the backend's checkpoint into ``directory`` (collective)."""
+        self.backend.save_checkpoint(directory)
 
     def save_hf(self, directory: str) -> None:
         """Rank 0 writes the policy as an HF checkpoint (config and tokenizer from the base; not the
@@ -87,10 +85,8 @@ class TrainerRank:
                     shutil.copy2(source, os.path.join(directory, name))
 
     def load(self, directory: str) -> None:
-        import torch
-
-        state = torch.load(os.path.join(directory, f"rank{self.rank}.pt"), weights_only=False)
-        self.backend.load_state_dict(state)
+        """Restore the backend from a save written by any number of ranks (collective)."""
+        self.backend.load_checkpoint(directory)
 
     def publish_full(self):
         """A resumed trainer republishes its own state as a ``full`` version (rank 0; collective)."""

@@ -35,12 +35,15 @@ class TrainerBackend(ABC):
         """The policy as canonical HF-named CPU tensors in the checkpoint's dtypes (collective)."""
 
     @abstractmethod
-    def state_dict(self) -> dict:
-        """Model, optimizer and RNG state for a training checkpoint."""
+    def save_checkpoint(self, directory: str) -> None:
+        """Model, optimizer and RNG state into ``directory`` (collective; every rank writes its
+        part). Model and optimizer are saved in a layout independent of the number of ranks
+        and of the parallel layout; see ``trainer/rank_state.py`` for the directory."""
 
     @abstractmethod
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what ``state_dict`` returned."""
+    def load_checkpoint(self, directory: str) -> None:
+        """Restore what ``save_checkpoint`` wrote, also when a different number of ranks (or
+        another parallel layout of the same backend) wrote it (collective)."""
 
 
 class MetricMeans:

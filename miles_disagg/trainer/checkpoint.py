@@ -1,17 +1,23 @@
-"""Training checkpoints: written atomically, found again after a crash.
+"""Training checkpoints: written atomically, found again after a crash, loadable by any rank count.
 
 Layout under ``--save DIR``::
 
     iter_0000004/            one complete save (the step to run next is 4)
-      rank0.pt ...           each trainer rank's backend state (model, optimizer, RNG)
+      state/                 model and optimizer, sharded by the trainer ranks but laid out
+                             independently of their number (fsdp: torch.distributed.checkpoint;
+                             megatron: megatron-core dist_checkpointing), a directory of files
+      rng/rank0.pt ...       each trainer rank's generator state (``trainer/rank_state.py``)
       hf/                    optional HF export of the policy (transformers and engines load it)
-      meta.json              written last: step, version, run_id, data position, and the size of
-                             every file above (a save whose files do not match is not complete)
+      meta.json              written last: step, version, run_id, data position, the number of
+                             ranks that wrote the save, the state's format, and the size of every
+                             file above (a save whose files do not match is not complete)
     .iter_0000006.partial/   a save being written (never loaded; removed by the next save)
 
-A save is written into its ``.partial`` directory, fsynced, then renamed into place, so a
-crash at any point leaves the previous saves as they were. ``find_latest`` returns the
-newest save whose ``meta.json`` parses and whose files all have the recorded sizes.
+A save is written into its ``.partial`` directory, every file and directory fsynced, then
+renamed into place, so a crash at any point leaves the previous saves as they were.
+``find_latest`` returns the newest save whose ``meta.json`` parses and whose files all have
+the recorded sizes. A save written by N trainer ranks resumes with M (``check_world_size``
+only reports the change); it must have been written by the same ``--train-backend``.
 """
 
 from __future__ import annotations
@@ -36,8 +42,13 @@ class SaveMeta:
     run_id: str | None
     world_size: int
     data_position: int  # prompts consumed so far
+    state_format: str = ""  # how state/ was written (STATE_FORMATS); "" for saves of the older per-rank layout
     files: dict[str, int] = field(default_factory=dict)  # relative path -> size in bytes
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+STATE_FORMATS = {"fsdp": "fsdp/torch-distributed-checkpoint", "megatron": "megatron/dist-checkpointing"}
+"""The ``state/`` format each ``--train-backend`` writes and reads."""
 
 
 def save_name(step: int) -> str:
@@ -55,9 +66,8 @@ def write_save(root: str | Path, meta: SaveMeta, write_files: Callable[[Path], N
     write_files(partial)
     meta.files = {str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()}
     _write_synced(partial / META_NAME, json.dumps(asdict(meta), indent=2).encode())
-    for path in partial.rglob("*"):
-        if path.is_file():
-            _fsync(path)
+    for path in partial.rglob("*"):  # files and the directories that name them (ranks write subdirectories)
+        _fsync(path)
     if final.exists():
         shutil.rmtree(final)
     os.rename(partial, final)
@@ -93,10 +103,29 @@ def read_complete(path: Path) -> SaveMeta | None:
     return meta
 
 
-def check_world_size(meta: SaveMeta, world_size: int, path: Path) -> None:
-    if meta.world_size != world_size:
-        raise ConfigError(f"--load {path.parent}: {path.name} was saved by {meta.world_size} trainer ranks; this job "
-                          f"has {world_size}", ("--load", "--actor-num-gpus-per-node"))
+def check_world_size(meta: SaveMeta, world_size: int) -> str | None:
+    """A line describing a change of the trainer's rank count since the save, or None. Never
+    refuses: the model and optimizer state reshard on load (``trainer/rank_state.py`` says
+    what happens to per-rank RNG states)."""
+    if meta.world_size == world_size:
+        return None
+    return (f"the save was written by {meta.world_size} trainer ranks, this job has {world_size}: model and "
+            "optimizer state are resharded on load")
+
+
+def check_state_format(meta: SaveMeta, train_backend: str, path: Path) -> None:
+    """``ConfigError`` unless ``train_backend`` reads the save's ``state/``."""
+    wanted = STATE_FORMATS[train_backend]
+    if meta.state_format == wanted:
+        return
+    if not meta.state_format:
+        raise ConfigError(f"--load {path.parent}: {path.name} holds per-rank files of an earlier miles-disagg "
+                          f"(rank<r>.pt); this version reads saves whose state/ is {wanted}. Resume it with the "
+                          "version that wrote it, or start from its hf/ export with --hf-checkpoint",
+                          ("--load", "--hf-checkpoint"))
+    saved_by = next((name for name, fmt in STATE_FORMATS.items() if fmt == meta.state_format), meta.state_format)
+    raise ConfigError(f"--load {path.parent}: {path.name} was written by --train-backend {saved_by}; this job has "
+                      f"--train-backend {train_backend}", ("--load", "--train-backend"))
 
 
 def _write_synced(path: Path, data: bytes) -> None:

@@ -142,11 +142,48 @@ class FSDPBackend(TrainerBackend):
                 tensor = tensor.full_tensor()
             yield name, tensor.detach().to("cpu", self.export_dtypes[name])
 
-    def state_dict(self) -> dict:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "torch_rng": torch.get_rng_state()}
+    # ------------------------------------------------------------------ checkpoints
 
-    def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
+    def save_checkpoint(self, directory: str) -> None:
+        """Model and optimizer into ``directory/state`` through ``torch.distributed.checkpoint``,
+        this rank's RNG into ``directory/rng`` (collective).
+
+        The distributed state-dict helpers name every tensor by its parameter's FQN with its full
+        shape (FSDP2 shards as DTensors, each written by its owner; DDP replicas written once),
+        and the optimizer state is flattened to one entry per parameter and moment, so the saved
+        layout is the same for any number of ranks and any of the three wrappings (FSDP2,
+        DDP, a single unwrapped rank)."""
+        import torch.distributed.checkpoint as dcp
+
+        from miles_disagg.trainer.rank_state import save_rng, state_dir
+
+        dcp.save(self._checkpoint_state(), checkpoint_id=state_dir(directory))
+        save_rng(directory, self.rank)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Restore what ``save_checkpoint`` wrote, whatever number of ranks wrote it (collective):
+        each rank reads the parts of every tensor it holds. RNG: see ``trainer/rank_state.py``."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from miles_disagg.trainer.rank_state import load_rng, state_dir
+
+        state = self._checkpoint_state()
+        dcp.load(state, checkpoint_id=state_dir(directory))
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=_dcp_options())
+        load_rng(directory, self.rank, self.config.seed)
+
+    def _checkpoint_state(self) -> dict:
+        """Live model and optimizer state as DCP entries (a fresh optimizer's state is created
+        with zero moments first, so loading has tensors to fill)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.module, self.optimizer, options=_dcp_options())
+        return {"model": model, "optimizer": optimizer}
+
+
+def _dcp_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)

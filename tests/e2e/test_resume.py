@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from checkpoint_reading import read_state
 
 from miles_disagg.loop.report import join_updates
 from miles_disagg.tracking import read_metrics
@@ -57,7 +57,7 @@ def crashed_and_resumed(tmp_path_factory: pytest.TempPathFactory):
     shutil.copytree(find_latest(tmp / "saves")[0], torn)
     meta = json.loads((torn / "meta.json").read_text())
     (torn / "meta.json").write_text(json.dumps({**meta, "step": 8}))
-    with open(torn / "rank0.pt", "r+b") as f:
+    with open(next((torn / "state").glob("*.distcp")), "r+b") as f:
         f.truncate(100)
     newest_good = find_latest(tmp / "saves")[0]
     resumed = subprocess.run(command(tmp, newest_good_step(newest_good) + 3, "--load", str(tmp / "saves")),
@@ -68,6 +68,7 @@ def crashed_and_resumed(tmp_path_factory: pytest.TempPathFactory):
 
 def newest_good_step(path: Path) -> int:
     return read_complete(path).step
+
 
 
 def test_the_torn_save_is_ignored(crashed_and_resumed) -> None:
@@ -85,8 +86,7 @@ def test_step_optimizer_and_data_position_continue(crashed_and_resumed) -> None:
     final_path, final = find_latest(tmp / "saves")
     assert final.step == start + 3 and final.run_id == read_complete(newest_good).run_id
     assert final.data_position == (start + 3) * 32  # every consumed prompt counted once, across the crash
-    state = torch.load(final_path / "rank0.pt", weights_only=False)
-    steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
+    steps = {int(value) for key, value in read_state(final_path)["optimizer"].items() if key.endswith(".step")}
     assert steps == {(start + 3) * OPTIMIZER_STEPS_PER_ROLLOUT}  # Adam's moments continued, not restarted
 
 

@@ -80,3 +80,18 @@ def test_cli_help_is_fast_and_lists_subcommands() -> None:
     assert result.returncode == 0
     for name in ("weights", "engine", "router", "agent", "make-tiny-checkpoint", "bench"):
         assert name in result.stdout
+
+
+def test_load_of_another_backends_save_exits_2_naming_both(tmp_path: Path) -> None:
+    """A save's state/ is read only by the --train-backend that wrote it: one line, nothing started."""
+    from miles_disagg.trainer.checkpoint import STATE_FORMATS, SaveMeta, write_save
+
+    write_save(tmp_path / "saves", SaveMeta(step=2, version=2, run_id="r", world_size=2, data_position=64,
+                                            state_format=STATE_FORMATS["megatron"]),
+               lambda partial: (partial / "state").mkdir())
+    result = run("train_async.py", "--config", "configs/tiny_cpu.yaml", "--hf-checkpoint", str(tmp_path / "base"),
+                 "--run-dir", str(tmp_path / "run"), "--load", str(tmp_path / "saves"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert "written by --train-backend megatron; this job has --train-backend fsdp" in result.stderr
+    assert "engines:" not in result.stderr and "resuming from" not in result.stderr

@@ -8,7 +8,8 @@
   one fsdp rank computes, for the per-sample and the per-token loss (the loss is normalised over
   the global batch).
 - Recomputation, token-budget micro-batches, the KL reference (logged at coefficient 0),
-  resuming from state_dict.
+  resuming from a checkpoint.
+- Distributed checkpointing: a TP=1 save loads into TP=2 and a TP=2 save into TP=1, exactly.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'miles-disagg[megatron]')")
+
+from checkpoint_reading import assert_same_state, read_state  # noqa: E402
 
 from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig  # noqa: E402
 from miles_disagg.types import Sample  # noqa: E402
@@ -118,8 +122,9 @@ def samples(n: int = 8) -> list[Sample]:
     return out
 
 
-def train_group(model_dir: Path, world_size: int, **train_flags) -> tuple[dict[str, bytes], object, dict[str, bytes]]:
-    """(exported bytes before training, the TrainResult of one rollout, exported bytes after)."""
+@contextmanager
+def trainer_group(model_dir: Path, world_size: int, **train_flags):
+    """A set-up TrainerGroup of ``world_size`` ranks (shut down, bundles freed, on exit)."""
     from ray.util.placement_group import remove_placement_group
 
     from miles_disagg.config.actors import TrainerGroupConfig
@@ -132,12 +137,18 @@ def train_group(model_dir: Path, world_size: int, **train_flags) -> tuple[dict[s
     group = TrainerGroup(placement, TrainerGroupConfig(train=train, weights=WeightUpdateConfig(), hf_dir=str(model_dir)))
     try:
         group.setup()
-        before = group.tensor_bytes()
-        result = group.train(samples())
-        return before, result, group.tensor_bytes()
+        yield group
     finally:
         group.shutdown()
         remove_placement_group(placement.group)
+
+
+def train_group(model_dir: Path, world_size: int, **train_flags) -> tuple[dict[str, bytes], object, dict[str, bytes]]:
+    """(exported bytes before training, the TrainResult of one rollout, exported bytes after)."""
+    with trainer_group(model_dir, world_size, **train_flags) as group:
+        before = group.tensor_bytes()
+        result = group.train(samples())
+        return before, result, group.tensor_bytes()
 
 
 def as_tensors(raw: dict[str, bytes], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -186,10 +197,8 @@ def test_two_data_parallel_ranks_match_one_fsdp_rank(ray_cluster, tiny_qwen3_dir
 # ---------------------------------------------------------------------- recomputation, dynamic batches, KL, resume
 
 
-def train_variants(model_dir: str) -> dict:
+def train_variants(model_dir: str, save_dir: str) -> dict:
     """In a fresh process: the same two optimizer steps under several flag sets (TP=1)."""
-    import copy
-
     import torch.distributed as dist
 
     from miles_disagg.engines.launch import free_port
@@ -215,10 +224,10 @@ def train_variants(model_dir: str) -> dict:
         results[name] = {"metrics": result.summary(), "steps": result.steps, "layer_calls": len(calls),
                          "weights": {n: t.clone() for n, t in backend.named_tensors()}}
         if name == "plain":  # resume: a restored backend continues exactly as the original does
-            state = copy.deepcopy(backend.state_dict())  # as saved: tensors, not views of live ones
+            backend.save_checkpoint(save_dir)
             backend.train([batch[:4]])
             restored = MegatronBackend(config, model_dir, rank=0, world_size=1)
-            restored.load_state_dict(state)
+            restored.load_checkpoint(save_dir)
             restored.train([batch[:4]])
             results["resume"] = [all(torch.equal(a, b) for (_, a), (_, b) in
                                      zip(backend.named_tensors(), restored.named_tensors()))]
@@ -231,10 +240,10 @@ def train_variants(model_dir: str) -> dict:
     return results
 
 
-def test_recompute_dynamic_batches_kl_and_resume(ray_cluster, tiny_qwen3_dir: Path) -> None:
+def test_recompute_dynamic_batches_kl_and_resume(ray_cluster, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
     from miles_disagg.types import ConfigError
 
-    results = run_remote(train_variants, str(tiny_qwen3_dir))
+    results = run_remote(train_variants, str(tiny_qwen3_dir), str(tmp_path / "save"))
     plain, recompute, dynamic, kl, watched = (results[k] for k in ("plain", "recompute", "dynamic", "kl", "kl_watched"))
     # 8 samples in micro-batches of 2: 4 frozen forwards, 4 training forwards, and with full
     # recomputation 4 more forwards of each layer during backward -- with the same result.
@@ -255,3 +264,46 @@ def test_recompute_dynamic_batches_kl_and_resume(ray_cluster, tiny_qwen3_dir: Pa
     assert all(torch.equal(watched["weights"][n], w) for n, w in plain["weights"].items())
     assert results["resume"] == [True]
     assert isinstance(results["pp_on_cpu"], ConfigError) and "--pipeline-model-parallel-size" in str(results["pp_on_cpu"])
+
+
+# ---------------------------------------------------------------------- distributed checkpointing across layouts
+
+
+def saved_state(save_dir: Path) -> dict:
+    """Every sharded tensor of a save as one global tensor (megatron's sharded keys), plus the
+    common state rank 0 wrote (hyperparameters, the optimizer's step)."""
+    return {**read_state(save_dir), "common": torch.load(save_dir / "state" / "common.pt", weights_only=False)}
+
+
+def test_tp1_save_loads_into_tp2_and_back(ray_cluster, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    """TP=1 trains a step and saves; TP=2 loads it (the same exported bytes; a save right after
+    holds the same global model and optimizer tensors) and saves; TP=1, moved on by another step,
+    loads the TP=2 save and is back to the first state exactly. A further step from there is
+    the same step in both layouts (Adam's moments were carried over)."""
+    tp1_saved, tp2_saved, back_saved = tmp_path / "tp1", tmp_path / "tp2", tmp_path / "back"
+    batch = samples()
+    with trainer_group(tiny_qwen3_dir, 1, train_backend="megatron") as tp1, \
+            trainer_group(tiny_qwen3_dir, 2, train_backend="megatron", tensor_model_parallel_size=2) as tp2:
+        tp1.train(batch)
+        tp1.save(str(tp1_saved), with_hf=False)
+        trained = tp1.tensor_bytes()
+        tp2.load(str(tp1_saved))
+        assert tp2.tensor_bytes() == trained  # TP=1 -> TP=2: the same parameters, to the bit
+        tp2.save(str(tp2_saved), with_hf=False)
+        tp1.train(batch)
+        assert tp1.tensor_bytes() != trained
+        tp1.load(str(tp2_saved))
+        assert tp1.tensor_bytes() == trained  # TP=2 -> TP=1
+        tp1.save(str(back_saved), with_hf=False)
+        tp1.train(batch)
+        tp2.train(batch)
+        next_tp1, next_tp2 = tp1.tensor_bytes(), tp2.tensor_bytes()
+    first = saved_state(tp1_saved)
+    assert any(key.startswith("optimizer.state.exp_avg_sq.") for key in first)
+    assert first["common"]["optimizer"]["step"] == 1.0
+    assert_same_state(first, saved_state(tp2_saved))  # every model and optimizer tensor, and the common state
+    assert_same_state(first, saved_state(back_saved))
+    base = checkpoint_tensors(tiny_qwen3_dir)
+    after_tp1, after_tp2 = as_tensors(next_tp1, base), as_tensors(next_tp2, base)
+    for name in base:
+        assert torch.allclose(after_tp2[name], after_tp1[name], atol=1e-4), name

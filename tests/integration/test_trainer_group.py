@@ -1,4 +1,5 @@
-"""The trainer group on real Ray (logical GPUs, gloo): data parallelism is exact, export is canonical.
+"""The trainer group on real Ray (logical GPUs, gloo): data parallelism is exact, export is canonical,
+and a checkpoint written by two ranks resumes on one.
 
 The loss is normalised over the whole global batch (miles' per-sample mean by default,
 ``--calculate-per-token-loss`` for the token mean), so two ranks training on a ragged batch
@@ -11,10 +12,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_reading import assert_same_state, read_state
 
 from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig
 from miles_disagg.types import Sample
@@ -48,28 +51,35 @@ def samples(n: int = 8) -> list[Sample]:
     return out
 
 
-def train_with(world_size: int, model_dir: Path, **flags):
-    """(the rollout's TrainResult, rank 0's exported bytes after it)."""
+@contextmanager
+def trainer_group(world_size: int, model_dir: Path, train: TrainConfig):
+    """A set-up fsdp TrainerGroup of ``world_size`` ranks (shut down, bundles freed, on exit)."""
+    from ray.util.placement_group import remove_placement_group
+
     from miles_disagg.config.actors import TrainerGroupConfig
     from miles_disagg.trainer.group import TrainerGroup
     from miles_disagg.trainer.placement import create_placement, plan_layout
 
     placement = create_placement(plan_layout(ClusterConfig(actor_num_gpus_per_node=world_size), external_rollout=True))
-    # adam_eps 1: a first Adam step of lr * g / (|g| + 1) ~ lr * g, so the weights show the gradient's
-    # scale and direction (with the default eps Adam's first step is ~ lr * sign(g), blind to scale).
-    train = TrainConfig(lr=1.0, adam_eps=1.0, global_batch_size=4, micro_batch_size=1, seed=0, clip_grad=0.0,
-                        **flags)
     group = TrainerGroup(placement, TrainerGroupConfig(train=train, weights=WeightUpdateConfig(), hf_dir=str(model_dir)))
     try:
         info = group.setup()
         assert info["backend"] == "gloo"
-        result = group.train(samples())
-        return result, group.tensor_bytes()
+        yield group
     finally:
         group.shutdown()
-        from ray.util.placement_group import remove_placement_group
-
         remove_placement_group(placement.group)
+
+
+def train_with(world_size: int, model_dir: Path, **flags):
+    """(the rollout's TrainResult, rank 0's exported bytes after it)."""
+    # adam_eps 1: a first Adam step of lr * g / (|g| + 1) ~ lr * g, so the weights show the gradient's
+    # scale and direction (with the default eps Adam's first step is ~ lr * sign(g), blind to scale).
+    train = TrainConfig(lr=1.0, adam_eps=1.0, global_batch_size=4, micro_batch_size=1, seed=0, clip_grad=0.0,
+                        **flags)
+    with trainer_group(world_size, model_dir, train) as group:
+        result = group.train(samples())
+        return result, group.tensor_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +139,38 @@ def test_the_two_modes_differ_and_kl_is_logged_at_coefficient_zero(trained) -> N
     assert per_token.steps[0]["train/pg_loss"] != pytest.approx(per_sample.steps[0]["train/pg_loss"], abs=1e-4)
     rpp, _ = trained(1, advantage_estimator="reinforce_plus_plus", kl_coef=0.01, normalize_advantages=True)
     assert rpp.steps[0]["train/ppo_kl"] == 0.0 and rpp.steps[1]["train/grad_norm"] > 0
+
+
+def flat(state: dict) -> dict:
+    """``model.<fqn>``, ``optimizer.state.<fqn>.<moment>``, ``optimizer.param_groups.<fqn>.<name>``."""
+    return {f"{part}.{key}": value for part, entries in state.items() for key, value in entries.items()}
+
+
+def test_a_save_of_two_ranks_resumes_on_one_exactly(ray_cluster, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    """2 ranks train a step and save; 1 rank loads that save: the same weights to the bit, the same
+    optimizer state (a save right after the load holds exactly what was loaded), rank 0's RNG;
+    and the next step trains on from Adam's moments as the two ranks do."""
+    two_saved, one_saved = tmp_path / "two", tmp_path / "one"
+    batch = samples()
+    train = TrainConfig(lr=1e-2, global_batch_size=8, micro_batch_size=2, seed=0)
+    with trainer_group(2, tiny_qwen3_dir, train) as two:
+        two.train(batch)
+        two.save(str(two_saved), with_hf=False)
+        two_weights = two.tensor_bytes()
+        two.train(batch)
+        two_next = two.tensor_bytes()
+    assert sorted(p.name for p in (two_saved / "rng").iterdir()) == ["rank0.pt", "rank1.pt"]
+    with trainer_group(1, tiny_qwen3_dir, train) as one:
+        one.load(str(two_saved))
+        assert one.tensor_bytes() == two_weights  # exact parameters
+        one.save(str(one_saved), with_hf=False)
+        one.train(batch)
+        one_next = one.tensor_bytes()
+    saved, resaved = (flat(read_state(path)) for path in (two_saved, one_saved))
+    assert any(key.startswith("optimizer.state.") and key.endswith(".exp_avg_sq") for key in saved)
+    assert {v.item() for k, v in saved.items() if k.endswith(".step")} == {1.0}
+    assert_same_state(saved, resaved)  # model and every optimizer entry, unchanged through 2 -> 1 ranks
+    assert torch.equal(torch.load(two_saved / "rng" / "rank0.pt"), torch.load(one_saved / "rng" / "rank0.pt"))
+    like = {name: torch.frombuffer(bytearray(raw), dtype=torch.float32) for name, raw in two_next.items()}
+    for name, raw in one_next.items():  # the second step: one rank on the whole batch = two ranks on halves
+        assert torch.allclose(torch.frombuffer(bytearray(raw), dtype=torch.float32), like[name], atol=1e-5), name

@@ -22,6 +22,7 @@ from miles_disagg.trainer.advantages import rollout_advantages
 from miles_disagg.trainer.backend import TrainerBackend, TrainResult
 from miles_disagg.trainer.megatron.batching import (
     MicroBatch, fixed_size_batches, make_micro_batch, token_budget_batches)
+from miles_disagg.trainer.megatron.checkpoint import load_checkpoint, save_checkpoint
 from miles_disagg.trainer.megatron.export import ExportPlan, export_hf
 from miles_disagg.trainer.megatron.model import (
     build_gpt, import_megatron, init_parallel_state, load_hf_weights, read_hf_config, transformer_config,
@@ -30,7 +31,7 @@ from miles_disagg.trainer.megatron.optim import make_optimizer
 from miles_disagg.trainer.megatron.step import (
     PassContext, StepInputs, logprob_loss_fn, policy_loss_fn, run_micro_batches)
 from miles_disagg.trainer.reduction import StepMetrics, global_token_mean, step_denominators
-from miles_disagg.types import ConfigError, Sample
+from miles_disagg.types import Sample
 
 
 class MegatronBackend(TrainerBackend):
@@ -158,19 +159,12 @@ class MegatronBackend(TrainerBackend):
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return export_hf(self.gpt, self.shape, self.layout, self.plan)
 
-    def state_dict(self) -> dict:
-        """This rank's shard (reload with the same parallel layout)."""
-        return {"model": self.gpt.state_dict(), "optimizer": self.optim.state_dict(),
-                "torch_rng": torch.get_rng_state(), "layout": self.layout}
+    def save_checkpoint(self, directory: str) -> None:
+        """megatron-core distributed checkpointing: reloads under another TP/DP layout (``checkpoint.py``)."""
+        save_checkpoint(self.gpt, self.optim, directory, self.rank)
 
-    def load_state_dict(self, state: dict) -> None:
-        if state["layout"] != self.layout:
-            raise ConfigError(f"the checkpoint was saved with parallel layout {state['layout']}, this run has "
-                              f"{self.layout}", ("--load", "--tensor-model-parallel-size",
-                                                 "--pipeline-model-parallel-size", "--context-parallel-size"))
-        self.gpt.load_state_dict(state["model"])
-        self.optim.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
+    def load_checkpoint(self, directory: str) -> None:
+        load_checkpoint(self.gpt, self.optim, directory, self.rank, self.config.seed)
 
 
 def _interleave(lists: list[list[Sample]]) -> list[Sample]:

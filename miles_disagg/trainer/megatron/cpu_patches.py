@@ -1,6 +1,6 @@
 """Let megatron-core run on CPU (gloo) where CUDA is absent: tests and laptops only.
 
-megatron-core assumes a CUDA device in three places that a CPU run reaches:
+megatron-core assumes a CUDA device in four places that a CPU run reaches:
 
 - ``torch.cuda.current_device()`` names the device of every buffer it allocates
   (all-gathers, sequence-parallel scatters, rotary tables); on CPU it answers ``"cpu"``.
@@ -9,6 +9,8 @@ megatron-core assumes a CUDA device in three places that a CPU run reaches:
   dropout still draws from it).
 - activation recomputation saves and restores the CUDA generator state; on CPU those
   two helpers do nothing (the CPU state is still saved and restored by megatron).
+- distributed checkpointing's writer waits for device-to-host copies with
+  ``torch.cuda.synchronize()``; on CPU there are none to wait for, so it returns at once.
 
 Nothing else is needed: the model must be built with ``use_cpu_initialization=True``
 and called with an explicit causal mask (megatron's default mask is made on "cuda").
@@ -35,6 +37,7 @@ def apply_cpu_patches() -> bool:
     from megatron.core.tensor_parallel import random as megatron_random
 
     torch.cuda.current_device = _cpu_device
+    torch.cuda.synchronize = _nothing_to_synchronize
     megatron_random.CudaRNGStatesTracker.fork = _no_fork
     megatron_random._get_cuda_rng_state = _no_cuda_rng_state
     megatron_random._set_cuda_rng_state = _ignore_cuda_rng_state
@@ -44,6 +47,10 @@ def apply_cpu_patches() -> bool:
 
 def _cpu_device() -> str:
     return "cpu"
+
+
+def _nothing_to_synchronize(device=None) -> None:
+    return None
 
 
 def _no_fork(self, name: str = "model-parallel-rng"):

@@ -2,8 +2,10 @@
 
 Both expose the same small surface to the backend: ``model`` (what forward passes call),
 ``no_sync`` (a context that defers gradient reduction, or None), ``zero_grad()``,
-``step() -> grad_norm`` (reduce gradients over ranks, clip to ``--clip-grad``, update)
-and ``state_dict()`` / ``load_state_dict()``. ``step`` is collective over all ranks.
+``step() -> grad_norm`` (reduce gradients over ranks, clip to ``--clip-grad``, update),
+and for checkpoints ``sharded_state_dict(model_sharded, is_loading)`` (megatron-core
+``dist_checkpointing`` entries that reshard between TP/DP layouts) and
+``load_sharded_state_dict(loaded)``. ``step`` is collective over all ranks.
 
 The CPU optimizer reduces gradients as megatron's ``finalize_model_grads`` does for the
 layouts a CPU run allows (TP and DP; the backend rejects PP, CP and sequence parallelism
@@ -68,11 +70,57 @@ class CpuOptimizer:
                 if "q_layernorm" in name or "k_layernorm" in name:
                     dist.all_reduce(p.grad, group=tp)
 
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+    def sharded_state_dict(self, model_sharded: dict, is_loading: bool) -> dict:
+        """AdamW's state as megatron ``dist_checkpointing`` entries.
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+        A plain torch optimizer has no sharded state dict of its own, but its per-parameter
+        state has each parameter's shape, so every moment (``exp_avg``, ``exp_avg_sq``) is
+        declared with its parameter's own sharding (its key prefixed with
+        ``optimizer.state.<moment>.``; TP splits, the SwiGLU split and replica ids as the
+        parameter's), using megatron-core's optimizer helpers. The checkpoint then holds
+        global tensors and reshards between TP and DP layouts exactly as the model does.
+        The step count, equal for every parameter (each step updates every parameter:
+        ``_reduce_grads`` gives missing gradients zeros), and the hyperparameters are common
+        state. ``is_loading``: a fresh optimizer first gets zero state to load into."""
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map, optim_state_to_sharding_state)
+
+        if is_loading:
+            self._create_state()
+        state = self.optimizer.state_dict()
+        steps = {float(per_param["step"]) for per_param in state["state"].values()}
+        if len(steps) > 1:
+            raise RuntimeError(f"optimizer step counts differ between parameters: {sorted(steps)}")
+        sharded = {"state": {index: {k: v for k, v in per_param.items() if k != "step"}  # copies: not the live dicts
+                             for index, per_param in state["state"].items()},
+                   "param_groups": state["param_groups"]}
+        optim_state_to_sharding_state(sharded, get_param_id_to_sharded_param_map(model_sharded, self.params))
+        sharded["step"] = steps.pop() if steps else 0.0
+        return sharded
+
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        """Restore the optimizer from what ``dist_checkpointing.load`` returned for
+        ``sharded_state_dict(..., is_loading=True)``."""
+        step = loaded.pop("step")
+        for per_param in loaded["state"].values():
+            per_param["step"] = torch.tensor(step, dtype=torch.float32)
+        self.optimizer.load_state_dict(loaded)
+
+    @torch.no_grad()
+    def _create_state(self) -> None:
+        """Give a fresh AdamW its per-parameter state: one step on zero gradients at learning rate 0
+        (moments stay zero, parameters unchanged; the load overwrites all of it)."""
+        if self.optimizer.state:
+            return
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        rates = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+        self.optimizer.step()
+        for group, rate in zip(self.optimizer.param_groups, rates):
+            group["lr"] = rate
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 def global_grad_norm(model: torch.nn.Module) -> float:
@@ -92,6 +140,9 @@ def global_grad_norm(model: torch.nn.Module) -> float:
     if dist.get_world_size(model_parallel) > 1:
         dist.all_reduce(total, group=model_parallel)
     return math.sqrt(total.item())
+
+
+RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 class GpuOptimizer:
@@ -126,19 +177,14 @@ class GpuOptimizer:
             raise FloatingPointError("the optimizer skipped the step (non-finite gradients)")
         return float(grad_norm)
 
-    def state_dict(self) -> dict:
-        """This rank's shard: each inner optimizer's own state and its slice of the fp32 main
-        weights and Adam moments (no collective; reload with the same parallel layout)."""
-        return {"optimizers": [{"state": o.state_dict(), "param_state": o.get_parameter_state_dp_reshardable()}
-                               for o in self._inner()]}
+    def sharded_state_dict(self, model_sharded: dict, is_loading: bool) -> dict:
+        """The distributed optimizer's state in megatron's ``fully_reshardable`` form: fp32 main
+        weights and Adam moments gathered per parameter (over DP) and declared with the
+        parameter's TP sharding, so a save reloads under another TP or DP size."""
+        return self.optimizer.sharded_state_dict(model_sharded, is_loading, metadata=dict(RESHARDABLE))
 
-    def load_state_dict(self, state: dict) -> None:
-        for optimizer, saved in zip(self._inner(), state["optimizers"], strict=True):
-            optimizer.load_state_dict(saved["state"])
-            optimizer.load_parameter_state_from_dp_reshardable(saved["param_state"])
-
-    def _inner(self) -> list:
-        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        self.optimizer.load_state_dict(loaded)
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig, tconfig):
