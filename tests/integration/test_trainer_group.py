@@ -50,7 +50,7 @@ def train_with(world_size: int, model_dir: Path) -> tuple[dict[str, float], dict
     from miles_disagg.trainer.placement import create_placement, plan_layout
 
     placement = create_placement(plan_layout(ClusterConfig(actor_num_gpus_per_node=world_size), external_rollout=True))
-    train = TrainConfig(lr=1e-2, global_batch_size=8, micro_batch_size=2, seed=0)
+    train = TrainConfig(train_backend="fsdp", lr=1e-2, global_batch_size=8, micro_batch_size=2, seed=0)
     group = TrainerGroup(placement, TrainerGroupConfig(train=train, weights=WeightUpdateConfig(), hf_dir=str(model_dir)))
     try:
         info = group.setup()
