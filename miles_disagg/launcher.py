@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from miles_disagg.config import RunConfig, config_to_dict, config_to_yaml, load_config
+from miles_disagg.config import RunConfig, config_to_dict, config_to_yaml
+from miles_disagg.config.loader import load_launch
+from miles_disagg.config.model_args import check_model_args
 from miles_disagg.tracking import status
 from miles_disagg.types import ConfigError, MilesDisaggError
 
@@ -22,9 +24,14 @@ EXIT_CONFIG_ERROR = 2
 def main(entry: str, argv: Sequence[str] | None = None) -> int:
     """Entry point of ``train.py`` (entry="train") and ``train_async.py`` (entry="train_async")."""
     try:
-        config, print_only = load_config(argv, entry)
-        if print_only:
+        config, mode = load_launch(argv, entry)
+        if mode == "print-config":
             print(config_to_yaml(config), end="")
+            return 0
+        if mode == "dry-run":
+            from miles_disagg.loop.dry_run import plan_launch
+
+            print(json.dumps(plan_launch(config), indent=2))
             return 0
         check_runnable(config)
         prepare_run(config)
@@ -44,6 +51,7 @@ def prepare_run(config: RunConfig) -> None:
     (output_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
     status(f"run directory: {output_dir}")
     ensure_base_checkpoint(config)
+    check_model_args(config)  # again: the checkpoint may have just been created
 
 
 def check_runnable(config: RunConfig) -> None:

@@ -48,11 +48,16 @@ class TrainerGroupConfig:
     """The ranks share GPUs with the engines (``--colocate``)."""
     temperature: float = 1.0
     """Logprobs are taken at the rollout temperature."""
+    miles_args: Any = None
+    """The run's flags as miles' ``args`` namespace (what a miles-signature post-write hook receives)."""
 
     @classmethod
     def from_run(cls, config: RunConfig) -> "TrainerGroupConfig":
+        from miles_disagg.config.loader import config_to_namespace
+
         return cls(train=config.train, weights=config.weights, hf_dir=str(config.train.hf_checkpoint),
-                   colocated=config.cluster.colocate, temperature=config.rollout.rollout_temperature)
+                   colocated=config.cluster.colocate, temperature=config.rollout.rollout_temperature,
+                   miles_args=config_to_namespace(config))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -208,3 +208,16 @@ def config_to_yaml(config: RunConfig) -> str:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_yaml(OmegaConf.create(config_to_dict(config)))
+
+
+def config_to_namespace(config: RunConfig) -> argparse.Namespace:
+    """The run's flags as one flat namespace under miles' names (``args.update_weight_disk_dir``),
+    with the ``--sglang-*`` passthrough as ``args.sglang_<name>``: what miles-signature hooks receive."""
+    import dataclasses
+
+    flat: dict[str, Any] = {"entry": config.entry}
+    for section in SECTIONS:
+        flat.update(dataclasses.asdict(getattr(config, section)))
+    for name, value in config.sglang_args.items():
+        flat["sglang_" + name.replace("-", "_")] = value
+    return argparse.Namespace(**flat)

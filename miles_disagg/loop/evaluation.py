@@ -40,7 +40,7 @@ def maybe_evaluate(job, step: int, version: int, *, last: bool = False) -> dict[
         _max_len(cfg),
         cfg.eval.eval_temperature if cfg.eval.eval_temperature is not None else cfg.rollout.rollout_temperature,
         cfg.eval.eval_top_p if cfg.eval.eval_top_p is not None else cfg.rollout.rollout_top_p,
-        cfg.rollout.rollout_top_k)
+        cfg.rollout.rollout_top_k, tuple(cfg.rollout.rollout_stop), tuple(cfg.rollout.rollout_stop_token_ids))
     metrics: dict[str, Any] = {}
     for name, path in cfg.eval.datasets:
         prompts = eval_prompts(cfg, name, path, tokenizer=_tokenizer(cfg))

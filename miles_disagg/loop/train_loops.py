@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from miles_disagg.config.components import RunConfig
+from miles_disagg.loop.ci_gates import check_step
 from miles_disagg.loop.evaluation import maybe_evaluate
 from miles_disagg.loop.job import Job
 from miles_disagg.loop.records import BusyMeter, step_record
@@ -41,7 +42,7 @@ def train_async(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         trained = time.perf_counter()
         update_metrics, pending = {}, None
         if (step + 1) % cfg.weights.update_weights_interval == 0:
-            _flush(tracker, unlogged)  # one activation at a time: the previous one finishes first
+            _flush(tracker, cfg, unlogged)  # one activation at a time: the previous one finishes first
             unlogged = None
             version, update_metrics, pending = _begin_update(job, version)
             job.rollout.set_version(version)
@@ -50,9 +51,9 @@ def train_async(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         update_metrics.update(maybe_evaluate(job, step, version, last=last))
         timings = {"perf/wait_rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
                    "perf/step_time": time.perf_counter() - start, "perf/engine_busy_fraction": busy.fraction()}
-        _flush(tracker, unlogged)
+        _flush(tracker, cfg, unlogged)
         unlogged = (step, batch, train_metrics, update_metrics, timings, pending)
-    _flush(tracker, unlogged)
+    _flush(tracker, cfg, unlogged)
 
 
 def _begin_update(job: Job, version: int):
@@ -63,13 +64,13 @@ def _begin_update(job: Job, version: int):
     return version, metrics, start_update(job, version)
 
 
-def _flush(tracker: MetricsTracker, unlogged) -> None:
+def _flush(tracker: MetricsTracker, config: RunConfig, unlogged) -> None:
     if unlogged is None:
         return
     step, batch, train_metrics, update_metrics, timings, pending = unlogged
     if pending is not None:
         update_metrics.update(pending.finish())
-    _log_step(tracker, step, batch, train_metrics, update_metrics, timings)
+    _log_step(tracker, config, step, batch, train_metrics, update_metrics, timings)
 
 
 def train_sync(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
@@ -91,7 +92,7 @@ def train_sync(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         update_metrics.update(maybe_evaluate(job, step, version, last=last))
         timings = {"perf/rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
                    "perf/step_time": time.perf_counter() - start, "perf/engine_busy_fraction": busy.fraction()}
-        _log_step(tracker, step, batch, train_metrics, update_metrics, timings)
+        _log_step(tracker, job.config, step, batch, train_metrics, update_metrics, timings)
 
 
 def _rollout_batch(job: Job, step: int, version: int) -> RolloutBatch:
@@ -112,9 +113,10 @@ def _mean_reward(groups) -> float:
     return sum(rewards) / len(rewards) if rewards else 0.0
 
 
-def _log_step(tracker: MetricsTracker, step: int, batch: RolloutBatch, train_metrics: dict, update_metrics: dict,
-              timings: dict) -> None:
+def _log_step(tracker: MetricsTracker, config: RunConfig, step: int, batch: RolloutBatch, train_metrics: dict,
+              update_metrics: dict, timings: dict) -> None:
     record = tracker.log(step, step_record(train_metrics, batch.metrics, update_metrics, timings, batch.num_samples))
+    check_step(record, config)
     parts = [f"step {step}", f"reward {record.get('rollout/raw_reward', 0):.3f}",
              f"staleness max {record.get('rollout/staleness_max', 0):.0f}"]
     if "weights/version" in record:
@@ -134,7 +136,8 @@ def run(config: RunConfig) -> None:
                     run_id=found[1].run_id if found else None, data_position=found[1].data_position if found else 0)
     tracker = MetricsTracker(config.tracking.run_dir, use_tensorboard=config.tracking.use_tensorboard,
                              use_wandb=config.tracking.use_wandb, wandb_project=config.tracking.wandb_project,
-                             wandb_group=config.tracking.wandb_group)
+                             wandb_group=config.tracking.wandb_group, wandb_team=config.tracking.wandb_team,
+                             wandb_key=config.tracking.wandb_key)
     try:
         state = restore(job, found)
         if config.entry == "train_async" and not (config.rollout.debug_rollout_only or config.rollout.debug_train_only):

@@ -47,7 +47,8 @@ class RolloutManager:
                                           "offset": data_position % n})
         self.reward = make_reward(config)
         self.sampling = SamplingSettings(config.rollout_max_response_len, config.rollout_temperature,
-                                         config.rollout_top_p, config.rollout_top_k)
+                                         config.rollout_top_p, config.rollout_top_k, tuple(config.rollout_stop),
+                                         tuple(config.rollout_stop_token_ids))
         self.buffer = GroupBuffer(config.max_weight_staleness)
         self.capacity = capacity_groups or 2 * (config.rollout_batch_size or 1)
         self.current_version = 0

@@ -86,6 +86,8 @@ class FSDPBackend(TrainerBackend):
                  for o, b in zip(old, flat)]
         metrics = MetricMeans()
         metrics.add("train/train_rollout_logprob_abs_diff", torch.stack(diffs).mean().item())
+        if self.config.use_rollout_logprobs:  # the engines' logprobs are the ratio's denominator
+            old = [b.rollout_logprobs.to(self.device) for b in flat]
         cursor = 0
         for index, step in enumerate(packed):
             step_old, step_ref = old[cursor:cursor + len(step)], ref[cursor:cursor + len(step)]

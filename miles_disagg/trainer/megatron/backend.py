@@ -71,6 +71,8 @@ class MegatronBackend(TrainerBackend):
         sums = MetricMeans()
         if self.layout.is_last_stage:
             sums.add("train/train_rollout_logprob_abs_diff", _rollout_diff(old, flat, self.ctx.device))
+        if self.config.use_rollout_logprobs:  # the engines' logprobs are the ratio's denominator
+            old = [None if o is None else b.packed.rollout_logprobs.to(self.ctx.device) for o, b in zip(old, flat)]
         cursor = 0
         for index, step in enumerate(micro):
             inputs = StepInputs(step, old[cursor:cursor + len(step)], ref[cursor:cursor + len(step)])
