@@ -107,3 +107,14 @@ def delta_filter_choice(weights: WeightUpdateConfig, rollout: RolloutConfig, *, 
     else:
         consumers = [(f"SGLang engine {i}", None) for i in range(num_engines)]
     return choose_delta_filter(weights.update_weight_delta_filter, consumers)
+
+
+def unused_sglang_args(config: EngineManagerConfig, backend: str | None) -> str | None:
+    """A note when ``--sglang-*`` options were given but no managed SGLang server will read them."""
+    if not config.sglang_args or backend == "sglang":
+        return None
+    names = ", ".join(f"--sglang-{name}" for name in config.sglang_args)
+    where = "attached engines were launched with their own options" if config.rollout.rollout_external else \
+        "the rollout service's replicas have their own options" if config.rollout.rollout_service_url else \
+        "the built-in engines do not run SGLang"
+    return f"{names}: SGLang server options, not used: {where}"

@@ -35,7 +35,7 @@ ANNOUNCE_TIMEOUT_S = 5.0
 
 def plan_launch(config: RunConfig) -> dict[str, Any]:
     """The launch plan of ``config``; ``ConfigError`` for what would fail before training starts."""
-    from miles_disagg.engines.plan import resolve_backend
+    from miles_disagg.engines.plan import resolve_backend, unused_sglang_args
     from miles_disagg.launcher import check_runnable
     from miles_disagg.trainer.placement import plan_layout
 
@@ -52,6 +52,8 @@ def plan_launch(config: RunConfig) -> dict[str, Any]:
     processes = _router_process(manager_config, layout) if with_engines and topology != "service" else []
     processes += _engine_processes(manager_config, layout, backend) if with_engines and topology == "managed" else []
     attached = _announcements(rollout.rollout_external_engine_addrs, warnings) if topology == "attached" else None
+    note = unused_sglang_args(manager_config, backend)
+    warnings += [note] if note else []
     return {
         "entry": config.entry,
         "topology": topology,

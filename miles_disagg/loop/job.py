@@ -99,7 +99,14 @@ class Job:
         if self.config.rollout.rollout_service_url:
             self._connect_service()
             return
-        self.engines = EngineManagerHandle(EngineManagerConfig.from_run(self.config), self.placement)
+        from miles_disagg.engines.plan import resolve_backend, unused_sglang_args
+
+        manager_config = EngineManagerConfig.from_run(self.config)
+        note = unused_sglang_args(manager_config, None if self.config.rollout.rollout_external else
+                                  resolve_backend(self.config.rollout.rollout_backend)[0])
+        if note:
+            status(note)
+        self.engines = EngineManagerHandle(manager_config, self.placement)
         self.engines.start()
         self.router_url = self.engines.router_url
         status(f"engines: {len(self.engines.engine_urls)} behind the router at {self.router_url}")
