@@ -14,6 +14,7 @@ from typing import Sequence
 from miles_disagg.config import RunConfig, config_to_dict, config_to_yaml
 from miles_disagg.config.loader import load_launch
 from miles_disagg.config.model_args import check_model_args
+from miles_disagg.trainer.torch_dist import check_backend_reads_torch_dist
 from miles_disagg.tracking import status
 from miles_disagg.types import ConfigError, MilesDisaggError
 
@@ -60,6 +61,7 @@ def check_runnable(config: RunConfig) -> None:
     for flag_name, value in (("--num-rollout", rollout.num_rollout), ("--rollout-batch-size", rollout.rollout_batch_size)):
         if value is None:
             raise ConfigError(f"{flag_name} is required to train", (flag_name,))
+    check_backend_reads_torch_dist(train.train_backend, train.load, train.ref_load)
     ranks = config.cluster.num_actor_gpus
     batch = train.global_batch_size or rollout.rollout_batch_size * rollout.n_samples_per_prompt
     if batch % ranks:

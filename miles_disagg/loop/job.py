@@ -37,14 +37,17 @@ class Job:
     router_url: str | None = None  # the router, or the rollout service's endpoint
     run_id: str | None = None
     tensor_meta: dict | None = None  # broadcast mode: what the engines receive
+    initial_checkpoint: tuple[str, str] | None = None  # (path, flag): a torch_dist checkpoint the policy starts from
     _owns_ray: bool = False
     _data_position: int = 0
 
     @classmethod
     def start(cls, config: RunConfig, *, with_trainer: bool = True, with_engines: bool = True,
-              run_id: str | None = None, data_position: int = 0) -> "Job":
-        """``run_id``/``data_position``: a resumed run's version stream and prompts consumed."""
-        job = cls(config, run_id=run_id)
+              run_id: str | None = None, data_position: int = 0,
+              initial_checkpoint: tuple[str, str] | None = None) -> "Job":
+        """``run_id``/``data_position``: a resumed run's version stream and prompts consumed;
+        ``initial_checkpoint``: the Megatron torch_dist checkpoint a fresh policy starts from."""
+        job = cls(config, run_id=run_id, initial_checkpoint=initial_checkpoint)
         job._data_position = data_position
         try:
             job._start(with_trainer, with_engines)
@@ -82,7 +85,7 @@ class Job:
     def _start_trainer(self) -> None:
         from miles_disagg.trainer.group import TrainerGroup
 
-        self.trainer = TrainerGroup(self.placement, TrainerGroupConfig.from_run(self.config))
+        self.trainer = TrainerGroup(self.placement, TrainerGroupConfig.from_run(self.config, self.initial_checkpoint))
         choice = self._delta_filter()
         info = self.trainer.setup(self.run_id, delta_filter=choice.filter)
         self.run_id = info.get("run_id")

@@ -20,6 +20,7 @@ from miles_disagg.loop.updates import publish, publish_and_update, start_update
 from miles_disagg.rollout.manager import load_groups, save_groups
 from miles_disagg.tracking import MetricsTracker, status
 from miles_disagg.trainer.losses import assign_advantages
+from miles_disagg.trainer.torch_dist import initial_checkpoint
 from miles_disagg.types import RolloutBatch
 
 
@@ -132,8 +133,10 @@ def run(config: RunConfig) -> None:
 
     with_engines = not config.rollout.debug_train_only
     found = find_resume(config)
+    initial = initial_checkpoint(config.train.load, config.train.ref_load, resuming=found is not None)
     job = Job.start(config, with_trainer=not config.rollout.debug_rollout_only, with_engines=with_engines,
-                    run_id=found[1].run_id if found else None, data_position=found[1].data_position if found else 0)
+                    run_id=found[1].run_id if found else None, data_position=found[1].data_position if found else 0,
+                    initial_checkpoint=initial)
     tracker = MetricsTracker(config.tracking.run_dir, use_tensorboard=config.tracking.use_tensorboard,
                              use_wandb=config.tracking.use_wandb, wandb_project=config.tracking.wandb_project,
                              wandb_group=config.tracking.wandb_group, wandb_team=config.tracking.wandb_team,

@@ -21,6 +21,7 @@ class TrainerRank:
         self.train_config, self.weights_config, self.hf_dir = config.train, config.weights, config.hf_dir
         self.temperature = config.temperature
         self.miles_args = config.miles_args
+        self.initial_checkpoint = config.initial_checkpoint
         self.rollout_engines: tuple[str, ...] = ()
         self.backend = None
         self.publisher = None
@@ -42,7 +43,7 @@ class TrainerRank:
         start = time.perf_counter()
         backend = init_distributed(self.rank, self.world_size, master_addr, master_port)
         self.backend = make_backend(self.train_config, self.hf_dir, rank=self.rank, world_size=self.world_size,
-                                    temperature=self.temperature)
+                                    temperature=self.temperature, initial_checkpoint=self.initial_checkpoint)
         if self.rank == 0 and self.weights_config.update_weight_transfer_mode == "disk-delta":
             self.publisher = self._make_publisher(run_id, delta_filter)
         return {"backend": backend, "setup_s": time.perf_counter() - start,

@@ -27,16 +27,20 @@ from miles_disagg.trainer.megatron.model import (
     build_gpt, import_megatron, init_parallel_state, load_hf_weights, read_hf_config, transformer_config,
     uses_te_spec)
 from miles_disagg.trainer.megatron.optim import make_optimizer
+from miles_disagg.trainer.torch_dist import load_torch_dist, torch_dist_dir
 from miles_disagg.trainer.megatron.step import (
     PassContext, StepInputs, logprob_loss_fn, policy_loss_fn, run_micro_batches)
 from miles_disagg.types import ConfigError, Sample
 
 
 class MegatronBackend(TrainerBackend):
-    def __init__(self, config: TrainConfig, hf_dir: str, *, rank: int, world_size: int, temperature: float = 1.0):
-        """Build the parallel state, this rank's model stage from ``hf_dir``, its optimizer and
-        (``--use-kl-loss`` with a positive coefficient) the frozen reference from ``--ref-load``
-        or ``hf_dir``. ``temperature``: the rollout's, applied to logits before logprobs."""
+    def __init__(self, config: TrainConfig, hf_dir: str, *, rank: int, world_size: int, temperature: float = 1.0,
+                 initial_checkpoint: tuple[str, str] | None = None):
+        """Build the parallel state, this rank's model stage from ``hf_dir`` (then, given
+        ``initial_checkpoint`` ``(path, flag)``, the weights of that Megatron torch_dist
+        checkpoint), its optimizer and (``--use-kl-loss`` with a positive coefficient) the frozen
+        reference from ``--ref-load`` (HF or torch_dist) or ``hf_dir``. ``temperature``: the
+        rollout's, applied to logits before logprobs."""
         import_megatron()
         self.config, self.rank, self.world_size = config, rank, world_size
         self.layout = init_parallel_state(config, world_size)
@@ -48,6 +52,8 @@ class MegatronBackend(TrainerBackend):
         self.tconfig = transformer_config(self.shape, config, self.layout)
         self.gpt = build_gpt(self.shape, self.tconfig, self.layout)
         load_hf_weights(self.gpt, hf_dir, self.shape, self.layout)
+        if initial_checkpoint is not None:
+            load_torch_dist(self.gpt, *initial_checkpoint)
         self.optim = make_optimizer(self.gpt, config, self.tconfig)
         self.ref = self._reference(config.ref_load or hf_dir) if config.use_kl_loss and config.kl_loss_coef > 0 else None
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -56,7 +62,10 @@ class MegatronBackend(TrainerBackend):
 
     def _reference(self, ref_dir: str) -> torch.nn.Module:
         ref = build_gpt(self.shape, self.tconfig, self.layout)
-        load_hf_weights(ref, ref_dir, self.shape, self.layout)
+        if torch_dist_dir(ref_dir) is not None:
+            load_torch_dist(ref, ref_dir, "--ref-load")
+        else:
+            load_hf_weights(ref, ref_dir, self.shape, self.layout)
         return ref.eval().requires_grad_(False)
 
     # ------------------------------------------------------------------ training
