@@ -64,6 +64,7 @@ def plan_launch(config: RunConfig) -> dict[str, Any]:
         "rollout_backend": {"backend": backend, "reason": backend_reason},
         "processes": processes,
         "delta_filter": _delta_filter(config, backend, len(layout.engines), attached),
+        "initial_weights": _initial_weights(config),
         "placeholders": PLACEHOLDERS,
         "warnings": warnings,
     }
@@ -168,3 +169,14 @@ def _delta_filter(config: RunConfig, backend: str | None, num_engines: int, atta
     choice = delta_filter_choice(config.weights, config.rollout, backend=backend, num_engines=num_engines,
                                  attached=attached)
     return {"filter": choice.filter, "reason": choice.reason}
+
+
+def _initial_weights(config: RunConfig) -> str:
+    from miles_disagg.trainer.checkpoint import find_latest
+    from miles_disagg.trainer.torch_dist import initial_checkpoint
+
+    found = find_latest(config.train.load) if config.train.load else None
+    if found is not None:
+        return f"resume from {found[0]}"
+    start = initial_checkpoint(config.train.load, config.train.ref_load, resuming=False)
+    return f"{start[1]} {start[0]} (Megatron torch_dist)" if start else f"--hf-checkpoint {config.train.hf_checkpoint}"
