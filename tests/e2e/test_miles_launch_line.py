@@ -240,6 +240,8 @@ def test_the_tiny_variant_of_the_line_trains_two_steps_on_cpu(tmp_path: Path) ->
     result = run(*line, cwd=tmp_path, timeout=280, env=env)
     assert result.returncode == 0, result.stderr[-6000:]
 
+    router_port = line[line.index("--sglang-router-port") + 1]
+    assert f"behind the router at http://127.0.0.1:{router_port}" in result.stderr
     assert f"the policy starts from --ref-load {tmp_path / 'base_torch_dist'}" in result.stderr
     assert "published as v1" in result.stderr
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")

@@ -147,3 +147,24 @@ def test_wandb_team_and_key(tmp_path, monkeypatch) -> None:
     tracker.close()
     fake = sys.modules.pop("wandb")  # the stand-in must not outlive this test
     assert fake.calls == [("login", "k3y"), ("init", "p", "g", "lab")]
+
+
+def test_megatron_flags_reach_the_transformer_config() -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from megatron.core.transformer.enums import AttnBackend
+
+    from miles_disagg.config.components import TrainConfig
+    from miles_disagg.trainer.megatron.convert import ModelShape
+    from miles_disagg.trainer.megatron.model import ParallelLayout, transformer_config
+
+    shape = ModelShape(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                       head_dim=16, vocab_size=24, max_position_embeddings=2048, rope_theta=10000.0, norm_eps=1e-6,
+                       tied_embeddings=False)
+    layout = ParallelLayout(tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, cp_size=1, cp_rank=0, dp_size=1, dp_rank=0)
+    given = transformer_config(shape, TrainConfig(attention_dropout=0.1, hidden_dropout=0.2,
+                                                  attention_softmax_in_fp32=False, attention_backend="flash"), layout)
+    assert (given.attention_dropout, given.hidden_dropout, given.attention_softmax_in_fp32,
+            given.attention_backend) == (0.1, 0.2, False, AttnBackend.flash)
+    unset = transformer_config(shape, TrainConfig(), layout)  # RL defaults: no dropout, fp32 softmax
+    assert (unset.attention_dropout, unset.hidden_dropout, unset.attention_softmax_in_fp32,
+            unset.attention_backend) == (0.0, 0.0, True, AttnBackend.auto)
