@@ -35,15 +35,16 @@ class MetricsTracker:
     """
 
     def __init__(self, output_dir: str | Path, *, use_tensorboard: bool = False, use_wandb: bool = False,
-                 wandb_project: str | None = None, wandb_group: str | None = None,
-                 run_config: Mapping[str, Any] | None = None):
+                 wandb_project: str | None = None, wandb_group: str | None = None, wandb_team: str | None = None,
+                 wandb_key: str | None = None, run_config: Mapping[str, Any] | None = None):
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / METRICS_FILENAME
         self._file = open(self.path, "a", encoding="utf-8")
         self._streams: dict[str, Any] = {}
         self._tensorboard = _open_tensorboard(self.output_dir) if use_tensorboard else None
-        self._wandb = _open_wandb(wandb_project, wandb_group, run_config) if use_wandb else None
+        self._wandb = (_open_wandb(wandb_project, wandb_group, run_config, team=wandb_team, key=wandb_key)
+                       if use_wandb else None)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Append one record for ``step``; returns the record written."""
@@ -155,9 +156,13 @@ def _open_tensorboard(output_dir: Path):
     return SummaryWriter(log_dir=str(output_dir / "tensorboard"))
 
 
-def _open_wandb(project: str | None, group: str | None, run_config: Mapping[str, Any] | None):
+def _open_wandb(project: str | None, group: str | None, run_config: Mapping[str, Any] | None, *,
+                team: str | None = None, key: str | None = None):
+    """A wandb run (``team``: the entity, miles' ``--wandb-team``; ``key``: logged in with it first)."""
     try:
         import wandb
     except ImportError:
         raise ConfigError("--use-wandb: wandb is not installed (pip install wandb)", ("--use-wandb",)) from None
-    return wandb.init(project=project, group=group, config=dict(run_config or {}))
+    if key:
+        wandb.login(key=key, relogin=True)
+    return wandb.init(project=project, group=group, entity=team, config=dict(run_config or {}))

@@ -48,11 +48,19 @@ class TrainerGroupConfig:
     """The ranks share GPUs with the engines (``--colocate``)."""
     temperature: float = 1.0
     """Logprobs are taken at the rollout temperature."""
+    miles_args: Any = None
+    """The run's flags as miles' ``args`` namespace (what a miles-signature post-write hook receives)."""
+    initial_checkpoint: tuple[str, str] | None = None
+    """``(path, flag)``: a Megatron torch_dist checkpoint the policy starts from (miles' ``--load``
+    or ``--ref-load``) instead of the HF checkpoint's weights."""
 
     @classmethod
-    def from_run(cls, config: RunConfig) -> "TrainerGroupConfig":
+    def from_run(cls, config: RunConfig, initial_checkpoint: tuple[str, str] | None = None) -> "TrainerGroupConfig":
+        from miles_disagg.config.loader import config_to_namespace
+
         return cls(train=config.train, weights=config.weights, hf_dir=str(config.train.hf_checkpoint),
-                   colocated=config.cluster.colocate, temperature=config.rollout.rollout_temperature)
+                   colocated=config.cluster.colocate, temperature=config.rollout.rollout_temperature,
+                   miles_args=config_to_namespace(config), initial_checkpoint=initial_checkpoint)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,11 +14,14 @@ from miles_disagg.config.fields import flag
 TRANSFER_MODES = ("broadcast", "disk-delta")
 DELTA_ENCODINGS = ("xor", "overwrite")
 DELTA_CHECKSUMS = ("xxh3-128", "blake3", "adler32")
-DELTA_FILTERS = ("byteplane", "none")
+DELTA_FILTERS = ("auto", "byteplane", "none")
 PAUSE_MODES = ("abort", "retract", "in_place")
 ROLLOUT_BACKENDS = ("auto", "builtin", "sglang")
 ROUTERS = ("builtin", "sglang")
 TRAIN_BACKENDS = ("fsdp", "megatron")
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+MEGATRON_TO_HF_MODES = ("raw", "bridge")
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 KL_LOSS_TYPES = ("low_var_kl", "k1", "k2")
@@ -43,9 +46,11 @@ class ClusterConfig:
     rollout_num_gpus: int | None = flag(None, "Total GPUs for rollout engines (default: same as the actor's when colocated).")
     rollout_num_gpus_per_engine: int = flag(1, "GPUs per rollout engine (its tensor-parallel size).")
     colocate: bool = flag(False, "Share GPUs between training and rollout (they take turns); train.py only.")
+    num_gpus_per_node: int | None = flag(None, "GPUs per node (miles' flag): when given, --dry-run shows each bundle's node and a rollout engine may not span two nodes.")
 
     def __post_init__(self) -> None:
         _require(self.actor_num_nodes >= 1, "--actor-num-nodes must be >= 1")
+        _require(self.num_gpus_per_node is None or self.num_gpus_per_node >= 1, "--num-gpus-per-node must be >= 1")
         _require(self.actor_num_gpus_per_node >= 1, "--actor-num-gpus-per-node must be >= 1")
         _require(self.rollout_num_gpus_per_engine >= 1, "--rollout-num-gpus-per-engine must be >= 1")
         _require(self.rollout_num_gpus is None or self.rollout_num_gpus >= 1, "--rollout-num-gpus must be >= 1")
@@ -65,15 +70,27 @@ class RolloutConfig:
     rollout_exact_version: bool = flag(False, "Ask for exactly the trainer's current version (evaluation-style on-policy rollout).")
     rollout_backend: str = flag("auto", "Engine to launch when managed: builtin (the CPU engine), sglang, or auto (sglang when a GPU is present).", choices=ROLLOUT_BACKENDS)
     router: str = flag("builtin", "Router in front of the engines: builtin (version-aware) or sglang (sglang-router; no version constraints).", choices=ROUTERS)
-    rollout_health_check_interval: float = flag(1.0, "Seconds between router health checks of each engine.")
+    rollout_health_check_interval: float = flag(1.0, "Seconds between health checks of each engine (the router's and the engine monitor's; miles' default is 30).")
+    rollout_health_check_timeout: float = flag(10.0, "Seconds one engine health check may take before it counts as failed (miles' default is 30).")
+    rollout_health_check_first_wait: float = flag(0.0, "Seconds after the engines started before the engine monitor's first check.")
+    rollout_health_check_failure_threshold: int = flag(3, "Consecutive failed health checks before an engine counts as down (the router takes a worker out at once on a refused connection or an error status; a managed engine whose process exited is down at once).")
+    use_fault_tolerance: bool = flag(False, "Restart a managed engine whose process died or failed its health checks, bring it to the current version, then route to it again (off: the run fails at the next weight update).")
+    use_miles_router: bool = flag(False, "miles' own router instead of sglang-router: here that is --router builtin (the version-aware router, the default).")
+    sglang_router_port: int | None = flag(None, "Port the job's router listens on (default: a free port).")
+    sglang_router_policy: str | None = flag(None, "sglang-router's routing policy (with --router sglang; e.g. round_robin, cache_aware).")
+    sglang_server_concurrency: int | None = flag(None, "Generation requests in flight per engine (miles' flag; sets --rollout-concurrency to this x the number of engines).")
+    fully_async: bool = flag(False, "miles' fully async rollout: what train_async.py always does here (refused by train.py).")
     engine_dtype: str = flag("auto", "Weight dtype of managed built-in engines.", choices=ENGINE_DTYPES)
     num_rollout: int | None = flag(None, "Number of rollout/train iterations.")
+    num_epoch: int | None = flag(None, "Passes over --prompt-data: --num-rollout = num_epoch x prompts // --rollout-batch-size (ignored when --num-rollout is given, as miles does).")
     rollout_batch_size: int | None = flag(None, "Prompts per rollout iteration.")
     n_samples_per_prompt: int = flag(1, "Samples generated per prompt (a GRPO group).")
     rollout_max_response_len: int = flag(1024, "Maximum new tokens per sample.")
     rollout_temperature: float = flag(1.0, "Sampling temperature.")
     rollout_top_p: float = flag(1.0, "Nucleus sampling threshold.")
     rollout_top_k: int = flag(-1, "Top-k sampling (-1: off).")
+    rollout_stop: list[str] = flag([], "Stop strings of every rollout request (SGLang's sampling_params.stop).")
+    rollout_stop_token_ids: list[int] = flag([], "Stop token ids of every rollout request (SGLang's sampling_params.stop_token_ids).")
     max_weight_staleness: int | None = flag(None, "Drop groups generated by a policy more than K versions older than the trainer's.")
     pause_generation_mode: str = flag("retract", "How engines pause for activation.", choices=PAUSE_MODES)
     prefill_num_servers: int | None = flag(None, "PD disaggregation: number of prefill servers (not supported with disk-delta).")
@@ -110,6 +127,14 @@ class RolloutConfig:
         _require(self.rollout_concurrency >= 1, "--rollout-concurrency must be >= 1")
         _require(self.over_sampling_batch_size is None or self.over_sampling_batch_size >= 1, "--over-sampling-batch-size must be >= 1")
         _require(self.rollout_health_check_interval > 0, "--rollout-health-check-interval must be > 0")
+        _require(self.rollout_health_check_timeout > 0, "--rollout-health-check-timeout must be > 0")
+        _require(self.rollout_health_check_first_wait >= 0, "--rollout-health-check-first-wait must be >= 0")
+        _require(self.rollout_health_check_failure_threshold >= 1, "--rollout-health-check-failure-threshold must be >= 1")
+        _require(self.num_epoch is None or self.num_epoch >= 1, "--num-epoch must be >= 1")
+        _require(self.sglang_server_concurrency is None or self.sglang_server_concurrency >= 1,
+                 "--sglang-server-concurrency must be >= 1")
+        _require(self.sglang_router_port is None or 0 < self.sglang_router_port < 65536,
+                 "--sglang-router-port must be in 1..65535")
 
 
 @dataclass(kw_only=True)
@@ -121,7 +146,8 @@ class WeightUpdateConfig:
     update_weight_local_checkpoint_dir: str | None = flag(None, "Host-local checkpoint each rollout host materializes versions into (disk-delta).")
     update_weight_delta_encoding: str = flag("xor", "Delta encoding: xor (smallest, apply exactly once) or overwrite (idempotent).", choices=DELTA_ENCODINGS)
     update_weight_delta_checksum: str = flag("xxh3-128", "Final-state checksum of every changed tensor.", choices=DELTA_CHECKSUMS)
-    update_weight_delta_filter: str = flag("byteplane", "Pre-compression filter: byteplane (2-byte dtypes as separate planes) or none (plain format).", choices=DELTA_FILTERS)
+    update_weight_delta_filter: str = flag("auto", "Pre-compression filter: byteplane (2-byte dtypes as separate planes; only this project's engines and agents read it), none (the plain format every disk-delta consumer reads), or auto (byteplane when every consumer is a built-in engine or a miles-disagg agent, else none).", choices=DELTA_FILTERS)
+    update_weight_buffer_size: int = flag(512 * 1024**2, "Broadcast mode: bytes of tensors per /update_weights_from_distributed call (miles' bucket size; disk-delta streams tensor by tensor).")
     update_weight_full_anchor_interval: int = flag(0, "Publish a full version every N versions so hosts can catch up and old versions can be pruned (0: off).")
     custom_update_weight_post_write_path: str | None = flag(None, "module:function run after a version's files are written, before the pointer moves.")
     sglang_custom_pull_weights_pre_read_hook: str | None = flag(None, "module:function run on a rollout host before it reads a version.")
@@ -130,11 +156,13 @@ class WeightUpdateConfig:
     def __post_init__(self) -> None:
         _require(self.update_weight_full_anchor_interval >= 0, "--update-weight-full-anchor-interval must be >= 0")
         _require(self.update_weights_interval >= 1, "--update-weights-interval must be >= 1")
+        _require(self.update_weight_buffer_size >= 1, "--update-weight-buffer-size must be >= 1")
         for hook_flag, value in (
             ("--custom-update-weight-post-write-path", self.custom_update_weight_post_write_path),
             ("--sglang-custom-pull-weights-pre-read-hook", self.sglang_custom_pull_weights_pre_read_hook),
         ):
-            _require(value is None or _is_hook_path(value), f"{hook_flag} must look like module.path:function, got {value!r}")
+            _require(value is None or _is_hook_path(value),
+                     f"{hook_flag} must look like module.path:function or module.path.function, got {value!r}")
 
 
 @dataclass(kw_only=True)
@@ -143,7 +171,7 @@ class TrainConfig:
 
     hf_checkpoint: str | None = flag(None, "HF checkpoint directory of the base policy (version 0).")
     hf_checkpoint_init: str = flag("none", "Create a random model at --hf-checkpoint when the directory is missing (tiny-qwen3: for CPU demos and tests).", choices=CHECKPOINT_INITS)
-    train_backend: str = flag("fsdp", "Training backend: fsdp (FSDP2 on GPU, data parallel over gloo on CPU) or megatron.", choices=TRAIN_BACKENDS)
+    train_backend: str = flag("megatron", "Training backend: megatron (as in miles) or fsdp (FSDP2 on GPU, data parallel over gloo on CPU).", choices=TRAIN_BACKENDS)
     global_batch_size: int | None = flag(None, "Samples per optimizer step.")
     micro_batch_size: int = flag(1, "Samples per forward/backward pass.")
     use_dynamic_batch_size: bool = flag(False, "megatron: micro-batches by token budget (--max-tokens-per-gpu) instead of --micro-batch-size.")
@@ -155,6 +183,17 @@ class TrainConfig:
     recompute_granularity: str | None = flag(None, "megatron: activation recomputation, full or selective.", choices=RECOMPUTE_GRANULARITIES)
     recompute_method: str | None = flag(None, "megatron with --recompute-granularity full: uniform or block.", choices=RECOMPUTE_METHODS)
     recompute_num_layers: int | None = flag(None, "megatron with --recompute-granularity full: layers per recompute unit (uniform) or recomputed layers per stage (block).")
+    expert_model_parallel_size: int = flag(1, "megatron: expert-parallel size (dense models only here: 1).")
+    expert_tensor_parallel_size: int = flag(1, "megatron: expert tensor-parallel size (dense models only here: 1).")
+    attention_dropout: float | None = flag(None, "megatron TransformerConfig.attention_dropout (unset: 0.0, not megatron's 0.1: RL logprobs must be the policy's).")
+    hidden_dropout: float | None = flag(None, "megatron TransformerConfig.hidden_dropout (unset: 0.0, not megatron's 0.1).")
+    attention_softmax_in_fp32: bool | None = flag(None, "megatron TransformerConfig.attention_softmax_in_fp32 (unset: on).")
+    accumulate_allreduce_grads_in_fp32: bool | None = flag(None, "megatron: reduce and accumulate gradients in fp32 (DistributedDataParallelConfig.grad_reduce_in_fp32; unset: on; CPU runs are fp32 throughout).")
+    attention_backend: str | None = flag(None, "megatron TransformerConfig.attention_backend (Transformer Engine layers on GPU; CPU runs use megatron's local attention).", choices=ATTENTION_BACKENDS)
+    megatron_to_hf_mode: str = flag("raw", "How megatron weights become HF tensors: raw (this project's Qwen3 rules); bridge (megatron-bridge) is refused.", choices=MEGATRON_TO_HF_MODES)
+    balance_data: bool = flag(False, "Deal each global batch so every trainer rank gets the same number of samples with similar token totals (instead of round robin).")
+    num_steps_per_rollout: int | None = flag(None, "Optimizer steps per rollout: --global-batch-size = rollout samples // N.")
+    use_rollout_logprobs: bool = flag(False, "Use the engines' logprobs (not the trainer's recomputed ones) as the PPO ratio's denominator.")
     optimizer: str = flag("adam", "Optimizer.", choices=OPTIMIZERS)
     lr: float = flag(1e-6, "Learning rate.")
     lr_decay_style: str = flag("constant", "Learning-rate schedule.", choices=LR_DECAY_STYLES)
@@ -200,11 +239,56 @@ class TrainConfig:
         _require(self.kl_coef == 0 or self.advantage_estimator != "grpo",
                  "--kl-coef shapes the reward of reinforce_plus_plus(_baseline) only (miles' GRPO ignores it); "
                  "for GRPO use --use-kl-loss --kl-loss-coef")
+        for dropout_flag, value in (("--attention-dropout", self.attention_dropout),
+                                    ("--hidden-dropout", self.hidden_dropout)):
+            _require(value is None or 0 <= value < 1, f"{dropout_flag} must be in [0, 1)")
+        _require(self.num_steps_per_rollout is None or self.num_steps_per_rollout >= 1,
+                 "--num-steps-per-rollout must be >= 1")
 
     @property
     def needs_reference(self) -> bool:
         """The reference model is loaded for the KL loss (whatever its coefficient) or the KL reward."""
         return self.use_kl_loss or self.kl_coef != 0
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Megatron model-architecture flags (miles' MODEL_ARGS). The architecture itself comes from
+    --hf-checkpoint's config.json; each flag given is checked against it before anything starts."""
+
+    swiglu: bool | None = flag(None, "SwiGLU MLP (config.json: hidden_act silu).")
+    num_layers: int | None = flag(None, "Transformer layers (config.json: num_hidden_layers).")
+    hidden_size: int | None = flag(None, "Hidden size (config.json: hidden_size).")
+    ffn_hidden_size: int | None = flag(None, "MLP hidden size (config.json: intermediate_size).")
+    num_attention_heads: int | None = flag(None, "Attention heads (config.json: num_attention_heads).")
+    group_query_attention: bool | None = flag(None, "Grouped-query attention (config.json: num_key_value_heads < num_attention_heads).")
+    num_query_groups: int | None = flag(None, "Key/value head groups (config.json: num_key_value_heads).")
+    kv_channels: int | None = flag(None, "Channels per attention head (config.json: head_dim).")
+    use_rotary_position_embeddings: bool | None = flag(None, "Rotary position embeddings (config.json: rope_theta present).")
+    position_embedding_type: str | None = flag(None, "Position embedding type (config.json: rope for rope_theta).", choices=("rope", "learned_absolute", "none"))
+    rotary_base: float | None = flag(None, "RoPE base (config.json: rope_theta).")
+    disable_bias_linear: bool | None = flag(None, "No bias in linear layers (config.json: attention_bias false).")
+    add_qkv_bias: bool | None = flag(None, "Bias in the QKV projection (config.json: attention_bias).")
+    normalization: str | None = flag(None, "Normalization (config.json: rms_norm_eps means RMSNorm).", choices=NORMALIZATIONS)
+    norm_epsilon: float | None = flag(None, "Normalization epsilon (config.json: rms_norm_eps).")
+    qk_layernorm: bool | None = flag(None, "Norms on queries and keys (config.json: model_type qwen3).")
+    vocab_size: int | None = flag(None, "Vocabulary size (config.json: vocab_size).")
+    max_position_embeddings: int | None = flag(None, "Maximum positions (config.json: max_position_embeddings).")
+    untie_embeddings_and_output_weights: bool | None = flag(None, "Separate output layer (config.json: tie_word_embeddings false).")
+
+    def given(self) -> dict[str, object]:
+        """The flags that were set (field name -> value)."""
+        return {name: value for name, value in vars(self).items() if value is not None}
+
+
+@dataclass(kw_only=True)
+class CIConfig:
+    """miles' CI gates: checks that fail the run (exit 1, one line naming the gate) instead of logging."""
+
+    ci_test: bool = flag(False, "Fail the run when the first optimizer step of a rollout has ppo_kl or pg_clipfrac above 0, when an engine does not serve the trainer's version after an update, or (with --check-weight-update-equal, which this turns on) when its weights differ from the published ones.")
+    check_weight_update_equal: bool = flag(False, "After every weight update, compare each engine's per-tensor checksums with the trainer's published state; a difference fails the run.")
+    ci_disable_kl_checker: bool = flag(False, "With --ci-test: skip the first-step ppo_kl / pg_clipfrac gate.")
+    ci_disable_weight_update_checker: bool = flag(False, "With --ci-test: do not turn on --check-weight-update-equal.")
 
 
 @dataclass(kw_only=True)
@@ -240,6 +324,8 @@ class TrackingConfig:
     use_wandb: bool = flag(False, "Also log metrics to Weights & Biases (needs wandb installed).")
     wandb_project: str | None = flag(None, "wandb project name.")
     wandb_group: str | None = flag(None, "wandb group name.")
+    wandb_team: str | None = flag(None, "wandb entity (team) the run is logged under.")
+    wandb_key: str | None = flag(None, "wandb API key (logged in with it; never printed or written to the run directory).")
 
 
 @dataclass(kw_only=True)
@@ -253,6 +339,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    ci: CIConfig = field(default_factory=CIConfig)
     sglang_args: dict = field(default_factory=dict)  # --sglang-* passthrough for managed SGLang servers
 
 
@@ -264,10 +352,16 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "eval": EvalConfig,
     "tracking": TrackingConfig,
+    "model": ModelConfig,
+    "ci": CIConfig,
 }
+
+SECRET_FIELDS = ("wandb_key",)
+"""Fields never printed (--print-config, --dry-run) nor written to the run directory."""
 
 
 def _is_hook_path(value: str) -> bool:
-    module, sep, function = value.partition(":")
+    """``pkg.module:function`` (this project's form) or ``pkg.module.function`` (miles' dotted form)."""
+    module, sep, function = value.partition(":") if ":" in value else value.rpartition(".")
     return bool(sep and module and function.isidentifier()
                 and all(part.isidentifier() for part in module.split(".")))

@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from miles_disagg.config.components import SECTIONS, RunConfig
+from miles_disagg.config.components import SECRET_FIELDS, SECTIONS, RunConfig
 from miles_disagg.config.fields import ConfigArgumentParser, FlagSpec, add_flag, build_config, flag_specs
+from miles_disagg.config.miles_flags import REFUSED_FLAGS, check_refused, unknown_flags_error
+from miles_disagg.config.resolve import resolve_derived
 from miles_disagg.config.validate import validate
 from miles_disagg.types import ConfigError
 
@@ -33,29 +35,62 @@ def build_parser(entry: str) -> argparse.ArgumentParser:
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", default=None, help="YAML file setting any flag (the command line wins).")
     parser.add_argument("--print-config", action="store_true", help="Print the resolved config and exit.")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="Check everything that can be checked without starting anything, print the launch plan "
+                             "(placement, every process with its argv, the delta filter) as one JSON object, exit.")
     for section, specs in all_flag_specs().items():
         group = parser.add_argument_group(section)
         for spec in specs:
             add_flag(group, spec)  # defaults are applied later (after YAML): unset flags stay absent
+    refused = parser.add_argument_group("miles flags refused here (each says why and what to use)")
+    for item in REFUSED_FLAGS.values():
+        refused.add_argument(item.flag, dest=item.dest, nargs="*", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
+
+
+MODES = ("run", "print-config", "dry-run")
 
 
 def load_config(argv: Sequence[str] | None, entry: str) -> tuple[RunConfig, bool]:
     """Parse ``argv`` for ``entry`` (train | train_async); return (validated config, print_config)."""
+    config, mode = load_launch(argv, entry)
+    return config, mode == "print-config"
+
+
+def load_launch(argv: Sequence[str] | None, entry: str) -> tuple[RunConfig, str]:
+    """Parse ``argv`` for ``entry``; return (validated config, mode): ``run``, ``print-config``
+    (``--print-config``) or ``dry-run`` (``--dry-run``)."""
     from miles_disagg.config.sglang_args import split_sglang_passthrough
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    sglang_args, argv = split_sglang_passthrough(argv)  # --sglang-* go to managed SGLang servers as they are
-    args = vars(build_parser(entry).parse_args(argv))
+    # --sglang-* go to managed SGLang servers as they are, except the job's own --sglang-* flags
+    sglang_args, argv = split_sglang_passthrough(argv, consumed=job_sglang_flags())
+    parsed, unknown = build_parser(entry).parse_known_args(argv)
+    if unknown:
+        raise unknown_flags_error(entry, unknown)
+    args = vars(parsed)
     config_path = args.pop("config", None)
-    print_config = args.pop("print_config", False)
+    modes = [mode for mode, key in (("print-config", "print_config"), ("dry-run", "dry_run")) if args.pop(key, False)]
+    if len(modes) > 1:
+        raise ConfigError("--print-config and --dry-run: give one", ("--print-config", "--dry-run"))
+    refused = [item.flag for item in REFUSED_FLAGS.values() if args.pop(item.dest, None) is not None]
     values = _read_yaml(Path(config_path)) if config_path else {}
+    refused += values.pop(_REFUSED_KEY, [])
     values.update(args)  # the command line wins
     config = _build(values, entry)
     config.sglang_args = sglang_args
+    check_refused(refused, rollout_external=config.rollout.rollout_external)
     fill_run_paths(config)
+    resolve_derived(config)
     validate(config)
-    return config, print_config
+    return config, modes[0] if modes else "run"
+
+
+def job_sglang_flags() -> frozenset[str]:
+    """``--sglang-*`` flags the job itself takes (never passed through to SGLang)."""
+    flags = {spec.flag for specs in all_flag_specs().values() for spec in specs}
+    flags |= set(REFUSED_FLAGS)
+    return frozenset(f for f in flags if f.startswith("--sglang-"))
 
 
 def fill_run_paths(config: RunConfig, now: float | None = None) -> None:
@@ -91,15 +126,23 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return _flatten(raw, path)
 
 
+_REFUSED_KEY = "__refused__"
+
+
 def _flatten(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     known = {spec.dest for specs in all_flag_specs().values() for spec in specs}
-    flat: dict[str, Any] = {}
+    refused = {item.yaml_key: item.flag for item in REFUSED_FLAGS.values()}
+    flat: dict[str, Any] = {_REFUSED_KEY: []}
     for key, value in raw.items():
         name = str(key).replace("-", "_")
         if name in SECTIONS and isinstance(value, dict):
-            flat.update(_flatten(value, path))
+            inner = _flatten(value, path)
+            flat[_REFUSED_KEY] += inner.pop(_REFUSED_KEY)
+            flat.update(inner)
         elif name in known:
             flat[name] = value
+        elif name in refused:
+            flat[_REFUSED_KEY].append(refused[name])
         else:
             raise ConfigError(f"--config {str(path)!r}: unknown key {key!r}", ("--config",))
     return flat
@@ -111,12 +154,32 @@ def _build(values: dict[str, Any], entry: str) -> RunConfig:
 
 
 def config_to_dict(config: RunConfig) -> dict[str, Any]:
+    """The resolved config as plain data, secrets (``--wandb-key``) replaced by ``"<set>"``."""
     import dataclasses
 
-    return dataclasses.asdict(config)
+    data = dataclasses.asdict(config)
+    for section in data.values():
+        if isinstance(section, dict):
+            for key in SECRET_FIELDS:
+                if section.get(key) is not None:
+                    section[key] = "<set>"
+    return data
 
 
 def config_to_yaml(config: RunConfig) -> str:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_yaml(OmegaConf.create(config_to_dict(config)))
+
+
+def config_to_namespace(config: RunConfig) -> argparse.Namespace:
+    """The run's flags as one flat namespace under miles' names (``args.update_weight_disk_dir``),
+    with the ``--sglang-*`` passthrough as ``args.sglang_<name>``: what miles-signature hooks receive."""
+    import dataclasses
+
+    flat: dict[str, Any] = {"entry": config.entry}
+    for section in SECTIONS:
+        flat.update(dataclasses.asdict(getattr(config, section)))
+    for name, value in config.sglang_args.items():
+        flat["sglang_" + name.replace("-", "_")] = value
+    return argparse.Namespace(**flat)

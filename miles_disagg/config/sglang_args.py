@@ -26,21 +26,24 @@ CONSUMED_SGLANG_FLAGS = frozenset({"--sglang-custom-pull-weights-pre-read-hook"}
 PassthroughValue = Union[str, bool, list[str]]
 
 
-def split_sglang_passthrough(argv: Sequence[str]) -> tuple[dict[str, PassthroughValue], list[str]]:
+def split_sglang_passthrough(argv: Sequence[str], consumed: frozenset[str] = CONSUMED_SGLANG_FLAGS,
+                             ) -> tuple[dict[str, PassthroughValue], list[str]]:
     """``(passthrough options, the rest of argv)``.
 
     ``--sglang-X=V`` and ``--sglang-X V`` give ``"V"``; ``--sglang-X V1 V2`` gives
     ``["V1", "V2"]`` (every following token up to the next ``--`` option; ``-1`` is a
-    value); a bare ``--sglang-X`` gives ``True``. Flags in ``CONSUMED_SGLANG_FLAGS`` stay
-    in the rest (the job parses them). A flag given twice is a ``ConfigError``.
+    value); a bare ``--sglang-X`` gives ``True``. Flags in ``consumed`` (the job's own
+    ``--sglang-*`` flags, e.g. miles' ``--sglang-router-port``) stay in the rest (the job
+    parses them). A flag given twice is a ``ConfigError``.
     """
+    consumed = consumed | CONSUMED_SGLANG_FLAGS
     options: dict[str, PassthroughValue] = {}
     rest: list[str] = []
     i = 0
     while i < len(argv):
         token = argv[i]
         head = token.split("=", 1)[0]
-        if not head.startswith(PASSTHROUGH_PREFIX) or head in CONSUMED_SGLANG_FLAGS:
+        if not head.startswith(PASSTHROUGH_PREFIX) or head in consumed:
             rest.append(token)
             i += 1
             continue

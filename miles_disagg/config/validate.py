@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 
 from miles_disagg.config.components import RunConfig
+from miles_disagg.config.miles_flags import miles_refusal
+from miles_disagg.config.model_args import check_model_args
 from miles_disagg.types import ConfigError
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,5})$")
@@ -13,8 +15,9 @@ _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,
 
 def validate(config: RunConfig) -> None:
     """Raise ``ConfigError`` (naming the offending flags) for the first invalid combination."""
-    for check in (_check_entry, _check_disk_delta, _check_topology, _check_batches, _check_debug, _check_save_and_eval,
-                  _check_megatron):
+    for check in (_check_entry, _check_miles_rejections, _check_disk_delta, _check_topology, _check_batches,
+                  _check_debug, _check_save_and_eval, _check_megatron, _check_megatron_only_flags, _check_routing,
+                  _check_ci, check_model_args):
         check(config)
 
 
@@ -31,6 +34,35 @@ def _check_entry(config: RunConfig) -> None:
         raise ConfigError(
             "train_async.py (fully async rollout) needs separate trainer and rollout GPUs: "
             "drop --colocate or use train.py", ("--colocate",))
+    if config.entry == "train" and config.rollout.fully_async:
+        raise ConfigError("--fully-async needs train_async.py (miles refuses it in train.py too)", ("--fully-async",))
+    if config.entry == "train_async" and config.rollout.pause_generation_mode == "abort":
+        raise ConfigError("train_async.py keeps generation in flight, so --pause-generation-mode abort would kill it at "
+                          "every weight update (miles refuses --fully-async with abort too): use retract or in_place",
+                          ("--pause-generation-mode",))
+
+
+def _check_miles_rejections(config: RunConfig) -> None:
+    """Combinations miles itself refuses, with miles' reasons."""
+    rollout, train = config.rollout, config.train
+    if rollout.rollout_external and rollout.prefill_num_servers is not None:
+        raise ConfigError("--prefill-num-servers cannot be combined with --rollout-external: attached engines' "
+                          "prefill/decode split is theirs (miles refuses this too)",
+                          ("--prefill-num-servers", "--rollout-external"))
+    if train.use_rollout_logprobs and train.use_tis:
+        raise ConfigError("--use-rollout-logprobs and --use-tis both correct for the rollout policy; give one "
+                          "(miles refuses both at once too)", ("--use-rollout-logprobs", "--use-tis"))
+    if train.megatron_to_hf_mode == "bridge":
+        raise ConfigError(miles_refusal("--megatron-to-hf-mode bridge",
+                                        "megatron-bridge conversion is not used; this project converts Qwen3 "
+                                        "weights with its own rules", "use --megatron-to-hf-mode raw (the default)"),
+                          ("--megatron-to-hf-mode",))
+    for flag_name, size in (("--expert-model-parallel-size", train.expert_model_parallel_size),
+                            ("--expert-tensor-parallel-size", train.expert_tensor_parallel_size)):
+        if size != 1:
+            raise ConfigError(miles_refusal(f"{flag_name} {size}", "expert parallelism splits MoE experts, and the "
+                                            "megatron backend here builds dense Qwen3 models",
+                                            f"use {flag_name} 1"), (flag_name,))
 
 
 def _check_disk_delta(config: RunConfig) -> None:
@@ -194,3 +226,45 @@ def _check_recompute(granularity: str | None, method: str | None, num_layers: in
                           "--recompute-num-layers N (N >= 1)", flags)
     if granularity == "selective" and (method is not None or num_layers is not None):
         raise ConfigError("--recompute-granularity selective takes no --recompute-method/--recompute-num-layers", flags)
+
+
+_MEGATRON_CONFIG_FLAGS = (("--attention-dropout", "attention_dropout"), ("--hidden-dropout", "hidden_dropout"),
+                          ("--attention-softmax-in-fp32", "attention_softmax_in_fp32"),
+                          ("--accumulate-allreduce-grads-in-fp32", "accumulate_allreduce_grads_in_fp32"),
+                          ("--attention-backend", "attention_backend"))
+
+
+def _check_megatron_only_flags(config: RunConfig) -> None:
+    """Megatron ``TransformerConfig`` flags mean nothing to the FSDP backend (the HF model as
+    its config.json defines it): refused there rather than ignored."""
+    train = config.train
+    if train.train_backend == "megatron":
+        return
+    given = [flag_name for flag_name, field in _MEGATRON_CONFIG_FLAGS if getattr(train, field) is not None]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: megatron TransformerConfig flags, but --train-backend "
+                          f"{train.train_backend} runs the HF model as its config.json defines it (no dropout, its own "
+                          "attention kernels): drop them or use --train-backend megatron", ("--train-backend", *given))
+
+
+def _check_routing(config: RunConfig) -> None:
+    rollout = config.rollout
+    if rollout.use_miles_router and rollout.router != "builtin":
+        raise ConfigError("--use-miles-router asks for the job's own router, --router sglang for sglang-router: "
+                          "give one", ("--use-miles-router", "--router"))
+    if rollout.sglang_router_policy and rollout.router != "sglang":
+        raise ConfigError("--sglang-router-policy sets sglang-router's policy, but this run routes with the built-in "
+                          "version-aware router (least outstanding requests among engines that satisfy the version "
+                          "constraint): add --router sglang or drop it", ("--sglang-router-policy", "--router"))
+    if rollout.sglang_server_concurrency is not None and rollout.rollout_service_url:
+        raise ConfigError("--sglang-server-concurrency is per engine, and the rollout service's engines are not "
+                          "counted here: use --rollout-concurrency", ("--sglang-server-concurrency",
+                                                                      "--rollout-service-url"))
+
+
+def _check_ci(config: RunConfig) -> None:
+    if config.ci.check_weight_update_equal and config.rollout.rollout_service_url:
+        raise ConfigError("--check-weight-update-equal compares each engine's weights with the trainer's, but with "
+                          "--rollout-service-url the run holds no engine (the service's replicas verify every "
+                          "version's checksums before activating it)", ("--check-weight-update-equal",
+                                                                        "--rollout-service-url"))

@@ -103,9 +103,9 @@ class EngineClient:
 
         return parse_version(self.get("/get_weight_version").get("weight_version"))
 
-    def healthy(self) -> bool:
+    def healthy(self, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
         try:
-            return self._http.get("/health", timeout=PROBE_TIMEOUT_S).status_code == 200
+            return self._http.get("/health", timeout=timeout_s).status_code == 200
         except Exception:  # noqa: BLE001 - any transport failure means "not healthy"
             return False
 
@@ -121,6 +121,20 @@ class EngineClient:
             return self.get("/agent_info", timeout_s=PROBE_TIMEOUT_S)
         except (EngineRefused, EngineUnrecoverable):
             return None
+
+    def weight_checksums(self, algorithm: str) -> dict[str, Any]:
+        """``/weight_checksums`` (built-in engine: its live weights; agent: the checkpoint it handed
+        its engine): ``{"weight_version", "algorithm", "source", "checksums": {name: hex}}``."""
+        return self.get(f"/weight_checksums?algorithm={algorithm}", timeout_s=600)
+
+    def announced_delta_filters(self) -> list[str] | None:
+        """The delta filters this engine announces it reads (an agent's ``/agent_info``, the built-in
+        engine's ``/get_server_info`` ``miles_disagg``); None when it announces none (stock SGLang)."""
+        info = self.agent_info()
+        if info is None:
+            info = (self.server_info().get("miles_disagg") or {})
+        filters = info.get("delta_filters") if isinstance(info, dict) else None
+        return [str(f) for f in filters] if isinstance(filters, list) else None
 
     def load_count(self) -> int | None:
         """Requests running or queued in the engine (the built-in engine's server info); None if unknown."""

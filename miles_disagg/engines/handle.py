@@ -50,11 +50,17 @@ class EngineManagerHandle:
         self._actor = ray.remote(EngineManager).options(num_cpus=0, max_concurrency=8).remote(config, placement=placement)
         self.router_url: str | None = None
         self.engine_urls: list[str] = []
+        self.delta_filters: list[list[str] | None] = []
 
     def start(self) -> None:
         """Launch or attach the engines and the router (the manager cleans up if this fails)."""
         info = Pending([self._actor.start.remote()]).result()
         self.router_url, self.engine_urls = info["router_url"], list(info["engine_urls"])
+        self.delta_filters = list(info.get("delta_filters") or [])
+
+    def weight_checksums(self, algorithm: str) -> list[dict]:
+        """Each live engine's ``/weight_checksums`` (see ``EngineManager.weight_checksums``)."""
+        return Pending([self._actor.weight_checksums.remote(algorithm)]).result()
 
     def start_update(self, version: int) -> PendingEngineUpdate:
         """Disk-delta: every engine prepares ``version`` (already published), then activates it."""

@@ -23,8 +23,8 @@ from typing import Mapping, Sequence
 from miles_disagg.process import LaunchedProcess, free_port, start_http_process
 from miles_disagg.types import EngineUnrecoverable
 
-__all__ = ["EngineSpec", "LaunchedEngine", "RunningEngine", "free_port", "launch_agent", "launch_engine",
-           "launch_sglang", "start_engine"]
+__all__ = ["EngineSpec", "LaunchedEngine", "PlannedProcess", "RunningEngine", "agent_command", "builtin_engine_command",
+           "engine_processes", "free_port", "launch_agent", "launch_engine", "launch_sglang", "start_engine"]
 
 BACKENDS = ("builtin", "sglang")
 BUILTIN_STARTUP_TIMEOUT_S = 300.0
@@ -102,6 +102,34 @@ class RunningEngine:
             handle.stop()
 
 
+@dataclass(frozen=True)
+class PlannedProcess:
+    """One process a start would run: its role, argv and log file (``--dry-run`` prints these)."""
+
+    role: str
+    """``engine`` (built-in), ``sglang`` or ``agent``."""
+    argv: list[str]
+    log_path: Path
+
+
+def engine_processes(spec: EngineSpec, *, port: int | str, agent_port: int | str | None = None,
+                     engine_url: str | None = None) -> list[PlannedProcess]:
+    """The processes :func:`start_engine` runs for ``spec``, in start order (the argv it uses)."""
+    if spec.backend == "builtin":
+        return [PlannedProcess("engine", builtin_engine_command(spec.model_path, spec.host, port, _builtin_args(spec)),
+                               spec.log_dir / f"{spec.name}.log")]
+    from miles_disagg.engines.sglang import sglang_command
+
+    cmd = sglang_command(str(spec.model_path), host=spec.host, port=port, tp_size=spec.tp_size,
+                         base_gpu_id=spec.base_gpu_id, dtype=spec.dtype, weight_version=0,
+                         extra_args=dict(spec.sglang_args)) + list(spec.extra_args)
+    agent = agent_command(engine_url or f"http://{spec.host}:{port}", spec.local_checkpoint_dir, host=spec.host,
+                          port=agent_port if agent_port is not None else "{agent_port}", base_dir=spec.model_path,
+                          pre_read_hook=spec.pre_read_hook)
+    return [PlannedProcess("sglang", cmd, spec.log_dir / f"sglang-{spec.name}.log"),
+            PlannedProcess("agent", agent, spec.log_dir / f"agent-{spec.name}.log")]
+
+
 def start_engine(spec: EngineSpec) -> RunningEngine:
     """Start the engine ``spec`` describes; see the module docstring."""
     spec.log_dir.mkdir(parents=True, exist_ok=True)
@@ -124,21 +152,36 @@ def _builtin_args(spec: EngineSpec) -> list[str]:
 
 
 def _start_sglang_with_agent(spec: EngineSpec) -> RunningEngine:
-    from miles_disagg.engines.sglang import sglang_command
-
     port = free_port(spec.host)
-    cmd = sglang_command(str(spec.model_path), host=spec.host, port=port, tp_size=spec.tp_size,
-                         base_gpu_id=spec.base_gpu_id, dtype=spec.dtype, weight_version=0,
-                         extra_args=dict(spec.sglang_args)) + list(spec.extra_args)
-    engine = launch_sglang(cmd, url=f"http://{spec.host}:{port}", log_path=spec.log_dir / f"sglang-{spec.name}.log",
+    sglang, agent_plan = engine_processes(spec, port=port)
+    engine = launch_sglang(sglang.argv, url=f"http://{spec.host}:{port}", log_path=sglang.log_path,
                            env=None if spec.sglang_env is None else dict(spec.sglang_env))
     try:
-        agent = launch_agent(engine.url, spec.local_checkpoint_dir, log_path=spec.log_dir / f"agent-{spec.name}.log",
+        agent = launch_agent(engine.url, spec.local_checkpoint_dir, log_path=agent_plan.log_path,
                              host=spec.host, base_dir=spec.model_path, pre_read_hook=spec.pre_read_hook)
     except BaseException:
         engine.stop()
         raise
     return RunningEngine(agent.url, (engine, agent))
+
+
+def builtin_engine_command(model_dir: Path, host: str, port: int | str, extra_args: Sequence[str] = ()) -> list[str]:
+    """``python -m miles_disagg.engines.builtin`` serving ``model_dir`` on ``host:port``."""
+    return [sys.executable, "-m", "miles_disagg.engines.builtin", "--model-path", str(model_dir),
+            "--host", host, "--port", str(port), *extra_args]
+
+
+def agent_command(engine_url: str, local_checkpoint_dir: Path, *, host: str, port: int | str,
+                  base_dir: Path | None = None, pre_read_hook: str | None = None,
+                  extra_args: Sequence[str] = ()) -> list[str]:
+    """``python -m miles_disagg.engines.agent`` in front of ``engine_url`` on ``host:port``."""
+    cmd = [sys.executable, "-m", "miles_disagg.engines.agent", "--engine-url", engine_url,
+           "--local-checkpoint-dir", str(local_checkpoint_dir), "--host", host, "--port", str(port)]
+    if base_dir is not None:
+        cmd += ["--base-dir", str(base_dir)]
+    if pre_read_hook:
+        cmd += ["--custom-pull-weights-pre-read-hook", pre_read_hook]
+    return cmd + list(extra_args)
 
 
 def launch_engine(
@@ -148,8 +191,7 @@ def launch_engine(
     """Start ``python -m miles_disagg.engines.builtin`` on ``host:port`` (a free port by default);
     returns once it answers ``/health``."""
     port = port or free_port(host)
-    cmd = [sys.executable, "-m", "miles_disagg.engines.builtin", "--model-path", str(model_dir),
-           "--host", host, "--port", str(port), *extra_args]
+    cmd = builtin_engine_command(model_dir, host, port, extra_args)
     return start_http_process(cmd, url=f"http://{host}:{port}", log_path=log_path, health_path="/health",
                               what="engine", error=EngineUnrecoverable, startup_timeout_s=startup_timeout_s,
                               poll_s=0.2, launched=LaunchedEngine)
@@ -163,13 +205,8 @@ def launch_agent(
     """Start ``python -m miles_disagg.engines.agent`` in front of ``engine_url``; returns once it
     answers ``/agent_health`` (which says nothing about its engine)."""
     port = port or free_port(host)
-    cmd = [sys.executable, "-m", "miles_disagg.engines.agent", "--engine-url", engine_url,
-           "--local-checkpoint-dir", str(local_checkpoint_dir), "--host", host, "--port", str(port)]
-    if base_dir is not None:
-        cmd += ["--base-dir", str(base_dir)]
-    if pre_read_hook:
-        cmd += ["--custom-pull-weights-pre-read-hook", pre_read_hook]
-    cmd += list(extra_args)
+    cmd = agent_command(engine_url, local_checkpoint_dir, host=host, port=port, base_dir=base_dir,
+                        pre_read_hook=pre_read_hook, extra_args=extra_args)
     return start_http_process(cmd, url=f"http://{host}:{port}", log_path=log_path, health_path="/agent_health",
                               what="agent", error=EngineUnrecoverable, startup_timeout_s=startup_timeout_s,
                               launched=LaunchedEngine)

@@ -24,13 +24,13 @@ from typing import Any
 
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.engines.client import EngineClient
+from miles_disagg.engines.plan import local_checkpoint_root
 from miles_disagg.engines.updater import BroadcastUpdater, DiskDeltaUpdater, UpdateFailed
-from miles_disagg.types import ConfigError, MilesDisaggError
+from miles_disagg.types import ConfigError, EngineUnrecoverable, MilesDisaggError
 
 log = logging.getLogger(__name__)
 
 ATTACH_TIMEOUT_S = 120.0
-MONITOR_INTERVAL_S = 1.0
 
 
 class EngineManager:
@@ -51,6 +51,7 @@ class EngineManager:
         self._monitor: threading.Thread | None = None
         self.events: list[dict] = []
         self._down: set[int] = set()  # engine indices out of the router until restored
+        self._failures: dict[int, int] = {}  # consecutive failed health checks per engine
         self._broadcast: BroadcastUpdater | None = None
 
     # ------------------------------------------------------------------ start
@@ -76,7 +77,7 @@ class EngineManager:
         self.engine_urls = self._attach() if self.rollout.rollout_external else self._launch()
         if self.router is None:
             self._start_router(self.engine_urls)
-        local_root = Path(self.weights.update_weight_local_checkpoint_dir or self.run_dir / "rollout-checkpoints")
+        local_root = local_checkpoint_root(self.config)
         self.local_dirs = [self._local_dir(url, local_root / f"engine-{i}") for i, url in enumerate(self.engine_urls)]
         if self.rollout.rollout_external:
             self._bring_to_base()
@@ -86,38 +87,41 @@ class EngineManager:
             self.router_client.wait_worker_version(url, 0, timeout_s=60)
         self._monitor = threading.Thread(target=self._watch, name="engine-monitor", daemon=True)
         self._monitor.start()
-        return {"router_url": self.router.url, "engine_urls": list(self.engine_urls)}
+        return {"router_url": self.router.url, "engine_urls": list(self.engine_urls),
+                "delta_filters": [self._announced_filters(url) for url in self.engine_urls]}
+
+    @staticmethod
+    def _announced_filters(url: str) -> list[str] | None:
+        with EngineClient(url, timeout_s=10) as client:
+            return client.announced_delta_filters()
 
     def _start_router(self, workers: list[str]) -> None:
+        from miles_disagg.engines.plan import ROUTER_RETRY_AFTER_S, router_plan
+
         log_path = self.run_dir / "logs" / "router.log"
-        if self.rollout.router == "sglang":
+        plan = router_plan(self.config)
+        if plan.kind == "sglang":
             from miles_disagg.router.sglang_router import SglangRouterClient, launch_sglang_router
 
-            self.router = launch_sglang_router(log_path=log_path, workers=workers)
+            self.router = launch_sglang_router(log_path=log_path, workers=workers, port=plan.port, policy=plan.policy)
             self.router_client = SglangRouterClient(self.router.url)
             return
         from miles_disagg.router.launch import launch_router
 
-        self.router = launch_router(log_path=log_path, health_check_interval_s=self.rollout.rollout_health_check_interval,
-                                    retry_after_s=0.2)
+        self.router = launch_router(log_path=log_path, port=plan.port, health_check_interval_s=plan.health_check_interval_s,
+                                    retry_after_s=ROUTER_RETRY_AFTER_S, extra_args=plan.extra_args)
         self.router_client = self.router.client()
 
     def _launch(self) -> list[str]:
         import ray
 
         from miles_disagg.engines.actor import EngineProcess
-        from miles_disagg.engines.launch import EngineSpec
+        from miles_disagg.engines.plan import engine_specs, resolve_backend
 
-        backend = _resolve_backend(self.rollout.rollout_backend)
+        backend, _ = resolve_backend(self.rollout.rollout_backend)
         remote_cls = ray.remote(EngineProcess)
-        local_root = Path(self.weights.update_weight_local_checkpoint_dir or self.run_dir / "rollout-checkpoints")
-        for index, bundles in enumerate(self.placement.layout.engines):
-            spec = EngineSpec(backend=backend, name=f"engine-{index}", model_path=Path(self.model_path),
-                              log_dir=self.run_dir / "logs", local_checkpoint_dir=local_root / f"engine-{index}",
-                              tp_size=len(bundles), dtype=self.rollout.engine_dtype, seed=self.seed + index,
-                              max_running_requests=64,
-                              pre_read_hook=self.weights.sglang_custom_pull_weights_pre_read_hook,
-                              sglang_args=self.sglang_args)
+        engines = self.placement.layout.engines
+        for bundles, spec in zip(engines, engine_specs(self.config, engines, backend)):
             actor = remote_cls.options(num_cpus=0.2, num_gpus=0.2, max_concurrency=4,
                                        scheduling_strategy=self.placement.strategy(bundles[0])).remote(spec)
             self._actors.append(actor)
@@ -180,10 +184,12 @@ class EngineManager:
         """Bring every live engine to ``version`` (already published); returns the phase timings.
 
         An engine that is down (its process died, or it stopped answering) is left out and
-        marked down; the monitor restarts it and brings it to the newest version before the
-        router uses it again. A live engine that fails the update fails it.
+        marked down; with ``--use-fault-tolerance`` the monitor restarts it and brings it to the
+        newest version before the router uses it again, without it a managed engine that went
+        down fails the run here. A live engine that fails the update fails it.
         """
         with self._lock:
+            self._raise_if_lost()
             report = self._update_live(version)
             self._version = version
         return report.metrics()
@@ -204,7 +210,8 @@ class EngineManager:
     def init_broadcast_group(self, master_addr: str, master_port: int) -> int:
         """Broadcast mode: every engine joins the trainer's weight-update group; returns its world size."""
         self._broadcast = BroadcastUpdater(self.engine_urls, pause_mode=self.rollout.pause_generation_mode,
-                                           set_state=self._set_state)
+                                           set_state=self._set_state,
+                                           bucket_bytes=self.weights.update_weight_buffer_size)
         self._broadcast.init_group(master_addr, master_port)
         return self._broadcast.world_size
 
@@ -242,6 +249,26 @@ class EngineManager:
                 out.append(None)
         return out
 
+    def weight_checksums(self, algorithm: str) -> list[dict]:
+        """Each live engine's ``/weight_checksums`` (``{"url", "error"}`` for one that cannot say)."""
+        results = []
+        with self._lock:
+            for index, url in enumerate(self.engine_urls):
+                if index in self._down:
+                    continue
+                try:
+                    with EngineClient(url, timeout_s=600) as client:
+                        results.append({"url": url, **client.weight_checksums(algorithm)})
+                except MilesDisaggError as exc:
+                    results.append({"url": url, "error": f"{type(exc).__name__}: {exc}"})
+        return results
+
+    def _raise_if_lost(self) -> None:
+        lost = [e for e in self.events if e["event"] == "lost"]
+        if lost:
+            raise EngineUnrecoverable(f"engine {lost[0]['engine']} ({lost[0]['url']}) went down ({lost[0]['why']}) "
+                                      "and --use-fault-tolerance is off, so it is not restarted")
+
     def info(self) -> dict:
         return {"router_url": self.router.url if self.router else None, "engine_urls": list(self.engine_urls),
                 "version": self._version, "events": list(self.events)}
@@ -275,7 +302,11 @@ class EngineManager:
         self.events.append({"engine": index, "event": "down", "url": url, "time": time.time()})
 
     def _watch(self) -> None:
-        while not self._stop.wait(MONITOR_INTERVAL_S):
+        """``--rollout-health-check-first-wait`` once, then a check of every engine each
+        ``--rollout-health-check-interval``."""
+        if self._stop.wait(self.rollout.rollout_health_check_first_wait):
+            return
+        while not self._stop.wait(self.rollout.rollout_health_check_interval):
             for index in range(len(self.engine_urls)):
                 if self._stop.is_set():
                     return
@@ -291,17 +322,40 @@ class EngineManager:
         managed = bool(self._actors)
         if index not in self._down:
             with self._lock:
-                if self._is_live(index):  # (marks the engine down when it is not)
+                if self._passes_health_check(index):
                     return
+                self._mark_down(index)
             if not managed:
                 return  # an attached engine: restored once it answers again (a later check)
         if self._broadcast is not None:
             return  # a broadcast group cannot take a new member: the engine stays out (the run reports it)
+        if managed and not self.rollout.use_fault_tolerance:
+            self._record_lost(index)
+            return
         if managed:
             self.engine_urls[index] = ray.get(self._actors[index].restart.remote())
         elif not self._answers_and_matches(index):
             return
         self._restore(index)
+
+    def _passes_health_check(self, index: int) -> bool:
+        """A managed engine's process must be alive; every engine must answer ``/health`` within
+        ``--rollout-health-check-timeout``, failing ``--rollout-health-check-failure-threshold``
+        times in a row at most."""
+        if self._actors and not self._alive(index):
+            return False
+        with EngineClient(self.engine_urls[index], timeout_s=self.rollout.rollout_health_check_timeout) as client:
+            ok = client.healthy(timeout_s=self.rollout.rollout_health_check_timeout)
+        self._failures[index] = 0 if ok else self._failures.get(index, 0) + 1
+        return self._failures[index] < self.rollout.rollout_health_check_failure_threshold
+
+    def _record_lost(self, index: int) -> None:
+        if any(e["event"] == "lost" and e["engine"] == index for e in self.events):
+            return
+        why = "its process exited" if self._actors and not self._alive(index) else "it failed its health checks"
+        log.error("engine %d went down (%s); --use-fault-tolerance is off: not restarting it", index, why)
+        self.events.append({"engine": index, "event": "lost", "url": self.engine_urls[index], "why": why,
+                            "time": time.time()})
 
     def _answers_and_matches(self, index: int) -> bool:
         """An attached engine that answers again is re-checked against the job before it is restored."""
@@ -358,14 +412,6 @@ class EngineManager:
         self._actors = []
         if self.router is not None:
             self.router.stop()
-
-
-def _resolve_backend(choice: str) -> str:
-    if choice != "auto":
-        return choice
-    import torch
-
-    return "sglang" if torch.cuda.is_available() else "builtin"
 
 
 def _wait_answering(url: str, timeout_s: float) -> None:

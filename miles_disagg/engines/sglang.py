@@ -18,6 +18,7 @@ Pure: no I/O, no SGLang import (the command is built on machines without SGLang)
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Mapping
 
@@ -34,8 +35,12 @@ MANAGED_FLAGS = frozenset({
 })
 
 
+PLACEHOLDER = re.compile(r"^\{[a-z_]+\}$")
+"""A value decided at launch on the engine's node (``{port}``, ``{base_gpu_id}``): ``--dry-run`` plans."""
+
+
 def sglang_command(
-    model_path: str, *, host: str, port: int, tp_size: int, base_gpu_id: int, dtype: str,
+    model_path: str, *, host: str, port: int | str, tp_size: int, base_gpu_id: int | str, dtype: str,
     weight_version: int | str, extra_args: Mapping[str, PassthroughValue] | None = None,
     trust_remote_code: bool = True, python: str = sys.executable,
 ) -> list[str]:
@@ -69,12 +74,12 @@ def _check_managed(model_path: str, host: str, port: int, tp_size: int, base_gpu
         raise ConfigError("the SGLang model path is empty", flags=("--hf-checkpoint",))
     if not host:
         raise ConfigError("the SGLang host is empty")
-    if not _is_int(port) or not 0 < port < 65536:
+    if not _is_placeholder(port) and (not _is_int(port) or not 0 < port < 65536):
         raise ConfigError(f"SGLang port must be in 1..65535, got {port!r}")
     if not _is_int(tp_size) or tp_size < 1:
         raise ConfigError(f"--rollout-num-gpus-per-engine (SGLang --tp-size) must be >= 1, got {tp_size!r}",
                           flags=("--rollout-num-gpus-per-engine",))
-    if not _is_int(base_gpu_id) or base_gpu_id < 0:
+    if not _is_placeholder(base_gpu_id) and (not _is_int(base_gpu_id) or base_gpu_id < 0):
         raise ConfigError(f"SGLang --base-gpu-id must be >= 0, got {base_gpu_id!r}")
     if dtype not in SGLANG_DTYPES:
         raise ConfigError(f"SGLang --dtype must be one of {', '.join(SGLANG_DTYPES)}, got {dtype!r}")
@@ -102,6 +107,10 @@ def _passthrough_argv(name: str, value: PassthroughValue) -> list[str]:
     if not isinstance(value, str):
         raise ConfigError(f"{PASSTHROUGH_PREFIX}{flag}: unsupported value {value!r}", flags=(f"{PASSTHROUGH_PREFIX}{flag}",))
     return [f"--{flag}", value]
+
+
+def _is_placeholder(value: object) -> bool:
+    return isinstance(value, str) and bool(PLACEHOLDER.match(value))
 
 
 def _is_int(value: object) -> bool:

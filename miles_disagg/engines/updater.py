@@ -27,6 +27,9 @@ from miles_disagg.engines.client import EngineClient
 from miles_disagg.types import MilesDisaggError, ReplaceReplica
 
 
+DEFAULT_BUCKET_BYTES = 512 * 1024**2
+
+
 class UpdateFailed(ReplaceReplica):
     """An engine failed an update; the message names it and the phase."""
 
@@ -118,9 +121,10 @@ class BroadcastUpdater(_Fleet):
     """
 
     def __init__(self, engine_urls: Sequence[str], *, pause_mode: str = "retract", set_state: StateHook | None = None,
-                 group_name: str = "miles_disagg_weight_update"):
+                 group_name: str = "miles_disagg_weight_update", bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         super().__init__([EngineClient(url) for url in engine_urls], pause_mode, set_state, "broadcast")
         self.group_name = group_name
+        self.bucket_bytes = bucket_bytes
 
     @property
     def world_size(self) -> int:
@@ -134,13 +138,44 @@ class BroadcastUpdater(_Fleet):
         self._all(join, "init_weights_update_group")
 
     def update(self, version: int, meta: dict[str, list]) -> UpdateReport:
+        """Every engine receives ``meta``'s tensors in buckets of at most ``bucket_bytes``
+        (miles' ``--update-weight-buffer-size``), one ``/update_weights_from_distributed`` per
+        bucket, all inside one pause; the last bucket sets ``weight_version`` (and flushes)."""
         start = time.perf_counter()
-        body = {**meta, "group_name": self.group_name, "weight_version": str(version),
-                "flush_cache": self.pause_mode != "in_place"}
+        buckets = plan_buckets(meta, self.bucket_bytes)
+        bodies = [{**bucket, "group_name": self.group_name, "flush_cache": False} for bucket in buckets]
+        bodies[-1].update(weight_version=str(version), flush_cache=self.pause_mode != "in_place")
 
         def one(i: int) -> float:
-            receive = lambda: self.clients[i].update_weights_from_distributed(body)  # noqa: E731
+            def receive() -> None:
+                for body in bodies:
+                    self.clients[i].update_weights_from_distributed(body)
             return self._activate(i, version, flush=False, load=receive)
 
         pauses = self._all(one, "update")
         return UpdateReport(version, 0.0, max(pauses, default=0.0), time.perf_counter() - start, pauses)
+
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+               "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def plan_buckets(meta: dict[str, list], bucket_bytes: int) -> list[dict[str, list]]:
+    """Consecutive runs of ``meta``'s tensors (names, dtypes, shapes in broadcast order) of at
+    most ``bucket_bytes`` each; a tensor larger than that is a bucket of its own."""
+    import math
+
+    buckets: list[dict[str, list]] = []
+    current: dict[str, list] = {"names": [], "dtypes": [], "shapes": []}
+    size = 0
+    for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"]):
+        nbytes = math.prod(shape) * DTYPE_BYTES[str(dtype).removeprefix("torch.")]
+        if current["names"] and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = {"names": [], "dtypes": [], "shapes": []}, 0
+        for key, value in (("names", name), ("dtypes", dtype), ("shapes", shape)):
+            current[key].append(value)
+        size += nbytes
+    if current["names"] or not buckets:
+        buckets.append(current)
+    return buckets

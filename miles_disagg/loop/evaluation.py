@@ -46,7 +46,7 @@ def maybe_evaluate(job, step: int, version: int, *, last: bool = False) -> dict[
         _max_len(cfg),
         cfg.eval.eval_temperature if cfg.eval.eval_temperature is not None else cfg.rollout.rollout_temperature,
         cfg.eval.eval_top_p if cfg.eval.eval_top_p is not None else cfg.rollout.rollout_top_p,
-        cfg.rollout.rollout_top_k)
+        cfg.rollout.rollout_top_k, tuple(cfg.rollout.rollout_stop), tuple(cfg.rollout.rollout_stop_token_ids))
     if cfg.rollout.eval_function_path:  # the user's eval rollout, over the same prompt sets
         datasets = {name: eval_prompts(cfg, name, path, tokenizer=_tokenizer(cfg)) for name, path in cfg.eval.datasets}
         return job.rollout.evaluate_with_function(step, version, datasets, sampling, cfg.eval.n_samples_per_eval_prompt)

@@ -37,14 +37,17 @@ class Job:
     router_url: str | None = None  # the router, or the rollout service's endpoint
     run_id: str | None = None
     tensor_meta: dict | None = None  # broadcast mode: what the engines receive
+    initial_checkpoint: tuple[str, str] | None = None  # (path, flag): a torch_dist checkpoint the policy starts from
     _owns_ray: bool = False
     _data_position: int = 0
 
     @classmethod
     def start(cls, config: RunConfig, *, with_trainer: bool = True, with_engines: bool = True,
-              run_id: str | None = None, data_position: int = 0) -> "Job":
-        """``run_id``/``data_position``: a resumed run's version stream and prompts consumed."""
-        job = cls(config, run_id=run_id)
+              run_id: str | None = None, data_position: int = 0,
+              initial_checkpoint: tuple[str, str] | None = None) -> "Job":
+        """``run_id``/``data_position``: a resumed run's version stream and prompts consumed;
+        ``initial_checkpoint``: the Megatron torch_dist checkpoint a fresh policy starts from."""
+        job = cls(config, run_id=run_id, initial_checkpoint=initial_checkpoint)
         job._data_position = data_position
         try:
             job._start(with_trainer, with_engines)
@@ -70,13 +73,28 @@ class Job:
         if with_trainer and with_engines and cfg.weights.update_weight_transfer_mode == "broadcast":
             self._join_broadcast_group()
 
+    def _delta_filter(self, attached: list | None = None):
+        from miles_disagg.engines.plan import delta_filter_choice, resolve_backend
+
+        cfg = self.config
+        backend = None if cfg.rollout.rollout_external or cfg.rollout.rollout_service_url else \
+            resolve_backend(cfg.rollout.rollout_backend)[0]
+        return delta_filter_choice(cfg.weights, cfg.rollout, backend=backend,
+                                   num_engines=len(self.placement.layout.engines), attached=attached)
+
     def _start_trainer(self) -> None:
         from miles_disagg.trainer.group import TrainerGroup
 
-        self.trainer = TrainerGroup(self.placement, TrainerGroupConfig.from_run(self.config))
-        info = self.trainer.setup(self.run_id)
+        self.trainer = TrainerGroup(self.placement, TrainerGroupConfig.from_run(self.config, self.initial_checkpoint))
+        choice = self._delta_filter()
+        info = self.trainer.setup(self.run_id, delta_filter=choice.filter)
         self.run_id = info.get("run_id")
         status(f"trainer: {self.trainer.world_size} rank(s), {info['backend']}, ready in {info['setup_s']:.1f}s")
+        if self._publishes() and not self.config.rollout.rollout_external:
+            status(f"weights: delta filter {choice.filter} ({choice.reason})")
+
+    def _publishes(self) -> bool:
+        return self.trainer is not None and self.config.weights.update_weight_transfer_mode == "disk-delta"
 
     def _start_engines(self) -> None:
         from miles_disagg.engines.handle import EngineManagerHandle
@@ -84,10 +102,23 @@ class Job:
         if self.config.rollout.rollout_service_url:
             self._connect_service()
             return
-        self.engines = EngineManagerHandle(EngineManagerConfig.from_run(self.config), self.placement)
+        from miles_disagg.engines.plan import resolve_backend, unused_sglang_args
+
+        manager_config = EngineManagerConfig.from_run(self.config)
+        note = unused_sglang_args(manager_config, None if self.config.rollout.rollout_external else
+                                  resolve_backend(self.config.rollout.rollout_backend)[0])
+        if note:
+            status(note)
+        self.engines = EngineManagerHandle(manager_config, self.placement)
         self.engines.start()
         self.router_url = self.engines.router_url
         status(f"engines: {len(self.engines.engine_urls)} behind the router at {self.router_url}")
+        if self.trainer is not None:
+            self.trainer.set_rollout_engines(self.engines.engine_urls)
+        if self._publishes() and self.config.rollout.rollout_external:
+            choice = self._delta_filter(attached=self.engines.delta_filters)  # what the attached engines announce
+            self.trainer.set_delta_filter(choice.filter)
+            status(f"weights: delta filter {choice.filter} ({choice.reason})")
         self._start_rollout()
 
     def _connect_service(self) -> None:

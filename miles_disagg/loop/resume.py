@@ -19,6 +19,7 @@ from miles_disagg.config.components import RunConfig
 from miles_disagg.tracking import status
 from miles_disagg.trainer.checkpoint import (
     STATE_FORMATS, SaveMeta, check_state_format, check_world_size, find_latest, write_save)
+from miles_disagg.trainer.torch_dist import initial_checkpoint
 
 
 @dataclass
@@ -32,7 +33,9 @@ def find_resume(config: RunConfig) -> tuple[Path, SaveMeta] | None:
         return None
     found = find_latest(config.train.load)
     if found is None:
-        status(f"--load {config.train.load}: no complete save there; starting from --hf-checkpoint")
+        start = initial_checkpoint(config.train.load, config.train.ref_load, resuming=False)
+        origin = f"{start[1]} {start[0]} (a Megatron torch_dist checkpoint)" if start else "--hf-checkpoint"
+        status(f"--load {config.train.load}: no save of this launcher there; starting from {origin}")
         return None
     path, meta = found
     check_state_format(meta, config.train.train_backend, path)
@@ -44,9 +47,12 @@ def find_resume(config: RunConfig) -> tuple[Path, SaveMeta] | None:
 
 
 def restore(job, found: tuple[Path, SaveMeta] | None) -> LoopState:
-    """Load the saved trainer state and reconcile it with the version store and the engines."""
+    """Load the saved trainer state and reconcile it with the version store and the engines.
+
+    A fresh run whose policy starts from a torch_dist checkpoint (not the engines' base) first
+    publishes it as version 1 and brings the engines to it: no sample comes from another policy."""
     if found is None:
-        return LoopState()
+        return _publish_initial(job) if job.initial_checkpoint and job.trainer is not None else LoopState()
     path, meta = found
     job.trainer.load(str(path))
     version = meta.version
@@ -64,6 +70,22 @@ def restore(job, found: tuple[Path, SaveMeta] | None) -> LoopState:
     if job.rollout is not None:
         job.rollout.set_version(version)
     return LoopState(step=meta.step, version=version)
+
+
+def _publish_initial(job) -> LoopState:
+    from miles_disagg.loop.updates import publish, publish_and_update
+
+    path, flag = job.initial_checkpoint
+    if job.engines is not None:
+        version, _ = publish_and_update(job, 0)
+    elif job.config.weights.update_weight_transfer_mode == "disk-delta":
+        version, _ = publish(job, 0)  # the rollout service's replicas converge on it themselves
+    else:
+        return LoopState()
+    status(f"the policy starts from {flag} {path}: published as v{version}, the engines serve it")
+    if job.rollout is not None:
+        job.rollout.set_version(version)
+    return LoopState(step=0, version=version)
 
 
 def maybe_save(job, state: LoopState, *, last: bool) -> None:

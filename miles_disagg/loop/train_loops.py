@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from miles_disagg.config.components import RunConfig
+from miles_disagg.loop.ci_gates import check_step
 from miles_disagg.loop.evaluation import maybe_evaluate
 from miles_disagg.loop.job import Job
 from miles_disagg.loop.records import BusyMeter, step_record
@@ -20,6 +21,7 @@ from miles_disagg.loop.updates import publish, publish_and_update, start_update
 from miles_disagg.rollout.manager import load_groups, save_groups
 from miles_disagg.tracking import TRAIN_STEPS_STREAM, UPDATES_STREAM, MetricsTracker, status
 from miles_disagg.trainer.advantages import assign_advantages
+from miles_disagg.trainer.torch_dist import initial_checkpoint
 from miles_disagg.types import RolloutBatch
 
 
@@ -48,7 +50,7 @@ def train_async(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         trained = time.perf_counter()
         update_metrics = {}
         if (step + 1) % cfg.weights.update_weights_interval == 0:
-            activated = _log_activation(tracker, activating)  # one at a time: the previous one finishes first
+            activated = _log_activation(tracker, cfg, activating)  # one at a time: the previous one finishes first
             version, update_metrics, pending = _begin_update(job, version)
             activating = (step, pending) if pending is not None else None
             job.rollout.set_version(version)
@@ -57,9 +59,9 @@ def train_async(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         update_metrics.update(maybe_evaluate(job, step, version, last=last))
         timings = {"perf/wait_rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
                    "perf/step_time": time.perf_counter() - start, "perf/engine_busy_fraction": busy.fraction()}
-        _log_step(tracker, step, batch, train_metrics, update_metrics, timings, note=activated)
+        _log_step(tracker, cfg, step, batch, train_metrics, update_metrics, timings, note=activated)
         activated = None
-    _log_activation(tracker, activating)
+    _log_activation(tracker, cfg, activating)
 
 
 def _begin_update(job: Job, version: int):
@@ -70,7 +72,7 @@ def _begin_update(job: Job, version: int):
     return version, metrics, start_update(job, version)
 
 
-def _log_activation(tracker: MetricsTracker, activating) -> str | None:
+def _log_activation(tracker: MetricsTracker, config: RunConfig, activating) -> str | None:
     """Wait for the activation in flight (if any) and append it to the ``updates`` stream;
     a few words about it for the status line."""
     if activating is None:
@@ -80,6 +82,7 @@ def _log_activation(tracker: MetricsTracker, activating) -> str | None:
     if not metrics:  # service topology: the replicas converge on their own
         return None
     record = tracker.log_stream(UPDATES_STREAM, step, {"weights/version": pending.version, **metrics})
+    check_step(record, config)  # --ci-test: every engine serves the published version
     pause = record.get("perf/update_weights_pause_time")
     return f"v{pending.version} active" + (f" (pause {pause * 1e3:.0f} ms)" if pause is not None else "")
 
@@ -114,7 +117,7 @@ def train_sync(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         update_metrics.update(maybe_evaluate(job, step, version, last=last))
         timings = {"perf/rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
                    "perf/step_time": time.perf_counter() - start, "perf/engine_busy_fraction": busy.fraction()}
-        _log_step(tracker, step, batch, train_metrics, update_metrics, timings)
+        _log_step(tracker, job.config, step, batch, train_metrics, update_metrics, timings)
 
 
 def _advantages(batch: RolloutBatch, train_config) -> list:
@@ -143,9 +146,10 @@ def _mean_reward(groups) -> float:
     return sum(rewards) / len(rewards) if rewards else 0.0
 
 
-def _log_step(tracker: MetricsTracker, step: int, batch: RolloutBatch, train_metrics: dict, update_metrics: dict,
-              timings: dict, note: str | None = None) -> None:
+def _log_step(tracker: MetricsTracker, config: RunConfig, step: int, batch: RolloutBatch, train_metrics: dict,
+              update_metrics: dict, timings: dict, note: str | None = None) -> None:
     record = tracker.log(step, step_record(train_metrics, batch.metrics, update_metrics, timings, batch.num_samples))
+    check_step(record, config)
     parts = [f"step {step}", f"reward {record.get('rollout/raw_reward', 0):.3f}",
              f"staleness max {record.get('rollout/staleness_max', 0):.0f}"]
     if "weights/version" in record:
@@ -164,11 +168,14 @@ def run(config: RunConfig) -> None:
 
     with_engines = not config.rollout.debug_train_only
     found = find_resume(config)
+    initial = initial_checkpoint(config.train.load, config.train.ref_load, resuming=found is not None)
     job = Job.start(config, with_trainer=not config.rollout.debug_rollout_only, with_engines=with_engines,
-                    run_id=found[1].run_id if found else None, data_position=found[1].data_position if found else 0)
+                    run_id=found[1].run_id if found else None, data_position=found[1].data_position if found else 0,
+                    initial_checkpoint=initial)
     tracker = MetricsTracker(config.tracking.run_dir, use_tensorboard=config.tracking.use_tensorboard,
                              use_wandb=config.tracking.use_wandb, wandb_project=config.tracking.wandb_project,
-                             wandb_group=config.tracking.wandb_group)
+                             wandb_group=config.tracking.wandb_group, wandb_team=config.tracking.wandb_team,
+                             wandb_key=config.tracking.wandb_key)
     try:
         state = restore(job, found)
         if config.entry == "train_async" and not (config.rollout.debug_rollout_only or config.rollout.debug_train_only):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from miles_disagg.loop.ci_gates import check_weights_equal
 from miles_disagg.loop.job import Job
 
 
@@ -24,6 +25,7 @@ class PendingUpdate:
 
     def __init__(self, job: Job, version: int):
         self.version = version
+        self._job = job
         self._engines = job.engines.start_update(version) if job.engines is not None else None
         if job.config.rollout.rollout_service_url:
             wake_service(job.config.rollout.rollout_service_url)
@@ -34,7 +36,10 @@ class PendingUpdate:
         if self._engines is None:
             return {}
         update = self._engines.finish()
-        return {**update.metrics, "weights/engine_versions": update.engine_versions}
+        metrics = {**update.metrics, "weights/engine_versions": update.engine_versions}
+        if self._job.config.ci.check_weight_update_equal:
+            metrics.update(check_weights_equal(self._job, self.version))
+        return metrics
 
 
 def start_update(job: Job, version: int) -> PendingUpdate:
@@ -62,6 +67,8 @@ def broadcast_update(job: Job, version: int) -> tuple[int, dict[str, Any]]:
     metrics["perf/update_weights_density"] = 1.0  # broadcast sends every tensor whole
     metrics["weights/version"] = version
     metrics["weights/engine_versions"] = job.engines.versions()
+    if job.config.ci.check_weight_update_equal:
+        metrics.update(check_weights_equal(job, version))
     return version, metrics
 
 

@@ -34,10 +34,17 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "top_k": self.top_k}
+        body: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                                "top_p": self.top_p, "top_k": self.top_k}
+        if self.stop:
+            body["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            body["stop_token_ids"] = list(self.stop_token_ids)
+        return body
 
 
 def request_body(prompt_ids: list[int], sampling: SamplingSettings, min_version: int | None,

@@ -65,7 +65,8 @@ class RolloutManager:
         self.reward = make_reward(config)
         self.hooks = load_rollout_hooks(config)
         self.sampling = SamplingSettings(config.rollout_max_response_len, config.rollout_temperature,
-                                         config.rollout_top_p, config.rollout_top_k)
+                                         config.rollout_top_p, config.rollout_top_k, tuple(config.rollout_stop),
+                                         tuple(config.rollout_stop_token_ids))
         self.batch_size = config.rollout_batch_size or 1
         self.over_sampling = config.over_sampling_batch_size or self.batch_size
         select = buffer_selector(self.hooks.buffer_filter, lambda: self.args) if self.hooks.buffer_filter else None

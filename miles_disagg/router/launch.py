@@ -41,11 +41,18 @@ def launch_router(
     answer ``/health`` within ``startup_timeout_s``; the process is stopped in that case.
     """
     port = port or free_port(host)
+    cmd = router_command(host=host, port=port, workers=workers, health_check_interval_s=health_check_interval_s,
+                         retry_after_s=retry_after_s, extra_args=extra_args)
+    return start_http_process(cmd, url=f"http://{host}:{port}", log_path=log_path, health_path="/health",
+                              what="router", error=RouterStartFailed, startup_timeout_s=startup_timeout_s,
+                              poll_s=0.05, launched=LaunchedRouter)
+
+
+def router_command(*, host: str, port: int | str, workers: Sequence[str] = (), health_check_interval_s: float = 1.0,
+                   retry_after_s: float = 1.0, extra_args: Sequence[str] = ()) -> list[str]:
+    """The argv :func:`launch_router` runs (``--dry-run`` prints it with ``{port}`` unfilled)."""
     cmd = [sys.executable, "-m", "miles_disagg.router", "--host", host, "--port", str(port),
            "--health-check-interval", str(health_check_interval_s), "--retry-after-s", str(retry_after_s)]
     if workers:
         cmd += ["--worker", *workers]
-    cmd += list(extra_args)
-    return start_http_process(cmd, url=f"http://{host}:{port}", log_path=log_path, health_path="/health",
-                              what="router", error=RouterStartFailed, startup_timeout_s=startup_timeout_s,
-                              poll_s=0.05, launched=LaunchedRouter)
+    return cmd + list(extra_args)

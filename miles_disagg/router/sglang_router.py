@@ -35,15 +35,22 @@ def require_sglang_router() -> None:
 
 
 def launch_sglang_router(*, log_path: Path, workers: Sequence[str], port: int | None = None,
-                         host: str = "127.0.0.1", startup_timeout_s: float = 120.0) -> LaunchedRouter:
+                         host: str = "127.0.0.1", policy: str | None = None,
+                         startup_timeout_s: float = 120.0) -> LaunchedRouter:
     """``python -m sglang_router.launch_router`` over ``workers``; waits until it answers."""
     require_sglang_router()
     port = port or free_port(host)
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-           "--policy", "round_robin", "--worker-urls", *workers]
+    cmd = sglang_router_command(host=host, port=port, workers=workers, policy=policy)
     return start_http_process(cmd, url=f"http://{host}:{port}", log_path=log_path, health_path="/health",
                               what="sglang-router", error=RouterStartFailed, startup_timeout_s=startup_timeout_s,
                               poll_s=0.2, launched=LaunchedRouter)
+
+
+def sglang_router_command(*, host: str, port: int | str, workers: Sequence[str], policy: str | None = None) -> list[str]:
+    """The argv :func:`launch_sglang_router` runs (``policy``: miles' ``--sglang-router-policy``;
+    default round_robin)."""
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+            "--policy", policy or "round_robin", "--worker-urls", *workers]
 
 
 @dataclass

@@ -20,6 +20,9 @@ class TrainerRank:
         self.rank, self.world_size = rank, world_size
         self.train_config, self.weights_config, self.hf_dir = config.train, config.weights, config.hf_dir
         self.temperature = config.temperature
+        self.miles_args = config.miles_args
+        self.initial_checkpoint = config.initial_checkpoint
+        self.rollout_engines: tuple[str, ...] = ()
         self.backend = None
         self.publisher = None
 
@@ -30,7 +33,7 @@ class TrainerRank:
 
         return ray.util.get_node_ip_address(), free_port("0.0.0.0")
 
-    def setup(self, master_addr: str, master_port: int, run_id: str | None) -> dict:
+    def setup(self, master_addr: str, master_port: int, run_id: str | None, delta_filter: str = "none") -> dict:
         import torch
 
         from miles_disagg.trainer.backend import make_backend
@@ -40,23 +43,45 @@ class TrainerRank:
         start = time.perf_counter()
         backend = init_distributed(self.rank, self.world_size, master_addr, master_port)
         self.backend = make_backend(self.train_config, self.hf_dir, rank=self.rank, world_size=self.world_size,
-                                    temperature=self.temperature)
+                                    temperature=self.temperature, initial_checkpoint=self.initial_checkpoint)
         if self.rank == 0 and self.weights_config.update_weight_transfer_mode == "disk-delta":
-            self.publisher = self._make_publisher(run_id)
+            self.publisher = self._make_publisher(run_id, delta_filter)
         return {"backend": backend, "setup_s": time.perf_counter() - start,
                 "run_id": self.publisher.run_id if self.publisher else run_id}
 
-    def _make_publisher(self, run_id: str | None):
+    def _make_publisher(self, run_id: str | None, delta_filter: str):
+        from miles_disagg.weights.hooks import POST_WRITE_FLAG, MilesHookContext, load_hook
         from miles_disagg.weights.publisher import DeltaPublisher
 
         w = self.weights_config
+        hook = load_hook(w.custom_update_weight_post_write_path, POST_WRITE_FLAG,
+                         MilesHookContext(self.miles_args, lambda: self.rollout_engines))
         publisher = DeltaPublisher(
             w.update_weight_disk_dir, base_dir=self.hf_dir, run_id=run_id, encoding=w.update_weight_delta_encoding,
-            checksum=w.update_weight_delta_checksum, filter=w.update_weight_delta_filter,
-            post_write_hook=w.custom_update_weight_post_write_path,
+            checksum=w.update_weight_delta_checksum, filter=delta_filter, post_write_hook=hook,
             full_anchor_interval=w.update_weight_full_anchor_interval)
         publisher.capture_baseline()  # the first update only captures the baseline
         return publisher
+
+    def set_rollout_engines(self, urls: list[str]) -> None:
+        """The engines' URLs, for miles-signature post-write hooks (``rollout_engines``)."""
+        self.rollout_engines = tuple(urls)
+
+    def set_delta_filter(self, delta_filter: str) -> None:
+        """The filter every later version is published with (``auto`` resolved by the driver)."""
+        if self.publisher is not None:
+            self.publisher.set_filter(delta_filter)
+
+    def weight_checksums(self, algorithm: str) -> dict[str, str] | None:
+        """Rank 0: per-tensor checksums of what the engines must serve now: the last published
+        state (disk-delta) or the policy itself (broadcast); collective. Other ranks: None."""
+        from miles_disagg.weights.checksums import checksum
+        from miles_disagg.weights.torch_bytes import tensor_bytes
+
+        if self.weights_config.update_weight_transfer_mode == "disk-delta":  # only rank 0 holds the publisher
+            return self.publisher.published_checksums(algorithm) if self.rank == 0 else None
+        sums = {name: checksum(algorithm, tensor_bytes(t)) for name, t in self.backend.named_tensors()}
+        return sums if self.rank == 0 else None
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -84,10 +84,12 @@ class FSDPBackend(TrainerBackend):
         flat = [b for step in packed for b in step]
         old = self._frozen_logprobs(self.model, flat)
         ref = self._frozen_logprobs(self.ref_model, flat) if self.ref_model is not None else [None] * len(flat)
-        advantages = rollout_advantages(self.config, flat, old, ref)
-        denominators = step_denominators(packed, per_token=self.config.calculate_per_token_loss, device=self.device)
         diff = global_token_mean([((o - b.rollout_logprobs.to(self.device)).abs(), b.loss_mask)
                                   for o, b in zip(old, flat)], device=self.device)
+        if self.config.use_rollout_logprobs:  # the engines' logprobs are the behaviour policy's (miles' meaning)
+            old = [b.rollout_logprobs.to(self.device) for b in flat]
+        advantages = rollout_advantages(self.config, flat, old, ref)
+        denominators = step_denominators(packed, per_token=self.config.calculate_per_token_loss, device=self.device)
         result = TrainResult(rollout={"train/train_rollout_logprob_abs_diff": diff})
         cursor = 0
         for step, denominator in zip(packed, denominators):

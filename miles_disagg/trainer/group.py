@@ -36,22 +36,40 @@ class TrainerGroup:
         ]
         self.run_id: str | None = None
 
-    def setup(self, run_id: str | None = None) -> dict:
+    def setup(self, run_id: str | None = None, delta_filter: str = "none") -> dict:
         """Join torch.distributed, build the backend, and (disk-delta) capture the publisher's
-        baseline; ``run_id`` continues that run's version stream (a resumed run)."""
+        baseline; ``run_id`` continues that run's version stream (a resumed run);
+        ``delta_filter``: the resolved ``--update-weight-delta-filter``."""
         import ray
 
         master_addr, master_port = ray.get(self.ranks[0].address.remote())
-        infos = ray.get([r.setup.remote(master_addr, master_port, run_id) for r in self.ranks])
+        infos = ray.get([r.setup.remote(master_addr, master_port, run_id, delta_filter) for r in self.ranks])
         self.run_id = infos[0]["run_id"]
         return infos[0]
+
+    def set_rollout_engines(self, urls: list[str]) -> None:
+        import ray
+
+        ray.get([r.set_rollout_engines.remote(list(urls)) for r in self.ranks])
+
+    def set_delta_filter(self, delta_filter: str) -> None:
+        import ray
+
+        ray.get(self.ranks[0].set_delta_filter.remote(delta_filter))
+
+    def weight_checksums(self, algorithm: str) -> dict[str, str]:
+        """What the engines must serve now, per tensor (collective; rank 0's answer)."""
+        import ray
+
+        return ray.get([r.weight_checksums.remote(algorithm) for r in self.ranks])[0]
 
     def train(self, samples: list[Sample]) -> TrainResult:
         """Train on one rollout's samples (whole global batches); the metrics of each optimizer
         step over the global batch (every rank computes the same; rank 0's are returned)."""
         import ray
 
-        per_step = split_for_steps(samples, self.train_config.global_batch_size or len(samples), self.world_size)
+        per_step = split_for_steps(samples, self.train_config.global_batch_size or len(samples), self.world_size,
+                                   balance=self.train_config.balance_data)
         results = ray.get([r.train.remote([step[rank] for step in per_step]) for rank, r in enumerate(self.ranks)])
         return results[0]
 

@@ -51,7 +51,26 @@ def plan_layout(cluster: ClusterConfig, *, external_rollout: bool = False) -> La
         first = len(trainer)
         total = len(trainer) + rollout_gpus
     engines = tuple(tuple(range(first + i, first + i + per_engine)) for i in range(0, rollout_gpus, per_engine))
-    return Layout(total, trainer, engines)
+    layout = Layout(total, trainer, engines)
+    if cluster.num_gpus_per_node is not None:
+        _check_engines_within_nodes(layout, cluster.num_gpus_per_node)
+    return layout
+
+
+def node_of(position: int, num_gpus_per_node: int) -> tuple[int, int]:
+    """(node index, GPU index on it) of a sorted bundle position, nodes of ``num_gpus_per_node``
+    GPUs filled in order (what PACK placement on whole nodes gives)."""
+    return position // num_gpus_per_node, position % num_gpus_per_node
+
+
+def _check_engines_within_nodes(layout: Layout, num_gpus_per_node: int) -> None:
+    for index, bundles in enumerate(layout.engines):
+        nodes = {node_of(p, num_gpus_per_node)[0] for p in bundles}
+        if len(nodes) > 1:
+            raise ConfigError(f"rollout engine {index} would span nodes {sorted(nodes)} (bundles {list(bundles)} on "
+                              f"nodes of --num-gpus-per-node {num_gpus_per_node}); an engine runs on one node: make "
+                              "the trainer's GPUs and --rollout-num-gpus-per-engine fit whole nodes",
+                              ("--num-gpus-per-node", "--rollout-num-gpus-per-engine", "--actor-num-gpus-per-node"))
 
 
 @dataclass
@@ -77,7 +96,7 @@ def create_placement(layout: Layout) -> Placement:
     """Reserve ``layout.num_bundles`` GPU bundles (PACK) and sort them by (node, GPU id).
 
     ``ConfigError`` (and nothing left reserved or pending) when the cluster cannot provide
-    them within ``PLACEMENT_TIMEOUT_S``."""
+    them within ``PLACEMENT_TIMEOUT_S``, or when an engine's bundles landed on two nodes."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -90,6 +109,13 @@ def create_placement(layout: Layout) -> Placement:
     probes = [_probe_bundle(group, i) for i in range(layout.num_bundles)]
     found = ray.get(probes)
     order = sorted(range(layout.num_bundles), key=lambda i: (found[i][0], _gpu_sort_key(found[i][1])))
+    for index, bundles in enumerate(layout.engines):
+        nodes = {found[order[p]][0] for p in bundles}
+        if len(nodes) > 1:
+            remove_placement_group(group)
+            raise ConfigError(f"rollout engine {index} got GPUs on {len(nodes)} nodes (an engine runs on one node): "
+                              "make the trainer's GPUs and --rollout-num-gpus-per-engine fit whole nodes",
+                              ("--rollout-num-gpus-per-engine", "--actor-num-gpus-per-node", "--num-gpus-per-node"))
     return Placement(group, order, [found[i][1] for i in order], layout)
 
 

@@ -70,6 +70,32 @@ def check_codec_choices(encoding: str, checksum: str, filter: str) -> None:
             raise ConfigError(f"{flag}: unknown value {value!r} (choose from {', '.join(known)})", flags=(flag,))
 
 
+@dataclass(frozen=True)
+class FilterChoice:
+    """The pre-compression filter a run publishes with, and why (logged; recorded in every index)."""
+
+    filter: str
+    reason: str
+
+
+def choose_delta_filter(requested: str, consumers: list[tuple[str, list[str] | None]]) -> FilterChoice:
+    """Resolve ``--update-weight-delta-filter`` for the consumers of the store.
+
+    ``consumers``: ``(description, filters it announces)`` per consumer; ``None`` for one that
+    announces nothing (stock SGLang, a foreign engine, a rollout service). ``auto`` picks
+    ``byteplane`` only when every consumer announces it (this project's engines and agents do),
+    else the plain format (``none``) that every disk-delta reader understands.
+    """
+    if requested != "auto":
+        return FilterChoice(requested, f"{FILTER_FLAG} {requested}")
+    if not consumers:
+        return FilterChoice("none", "auto: no consumer known, so the plain format every reader understands")
+    foreign = [name for name, announced in consumers if not announced or "byteplane" not in announced]
+    if foreign:
+        return FilterChoice("none", f"auto: {', '.join(foreign)} may not read byte planes, so the plain format")
+    return FilterChoice("byteplane", f"auto: every consumer ({len(consumers)}) announces byte planes")
+
+
 class DeltaPublisher:
     """Publishes versions of one run onto a store; one ``publish`` at a time."""
 
@@ -99,6 +125,22 @@ class DeltaPublisher:
     def tensor_names(self) -> frozenset[str]:
         """Names of the baseline's tensors (empty before ``capture_baseline``)."""
         return frozenset(self._layouts)
+
+    def set_filter(self, filter: str) -> None:
+        """The filter of every later version (a run resolves ``auto`` once its engines are known)."""
+        check_codec_choices(self.encoding, self.checksum, filter)
+        with self._publish_lock:
+            self.filter = filter
+
+    def published_checksums(self, algorithm: str | None = None) -> dict[str, str]:
+        """Checksums of every tensor of the last published (or baseline) state, keyed by HF name:
+        what an engine serving ``latest`` must hold, byte for byte."""
+        from miles_disagg.weights.checksums import checksum
+
+        if self._snapshot is None:
+            raise InvalidInput("capture_baseline() must run before published_checksums()")
+        with self._publish_lock:
+            return {name: checksum(algorithm or self.checksum, data) for name, data in self._snapshot.items()}
 
     @property
     def latest(self) -> VersionRef | None:

@@ -72,7 +72,7 @@ def world(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     store = run_dir / "store"
     cluster = ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=2, rollout_num_gpus_per_engine=1)
     rollout = RolloutConfig(rollout_backend="builtin", rollout_health_check_interval=0.2,
-                            pause_generation_mode="retract")
+                            pause_generation_mode="retract", use_fault_tolerance=True)
     weights = WeightUpdateConfig(update_weight_transfer_mode="disk-delta", update_weight_disk_dir=str(store))
     with ray_session(num_gpus=4):
         placement = create_placement(plan_layout(cluster))

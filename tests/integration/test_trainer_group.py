@@ -9,6 +9,8 @@ same gradient (its norm, before clipping, at every optimizer step) and the same 
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import shutil
 import tempfile
@@ -61,6 +63,7 @@ def trainer_group(world_size: int, model_dir: Path, train: TrainConfig):
     from miles_disagg.trainer.placement import create_placement, plan_layout
 
     placement = create_placement(plan_layout(ClusterConfig(actor_num_gpus_per_node=world_size), external_rollout=True))
+    train = dataclasses.replace(train, train_backend="fsdp")
     group = TrainerGroup(placement, TrainerGroupConfig(train=train, weights=WeightUpdateConfig(), hf_dir=str(model_dir)))
     try:
         info = group.setup()

@@ -11,7 +11,8 @@ import pytest
 from safetensors.torch import load_file
 
 from miles_disagg.config import load_config
-from miles_disagg.launcher import ensure_base_checkpoint, main
+from miles_disagg.launcher import main
+from miles_disagg.loop.preflight import ensure_base_checkpoint
 from miles_disagg.models.tiny_qwen3 import INIT_RECORD_FILENAME, make_tiny_qwen3
 from miles_disagg.types import ConfigError
 

@@ -32,3 +32,17 @@ def test_engines_must_be_whole() -> None:
         plan_layout(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=3, rollout_num_gpus_per_engine=2))
     with pytest.raises(ConfigError, match="--colocate"):
         plan_layout(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=2, colocate=True))
+
+
+def test_with_num_gpus_per_node_an_engine_may_not_span_two_nodes() -> None:
+    from miles_disagg.trainer.placement import node_of
+
+    fits = plan_layout(ClusterConfig(actor_num_gpus_per_node=4, rollout_num_gpus=4, rollout_num_gpus_per_engine=2,
+                                     num_gpus_per_node=4))
+    assert [[node_of(p, 4) for p in engine] for engine in fits.engines] == [[(1, 0), (1, 1)], [(1, 2), (1, 3)]]
+    with pytest.raises(ConfigError, match="rollout engine 1 would span nodes \\[0, 1\\]") as info:
+        plan_layout(ClusterConfig(actor_num_gpus_per_node=3, rollout_num_gpus=4, rollout_num_gpus_per_engine=2,
+                                  num_gpus_per_node=6))
+    assert "--num-gpus-per-node" in info.value.flags
+    # without the flag the node size is unknown: the placement checks the real nodes at start-up
+    plan_layout(ClusterConfig(actor_num_gpus_per_node=3, rollout_num_gpus=4, rollout_num_gpus_per_engine=2))

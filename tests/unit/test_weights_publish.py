@@ -130,8 +130,9 @@ def test_bad_publisher_configuration_names_the_flag(tmp_path, base):
                          ({"post_write_hook": "os.path:join"}, None),  # join(a, *p) accepts (version_dir, ref)
                          ({"post_write_hook": "json:dumps"}, "--custom-update-weight-post-write-path"),
                          ({"post_write_hook": lambda: None}, "--custom-update-weight-post-write-path"),
-                         # miles' own hook signature (args, path, rollout_engines) is refused up front
-                         ({"post_write_hook": lambda args, path, rollout_engines: None}, "--custom-update-weight-post-write-path")):
+                         # miles' own hook signature (args, version_dir, rollout_engines) is accepted
+                         ({"post_write_hook": lambda args, path, rollout_engines: None}, None),
+                         ({"post_write_hook": lambda a, b, c, d: None}, "--custom-update-weight-post-write-path")):
         if flag is None:
             DeltaPublisher(tmp_path / "s", base_dir=base, **kwargs)
             continue

@@ -230,7 +230,27 @@ class Agent:
             "last_pull": self.last_pull,
             "last_activation": self.last_activation,
             "last_error": self.last_error,
+            "delta_filters": ["byteplane", "none"],  # what /pull_weights reads: a job may publish byte planes
         }
+
+    def checkpoint_checksums(self, algorithm: str) -> dict:
+        """Checksums of the held local checkpoint's tensors: what this host handed its engine at
+        the last activation (stock SGLang exposes no checksums of its live weights)."""
+        from miles_disagg.weights.checksums import CHECKSUMS, checksum
+        from miles_disagg.weights.safetensors_io import checkpoint_tensors, read_bytes
+
+        if algorithm not in CHECKSUMS:
+            raise InvalidInput(f"unknown checksum {algorithm!r} (known: {', '.join(CHECKSUMS)})")
+        last = self.last_activation
+        if last is not None and not last.get("error"):
+            version, path = str(last["version"]), Path(last["path"])
+        elif last is None and self.base_dir is not None:
+            version, path = "0", Path(self.base_dir)  # never activated: the engine serves its base
+        else:
+            raise InvalidInput(f"the engine's weights are unknown: {self.last_error or 'no base directory known'}")
+        sums = {name: checksum(algorithm, read_bytes(path / file, entry))
+                for name, (file, entry) in checkpoint_tensors(path).items()}
+        return {"weight_version": version, "algorithm": algorithm, "source": "local_checkpoint", "checksums": sums}
 
 
 # --------------------------------------------------------------------------- errors
@@ -295,6 +315,14 @@ def create_app(agent: Agent):
     @app.get("/agent_info")
     async def agent_info():
         return agent.info()
+
+    @app.get("/weight_checksums")
+    async def weight_checksums(algorithm: str = "xxh3-128"):
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(None, agent.checkpoint_checksums, algorithm)
+        except Exception as exc:
+            return error_response(exc)
+        return JSONResponse(result)
 
     @app.post("/pull_weights")
     async def pull_weights(request: Request):

@@ -57,6 +57,10 @@ ENGINE_VERSION = "miles-disagg-builtin-0.1.0"
 
 # SGLang ``server_args`` keys a client may compare (miles checks an external engine's layout):
 # this engine is one process on one device.
+ANNOUNCEMENT = {"pull_weights": True, "delta_filters": ["byteplane", "none"], "weight_checksums": True}
+"""What ``/get_server_info`` announces under ``miles_disagg``: this engine reads byte-plane
+deltas (so a job may publish them) and serves ``/weight_checksums``."""
+
 _SINGLE_PROCESS_SERVER_ARGS = {"tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "nnodes": 1, "node_rank": 0}
 
 
@@ -323,6 +327,21 @@ class Engine:
             "architectures": list(getattr(self.runner.config, "architectures", None) or []),
         }
 
+    def weight_checksums(self, algorithm: str) -> dict:
+        """Checksums of the live weights' bytes by HF name (``--check-weight-update-equal``).
+
+        The tensor references are taken on the scheduler thread, so they are of one version
+        (an activation replaces tensors, it never writes into them); hashing runs off it."""
+        from miles_disagg.weights.checksums import CHECKSUMS, checksum
+        from miles_disagg.weights.torch_bytes import tensor_bytes
+
+        if algorithm not in CHECKSUMS:
+            raise InvalidInput(f"unknown checksum {algorithm!r} (known: {', '.join(CHECKSUMS)})")
+        version, tensors = self.scheduler.call(
+            lambda s: (s.version, {name: p.data for name, p in self.runner.params.items()})).result()
+        return {"weight_version": version, "algorithm": algorithm, "source": "live",
+                "checksums": {name: checksum(algorithm, tensor_bytes(t.detach().cpu())) for name, t in tensors.items()}}
+
     def health(self) -> str | None:
         """None when serving; else why not (the scheduler died, or its last step failed)."""
         s = self.scheduler
@@ -346,6 +365,7 @@ class Engine:
             "max_req_input_len": self.runner.max_context - 1,
             "weight_version": self.version,
             "version": ENGINE_VERSION,
+            "miles_disagg": ANNOUNCEMENT,
             "internal_states": [{
                 "paused_mode": s.paused_mode,
                 "num_running_requests": len(s.running),

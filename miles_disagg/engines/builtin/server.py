@@ -160,6 +160,13 @@ def create_app(engine: Engine):
     async def get_weight_version():
         return {"weight_version": engine.version}
 
+    @app.get("/weight_checksums")
+    async def weight_checksums(algorithm: str = "xxh3-128"):
+        try:
+            return JSONResponse(await blocking(engine.weight_checksums, algorithm))
+        except Exception as exc:
+            return error_response(exc)
+
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
         async def handler(body: bytes) -> dict:

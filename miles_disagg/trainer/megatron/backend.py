@@ -28,6 +28,7 @@ from miles_disagg.trainer.megatron.model import (
     build_gpt, import_megatron, init_parallel_state, load_hf_weights, read_hf_config, transformer_config,
     uses_te_spec)
 from miles_disagg.trainer.megatron.optim import make_optimizer
+from miles_disagg.trainer.torch_dist import load_torch_dist, torch_dist_dir
 from miles_disagg.trainer.megatron.step import (
     PassContext, StepInputs, logprob_loss_fn, policy_loss_fn, run_micro_batches)
 from miles_disagg.trainer.reduction import StepMetrics, global_token_mean, step_denominators
@@ -35,10 +36,13 @@ from miles_disagg.types import Sample
 
 
 class MegatronBackend(TrainerBackend):
-    def __init__(self, config: TrainConfig, hf_dir: str, *, rank: int, world_size: int, temperature: float = 1.0):
-        """Build the parallel state, this rank's model stage from ``hf_dir``, its optimizer and
-        (``--use-kl-loss`` whatever its coefficient, or ``--kl-coef``) the frozen reference from ``--ref-load``
-        or ``hf_dir``. ``temperature``: the rollout's, applied to logits before logprobs."""
+    def __init__(self, config: TrainConfig, hf_dir: str, *, rank: int, world_size: int, temperature: float = 1.0,
+                 initial_checkpoint: tuple[str, str] | None = None):
+        """Build the parallel state, this rank's model stage from ``hf_dir`` (then, given
+        ``initial_checkpoint`` ``(path, flag)``, the weights of that Megatron torch_dist
+        checkpoint), its optimizer and (``--use-kl-loss`` whatever its coefficient, or ``--kl-coef``)
+        the frozen reference from ``--ref-load`` (HF or torch_dist) or ``hf_dir``. ``temperature``:
+        the rollout's, applied to logits before logprobs."""
         import_megatron()
         self.config, self.rank, self.world_size = config, rank, world_size
         self.layout = init_parallel_state(config, world_size)
@@ -50,6 +54,8 @@ class MegatronBackend(TrainerBackend):
         self.tconfig = transformer_config(self.shape, config, self.layout)
         self.gpt = build_gpt(self.shape, self.tconfig, self.layout)
         load_hf_weights(self.gpt, hf_dir, self.shape, self.layout)
+        if initial_checkpoint is not None:
+            load_torch_dist(self.gpt, *initial_checkpoint)
         self.optim = make_optimizer(self.gpt, config, self.tconfig)
         self.ref = self._reference(config.ref_load or hf_dir) if config.needs_reference else None
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -58,7 +64,10 @@ class MegatronBackend(TrainerBackend):
 
     def _reference(self, ref_dir: str) -> torch.nn.Module:
         ref = build_gpt(self.shape, self.tconfig, self.layout)
-        load_hf_weights(ref, ref_dir, self.shape, self.layout)
+        if torch_dist_dir(ref_dir) is not None:
+            load_torch_dist(ref, ref_dir, "--ref-load")
+        else:
+            load_hf_weights(ref, ref_dir, self.shape, self.layout)
         return ref.eval().requires_grad_(False)
 
     # ------------------------------------------------------------------ training
@@ -76,11 +85,13 @@ class MegatronBackend(TrainerBackend):
                 self._optimizer_step(StepInputs(step, none, none, none, denominator=1.0))
             return self._from_last_stage(TrainResult())
         group, device = self._dp_group(), self.ctx.device
+        diff = global_token_mean([((o - mb.packed.rollout_logprobs.to(device)).abs(), mb.packed.loss_mask)
+                                  for o, mb in zip(old, flat)], group, device)
+        if self.config.use_rollout_logprobs:  # the engines' logprobs are the behaviour policy's (miles' meaning)
+            old = [mb.packed.rollout_logprobs.to(device) for mb in flat]
         advantages = rollout_advantages(self.config, [mb.packed for mb in flat], old, ref, group)
         denominators = step_denominators([[mb.packed for mb in step] for step in micro],
                                          per_token=self.config.calculate_per_token_loss, group=group, device=device)
-        diff = global_token_mean([((o - mb.packed.rollout_logprobs.to(device)).abs(), mb.packed.loss_mask)
-                                  for o, mb in zip(old, flat)], group, device)
         result = TrainResult(rollout={"train/train_rollout_logprob_abs_diff": diff})
         cursor = 0
         for step, denominator in zip(micro, denominators):

@@ -122,8 +122,10 @@ def read_hf_config(hf_dir: str):
 
 
 def transformer_config(shape: ModelShape, config: TrainConfig, layout: ParallelLayout):
-    """megatron's ``TransformerConfig`` for ``shape`` under the trainer's flags (no dropout: RL
-    needs the trainer's logprobs to be the policy's, not a dropout sample)."""
+    """megatron's ``TransformerConfig`` for ``shape`` under the trainer's flags. miles' dropout,
+    fp32-softmax and attention-backend flags land here; unset, dropout is 0 (RL needs the
+    trainer's logprobs to be the policy's, not a dropout sample) and softmax runs in fp32."""
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
@@ -133,7 +135,9 @@ def transformer_config(shape: ModelShape, config: TrainConfig, layout: ParallelL
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
         kv_channels=shape.head_dim, normalization="RMSNorm", layernorm_epsilon=shape.norm_eps,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        add_qkv_bias=False, qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
+        add_qkv_bias=False, qk_layernorm=True, hidden_dropout=_or(config.hidden_dropout, 0.0),
+        attention_dropout=_or(config.attention_dropout, 0.0),
+        attention_backend=AttnBackend[config.attention_backend or "auto"],
         tensor_model_parallel_size=layout.tp_size, pipeline_model_parallel_size=layout.pp_size,
         context_parallel_size=layout.cp_size,
         sequence_parallel=config.sequence_parallel and layout.tp_size > 1,
@@ -142,10 +146,15 @@ def transformer_config(shape: ModelShape, config: TrainConfig, layout: ParallelL
         params_dtype=dtype, pipeline_dtype=dtype, bf16=on_gpu, variable_seq_lengths=layout.pp_size > 1,
         use_cpu_initialization=not on_gpu, perform_initialization=False,  # weights come from the checkpoint
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, attention_softmax_in_fp32=True)
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        attention_softmax_in_fp32=_or(config.attention_softmax_in_fp32, True))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecation notes about defaults this backend does not set
         return TransformerConfig(**fields)
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 def uses_te_spec() -> bool:

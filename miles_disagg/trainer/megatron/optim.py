@@ -146,14 +146,15 @@ RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 class GpuOptimizer:
-    """megatron's DistributedDataParallel (fp32 gradient buffers) and distributed optimizer
-    (fp32 main weights sharded over data-parallel ranks, bf16 model weights)."""
+    """megatron's DistributedDataParallel (fp32 gradient buffers unless --no-accumulate-allreduce-grads-in-fp32)
+    and distributed optimizer (fp32 main weights sharded over data-parallel ranks, bf16 model weights)."""
 
     def __init__(self, model: torch.nn.Module, config: TrainConfig, tconfig):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
+        fp32_grads = config.accumulate_allreduce_grads_in_fp32 is not False  # miles' flag; unset: on
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=fp32_grads, use_distributed_optimizer=True,
                                                    overlap_grad_reduce=False)
         self.model = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=model)
         self.no_sync = self.model.no_sync

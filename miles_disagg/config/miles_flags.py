@@ -1,0 +1,85 @@
+"""miles flags this launcher does not take: each is refused with one line saying why and what to use.
+
+A miles launch script should never meet a bare "unrecognized arguments": every flag listed
+here is registered with the parser (and recognized as a YAML key) only to be refused with
+its reason. Flags whose *value* decides (``--megatron-to-hf-mode bridge``,
+``--expert-model-parallel-size 4``) are accepted flags refused in ``validate.py`` with the
+same wording (:func:`miles_refusal`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miles_disagg.types import ConfigError
+
+
+@dataclass(frozen=True)
+class RefusedFlag:
+    flag: str
+    why: str
+    instead: str
+
+    @property
+    def dest(self) -> str:
+        return "refused__" + self.flag.removeprefix("--").replace("-", "_")
+
+    @property
+    def yaml_key(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+def miles_refusal(flag: str, why: str, instead: str) -> str:
+    """The one-line refusal of a miles flag."""
+    return f"{flag} is a miles flag that does not apply here: {why}; {instead}"
+
+
+_COLOCATED_OFFLOAD = ("miles moves one side's GPU memory to the CPU while the other side of a colocated job runs; "
+                      "colocated jobs here keep the trainer and the engines resident and take turns computing")
+
+REFUSED_FLAGS: dict[str, RefusedFlag] = {f.flag: f for f in (
+    RefusedFlag("--keep-old-actor",
+                "it keeps a copy of the weights the engines serve to recompute the PPO ratio's denominator, but here a "
+                "batch may mix samples of several policy versions (each sample records the version that served it)",
+                "use --use-rollout-logprobs (the engines' own logprobs) or --use-tis"),
+    RefusedFlag("--sglang-config",
+                "it describes SGLang server groups (regular/prefill/decode) in YAML, and this launcher starts one kind "
+                "of engine",
+                "size the engines with --rollout-num-gpus and --rollout-num-gpus-per-engine and pass server options "
+                "as --sglang-* flags"),
+    RefusedFlag("--sglang-router-ip",
+                "it points miles at an already running router, but this job starts its own version-aware router, "
+                "which must know every engine's policy version",
+                "drop it (--sglang-router-port sets the port of the job's router)"),
+    RefusedFlag("--sglang-router-request-timeout-secs",
+                "it sets sglang-router's per-request timeout, which the job's router does not take",
+                "drop it"),
+    RefusedFlag("--offload", _COLOCATED_OFFLOAD, "drop it (and size --sglang-mem-fraction-static so both fit)"),
+    RefusedFlag("--offload-train", _COLOCATED_OFFLOAD, "drop it"),
+    RefusedFlag("--offload-rollout", _COLOCATED_OFFLOAD, "drop it"),
+    RefusedFlag("--partial-rollout",
+                "it recycles unfinished samples into the next rollout; here every group is generated whole",
+                "drop it (--max-weight-staleness bounds how old a consumed sample may be)"),
+)}
+
+
+def unknown_flags_error(entry: str, tokens: list[str]) -> ConfigError:
+    """A flag no component declares: it may be one of miles' (or Megatron's) many others. One line
+    that says so, why it cannot apply, and what to do (never argparse's bare "unrecognized")."""
+    flags = [t.split("=", 1)[0] for t in tokens if t.startswith("-")] or tokens
+    return ConfigError(
+        f"{', '.join(flags)}: not a flag of {entry}.py; if it is a miles or Megatron flag, nothing in this launcher "
+        "implements it, so it cannot take effect here; remove it (README, \"Coming from miles\", lists the miles "
+        "flags that carry over and those refused with their reasons)", tuple(flags))
+
+
+def check_refused(given: list[str], *, rollout_external: bool) -> None:
+    """``ConfigError`` for the first refused flag in ``given`` (miles' own rejection first where
+    miles has one: ``--sglang-config`` with ``--rollout-external``)."""
+    if "--sglang-config" in given and rollout_external:
+        raise ConfigError("--sglang-config cannot be combined with --rollout-external: attached engines' topology "
+                          "comes from the engines themselves (miles refuses this too)",
+                          ("--sglang-config", "--rollout-external"))
+    for flag in given:
+        refused = REFUSED_FLAGS[flag]
+        raise ConfigError(miles_refusal(flag, refused.why, refused.instead), (flag,))

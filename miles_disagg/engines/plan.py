@@ -1,0 +1,120 @@
+"""What the engine manager will start, decided without starting anything.
+
+The manager (:mod:`miles_disagg.engines.manager`) and ``--dry-run``
+(:mod:`miles_disagg.loop.dry_run`) both take their engine specs and router settings from
+here, so the plan a dry run prints is the launch a run performs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from miles_disagg.config.actors import EngineManagerConfig
+from miles_disagg.config.components import RolloutConfig, WeightUpdateConfig
+from miles_disagg.engines.launch import EngineSpec
+from miles_disagg.weights.publisher import FilterChoice
+
+ROUTER_RETRY_AFTER_S = 0.2
+BUILTIN_DELTA_FILTERS = ("byteplane", "none")
+"""What the built-in engine reads (and announces under ``/get_server_info`` ``miles_disagg``)."""
+BUILTIN_MAX_RUNNING_REQUESTS = 64
+
+
+def resolve_backend(choice: str) -> tuple[str, str]:
+    """``--rollout-backend`` on this machine: (backend, why)."""
+    if choice != "auto":
+        return choice, f"--rollout-backend {choice}"
+    import torch
+
+    if torch.cuda.is_available():
+        return "sglang", "--rollout-backend auto: a CUDA device is present"
+    return "builtin", "--rollout-backend auto: no CUDA device on this machine"
+
+
+def local_checkpoint_root(config: EngineManagerConfig) -> Path:
+    return Path(config.weights.update_weight_local_checkpoint_dir or Path(config.run_dir) / "rollout-checkpoints")
+
+
+def engine_specs(config: EngineManagerConfig, engines: Sequence[Sequence[int]], backend: str) -> list[EngineSpec]:
+    """One spec per managed engine (``engines``: each engine's bundle positions). The host and
+    base GPU id are filled in where the engine is placed."""
+    root = local_checkpoint_root(config)
+    per_engine = config.rollout.sglang_server_concurrency or BUILTIN_MAX_RUNNING_REQUESTS
+    return [EngineSpec(backend=backend, name=f"engine-{index}", model_path=Path(config.model_path),
+                       log_dir=Path(config.run_dir) / "logs", local_checkpoint_dir=root / f"engine-{index}",
+                       tp_size=len(bundles), dtype=config.rollout.engine_dtype, seed=config.seed + index,
+                       max_running_requests=per_engine,
+                       pre_read_hook=config.weights.sglang_custom_pull_weights_pre_read_hook,
+                       sglang_args=dict(config.sglang_args))
+            for index, bundles in enumerate(engines)]
+
+
+@dataclass(frozen=True)
+class RouterPlan:
+    """The router in front of the engines: the job's version-aware router, or sglang-router."""
+
+    kind: str
+    """``builtin`` or ``sglang``."""
+    port: int | None
+    """``--sglang-router-port``; None: a free port."""
+    health_check_interval_s: float = 1.0
+    policy: str | None = None
+    """sglang-router only: ``--sglang-router-policy``."""
+    extra_args: tuple[str, ...] = field(default=())
+
+    def argv(self, *, host: str, port: int | str, workers: Sequence[str] = ()) -> list[str]:
+        if self.kind == "sglang":
+            from miles_disagg.router.sglang_router import sglang_router_command
+
+            return sglang_router_command(host=host, port=port, workers=workers, policy=self.policy)
+        from miles_disagg.router.launch import router_command
+
+        return router_command(host=host, port=port, workers=workers, health_check_interval_s=self.health_check_interval_s,
+                              retry_after_s=ROUTER_RETRY_AFTER_S, extra_args=self.extra_args)
+
+
+def router_plan(config: EngineManagerConfig) -> RouterPlan:
+    rollout = config.rollout
+    if rollout.router == "sglang":
+        return RouterPlan("sglang", rollout.sglang_router_port, policy=rollout.sglang_router_policy)
+    return RouterPlan("builtin", rollout.sglang_router_port, rollout.rollout_health_check_interval,
+                      extra_args=("--health-check-timeout", str(rollout.rollout_health_check_timeout),
+                                  "--health-failure-threshold", str(rollout.rollout_health_check_failure_threshold)))
+
+
+def delta_filter_choice(weights: WeightUpdateConfig, rollout: RolloutConfig, *, backend: str | None,
+                        num_engines: int, attached: Sequence[list[str] | None] | None = None) -> FilterChoice:
+    """Resolve ``--update-weight-delta-filter`` (``auto``) for the store's consumers.
+
+    Managed built-in engines read byte planes; managed SGLang engines count as SGLang consumers
+    (the reference's topology, whose store stock SGLang's own ``/pull_weights`` may read);
+    attached engines count by what they announce (``attached``: per engine, from
+    ``/agent_info`` or ``/get_server_info``; None while unknown); a rollout service's replicas
+    are not known here."""
+    from miles_disagg.weights.publisher import choose_delta_filter
+
+    if rollout.rollout_service_url:
+        consumers = [(f"the rollout service at {rollout.rollout_service_url}", None)]
+    elif rollout.rollout_external:
+        addrs = rollout.rollout_external_engine_addrs
+        announced = list(attached) if attached is not None else [None] * len(addrs)
+        consumers = [(f"attached engine {addr}" + ("" if filters else " (announces no format)"), filters)
+                     for addr, filters in zip(addrs, announced)]
+    elif backend == "builtin":
+        consumers = [(f"built-in engine {i}", list(BUILTIN_DELTA_FILTERS)) for i in range(num_engines)]
+    else:
+        consumers = [(f"SGLang engine {i}", None) for i in range(num_engines)]
+    return choose_delta_filter(weights.update_weight_delta_filter, consumers)
+
+
+def unused_sglang_args(config: EngineManagerConfig, backend: str | None) -> str | None:
+    """A note when ``--sglang-*`` options were given but no managed SGLang server will read them."""
+    if not config.sglang_args or backend == "sglang":
+        return None
+    names = ", ".join(f"--sglang-{name}" for name in config.sglang_args)
+    where = "attached engines were launched with their own options" if config.rollout.rollout_external else \
+        "the rollout service's replicas have their own options" if config.rollout.rollout_service_url else \
+        "the built-in engines do not run SGLang"
+    return f"{names}: SGLang server options, not used: {where}"

@@ -1,0 +1,98 @@
+"""Before a run starts anything: what it needs beyond a valid config, the run directory, and the
+base checkpoint (made on the spot for the tiny CPU models). ``--dry-run`` runs the same checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from miles_disagg.config import RunConfig, config_to_dict
+from miles_disagg.config.model_args import check_model_args
+from miles_disagg.tracking import status
+from miles_disagg.trainer.torch_dist import check_backend_reads_torch_dist
+from miles_disagg.types import ConfigError
+
+
+def prepare_run(config: RunConfig) -> None:
+    """Create the run directory, record the resolved config, and make the base checkpoint if asked."""
+    output_dir = Path(config.tracking.run_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+    status(f"run directory: {output_dir}")
+    ensure_base_checkpoint(config)
+    check_model_args(config)  # again: the checkpoint may have just been created
+
+
+def check_runnable(config: RunConfig) -> None:
+    """What a training run needs beyond a valid config (``--print-config`` does not need these)."""
+    rollout, train = config.rollout, config.train
+    for flag_name, value in (("--num-rollout", rollout.num_rollout), ("--rollout-batch-size", rollout.rollout_batch_size)):
+        if value is None:
+            raise ConfigError(f"{flag_name} is required to train", (flag_name,))
+    from miles_disagg.rollout.hooks import load_rollout_hooks
+
+    load_rollout_hooks(rollout)  # imported and signature-checked before anything starts
+    check_backend_reads_torch_dist(train.train_backend, train.load, train.ref_load)
+    ranks = config.cluster.num_actor_gpus
+    batch = train.global_batch_size or rollout.rollout_batch_size * rollout.n_samples_per_prompt
+    if batch % ranks:
+        raise ConfigError(f"--global-batch-size {batch} does not divide over {ranks} trainer ranks "
+                          "(--actor-num-nodes x --actor-num-gpus-per-node)",
+                          ("--global-batch-size", "--actor-num-gpus-per-node"))
+
+
+TINY_INITS = {"tiny-qwen3": "full", "tiny-qwen3-digits": "digits"}  # --hf-checkpoint-init -> charset
+
+
+def ensure_base_checkpoint(config: RunConfig) -> None:
+    """Make the ``--hf-checkpoint-init`` model at ``--hf-checkpoint`` if the directory is missing.
+
+    An existing directory is used only if it is exactly what the flags ask for (made with this
+    ``--seed`` and charset): it is never replaced, since saves and published versions of
+    earlier runs may build on it; a mismatch is a ``ConfigError`` saying what to do."""
+    train = config.train
+    if train.hf_checkpoint is None:
+        raise ConfigError("--hf-checkpoint is required", ("--hf-checkpoint",))
+    path = Path(train.hf_checkpoint)
+    if path.is_dir():
+        if train.hf_checkpoint_init in TINY_INITS:
+            check_tiny_base(path, train.hf_checkpoint_init, train.seed)
+        return
+    if train.hf_checkpoint_init in TINY_INITS:
+        from miles_disagg.models.tiny_qwen3 import CHARSETS, make_tiny_qwen3
+
+        charset = CHARSETS[TINY_INITS[train.hf_checkpoint_init]]
+        status(f"creating a random {train.hf_checkpoint_init} (seed {train.seed}) at {path}")
+        staging = path.with_name(path.name + ".partial")
+        make_tiny_qwen3(staging, seed=train.seed, charset=charset)
+        staging.rename(path)  # a half-written base is never picked up
+        return
+    raise ConfigError(f"--hf-checkpoint {str(path)!r} is not a local directory", ("--hf-checkpoint",))
+
+
+def check_tiny_base(path: Path, init: str, seed: int) -> None:
+    """``ConfigError`` unless ``path`` was made as ``--hf-checkpoint-init init --seed seed`` makes it."""
+    from miles_disagg.models.tiny_qwen3 import CHARSETS, INIT_RECORD_FILENAME, read_init_record, tiny_spec
+
+    flags = ("--hf-checkpoint", "--hf-checkpoint-init", "--seed")
+    asked = f"--hf-checkpoint-init {init} --seed {seed}"
+    found = read_init_record(path)
+    if found is None:
+        raise ConfigError(f"--hf-checkpoint {str(path)!r} exists but has no {INIT_RECORD_FILENAME}, so it is not known "
+                          f"to be what {asked} makes: drop --hf-checkpoint-init to train from it as it is, or remove "
+                          "it to have it made", flags)
+    expected = tiny_spec(seed=seed, charset=CHARSETS[TINY_INITS[init]])
+    differences = [f"{key} {_shown(key, found.get(key))} (this run asks for {_shown(key, value)})"
+                   for key, value in expected.items() if found.get(key) != value]
+    if differences:
+        raise ConfigError(f"--hf-checkpoint {str(path)!r} was made with {', '.join(differences)}: it is not replaced "
+                          "(saves and published versions may build on it); remove it, or point --hf-checkpoint "
+                          "elsewhere", flags)
+
+
+def _shown(key: str, value) -> str:
+    if key == "charset" and isinstance(value, str):
+        from miles_disagg.models.tiny_qwen3 import charset_name
+
+        return charset_name(value)
+    return repr(value)

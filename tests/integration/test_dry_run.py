@@ -1,0 +1,148 @@
+"""``--dry-run``: the launch plan (placement, processes, delta filter) without starting anything.
+
+Driven through the entry point (``launcher.main``, what train_async.py calls) with stdout
+captured: exit 0 and one JSON object. Attached engines are real HTTP servers on 127.0.0.1:
+the built-in engine announces the byte-plane format; a stock-SGLang-like server does not.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from engine_fixtures import start_engine, stop_engine
+from miles_disagg.launcher import main
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def dry_run(capsys, *argv: str) -> dict:
+    code = main("train_async", [*argv, "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)
+
+
+def disk_delta(tmp_path: Path, base: Path) -> list[str]:
+    return ["--hf-checkpoint", str(base), "--update-weight-transfer-mode", "disk-delta",
+            "--update-weight-disk-dir", str(tmp_path / "store"), "--num-rollout", "2", "--rollout-batch-size", "4",
+            "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2", "--train-backend", "fsdp",
+            "--run-dir", str(tmp_path / "run")]
+
+
+def test_managed_built_in_engines_get_byte_planes(capsys, tmp_path, tiny_qwen3_dir) -> None:
+    plan = dry_run(capsys, *disk_delta(tmp_path, tiny_qwen3_dir), "--rollout-backend", "builtin")
+    assert plan["delta_filter"]["filter"] == "byteplane"
+    engines = [p for p in plan["processes"] if p["role"] == "engine"]
+    assert [p["bundles"] for p in engines] == [[1], [2]]
+    assert engines[0]["argv"][1:4] == ["-m", "miles_disagg.engines.builtin", "--model-path"]
+    assert plan["placement"]["trainer"] == [{"rank": 0, "bundle": 0}]
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_sglang_launch_plan_gets_the_plain_format(capsys, tmp_path, tiny_qwen3_dir) -> None:
+    plan = dry_run(capsys, *disk_delta(tmp_path, tiny_qwen3_dir), "--rollout-backend", "sglang",
+                   "--rollout-num-gpus-per-engine", "2", "--sglang-mem-fraction-static", "0.7")
+    assert plan["delta_filter"]["filter"] == "none" and "SGLang engine 0" in plan["delta_filter"]["reason"]
+    sglang = [p for p in plan["processes"] if p["role"] == "sglang"]
+    agents = [p for p in plan["processes"] if p["role"] == "agent"]
+    assert len(sglang) == 1 and len(agents) == 1
+    argv = sglang[0]["argv"]
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--base-gpu-id") + 1] == "{base_gpu_id}"
+    assert argv[argv.index("--mem-fraction-static") + 1] == "0.7"
+    assert agents[0]["argv"][agents[0]["argv"].index("--engine-url") + 1] == "http://{host}:{port}"
+
+
+class _StockSglangHandler(BaseHTTPRequestHandler):
+    """Answers like a stock SGLang server: no ``miles_disagg`` announcement, no ``/agent_info``."""
+
+    def do_GET(self):  # noqa: N802
+        if self.path in ("/get_server_info", "/health"):
+            body = json.dumps({"model_path": "/models/x", "tp_size": 1, "weight_version": "0"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        else:
+            self.send_error(404)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def stock_sglang():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _StockSglangHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def builtin_engine(tiny_qwen3_dir, tmp_path_factory):
+    handle = start_engine(tiny_qwen3_dir, tmp_path_factory.mktemp("dry-run-engine"))
+    yield handle
+    stop_engine(handle)
+
+
+def attached(*addrs: str) -> list[str]:
+    return ["--rollout-external", "--rollout-external-engine-addrs", *addrs]
+
+
+def test_attached_engines_that_do_not_announce_the_format_get_the_plain_format(capsys, tmp_path, tiny_qwen3_dir,
+                                                                               stock_sglang, builtin_engine) -> None:
+    ours = builtin_engine.url.removeprefix("http://")
+    plan = dry_run(capsys, *disk_delta(tmp_path, tiny_qwen3_dir), *attached(ours, stock_sglang))
+    assert plan["topology"] == "attached" and plan["placement"]["engines"] == []
+    assert [p["role"] for p in plan["processes"]] == ["router"]
+    assert plan["delta_filter"]["filter"] == "none"
+    assert f"attached engine {stock_sglang} (announces no format)" in plan["delta_filter"]["reason"]
+
+
+def test_attached_built_in_engines_announce_byte_planes(capsys, tmp_path, tiny_qwen3_dir, builtin_engine) -> None:
+    plan = dry_run(capsys, *disk_delta(tmp_path, tiny_qwen3_dir), *attached(builtin_engine.url.removeprefix("http://")))
+    assert plan["delta_filter"]["filter"] == "byteplane"
+
+
+def test_an_unreachable_attached_engine_is_a_warning_and_the_plain_format(capsys, tmp_path, tiny_qwen3_dir) -> None:
+    from miles_disagg.process import free_port
+
+    addr = f"127.0.0.1:{free_port('127.0.0.1')}"
+    plan = dry_run(capsys, *disk_delta(tmp_path, tiny_qwen3_dir), *attached(addr))
+    assert plan["delta_filter"]["filter"] == "none"
+    assert any(addr in w and "did not answer" in w for w in plan["warnings"])
+
+
+def test_dry_run_refuses_what_the_run_would_refuse(capsys, tmp_path, tiny_qwen3_dir) -> None:
+    code = main("train_async", [*disk_delta(tmp_path, tiny_qwen3_dir), "--custom-update-weight-post-write-path",
+                                "no_such_module_xyz.hook", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and "--custom-update-weight-post-write-path" in err
+    code = main("train_async", [*disk_delta(tmp_path, tiny_qwen3_dir), "--train-backend", "megatron",
+                                "--tensor-model-parallel-size", "3", "--actor-num-gpus-per-node", "3",
+                                "--rollout-batch-size", "6", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "--tensor-model-parallel-size" in err
+
+
+def test_router_settings_reach_the_router_argv(capsys, tmp_path, tiny_qwen3_dir) -> None:
+    plan = dry_run(capsys, *disk_delta(tmp_path, tiny_qwen3_dir), "--sglang-router-port", "31001",
+                   "--rollout-health-check-interval", "3", "--rollout-health-check-timeout", "4",
+                   "--rollout-health-check-failure-threshold", "5")
+    router = plan["processes"][0]["argv"]
+    for flag, value in (("--port", "31001"), ("--health-check-interval", "3.0"), ("--health-check-timeout", "4.0"),
+                        ("--health-failure-threshold", "5")):
+        assert router[router.index(flag) + 1] == value, flag
+    plan = dry_run(capsys, *disk_delta(tmp_path, tiny_qwen3_dir), "--router", "sglang", "--sglang-router-policy",
+                   "cache_aware")
+    router = plan["processes"][0]
+    assert router["role"] == "sglang-router" and router["argv"][1:3] == ["-m", "sglang_router.launch_router"]
+    assert router["argv"][router["argv"].index("--policy") + 1] == "cache_aware"
