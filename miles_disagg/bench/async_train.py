@@ -21,6 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_disagg.bench.common import progress, work_dir
 from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
 from miles_disagg.tracking import read_metrics
@@ -52,15 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, AsyncBench)
 
 
-def _progress(message: str) -> None:
-    print(f"[bench async] {message}", file=sys.stderr, flush=True)
+_progress = progress("async")
 
 
 def run(args: argparse.Namespace) -> int:
     command = config_from_args(AsyncBench, args)
-    with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
-        root = Path(command.work_dir or tmp)
-        root.mkdir(parents=True, exist_ok=True)
+    with work_dir("async", command.work_dir) as root:
         _make_model(root / "base-model", command)
         sync = _measure("train", root, command)
         async_ = _measure("train_async", root, command)

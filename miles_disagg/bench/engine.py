@@ -16,15 +16,13 @@ Prints one JSON object on stdout; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_disagg.bench.common import print_result, progress, work_dir
 from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
 
@@ -48,18 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, EngineBench)
 
 
-def _progress(message: str) -> None:
-    print(f"[bench engine] {message}", file=sys.stderr, flush=True)
+_progress = progress("engine")
 
 
 def run(args: argparse.Namespace) -> int:
     command = config_from_args(EngineBench, args)
-    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
-        root = Path(command.work_dir or tmp)
-        root.mkdir(parents=True, exist_ok=True)
-        result = _bench(root, command)
-    print(json.dumps(result))
-    return 0
+    with work_dir("engine", command.work_dir) as root:
+        return print_result(_bench(root, command))
 
 
 def _bench(root: Path, command: EngineBench) -> dict:

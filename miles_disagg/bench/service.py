@@ -24,14 +24,12 @@ Prints one JSON object on stdout; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_disagg.bench.common import print_result, progress, work_dir
 from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
 
@@ -61,18 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, ServiceBench)
 
 
-def _progress(message: str) -> None:
-    print(f"[bench service] {message}", file=sys.stderr, flush=True)
+_progress = progress("service")
 
 
 def run(args: argparse.Namespace) -> int:
     command = config_from_args(ServiceBench, args)
-    with tempfile.TemporaryDirectory(prefix="bench-service-") as tmp:
-        root = Path(command.work_dir or tmp)
-        root.mkdir(parents=True, exist_ok=True)
-        result = _bench(root, command)
-    print(json.dumps(result))
-    return 0
+    with work_dir("service", command.work_dir) as root:
+        return print_result(_bench(root, command))
 
 
 # --------------------------------------------------------------------------- the load
