@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 FIRST_STEP_KL_MAX = 1e-8
 """miles' bound on the first step's ppo_kl."""
 
-FIRST_STEP_KL_KEYS = ("train/ppo_kl_first_step", "train/ppo_kl_first_minibatch")
+FIRST_STEP_KL_KEYS = ("train/ppo_kl_first_step",)
 FIRST_STEP_CLIPFRAC_KEYS = ("train/pg_clipfrac_first_step",)
 
 

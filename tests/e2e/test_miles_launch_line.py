@@ -193,7 +193,7 @@ def main(hf_dir, out):
     from miles_disagg.config.components import TrainConfig
     from miles_disagg.engines.launch import free_port
     from miles_disagg.models.tiny_qwen3 import CHARSETS, make_tiny_qwen3
-    from miles_disagg.trainer.distributed import init_distributed
+    from miles_disagg.distributed import init_distributed
     from miles_disagg.trainer.megatron.backend import MegatronBackend
     from miles_disagg.trainer.torch_dist import save_torch_dist
 

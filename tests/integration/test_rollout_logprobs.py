@@ -27,8 +27,8 @@ def test_the_ratio_denominator(tiny_qwen3_dir, use_rollout_logprobs: bool) -> No
 
     config = TrainConfig(train_backend="fsdp", lr=1e-3, global_batch_size=4, micro_batch_size=2,
                          use_rollout_logprobs=use_rollout_logprobs)
-    metrics = FSDPBackend(config, str(tiny_qwen3_dir), rank=0, world_size=1).train([samples()])
-    first = metrics["train/ppo_kl_first_minibatch"]
+    metrics = FSDPBackend(config, str(tiny_qwen3_dir), rank=0, world_size=1).train([samples()]).summary()
+    first = metrics["train/ppo_kl_first_step"]
     if use_rollout_logprobs:
         assert abs(first) > 1e-3 and metrics["train/pg_clipfrac"] > 0  # -0.5 is far from the random model's logprobs
     else:

@@ -32,7 +32,7 @@ def main(hf_dir, out):
 
     from miles_disagg.config.components import TrainConfig
     from miles_disagg.engines.launch import free_port
-    from miles_disagg.trainer.distributed import init_distributed
+    from miles_disagg.distributed import init_distributed
     from miles_disagg.trainer.megatron.backend import MegatronBackend
     from miles_disagg.trainer.torch_dist import save_torch_dist, torch_dist_dir
     from miles_disagg.types import ConfigError

@@ -61,7 +61,7 @@ def test_fsdp2_checkpoint_reloads_on_gpu_and_on_cpu(tiny_qwen3_dir, tmp_path, mo
     import torch.distributed as dist
 
     from miles_disagg.engines.launch import free_port
-    from miles_disagg.trainer.distributed import init_distributed
+    from miles_disagg.distributed import init_distributed
     from miles_disagg.trainer.fsdp import FSDPBackend
 
     config = TrainConfig(lr=1e-2, global_batch_size=4, micro_batch_size=2)
@@ -100,7 +100,7 @@ def test_megatron_distributed_optimizer_checkpoint_round_trip(tiny_qwen3_dir, tm
     import torch.distributed as dist
 
     from miles_disagg.engines.launch import free_port
-    from miles_disagg.trainer.distributed import init_distributed
+    from miles_disagg.distributed import init_distributed
     from miles_disagg.trainer.megatron.backend import MegatronBackend
 
     config = TrainConfig(train_backend="megatron", lr=1e-2, global_batch_size=4, micro_batch_size=2)
@@ -146,7 +146,7 @@ def test_loss_modes_masks_estimators_and_kl_watch_on_one_gpu(tiny_qwen3_dir) -> 
 
     from miles_disagg.engines.launch import free_port
     from miles_disagg.trainer.batches import pack
-    from miles_disagg.trainer.distributed import init_distributed
+    from miles_disagg.distributed import init_distributed
     from miles_disagg.trainer.fsdp import FSDPBackend
     from miles_disagg.trainer.losses import rl_loss
 

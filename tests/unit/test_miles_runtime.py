@@ -81,7 +81,7 @@ def _ci(**kwargs) -> RunConfig:
 
 @pytest.mark.parametrize("record, gate", [
     ({"step": 3, "train/ppo_kl_first_step": 1e-3}, "first-step ppo_kl: step 3 train/ppo_kl_first_step = 0.001"),
-    ({"step": 0, "train/ppo_kl_first_minibatch": -2e-6}, "first-step ppo_kl"),
+    ({"step": 0, "train/ppo_kl_first_step": -2e-6}, "first-step ppo_kl"),
     ({"step": 1, "train/ppo_kl_first_step": 0.0, "train/pg_clipfrac_first_step": 0.25}, "first-step pg_clipfrac"),
     ({"step": 2, "weights/version": 3, "weights/engine_versions": ["3", "2"]}, "engine versions: step 2 published "
                                                                               "v3 but engines report engine 1: '2'"),
