@@ -58,6 +58,11 @@ class InvalidInput(MilesDisaggError):
     """The caller passed something malformed; nothing was changed."""
 
 
+class Forbidden(InvalidInput):
+    """The request names something this server may not touch (a path outside its roots, a
+    version label no verified load backs); nothing was changed. HTTP 403."""
+
+
 class ConfigError(FailRun, InvalidInput):
     """The configuration is invalid; raised before anything starts."""
 

@@ -40,6 +40,7 @@ class AgentCommand(ServerFlags):
                                          "(0: do not wait).")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
 

@@ -314,7 +314,7 @@ class PullWeights(Body):
 
     target_version: Annotated[int, BeforeValidator(_digits_to_int), Field(ge=0)]
     source_dir: NonEmptyStr
-    local_checkpoint_dir: NonEmptyStr
+    local_checkpoint_dir: NonEmptyStr | None = None  # None: the server's own (--local-checkpoint-dir)
 
 
 @dataclass
