@@ -111,9 +111,17 @@ def _build(values: dict[str, Any], entry: str) -> RunConfig:
 
 
 def config_to_dict(config: RunConfig) -> dict[str, Any]:
+    """The resolved config as plain data; keys (``SECRET_FIELDS``) are shown as ``<redacted>``."""
     import dataclasses
 
-    return dataclasses.asdict(config)
+    from miles_disagg.config.components import REDACTED, SECRET_FIELDS
+
+    data = dataclasses.asdict(config)
+    for section in data.values():
+        if isinstance(section, dict):
+            for name in SECRET_FIELDS & section.keys():
+                section[name] = REDACTED if section[name] is not None else None
+    return data
 
 
 def config_to_yaml(config: RunConfig) -> str:

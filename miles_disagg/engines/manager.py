@@ -96,10 +96,12 @@ class EngineManager:
             self.router = launch_sglang_router(log_path=log_path, workers=workers)
             self.router_client = SglangRouterClient(self.router.url)
             return
+        from miles_disagg.netbind import bind_host, resolve_host
         from miles_disagg.router.launch import launch_router
 
+        host = resolve_host(bind_host(spans_nodes=self.config.spans_nodes))
         self.router = launch_router(log_path=log_path, health_check_interval_s=self.rollout.rollout_health_check_interval,
-                                    retry_after_s=0.2)
+                                    retry_after_s=0.2, host=host)
         self.router_client = self.router.client()
 
     def _launch(self) -> list[str]:
@@ -107,13 +109,16 @@ class EngineManager:
 
         from miles_disagg.engines.actor import EngineProcess
         from miles_disagg.engines.launch import EngineSpec
+        from miles_disagg.netbind import bind_host
 
         backend = _resolve_backend(self.rollout.rollout_backend)
         remote_cls = ray.remote(EngineProcess)
         local_root = Path(self.weights.update_weight_local_checkpoint_dir or self.run_dir / "rollout-checkpoints")
         for index, bundles in enumerate(self.placement.layout.engines):
+            store = self.weights.update_weight_disk_dir
             spec = EngineSpec(backend=backend, name=f"engine-{index}", model_path=Path(self.model_path),
                               log_dir=self.run_dir / "logs", local_checkpoint_dir=local_root / f"engine-{index}",
+                              store_dir=Path(store) if store else None, host=bind_host(spans_nodes=self.config.spans_nodes),
                               tp_size=len(bundles), dtype=self.rollout.engine_dtype, seed=self.seed + index,
                               max_running_requests=64,
                               pre_read_hook=self.weights.sglang_custom_pull_weights_pre_read_hook,

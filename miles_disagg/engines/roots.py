@@ -38,18 +38,19 @@ def _real(path: str | Path) -> Path:
 class WeightRoots:
     """See the module docstring. ``store_dirs`` empty or ``local_dir`` None: pulls are refused."""
 
-    base_dir: Path
+    base_dir: Path | None
     store_dirs: tuple[Path, ...] = ()
     local_dir: Path | None = None
 
     @classmethod
-    def of(cls, base_dir: str | Path, store_dirs=(), local_dir: str | Path | None = None) -> "WeightRoots":
-        return cls(_abs(base_dir), tuple(_abs(d) for d in store_dirs), _abs(local_dir) if local_dir else None)
+    def of(cls, base_dir: str | Path | None, store_dirs=(), local_dir: str | Path | None = None) -> "WeightRoots":
+        return cls(_abs(base_dir) if base_dir else None, tuple(_abs(d) for d in store_dirs), _abs(local_dir) if local_dir else None)
 
     def describe(self) -> str:
         stores = ", ".join(repr(str(d)) for d in self.store_dirs) or "none (--weight-store-dir not given)"
         local = repr(str(self.local_dir)) if self.local_dir else "none (--local-checkpoint-dir not given)"
-        return f"base checkpoint {str(self.base_dir)!r}; version stores {stores}; local checkpoint {local}"
+        base = repr(str(self.base_dir)) if self.base_dir else "unknown"
+        return f"base checkpoint {base}; version stores {stores}; local checkpoint {local}"
 
     def _refuse(self, what: str, path: str | Path) -> OutsideRoots:
         return OutsideRoots(f"{what} {str(path)!r} is outside this server's roots ({self.describe()})")
@@ -78,7 +79,7 @@ class WeightRoots:
         """What ``model_path`` is: ``"base"``, ``"local"`` (the local checkpoint or one of its
         slots); anything else is ``OutsideRoots``."""
         path = _abs(model_path)
-        if path == self.base_dir or _real(path) == _real(self.base_dir):
+        if self.base_dir is not None and (path == self.base_dir or _real(path) == _real(self.base_dir)):
             return "base"
         slots = self.slots_dir()
         if self.local_dir is not None and (path == self.local_dir or (slots is not None and path.parent == slots)):

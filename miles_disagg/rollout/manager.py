@@ -37,6 +37,7 @@ class RolloutManager:
 
         hf_dir, seed = config.hf_dir, config.seed
         self.config, self.router_url = config.rollout, config.router_url.rstrip("/")
+        self.run_id = config.run_id
         config = config.rollout
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.prompts = make_prompt_source(config, self.tokenizer, seed)
@@ -66,7 +67,10 @@ class RolloutManager:
 
         if self._client is None:
             limits = httpx.Limits(max_connections=self.config.rollout_concurrency + 8)
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=limits)
+            from miles_disagg.auth import ApiKeys
+
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=limits,
+                                             headers=ApiKeys.from_env().headers_for("/generate"))  # the run's keys
             # one request carries a whole group: the concurrency bound counts samples
             self._slots = asyncio.Semaphore(max(1, self.config.rollout_concurrency // self.config.n_samples_per_prompt))
             self._room = asyncio.Condition()
@@ -136,7 +140,8 @@ class RolloutManager:
 
         async def one(prompt) -> list[float]:
             prompt_ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
-            body = request_body(prompt_ids, sampling, None, exact_version=exact_version, num_samples=n_samples)
+            body = request_body(prompt_ids, sampling, None, exact_version=exact_version, num_samples=n_samples,
+                                run_id=self.run_id)
             async with self._slots:
                 payload = await generate_one(self._client, self.router_url, body, self.counters)
             items = payload if isinstance(payload, list) else [payload]
@@ -192,7 +197,8 @@ class RolloutManager:
         # sglang-router cannot route by version: no admission constraint there (the buffer still drops stale groups)
         min_version = None if self.config.router == "sglang" else self.buffer.admission_min_version(self.current_version)
         exact = self.current_version if self.config.rollout_exact_version else None
-        body = request_body(prompt_ids, self.sampling, min_version, exact_version=exact, num_samples=n)
+        body = request_body(prompt_ids, self.sampling, min_version, exact_version=exact, num_samples=n,
+                            run_id=self.run_id)
         async with self._slots:
             self.counters["requests"] += 1
             # a service request that failed after dispatch is not replayed (it carries no idempotency key)

@@ -101,8 +101,11 @@ class RayReplicaPool:
 
         self.config, self.gateway_url = config, gateway_url
         self.autoscaler = Autoscaler(config.scaling)
-        self._actor_class = ray.remote(num_cpus=config.num_cpus_per_replica,
-                                       num_gpus=config.num_gpus_per_replica)(ReplicaActor)
+        from miles_disagg.auth import ApiKeys
+
+        keys_env = ApiKeys.from_env().env()  # the replicas enforce and send the service's keys
+        self._actor_class = ray.remote(num_cpus=config.num_cpus_per_replica, num_gpus=config.num_gpus_per_replica,
+                                       runtime_env={"env_vars": keys_env} if keys_env else None)(ReplicaActor)
         self._actors: dict[str, object] = {}
         self._next_id = 0
 
@@ -165,10 +168,18 @@ def run_ray_service(config: RayServiceConfig, *, address: str | None, stop: thre
                     on_ready: Callable[[str], None] = lambda url: None) -> None:
     """Connect to the rollout Ray cluster, start the gateway and ``min_replicas``, then heal and
     autoscale every ``scale_interval_s`` until ``stop`` is set (SIGTERM/SIGINT set it when called on
-    the main thread); everything is stopped on return."""
+    the main thread); everything is stopped on return. Without ``address`` a local Ray is started
+    with token authentication on and no dashboard. Replica actors get this process's keys
+    (:data:`~miles_disagg.auth.ADMIN_API_KEY_ENV`, ...) through their runtime environment."""
     import ray
 
-    ray.init(address=address, ignore_reinit_error=True, logging_level="WARNING")
+    if address is None:  # a cluster of our own: no dashboard (its jobs API runs code unauthenticated)
+        from miles_disagg.netbind import keep_ray_token_auth
+
+        keep_ray_token_auth()
+        ray.init(include_dashboard=False, ignore_reinit_error=True, logging_level="WARNING")
+    else:
+        ray.init(address=address, ignore_reinit_error=True, logging_level="WARNING")
     if threading.current_thread() is threading.main_thread():  # after ray.init, which sets its own SIGTERM handler
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
