@@ -391,6 +391,9 @@ class Engine:
             "max_req_input_len": self.runner.max_context - 1,
             "weight_version": self.version,
             "version": ENGINE_VERSION,
+            # this engine's roots: a job attaching it must pull from one of these and into this
+            "weight_store_dirs": [str(d) for d in self.roots.store_dirs],
+            "local_checkpoint_dir": str(self.roots.local_dir) if self.roots.local_dir else None,
             "internal_states": [{
                 "paused_mode": s.paused_mode,
                 "num_running_requests": len(s.running),
