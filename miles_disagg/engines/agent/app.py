@@ -350,11 +350,12 @@ def create_app(agent: Agent):
             if req.weight_version is not None and not by_version:
                 raise Forbidden(f"weight_version {req.weight_version!r} is not a version number; labels come only "
                                 "from verified weights (the version the loaded checkpoint holds)")
-            if not by_version and not agent.names_local_checkpoint(req.model_path):
+            if not agent.names_local_checkpoint(req.model_path):
                 await ensure_base_dir()
-                agent.roots().loadable(req.model_path)  # OutsideRoots unless it is the base checkpoint
-                label = agent.check_label(req.weight_version, VersionRef("", 0))
-                return await forward(request, json.dumps({**body, "weight_version": label}).encode())
+                agent.roots().loadable(req.model_path)  # OutsideRoots (403) unless it is the base checkpoint
+                if not by_version or req.weight_version == "0":
+                    label = agent.check_label(req.weight_version, VersionRef("", 0))
+                    return await forward(request, json.dumps({**body, "weight_version": label}).encode())
             path, ref = agent.begin_activation(req.weight_version if by_version else None)
         except Exception as exc:
             return error_response(exc)
