@@ -96,6 +96,17 @@ def test_default_layout_gives_trainer_and_each_engine_their_own_gpus(placed):
     assert len(set(gpus)) == 6, f"positions share GPUs: {gpus}"
 
 
+def test_a_one_node_job_binds_loopback(placed):
+    """The bind decision reads the placement: one node, so every managed server binds 127.0.0.1."""
+    from miles_disagg.netbind import LOOPBACK, bind_host, job_spans_nodes
+
+    placement = placed(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=1))
+    assert len(placement.node_ids) == placement.layout.num_bundles and len(set(placement.node_ids)) == 1
+    assert not job_spans_nodes(placement.node_ids)
+    assert bind_host(spans_nodes=job_spans_nodes(placement.node_ids)) == LOOPBACK
+    assert job_spans_nodes([*placement.node_ids, "another-node"])  # a placement over two nodes would not
+
+
 def test_colocated_layout_puts_each_engine_on_a_trainer_gpu(placed):
     placement = placed(ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=True))
     assert placement.layout.num_bundles == 2
