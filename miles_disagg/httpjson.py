@@ -73,14 +73,15 @@ async def dumps_async(obj: Any, size_hint: int) -> bytes:
     return await asyncio.to_thread(lambda: json.dumps(obj).encode())
 
 
-def parse_body(kind: type[T], body: bytes | Any) -> T:
+def parse_body(kind: type[T], body: bytes | Any, context: dict | None = None) -> T:
     """``body`` (raw bytes, or a value already decoded from JSON) validated into ``kind``; an empty
-    body is ``{}``. ``InvalidInput`` naming the field for anything malformed; nothing is half-parsed."""
+    body is ``{}``. ``InvalidInput`` naming the field for anything malformed; nothing is half-parsed.
+    ``context`` reaches the model's validators (e.g. a bound known only to the server)."""
     from pydantic import ValidationError
 
     try:
         raw = (bytes(body) or b"{}") if isinstance(body, (bytes, bytearray)) else json.dumps(body)
-        return _adapter(kind).validate_json(raw, strict=True)
+        return _adapter(kind).validate_json(raw, strict=True, context=context)
     except ValidationError as exc:
         raise InvalidInput(validation_message(exc)) from None
     except (RecursionError, ValueError) as exc:  # a decoded value too deep or not JSON-encodable

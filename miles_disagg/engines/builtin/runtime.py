@@ -103,6 +103,8 @@ class Engine:
         self.weights_path = Path(config.model_path)
         self.roots = config.roots()
         self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.runner.max_context)
+        # a batch may queue beyond the running set; past this many prompt tokens a request is refused unparsed
+        self.max_request_tokens = REQUEST_BATCHES * config.max_running_requests * self.runner.max_context
         self._rid_lock = threading.Lock()
         self._live_rids: set[str] = set()
 
@@ -412,6 +414,7 @@ def _label_of(ref: VersionRef | None) -> str | None:
     return None if ref is None else str(ref.version)
 
 
+REQUEST_BATCHES = 4  # one /generate may carry this many full running sets of prompts
 PROMPT_CHARS_SAFETY = 2  # normalization may shorten text a little; stay far on the safe side
 
 

@@ -98,7 +98,8 @@ def create_app(engine: Engine, guard: ServerGuard | None = None):
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
         try:
-            req = await blocking(protocol.parse_generate, await request.body())
+            req = await blocking(protocol.parse_generate, await request.body(), engine.runner.max_context,
+                                 engine.max_request_tokens)
             loop = asyncio.get_running_loop()
             sinks = [_HttpSink(loop, engine, req.stream) for _ in req.items]  # made on the loop
             handed = iter(sinks)
