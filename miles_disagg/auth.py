@@ -15,10 +15,12 @@ in constant time. When a flag is not given, each server reads :data:`API_KEY_ENV
 :data:`ADMIN_API_KEY_ENV` from its environment, so keys can stay out of ``ps``; a training
 run generates its admin key and hands it to everything it starts through that variable.
 
-Clients of ours send, per path, the key of the least level the path needs
-(:meth:`ApiKeys.headers_for`): the admin key only to admin paths. A proxy (agent, router)
-forwards with at most the level its own caller proved (:func:`forward_headers`), so an open
-or API-key endpoint of a proxy can never be used to borrow the proxy's admin key.
+Clients of ours send, per path, the key that path needs (:meth:`ApiKeys.headers_for`): the admin
+key to admin paths, the API key to the others (the admin key when there is no API key: an
+SGLang with only an admin key ignores it on its open endpoints and may still want it on some
+it guards). A proxy (agent, router) forwards with at most the level its own caller proved
+(:func:`forward_headers`), so an open or API-key endpoint of a proxy can never be used to
+borrow the proxy's admin key.
 
 Pure: no I/O beyond reading the environment, no heavy imports.
 """
@@ -143,19 +145,20 @@ class ApiKeys:
 
     # ------------------------------------------------------------------ client side
 
-    def header_for_level(self, level: AuthLevel) -> dict[str, str]:
-        """``Authorization`` for a request needing ``level`` (admin: the admin key, else the API key)."""
+    def header_for_level(self, level: AuthLevel, *, strict: bool = True) -> dict[str, str]:
+        """``Authorization`` for a request needing ``level``: admin: the admin key (else the API key);
+        normal: the API key (``strict=False``: else the admin key); open: none."""
         if level is AuthLevel.ADMIN:
             key = self.admin_api_key or self.api_key
         elif level is AuthLevel.NORMAL:
-            key = self.api_key
+            key = self.api_key if strict else (self.api_key or self.admin_api_key)
         else:
             key = None
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def headers_for(self, path: str) -> dict[str, str]:
-        """What a client of ours sends to ``path`` (the admin key only to admin paths)."""
-        return self.header_for_level(level_of(path.split("?", 1)[0]))
+        """What a client of ours sends to ``path`` (see the module docstring)."""
+        return self.header_for_level(level_of(path.split("?", 1)[0]), strict=False)
 
 
 def forward_headers(keys: ApiKeys, caller_level: AuthLevel | None, path: str) -> dict[str, str]:

@@ -46,10 +46,11 @@ def test_bearer_scheme_is_case_insensitive_and_other_schemes_are_refused():
     assert BOTH.caller_level(AuthLevel.ADMIN, "Bearer") is None
 
 
-def test_clients_send_the_admin_key_only_to_admin_paths():
+def test_clients_send_the_key_each_path_needs():
     assert BOTH.headers_for("/pull_weights") == {"Authorization": "Bearer admin"}
     assert BOTH.headers_for("/generate") == {"Authorization": "Bearer user"}
-    assert ApiKeys(None, "admin").headers_for("/generate") == {}
+    assert ApiKeys(None, "admin").headers_for("/get_weight_version") == {"Authorization": "Bearer admin"}
+    assert ApiKeys("user", None).headers_for("/pull_weights") == {"Authorization": "Bearer user"}
     assert BOTH.headers_for("/health") == {}
 
 
