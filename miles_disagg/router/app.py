@@ -59,8 +59,8 @@ from fastapi.responses import JSONResponse, Response
 from miles_disagg.asgi_guard import ServerGuard, install_guard
 from miles_disagg.auth import ApiKeys, forward_headers
 from miles_disagg.router.health import HealthChecker
-from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, constraint_json, request_constraint,
-                                       satisfies)
+from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, annotate_served_versions,
+                                       constraint_json, request_constraint, violates)
 from miles_disagg.router.registry import UnknownWorker, Worker, WorkerRegistry, WorkerState, parse_version
 from miles_disagg.httpjson import dumps_async, parse_body, parse_json_async
 from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
@@ -355,31 +355,6 @@ def _metas_of(obj: Any, key: str) -> list[dict]:
                 item[key] = {}
             metas.append(item[key])
     return metas
-
-
-def violates(start: int | None, end: int | None, constraint: VersionConstraint, run_id: str | None = None) -> bool:
-    """Whether a sample served from ``start`` to ``end`` (by a worker of run ``run_id``) breaks
-    ``constraint``: its start does not satisfy it, or (``min_version``) it ended below the
-    minimum, so it started below too."""
-    if not satisfies(start, constraint, run_id):
-        return True
-    return constraint.min_version is not None and end is not None and end < constraint.min_version
-
-
-def annotate_served_versions(meta: dict, dispatch_version: int | None, worker: Worker) -> int | None:
-    """Add served start/end versions (ints) and the worker URL; returns the start version."""
-    if "weight_version_start" in meta:
-        start = parse_version(meta["weight_version_start"])
-    else:
-        start = dispatch_version
-    if "weight_version_end" in meta:
-        end = parse_version(meta["weight_version_end"])
-    elif "weight_version" in meta:
-        end = parse_version(meta["weight_version"])
-    else:
-        end = worker.weight_version
-    meta.update(weight_version_start=start, weight_version_end=end, routed_worker=worker.url)
-    return start
 
 
 def _error_response(status: int, exc: BaseException, *, type_name: str | None = None,

@@ -109,3 +109,31 @@ def _header_version(headers: Mapping[str, str], name: str) -> int | None:
 
 def constraint_json(constraint: VersionConstraint) -> dict[str, int | str]:
     return {k: v for k, v in asdict(constraint).items() if v is not None}
+
+
+# --------------------------------------------------------------------------- served versions
+
+
+def violates(start: int | None, end: int | None, constraint: VersionConstraint, run_id: str | None = None) -> bool:
+    """Whether a sample served from ``start`` to ``end`` (by a worker of run ``run_id``) breaks
+    ``constraint``: its start does not satisfy it, or (``min_version``) it ended below the
+    minimum, so it started below too."""
+    if not satisfies(start, constraint, run_id):
+        return True
+    return constraint.min_version is not None and end is not None and end < constraint.min_version
+
+
+def annotate_served_versions(meta: dict, dispatch_version: int | None, worker: Worker) -> int | None:
+    """Add served start/end versions (ints) and the worker URL; returns the start version."""
+    if "weight_version_start" in meta:
+        start = parse_version(meta["weight_version_start"])
+    else:
+        start = dispatch_version
+    if "weight_version_end" in meta:
+        end = parse_version(meta["weight_version_end"])
+    elif "weight_version" in meta:
+        end = parse_version(meta["weight_version"])
+    else:
+        end = worker.weight_version
+    meta.update(weight_version_start=start, weight_version_end=end, routed_worker=worker.url)
+    return start
