@@ -3,7 +3,8 @@
 A request body is a pydantic model (or a dataclass) validated by :func:`parse_body`
 in pydantic's strict JSON mode; a body that does not validate is ``InvalidInput`` with
 one message naming the field (``sampling_params[0].top_k must be >= -1, got -2``).
-Errors map to statuses by what the caller must do: bad input or a refused operation 400,
+Errors map to statuses by what the caller must do: bad input or a refused operation 400
+(403 for ``Forbidden``: a path outside the server's roots, an unverified version label),
 retry later 409, replace the replica 503, anything else 500 (logged with its traceback).
 """
 
@@ -15,7 +16,7 @@ import logging
 import traceback
 from typing import Any, Mapping, TypeVar
 
-from miles_disagg.types import FailRun, InvalidInput, MilesDisaggError, ReplaceReplica, Retryable
+from miles_disagg.types import FailRun, Forbidden, InvalidInput, MilesDisaggError, ReplaceReplica, Retryable
 
 log = logging.getLogger(__name__)
 
@@ -32,29 +33,59 @@ _PREDICATES = {
 _BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
 
 
+OFF_LOOP_BYTES = 64 * 1024  # bodies bigger than this are parsed and encoded in a worker thread
+
+
 def parse_json(body: bytes) -> dict:
-    """The request body as a JSON object; ``InvalidInput`` for anything else."""
+    """The request body as a JSON object; ``InvalidInput`` for anything else.
+
+    pydantic-core's parser: invalid UTF-8, lone surrogates (``"\\ud800"``) and nesting deeper
+    than its recursion limit are ``InvalidInput`` too, never a ``RecursionError`` or a string
+    no tokenizer can encode."""
+    import pydantic_core
+
     if not body:
         return {}
     try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from exc
+        obj = pydantic_core.from_json(body, allow_inf_nan=False)
+    except ValueError as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise InvalidInput(f"request body must be a JSON object, got {type(obj).__name__}")
     return obj
 
 
-def parse_body(kind: type[T], body: bytes | Any) -> T:
+async def parse_json_async(body: bytes) -> dict:
+    """:func:`parse_json`, in a worker thread for big bodies, so the event loop keeps answering."""
+    if len(body) <= OFF_LOOP_BYTES:
+        return parse_json(body)
+    import asyncio
+
+    return await asyncio.to_thread(parse_json, body)
+
+
+async def dumps_async(obj: Any, size_hint: int) -> bytes:
+    """``json.dumps(obj).encode()``, in a worker thread when ``size_hint`` (the body it came from) is big."""
+    if size_hint <= OFF_LOOP_BYTES:
+        return json.dumps(obj).encode()
+    import asyncio
+
+    return await asyncio.to_thread(lambda: json.dumps(obj).encode())
+
+
+def parse_body(kind: type[T], body: bytes | Any, context: dict | None = None) -> T:
     """``body`` (raw bytes, or a value already decoded from JSON) validated into ``kind``; an empty
-    body is ``{}``. ``InvalidInput`` naming the field for anything malformed; nothing is half-parsed."""
+    body is ``{}``. ``InvalidInput`` naming the field for anything malformed; nothing is half-parsed.
+    ``context`` reaches the model's validators (e.g. a bound known only to the server)."""
     from pydantic import ValidationError
 
-    raw = (bytes(body) or b"{}") if isinstance(body, (bytes, bytearray)) else json.dumps(body)
     try:
-        return _adapter(kind).validate_json(raw, strict=True)
+        raw = (bytes(body) or b"{}") if isinstance(body, (bytes, bytearray)) else json.dumps(body)
+        return _adapter(kind).validate_json(raw, strict=True, context=context)
     except ValidationError as exc:
         raise InvalidInput(validation_message(exc)) from None
+    except (RecursionError, ValueError) as exc:  # a decoded value too deep or not JSON-encodable
+        raise InvalidInput(f"request body is not valid JSON: {type(exc).__name__}: {exc}") from None
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,6 +134,8 @@ def status_for(exc: BaseException, special: Mapping[type, int] | None = None) ->
     for kind, status in (special or {}).items():
         if isinstance(exc, kind):
             return status
+    if isinstance(exc, Forbidden):
+        return 403
     if isinstance(exc, (InvalidInput, FailRun)):
         return 400
     if isinstance(exc, Retryable):

@@ -31,15 +31,22 @@ UPDATES_STREAM = "updates"
 class MetricsTracker:
     """Log ``{name: number}`` per step to JSONL (+ TensorBoard / wandb when enabled).
 
+    ``start_step``: the first step this run will log (a resumed run's saved step, else 0). Records
+    of that step and later left by an earlier attempt (it ran past its last save, then died) are
+    dropped before anything is appended, so the file holds each step once (None: append only).
+
     Not thread-safe: one tracker per process, called from the driver loop.
     """
 
     def __init__(self, output_dir: str | Path, *, use_tensorboard: bool = False, use_wandb: bool = False,
                  wandb_project: str | None = None, wandb_group: str | None = None, wandb_team: str | None = None,
-                 wandb_key: str | None = None, run_config: Mapping[str, Any] | None = None):
+                 wandb_key: str | None = None, run_config: Mapping[str, Any] | None = None,
+                 start_step: int | None = None):
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / METRICS_FILENAME
+        if start_step is not None:
+            keep_steps_before(self.path, start_step)
         self._file = open(self.path, "a", encoding="utf-8")
         self._streams: dict[str, Any] = {}
         self._tensorboard = _open_tensorboard(self.output_dir) if use_tensorboard else None
@@ -104,14 +111,30 @@ def _numeric(record: Mapping[str, Any]) -> dict[str, float]:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Read a metrics.jsonl back (skips a torn last line left by a crash)."""
-    records = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    """Read a metrics.jsonl back: one record per step, in step order (the last one written wins
+    if a step appears twice); a torn line left by a crash is skipped."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
             continue
-    return records
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            by_step[record["step"]] = record
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def keep_steps_before(path: Path, start_step: int) -> None:
+    """Rewrite ``path`` (atomically) without records of ``start_step`` or later; no file: nothing."""
+    if not path.exists():
+        return
+    kept = [r for r in read_metrics(path) if r["step"] < start_step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def progress(items: Iterable[T], *, desc: str, total: int | None = None, unit: str = "it") -> Iterator[T]:

@@ -59,6 +59,11 @@ class InvalidInput(MilesDisaggError):
     """The caller passed something malformed; nothing was changed."""
 
 
+class Forbidden(InvalidInput):
+    """The request names something this server may not touch (a path outside its roots, a
+    version label no verified load backs); nothing was changed. HTTP 403."""
+
+
 class ConfigError(FailRun, InvalidInput):
     """The configuration is invalid; raised before anything starts."""
 
@@ -191,10 +196,13 @@ def check_pointer_advance(current: VersionRef | None, proposed: VersionRef) -> N
 
 @dataclass(frozen=True)
 class VersionConstraint:
-    """What a rollout request accepts: at least ``min_version``, or exactly ``exact_version``."""
+    """What a rollout request accepts: at least ``min_version``, or exactly ``exact_version``,
+    and, when ``run_id`` is given, only versions of that run (a store wiped and reused by a new
+    run restarts its numbering: another run's "version 3" is another policy)."""
 
     min_version: int | None = None
     exact_version: int | None = None
+    run_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.min_version is not None and self.exact_version is not None:
@@ -202,8 +210,17 @@ class VersionConstraint:
         for value in (self.min_version, self.exact_version):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"version constraint must be a non-negative int, got {value!r}")
+        if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id):
+            raise ValueError(f"run_id must be a non-empty string, got {self.run_id!r}")
 
-    def allows(self, version: int) -> bool:
+    def allows(self, version: int, run_id: str | None = None) -> bool:
+        """Whether ``version`` of run ``run_id`` (None: unknown) satisfies this constraint."""
+        if self.run_id is not None and run_id != self.run_id and version != BASE_VERSION:
+            return False  # the base (version 0) is every run's start, whoever reports it
+        return self.allows_version(version)
+
+    def allows_version(self, version: int) -> bool:
+        """The version bound alone (the run is checked by whoever knows the server's run)."""
         if self.exact_version is not None:
             return version == self.exact_version
         if self.min_version is not None:
@@ -212,20 +229,25 @@ class VersionConstraint:
 
     def describe(self) -> str:
         if self.exact_version is not None:
-            return f"exact_version={self.exact_version}"
-        if self.min_version is not None:
-            return f"min_version={self.min_version}"
-        return "any version"
+            text = f"exact_version={self.exact_version}"
+        elif self.min_version is not None:
+            text = f"min_version={self.min_version}"
+        else:
+            text = "any version"
+        return text if self.run_id is None else f"{text} of run {self.run_id!r}"
 
     @classmethod
     def from_json(cls, obj: Any) -> "VersionConstraint":
-        """Parse ``{"min_version": N}`` / ``{"exact_version": N}``; ``InvalidInput`` otherwise."""
+        """Parse ``{"min_version": N}`` / ``{"exact_version": N}`` (optionally with ``"run_id"``);
+        ``InvalidInput`` otherwise."""
         if obj is None:
             return cls()
-        if not isinstance(obj, dict) or set(obj) - {"min_version", "exact_version"}:
-            raise InvalidInput(f"weight_version must be {{'min_version': N}} or {{'exact_version': N}}, got {obj!r}")
+        if not isinstance(obj, dict) or set(obj) - {"min_version", "exact_version", "run_id"}:
+            raise InvalidInput(f"weight_version must be {{'min_version': N}} or {{'exact_version': N}} (optionally "
+                               f"with 'run_id'), got {obj!r}")
         try:
-            return cls(min_version=obj.get("min_version"), exact_version=obj.get("exact_version"))
+            return cls(min_version=obj.get("min_version"), exact_version=obj.get("exact_version"),
+                       run_id=obj.get("run_id"))
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
 

@@ -114,7 +114,8 @@ class _Engine:
 
         _progress("starting the built-in engine")
         self.launched = launch_engine(model_dir, log_path=root / "engine.log",
-                                      extra_args=("--max-running-requests", "64"))
+                                      extra_args=("--max-running-requests", "64", "--weight-store-dir", str(root / "store"),
+                                                  "--local-checkpoint-dir", str(root / "local" / "ckpt")))
         self.client = httpx.Client(base_url=self.launched.url, timeout=600.0)
 
     def post(self, path: str, body: dict):

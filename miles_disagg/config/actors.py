@@ -28,6 +28,9 @@ class EngineManagerConfig:
     """Engine ``i`` samples with ``seed + i``."""
     sglang_args: dict[str, Any] = field(default_factory=dict)
     """``--sglang-*`` passthrough for managed SGLang servers."""
+    spans_nodes: bool = False
+    """The job runs on more than one node: managed servers bind the node IP instead of loopback
+    (:func:`miles_disagg.netbind.bind_host`, the one place that decides)."""
 
     @classmethod
     def from_run(cls, config: RunConfig) -> "EngineManagerConfig":
@@ -73,8 +76,11 @@ class RolloutManagerConfig:
     hf_dir: str
     """Where the tokenizer is read from."""
     seed: int = 0
+    run_id: str | None = None
+    """Rollout service only: every request's constraint names this run, so a replica still serving
+    another run's version of the same number never answers it."""
 
     @classmethod
-    def from_run(cls, config: RunConfig, router_url: str) -> "RolloutManagerConfig":
+    def from_run(cls, config: RunConfig, router_url: str, run_id: str | None = None) -> "RolloutManagerConfig":
         return cls(rollout=config.rollout, router_url=router_url, hf_dir=str(config.train.hf_checkpoint),
-                   seed=config.train.seed)
+                   seed=config.train.seed, run_id=run_id)

@@ -18,9 +18,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
 
+from miles_disagg.asgi_guard import DEFAULT_MAX_REQUEST_BYTES, MAX_REQUEST_BYTES_HELP
 from miles_disagg.config.fields import add_flag, build_config, flag, flag_specs
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+API_KEY_HELP = ("Key every endpoint but /health* requires as 'Authorization: Bearer KEY' (SGLang's --api-key); "
+                "default: $MILES_DISAGG_API_KEY, which keeps it out of ps.")
+ADMIN_API_KEY_HELP = ("Key the weight, pause, version, registry and drain endpoints require (SGLang's "
+                      "--admin-api-key); default: $MILES_DISAGG_ADMIN_API_KEY.")
 
 C = TypeVar("C")
 
@@ -73,3 +78,24 @@ class ServerFlags(LogFlags):
 
     host: str = flag("127.0.0.1", "Address to bind (loopback only unless told otherwise).")
     port: int = flag(0, "HTTP port (0: any free port).")
+    api_key: str | None = flag(None, API_KEY_HELP, metavar="KEY")
+    admin_api_key: str | None = flag(None, ADMIN_API_KEY_HELP, metavar="KEY")
+    max_request_bytes: int = flag(DEFAULT_MAX_REQUEST_BYTES, MAX_REQUEST_BYTES_HELP, metavar="N")
+
+    def __post_init__(self) -> None:
+        self.guard()  # bad keys or limit: ValueError naming the flag
+        getattr(super(), "__post_init__", lambda: None)()  # mixins' own checks (cooperative)
+
+    def guard(self):
+        """The keys (flags, else the environment) and request limit this server enforces."""
+        from miles_disagg.asgi_guard import ServerGuard
+        from miles_disagg.auth import ApiKeys
+
+        return ServerGuard(ApiKeys.resolve(self.api_key, self.admin_api_key), self.max_request_bytes)
+
+    def export_keys(self) -> None:
+        """Put the keys given as flags into this process's environment, so every child it starts
+        (gateway, replicas, engines) gets them without a command line that ``ps`` shows."""
+        import os
+
+        os.environ.update(self.guard().keys.env())

@@ -68,6 +68,8 @@ class RolloutConfig:
     rollout_external_engine_addrs: list[str] = flag([], "host:port of each attached engine.")
     rollout_service_url: str | None = flag(None, "One rollout-service endpoint (the service owns replicas and activation; needs --update-weight-disk-dir).")
     rollout_exact_version: bool = flag(False, "Ask for exactly the trainer's current version (evaluation-style on-policy rollout).")
+    rollout_api_key: str | None = flag(None, "API key of the attached engines or the rollout service (sent as Bearer on generation; default: $MILES_DISAGG_API_KEY). Managed servers then require it too.")
+    rollout_admin_api_key: str | None = flag(None, "Admin key of the attached engines (weight updates) or the rollout service (/wake); default: $MILES_DISAGG_ADMIN_API_KEY, else the run generates one for the servers it starts.")
     rollout_backend: str = flag("auto", "Engine to launch when managed: builtin (the CPU engine), sglang, or auto (sglang when a GPU is present).", choices=ROLLOUT_BACKENDS)
     router: str = flag("builtin", "Router in front of the engines: builtin (version-aware) or sglang (sglang-router; no version constraints).", choices=ROUTERS)
     rollout_health_check_interval: float = flag(1.0, "Seconds between health checks of each engine (the router's and the engine monitor's; miles' default is 30).")
@@ -344,6 +346,10 @@ class RunConfig:
     sglang_args: dict = field(default_factory=dict)  # --sglang-* passthrough for managed SGLang servers
 
 
+# flags whose values never reach config.json, --print-config, --dry-run or logs
+SECRET_FIELDS = frozenset({"rollout_api_key", "rollout_admin_api_key", "wandb_key"})
+REDACTED = "<redacted>"
+
 # section name in RunConfig / YAML -> component class
 SECTIONS: dict[str, type] = {
     "cluster": ClusterConfig,
@@ -355,10 +361,6 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "ci": CIConfig,
 }
-
-SECRET_FIELDS = ("wandb_key",)
-"""Fields never printed (--print-config, --dry-run) nor written to the run directory."""
-
 
 def _is_hook_path(value: str) -> bool:
     """``pkg.module:function`` (this project's form) or ``pkg.module.function`` (miles' dotted form)."""

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from miles_disagg.config.components import SECRET_FIELDS, SECTIONS, RunConfig
+from miles_disagg.config.components import SECTIONS, RunConfig
 from miles_disagg.config.fields import ConfigArgumentParser, FlagSpec, add_flag, build_config, flag_specs
 from miles_disagg.config.miles_flags import REFUSED_FLAGS, check_refused, unknown_flags_error
 from miles_disagg.config.resolve import resolve_derived
@@ -154,15 +154,16 @@ def _build(values: dict[str, Any], entry: str) -> RunConfig:
 
 
 def config_to_dict(config: RunConfig) -> dict[str, Any]:
-    """The resolved config as plain data, secrets (``--wandb-key``) replaced by ``"<set>"``."""
+    """The resolved config as plain data; keys (``SECRET_FIELDS``) are shown as ``<redacted>``."""
     import dataclasses
+
+    from miles_disagg.config.components import REDACTED, SECRET_FIELDS
 
     data = dataclasses.asdict(config)
     for section in data.values():
         if isinstance(section, dict):
-            for key in SECRET_FIELDS:
-                if section.get(key) is not None:
-                    section[key] = "<set>"
+            for name in SECRET_FIELDS & section.keys():
+                section[name] = REDACTED if section[name] is not None else None
     return data
 
 

@@ -1,6 +1,7 @@
 """One managed engine, owned by a Ray actor placed in the engine's first GPU bundle.
 
-The actor only knows where it runs (the node's address, the GPUs Ray gave its bundle) and
+The actor only knows where it runs (the node's address, if the job spans nodes and the engine
+must bind it; the GPUs Ray gave its bundle) and
 hands the rest to :func:`miles_disagg.engines.launch.start_engine`: the built-in engine, or
 SGLang behind ``miles-disagg agent``. Either way it returns one URL that speaks the engine
 API plus ``/pull_weights``.
@@ -29,10 +30,12 @@ class EngineProcess:
     def _placed_spec(self) -> EngineSpec:
         import ray
 
+        from miles_disagg.netbind import resolve_host
+
         gpu_ids = ray.get_gpu_ids()
         # SGLang picks its GPUs by --base-gpu-id, so it sees the node's devices, not the actor's one
         env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-        return dataclasses.replace(self.spec, host=ray.util.get_node_ip_address(),
+        return dataclasses.replace(self.spec, host=resolve_host(self.spec.host),
                                    base_gpu_id=int(gpu_ids[0]) if gpu_ids else 0, sglang_env=env)
 
     def alive(self) -> bool:

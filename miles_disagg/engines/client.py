@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from miles_disagg.auth import ApiKeys
 from miles_disagg.types import EngineUnreachable, EngineUnrecoverable, FailRun, InvalidInput, MilesDisaggError, Retryable
 
 CONTROL_TIMEOUT_S = 600.0
@@ -47,10 +48,13 @@ class EngineClient:
     and :meth:`load` (the version store, and the host-local checkpoint the engine serves from)."""
 
     def __init__(self, url: str, *, store_dir: str | Path | None = None,
-                 local_checkpoint_dir: str | Path | None = None, timeout_s: float = CONTROL_TIMEOUT_S):
+                 local_checkpoint_dir: str | Path | None = None, timeout_s: float = CONTROL_TIMEOUT_S,
+                 keys: ApiKeys | None = None):
+        """``keys``: sent per path (the admin key only to admin endpoints); None: the environment's."""
         import httpx
 
         self.url = url.rstrip("/")
+        self.keys = keys if keys is not None else ApiKeys.from_env()
         self.store_dir = os.path.abspath(store_dir) if store_dir is not None else None
         # not resolve(): the local checkpoint is a symlink the materializer flips
         self.local_dir = os.path.abspath(local_checkpoint_dir) if local_checkpoint_dir is not None else None
@@ -166,7 +170,7 @@ class EngineClient:
         if timeout_s is not None:
             kwargs["timeout"] = timeout_s
         try:
-            response = self._http.request(method, path, **kwargs)
+            response = self._http.request(method, path, headers=self.keys.headers_for(path), **kwargs)
         except httpx.HTTPError as exc:
             raise EngineUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
         payload = _json(response)
@@ -183,7 +187,7 @@ class EngineClient:
 
 
 def _error_for(message: str, status: int, path: str) -> MilesDisaggError:
-    if status in (400, 403, 404, 413, 422):
+    if status in (400, 401, 403, 404, 413, 422):
         return StagingRefused(message) if path == "/pull_weights" else EngineRefused(message)
     if status == 409:
         return EngineBusy(message)

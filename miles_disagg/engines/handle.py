@@ -47,7 +47,10 @@ class EngineManagerHandle:
 
         from miles_disagg.engines.manager import EngineManager
 
-        self._actor = ray.remote(EngineManager).options(num_cpus=0, max_concurrency=8).remote(config, placement=placement)
+        from miles_disagg.netbind import keys_runtime_env
+
+        self._actor = ray.remote(EngineManager).options(num_cpus=0, max_concurrency=8, runtime_env=keys_runtime_env()
+                                                        ).remote(config, placement=placement)
         self.router_url: str | None = None
         self.engine_urls: list[str] = []
         self.delta_filters: list[list[str] | None] = []

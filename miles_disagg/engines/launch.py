@@ -46,6 +46,8 @@ class EngineSpec:
     """The base checkpoint (version 0) the engine starts from."""
     local_checkpoint_dir: Path
     """Host-local checkpoint ``/pull_weights`` materializes into (the agent's, for SGLang)."""
+    store_dir: Path | None = None
+    """The version store ``/pull_weights`` may read (``--weight-store-dir``; None: pulls are refused)."""
     log_dir: Path
     """Where the engine (and agent) logs go."""
     name: str = "engine"
@@ -122,10 +124,10 @@ def engine_processes(spec: EngineSpec, *, port: int | str, agent_port: int | str
 
     cmd = sglang_command(str(spec.model_path), host=spec.host, port=port, tp_size=spec.tp_size,
                          base_gpu_id=spec.base_gpu_id, dtype=spec.dtype, weight_version=0,
-                         extra_args=dict(spec.sglang_args)) + list(spec.extra_args)
+                         extra_args={**spec.sglang_args, **_sglang_key_args(spec)}) + list(spec.extra_args)
     agent = agent_command(engine_url or f"http://{spec.host}:{port}", spec.local_checkpoint_dir, host=spec.host,
                           port=agent_port if agent_port is not None else "{agent_port}", base_dir=spec.model_path,
-                          pre_read_hook=spec.pre_read_hook)
+                          pre_read_hook=spec.pre_read_hook, store_dirs=_store_dirs(spec))
     return [PlannedProcess("sglang", cmd, spec.log_dir / f"sglang-{spec.name}.log"),
             PlannedProcess("agent", agent, spec.log_dir / f"agent-{spec.name}.log")]
 
@@ -148,6 +150,9 @@ def _builtin_args(spec: EngineSpec) -> list[str]:
         args += ["--max-running-requests", str(spec.max_running_requests)]
     if spec.pre_read_hook:
         args += ["--custom-pull-weights-pre-read-hook", spec.pre_read_hook]
+    args += ["--local-checkpoint-dir", str(spec.local_checkpoint_dir)]  # the one place it may write
+    if spec.store_dir is not None:
+        args += ["--weight-store-dir", str(spec.store_dir)]
     return args + list(spec.extra_args)
 
 
@@ -158,7 +163,8 @@ def _start_sglang_with_agent(spec: EngineSpec) -> RunningEngine:
                            env=None if spec.sglang_env is None else dict(spec.sglang_env))
     try:
         agent = launch_agent(engine.url, spec.local_checkpoint_dir, log_path=agent_plan.log_path,
-                             host=spec.host, base_dir=spec.model_path, pre_read_hook=spec.pre_read_hook)
+                             host=spec.host, base_dir=spec.model_path, pre_read_hook=spec.pre_read_hook,
+                             store_dirs=_store_dirs(spec))
     except BaseException:
         engine.stop()
         raise
@@ -173,7 +179,7 @@ def builtin_engine_command(model_dir: Path, host: str, port: int | str, extra_ar
 
 def agent_command(engine_url: str, local_checkpoint_dir: Path, *, host: str, port: int | str,
                   base_dir: Path | None = None, pre_read_hook: str | None = None,
-                  extra_args: Sequence[str] = ()) -> list[str]:
+                  store_dirs: Sequence[Path] = (), extra_args: Sequence[str] = ()) -> list[str]:
     """``python -m miles_disagg.engines.agent`` in front of ``engine_url`` on ``host:port``."""
     cmd = [sys.executable, "-m", "miles_disagg.engines.agent", "--engine-url", engine_url,
            "--local-checkpoint-dir", str(local_checkpoint_dir), "--host", host, "--port", str(port)]
@@ -181,7 +187,25 @@ def agent_command(engine_url: str, local_checkpoint_dir: Path, *, host: str, por
         cmd += ["--base-dir", str(base_dir)]
     if pre_read_hook:
         cmd += ["--custom-pull-weights-pre-read-hook", pre_read_hook]
+    for store in store_dirs:  # the only stores it may read
+        cmd += ["--weight-store-dir", str(store)]
     return cmd + list(extra_args)
+
+
+def _sglang_key_args(spec: EngineSpec) -> dict[str, str]:
+    """SGLang's ``--api-key``/``--admin-api-key`` from the keys this process runs with (the agent
+    in front of it sends the same ones). SGLang reads keys only from its command line."""
+    import os
+
+    from miles_disagg.auth import ApiKeys
+
+    keys = ApiKeys.from_env(spec.sglang_env if spec.sglang_env is not None else os.environ)
+    pairs = (("api-key", keys.api_key), ("admin-api-key", keys.admin_api_key))
+    return {flag: value for flag, value in pairs if value is not None}
+
+
+def _store_dirs(spec: EngineSpec) -> tuple[Path, ...]:
+    return (spec.store_dir,) if spec.store_dir is not None else ()
 
 
 def launch_engine(
@@ -200,13 +224,13 @@ def launch_engine(
 def launch_agent(
     engine_url: str, local_checkpoint_dir: Path, *, log_path: Path, port: int | None = None,
     host: str = "127.0.0.1", base_dir: Path | None = None, pre_read_hook: str | None = None,
-    extra_args: Sequence[str] = (), startup_timeout_s: float = AGENT_STARTUP_TIMEOUT_S,
+    store_dirs: Sequence[Path] = (), extra_args: Sequence[str] = (), startup_timeout_s: float = AGENT_STARTUP_TIMEOUT_S,
 ) -> LaunchedEngine:
     """Start ``python -m miles_disagg.engines.agent`` in front of ``engine_url``; returns once it
     answers ``/agent_health`` (which says nothing about its engine)."""
     port = port or free_port(host)
     cmd = agent_command(engine_url, local_checkpoint_dir, host=host, port=port, base_dir=base_dir,
-                        pre_read_hook=pre_read_hook, extra_args=extra_args)
+                        pre_read_hook=pre_read_hook, store_dirs=store_dirs, extra_args=extra_args)
     return start_http_process(cmd, url=f"http://{host}:{port}", log_path=log_path, health_path="/agent_health",
                               what="agent", error=EngineUnrecoverable, startup_timeout_s=startup_timeout_s,
                               launched=LaunchedEngine)

@@ -106,9 +106,12 @@ class EngineManager:
             self.router = launch_sglang_router(log_path=log_path, workers=workers, port=plan.port, policy=plan.policy)
             self.router_client = SglangRouterClient(self.router.url)
             return
+        from miles_disagg.netbind import bind_host, resolve_host
         from miles_disagg.router.launch import launch_router
 
-        self.router = launch_router(log_path=log_path, port=plan.port, health_check_interval_s=plan.health_check_interval_s,
+        host = resolve_host(bind_host(spans_nodes=self.config.spans_nodes))
+        self.router = launch_router(log_path=log_path, port=plan.port, host=host,
+                                    health_check_interval_s=plan.health_check_interval_s,
                                     retry_after_s=ROUTER_RETRY_AFTER_S, extra_args=plan.extra_args)
         self.router_client = self.router.client()
 
@@ -144,7 +147,22 @@ class EngineManager:
         expected = EngineExpectation.from_hf_checkpoint(self.model_path, self.cluster.rollout_num_gpus_per_engine,
                                                         self.rollout.engine_dtype)
         with EngineClient(url, timeout_s=10) as client:
-            return check_engine_matches(expected, client.server_info(), client.model_info())
+            server_info = client.server_info()
+            return check_engine_matches(expected, server_info, client.model_info()) + self._store_mismatch(server_info)
+
+    def _store_mismatch(self, server_info: dict) -> list[str]:
+        """Disk-delta: a built-in engine pulls only from its ``--weight-store-dir``s (an agent says
+        nothing here and refuses a wrong store at the first pull, naming its roots)."""
+        import os
+
+        stores = server_info.get("weight_store_dirs")
+        ours = self.weights.update_weight_disk_dir
+        if self.weights.update_weight_transfer_mode != "disk-delta" or stores is None or not ours:
+            return []
+        if any(os.path.realpath(s) == os.path.realpath(ours) for s in stores):
+            return []
+        return [f"weight store: the engine pulls only from {stores or 'no store (no --weight-store-dir)'}, "
+                f"this job publishes to {ours!r}; start it with --weight-store-dir {ours}"]
 
     def _bring_to_base(self) -> None:
         """Attached engines may still serve an earlier job's version: bring each to this job's
@@ -173,10 +191,11 @@ class EngineManager:
 
     @staticmethod
     def _local_dir(url: str, default: Path) -> str:
-        """An agent owns its local checkpoint dir (ask it); a built-in engine takes ours."""
+        """The engine host's own local checkpoint (an agent's, or a built-in engine's
+        ``--local-checkpoint-dir``), else ours: a server writes only the one it was started with."""
         with EngineClient(url, timeout_s=5) as client:
-            info = client.agent_info()
-        return str(info.get("local_checkpoint_dir") or default) if info else str(default)
+            info = client.agent_info() or client.server_info()
+        return str(info.get("local_checkpoint_dir") or default)
 
     # ------------------------------------------------------------------ updates
 

@@ -38,12 +38,16 @@ def local_checkpoint_root(config: EngineManagerConfig) -> Path:
 
 
 def engine_specs(config: EngineManagerConfig, engines: Sequence[Sequence[int]], backend: str) -> list[EngineSpec]:
-    """One spec per managed engine (``engines``: each engine's bundle positions). The host and
-    base GPU id are filled in where the engine is placed."""
+    """One spec per managed engine (``engines``: each engine's bundle positions). The node's
+    address (when the job spans nodes) and the base GPU id are filled in where the engine is placed."""
+    from miles_disagg.netbind import bind_host
+
     root = local_checkpoint_root(config)
+    store = config.weights.update_weight_disk_dir
     per_engine = config.rollout.sglang_server_concurrency or BUILTIN_MAX_RUNNING_REQUESTS
     return [EngineSpec(backend=backend, name=f"engine-{index}", model_path=Path(config.model_path),
                        log_dir=Path(config.run_dir) / "logs", local_checkpoint_dir=root / f"engine-{index}",
+                       store_dir=Path(store) if store else None, host=bind_host(spans_nodes=config.spans_nodes),
                        tp_size=len(bundles), dtype=config.rollout.engine_dtype, seed=config.seed + index,
                        max_running_requests=per_engine,
                        pre_read_hook=config.weights.sglang_custom_pull_weights_pre_read_hook,

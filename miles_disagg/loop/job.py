@@ -2,6 +2,11 @@
 
 ``Job.start(config)`` brings the pieces up in dependency order and ``Job.stop()`` tears them
 down in reverse; a failure while starting stops what was already started.
+
+Security (:mod:`miles_disagg.netbind`): before anything starts, the run takes its keys (job
+flags or environment; a random admin key otherwise) into its environment, from which every
+process and actor it starts inherits them; its servers bind loopback unless the job spans
+nodes; a Ray cluster it starts keeps Ray's token authentication on.
 """
 
 from __future__ import annotations
@@ -59,7 +64,10 @@ class Job:
     def _start(self, with_trainer: bool, with_engines: bool) -> None:
         from miles_disagg.trainer.placement import create_placement, plan_layout
 
+        from miles_disagg.netbind import export_keys, run_keys
+
         cfg = self.config
+        export_keys(run_keys(cfg.rollout.rollout_api_key, cfg.rollout.rollout_admin_api_key))
         external = cfg.rollout.rollout_external or bool(cfg.rollout.rollout_service_url) or not with_engines
         layout = plan_layout(cfg.cluster, external_rollout=external)
         self._owns_ray = init_ray(layout.num_bundles)
@@ -97,14 +105,18 @@ class Job:
         return self.trainer is not None and self.config.weights.update_weight_transfer_mode == "disk-delta"
 
     def _start_engines(self) -> None:
+        import dataclasses
+
         from miles_disagg.engines.handle import EngineManagerHandle
+        from miles_disagg.netbind import job_spans_nodes
 
         if self.config.rollout.rollout_service_url:
             self._connect_service()
             return
         from miles_disagg.engines.plan import resolve_backend, unused_sglang_args
 
-        manager_config = EngineManagerConfig.from_run(self.config)
+        spans_nodes = job_spans_nodes(self.placement.node_ids)
+        manager_config = dataclasses.replace(EngineManagerConfig.from_run(self.config), spans_nodes=spans_nodes)
         note = unused_sglang_args(manager_config, None if self.config.rollout.rollout_external else
                                   resolve_backend(self.config.rollout.rollout_backend)[0])
         if note:
@@ -127,7 +139,7 @@ class Job:
 
         url = self.config.rollout.rollout_service_url.rstrip("/")
         try:
-            httpx.get(f"{url}/health", timeout=10, trust_env=False).raise_for_status()
+            httpx.get(f"{url}/health", timeout=10, trust_env=False).raise_for_status()  # open: no key needed
         except httpx.HTTPError as exc:
             raise ConfigError(f"--rollout-service-url {url}: not answering /health ({exc})",
                               ("--rollout-service-url",)) from None
@@ -138,7 +150,8 @@ class Job:
     def _start_rollout(self) -> None:
         from miles_disagg.rollout.handle import RolloutManagerHandle
 
-        self.rollout = RolloutManagerHandle(RolloutManagerConfig.from_run(self.config, self.router_url),
+        run_id = self.run_id if self.config.rollout.rollout_service_url else None  # a service names runs
+        self.rollout = RolloutManagerHandle(RolloutManagerConfig.from_run(self.config, self.router_url, run_id),
                                             data_position=self._data_position)
 
     def _join_broadcast_group(self) -> None:
@@ -181,15 +194,19 @@ def init_ray(num_bundles: int) -> bool:
 
     if ray.is_initialized():
         return False
+    from miles_disagg.auth import ApiKeys
+    from miles_disagg.netbind import keep_ray_token_auth
+
+    keys_env = ApiKeys.from_env().env()  # every actor of the run enforces and sends the run's keys
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
+        ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING", runtime_env={"env_vars": keys_env})
         return True
     import torch
 
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else num_bundles
     tmp = os.environ.get(RAY_TMPDIR_ENV)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
+    keep_ray_token_auth()  # Ray's own token auth stays on (tests may set RAY_AUTH_MODE=disabled)
     ray.init(num_cpus=max(8, os.cpu_count() or 1), num_gpus=num_gpus, include_dashboard=False,
              logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **keys_env}})
     return True

@@ -29,7 +29,10 @@ class BusyMeter:
     def _read(self) -> tuple[float, float, int] | None:
         import httpx
 
-        workers = httpx.get(f"{self.router_url}/list_workers", timeout=10).json().get("workers")
+        from miles_disagg.auth import ApiKeys
+
+        workers = httpx.get(f"{self.router_url}/list_workers", timeout=10,
+                            headers=ApiKeys.from_env().headers_for("/list_workers")).json().get("workers")
         if not workers or not all("busy_s" in w for w in workers):
             return None
         return time.monotonic(), sum(w["busy_s"] for w in workers), len(workers)

@@ -175,7 +175,8 @@ def run(config: RunConfig) -> None:
     tracker = MetricsTracker(config.tracking.run_dir, use_tensorboard=config.tracking.use_tensorboard,
                              use_wandb=config.tracking.use_wandb, wandb_project=config.tracking.wandb_project,
                              wandb_group=config.tracking.wandb_group, wandb_team=config.tracking.wandb_team,
-                             wandb_key=config.tracking.wandb_key)
+                             wandb_key=config.tracking.wandb_key,
+                             start_step=found[1].step if found else 0)  # each step logged once after --load
     try:
         state = restore(job, found)
         if config.entry == "train_async" and not (config.rollout.debug_rollout_only or config.rollout.debug_train_only):

@@ -48,15 +48,27 @@ class SamplingSettings:
 
 
 def request_body(prompt_ids: list[int], sampling: SamplingSettings, min_version: int | None,
-                 exact_version: int | None = None, num_samples: int = 1) -> dict[str, Any]:
+                 exact_version: int | None = None, num_samples: int = 1, run_id: str | None = None) -> dict[str, Any]:
     """One ``/generate`` body; ``num_samples > 1`` sends the prompt that many times in one
     batched request (SGLang's list-of-prompts form), answered by a list of results."""
     input_ids: Any = prompt_ids if num_samples == 1 else [list(prompt_ids) for _ in range(num_samples)]
     body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling.to_json(), "return_logprob": True}
+    return constrained(body, min_version, exact_version, run_id)
+
+
+def constrained(body: dict[str, Any], min_version: int | None, exact_version: int | None,
+                run_id: str | None) -> dict[str, Any]:
+    """``body`` with its ``weight_version`` constraint: exactly one version, or at least one; ``run_id``
+    (rollout service) binds it to this run's versions."""
+    constraint: dict[str, Any] = {}
     if exact_version is not None:
-        body["weight_version"] = {"exact_version": exact_version}
+        constraint["exact_version"] = exact_version
     elif min_version is not None:
-        body["weight_version"] = {"min_version": min_version}
+        constraint["min_version"] = min_version
+    if run_id is not None:
+        constraint["run_id"] = run_id
+    if constraint:
+        body["weight_version"] = constraint
     return body
 
 

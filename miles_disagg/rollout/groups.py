@@ -31,10 +31,10 @@ class GroupGenerator:
     """Makes scored groups for the rollout manager (training, evaluation, and rollout functions)."""
 
     def __init__(self, *, client, router_url: str, counters: dict[str, int], tokenizer, reward,
-                 custom_generate: Callable | None, replay_after_dispatch: bool):
+                 custom_generate: Callable | None, replay_after_dispatch: bool, run_id: str | None = None):
         self._client, self._url, self._counters = client, router_url, counters
         self.tokenizer, self._reward, self._custom = tokenizer, reward, custom_generate
-        self._replay = replay_after_dispatch
+        self._replay, self._run_id = replay_after_dispatch, run_id
 
     # ------------------------------------------------------------------ pending samples
 
@@ -71,7 +71,8 @@ class GroupGenerator:
     async def _batched(self, prompt, n: int, args: RolloutArgs, bound: VersionBound) -> list[Sample]:
         prompt_ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
         min_version, exact_version = bound()
-        body = request_body(prompt_ids, args.sampling, min_version, exact_version=exact_version, num_samples=n)
+        body = request_body(prompt_ids, args.sampling, min_version, exact_version=exact_version, num_samples=n,
+                            run_id=self._run_id)
         self._counters["requests"] = self._counters.get("requests", 0) + 1
         payload = await generate_one(self._client, self._url, body, self._counters,
                                      replay_after_dispatch=self._replay)

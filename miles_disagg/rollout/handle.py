@@ -18,7 +18,10 @@ class RolloutManagerHandle:
 
         from miles_disagg.rollout.manager import RolloutManager
 
-        self._actor = ray.remote(RolloutManager).options(num_cpus=0).remote(config, data_position=data_position)
+        from miles_disagg.netbind import keys_runtime_env
+
+        self._actor = ray.remote(RolloutManager).options(num_cpus=0, runtime_env=keys_runtime_env()).remote(
+            config, data_position=data_position)
 
     def start(self) -> None:
         """Begin continuous generation (train_async.py)."""

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
-from miles_disagg.rollout.generate import GenerationFailed, SamplingSettings, generate_one, sample_from_response
+from miles_disagg.rollout.generate import (
+    GenerationFailed, SamplingSettings, constrained, generate_one, sample_from_response)
 from miles_disagg.types import Sample, SampleStatus
 
 VersionBound = Callable[[], "tuple[int | None, int | None]"]
@@ -43,16 +44,17 @@ class EngineCaller:
     """Version-constrained ``/generate`` calls through the router on behalf of rollout hooks."""
 
     def __init__(self, client, router_url: str, counters: dict[str, int], version_bound: VersionBound,
-                 tokenizer, max_response_len: int, *, replay_after_dispatch: bool = True):
+                 tokenizer, max_response_len: int, *, replay_after_dispatch: bool = True, run_id: str | None = None):
         self._client, self._url, self._counters = client, router_url, counters
         self._version_bound, self._tokenizer = version_bound, tokenizer
         self._max_response_len = max_response_len
-        self._replay = replay_after_dispatch
+        self._replay, self._run_id = replay_after_dispatch, run_id
 
     def with_bound(self, version_bound: VersionBound, max_response_len: int | None = None) -> "EngineCaller":
         """The same caller asking for other versions (evaluation asks for exactly one)."""
         return EngineCaller(self._client, self._url, self._counters, version_bound, self._tokenizer,
-                            max_response_len or self._max_response_len, replay_after_dispatch=self._replay)
+                            max_response_len or self._max_response_len, replay_after_dispatch=self._replay,
+                            run_id=self._run_id)
 
     async def generate(self, sample: Sample, sampling_params: dict[str, Any] | None = None) -> Sample:
         """Continue ``sample`` (prompt and response so far) with one engine call and append the result.
@@ -68,11 +70,8 @@ class EngineCaller:
             sample.status, sample.finish_reason = SampleStatus.TRUNCATED.value, "length"
             return sample
         min_version, exact_version = self._version_bound()
-        body: dict[str, Any] = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True}
-        if exact_version is not None:
-            body["weight_version"] = {"exact_version": exact_version}
-        elif min_version is not None:
-            body["weight_version"] = {"min_version": min_version}
+        body = constrained({"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True},
+                           min_version, exact_version, self._run_id)
         self._counters["requests"] = self._counters.get("requests", 0) + 1
         payload = await generate_one(self._client, self._url, body, self._counters,
                                      replay_after_dispatch=self._replay)

@@ -30,6 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from miles_disagg.auth import ApiKeys
 from miles_disagg.config.actors import RolloutManagerConfig
 from miles_disagg.rollout.buffer import BufferClosed, BufferTimeout, GroupBuffer
 from miles_disagg.rollout.filters import apply_dynamic_filter, buffer_selector
@@ -54,6 +55,7 @@ class RolloutManager:
 
         self.hf_dir, seed = config.hf_dir, config.seed
         self.config, self.router_url = config.rollout, config.router_url.rstrip("/")
+        self.run_id = config.run_id
         config = config.rollout
         self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
         self.prompts = make_prompt_source(config, self.tokenizer, seed)
@@ -97,16 +99,18 @@ class RolloutManager:
         self._loop = asyncio.get_running_loop()
         limits = httpx.Limits(max_connections=self.config.rollout_concurrency + 8)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=limits,
-                                         transport=self._transport)
+                                         transport=self._transport,
+                                         headers=ApiKeys.from_env().headers_for("/generate"))  # the run's keys
         # one slot per group in flight: the concurrency bound counts samples
         self._slots = asyncio.Semaphore(max(1, self.config.rollout_concurrency // self.config.n_samples_per_prompt))
         self._room = asyncio.Event()
         replay = not self.config.rollout_service_url  # a service request failed after dispatch is not replayed
         self.generator = GroupGenerator(client=self._client, router_url=self.router_url, counters=self.counters,
                                      tokenizer=self.tokenizer, reward=self.reward,
-                                     custom_generate=self.hooks.custom_generate, replay_after_dispatch=replay)
+                                     custom_generate=self.hooks.custom_generate, replay_after_dispatch=replay,
+                                     run_id=self.run_id)
         engine = EngineCaller(self._client, self.router_url, self.counters, self._training_bound, self.tokenizer,
-                              self.sampling.max_new_tokens, replay_after_dispatch=replay)
+                              self.sampling.max_new_tokens, replay_after_dispatch=replay, run_id=self.run_id)
         self.args = RolloutArgs(
             rollout_batch_size=self.batch_size, n_samples_per_prompt=self.config.n_samples_per_prompt,
             over_sampling_batch_size=self.over_sampling, sampling=self.sampling,

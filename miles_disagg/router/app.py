@@ -25,10 +25,16 @@ Contracts:
   marks the worker unhealthy and answers 502 ``WorkerFailed`` (retryable). A request that
   may have started generating is never replayed, ``rid`` or not. 4xx answers pass through.
 * A client that disconnects has its upstream request closed, so the engine aborts it.
+* Keys and limits (:mod:`miles_disagg.asgi_guard`): ``--api-key``/``--admin-api-key`` guard the
+  router's own endpoints (the registry ones need the admin key); towards workers the router
+  sends its own keys, never the client's, and never above the level the client proved. Big
+  bodies are parsed and re-encoded off the event loop.
 
 Registry: ``POST /add_worker`` and ``POST /remove_worker`` (``{"url"}`` or ``?url=``),
 ``GET /list_workers``, ``POST /set_worker_state`` ``{"url", "state": ready|paused|activating,
-"weight_version"?}``. ``GET /health`` (router alive), ``GET /metrics`` (JSON counters).
+"weight_version"?}``. A worker's version is learned only from the worker (probes and its
+answers): a ``weight_version`` given to ``/set_worker_state`` is checked against a probe of the
+worker and refused (409, nothing changed) when the worker reports another. ``GET /health`` (router alive), ``GET /metrics`` (JSON counters).
 
 Observers (``Router.observers``, used by the rollout service's gateway): each is called
 with a :class:`ProxyRecord` once per generation request that got past parsing, after its
@@ -50,18 +56,19 @@ from typing import Any, Awaitable, Callable
 import httpx
 from fastapi.responses import JSONResponse, Response
 
+from miles_disagg.asgi_guard import ServerGuard, install_guard
+from miles_disagg.auth import ApiKeys, forward_headers
 from miles_disagg.router.health import HealthChecker
-from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, constraint_json, request_constraint,
-                                       satisfies)
+from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, annotate_served_versions,
+                                       constraint_json, request_constraint, violates)
 from miles_disagg.router.registry import UnknownWorker, Worker, WorkerRegistry, WorkerState, parse_version
-from miles_disagg.httpjson import parse_body, parse_json
+from miles_disagg.httpjson import dumps_async, parse_body, parse_json_async
 from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
 
 log = logging.getLogger(__name__)
 
 GENERATE_PATH = "/generate"
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
-FORWARDED_HEADERS = ("authorization",)
 DISCONNECT_RECHECK_S = 1.0
 KEEPALIVE_EXPIRY_S = 2.0
 
@@ -118,6 +125,15 @@ class WorkerFailed(Retryable):
         super().__init__(f"worker {url} failed: {reason}")
 
 
+class WorkerVersionMismatch(Retryable):
+    """A caller said a worker holds a version the worker itself does not report (409)."""
+
+    def __init__(self, url: str, expected: int, actual: int | None):
+        self.url, self.expected, self.actual = url, expected, actual
+        super().__init__(f"worker {url} reports weight version {actual}, not {expected}; the router learns versions "
+                         "only from the worker itself")
+
+
 class _ClientGone(Exception):
     pass
 
@@ -137,8 +153,9 @@ class ProxyRecord:
 class Router:
     """Registry + policy + health checker + proxy; lives on one event loop."""
 
-    def __init__(self, config: RouterConfig, registry: WorkerRegistry | None = None):
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry | None = None, keys: ApiKeys | None = None):
         self.config = config
+        self.keys = keys or ApiKeys()  # sent to workers (one key set per deployment)
         self.registry = registry or WorkerRegistry(failure_threshold=config.health_failure_threshold)
         self.policy = LeastOutstandingPolicy()
         self.counters: Counter[str] = Counter()
@@ -158,7 +175,8 @@ class Router:
         self._client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
         probe_client = httpx.AsyncClient(timeout=self.config.health_check_timeout_s, limits=limits,
                                          trust_env=False)
-        self.health = HealthChecker(self.registry, probe_client, interval_s=self.config.health_check_interval_s)
+        self.health = HealthChecker(self.registry, probe_client, interval_s=self.config.health_check_interval_s,
+                                    keys=self.keys)
         for url in self.config.workers:
             self.registry.add(url)
         await self.health.check_all()
@@ -182,9 +200,15 @@ class Router:
         return worker
 
     async def set_worker_state(self, url: str, state: str, weight_version: int | None) -> Worker:
-        """Set the admin state; marking ``ready`` without a version re-reads the version first,
-        so requests are routed by the version the engine holds after its update."""
-        worker = self.registry.set_admin_state(url, state, weight_version)
+        """Set the admin state; marking ``ready`` re-reads the version from the worker first, so
+        requests are routed by the version the engine holds after its update. A ``weight_version``
+        is only an expectation: ``WorkerVersionMismatch`` (nothing changed) when the worker reports another."""
+        worker = self.registry.get(url)
+        if weight_version is not None:
+            await self.health.check(worker)
+            if worker.weight_version != weight_version:
+                raise WorkerVersionMismatch(worker.url, weight_version, worker.weight_version)
+        worker = self.registry.set_admin_state(url, state)
         if worker.admin_state is WorkerState.READY and weight_version is None:
             await self.health.check(worker)
         return worker
@@ -195,7 +219,8 @@ class Router:
         """Route one generation request (see the module docstring for the contract)."""
         self.counters["requests"] += 1
         try:
-            body = parse_json(await request.body())
+            raw = await request.body()
+            body = await parse_json_async(raw)
             constraint = request_constraint(body, request.headers)
             if body.get("stream"):
                 raise InvalidInput("stream=true is not supported by the router; send stream=false")
@@ -203,16 +228,16 @@ class Router:
             return _error_response(400, exc)
         record = ProxyRecord(constraint)
         started = time.perf_counter()
-        response = await self._route(request, path, body, record)
+        response = await self._route(request, path, body, record, len(raw))
         record.status, record.total_s = response.status_code, time.perf_counter() - started
         self._notify(record)
         return response
 
-    async def _route(self, request: Any, path: str, body: dict, record: ProxyRecord) -> Any:
+    async def _route(self, request: Any, path: str, body: dict, record: ProxyRecord, size: int) -> Any:
         constraint = record.constraint
-        payload = json.dumps(body).encode()
-        headers = {"content-type": "application/json",
-                   **{k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}}
+        payload = await dumps_async(body, size)
+        level = getattr(request.state, "auth_level", None)
+        headers = {"content-type": "application/json", **forward_headers(self.keys, level, path)}
         for _ in range(len(self.registry.workers()) + 1):
             try:
                 worker = self.policy.choose(self.registry.workers(), constraint)
@@ -280,7 +305,8 @@ class Router:
             self.registry.observe_version(worker, parse_version(meta.get("weight_version")))
         for meta in metas:
             annotate_served_versions(meta, dispatch_version, worker)
-        wrong = [m for m in metas if violates(m["weight_version_start"], m["weight_version_end"], constraint)]
+        wrong = [m for m in metas
+                 if violates(m["weight_version_start"], m["weight_version_end"], constraint, worker.run_id)]
         if wrong:
             self.counters["stale_view"] += 1
             served = (wrong[0]["weight_version_start"], wrong[0]["weight_version_end"])
@@ -331,30 +357,6 @@ def _metas_of(obj: Any, key: str) -> list[dict]:
     return metas
 
 
-def violates(start: int | None, end: int | None, constraint: VersionConstraint) -> bool:
-    """Whether a sample served from ``start`` to ``end`` breaks ``constraint``: its start does
-    not satisfy it, or (``min_version``) it ended below the minimum, so it started below too."""
-    if not satisfies(start, constraint):
-        return True
-    return constraint.min_version is not None and end is not None and end < constraint.min_version
-
-
-def annotate_served_versions(meta: dict, dispatch_version: int | None, worker: Worker) -> int | None:
-    """Add served start/end versions (ints) and the worker URL; returns the start version."""
-    if "weight_version_start" in meta:
-        start = parse_version(meta["weight_version_start"])
-    else:
-        start = dispatch_version
-    if "weight_version_end" in meta:
-        end = parse_version(meta["weight_version_end"])
-    elif "weight_version" in meta:
-        end = parse_version(meta["weight_version"])
-    else:
-        end = worker.weight_version
-    meta.update(weight_version_start=start, weight_version_end=end, routed_worker=worker.url)
-    return start
-
-
 def _error_response(status: int, exc: BaseException, *, type_name: str | None = None,
                     headers: dict | None = None, message: str | None = None, **extra: Any) -> JSONResponse:
     body = {"type": type_name or type(exc).__name__, "retryable": isinstance(exc, Retryable),
@@ -396,11 +398,13 @@ async def _client_disconnected(request: Any) -> None:
 # --------------------------------------------------------------------------- app
 
 
-def create_app(config: RouterConfig, registry: WorkerRegistry | None = None):
-    """The router as an ASGI app; its lifespan starts and stops the health checker."""
+def create_app(config: RouterConfig, registry: WorkerRegistry | None = None, guard: ServerGuard | None = None):
+    """The router as an ASGI app; its lifespan starts and stops the health checker. ``guard``: keys
+    and request limit (None: keys from the environment, the default limit)."""
     from fastapi import FastAPI, Request
 
-    router = Router(config, registry)
+    guard = guard if guard is not None else ServerGuard.from_env()
+    router = Router(config, registry, guard.keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -411,6 +415,7 @@ def create_app(config: RouterConfig, registry: WorkerRegistry | None = None):
             await router.stop()
 
     app = FastAPI(title="miles-disagg router", lifespan=lifespan)
+    install_guard(app, guard)
     app.state.router = router
 
     for path in (GENERATE_PATH, *OPENAI_PATHS):
@@ -423,6 +428,8 @@ def create_app(config: RouterConfig, registry: WorkerRegistry | None = None):
                 return await handler(request)
             except UnknownWorker as exc:
                 return _error_response(404, exc)
+            except WorkerVersionMismatch as exc:
+                return _error_response(409, exc, expected=exc.expected, actual=exc.actual)
             except MilesDisaggError as exc:
                 return _error_response(400 if isinstance(exc, InvalidInput) else 409, exc)
         return wrapped

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, InvalidInput) as exc:
         raise ConfigError(str(exc)) from exc
     sock = _listen(command.host, command.port)
-    server = uvicorn.Server(uvicorn.Config(create_app(config), log_level=command.log_level))
+    server = uvicorn.Server(uvicorn.Config(create_app(config, guard=command.guard()), log_level=command.log_level))
     port = sock.getsockname()[1]  # the real one when --port 0
     print(f"miles-disagg router listening on http://{command.host}:{port} ({len(workers)} workers)", flush=True)
     server.run(sockets=[sock])

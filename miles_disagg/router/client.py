@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from miles_disagg.auth import ApiKeys
 from miles_disagg.router.registry import UnknownWorker, normalize_url
 from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
 
@@ -26,8 +27,10 @@ class RouterUnreachable(Retryable):
 class RouterClient:
     """Registry operations on the router at ``url`` (``http://host:port``)."""
 
-    def __init__(self, url: str, *, timeout_s: float = 30.0):
+    def __init__(self, url: str, *, timeout_s: float = 30.0, keys: ApiKeys | None = None):
+        """``keys``: sent per path (the admin key to the registry endpoints); None: the environment's."""
         self.url = url.rstrip("/")
+        self.keys = keys if keys is not None else ApiKeys.from_env()
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False)
 
     def close(self) -> None:
@@ -110,7 +113,7 @@ class RouterClient:
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         try:
-            response = self._http.request(method, path, json=body)
+            response = self._http.request(method, path, json=body, headers=self.keys.headers_for(path))
         except httpx.HTTPError as exc:
             raise RouterUnreachable(f"{method} {self.url}{path}: {type(exc).__name__}: {exc}") from exc
         if response.is_success:
@@ -118,7 +121,7 @@ class RouterClient:
         message, error_type = _message_of(response)
         if error_type == UnknownWorker.__name__ and body and "url" in body:
             raise UnknownWorker(body["url"])
-        if response.status_code in (400, 404, 422):
+        if response.status_code in (400, 401, 403, 404, 413, 422):
             raise InvalidInput(f"{method} {path}: {message}")
         if response.status_code in (409, 503):
             raise Retryable(f"{method} {path}: {message}")

@@ -5,7 +5,9 @@ the client's timeout, so one hung worker never delays the others' checks. A refu
 connection or an error status takes a worker out of routing at once; timeouts count
 towards the registry's failure threshold. A later successful probe brings it back with
 the version it reads. A server without ``/get_weight_version`` (404) is healthy with an
-unknown version (it then serves only unconstrained requests).
+unknown version (it then serves only unconstrained requests). Probes carry the router's key
+for each path (:meth:`~miles_disagg.auth.ApiKeys.headers_for`): the worker's own answer to
+an authenticated call is the only source of its version.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 
 import httpx
 
+from miles_disagg.auth import ApiKeys
 from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, parse_version
 from miles_disagg.types import MilesDisaggError
 
@@ -32,10 +35,12 @@ class ProbeFailed(MilesDisaggError):
 class HealthChecker:
     """Periodic prober over a :class:`WorkerRegistry` (``client`` carries the probe timeout)."""
 
-    def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, *, interval_s: float):
+    def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, *, interval_s: float,
+                 keys: ApiKeys | None = None):
         self.registry = registry
         self.client = client
         self.interval_s = interval_s
+        self.keys = keys or ApiKeys()
 
     async def run_forever(self) -> None:
         """Sleep ``interval_s``, probe all workers, repeat until cancelled (the owner runs
@@ -83,7 +88,7 @@ class HealthChecker:
 
     async def _get(self, url: str, path: str) -> httpx.Response:
         try:
-            return await self.client.get(url + path)
+            return await self.client.get(url + path, headers=self.keys.headers_for(path))
         except httpx.TimeoutException as exc:
             raise ProbeFailed(f"GET {path} timed out ({type(exc).__name__})", definite=False) from exc
         except httpx.ConnectError as exc:

@@ -7,7 +7,8 @@ fallback to an older policy: when nothing satisfies the constraint the caller ge
 ``VersionNotReady`` (retry later), never a worker of another version.
 
 A request states its constraint in the body (``"weight_version": {"min_version": N}`` or
-``{"exact_version": N}``) or in the ``X-Weight-Version-Min`` / ``X-Weight-Version-Exact``
+``{"exact_version": N}``, either optionally with ``"run_id"``: then only workers known to serve
+that run's versions qualify, which only the rollout service's gateway knows) or in the ``X-Weight-Version-Min`` / ``X-Weight-Version-Exact``
 headers; :func:`request_constraint` reads (and strips) it.
 """
 
@@ -32,14 +33,15 @@ class NoWorkerAvailable(Retryable):
 
 
 def is_unconstrained(constraint: VersionConstraint) -> bool:
-    return constraint.min_version is None and constraint.exact_version is None
+    return constraint.min_version is None and constraint.exact_version is None and constraint.run_id is None
 
 
-def satisfies(version: int | None, constraint: VersionConstraint) -> bool:
-    """Whether a worker at ``version`` may serve ``constraint`` (unknown satisfies only "any")."""
+def satisfies(version: int | None, constraint: VersionConstraint, run_id: str | None = None) -> bool:
+    """Whether a worker at ``version`` of run ``run_id`` may serve ``constraint`` (an unknown
+    version satisfies only "any"; a constraint naming a run only a worker known to be of it)."""
     if version is None:
         return is_unconstrained(constraint)
-    return constraint.allows(version)
+    return constraint.allows(version, run_id)
 
 
 def ready_versions(workers: Sequence[Worker]) -> list[int]:
@@ -65,7 +67,7 @@ class LeastOutstandingPolicy:
             states = dict(Counter(w.state.value for w in workers))
             what = f"worker states: {states}" if workers else "no workers are registered"
             raise NoWorkerAvailable(f"no ready worker ({what})", states)
-        eligible = [w for w in ready if satisfies(w.weight_version, constraint)]
+        eligible = [w for w in ready if satisfies(w.weight_version, constraint, w.run_id)]
         if not eligible:
             raise VersionNotReady(constraint, ready_versions(ready))
         fewest = min(w.outstanding for w in eligible)
@@ -105,5 +107,33 @@ def _header_version(headers: Mapping[str, str], name: str) -> int | None:
     return version
 
 
-def constraint_json(constraint: VersionConstraint) -> dict[str, int]:
+def constraint_json(constraint: VersionConstraint) -> dict[str, int | str]:
     return {k: v for k, v in asdict(constraint).items() if v is not None}
+
+
+# --------------------------------------------------------------------------- served versions
+
+
+def violates(start: int | None, end: int | None, constraint: VersionConstraint, run_id: str | None = None) -> bool:
+    """Whether a sample served from ``start`` to ``end`` (by a worker of run ``run_id``) breaks
+    ``constraint``: its start does not satisfy it, or (``min_version``) it ended below the
+    minimum, so it started below too."""
+    if not satisfies(start, constraint, run_id):
+        return True
+    return constraint.min_version is not None and end is not None and end < constraint.min_version
+
+
+def annotate_served_versions(meta: dict, dispatch_version: int | None, worker: Worker) -> int | None:
+    """Add served start/end versions (ints) and the worker URL; returns the start version."""
+    if "weight_version_start" in meta:
+        start = parse_version(meta["weight_version_start"])
+    else:
+        start = dispatch_version
+    if "weight_version_end" in meta:
+        end = parse_version(meta["weight_version_end"])
+    elif "weight_version" in meta:
+        end = parse_version(meta["weight_version"])
+    else:
+        end = worker.weight_version
+    meta.update(weight_version_start=start, weight_version_end=end, routed_worker=worker.url)
+    return start

@@ -93,6 +93,7 @@ class Worker:
     url: str
     admin_state: WorkerState = WorkerState.READY
     weight_version: int | None = None
+    run_id: str | None = None  # the run whose version it serves, when an authenticated replica said so
     outstanding: int = 0
     num_served: int = 0
     consecutive_failures: int = 0
@@ -124,7 +125,7 @@ class Worker:
         return self.ever_healthy and not self.unhealthy and self.consecutive_failures == 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"url": self.url, "weight_version": self.weight_version, "state": self.state.value,
+        return {"url": self.url, "weight_version": self.weight_version, "run_id": self.run_id, "state": self.state.value,
                 "outstanding": self.outstanding, "healthy": self.healthy, "last_error": self.last_error,
                 "num_served": self.num_served, "busy_s": round(self.busy_seconds(), 6)}
 
@@ -165,10 +166,12 @@ class WorkerRegistry:
 
     # ------------------------------------------------------------------ admin state and load
 
-    def set_admin_state(self, url: str, state: WorkerState | str, weight_version: int | None = None) -> Worker:
-        """Mark a worker ``ready``/``paused``/``activating`` (and optionally its new version).
+    def set_admin_state(self, url: str, state: WorkerState | str, weight_version: int | None = None,
+                        run_id: str | None = None) -> Worker:
+        """Mark a worker ``ready``/``paused``/``activating`` (and optionally its new version and run).
 
-        A version given here is authoritative (the updater just loaded it).
+        A version given here is authoritative: callers pass only what the worker itself just
+        answered to an authenticated probe.
         """
         try:
             state = WorkerState(state)
@@ -180,6 +183,8 @@ class WorkerRegistry:
         worker.admin_state = state
         if weight_version is not None:
             self._set_version(worker, weight_version)
+        if run_id is not None:
+            worker.run_id = run_id or None
         return worker
 
     def acquire(self, worker: Worker) -> None:

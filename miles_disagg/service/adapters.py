@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from miles_disagg.auth import ApiKeys
 from miles_disagg.service.protocol import ReplicaStatus, StoreHead
 from miles_disagg.types import InvalidInput, Retryable
 
@@ -56,8 +57,10 @@ class StoreView:
 class GatewayLink:
     """Heartbeats and deregistration against the gateway."""
 
-    def __init__(self, url: str, *, timeout_s: float = HEARTBEAT_TIMEOUT_S):
+    def __init__(self, url: str, *, timeout_s: float = HEARTBEAT_TIMEOUT_S, keys: ApiKeys | None = None):
+        """``keys``: the admin key goes with heartbeats and deregistration; None: the environment's."""
         self.url = url.rstrip("/")
+        self.keys = keys if keys is not None else ApiKeys.from_env()
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False)
 
     def close(self) -> None:
@@ -78,11 +81,11 @@ class GatewayLink:
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         try:
-            response = self._http.request(method, path, json=body) if body is not None else self._http.request(method, path)
+            response = self._http.request(method, path, json=body, headers=self.keys.headers_for(path))
         except httpx.HTTPError as exc:
             raise GatewayUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
         payload = _json(response)
-        if response.status_code in (400, 404, 422):  # what was sent is wrong: retrying will not help
+        if response.status_code in (400, 401, 403, 404, 413, 422):  # what was sent is wrong: retrying will not help
             raise InvalidInput(f"{self.url}{path} answered {response.status_code}: {_message(payload)}")
         if not response.is_success:
             raise GatewayUnreachable(f"{self.url}{path} answered {response.status_code}: {_message(payload)}")

@@ -136,6 +136,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     command = action_config(args, "serve_command", ROLES)
     command.configure_logging()
+    command.export_keys()  # children (gateway, replicas, engines) get the keys through the environment
     return {"gateway": _run_gateway, "replica": _run_replica, "local": _run_local,
             "ray": _run_ray}[args.serve_command](command)
 
@@ -161,7 +162,7 @@ def _run_gateway(command: GatewayCommand) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     sock = listen_socket(command.host, command.port, backlog=2048)
-    server = uvicorn.Server(uvicorn.Config(create_gateway_app(config), log_level=command.log_level))
+    server = uvicorn.Server(uvicorn.Config(create_gateway_app(config, command.guard()), log_level=command.log_level))
     print(f"miles-disagg serve gateway listening on http://{command.host}:{sock.getsockname()[1]}", flush=True)
     server.run(sockets=[sock])
     return 0
@@ -178,7 +179,7 @@ def _run_replica(command: ReplicaCommand) -> int:
     local = command.local_checkpoint_dir
     try:
         engine = EngineSpec(backend="builtin" if kind == "url" else kind, model_path=command.base_dir.resolve(),
-                            local_checkpoint_dir=local,
+                            local_checkpoint_dir=local, store_dir=command.store.resolve(),
                             log_dir=command.log_dir or local.parent / f"{local.name}.logs", host=command.host,
                             pre_read_hook=command.pre_read_hook, extra_args=tuple(command.engine_args),
                             tp_size=command.tp_size, base_gpu_id=command.base_gpu_id, dtype=command.dtype)
@@ -188,7 +189,7 @@ def _run_replica(command: ReplicaCommand) -> int:
             host=command.host, port=command.port, poll_interval_s=command.poll_interval,
             heartbeat_interval_s=command.heartbeat_interval, drain_timeout_s=command.drain_timeout,
             reconcile=ReconcileConfig(pause_mode=command.pause_mode, max_restages=command.max_restages),
-            phase_hook=command.phase_hook)
+            phase_hook=command.phase_hook, guard=command.guard())
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     replica = Replica(config)

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import httpx
 
+from miles_disagg.auth import ApiKeys
 from miles_disagg.service.adapters import GatewayUnreachable
 from miles_disagg.types import VersionConstraint, VersionNotReady
 
@@ -19,8 +20,10 @@ POLL_S = 0.05
 
 
 class GatewayClient:
-    def __init__(self, url: str, *, timeout_s: float = 30.0):
+    def __init__(self, url: str, *, timeout_s: float = 30.0, keys: ApiKeys | None = None):
+        """``keys``: sent per path (the admin key to ``/wake``); None: the environment's."""
         self.url = url.rstrip("/")
+        self.keys = keys if keys is not None else ApiKeys.from_env()
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False)
 
     def close(self) -> None:
@@ -81,7 +84,7 @@ class GatewayClient:
 
     def _call(self, method: str, path: str) -> dict:
         try:
-            response = self._http.request(method, path)
+            response = self._http.request(method, path, headers=self.keys.headers_for(path))
         except httpx.HTTPError as exc:
             raise GatewayUnreachable(f"{method} {self.url}{path}: {type(exc).__name__}: {exc}") from exc
         if not response.is_success:

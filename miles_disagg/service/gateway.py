@@ -12,14 +12,21 @@ is not broken by it) and ``meta_info.routed_worker``.
 Service additions:
 
 * ``POST /heartbeat`` (a :class:`~miles_disagg.service.protocol.ReplicaStatus`): replicas
-  register and report state, acknowledged version, staging, load. A replica's engine is
-  routed to only while it reports ``ready``, at the version it acknowledged.
+  register and report state, acknowledged version and run, staging, load. A replica's engine
+  is routed to only while it reports ``ready`` and the engine itself, probed with the
+  gateway's key, reports the version the replica acknowledged; the registry takes versions
+  only from the engine, and the run id from the (admin-authenticated) heartbeat. A request
+  whose constraint names a ``run_id`` is served only by replicas of that run.
 * ``POST /deregister`` ``{"replica_id"}``: a replica leaves (after draining).
 * ``POST /wake``: asks every replica to reconcile now (``POST {replica}/wake``, concurrently,
   best effort); a publisher may call it after publishing, polling converges anyway.
 * ``GET /replicas``: the fleet table; ``GET /service_metrics``: convergence per version,
   per-replica prepare/pause times, request counts and version lag, gateway overhead,
   and the load an autoscaler reads (``load.in_flight``, ``load.num_replicas``, ...).
+
+Keys (:mod:`miles_disagg.asgi_guard`): ``/heartbeat``, ``/deregister`` and ``/wake`` need the
+admin key (as the router's registry endpoints do); the gateway sends its keys to replicas and
+engines.
 
 Replicas silent for ``heartbeat_timeout_s`` are taken out of routing; after
 ``forget_after_s`` they are removed. Gateway state is soft: a restarted gateway learns
@@ -38,6 +45,7 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse
 
+from miles_disagg.asgi_guard import ServerGuard
 from miles_disagg.httpjson import error_json, parse_body, status_for
 from miles_disagg.router.app import ProxyRecord, Router, RouterConfig, create_app
 from miles_disagg.router.registry import UnknownWorker
@@ -102,10 +110,15 @@ class Gateway:
         if applied.engine_url:
             new = not _registered(registry, applied.engine_url)
             worker = registry.add(applied.engine_url)
-            registry.set_admin_state(worker.url, applied.worker_state, applied.weight_version)
             if new:
                 log.info("replica %s registered (engine %s, %s)", status.replica_id, worker.url, status.state.value)
-                await self.router.health.check(worker)
+            claimed = applied.weight_version
+            if new or (claimed is not None and claimed != worker.weight_version):
+                await self.router.health.check(worker)  # the engine's own answer, never the claim
+            state = applied.worker_state
+            if state == "ready" and claimed is not None and worker.weight_version != claimed:
+                state = "paused"  # the engine does not report what the replica acknowledged (yet)
+            registry.set_admin_state(worker.url, state, run_id=status.run_id if claimed is not None else None)
         self.convergence.observe_head(status.store_head)
         self.convergence.observe_fleet(self.fleet.capacity(), time.time())
         return {"accepted": True, "worker": None if worker is None else worker.to_json()}
@@ -146,8 +159,10 @@ class Gateway:
     async def wake(self) -> dict:
         """``POST /wake`` on every live replica at once; returns who answered."""
         urls = self.fleet.control_urls()
+        headers = self.router.keys.headers_for("/wake")
         async with httpx.AsyncClient(timeout=self.config.wake_timeout_s, trust_env=False) as client:
-            results = await asyncio.gather(*(client.post(f"{u}/wake") for u in urls), return_exceptions=True)
+            results = await asyncio.gather(*(client.post(f"{u}/wake", headers=headers) for u in urls),
+                                           return_exceptions=True)
         woken, failed = [], {}
         for url, result in zip(urls, results):
             if isinstance(result, httpx.Response) and result.is_success:
@@ -186,11 +201,12 @@ def _registered(registry, url: str) -> bool:
         return False
 
 
-def create_gateway_app(config: GatewayConfig):
-    """The router's app with the service endpoints; its lifespan also runs the fleet expiry."""
+def create_gateway_app(config: GatewayConfig, guard: ServerGuard | None = None):
+    """The router's app with the service endpoints; its lifespan also runs the fleet expiry.
+    ``guard``: keys and request limit (None: keys from the environment, the default limit)."""
     from fastapi import Request
 
-    app = create_app(config.router)
+    app = create_app(config.router, guard=guard)
     gateway = Gateway(app.state.router, config)
     app.state.gateway = gateway
     router_lifespan = app.router.lifespan_context

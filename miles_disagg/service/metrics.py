@@ -121,7 +121,7 @@ class RequestStats:
                 continue
             if start != end:
                 self.counts["samples_mixed_version"] += 1
-            if not constraint.allows(start) or (constraint.min_version is not None and end < constraint.min_version):
+            if not constraint.allows_version(start) or (constraint.min_version is not None and end < constraint.min_version):
                 self.counts["samples_violating_constraint"] += 1
             if newest is not None:
                 self.lag_behind_newest[max(0, newest - start)] += 1

@@ -48,7 +48,8 @@ class RayServiceConfig:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     replica: ReplicaOptions = field(default_factory=ReplicaOptions)
     replica_host: str | None = None
-    """Address replicas and engines bind; None: the actor node's IP."""
+    """Address replicas and engines bind; None: decided at start (loopback on a one-node cluster,
+    else the actor node's IP: :func:`miles_disagg.netbind.bind_host`)."""
     num_gpus_per_replica: float = 0.0
     num_cpus_per_replica: float = 1.0
     scale_interval_s: float = 2.0
@@ -64,11 +65,10 @@ class ReplicaActor:
 
     def start(self) -> str:
         """Start the replica process; returns its control URL once it answers."""
-        import ray
-
+        from miles_disagg.netbind import NODE_IP, resolve_host
         from miles_disagg.process import free_port
 
-        host = self.config.replica_host or ray.util.get_node_ip_address()
+        host = resolve_host(self.config.replica_host or NODE_IP)
         port = free_port(host)
         work = self.config.work_dir / self.replica_id
         cmd = replica_command(replica_id=self.replica_id, store_dir=self.config.store_dir,
@@ -101,8 +101,11 @@ class RayReplicaPool:
 
         self.config, self.gateway_url = config, gateway_url
         self.autoscaler = Autoscaler(config.scaling)
-        self._actor_class = ray.remote(num_cpus=config.num_cpus_per_replica,
-                                       num_gpus=config.num_gpus_per_replica)(ReplicaActor)
+        from miles_disagg.auth import ApiKeys
+
+        keys_env = ApiKeys.from_env().env()  # the replicas enforce and send the service's keys
+        self._actor_class = ray.remote(num_cpus=config.num_cpus_per_replica, num_gpus=config.num_gpus_per_replica,
+                                       runtime_env={"env_vars": keys_env} if keys_env else None)(ReplicaActor)
         self._actors: dict[str, object] = {}
         self._next_id = 0
 
@@ -161,17 +164,44 @@ class RayReplicaPool:
         self.scale_to(0)
 
 
+def _bind_replicas(config: RayServiceConfig) -> RayServiceConfig:
+    """Replicas bind loopback on a one-node cluster, the node IP otherwise, and then never without
+    an admin key: one is generated (into this process's environment, which the gateway and every
+    replica inherit) when none was given."""
+    import dataclasses
+
+    from miles_disagg.auth import ApiKeys
+    from miles_disagg.netbind import bind_host, export_keys, job_spans_nodes, run_keys
+
+    if config.replica_host is not None:
+        return config
+    spans = job_spans_nodes([])
+    if spans and ApiKeys.from_env().admin_api_key is None:
+        log.warning("the rollout cluster spans nodes and no admin key was given: generating one for this service")
+        export_keys(run_keys(None, None))
+    return dataclasses.replace(config, replica_host=bind_host(spans_nodes=spans))
+
+
 def run_ray_service(config: RayServiceConfig, *, address: str | None, stop: threading.Event,
                     on_ready: Callable[[str], None] = lambda url: None) -> None:
     """Connect to the rollout Ray cluster, start the gateway and ``min_replicas``, then heal and
     autoscale every ``scale_interval_s`` until ``stop`` is set (SIGTERM/SIGINT set it when called on
-    the main thread); everything is stopped on return."""
+    the main thread); everything is stopped on return. Without ``address`` a local Ray is started
+    with token authentication on and no dashboard. Replica actors get this process's keys
+    (:data:`~miles_disagg.auth.ADMIN_API_KEY_ENV`, ...) through their runtime environment."""
     import ray
 
-    ray.init(address=address, ignore_reinit_error=True, logging_level="WARNING")
+    if address is None:  # a cluster of our own: no dashboard (its jobs API runs code unauthenticated)
+        from miles_disagg.netbind import keep_ray_token_auth
+
+        keep_ray_token_auth()
+        ray.init(include_dashboard=False, ignore_reinit_error=True, logging_level="WARNING")
+    else:
+        ray.init(address=address, ignore_reinit_error=True, logging_level="WARNING")
     if threading.current_thread() is threading.main_thread():  # after ray.init, which sets its own SIGTERM handler
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+    config = _bind_replicas(config)
     config.work_dir.mkdir(parents=True, exist_ok=True)
     gateway = launch_gateway(log_path=config.work_dir / "gateway.log", port=config.port, host=config.host,
                              heartbeat_timeout_s=config.heartbeat_timeout_s)

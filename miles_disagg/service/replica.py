@@ -2,7 +2,8 @@
 
 Lifecycle (:meth:`Replica.run`, until SIGTERM/SIGINT or ``POST /drain``):
 
-1. Serve the control API (``GET /health``, ``GET /status``, ``POST /wake``, ``POST /drain``).
+1. Serve the control API (``GET /health``, ``GET /status``, ``POST /wake``, ``POST /drain``;
+   ``/wake`` and ``/drain`` need the admin key, ``/status`` the API key when one is set).
 2. Start or attach to the engine; register with the gateway as ``catching_up``.
 3. Loop: wait for a wake (``POST /wake``) or ``poll_interval_s``, check the engine is
    alive (a managed engine that died is restarted from the base and catches up again),
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from miles_disagg.asgi_guard import ServerGuard, install_guard
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.engines.launch import EngineSpec, RunningEngine, start_engine
 from miles_disagg.service.adapters import GatewayLink, StoreView
@@ -75,6 +77,9 @@ class ReplicaConfig:
     phase_hook: str | None = None
     """``module:function`` called as ``hook(phase, version)`` at each phase (``staging``, ``staged``,
     ``paused``, ``activated``, ``failed``); raising fails a staging or activation phase."""
+    guard: ServerGuard | None = None
+    """Keys and request limit of the control API (None: keys from the environment); the replica
+    sends the same keys to the gateway and to its engine."""
 
     def __post_init__(self) -> None:
         for name in ("poll_interval_s", "heartbeat_interval_s", "drain_timeout_s"):
@@ -104,7 +109,8 @@ class Replica:
     def __init__(self, config: ReplicaConfig):
         self.config = config
         self.incarnation = uuid.uuid4().hex[:12]
-        self.gateway = GatewayLink(config.gateway_url)
+        self.guard = config.guard if config.guard is not None else ServerGuard.from_env()
+        self.gateway = GatewayLink(config.gateway_url, keys=self.guard.keys)
         self.engine: RunningEngine | None = None
         self._engine_http: EngineClient | None = None
         self._num_engine_starts = 0
@@ -186,7 +192,8 @@ class Replica:
         if self._engine_http is not None:
             self._engine_http.close()
         self._engine_http = EngineClient(self.engine.url, store_dir=self.config.store_dir,
-                                         local_checkpoint_dir=spec.local_checkpoint_dir, timeout_s=CONTROL_TIMEOUT_S)
+                                         local_checkpoint_dir=spec.local_checkpoint_dir, timeout_s=CONTROL_TIMEOUT_S,
+                                         keys=self.guard.keys)
         self.reconciler.engine = self._engine_http
         log.info("engine at %s (%s)", self.engine.url, "attached" if attach_url else spec.backend)
         self.reconciler.engine_started(live, restarted=restarted)
@@ -274,6 +281,7 @@ def control_app(replica: Replica):
     from fastapi import FastAPI
 
     app = FastAPI(title="miles-disagg replica")
+    install_guard(app, replica.guard)
 
     @app.get("/health")
     async def health():

@@ -10,7 +10,7 @@ bundles, rollout the next ``rollout_num_gpus``, split into engines of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from miles_disagg.config.components import ClusterConfig
 from miles_disagg.types import ConfigError
@@ -81,6 +81,7 @@ class Placement:
     sorted_bundles: list[int]
     gpu_ids: list[str]
     layout: Layout
+    node_ids: list[str] = field(default_factory=list)  # the Ray node of each sorted bundle
 
     def bundle(self, position: int) -> int:
         return self.sorted_bundles[position]
@@ -116,7 +117,7 @@ def create_placement(layout: Layout) -> Placement:
             raise ConfigError(f"rollout engine {index} got GPUs on {len(nodes)} nodes (an engine runs on one node): "
                               "make the trainer's GPUs and --rollout-num-gpus-per-engine fit whole nodes",
                               ("--rollout-num-gpus-per-engine", "--actor-num-gpus-per-node", "--num-gpus-per-node"))
-    return Placement(group, order, [found[i][1] for i in order], layout)
+    return Placement(group, order, [found[i][1] for i in order], layout, [found[i][0] for i in order])
 
 
 def _gpu_sort_key(gpu_id: str):

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from miles_disagg.types import FormatError
+from miles_disagg.types import FormatError, LayoutMismatch
 from miles_disagg.weights.apply import LocalTensor, apply_version, load_payloads
 from miles_disagg.weights.codec import check_frames
 from miles_disagg.weights.format import VersionIndex
@@ -22,14 +22,29 @@ from miles_disagg.weights.safetensors_io import DTYPE_ITEMSIZE, checkpoint_tenso
 from miles_disagg.weights.store import VersionStore
 
 
-def _check_frames(index: VersionIndex, version_dir: Path) -> int:
-    """Decompress every frame of a version; return the number of tensors checked."""
+def _check_frames(index: VersionIndex, version_dir: Path, base_sizes: dict[str, tuple[int, int]] | None) -> int:
+    """Decompress every frame of a version, each bounded by its tensor's size; return the number
+    of tensors checked."""
     payloads = load_payloads(version_dir, index)
     for name, payload in payloads.items():
-        layout = index.layouts.get(name)
-        itemsize = DTYPE_ITEMSIZE.get(layout.dtype, 1) if layout else 1
-        check_frames(index.codec, payload.data, layout.nbytes if layout else None, itemsize, name)
+        nbytes, itemsize = _tensor_size(index, name, base_sizes)
+        check_frames(index.codec, payload.data, nbytes, itemsize, name)
     return len(payloads)
+
+
+def _tensor_size(index: VersionIndex, name: str, base_sizes: dict[str, tuple[int, int]] | None) -> tuple[int, int]:
+    """(nbytes, itemsize) of a changed tensor: the base checkpoint's when given (what a host would
+    apply it onto), else the index's layout. A plain-format version records none: without the
+    base there is nothing to bound its decompression by, so it is refused, not inflated blindly."""
+    if base_sizes is not None:
+        if name not in base_sizes:
+            raise LayoutMismatch(f"version {index.version} changes tensor {name!r}, which the base checkpoint lacks")
+        return base_sizes[name]
+    layout = index.layouts.get(name)
+    if layout is None:
+        raise FormatError(f"version {index.version} (plain format) records no size for tensor {name!r}; give "
+                          "--base-dir so its decompression is bounded by the base checkpoint's layout")
+    return layout.nbytes, DTYPE_ITEMSIZE.get(layout.dtype, 1)
 
 
 def verify_version(store: VersionStore, version: int | None = None, base_dir: str | Path | None = None,
@@ -41,7 +56,9 @@ def verify_version(store: VersionStore, version: int | None = None, base_dir: st
             raise FormatError(f"{store.root} holds no published version")
         version = latest.version
     plan = store.plan_chain(version, None)
-    checked = {index.version: _check_frames(index, store.version_dir(index.version)) for index in plan.versions}
+    base_sizes = _base_sizes(Path(base_dir)) if base_dir is not None else None
+    checked = {index.version: _check_frames(index, store.version_dir(index.version), base_sizes)
+               for index in plan.versions}
     report: dict[str, Any] = {"version": version, "run_id": plan.versions[-1].run_id, "start": plan.start,
                               "chain": [i.version for i in plan.versions], "tensors_checked": checked,
                               "final_checksums_verified": False}
@@ -49,6 +66,10 @@ def verify_version(store: VersionStore, version: int | None = None, base_dir: st
         _replay_in_memory(store, plan.versions, Path(base_dir), num_workers)
         report["final_checksums_verified"] = True
     return report
+
+
+def _base_sizes(base_dir: Path) -> dict[str, tuple[int, int]]:
+    return {n: (e.nbytes, e.itemsize) for n, (_, e) in checkpoint_tensors(base_dir).items()}
 
 
 def _replay_in_memory(store: VersionStore, versions: tuple[VersionIndex, ...], base_dir: Path, num_workers: int) -> None:

@@ -288,16 +288,13 @@ def decode_chunk(spec: CodecSpec, target: np.ndarray, frames: list[memoryview], 
         np.bitwise_xor(out, words, out=out)
 
 
-def check_frames(spec: CodecSpec, payload: memoryview, nbytes: int | None, itemsize: int, name: str) -> None:
+def check_frames(spec: CodecSpec, payload: memoryview, nbytes: int, itemsize: int, name: str) -> None:
     """Decompress every frame of one payload and check its size, without a target.
 
-    ``nbytes=None`` (a foreign plain payload without layout metadata) only checks that
-    the single frame decompresses.
+    ``nbytes`` is the tensor's size (from the index's layout, or the base checkpoint's for a
+    plain payload without one): no frame is decompressed beyond what that size allows.
     """
     s = _local()
-    if nbytes is None:
-        _decompress(payload, 1 << 40, s, name)
-        return
     planes = spec.num_planes(itemsize)
     for (a, b), frames in zip(spec.chunks(nbytes, itemsize), split_frames(spec, payload, nbytes, itemsize, name)):
         m = (b - a) // planes

@@ -27,7 +27,6 @@ tensor's final bytes).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 from miles_disagg.types import FormatError, VersionRef
 from miles_disagg.weights.checksums import CHECKSUMS
 from miles_disagg.weights.codec import COMPRESSIONS, DEFAULT_CHUNK_BYTES, CodecSpec, ENCODINGS, FILTERS
+from miles_disagg.weights.jsonio import load_json
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -108,6 +108,8 @@ def check_payload_name(file_name: object, version_dir: str | Path = "") -> str:
 
 def _version_number(metadata: dict[str, Any], key: str, where: str) -> int:
     value = metadata.get(key)
+    if not isinstance(value, (str, int)) or isinstance(value, bool):
+        raise FormatError(f"{where}: metadata {key!r} is {value!r}, not a version number")
     try:
         number = int(str(value), 10)
     except ValueError:
@@ -119,7 +121,7 @@ def _version_number(metadata: dict[str, Any], key: str, where: str) -> int:
 
 def _choice(metadata: dict[str, Any], key: str, known: tuple[str, ...], where: str, default: str | None = None) -> str:
     value = metadata.get(key, default)
-    if value not in known:
+    if not isinstance(value, str) or value not in known:
         raise FormatError(f"{where}: unknown {key} {value!r} (known: {', '.join(known)})")
     return str(value)
 
@@ -128,9 +130,14 @@ def _layouts(raw: Any, where: str) -> dict[str, TensorLayout]:
     if raw is None:
         return {}
     try:
-        return {str(n): TensorLayout(str(v["dtype"]), tuple(int(d) for d in v["shape"]), int(v["nbytes"])) for n, v in raw.items()}
-    except (AttributeError, KeyError, TypeError, ValueError):
+        layouts = {str(n): TensorLayout(str(v["dtype"]), tuple(int(d) for d in v["shape"]), int(v["nbytes"]))
+                   for n, v in raw.items()}
+    except (AttributeError, KeyError, TypeError, ValueError, OverflowError):
         raise FormatError(f"{where}: malformed per-tensor layout metadata") from None
+    bad = next((n for n, l in layouts.items() if l.nbytes < 0 or any(d < 0 for d in l.shape)), None)
+    if bad is not None:
+        raise FormatError(f"{where}: tensor {bad!r} has a negative size in its layout metadata")
+    return layouts
 
 
 def parse_index(obj: Any, where: str) -> VersionIndex:
@@ -151,7 +158,7 @@ def parse_index(obj: Any, where: str) -> VersionIndex:
                           "(checksums here are of each tensor's full new bytes)")
     try:
         chunk_bytes = int(metadata.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise FormatError(f"{where}: chunk_bytes {metadata.get('chunk_bytes')!r} is not an integer") from None
     known_keys = {"version", "base_version", "delta_encoding", "compression_format", "checksum_format",
                   "run_id", "filter", "chunk_bytes", "tensors"}
@@ -179,12 +186,10 @@ def read_index(version_dir: Path) -> VersionIndex:
     """Read and validate ``version_dir/model.safetensors.index.json``."""
     path = version_dir / INDEX_NAME
     try:
-        obj = json.loads(path.read_text())
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise FormatError(f"{version_dir} has no {INDEX_NAME}") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{path}: not valid JSON ({exc})") from None
-    index = parse_index(obj, str(version_dir))
+    index = parse_index(load_json(raw, path), str(version_dir))
     if version_dir.name.startswith("weight_v") and version_dir.name[len("weight_v"):].isdigit():
         if int(version_dir.name[len("weight_v"):]) != index.version:
             raise FormatError(f"{version_dir}: index says version {index.version}")

@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from miles_disagg.types import InvalidInput, LayoutMismatch, LineageError, VersionRef, same_run
+from miles_disagg.types import FormatError, InvalidInput, LayoutMismatch, LineageError, VersionRef, same_run
 from miles_disagg.weights.apply import LocalTensor, apply_version
 from miles_disagg.weights.format import VersionIndex
 from miles_disagg.weights.hooks import PRE_READ_FLAG, load_hook
 from miles_disagg.weights.safetensors_io import TensorEntry, checkpoint_tensors, fsync_dir, read_bytes
+from miles_disagg.weights.jsonio import load_json
 from miles_disagg.weights.store import ChainPlan, VersionStore
 
 if TYPE_CHECKING:
@@ -86,12 +87,17 @@ class Materializer:
         return None if state is None else self.slots_dir / state["slot"]
 
     def _read_state(self) -> dict[str, Any] | None:
+        path = self.slots_dir / STATE_NAME
         try:
-            state = json.loads((self.slots_dir / STATE_NAME).read_text())
+            state = load_json(path.read_bytes(), path)
         except FileNotFoundError:
             return None
-        except ValueError as exc:
-            raise InvalidInput(f"{self.slots_dir / STATE_NAME} is corrupt ({exc}); remove {self.local_dir} and its slots") from None
+        except FormatError as exc:
+            raise InvalidInput(f"{path} is corrupt ({exc}); remove {self.local_dir} and its slots") from None
+        valid = isinstance(state, dict) and isinstance(state.get("run_id"), str) and isinstance(state.get("version"), int)
+        if not valid or isinstance(state.get("version"), bool) or state["version"] < 0:
+            raise InvalidInput(f"{path} is corrupt (expected run_id, version and slot); remove {self.local_dir} "
+                               "and its slots")
         if state.get("slot") not in SLOT_NAMES:
             raise InvalidInput(f"{self.slots_dir / STATE_NAME} names an unknown slot {state.get('slot')!r}")
         return state

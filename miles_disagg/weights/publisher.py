@@ -260,6 +260,7 @@ class DeltaPublisher:
             import shutil
 
             shutil.rmtree(staging, ignore_errors=True)
+            self.store.release_staging(staging)
             raise
         self.store.commit(staging, ref, self._latest, self._post_write)
         return wire

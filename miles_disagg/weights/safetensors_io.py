@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Mapping
 
 from miles_disagg.types import FormatError
+from miles_disagg.weights.jsonio import load_json
 
 # safetensors dtype code -> bytes per element
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -60,11 +61,10 @@ def read_header(path: str | Path) -> SafetensorsHeader:
             (header_len,) = struct.unpack("<Q", raw_len)
             if header_len > min(MAX_HEADER_BYTES, size - 8):
                 raise FormatError(f"{path}: truncated or corrupt safetensors header (length {header_len}, file {size} bytes)")
-            header = json.loads(f.read(header_len))
+            raw_header = f.read(header_len)
     except FileNotFoundError:
         raise FormatError(f"payload file {path} is missing") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{path}: malformed safetensors header: {exc}") from None
+    header = load_json(raw_header, f"{path}: safetensors header")
     if not isinstance(header, dict):
         raise FormatError(f"{path}: safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -80,7 +80,9 @@ def _parse_entry(path: Path, name: str, info: object, data_start: int, size: int
         dtype = info["dtype"]  # type: ignore[index]
         shape = tuple(int(d) for d in info["shape"])  # type: ignore[index]
         begin, end = (int(x) for x in info["data_offsets"])  # type: ignore[index]
-    except (KeyError, TypeError, ValueError):
+        if any(d < 0 for d in shape):
+            raise ValueError("negative dimension")
+    except (KeyError, TypeError, ValueError, OverflowError):
         raise FormatError(f"{path}: malformed header entry for tensor {name!r}") from None
     if dtype not in DTYPE_ITEMSIZE:
         raise FormatError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")

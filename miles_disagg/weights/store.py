@@ -40,13 +40,15 @@ from miles_disagg.types import (
     version_dirname,
 )
 from miles_disagg.weights.format import INDEX_NAME, VersionIndex, read_index
+from miles_disagg.weights.jsonio import load_json
 from miles_disagg.weights.safetensors_io import fsync_dir
 
 POINTER_NAME = "LATEST"
 LOCK_NAME = ".publish.lock"
 STAGING_PREFIX = ".staging-"
 TRASH_PREFIX = ".trash-"
-STALE_STAGING_S = 3600.0  # a staging dir this old belongs to a publisher that died
+STALE_STAGING_S = 3600.0  # a staging dir without an owner lock this old belongs to a publisher that died
+OWNER_NAME = ".owner"  # inside a staging dir: flock-ed by the publisher writing it while it lives
 
 PostWriteHook = Callable[[str, VersionRef], None]  # (version_dir, ref)
 
@@ -64,6 +66,7 @@ class VersionStore:
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
+        self._owned: dict[Path, int] = {}  # staging dir -> fd holding its owner lock
 
     # ---------------------------------------------------------------- reading
 
@@ -74,12 +77,14 @@ class VersionStore:
         """The ``LATEST`` pointer, or ``None`` when absent."""
         path = self.root / POINTER_NAME
         try:
-            obj = json.loads(path.read_text())
-            return VersionRef(str(obj["run_id"]), int(obj["version"]))
+            obj = load_json(path.read_bytes(), path)
         except FileNotFoundError:
             return None
-        except (ValueError, KeyError, TypeError) as exc:
-            raise FormatError(f"{path} is malformed: {exc}") from None
+        run_id, version = (obj.get("run_id"), obj.get("version")) if isinstance(obj, dict) else (None, None)
+        if not isinstance(run_id, str) or not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise FormatError(f"{path} is malformed: expected {{\"run_id\": str, \"version\": int >= 0}}, "
+                              f"got {str(obj)[:200]}")
+        return VersionRef(run_id, version)
 
     def _directories(self) -> Iterator[tuple[int, Path]]:
         if not self.root.is_dir():
@@ -181,10 +186,22 @@ class VersionStore:
     # ---------------------------------------------------------------- committing
 
     def new_staging_dir(self, version: int) -> Path:
+        """A fresh staging dir, owned by this process until :meth:`commit` or :meth:`release_staging`:
+        it holds a file locked (``flock``) by us, so a later sweep knows at once when we died."""
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / f"{STAGING_PREFIX}{version:06d}-{uuid.uuid4().hex[:12]}"
         path.mkdir()
+        fd = os.open(path / OWNER_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._owned[path] = fd
         return path
+
+    def release_staging(self, path: Path) -> None:
+        """Give up a staging dir (after it was committed or removed)."""
+        fd = self._owned.pop(path, None)
+        if fd is not None:
+            os.close(fd)
 
     @contextlib.contextmanager
     def publish_lock(self) -> Iterator[None]:
@@ -214,6 +231,8 @@ class VersionStore:
                 check_pointer_advance(expected, ref)
                 if final.exists():
                     self._discard(final)  # an orphan: committed dirs never sit above the pointer
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(staging / OWNER_NAME)  # not part of the version (we still hold the lock)
                 os.rename(staging, final)
                 fsync_dir(self.root)
                 try:
@@ -227,18 +246,39 @@ class VersionStore:
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
+            self.release_staging(staging)
 
     def sweep(self, max_age_s: float = STALE_STAGING_S) -> list[str]:
-        """Delete leftovers of crashed publishers: trash, and staging dirs older than ``max_age_s``."""
+        """Delete leftovers of crashed publishers (run at every commit): trash, staging dirs whose
+        owner lock is free (their publisher died: at once), and staging dirs without an owner file
+        older than ``max_age_s`` (written by an older version of this code)."""
         removed = []
         now = time.time()
         for path in self.root.iterdir():
-            stale = path.name.startswith(TRASH_PREFIX) or (
-                path.name.startswith(STAGING_PREFIX) and now - path.stat().st_mtime > max_age_s)
+            staging = path.name.startswith(STAGING_PREFIX) and path not in self._owned
+            stale = path.name.startswith(TRASH_PREFIX) or (staging and self._abandoned(path, now, max_age_s))
             if stale and path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path.name)
         return removed
+
+    @staticmethod
+    def _abandoned(path: Path, now: float, max_age_s: float) -> bool:
+        try:
+            fd = os.open(path / OWNER_NAME, os.O_RDWR)
+        except FileNotFoundError:  # no owner file (yet, or older code): only age tells
+            with contextlib.suppress(FileNotFoundError):
+                return now - path.stat().st_mtime > max_age_s
+            return False
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True  # nobody holds it: the publisher that wrote this is gone
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
 
     def _write_pointer(self, ref: VersionRef) -> None:
         tmp = self.root / f".{POINTER_NAME}.{uuid.uuid4().hex[:12]}"

@@ -27,14 +27,19 @@ def engines_at_an_earlier_jobs_v4(tmp_path: Path):
     from miles_disagg.models.tiny_qwen3 import CHARSETS, make_tiny_qwen3
 
     base = make_tiny_qwen3(tmp_path / "base-model", seed=1234, charset=CHARSETS["digits"])
-    engines = [launch_engine(base, log_path=tmp_path / f"engine-{i}.log") for i in range(2)]
+    # each engine's roots: the stores it may pull from (the earlier job's and this job's) and its checkpoint
+    stores = ["--weight-store-dir", str(tmp_path / "earlier-job-store"),
+              "--weight-store-dir", str(tmp_path / "run" / "weight-updates")]
+    engines = [launch_engine(base, log_path=tmp_path / f"engine-{i}.log",
+                             extra_args=[*stores, "--local-checkpoint-dir", str(tmp_path / f"engine-local-{i}")])
+               for i in range(2)]
     earlier = VersionSource(tmp_path / "earlier-job-store", base)
     try:
         for seed in range(4):
             earlier.publish_next(seed=seed)
         for i, engine in enumerate(engines):
             with EngineClient(engine.url, store_dir=tmp_path / "earlier-job-store",
-                              local_checkpoint_dir=tmp_path / f"earlier-job-local-{i}") as client:
+                              local_checkpoint_dir=tmp_path / f"engine-local-{i}") as client:
                 client.pull(4)
                 client.pause("retract")
                 client.load(4)

@@ -126,7 +126,7 @@ def test_the_qwen3_4b_launch_line_passes_print_config(qwen3_4b_line) -> None:
     out = result.stdout
     for expected in ("train_backend: megatron", "num_layers: 36", "qk_layernorm: true", "ci_test: true",
                      "check_weight_update_equal: true", "fully_async: true", "update_weight_delta_filter: auto",
-                     "rollout_concurrency: 128", "wandb_team: rl-team", "wandb_key: <set>"):
+                     "rollout_concurrency: 128", "wandb_team: rl-team", "wandb_key: <redacted>"):
         assert expected in out, expected
     assert "0123456789abcdef" not in out + result.stderr
     assert "mem-fraction-static: '0.7'" in out and "router-port" not in out.split("sglang_args:")[1]

@@ -90,7 +90,8 @@ def engine(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         yield handle
         handle.client.close()
         return
-    handle = start_engine(tiny_qwen3_dir, tmp_path_factory.mktemp("engine-logs"))
+    # SGLang's API as SGLang behaves: relabelling allowed (the built-in engine refuses it by default)
+    handle = start_engine(tiny_qwen3_dir, tmp_path_factory.mktemp("engine-logs"), "--allow-unverified-versions")
     yield handle
     stop_engine(handle)
 

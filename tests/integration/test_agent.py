@@ -58,8 +58,9 @@ class World:
         self.publisher = DeltaPublisher(self.store, base_dir=self.model_dir)
         self.publisher.capture_baseline()
         self.tensors = _load(self.model_dir)
-        self.engine = start_engine(self.model_dir, root)
-        self.agent_proc = launch_agent(self.engine.url, self.local, log_path=root / "agent.log")
+        # the engine stands in for stock SGLang; its roots let it load the agent's slots
+        self.engine = start_engine(self.model_dir, root, "--local-checkpoint-dir", str(self.local))
+        self.agent_proc = launch_agent(self.engine.url, self.local, log_path=root / "agent.log", store_dirs=[self.store])
         self.agent = httpx.Client(base_url=self.agent_proc.url, timeout=120.0)
 
     def close(self) -> None:
@@ -206,8 +207,9 @@ def test_a_corrupted_delta_fails_the_pull_and_changes_nothing(world):
 def test_pull_refuses_another_local_checkpoint_dir(world):
     other = world.root / "elsewhere"
     refused = world.pull(1, local_checkpoint_dir=str(other))
-    assert refused.status_code == 400
+    assert refused.status_code == 403  # outside the agent's roots
     assert str(other) in refused.json()["message"] and str(world.local) in refused.json()["message"]
+    assert not other.exists()
 
 
 def test_attach_check_against_the_live_engine(world):
@@ -241,7 +243,7 @@ def test_the_engine_keeps_serving_through_the_agent_during_a_pull(world, tmp_pat
     monkeypatch.setenv("AGENT_HOOK_ENTERED", str(entered))
     monkeypatch.setenv("AGENT_HOOK_RELEASE", str(release))
     proc = launch_agent(world.engine.url, tmp_path / "ckpt", log_path=tmp_path / "agent.log",
-                        base_dir=world.model_dir, pre_read_hook="agent_hooks:block")
+                        base_dir=world.model_dir, pre_read_hook="agent_hooks:block", store_dirs=[world.store])
     client = httpx.Client(base_url=proc.url, timeout=120.0)
     try:
         pull = Background(lambda: client.post("/pull_weights", json={"target_version": 1, "source_dir": str(world.store)}))
@@ -298,7 +300,7 @@ def test_a_pull_never_rewrites_a_slot_an_activation_still_reads(tiny_qwen3_dir, 
         publisher.publish([("lm_head.weight", tensors["lm_head.weight"] + step + 1.0)])
     publisher.close()
     agent = Agent(AgentConfig(engine_url="http://127.0.0.1:1", local_checkpoint_dir=tmp_path / "ckpt",
-                              base_dir=tiny_qwen3_dir, reader_wait_s=0.2))
+                              base_dir=tiny_qwen3_dir, reader_wait_s=0.2, store_dirs=(tmp_path / "store",)))
 
     def pull(version: int) -> dict:
         return agent.pull(PullWeights(target_version=version, source_dir=str(tmp_path / "store"),

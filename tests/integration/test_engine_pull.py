@@ -56,7 +56,8 @@ class World:
         self.publisher = DeltaPublisher(self.store, base_dir=self.model_dir)
         self.publisher.capture_baseline()
         self.tensors = _load(self.model_dir)
-        self.engine = start_engine(self.model_dir, root)
+        self.engine = start_engine(self.model_dir, root, "--weight-store-dir", str(self.store),
+                                   "--local-checkpoint-dir", str(self.local))
 
     def publish(self, names: list[str], seed: int) -> int:
         generator = torch.Generator().manual_seed(seed)
@@ -111,11 +112,17 @@ def test_second_pull_stages_only_changed_tensors(world):
 
 
 def test_a_version_label_never_vouches_for_the_weights(world):
-    """Base weights reloaded under the held version's label must not take a delta meant for it."""
+    """Base weights may not be loaded under the held version's label (403, nothing changed); loaded
+    as what they are (version 0), they must not take a delta meant for the held version."""
     held = world.engine.version()
-    reloaded = world.engine.post("/update_weights_from_disk", {"model_path": str(world.model_dir),
-                                                               "weight_version": held})
+    output = world.greedy()
+    relabelled = world.engine.post("/update_weights_from_disk", {"model_path": str(world.model_dir),
+                                                                 "weight_version": held})
+    assert relabelled.status_code == 403 and "holds verified version 0" in relabelled.text, relabelled.text
+    assert world.engine.version() == held and world.greedy() == output
+    reloaded = world.engine.post("/update_weights_from_disk", {"model_path": str(world.model_dir)})
     assert reloaded.status_code == 200 and reloaded.json()["activation"] == "disk", reloaded.text
+    assert world.engine.version() == "0"  # no label given: the label is what the weights are
     version = world.publish(["model.layers.0.mlp.up_proj.weight"], seed=5)
     pulled = world.pull(version)
     assert pulled.status_code == 200 and pulled.json()["full"] is True, pulled.text
@@ -158,7 +165,7 @@ def test_failed_checksum_is_4xx_and_changes_nothing(world):
     # activating the version that failed to pull must not serve the held version under its label
     activated = world.activate(version)
     assert 400 <= activated.status_code < 500, activated.text
-    assert activated.json()["success"] is False and "holds pulled version" in activated.json()["message"]
+    assert activated.json()["success"] is False and "holds verified version" in activated.json()["message"]
     assert world.engine.version() == version_before
     assert world.greedy() == output_before
 
@@ -198,7 +205,7 @@ def test_requests_keep_completing_during_a_pull(tiny_qwen3_dir, monkeypatch):
             return materializer_module.PreparedVersion(VersionRef("run", 1), None, self.base_dir, ())
 
     monkeypatch.setattr(materializer_module, "Materializer", BlockingMaterializer)
-    with inprocess_engine(tiny_qwen3_dir) as (_engine, handle):
+    with inprocess_engine(tiny_qwen3_dir, weight_store_dirs=[Path("s")], local_checkpoint_dir=Path("l")) as (_engine, handle):
         try:
             pull = Background(lambda: handle.post("/pull_weights", {"target_version": 1, "source_dir": "s",
                                                                     "local_checkpoint_dir": "l"}))
@@ -238,7 +245,8 @@ def test_pre_read_hook_runs_before_a_pull_reads(tiny_qwen3_dir, tmp_path, monkey
     publisher.capture_baseline()
     tensors = _load(tiny_qwen3_dir)
     version = publisher.publish([("lm_head.weight", tensors["lm_head.weight"] + 1.0)]).ref.version
-    engine = start_engine(tiny_qwen3_dir, tmp_path, "--custom-pull-weights-pre-read-hook", "my_hooks:record")
+    engine = start_engine(tiny_qwen3_dir, tmp_path, "--custom-pull-weights-pre-read-hook", "my_hooks:record",
+                          "--weight-store-dir", str(store), "--local-checkpoint-dir", str(tmp_path / "local"))
     try:
         pulled = engine.post("/pull_weights", {"target_version": version, "source_dir": str(store),
                                                "local_checkpoint_dir": str(tmp_path / "local")})

@@ -122,6 +122,7 @@ def assert_retryable(answer) -> None:
 def test_managed_engines_start_and_register_at_version_0(world):
     urls = world.engine_urls()
     assert len(urls) == 2 and len(set(urls)) == 2
+    assert all(u.startswith("http://127.0.0.1:") for u in [*urls, world.router_url]), "a one-node job binds loopback"
     assert {w["url"]: (w["state"], w["weight_version"]) for w in world.router.list_workers()} == {
         u: ("ready", 0) for u in urls}
     assert world.call("versions") == ["0", "0"]

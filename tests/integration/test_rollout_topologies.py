@@ -96,6 +96,17 @@ def test_default_layout_gives_trainer_and_each_engine_their_own_gpus(placed):
     assert len(set(gpus)) == 6, f"positions share GPUs: {gpus}"
 
 
+def test_a_one_node_job_binds_loopback(placed):
+    """The bind decision reads the placement: one node, so every managed server binds 127.0.0.1."""
+    from miles_disagg.netbind import LOOPBACK, bind_host, job_spans_nodes
+
+    placement = placed(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=1))
+    assert len(placement.node_ids) == placement.layout.num_bundles and len(set(placement.node_ids)) == 1
+    assert not job_spans_nodes(placement.node_ids)
+    assert bind_host(spans_nodes=job_spans_nodes(placement.node_ids)) == LOOPBACK
+    assert job_spans_nodes([*placement.node_ids, "another-node"])  # a placement over two nodes would not
+
+
 def test_colocated_layout_puts_each_engine_on_a_trainer_gpu(placed):
     placement = placed(ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=True))
     assert placement.layout.num_bundles == 2
@@ -141,23 +152,32 @@ def test_a_layout_the_cluster_cannot_hold_fails_with_config_error_and_reserves_n
 
 @pytest.fixture(scope="module")
 def attached_engine(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    handle = start_engine(tiny_qwen3_dir, tmp_path_factory.mktemp("attach-engine-logs"))
+    root = tmp_path_factory.mktemp("attach-engine")
+    handle = start_engine(tiny_qwen3_dir, root, *roots_args(root))
+    handle.store = root / "store"
     yield handle
     stop_engine(handle)
 
 
-def attach_manager(addr: str, model_path: Path, run_dir: Path, *, tp: int = 1, dtype: str = "auto") -> EngineManager:
+def roots_args(root: Path, local: str = "local") -> list[str]:
+    """An attached built-in engine's roots: the job's store, its own local checkpoint."""
+    return ["--weight-store-dir", str(root / "store"), "--local-checkpoint-dir", str(root / local)]
+
+
+def attach_manager(addr: str, model_path: Path, run_dir: Path, *, tp: int = 1, dtype: str = "auto",
+                   store: Path | None = None) -> EngineManager:
     return EngineManager(EngineManagerConfig(
         cluster=ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus_per_engine=tp),
         rollout=RolloutConfig(rollout_external=True, rollout_external_engine_addrs=[addr], engine_dtype=dtype,
                               rollout_health_check_interval=0.2),
-        weights=WeightUpdateConfig(update_weight_transfer_mode="disk-delta", update_weight_disk_dir=str(run_dir / "store")),
+        weights=WeightUpdateConfig(update_weight_transfer_mode="disk-delta",
+                                   update_weight_disk_dir=str(store or run_dir / "store")),
         model_path=str(model_path), run_dir=str(run_dir)))
 
 
 def test_a_matching_engine_is_attached_and_registered_at_version_0(attached_engine, tiny_qwen3_dir, tmp_path):
     addr = attached_engine.url.removeprefix("http://")
-    manager = attach_manager(addr, tiny_qwen3_dir, tmp_path)
+    manager = attach_manager(addr, tiny_qwen3_dir, tmp_path, store=attached_engine.store)
     try:
         info = manager.start()
         assert info["engine_urls"] == [attached_engine.url]
@@ -189,7 +209,7 @@ def test_a_mismatching_engine_is_refused_and_nothing_is_left_running(
         attached_engine, tiny_qwen3_dir, tmp_path, case, kwargs, make_model, expected):
     model = make_model(tiny_qwen3_dir, tmp_path) if make_model else tiny_qwen3_dir
     addr = attached_engine.url.removeprefix("http://")
-    manager = attach_manager(addr, model, tmp_path, **kwargs)
+    manager = attach_manager(addr, model, tmp_path, store=attached_engine.store, **kwargs)
     try:
         with pytest.raises(ConfigError) as refused:
             manager.start()
@@ -214,7 +234,8 @@ def test_an_attached_engine_that_comes_back_is_rechecked_and_brought_to_the_curr
     from miles_disagg.engines.launch import free_port, launch_engine
 
     port = free_port()
-    engine = launch_engine(tiny_qwen3_dir, log_path=tmp_path / "engine-a.log", port=port)
+    engine = launch_engine(tiny_qwen3_dir, log_path=tmp_path / "engine-a.log", port=port,
+                           extra_args=roots_args(tmp_path))
     manager = attach_manager(f"127.0.0.1:{port}", tiny_qwen3_dir, tmp_path)
     versions = None
     try:
@@ -225,7 +246,8 @@ def test_an_attached_engine_that_comes_back_is_rechecked_and_brought_to_the_curr
         engine.stop()
         with RouterClient(info["router_url"]) as router:
             wait_until(lambda: router.list_workers() == [], timeout=30, what="the dead engine leaves the router")
-            engine = launch_engine(tiny_qwen3_dir, log_path=tmp_path / "engine-b.log", port=port)  # back at v0
+            engine = launch_engine(tiny_qwen3_dir, log_path=tmp_path / "engine-b.log", port=port,
+                                   extra_args=roots_args(tmp_path))  # back at v0
 
             def restored() -> bool:
                 return [(w["url"], w["state"], w["weight_version"]) for w in router.list_workers()] == [
@@ -249,7 +271,9 @@ def test_an_engine_serving_another_version_is_refused_in_broadcast_mode(tiny_qwe
     from miles_disagg.engines.client import EngineClient
     from miles_disagg.engines.launch import launch_engine
 
-    engine = launch_engine(tiny_qwen3_dir, log_path=tmp_path / "engine.log")
+    engine = launch_engine(tiny_qwen3_dir, log_path=tmp_path / "engine.log",
+                           extra_args=["--weight-store-dir", str(tmp_path / "earlier-store"),
+                                       "--local-checkpoint-dir", str(tmp_path / "local")])
     versions = VersionSource(tmp_path / "earlier-store", tiny_qwen3_dir)
     try:
         versions.publish_next(seed=1)

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def engines(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log_dir = tmp_path_factory.mktemp("router-engine-logs")
-    handles = [start_engine(tiny_qwen3_dir, log_dir), start_engine(tiny_qwen3_dir, log_dir)]
+    # the router must learn versions changed on the engines: tests relabel them (testing-only flag)
+    handles = [start_engine(tiny_qwen3_dir, log_dir, "--allow-unverified-versions") for _ in range(2)]
     yield handles
     for handle in handles:
         stop_engine(handle)
@@ -138,7 +139,7 @@ def test_paused_and_activating_workers_get_no_new_requests(engines):
         set_engine_version(b, 2)  # "updated" while paused: ready re-reads the version at once
         ready = router.client.set_worker_state(b.url, "ready")
         assert ready | {"num_served": 0, "busy_s": 0} == {
-            "url": b.url, "weight_version": 2, "state": "ready", "outstanding": 0, "healthy": True,
+            "url": b.url, "weight_version": 2, "run_id": None, "state": "ready", "outstanding": 0, "healthy": True,
             "last_error": None, "num_served": 0, "busy_s": 0}
         assert_served_versions(router.generate(generate_body()).json(), b.url, 2, 2)
 
@@ -179,7 +180,7 @@ def test_openai_routes_and_unknown_versions_via_fake_worker():
     fake = FakeWorker(weight_version="default")
     with serve_in_thread(fake_worker_app(fake)) as worker_url, inprocess_router(workers=(worker_url,)) as router:
         assert router.client.worker(worker_url) | {"num_served": 0, "busy_s": 0} == {
-            "url": worker_url, "weight_version": None, "state": "ready", "outstanding": 0, "healthy": True,
+            "url": worker_url, "weight_version": None, "run_id": None, "state": "ready", "outstanding": 0, "healthy": True,
             "last_error": None, "num_served": 0, "busy_s": 0}
         for path in ("/v1/completions", "/v1/chat/completions"):
             response = router.http.post(path, json={"prompt": "hi", "weight_version": None})

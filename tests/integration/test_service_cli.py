@@ -97,7 +97,9 @@ def test_an_attached_replica_catches_up_keeps_serving_through_a_bad_version_and_
 
     publisher = Publisher(tmp_path / "store", tiny_qwen3_dir, post_write_hook=corrupt_v2)
     version = publisher.publish()  # published before the replica exists: it must catch up
-    engine = launch_engine(tiny_qwen3_dir, log_path=tmp_path / "engine.log")
+    engine = launch_engine(tiny_qwen3_dir, log_path=tmp_path / "engine.log",  # its roots: the store, the replica's dir
+                           extra_args=["--weight-store-dir", str(tmp_path / "store"),
+                                       "--local-checkpoint-dir", str(tmp_path / "local")])
     gateway = launch_gateway(log_path=tmp_path / "gateway.log", heartbeat_timeout_s=1.0, retry_after_s=0.2)
     with open(tmp_path / "replica.log", "wb") as log:
         replica = subprocess.Popen(

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def world(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("updater")
-    engines = [launch_engine(tiny_qwen3_dir, log_path=root / f"engine-{i}.log") for i in range(2)]
+    engines = [launch_engine(tiny_qwen3_dir, log_path=root / f"engine-{i}.log",
+                             extra_args=["--weight-store-dir", str(root / "store"),
+                                         "--local-checkpoint-dir", str(root / f"local-{i}")]) for i in range(2)]
     publisher = DeltaPublisher(root / "store", base_dir=tiny_qwen3_dir)
     publisher.capture_baseline()
     from safetensors.torch import load_file
@@ -82,6 +84,6 @@ def test_a_refused_activation_still_continues_every_engine(world) -> None:
     updater.prepare(0, 2)
     updater.prepare(1, 2)
     for index in range(2):
-        with pytest.raises(ActivationFailed, match="weight_version 3"):
+        with pytest.raises(ActivationFailed, match="not weight_version '3'"):
             updater.activate(index, 3)  # version 3 was never pulled: the engine refuses to load it
     assert [paused for _, paused in states(engines)] == [None, None]

@@ -152,7 +152,8 @@ def test_a_store_in_the_plain_format_of_another_producer(published, tmp_path):
         (1, 0, True, 2), (2, 1, True, 2)]
     before = fingerprint(local, foreign)
     (foreign / "weight_v000002" / "model-00001-of-00002.safetensors").unlink()
-    refused("verify", "--store", str(foreign), match="missing")
+    refused("verify", "--store", str(foreign), "--base-dir", str(base), match="missing")
+    refused("verify", "--store", str(foreign), match="give --base-dir")  # no sizes recorded: nothing to bound by
     refused("apply", "--store", str(foreign), "--base-dir", str(base), "--local-dir", str(local), "--to-version", "1",
             match="never applied twice")
     assert fingerprint(local, foreign) == before

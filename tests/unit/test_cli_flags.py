@@ -17,6 +17,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
     from miles_disagg.bench.async_train import AsyncBench
     from miles_disagg.bench.delta import DeltaBench
     from miles_disagg.bench.engine import EngineBench
+    from miles_disagg.bench.hostile import HostileBench
     from miles_disagg.bench.service import ServiceBench
     from miles_disagg.engines.agent.cli import AgentCommand
     from miles_disagg.models.cli import TinyCheckpointCommand
@@ -35,6 +36,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
         ("bench", "engine"): (EngineBench,),
         ("bench", "async"): (AsyncBench,),
         ("bench", "service"): (ServiceBench,),
+        ("bench", "hostile"): (HostileBench,),
     }
 
 

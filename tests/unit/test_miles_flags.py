@@ -188,7 +188,7 @@ def test_the_wandb_key_is_never_printed() -> None:
     config, _ = load_config(["--wandb-key", "s3cr3t", "--wandb-team", "lab"], "train_async")
     assert config.tracking.wandb_key == "s3cr3t"
     text = config_to_yaml(config)
-    assert "s3cr3t" not in text and "wandb_key: <set>" in text and "wandb_team: lab" in text
+    assert "s3cr3t" not in text and "wandb_key: <redacted>" in text and "wandb_team: lab" in text
 
 
 def test_print_config_and_dry_run_are_modes() -> None:

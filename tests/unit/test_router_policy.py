@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles_disagg.router.app import annotate_served_versions, violates
+from miles_disagg.router.policy import annotate_served_versions, violates
 from miles_disagg.router.policy import LeastOutstandingPolicy, NoWorkerAvailable, request_constraint, satisfies
 from miles_disagg.router.registry import WorkerRegistry
 from miles_disagg.types import InvalidInput, VersionConstraint, VersionNotReady

@@ -64,7 +64,7 @@ def test_first_successful_probe_makes_ready_with_version():
     registry = WorkerRegistry()
     worker = healthy_worker(registry, version=4)
     assert (worker.state, worker.weight_version, worker.healthy) == (WorkerState.READY, 4, True)
-    assert worker.to_json() == {"url": URL, "weight_version": 4, "state": "ready", "outstanding": 0,
+    assert worker.to_json() == {"url": URL, "weight_version": 4, "run_id": None, "state": "ready", "outstanding": 0,
                                 "healthy": True, "last_error": None, "num_served": 0, "busy_s": 0.0}
 
 

@@ -35,9 +35,35 @@ def test_reading_skips_a_torn_last_line(tmp_path: Path) -> None:
 
 def test_appends_across_restarts(tmp_path: Path) -> None:
     for step in (1, 2):
-        with MetricsTracker(tmp_path) as tracker:
+        with MetricsTracker(tmp_path, start_step=step) as tracker:
             tracker.log(step, {"x": step})
     assert [r["x"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path: Path) -> None:
+    """The first attempt logged steps 0-4 but saved after step 2; the resumed run redoes 3 and 4."""
+    with MetricsTracker(tmp_path, start_step=0) as tracker:
+        for step in range(5):
+            tracker.log(step, {"attempt": 1})
+    with MetricsTracker(tmp_path, start_step=3) as tracker:
+        for step in range(3, 6):
+            tracker.log(step, {"attempt": 2})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines]
+    assert steps == [0, 1, 2, 3, 4, 5]  # in the file itself, not only as read back
+    assert [json.loads(line)["attempt"] for line in lines] == [1, 1, 1, 2, 2, 2]
+    from miles_disagg.loop.report import summarize
+
+    assert summarize(read_metrics(tmp_path / "metrics.jsonl"))["steps"] == 6
+
+
+def test_a_fresh_run_in_a_used_run_dir_starts_the_file_over(tmp_path: Path) -> None:
+    with MetricsTracker(tmp_path, start_step=0) as tracker:
+        tracker.log(0, {"x": 1})
+        tracker.log(1, {"x": 1})
+    with MetricsTracker(tmp_path, start_step=0) as tracker:
+        tracker.log(0, {"x": 2})
+    assert [(r["step"], r["x"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(0, 2)]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")

@@ -10,9 +10,18 @@ Endpoints the agent answers itself (everything else is proxied unchanged):
   version and the request forwarded. Any other decimal version is refused (400,
   ``VersionNotPrepared``) without calling the engine: one policy is never loaded under
   another's label. A ``model_path`` naming the agent's local checkpoint is rewritten to the
-  held slot too. Other requests (no or non-decimal ``weight_version``, another path) are
-  forwarded unchanged.
+  held slot too. The base checkpoint may be loaded too (as version 0). Any other path is
+  403 naming the allowed roots, and a label that is not the version the loaded checkpoint
+  holds is 403 (version labels come only from verified weights; the label forwarded is always
+  that version).
+* ``POST /update_weight_version``: refused (403) unless it names the version the engine
+  already serves: relabelling without a verified load would serve one policy under another's name.
 * ``GET /agent_info`` (state), ``GET /agent_health`` (the agent itself is up).
+
+Keys (:mod:`miles_disagg.auth`): the agent enforces its own ``--api-key``/``--admin-api-key``
+and talks to the engine with the same keys, but a proxied request carries a key of at most
+the level its caller proved, so nobody borrows the agent's admin key. ``/pull_weights``
+reads only a ``--weight-store-dir`` and writes only the agent's local checkpoint (403 otherwise).
 
 Why the slot directory and not the ``local_checkpoint_dir`` symlink: the symlink flips at
 the end of every pull, so an engine reading through it could mix two versions. The slot
@@ -31,19 +40,23 @@ The agent owns the local checkpoint directory: nothing else may write it.
 # no "from __future__ import annotations": FastAPI must see the real Request class
 
 import asyncio
+import json
 import logging
 import os
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from miles_disagg.asgi_guard import ServerGuard, install_guard
+from miles_disagg.auth import forward_headers
 from miles_disagg.engines.builtin import protocol
+from miles_disagg.engines.roots import OutsideRoots, WeightRoots
 from miles_disagg.httpjson import error_json
 from miles_disagg.httpjson import status_for as _status_for
-from miles_disagg.types import EngineUnreachable, InvalidInput, Retryable, VersionRef
+from miles_disagg.types import EngineUnreachable, Forbidden, InvalidInput, Retryable, VersionRef
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +92,10 @@ class AgentConfig:
     """Version 0 (the base checkpoint); default: the engine's ``model_path``, read at the first pull."""
     pre_read_hook: str | Callable[..., Any] | None = None
     """``module:function`` called as ``hook(source_dir, target_version)`` before a pull reads a version."""
+    store_dirs: tuple[Path, ...] = ()
+    """The version stores a pull may read (``--weight-store-dir``); none: every pull is refused."""
+    guard: ServerGuard = field(default_factory=ServerGuard)
+    """Keys the agent enforces (and sends to the engine) and its request-size limit."""
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     """How long a connection to the engine may take before the request fails with 502."""
     reader_wait_s: float = DEFAULT_READER_WAIT_S
@@ -123,12 +140,13 @@ class Agent:
         typed errors; on any error the held version stays held and loadable.
         """
         self._check_local_dir(req.local_checkpoint_dir)
+        source = self.roots().source(req.source_dir)
         with self._pull_lock:
             self._wait_for_stale_readers()
             self.pulling = req.target_version
             start = time.perf_counter()
             try:
-                prepared = self._get_materializer().prepare(Path(req.source_dir), req.target_version)
+                prepared = self._get_materializer().prepare(source, req.target_version)
             except OSError as exc:  # the paths named are unusable; nothing was activated
                 unusable = InvalidInput(f"pull of version {req.target_version} failed: {type(exc).__name__}: {exc}")
                 raise self._failed(req, unusable) from exc
@@ -155,9 +173,12 @@ class Agent:
         log.warning("%s", self.last_error)
         return exc
 
-    def _check_local_dir(self, given: str) -> None:
+    def roots(self) -> WeightRoots:
+        return WeightRoots.of(self.base_dir, self.config.store_dirs, self.local_dir)
+
+    def _check_local_dir(self, given: str | None) -> None:
         if given and Path(os.path.abspath(given)) != self.local_dir:
-            raise InvalidInput(f"local_checkpoint_dir {given!r} is not this agent's ({str(self.local_dir)!r}); "
+            raise OutsideRoots(f"local_checkpoint_dir {given!r} is not this agent's ({str(self.local_dir)!r}); "
                                "the agent materializes only into the directory it was started with")
 
     def _wait_for_stale_readers(self) -> None:
@@ -209,6 +230,13 @@ class Agent:
                                 "engine_status": status_code, "error": error}
         if error:
             self.last_error = f"activation of version {ref.version} failed: {error}"
+
+    def check_label(self, wanted: str | None, held: VersionRef) -> str:
+        """The label an activation of ``held`` is forwarded with; ``Forbidden`` for any other."""
+        if wanted is not None and wanted != str(held.version):
+            raise Forbidden(f"the checkpoint loaded holds verified version {held.version}, not weight_version "
+                            f"{wanted!r}; version labels come only from verified weights")
+        return str(held.version)
 
     def names_local_checkpoint(self, model_path: str) -> bool:
         """True for the local checkpoint symlink or one of its slots (reads must go through the held slot)."""
@@ -291,10 +319,16 @@ def create_app(agent: Agent):
         await client.aclose()
 
     app = FastAPI(title="miles-disagg agent", lifespan=lifespan)
+    keys = install_guard(app, agent.config.guard).keys
+
+    def upstream_headers(request: Request, path: str) -> list[tuple[str, str]]:
+        """The caller's headers without its key, plus ours at no more than the level it proved."""
+        level = getattr(request.state, "auth_level", None)
+        return _request_headers(request) + list(forward_headers(keys, level, path).items())
 
     async def engine_json(path: str) -> dict:
         try:
-            response = await client.get(path)
+            response = await client.get(path, headers=keys.headers_for(path))
         except httpx.TransportError as exc:
             raise _unreachable(agent.engine_url, exc) from exc
         if response.status_code != 200:
@@ -337,23 +371,43 @@ def create_app(agent: Agent):
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
-        raw = await request.body()
         try:
-            body = protocol.parse_json(raw)
+            body = protocol.parse_json(await request.body())
             req = protocol.UpdateFromDisk.from_json(body)
             by_version = req.weight_version is not None and _is_version_number(req.weight_version)
-            if not by_version and not agent.names_local_checkpoint(req.model_path):
-                return await forward(request, raw)
+            if req.weight_version is not None and not by_version:
+                raise Forbidden(f"weight_version {req.weight_version!r} is not a version number; labels come only "
+                                "from verified weights (the version the loaded checkpoint holds)")
+            if not agent.names_local_checkpoint(req.model_path):
+                await ensure_base_dir()
+                agent.roots().loadable(req.model_path)  # OutsideRoots (403) unless it is the base checkpoint
+                if not by_version or req.weight_version == "0":
+                    label = agent.check_label(req.weight_version, VersionRef("", 0))
+                    return await forward(request, json.dumps({**body, "weight_version": label}).encode())
             path, ref = agent.begin_activation(req.weight_version if by_version else None)
         except Exception as exc:
             return error_response(exc)
-        return await activate(request, {**body, "model_path": str(path)}, path, ref)
+        return await activate(request, {**body, "model_path": str(path), "weight_version": str(ref.version)}, path, ref)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        raw = await request.body()
+        try:
+            req = protocol.UpdateWeightVersion.from_json(raw)
+            serving = str((await engine_json("/get_weight_version")).get("weight_version"))
+            if req.new_version != serving:
+                raise Forbidden(f"relabelling the engine's weights (version {serving}) as {req.new_version!r} without "
+                                "loading them is refused: version labels come only from verified weights")
+        except Exception as exc:
+            return error_response(exc)
+        return await forward(request, raw)
 
     async def activate(request: Request, body: dict, path: Path, ref: VersionRef):
         """Forward the rewritten activation; the slot counts as being read until the engine answers."""
         status, error = None, "cancelled"
         try:
-            response = await client.post("/update_weights_from_disk", json=body, headers=_request_headers(request))
+            response = await client.post("/update_weights_from_disk", json=body,
+                                         headers=upstream_headers(request, "/update_weights_from_disk"))
             status = response.status_code
             error = None if status == 200 else f"engine answered {status}: {response.text[:500]}"
         except httpx.TransportError as exc:
@@ -370,7 +424,8 @@ def create_app(agent: Agent):
 
     async def forward(request: Request, body: bytes):
         url = httpx.URL(path=request.url.path, query=request.url.query.encode())
-        upstream_request = client.build_request(request.method, url, headers=_request_headers(request), content=body)
+        upstream_request = client.build_request(request.method, url, headers=upstream_headers(request, request.url.path),
+                                                content=body)
         try:
             upstream = await client.send(upstream_request, stream=True)
         except httpx.TransportError as exc:
@@ -389,7 +444,9 @@ def _is_version_number(label: str) -> bool:
 
 
 def _request_headers(request) -> list[tuple[str, str]]:
-    return [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP and k.lower() != "content-length"]
+    """The caller's headers minus hop-by-hop ones, its length (recomputed) and its key (never forwarded)."""
+    return [(k, v) for k, v in request.headers.items()
+            if k.lower() not in HOP_BY_HOP and k.lower() not in ("content-length", "authorization")]
 
 
 async def _relay(upstream):

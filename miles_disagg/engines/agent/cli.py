@@ -36,10 +36,14 @@ class AgentCommand(ServerFlags):
     custom_pull_weights_pre_read_hook: str | None = flag(
         None, "Run hook(source_dir, target_version) before a pull reads a version "
               "(miles passes --sglang-custom-pull-weights-pre-read-hook here).", metavar="MODULE:FUNCTION")
+    weight_store_dirs: list[Path] = flag([], "A version store /pull_weights may read (repeatable); any other "
+                                             "source_dir is refused with 403.",
+                                         name="--weight-store-dir", metavar="DIR", repeat="append")
     wait_for_engine_s: float = flag(0.0, "Wait up to this long for the engine's /health before serving "
                                          "(0: do not wait).")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
 
@@ -61,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--base-dir {str(command.base_dir)!r} is not a checkpoint directory (no config.json)",
                           flags=("--base-dir",))
     agent = Agent(AgentConfig(engine_url=engine_url, local_checkpoint_dir=command.local_checkpoint_dir,
-                              base_dir=command.base_dir, pre_read_hook=command.custom_pull_weights_pre_read_hook))
+                              base_dir=command.base_dir, pre_read_hook=command.custom_pull_weights_pre_read_hook,
+                              store_dirs=tuple(command.weight_store_dirs), guard=command.guard()))
     if command.wait_for_engine_s > 0:
         wait_for_engine(engine_url, command.wait_for_engine_s)
     uvicorn.run(create_app(agent), host=command.host, port=command.port, log_level=command.log_level)

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(config)
     engine.start()
     try:
-        uvicorn.run(create_app(engine), host=config.host, port=config.port, log_level=logs.log_level)
+        uvicorn.run(create_app(engine, config.guard()), host=config.host, port=config.port, log_level=logs.log_level)
     finally:
         engine.stop()
     return 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_disagg.asgi_guard import DEFAULT_MAX_REQUEST_BYTES, MAX_REQUEST_BYTES_HELP
+from miles_disagg.config.commands import ADMIN_API_KEY_HELP, API_KEY_HELP
 from miles_disagg.config.components import ENGINE_DTYPES  # weight dtypes the model runner loads
 from miles_disagg.config.fields import REQUIRED, flag
 
@@ -31,6 +33,17 @@ class EngineConfig:
         None, "Run hook(source_dir, target_version) before /pull_weights reads a version "
               "(miles passes --sglang-custom-pull-weights-pre-read-hook here).",
         name="--custom-pull-weights-pre-read-hook", metavar="MODULE:FUNCTION")
+    weight_store_dirs: list[Path] = flag([], "A version store /pull_weights may read (repeatable); pulls naming any "
+                                             "other source_dir are refused with 403.",
+                                         name="--weight-store-dir", metavar="DIR", repeat="append")
+    local_checkpoint_dir: Path | None = flag(None, "The one host-local checkpoint /pull_weights materializes into "
+                                                   "(and /update_weights_from_disk may load); none: no pulls.",
+                                             metavar="DIR")
+    allow_unverified_versions: bool = flag(False, "Testing only: accept /update_weight_version and version labels "
+                                                  "that no verified load backs (stock SGLang's behaviour).")
+    api_key: str | None = flag(None, API_KEY_HELP, metavar="KEY")
+    admin_api_key: str | None = flag(None, ADMIN_API_KEY_HELP, metavar="KEY")
+    max_request_bytes: int = flag(DEFAULT_MAX_REQUEST_BYTES, MAX_REQUEST_BYTES_HELP, metavar="N")
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -41,3 +54,16 @@ class EngineConfig:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port out of range: {self.port}")
+        self.guard()  # bad keys or limit: ValueError naming the flag
+
+    def guard(self):
+        """The keys (flags, else the environment) and request limit the server enforces."""
+        from miles_disagg.asgi_guard import ServerGuard
+        from miles_disagg.auth import ApiKeys
+
+        return ServerGuard(ApiKeys.resolve(self.api_key, self.admin_api_key), self.max_request_bytes)
+
+    def roots(self):
+        from miles_disagg.engines.roots import WeightRoots
+
+        return WeightRoots.of(self.model_path, self.weight_store_dirs, self.local_checkpoint_dir)

@@ -16,11 +16,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
 
 from miles_disagg.httpjson import parse_body, parse_json  # noqa: F401  (re-exported: protocol.parse_json)
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+MAX_PROMPT_TOKENS = "max_prompt_tokens"  # validation context key: the server's context length
 DEFAULT_GROUP = "weight_update_group"
 PauseMode = Literal["abort", "retract", "in_place"]
 
@@ -128,13 +129,14 @@ class GenerateReqInput(Body):
 
     @model_validator(mode="before")
     @classmethod
-    def _split_batch(cls, obj: Any) -> Any:
+    def _split_batch(cls, obj: Any, info: ValidationInfo) -> Any:
         if not isinstance(obj, dict):
             return obj
         _refuse_unsupported_fields(obj)
         text, input_ids = obj.get("text"), obj.get("input_ids")
         if (text is None) == (input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
+        _refuse_overlong(input_ids, (info.context or {}).get(MAX_PROMPT_TOKENS))
         prompts, batched = _prompts(text, input_ids)
         count, rid = len(prompts), obj.get("rid")
         return {
@@ -154,6 +156,32 @@ class GenerateReqInput(Body):
         if self.stream and self.batched:
             raise ValueError("stream=true is supported for single requests only")
         return self
+
+
+PRECHECK_BYTES = 1 << 20
+
+
+def _precheck(body: bytes, max_prompt_tokens: int | None, max_total_tokens: int | None) -> None:
+    from miles_disagg.httpjson import parse_json
+    from miles_disagg.types import InvalidInput
+
+    if max_total_tokens is not None and b'"input_ids"' in body and body.count(b",") > max_total_tokens:
+        raise InvalidInput(f"input_ids: more than {max_total_tokens} tokens in one request (what this server's "
+                           "batch and context could ever hold)")
+    try:
+        _refuse_overlong(parse_json(body).get("input_ids"), max_prompt_tokens)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+def _refuse_overlong(input_ids: Any, limit: int | None) -> None:
+    """Before any per-token work: a prompt longer than the server's context is refused at once."""
+    if limit is None or not isinstance(input_ids, list) or not input_ids:
+        return
+    prompts = input_ids if isinstance(input_ids[0], list) else [input_ids]
+    longest = max((len(p) for p in prompts if isinstance(p, list)), default=0)
+    if longest > limit:
+        raise ValueError(f"input_ids holds a prompt of {longest} tokens, more than the context length {limit}")
 
 
 def _refuse_unsupported_fields(obj: dict) -> None:
@@ -215,9 +243,17 @@ class GenerateRequest:
     stream: bool
 
 
-def parse_generate(body: bytes | Any) -> GenerateRequest:
-    """``/generate``'s body split into items (``InvalidInput`` naming the field if malformed)."""
-    req = GenerateReqInput.from_json(body)
+def parse_generate(body: bytes | Any, max_prompt_tokens: int | None = None,
+                   max_total_tokens: int | None = None) -> GenerateRequest:
+    """``/generate``'s body split into items (``InvalidInput`` naming the field if malformed).
+
+    ``max_prompt_tokens`` (the server's context length) bounds each prompt and
+    ``max_total_tokens`` all of them, checked before any per-token work: a big body is first
+    counted (its commas bound its ids) and decoded without validation, which costs a fraction
+    of the memory full validation of an over-long ``input_ids`` list would."""
+    if isinstance(body, (bytes, bytearray)) and len(body) > PRECHECK_BYTES:
+        _precheck(bytes(body), max_prompt_tokens, max_total_tokens)
+    req = parse_body(GenerateReqInput, body, {MAX_PROMPT_TOKENS: max_prompt_tokens})
     prompts = req.text if req.text is not None else req.input_ids
     items = tuple(
         GenerateItem(
@@ -314,7 +350,7 @@ class PullWeights(Body):
 
     target_version: Annotated[int, BeforeValidator(_digits_to_int), Field(ge=0)]
     source_dir: NonEmptyStr
-    local_checkpoint_dir: NonEmptyStr
+    local_checkpoint_dir: NonEmptyStr | None = None  # None: the server's own (--local-checkpoint-dir)
 
 
 @dataclass

@@ -17,9 +17,18 @@ Where this differs from SGLang (documented, deliberate):
   in-flight requests to drain. ``abort_all_requests=true`` aborts them first, as in SGLang.
 * ``update_weights_from_disk`` whose ``weight_version`` names the version staged by
   ``/pull_weights`` activates the staged tensors whatever ``model_path`` says (the pulled
-  checkpoint is the one that was verified); otherwise ``model_path`` is read from disk. A
-  ``model_path`` that is a ``/pull_weights`` local checkpoint holding another version than
-  the ``weight_version`` named is refused (400): one policy is never served under another's label.
+  checkpoint is the one that was verified); otherwise ``model_path`` is read from disk, and it
+  must be the base checkpoint or the engine's local checkpoint (``--local-checkpoint-dir``);
+  any other path is 403 naming the allowed roots. Version labels come only from verified
+  weights: the label must be the version the loaded checkpoint holds (the base: 0; the local
+  checkpoint: the version its last verified pull recorded; no label: that version), and
+  ``/update_weight_version`` is refused (403) unless it names the version already live. A
+  stock SGLang relabels freely; ``--allow-unverified-versions`` restores that, for tests only.
+* ``/pull_weights`` reads only a ``--weight-store-dir`` and writes only ``--local-checkpoint-dir``
+  (``local_checkpoint_dir`` may be left out: it is that one); anything else is 403.
+* A ``text`` prompt longer than the context could ever hold (context length x the longest
+  vocabulary entry) is refused before it is tokenized; parsing and tokenizing run off the
+  event loop.
 * ``/begin_weight_update`` and ``/end_weight_update`` (miles' SGLang branch) only acknowledge;
   sampling knobs this engine does not implement (``n``, penalties, ``min_new_tokens``,
   constrained decoding) are refused with 400 unless they carry their no-op value.
@@ -48,7 +57,7 @@ from miles_disagg.engines.builtin.protocol import (
 from miles_disagg.engines.builtin.response import result_json
 from miles_disagg.engines.builtin.scheduler import Scheduler, Sequence, Sink
 from miles_disagg.engines.builtin.staging import Stager, version_ref_from_string
-from miles_disagg.types import EngineUnrecoverable, InvalidInput, VersionRef
+from miles_disagg.types import EngineUnrecoverable, Forbidden, InvalidInput, VersionRef
 from miles_disagg.weights.hooks import PRE_READ_FLAG, load_hook
 
 log = logging.getLogger(__name__)
@@ -96,6 +105,10 @@ class Engine:
                              pre_read_hook=load_hook(config.pull_weights_pre_read_hook, PRE_READ_FLAG))
         self.dist = DistUpdater(self.runner.device)
         self.weights_path = Path(config.model_path)
+        self.roots = config.roots()
+        self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.runner.max_context)
+        # a batch may queue beyond the running set; past this many prompt tokens a request is refused unparsed
+        self.max_request_tokens = REQUEST_BATCHES * config.max_running_requests * self.runner.max_context
         self._rid_lock = threading.Lock()
         self._live_rids: set[str] = set()
 
@@ -164,6 +177,9 @@ class Engine:
             if bad:
                 raise InvalidInput(f"input_ids holds token ids outside [0, {self.runner.vocab_size}): {bad[:5]}")
         else:
+            if len(item.text) > self.max_prompt_chars:  # bounded before tokenizing: no 50 MB encode
+                raise InvalidInput(f"text prompt of {len(item.text)} characters cannot fit the model's context length "
+                                   f"{self.runner.max_context} (more than {self.max_prompt_chars} characters)")
             ids = self.tokenizer.encode(item.text)  # SGLang: the tokenizer's default special tokens
         if not ids:
             raise InvalidInput("the prompt is empty")
@@ -216,6 +232,16 @@ class Engine:
         return self.scheduler.call(lambda s: s.can_flush()).result()
 
     def set_version(self, version: str, abort_all: bool) -> None:
+        """``/update_weight_version``: only the label the live weights verifiably hold (a no-op),
+        unless ``--allow-unverified-versions``; ``Forbidden`` otherwise, nothing changed."""
+        if not self.config.allow_unverified_versions:
+            live = self.stager.live_ref
+            if live is None or version != str(live.version):
+                held = f"verified version {live.version}" if live else "of no verified version"
+                raise Forbidden(f"relabelling the live weights ({held}) as {version!r} without loading them is "
+                                "refused: version labels come only from verified weights; pull and activate the "
+                                "version with /pull_weights + /update_weights_from_disk")
+
         def apply(s: Scheduler) -> None:
             if abort_all:
                 s.abort_all("aborted by update_weight_version")
@@ -243,8 +269,9 @@ class Engine:
             self.runner.swap_in(tensors)
             self.weights_path = path
             self.stager.set_live(live_ref)
-            if req.weight_version is not None:
-                s.version = req.weight_version
+            label = req.weight_version if req.weight_version is not None else _label_of(live_ref)
+            if label is not None:
+                s.version = label
             return {"num_paused_requests": num_paused, "pause_ms": round((time.perf_counter() - start) * 1e3, 3)}
 
         result = self.scheduler.call(activate).result()
@@ -262,24 +289,44 @@ class Engine:
         """``(tensors, published version they are or None, path, "staged"|"disk")``; nothing live changes.
 
         The live weights' version (what a staged delta must apply onto) comes only from
-        where the tensors came from: the staged version, or the version a ``/pull_weights``
-        local checkpoint records; a version *label* never vouches for the weights."""
+        where the tensors came from: the staged version, the base (version 0), or the version
+        the local checkpoint's last verified pull recorded; a version *label* never vouches for
+        the weights. A path outside the roots is ``OutsideRoots`` (403)."""
         staged = self.stager.take(req.weight_version)
         if staged is not None:
             return staged.tensors, staged.ref, staged.path, "staged"
-        model_path = Path(req.model_path)
-        self.runner.check_compatible(model_path)
-        held = _held_version(model_path, self.config.model_path)
-        wanted = req.weight_version
-        if held is not None and wanted is not None and wanted.isdigit() and int(wanted) != held.version:
-            raise InvalidInput(f"model_path {str(model_path)!r} holds pulled version {held.version}, "
-                               f"not weight_version {wanted}; pull {wanted} first")
-        return self.runner.load_tensors(model_path), held, model_path, "disk"
+        kind = self.roots.loadable(req.model_path)
+        if kind == "base":
+            path, held = self.roots.base_dir, VersionRef("", 0)
+        else:
+            path, held = self._held_local()
+        self._check_label(req.weight_version, held, path)
+        self.runner.check_compatible(path)
+        return self.runner.load_tensors(path), held, path, "disk"
+
+    def _held_local(self) -> tuple[Path, VersionRef]:
+        """The local checkpoint's held slot and version (``Forbidden`` when it holds none)."""
+        from miles_disagg.weights.materializer import Materializer
+
+        view = Materializer(self.roots.local_dir, base_dir=self.config.model_path)
+        held, path = view.held(), view.held_path()
+        if held is None or path is None:
+            raise Forbidden(f"the local checkpoint {str(self.roots.local_dir)!r} holds no verified version yet; "
+                            "POST /pull_weights first")
+        return path, held
+
+    def _check_label(self, wanted: str | None, held: VersionRef, path: Path) -> None:
+        if wanted is None or wanted == str(held.version) or self.config.allow_unverified_versions:
+            return
+        raise Forbidden(f"model_path {str(path)!r} holds verified version {held.version}, not weight_version "
+                        f"{wanted!r}; version labels come only from verified weights (pull {wanted} first)")
 
     def pull_weights(self, req: PullWeights) -> dict:
-        """Materialize + verify + stage (blocking, off the scheduler thread)."""
+        """Materialize + verify + stage (blocking, off the scheduler thread); only from a
+        ``--weight-store-dir`` into ``--local-checkpoint-dir`` (``OutsideRoots`` otherwise)."""
+        source, local = self.roots.source(req.source_dir), self.roots.local(req.local_checkpoint_dir)
         try:
-            staged = self.stager.pull(Path(req.source_dir), req.target_version, Path(req.local_checkpoint_dir))
+            staged = self.stager.pull(source, req.target_version, local)
         except OSError as exc:  # the paths the caller named are unusable; nothing was staged or activated
             raise InvalidInput(f"pull of version {req.target_version} failed: {type(exc).__name__}: {exc}") from exc
         return {
@@ -366,6 +413,9 @@ class Engine:
             "weight_version": self.version,
             "version": ENGINE_VERSION,
             "miles_disagg": ANNOUNCEMENT,
+            # this engine's roots: a job attaching it must pull from one of these and into this
+            "weight_store_dirs": [str(d) for d in self.roots.store_dirs],
+            "local_checkpoint_dir": str(self.roots.local_dir) if self.roots.local_dir else None,
             "internal_states": [{
                 "paused_mode": s.paused_mode,
                 "num_running_requests": len(s.running),
@@ -380,8 +430,16 @@ class Engine:
         }
 
 
-def _held_version(model_path: Path, base_dir: Path):
-    """The published version a ``/pull_weights`` local checkpoint holds (None for a plain checkpoint)."""
-    from miles_disagg.weights.materializer import Materializer
+def _label_of(ref: VersionRef | None) -> str | None:
+    return None if ref is None else str(ref.version)
 
-    return Materializer(model_path, base_dir=base_dir).held()
+
+REQUEST_BATCHES = 4  # one /generate may carry this many full running sets of prompts
+PROMPT_CHARS_SAFETY = 2  # normalization may shorten text a little; stay far on the safe side
+
+
+def _max_prompt_chars(tokenizer, max_context: int) -> int:
+    """Characters beyond which a text prompt certainly needs more tokens than the context holds:
+    no token covers more characters than the longest vocabulary entry."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return PROMPT_CHARS_SAFETY * max_context * max(1, longest)

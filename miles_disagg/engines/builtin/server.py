@@ -9,8 +9,9 @@ A ``/generate`` request ended by an internal fault (``finish_reason`` abort with
 ``status_code``) is answered with that status and ``{"error": {...}}`` (a stream ends with
 that error event, then ``[DONE]``), as SGLang does; a plain abort is a 200 with the tokens
 so far. ``/health`` is 503 with the reason while the scheduler is dead or its last step
-failed. Blocking engine calls run in worker threads, so the event loop always answers,
-and a weight pull never blocks generation. A client that disconnects mid-request has its
+failed. Blocking engine calls (and parsing and tokenizing ``/generate`` bodies) run in
+worker threads, so the event loop always answers, and a weight pull never blocks generation.
+Every request first passes :mod:`miles_disagg.asgi_guard` (API keys, request-size limit). A client that disconnects mid-request has its
 request aborted (its slot is freed at the next step boundary).
 
 Aliases of newer SGLang: ``/model_info``, ``/server_info``; ``/generate`` takes PUT too.
@@ -24,6 +25,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
+from miles_disagg.asgi_guard import ServerGuard, install_guard
 from miles_disagg.engines.builtin import protocol
 from miles_disagg.engines.builtin.runtime import Engine
 from miles_disagg.engines.builtin.scheduler import Sequence
@@ -69,11 +71,13 @@ class _HttpSink:
             self.chunks.put_nowait(None)
 
 
-def create_app(engine: Engine):
+def create_app(engine: Engine, guard: ServerGuard | None = None):
+    """The app; ``guard``: keys and request limit (None: the engine config's, keys from the environment)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
     app = FastAPI(title="miles-disagg built-in engine")
+    install_guard(app, guard if guard is not None else engine.config.guard())
 
     # Own pool: long blocking calls (a pull, a group rendezvous) must not starve short ones.
     executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="engine-http")
@@ -94,15 +98,12 @@ def create_app(engine: Engine):
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
         try:
-            req = protocol.parse_generate(await request.body())
+            req = await blocking(protocol.parse_generate, await request.body(), engine.runner.max_context,
+                                 engine.max_request_tokens)
             loop = asyncio.get_running_loop()
-            sinks: list[_HttpSink] = []
-
-            def make_sink(_item):
-                sinks.append(_HttpSink(loop, engine, req.stream))
-                return sinks[-1]
-
-            seqs = engine.make_sequences(req, make_sink)
+            sinks = [_HttpSink(loop, engine, req.stream) for _ in req.items]  # made on the loop
+            handed = iter(sinks)
+            seqs = await blocking(engine.make_sequences, req, lambda _item: next(handed))  # tokenizes
         except Exception as exc:
             return error_response(exc)
         for seq in seqs:

@@ -1,0 +1,70 @@
+"""Where a run's servers listen, the keys it hands them, and how its Ray cluster is protected.
+
+* :func:`bind_host` is the one decision of the bind address: every engine, agent and router a
+  run starts binds ``127.0.0.1`` while the job runs on one node, and the node's IP only when it
+  spans nodes (:func:`job_spans_nodes`), always with keys. :data:`NODE_IP` is resolved on the
+  node where the server starts (:func:`resolve_host`), since only that node knows its address.
+* :func:`run_keys` gives a run its keys: the job flags (``--rollout-api-key``,
+  ``--rollout-admin-api-key``) or the environment, and a fresh random admin key when none is
+  given. :func:`export_keys` puts them in this process's environment, from which every
+  process the run starts inherits them (and :func:`keys_runtime_env` hands them to Ray actors).
+* :func:`keep_ray_token_auth`: a Ray cluster this project starts keeps Ray's token
+  authentication on (tests may set ``RAY_AUTH_MODE=disabled`` for their own cluster).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+from miles_disagg.auth import ApiKeys, new_key
+
+LOOPBACK = "127.0.0.1"
+NODE_IP = "node-ip"
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+def bind_host(*, spans_nodes: bool) -> str:
+    """Loopback for a one-node job, else :data:`NODE_IP` (resolved where the server starts)."""
+    return NODE_IP if spans_nodes else LOOPBACK
+
+
+def resolve_host(host: str) -> str:
+    """:data:`NODE_IP` -> this node's IP (as Ray sees it); any other address as it is."""
+    if host != NODE_IP:
+        return host
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def job_spans_nodes(placement_node_ids: Iterable[str]) -> bool:
+    """Whether a run's processes may sit on more than one node: its placement bundles do, or the
+    Ray cluster has more than one live node (actors outside the placement, like the rollout
+    manager, may be scheduled on any of them)."""
+    import ray
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    return len(set(placement_node_ids)) > 1 or len(alive) > 1
+
+
+def run_keys(api_key: str | None, admin_api_key: str | None) -> ApiKeys:
+    """The run's keys: the job flags, else the environment; a random admin key when neither gives one."""
+    keys = ApiKeys.resolve(api_key, admin_api_key)
+    return keys if keys.admin_api_key else ApiKeys(keys.api_key, new_key())
+
+
+def export_keys(keys: ApiKeys) -> None:
+    """Into this process's environment: children started from here inherit them."""
+    os.environ.update(keys.env())
+
+
+def keys_runtime_env() -> dict | None:
+    """A Ray ``runtime_env`` that hands this process's keys to an actor (None: there are none)."""
+    env = ApiKeys.from_env().env()
+    return {"env_vars": env} if env else None
+
+
+def keep_ray_token_auth() -> None:
+    """Before starting a local Ray: token authentication stays on unless the caller chose otherwise."""
+    os.environ.setdefault(RAY_AUTH_MODE_ENV, "token")
