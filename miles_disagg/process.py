@@ -73,6 +73,17 @@ def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
     return sock
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def bind_host(spans_nodes: bool, node_ip: str) -> str:
+    """The address a managed server (engine, agent, router) binds on the node whose IP is
+    ``node_ip``: loopback while the whole job runs on one node (nothing off the node needs it),
+    the node's IP once the job spans nodes (the router and the trainer on other nodes must
+    reach it). The one place this decision is made."""
+    return node_ip if spans_nodes else LOOPBACK
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))

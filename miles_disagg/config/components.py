@@ -43,12 +43,15 @@ class ClusterConfig:
     rollout_num_gpus: int | None = flag(None, "Total GPUs for rollout engines (default: same as the actor's when colocated).")
     rollout_num_gpus_per_engine: int = flag(1, "GPUs per rollout engine (its tensor-parallel size).")
     colocate: bool = flag(False, "Share GPUs between training and rollout (they take turns); train.py only.")
+    rollout_node_resource: str | None = flag(None, "Place engines only on nodes offering this Ray custom resource (e.g. one a rollout host was started with: ray start --resources '{\"rollout\": 8}'); each engine GPU asks for a share of it.", metavar="NAME")
 
     def __post_init__(self) -> None:
         _require(self.actor_num_nodes >= 1, "--actor-num-nodes must be >= 1")
         _require(self.actor_num_gpus_per_node >= 1, "--actor-num-gpus-per-node must be >= 1")
         _require(self.rollout_num_gpus_per_engine >= 1, "--rollout-num-gpus-per-engine must be >= 1")
         _require(self.rollout_num_gpus is None or self.rollout_num_gpus >= 1, "--rollout-num-gpus must be >= 1")
+        _require(self.rollout_node_resource is None or _is_resource_name(self.rollout_node_resource),
+                 f"--rollout-node-resource must name a custom resource, got {self.rollout_node_resource!r}")
 
     @property
     def num_actor_gpus(self) -> int:
@@ -257,6 +260,11 @@ SECTIONS: dict[str, type] = {
     "eval": EvalConfig,
     "tracking": TrackingConfig,
 }
+
+
+def _is_resource_name(value: str) -> bool:
+    """A custom resource a node can offer (Ray's own CPU/GPU/memory are not a node's label)."""
+    return bool(value) and value.strip() == value and value not in ("CPU", "GPU", "memory", "object_store_memory")
 
 
 def _is_hook_path(value: str) -> bool:

@@ -1,9 +1,15 @@
 """One managed engine, owned by a Ray actor placed in the engine's first GPU bundle.
 
-The actor only knows where it runs (the node's address, the GPUs Ray gave its bundle) and
-hands the rest to :func:`miles_disagg.engines.launch.start_engine`: the built-in engine, or
-SGLang behind ``miles-disagg agent``. Either way it returns one URL that speaks the engine
-API plus ``/pull_weights``.
+The actor only knows where it runs (the GPUs Ray gave its bundle) and hands the rest to
+:func:`miles_disagg.engines.launch.start_engine`: the built-in engine, or SGLang behind
+``miles-disagg agent``. Either way it returns one URL that speaks the engine API plus
+``/pull_weights``. The address the engine binds comes in ``spec.host`` (the manager decides it
+with :func:`miles_disagg.process.bind_host`).
+
+Everything host-local lives on the actor's node: the actor creates the engine's local
+checkpoint directory there (the path is read on this node, never on the driver's), and
+:meth:`EngineProcess.check_paths` looks for the shared paths (base checkpoint, version store)
+on this node before the engine starts.
 """
 
 from __future__ import annotations
@@ -15,16 +21,30 @@ from miles_disagg.engines.launch import EngineSpec, RunningEngine, start_engine
 
 
 class EngineProcess:
-    """Ray actor body: start, stop, restart and probe one engine. ``spec.host`` and
-    ``spec.base_gpu_id`` are filled in on the node the actor was placed on."""
+    """Ray actor body: start, stop, restart and probe one engine. ``spec.base_gpu_id`` is
+    filled in on the node the actor was placed on."""
 
     def __init__(self, spec: EngineSpec):
         self.spec = spec
         self._running: RunningEngine | None = None
 
     def start(self) -> str:
+        self.spec.local_checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self._running = start_engine(self._placed_spec())
         return self._running.url
+
+    def check_paths(self, probe=None) -> list[str]:
+        """What this node lacks of the shared paths: the base checkpoint (``--hf-checkpoint``) and,
+        given the trainer's store probe, the version store (``--update-weight-disk-dir``)."""
+        from miles_disagg.weights.probe import read_probe
+
+        problems = []
+        if not (self.spec.model_path / "config.json").is_file():
+            problems.append(f"--hf-checkpoint {str(self.spec.model_path)!r}: no checkpoint there (no config.json)")
+        found = read_probe(probe) if probe is not None else None
+        if found is not None:
+            problems.append(f"--update-weight-disk-dir {probe.store_dir!r}: {found}")
+        return problems
 
     def _placed_spec(self) -> EngineSpec:
         import ray
@@ -32,8 +52,7 @@ class EngineProcess:
         gpu_ids = ray.get_gpu_ids()
         # SGLang picks its GPUs by --base-gpu-id, so it sees the node's devices, not the actor's one
         env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-        return dataclasses.replace(self.spec, host=ray.util.get_node_ip_address(),
-                                   base_gpu_id=int(gpu_ids[0]) if gpu_ids else 0, sglang_env=env)
+        return dataclasses.replace(self.spec, base_gpu_id=int(gpu_ids[0]) if gpu_ids else 0, sglang_env=env)
 
     def alive(self) -> bool:
         return self._running is not None and self._running.alive()

@@ -7,11 +7,20 @@ address must answer and match the job (architecture, tp size, context length, dt
 ``ConfigError`` naming the field and both values. Either way every engine is registered with
 the version-aware router that this actor starts.
 
+Placement: the manager, and the router it starts, run on the driver's node. Every server binds
+the address :func:`miles_disagg.process.bind_host` gives: loopback while the job is on one node,
+the node's IP once it spans nodes. Before any engine starts, each engine's node reads the
+trainer's store probe back (:meth:`EngineManager.start` with ``store_probe``) and looks for the
+base checkpoint: a path an engine's node cannot read fails the run (``ConfigError``, exit 2)
+naming that node and the path.
+
 Faults: a monitor thread watches the engines. A managed engine whose process died is taken
 out of the router at once, restarted, brought to the current version (base + chain through
 ``/pull_weights``) and only then registered again. An attached engine that stops answering
 is removed; when it answers again it is re-checked and brought to the current version
-before it is registered again. Weight updates and restores never interleave (one lock).
+before it is registered again. An engine whose actor is gone (its node left the cluster) is
+taken out and left out: the run's node watch ends the run, naming the node. Weight updates
+and restores never interleave (one lock).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from typing import Any
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.engines.updater import BroadcastUpdater, DiskDeltaUpdater, UpdateFailed
+from miles_disagg.process import bind_host
 from miles_disagg.types import ConfigError, MilesDisaggError
 
 log = logging.getLogger(__name__)
@@ -51,29 +61,33 @@ class EngineManager:
         self._monitor: threading.Thread | None = None
         self.events: list[dict] = []
         self._down: set[int] = set()  # engine indices out of the router until restored
+        self._lost: set[int] = set()  # engines whose actor is gone (with its node): never restarted
         self._broadcast: BroadcastUpdater | None = None
 
     # ------------------------------------------------------------------ start
 
-    def start(self) -> dict:
+    def start(self, store_probe=None) -> dict:
         """Start the router and the engines (or attach them); returns the URLs.
 
-        A failure stops whatever was started (router, engine processes) before it propagates.
+        ``store_probe`` (a :class:`~miles_disagg.weights.probe.StoreProbe` the trainer wrote):
+        each managed engine's node must read it back before its engine starts, else
+        ``ConfigError`` naming the nodes and the store path. A failure stops whatever was
+        started (router, engine processes) before it propagates.
         """
         try:
-            return self._start()
+            return self._start(store_probe)
         except BaseException:
             self.shutdown()
             raise
 
-    def _start(self) -> dict:
+    def _start(self, store_probe) -> dict:
         if self.rollout.router == "sglang":
             from miles_disagg.router.sglang_router import require_sglang_router
 
             require_sglang_router()
         else:
             self._start_router([])
-        self.engine_urls = self._attach() if self.rollout.rollout_external else self._launch()
+        self.engine_urls = self._attach() if self.rollout.rollout_external else self._launch(store_probe)
         if self.router is None:
             self._start_router(self.engine_urls)
         local_root = Path(self.weights.update_weight_local_checkpoint_dir or self.run_dir / "rollout-checkpoints")
@@ -86,23 +100,31 @@ class EngineManager:
             self.router_client.wait_worker_version(url, 0, timeout_s=60)
         self._monitor = threading.Thread(target=self._watch, name="engine-monitor", daemon=True)
         self._monitor.start()
-        return {"router_url": self.router.url, "engine_urls": list(self.engine_urls)}
+        return {"router_url": self.router.url, "engine_urls": list(self.engine_urls),
+                "local_dirs": list(self.local_dirs)}
+
+    def _bind_host(self, node_ip: str) -> str:
+        spans = bool(self.placement is not None and self.placement.spans_nodes)
+        return bind_host(spans, node_ip)
 
     def _start_router(self, workers: list[str]) -> None:
+        import ray
+
         log_path = self.run_dir / "logs" / "router.log"
+        host = self._bind_host(ray.util.get_node_ip_address())
         if self.rollout.router == "sglang":
             from miles_disagg.router.sglang_router import SglangRouterClient, launch_sglang_router
 
-            self.router = launch_sglang_router(log_path=log_path, workers=workers)
+            self.router = launch_sglang_router(log_path=log_path, workers=workers, host=host)
             self.router_client = SglangRouterClient(self.router.url)
             return
         from miles_disagg.router.launch import launch_router
 
         self.router = launch_router(log_path=log_path, health_check_interval_s=self.rollout.rollout_health_check_interval,
-                                    retry_after_s=0.2)
+                                    retry_after_s=0.2, host=host)
         self.router_client = self.router.client()
 
-    def _launch(self) -> list[str]:
+    def _launch(self, store_probe) -> list[str]:
         import ray
 
         from miles_disagg.engines.actor import EngineProcess
@@ -113,6 +135,7 @@ class EngineManager:
         local_root = Path(self.weights.update_weight_local_checkpoint_dir or self.run_dir / "rollout-checkpoints")
         for index, bundles in enumerate(self.placement.layout.engines):
             spec = EngineSpec(backend=backend, name=f"engine-{index}", model_path=Path(self.model_path),
+                              host=self._bind_host(self.placement.node_ips[bundles[0]]),
                               log_dir=self.run_dir / "logs", local_checkpoint_dir=local_root / f"engine-{index}",
                               tp_size=len(bundles), dtype=self.rollout.engine_dtype, seed=self.seed + index,
                               max_running_requests=64,
@@ -121,7 +144,26 @@ class EngineManager:
             actor = remote_cls.options(num_cpus=0.2, num_gpus=0.2, max_concurrency=4,
                                        scheduling_strategy=self.placement.strategy(bundles[0])).remote(spec)
             self._actors.append(actor)
+        self._check_paths(store_probe)
         return ray.get([a.start.remote() for a in self._actors])
+
+    def _check_paths(self, probe) -> None:
+        """Each engine's node must see the base checkpoint and (given the trainer's probe) the
+        version store at their paths; ``ConfigError`` naming every node that does not."""
+        import ray
+
+        problems: dict[str, list[str]] = {}  # "node: what it lacks" -> engines
+        for index, found in enumerate(ray.get([a.check_paths.remote(probe) for a in self._actors])):
+            position = self.placement.layout.engines[index][0]
+            node = f"node {self.placement.node_ips[position]} (id {self.placement.node_ids[position]})"
+            for problem in found:
+                problems.setdefault(f"{problem} on {node}", []).append(f"engine {index}")
+        if problems:
+            where = "; ".join(f"{problem} ({', '.join(engines)})" for problem, engines in problems.items())
+            raise ConfigError(f"a rollout node lacks a shared path: {where}. The version store must be shared "
+                              "storage mounted at the same path on the trainer's and every engine's node, and the "
+                              "base checkpoint must be at the same path on every node",
+                              ("--update-weight-disk-dir", "--hf-checkpoint"))
 
     def _attach(self) -> list[str]:
         urls = [f"http://{addr}" for addr in self.rollout.rollout_external_engine_addrs]
@@ -250,9 +292,18 @@ class EngineManager:
 
     def _alive(self, index: int) -> bool:
         import ray
+        from ray.exceptions import RayActorError
 
         if self._actors:
-            return bool(ray.get(self._actors[index].alive.remote()))
+            if index in self._lost:
+                return False
+            try:
+                return bool(ray.get(self._actors[index].alive.remote()))
+            except RayActorError as exc:  # the actor is gone (with its node): no restart here
+                self._lost.add(index)
+                self.events.append({"engine": index, "event": "lost", "error": str(exc).splitlines()[0],
+                                    "time": time.time()})
+                return False
         with EngineClient(self.engine_urls[index], timeout_s=3) as client:
             return client.healthy()
 
@@ -295,8 +346,8 @@ class EngineManager:
                     return
             if not managed:
                 return  # an attached engine: restored once it answers again (a later check)
-        if self._broadcast is not None:
-            return  # a broadcast group cannot take a new member: the engine stays out (the run reports it)
+        if self._broadcast is not None or index in self._lost:
+            return  # a broadcast group cannot take a new member, a lost actor has no bundle: it stays out
         if managed:
             self.engine_urls[index] = ray.get(self._actors[index].restart.remote())
         elif not self._answers_and_matches(index):
@@ -350,7 +401,9 @@ class EngineManager:
         self._stop.set()
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=60)  # a restart in progress finishes before the engines stop
-        for actor in self._actors:
+        for index, actor in enumerate(self._actors):
+            if index in self._lost:
+                continue  # gone with its node, and its processes with it
             try:
                 ray.get(actor.stop.remote(), timeout=60)
             except Exception as exc:  # a dead actor: its process is gone already

@@ -2,6 +2,12 @@
 
 ``Job.start(config)`` brings the pieces up in dependency order and ``Job.stop()`` tears them
 down in reverse; a failure while starting stops what was already started.
+
+On a cluster (``RAY_ADDRESS``, or a driver started by ``ray job submit``) the placement may
+span nodes: the control actors (engine manager, router, rollout manager) stay on the driver's
+node, the version store is checked from every engine's node before training, the run
+directory gets ``placement.json``, and a node that leaves the cluster ends the run with
+``NodeLost`` (see :mod:`miles_disagg.loop.cluster`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class Job:
     run_id: str | None = None
     tensor_meta: dict | None = None  # broadcast mode: what the engines receive
     _owns_ray: bool = False
+    _watch: object | None = None  # the NodeWatch registered for the job's lifetime
     _data_position: int = 0
 
     @classmethod
@@ -54,6 +61,8 @@ class Job:
         return job
 
     def _start(self, with_trainer: bool, with_engines: bool) -> None:
+        from miles_disagg.loop.cluster import NodeWatch, placement_record, write_placement
+        from miles_disagg.remote import add_watch
         from miles_disagg.trainer.placement import create_placement, plan_layout
 
         cfg = self.config
@@ -63,12 +72,17 @@ class Job:
         status(f"placement: {layout.num_bundles} GPU bundles (trainer {list(layout.trainer)}, "
                f"engines {[list(e) for e in layout.engines] or 'attached'})")
         self.placement = create_placement(layout)
+        if self.placement.spans_nodes:
+            status(f"placement spans nodes: {_nodes_line(self.placement)}")
+        self._watch = NodeWatch.of(self.placement)
+        add_watch(self._watch)
         if with_trainer:
             self._start_trainer()
         if with_engines:
             self._start_engines()
         if with_trainer and with_engines and cfg.weights.update_weight_transfer_mode == "broadcast":
             self._join_broadcast_group()
+        write_placement(cfg.tracking.run_dir, placement_record(self))
 
     def _start_trainer(self) -> None:
         from miles_disagg.trainer.group import TrainerGroup
@@ -85,10 +99,22 @@ class Job:
             self._connect_service()
             return
         self.engines = EngineManagerHandle(EngineManagerConfig.from_run(self.config), self.placement)
-        self.engines.start()
+        probe = self._write_store_probe()
+        try:
+            self.engines.start(store_probe=probe)
+        finally:
+            if probe is not None:
+                self.trainer.remove_store_probe(probe)
         self.router_url = self.engines.router_url
         status(f"engines: {len(self.engines.engine_urls)} behind the router at {self.router_url}")
         self._start_rollout()
+
+    def _write_store_probe(self):
+        """Disk-delta with managed engines: the trainer's probe each engine's node must read back."""
+        cfg = self.config
+        if self.trainer is None or cfg.rollout.rollout_external or cfg.weights.update_weight_transfer_mode != "disk-delta":
+            return None
+        return self.trainer.write_store_probe()
 
     def _connect_service(self) -> None:
         """Service topology: no engine handle at all; one endpoint, versions from the store."""
@@ -108,7 +134,8 @@ class Job:
         from miles_disagg.rollout.handle import RolloutManagerHandle
 
         self.rollout = RolloutManagerHandle(RolloutManagerConfig.from_run(self.config, self.router_url),
-                                            data_position=self._data_position)
+                                            data_position=self._data_position,
+                                            scheduling_strategy=self.placement.control_strategy())
 
     def _join_broadcast_group(self) -> None:
         addr, port = self.trainer.broadcast_address()
@@ -122,6 +149,9 @@ class Job:
     def stop(self) -> None:
         import ray
 
+        from miles_disagg.remote import remove_watch
+
+        remove_watch(self._watch)  # tearing down must not be cut short by the watch
         for step in (self._stop_rollout, self._stop_engines, self._stop_trainer):
             try:
                 step()
@@ -143,6 +173,13 @@ class Job:
             self.trainer.shutdown()
 
 
+def _nodes_line(placement) -> str:
+    from miles_disagg.loop.cluster import work_by_node
+
+    return "; ".join(f"{site['node_ip']} ({node_id[:8]}): {', '.join(site['work'])}"
+                     for node_id, site in work_by_node(placement).items())
+
+
 def init_ray(num_bundles: int) -> bool:
     """Connect to ``RAY_ADDRESS`` if set, else start a local Ray; on a machine without CUDA
     the local Ray gets ``num_bundles`` logical GPUs. Returns whether this process started it."""
@@ -150,8 +187,9 @@ def init_ray(num_bundles: int) -> bool:
 
     if ray.is_initialized():
         return False
-    if os.environ.get("RAY_ADDRESS"):
+    if os.environ.get("RAY_ADDRESS"):  # an existing cluster (also how a `ray job submit` driver connects)
         ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
+        _report_cluster()
         return True
     import torch
 
@@ -162,3 +200,14 @@ def init_ray(num_bundles: int) -> bool:
              logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
     return True
+
+
+def _report_cluster() -> None:
+    import ray
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    totals = ray.cluster_resources()
+    custom = {k: v for k, v in totals.items()
+              if k not in ("CPU", "GPU", "memory", "object_store_memory") and not k.startswith("node:")}
+    status(f"joined the Ray cluster at {os.environ['RAY_ADDRESS']}: {len(nodes)} node(s), "
+           f"{totals.get('GPU', 0):g} GPUs" + (f", resources {custom}" if custom else ""))

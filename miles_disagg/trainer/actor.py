@@ -58,6 +58,17 @@ class TrainerRank:
         publisher.capture_baseline()  # the first update only captures the baseline
         return publisher
 
+    def write_store_probe(self):
+        """Rank 0: a probe file in the version store (rollout nodes read it back before training)."""
+        from miles_disagg.weights.probe import write_probe
+
+        return write_probe(self.weights_config.update_weight_disk_dir)
+
+    def remove_store_probe(self, probe) -> None:
+        from miles_disagg.weights.probe import remove_probe
+
+        remove_probe(probe)
+
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, directory: str) -> None:

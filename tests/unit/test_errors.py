@@ -26,6 +26,7 @@ SPECIAL = {
     "VersionNotPrepared": lambda cls: cls("7", VersionRef("r", 6)),
     "BufferTimeout": lambda cls: cls(8, 3, 1.5),
     "WorkerFailed": lambda cls: cls("http://127.0.0.1:1", "reset"),
+    "NodeLost": lambda cls: cls("node 10.0.0.2 left", node_id="ab" * 28, node_ip="10.0.0.2"),
 }
 
 
