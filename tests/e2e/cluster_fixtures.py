@@ -110,7 +110,7 @@ class LocalRayCluster:
                 continue
         return found
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for node in self.nodes:
                 try:

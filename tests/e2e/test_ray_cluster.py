@@ -161,6 +161,11 @@ def test_serve_ray_runs_its_replicas_on_the_rollout_node(cluster: LocalRayCluste
     assert refused.returncode == 2, refused.stderr[-4000:]
     assert refused.stderr.strip().splitlines()[-1].startswith(
         "miles-disagg serve: error: --host 127.0.0.1: this Ray cluster has 2 nodes")
+    nowhere = subprocess.run(miles_disagg(*serve, "--host", node_ip(), "--replica-resource", "nowhere"),
+                             env=cluster.node_env(), capture_output=True, text=True, timeout=300)
+    assert nowhere.returncode == 2, nowhere.stderr[-4000:]
+    assert nowhere.stderr.strip().splitlines()[-1] == (
+        "miles-disagg serve: error: --replica-resource 'nowhere': no node of this Ray cluster offers it")
     proc = subprocess.Popen(miles_disagg(*serve, "--host", node_ip()), env=cluster.node_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     try:
@@ -202,7 +207,9 @@ def test_losing_the_rollout_node_ends_the_run_naming_it(cluster: LocalRayCluster
         assert driver.poll() is None, driver.communicate()[1][-6000:]
         assert _our_processes(cluster)  # (what must be gone at the end is running now)
         cluster.kill_raylet(cluster.worker)
+        killed = time.monotonic()
         _, stderr = driver.communicate(timeout=RUN_TIMEOUT_S)
+        print(f"the run ended {time.monotonic() - killed:.1f}s after the worker's raylet was killed")
     finally:
         if driver.poll() is None:
             driver.kill()
