@@ -292,13 +292,15 @@ class EngineManager:
 
     def _alive(self, index: int) -> bool:
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ActorUnavailableError, RayActorError
 
         if self._actors:
             if index in self._lost:
                 return False
             try:
                 return bool(ray.get(self._actors[index].alive.remote()))
+            except ActorUnavailableError:  # unreachable for now (its node may be going): down, not lost
+                return False
             except RayActorError as exc:  # the actor is gone (with its node): no restart here
                 self._lost.add(index)
                 self.events.append({"engine": index, "event": "lost", "error": str(exc).splitlines()[0],
