@@ -128,6 +128,14 @@ class FormatError(FailRun, InvalidInput):
     """A version directory or payload is malformed, truncated or of an unknown format."""
 
 
+class NodeLost(FailRun):
+    """A Ray node the run had placed work on left the cluster (its machine or raylet died)."""
+
+    def __init__(self, message: str, node_id: str = "", node_ip: str = ""):
+        self.node_id, self.node_ip = node_id, node_ip
+        super().__init__(message)
+
+
 # --------------------------------------------------------------------------- versions
 
 

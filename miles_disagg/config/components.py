@@ -47,6 +47,7 @@ class ClusterConfig:
     rollout_num_gpus_per_engine: int = flag(1, "GPUs per rollout engine (its tensor-parallel size).")
     colocate: bool = flag(False, "Share GPUs between training and rollout (they take turns); train.py only.")
     num_gpus_per_node: int | None = flag(None, "GPUs per node (miles' flag): when given, --dry-run shows each bundle's node and a rollout engine may not span two nodes.")
+    rollout_node_resource: str | None = flag(None, "Place engines only on nodes offering this Ray custom resource (e.g. one a rollout host was started with: ray start --resources '{\"rollout\": 8}'); each engine GPU asks for a share of it.", metavar="NAME")
 
     def __post_init__(self) -> None:
         _require(self.actor_num_nodes >= 1, "--actor-num-nodes must be >= 1")
@@ -54,6 +55,8 @@ class ClusterConfig:
         _require(self.actor_num_gpus_per_node >= 1, "--actor-num-gpus-per-node must be >= 1")
         _require(self.rollout_num_gpus_per_engine >= 1, "--rollout-num-gpus-per-engine must be >= 1")
         _require(self.rollout_num_gpus is None or self.rollout_num_gpus >= 1, "--rollout-num-gpus must be >= 1")
+        _require(self.rollout_node_resource is None or _is_resource_name(self.rollout_node_resource),
+                 f"--rollout-node-resource must name a custom resource, got {self.rollout_node_resource!r}")
 
     @property
     def num_actor_gpus(self) -> int:
@@ -361,6 +364,12 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "ci": CIConfig,
 }
+
+
+def _is_resource_name(value: str) -> bool:
+    """A custom resource a node can offer (Ray's own CPU/GPU/memory are not a node's label)."""
+    return bool(value) and value.strip() == value and value not in ("CPU", "GPU", "memory", "object_store_memory")
+
 
 def _is_hook_path(value: str) -> bool:
     """``pkg.module:function`` (this project's form) or ``pkg.module.function`` (miles' dotted form)."""

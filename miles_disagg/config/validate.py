@@ -107,6 +107,11 @@ def _check_topology(config: RunConfig) -> None:
                           ("--rollout-external", "--rollout-service-url"))
     if rollout.rollout_service_url:
         _check_service(config)
+    if config.cluster.rollout_node_resource and (rollout.rollout_external or rollout.rollout_service_url):
+        other = "--rollout-external" if rollout.rollout_external else "--rollout-service-url"
+        raise ConfigError(f"--rollout-node-resource places the engines this job launches; with {other} the engines "
+                          "are placed by whoever runs them (for `serve ray`: its --replica-resource)",
+                          ("--rollout-node-resource", other))
     if rollout.rollout_external_engine_addrs and not rollout.rollout_external:
         raise ConfigError("--rollout-external-engine-addrs needs --rollout-external",
                           ("--rollout-external-engine-addrs", "--rollout-external"))

@@ -1,10 +1,15 @@
 """One managed engine, owned by a Ray actor placed in the engine's first GPU bundle.
 
 The actor only knows where it runs (the node's address, if the job spans nodes and the engine
-must bind it; the GPUs Ray gave its bundle) and
+must bind it: :func:`miles_disagg.netbind.bind_host` decides; the GPUs Ray gave its bundle) and
 hands the rest to :func:`miles_disagg.engines.launch.start_engine`: the built-in engine, or
 SGLang behind ``miles-disagg agent``. Either way it returns one URL that speaks the engine
 API plus ``/pull_weights``.
+
+Everything host-local lives on the actor's node: the actor creates the engine's local
+checkpoint directory there (the path is read on this node, never on the driver's), and
+:meth:`EngineProcess.check_paths` looks for the shared paths (base checkpoint, version store)
+on this node before the engine starts.
 """
 
 from __future__ import annotations
@@ -16,16 +21,30 @@ from miles_disagg.engines.launch import EngineSpec, RunningEngine, start_engine
 
 
 class EngineProcess:
-    """Ray actor body: start, stop, restart and probe one engine. ``spec.host`` and
-    ``spec.base_gpu_id`` are filled in on the node the actor was placed on."""
+    """Ray actor body: start, stop, restart and probe one engine. ``spec.base_gpu_id`` is
+    filled in on the node the actor was placed on."""
 
     def __init__(self, spec: EngineSpec):
         self.spec = spec
         self._running: RunningEngine | None = None
 
     def start(self) -> str:
+        self.spec.local_checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self._running = start_engine(self._placed_spec())
         return self._running.url
+
+    def check_paths(self, probe=None) -> list[str]:
+        """What this node lacks of the shared paths: the base checkpoint (``--hf-checkpoint``) and,
+        given the trainer's store probe, the version store (``--update-weight-disk-dir``)."""
+        from miles_disagg.weights.probe import read_probe
+
+        problems = []
+        if not (self.spec.model_path / "config.json").is_file():
+            problems.append(f"--hf-checkpoint {str(self.spec.model_path)!r}: no checkpoint there (no config.json)")
+        found = read_probe(probe) if probe is not None else None
+        if found is not None:
+            problems.append(f"--update-weight-disk-dir {probe.store_dir!r}: {found}")
+        return problems
 
     def _placed_spec(self) -> EngineSpec:
         import ray

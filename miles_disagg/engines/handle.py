@@ -43,23 +43,30 @@ class EngineManagerHandle:
     """Start the engine manager actor (``start``), update weights, stop it (``shutdown``)."""
 
     def __init__(self, config: EngineManagerConfig, placement: Any = None):
+        """``placement``: the run's; the manager (and its router) go to its driver's node."""
         import ray
 
         from miles_disagg.engines.manager import EngineManager
 
         from miles_disagg.netbind import keys_runtime_env
 
-        self._actor = ray.remote(EngineManager).options(num_cpus=0, max_concurrency=8, runtime_env=keys_runtime_env()
-                                                        ).remote(config, placement=placement)
+        strategy = placement.control_strategy() if placement is not None else None
+        self._actor = (ray.remote(EngineManager)
+                       .options(num_cpus=0, max_concurrency=8, scheduling_strategy=strategy, runtime_env=keys_runtime_env())
+                       .remote(config, placement=placement))
         self.router_url: str | None = None
         self.engine_urls: list[str] = []
         self.delta_filters: list[list[str] | None] = []
+        self.local_dirs: list[str] = []
+        """Each engine's host-local checkpoint directory (a path on that engine's node)."""
 
-    def start(self) -> None:
-        """Launch or attach the engines and the router (the manager cleans up if this fails)."""
-        info = Pending([self._actor.start.remote()]).result()
+    def start(self, store_probe=None) -> None:
+        """Launch or attach the engines and the router (the manager cleans up if this fails);
+        ``store_probe``: each engine's node must read the trainer's probe back first."""
+        info = Pending([self._actor.start.remote(store_probe)]).result()
         self.router_url, self.engine_urls = info["router_url"], list(info["engine_urls"])
         self.delta_filters = list(info.get("delta_filters") or [])
+        self.local_dirs = list(info["local_dirs"])
 
     def weight_checksums(self, algorithm: str) -> list[dict]:
         """Each live engine's ``/weight_checksums`` (see ``EngineManager.weight_checksums``)."""

@@ -7,11 +7,20 @@ address must answer and match the job (architecture, tp size, context length, dt
 ``ConfigError`` naming the field and both values. Either way every engine is registered with
 the version-aware router that this actor starts.
 
+Placement: the manager, and the router it starts, run on the driver's node. Every server binds
+the address :func:`miles_disagg.netbind.bind_host` gives: loopback while the job is on one node,
+the node's IP once it spans nodes. Before any engine starts, each engine's node reads the
+trainer's store probe back (:meth:`EngineManager.start` with ``store_probe``) and looks for the
+base checkpoint: a path an engine's node cannot read fails the run (``ConfigError``, exit 2)
+naming that node and the path.
+
 Faults: a monitor thread watches the engines. A managed engine whose process died is taken
 out of the router at once, restarted, brought to the current version (base + chain through
 ``/pull_weights``) and only then registered again. An attached engine that stops answering
 is removed; when it answers again it is re-checked and brought to the current version
-before it is registered again. Weight updates and restores never interleave (one lock).
+before it is registered again. An engine whose actor is gone (its node left the cluster) is
+taken out and left out: the run's node watch ends the run, naming the node. Weight updates
+and restores never interleave (one lock).
 """
 
 from __future__ import annotations
@@ -52,29 +61,33 @@ class EngineManager:
         self.events: list[dict] = []
         self._down: set[int] = set()  # engine indices out of the router until restored
         self._failures: dict[int, int] = {}  # consecutive failed health checks per engine
+        self._lost: set[int] = set()  # engines whose actor is gone (with its node): never restarted
         self._broadcast: BroadcastUpdater | None = None
 
     # ------------------------------------------------------------------ start
 
-    def start(self) -> dict:
+    def start(self, store_probe=None) -> dict:
         """Start the router and the engines (or attach them); returns the URLs.
 
-        A failure stops whatever was started (router, engine processes) before it propagates.
+        ``store_probe`` (a :class:`~miles_disagg.weights.probe.StoreProbe` the trainer wrote):
+        each managed engine's node must read it back before its engine starts, else
+        ``ConfigError`` naming the nodes and the store path. A failure stops whatever was
+        started (router, engine processes) before it propagates.
         """
         try:
-            return self._start()
+            return self._start(store_probe)
         except BaseException:
             self.shutdown()
             raise
 
-    def _start(self) -> dict:
+    def _start(self, store_probe) -> dict:
         if self.rollout.router == "sglang":
             from miles_disagg.router.sglang_router import require_sglang_router
 
             require_sglang_router()
         else:
             self._start_router([])
-        self.engine_urls = self._attach() if self.rollout.rollout_external else self._launch()
+        self.engine_urls = self._attach() if self.rollout.rollout_external else self._launch(store_probe)
         if self.router is None:
             self._start_router(self.engine_urls)
         local_root = local_checkpoint_root(self.config)
@@ -88,7 +101,8 @@ class EngineManager:
         self._monitor = threading.Thread(target=self._watch, name="engine-monitor", daemon=True)
         self._monitor.start()
         return {"router_url": self.router.url, "engine_urls": list(self.engine_urls),
-                "delta_filters": [self._announced_filters(url) for url in self.engine_urls]}
+                "delta_filters": [self._announced_filters(url) for url in self.engine_urls],
+                "local_dirs": list(self.local_dirs)}
 
     @staticmethod
     def _announced_filters(url: str) -> list[str] | None:
@@ -97,25 +111,26 @@ class EngineManager:
 
     def _start_router(self, workers: list[str]) -> None:
         from miles_disagg.engines.plan import ROUTER_RETRY_AFTER_S, router_plan
+        from miles_disagg.netbind import bind_host, resolve_host
 
         log_path = self.run_dir / "logs" / "router.log"
         plan = router_plan(self.config)
+        host = resolve_host(bind_host(spans_nodes=self.config.spans_nodes))  # the manager runs on the driver's node
         if plan.kind == "sglang":
             from miles_disagg.router.sglang_router import SglangRouterClient, launch_sglang_router
 
-            self.router = launch_sglang_router(log_path=log_path, workers=workers, port=plan.port, policy=plan.policy)
+            self.router = launch_sglang_router(log_path=log_path, workers=workers, port=plan.port, policy=plan.policy,
+                                               host=host)
             self.router_client = SglangRouterClient(self.router.url)
             return
-        from miles_disagg.netbind import bind_host, resolve_host
         from miles_disagg.router.launch import launch_router
 
-        host = resolve_host(bind_host(spans_nodes=self.config.spans_nodes))
         self.router = launch_router(log_path=log_path, port=plan.port, host=host,
                                     health_check_interval_s=plan.health_check_interval_s,
                                     retry_after_s=ROUTER_RETRY_AFTER_S, extra_args=plan.extra_args)
         self.router_client = self.router.client()
 
-    def _launch(self) -> list[str]:
+    def _launch(self, store_probe) -> list[str]:
         import ray
 
         from miles_disagg.engines.actor import EngineProcess
@@ -128,7 +143,26 @@ class EngineManager:
             actor = remote_cls.options(num_cpus=0.2, num_gpus=0.2, max_concurrency=4,
                                        scheduling_strategy=self.placement.strategy(bundles[0])).remote(spec)
             self._actors.append(actor)
+        self._check_paths(store_probe)
         return ray.get([a.start.remote() for a in self._actors])
+
+    def _check_paths(self, probe) -> None:
+        """Each engine's node must see the base checkpoint and (given the trainer's probe) the
+        version store at their paths; ``ConfigError`` naming every node that does not."""
+        import ray
+
+        problems: dict[str, list[str]] = {}  # "node: what it lacks" -> engines
+        for index, found in enumerate(ray.get([a.check_paths.remote(probe) for a in self._actors])):
+            position = self.placement.layout.engines[index][0]
+            node = f"node {self.placement.node_ips[position]} (id {self.placement.node_ids[position]})"
+            for problem in found:
+                problems.setdefault(f"{problem} on {node}", []).append(f"engine {index}")
+        if problems:
+            where = "; ".join(f"{problem} ({', '.join(engines)})" for problem, engines in problems.items())
+            raise ConfigError(f"a rollout node lacks a shared path: {where}. The version store must be shared "
+                              "storage mounted at the same path on the trainer's and every engine's node, and the "
+                              "base checkpoint must be at the same path on every node",
+                              ("--update-weight-disk-dir", "--hf-checkpoint"))
 
     def _attach(self) -> list[str]:
         urls = [f"http://{addr}" for addr in self.rollout.rollout_external_engine_addrs]
@@ -296,9 +330,20 @@ class EngineManager:
 
     def _alive(self, index: int) -> bool:
         import ray
+        from ray.exceptions import ActorUnavailableError, RayActorError
 
         if self._actors:
-            return bool(ray.get(self._actors[index].alive.remote()))
+            if index in self._lost:
+                return False
+            try:
+                return bool(ray.get(self._actors[index].alive.remote()))
+            except ActorUnavailableError:  # unreachable for now (its node may be going): down, not lost
+                return False
+            except RayActorError as exc:  # the actor is gone (with its node): no restart here
+                self._lost.add(index)
+                self.events.append({"engine": index, "event": "lost", "url": self.engine_urls[index],
+                                    "why": f"its actor is gone: {str(exc).splitlines()[0]}", "time": time.time()})
+                return False
         with EngineClient(self.engine_urls[index], timeout_s=3) as client:
             return client.healthy()
 
@@ -346,8 +391,8 @@ class EngineManager:
                 self._mark_down(index)
             if not managed:
                 return  # an attached engine: restored once it answers again (a later check)
-        if self._broadcast is not None:
-            return  # a broadcast group cannot take a new member: the engine stays out (the run reports it)
+        if self._broadcast is not None or index in self._lost:
+            return  # a broadcast group cannot take a new member, a lost actor has no bundle: it stays out
         if managed and not self.rollout.use_fault_tolerance:
             self._record_lost(index)
             return
@@ -423,7 +468,9 @@ class EngineManager:
         self._stop.set()
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=60)  # a restart in progress finishes before the engines stop
-        for actor in self._actors:
+        for index, actor in enumerate(self._actors):
+            if index in self._lost:
+                continue  # gone with its node, and its processes with it
             try:
                 ray.get(actor.stop.remote(), timeout=60)
             except Exception as exc:  # a dead actor: its process is gone already

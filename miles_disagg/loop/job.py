@@ -7,6 +7,12 @@ Security (:mod:`miles_disagg.netbind`): before anything starts, the run takes it
 flags or environment; a random admin key otherwise) into its environment, from which every
 process and actor it starts inherits them; its servers bind loopback unless the job spans
 nodes; a Ray cluster it starts keeps Ray's token authentication on.
+
+On a cluster (``RAY_ADDRESS``, or a driver started by ``ray job submit``) the placement may
+span nodes: the control actors (engine manager, router, rollout manager) stay on the driver's
+node, the version store is checked from every engine's node before training, the run
+directory gets ``placement.json``, and a node that leaves the cluster ends the run with
+``NodeLost`` (see :mod:`miles_disagg.loop.cluster`).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class Job:
     tensor_meta: dict | None = None  # broadcast mode: what the engines receive
     initial_checkpoint: tuple[str, str] | None = None  # (path, flag): a torch_dist checkpoint the policy starts from
     _owns_ray: bool = False
+    _watch: object | None = None  # the NodeWatch registered for the job's lifetime
     _data_position: int = 0
 
     @classmethod
@@ -62,6 +69,8 @@ class Job:
         return job
 
     def _start(self, with_trainer: bool, with_engines: bool) -> None:
+        from miles_disagg.loop.cluster import NodeWatch, placement_record, write_placement
+        from miles_disagg.remote import add_watch
         from miles_disagg.trainer.placement import create_placement, plan_layout
 
         from miles_disagg.netbind import export_keys, run_keys
@@ -74,12 +83,17 @@ class Job:
         status(f"placement: {layout.num_bundles} GPU bundles (trainer {list(layout.trainer)}, "
                f"engines {[list(e) for e in layout.engines] or 'attached'})")
         self.placement = create_placement(layout)
+        if self.placement.spans_nodes:
+            status(f"placement spans nodes: {_nodes_line(self.placement)}")
+        self._watch = NodeWatch.of(self.placement)
+        add_watch(self._watch)
         if with_trainer:
             self._start_trainer()
         if with_engines:
             self._start_engines()
         if with_trainer and with_engines and cfg.weights.update_weight_transfer_mode == "broadcast":
             self._join_broadcast_group()
+        write_placement(cfg.tracking.run_dir, placement_record(self))
 
     def _delta_filter(self, attached: list | None = None):
         from miles_disagg.engines.plan import delta_filter_choice, resolve_backend
@@ -115,14 +129,19 @@ class Job:
             return
         from miles_disagg.engines.plan import resolve_backend, unused_sglang_args
 
-        spans_nodes = job_spans_nodes(self.placement.node_ids)
+        spans_nodes = job_spans_nodes(self.placement.node_ids or ())
         manager_config = dataclasses.replace(EngineManagerConfig.from_run(self.config), spans_nodes=spans_nodes)
         note = unused_sglang_args(manager_config, None if self.config.rollout.rollout_external else
                                   resolve_backend(self.config.rollout.rollout_backend)[0])
         if note:
             status(note)
         self.engines = EngineManagerHandle(manager_config, self.placement)
-        self.engines.start()
+        probe = self._write_store_probe()
+        try:
+            self.engines.start(store_probe=probe)
+        finally:
+            if probe is not None:
+                self.trainer.remove_store_probe(probe)
         self.router_url = self.engines.router_url
         status(f"engines: {len(self.engines.engine_urls)} behind the router at {self.router_url}")
         if self.trainer is not None:
@@ -132,6 +151,13 @@ class Job:
             self.trainer.set_delta_filter(choice.filter)
             status(f"weights: delta filter {choice.filter} ({choice.reason})")
         self._start_rollout()
+
+    def _write_store_probe(self):
+        """Disk-delta with managed engines: the trainer's probe each engine's node must read back."""
+        cfg = self.config
+        if self.trainer is None or cfg.rollout.rollout_external or cfg.weights.update_weight_transfer_mode != "disk-delta":
+            return None
+        return self.trainer.write_store_probe()
 
     def _connect_service(self) -> None:
         """Service topology: no engine handle at all; one endpoint, versions from the store."""
@@ -152,7 +178,8 @@ class Job:
 
         run_id = self.run_id if self.config.rollout.rollout_service_url else None  # a service names runs
         self.rollout = RolloutManagerHandle(RolloutManagerConfig.from_run(self.config, self.router_url, run_id),
-                                            data_position=self._data_position)
+                                            data_position=self._data_position,
+                                            scheduling_strategy=self.placement.control_strategy())
 
     def _join_broadcast_group(self) -> None:
         addr, port = self.trainer.broadcast_address()
@@ -166,6 +193,9 @@ class Job:
     def stop(self) -> None:
         import ray
 
+        from miles_disagg.remote import remove_watch
+
+        remove_watch(self._watch)  # tearing down must not be cut short by the watch
         for step in (self._stop_rollout, self._stop_engines, self._stop_trainer):
             try:
                 step()
@@ -187,6 +217,13 @@ class Job:
             self.trainer.shutdown()
 
 
+def _nodes_line(placement) -> str:
+    from miles_disagg.loop.cluster import work_by_node
+
+    return "; ".join(f"{site['node_ip']} ({node_id[:8]}): {', '.join(site['work'])}"
+                     for node_id, site in work_by_node(placement).items())
+
+
 def init_ray(num_bundles: int) -> bool:
     """Connect to ``RAY_ADDRESS`` if set, else start a local Ray; on a machine without CUDA
     the local Ray gets ``num_bundles`` logical GPUs. Returns whether this process started it."""
@@ -198,8 +235,11 @@ def init_ray(num_bundles: int) -> bool:
     from miles_disagg.netbind import keep_ray_token_auth
 
     keys_env = ApiKeys.from_env().env()  # every actor of the run enforces and sends the run's keys
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING", runtime_env={"env_vars": keys_env})
+    if os.environ.get("RAY_ADDRESS"):  # an existing cluster (also how a `ray job submit` driver connects)
+        # no runtime_env here: a submitted job's own (its working_dir) must stay; the actor handles
+        # hand the keys to their actors themselves (netbind.keys_runtime_env)
+        ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
+        _report_cluster()
         return True
     import torch
 
@@ -210,3 +250,14 @@ def init_ray(num_bundles: int) -> bool:
              logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **keys_env}})
     return True
+
+
+def _report_cluster() -> None:
+    import ray
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    totals = ray.cluster_resources()
+    custom = {k: v for k, v in totals.items()
+              if k not in ("CPU", "GPU", "memory", "object_store_memory") and not k.startswith("node:")}
+    status(f"joined the Ray cluster at {os.environ['RAY_ADDRESS']}: {len(nodes)} node(s), "
+           f"{totals.get('GPU', 0):g} GPUs" + (f", resources {custom}" if custom else ""))

@@ -14,13 +14,33 @@ from miles_disagg.types import ConfigError
 
 
 def prepare_run(config: RunConfig) -> None:
-    """Create the run directory, record the resolved config, and make the base checkpoint if asked."""
+    """Make the paths absolute, create the run directory, record the resolved config, and make
+    the base checkpoint if asked."""
+    make_paths_absolute(config)
     output_dir = Path(config.tracking.run_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
     status(f"run directory: {output_dir}")
     ensure_base_checkpoint(config)
     check_model_args(config)  # again: the checkpoint may have just been created
+
+
+PATH_FIELDS = {"tracking": ("run_dir",), "train": ("hf_checkpoint", "load", "save", "ref_load"),
+               "weights": ("update_weight_disk_dir", "update_weight_local_checkpoint_dir")}
+
+
+def make_paths_absolute(config: RunConfig) -> None:
+    """Paths the run hands to actors, resolved against the driver's working directory: an actor's
+    own working directory differs (on another node, or under ``ray job submit``), and a path
+    that means the same on every node must be absolute."""
+    import os
+
+    for section, names in PATH_FIELDS.items():
+        component = getattr(config, section)
+        for name in names:
+            value = getattr(component, name)
+            if value:
+                setattr(component, name, os.path.abspath(value))
 
 
 def check_runnable(config: RunConfig) -> None:

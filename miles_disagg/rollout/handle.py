@@ -12,16 +12,18 @@ from miles_disagg.types import RolloutBatch
 
 
 class RolloutManagerHandle:
-    def __init__(self, config: RolloutManagerConfig, *, data_position: int = 0):
-        """``data_position``: prompts a resumed run has already consumed."""
+    def __init__(self, config: RolloutManagerConfig, *, data_position: int = 0, scheduling_strategy=None):
+        """``data_position``: prompts a resumed run has already consumed; ``scheduling_strategy``:
+        where the actor goes (a run puts it on the driver's node, beside the router)."""
         import ray
 
         from miles_disagg.rollout.manager import RolloutManager
 
         from miles_disagg.netbind import keys_runtime_env
 
-        self._actor = ray.remote(RolloutManager).options(num_cpus=0, runtime_env=keys_runtime_env()).remote(
-            config, data_position=data_position)
+        self._actor = (ray.remote(RolloutManager)
+                       .options(num_cpus=0, scheduling_strategy=scheduling_strategy, runtime_env=keys_runtime_env())
+                       .remote(config, data_position=data_position))
 
     def start(self) -> None:
         """Begin continuous generation (train_async.py)."""

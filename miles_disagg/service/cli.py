@@ -6,7 +6,9 @@
 * ``local``: a gateway on ``--host:--port`` plus ``--replicas`` replica processes; runs until
   SIGINT/SIGTERM. A version published into ``--store`` reaches every replica by itself.
 * ``ray``: a gateway plus replicas as Ray actors on the Ray cluster at ``--address`` (not the
-  trainer's), autoscaled between ``--min-replicas`` and ``--max-replicas`` from the gateway's load.
+  trainer's), autoscaled between ``--min-replicas`` and ``--max-replicas`` from the gateway's load;
+  ``--replica-resource NAME`` keeps replicas on nodes offering that resource. On a cluster of
+  several nodes ``--host`` must be an address the other nodes reach (loopback: exit 2).
 
 Each prints one line once it is serving; logs go to stderr. Bad settings exit 2.
 """
@@ -124,6 +126,8 @@ class RayCommand(PoolFlags):
     scale_down_delay: float = flag(30.0, "How long a smaller count must be wanted before replicas are removed.",
                                    metavar="S")
     num_gpus_per_replica: float = flag(0.0, "GPUs each replica actor reserves.", metavar="N")
+    replica_resource: str | None = flag(None, "Place replicas only on nodes offering this Ray custom resource "
+                                              "(as rollout hosts are commonly labelled).", metavar="NAME")
 
 
 ROLES = {"gateway": GatewayCommand, "replica": ReplicaCommand, "local": LocalCommand, "ray": RayCommand}
@@ -243,7 +247,8 @@ def _run_ray(command: RayCommand) -> int:
     config = RayServiceConfig(store_dir=command.store.resolve(), base_dir=command.base_dir.resolve(),
                               work_dir=command.work_dir_or_temp(), host=command.host, port=command.port, scaling=scaling,
                               replica=command.replica_options(), num_gpus_per_replica=command.num_gpus_per_replica,
-                              scale_interval_s=command.scale_interval, heartbeat_timeout_s=command.heartbeat_timeout)
+                              scale_interval_s=command.scale_interval, heartbeat_timeout_s=command.heartbeat_timeout,
+                              replica_resource=command.replica_resource)
     run_ray_service(config, address=command.address, stop=threading.Event(),
                     on_ready=lambda url: print(f"miles-disagg serve ray: gateway {url}", flush=True))
     return 0

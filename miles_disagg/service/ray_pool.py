@@ -4,7 +4,10 @@ The rollout cluster is not the trainer's: the pool runs in its own driver proces
 (``miles-disagg serve ray --address ...``), since one process holds one Ray connection.
 Each replica is a :class:`ReplicaActor` that owns one replica agent process (the same
 ``python -m miles_disagg.service replica`` a local pool runs) on the actor's node,
-placed with ``num_gpus_per_replica`` GPUs. The gateway runs beside the driver.
+placed with ``num_gpus_per_replica`` GPUs (and, with ``replica_resource``, only on nodes
+offering that custom resource). The gateway runs beside the driver. On a cluster of more
+than one node, replicas bind their node's IP (:func:`miles_disagg.netbind.bind_host`) and the
+gateway must bind an address the other nodes reach (a loopback ``host`` is refused).
 
 Scaling (:meth:`RayReplicaPool.autoscale_once`): read the gateway's ``load``, ask the
 :class:`~miles_disagg.service.scaling.Autoscaler`, add or remove replicas. A new replica
@@ -32,6 +35,8 @@ from miles_disagg.types import MilesDisaggError
 log = logging.getLogger(__name__)
 
 ACTOR_CALL_TIMEOUT_S = 120.0
+REPLICA_RESOURCE_SHARE = 0.01
+"""How much of ``replica_resource`` a replica asks for: only its presence on a node matters."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +55,8 @@ class RayServiceConfig:
     replica_host: str | None = None
     """Address replicas and engines bind; None: decided at start (loopback on a one-node cluster,
     else the actor node's IP: :func:`miles_disagg.netbind.bind_host`)."""
+    replica_resource: str | None = None
+    """Place replicas only on nodes offering this Ray custom resource (None: anywhere)."""
     num_gpus_per_replica: float = 0.0
     num_cpus_per_replica: float = 1.0
     scale_interval_s: float = 2.0
@@ -104,7 +111,9 @@ class RayReplicaPool:
         from miles_disagg.auth import ApiKeys
 
         keys_env = ApiKeys.from_env().env()  # the replicas enforce and send the service's keys
+        resources = {config.replica_resource: REPLICA_RESOURCE_SHARE} if config.replica_resource else None
         self._actor_class = ray.remote(num_cpus=config.num_cpus_per_replica, num_gpus=config.num_gpus_per_replica,
+                                       resources=resources,
                                        runtime_env={"env_vars": keys_env} if keys_env else None)(ReplicaActor)
         self._actors: dict[str, object] = {}
         self._next_id = 0
@@ -198,6 +207,7 @@ def run_ray_service(config: RayServiceConfig, *, address: str | None, stop: thre
         ray.init(include_dashboard=False, ignore_reinit_error=True, logging_level="WARNING")
     else:
         ray.init(address=address, ignore_reinit_error=True, logging_level="WARNING")
+    _check_cluster(config)
     if threading.current_thread() is threading.main_thread():  # after ray.init, which sets its own SIGTERM handler
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
@@ -219,3 +229,22 @@ def run_ray_service(config: RayServiceConfig, *, address: str | None, stop: thre
     finally:
         pool.stop()
         gateway.stop()
+
+
+def _check_cluster(config: RayServiceConfig) -> None:
+    """``ConfigError`` when replicas on other nodes of the connected cluster could not reach the
+    gateway, or no node offers ``replica_resource``."""
+    import ray
+
+    from miles_disagg.netbind import LOOPBACK
+    from miles_disagg.types import ConfigError
+
+    nodes = [node for node in ray.nodes() if node["Alive"]]
+    spans = len(nodes) > 1
+    if spans and config.host in (LOOPBACK, "localhost", "::1"):
+        raise ConfigError(f"--host {config.host}: this Ray cluster has {len(nodes)} nodes and replicas on the others "
+                          f"cannot reach a gateway on loopback; give this node's address (--host "
+                          f"{ray.util.get_node_ip_address()}) or 0.0.0.0", ("--host",))
+    if config.replica_resource and not any(config.replica_resource in node["Resources"] for node in nodes):
+        raise ConfigError(f"--replica-resource {config.replica_resource!r}: no node of this Ray cluster offers it",
+                          ("--replica-resource",))

@@ -83,6 +83,17 @@ class TrainerRank:
         sums = {name: checksum(algorithm, tensor_bytes(t)) for name, t in self.backend.named_tensors()}
         return sums if self.rank == 0 else None
 
+    def write_store_probe(self):
+        """Rank 0: a probe file in the version store (rollout nodes read it back before training)."""
+        from miles_disagg.weights.probe import write_probe
+
+        return write_probe(self.weights_config.update_weight_disk_dir)
+
+    def remove_store_probe(self, probe) -> None:
+        from miles_disagg.weights.probe import remove_probe
+
+        remove_probe(probe)
+
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, directory: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from miles_disagg.config.actors import TrainerGroupConfig
-from miles_disagg.remote import Pending
+from miles_disagg.remote import Pending, wait_for
 from miles_disagg.trainer.batches import split_for_steps
 from miles_disagg.trainer.placement import Placement
 from miles_disagg.types import Sample
@@ -35,15 +35,16 @@ class TrainerGroup:
             for rank, pos in enumerate(positions)
         ]
         self.run_id: str | None = None
+        self.dist_address: str | None = None
+        """Rank 0's torch.distributed rendezvous ``host:port`` (once set up)."""
 
     def setup(self, run_id: str | None = None, delta_filter: str = "none") -> dict:
         """Join torch.distributed, build the backend, and (disk-delta) capture the publisher's
         baseline; ``run_id`` continues that run's version stream (a resumed run);
         ``delta_filter``: the resolved ``--update-weight-delta-filter``."""
-        import ray
-
-        master_addr, master_port = ray.get(self.ranks[0].address.remote())
-        infos = ray.get([r.setup.remote(master_addr, master_port, run_id, delta_filter) for r in self.ranks])
+        master_addr, master_port = wait_for([self.ranks[0].address.remote()])[0]
+        self.dist_address = f"{master_addr}:{master_port}"
+        infos = wait_for([r.setup.remote(master_addr, master_port, run_id, delta_filter) for r in self.ranks])
         self.run_id = infos[0]["run_id"]
         return infos[0]
 
@@ -66,51 +67,35 @@ class TrainerGroup:
     def train(self, samples: list[Sample]) -> TrainResult:
         """Train on one rollout's samples (whole global batches); the metrics of each optimizer
         step over the global batch (every rank computes the same; rank 0's are returned)."""
-        import ray
-
         per_step = split_for_steps(samples, self.train_config.global_batch_size or len(samples), self.world_size,
                                    balance=self.train_config.balance_data)
-        results = ray.get([r.train.remote([step[rank] for step in per_step]) for rank, r in enumerate(self.ranks)])
+        results = wait_for([r.train.remote([step[rank] for step in per_step]) for rank, r in enumerate(self.ranks)])
         return results[0]
 
     def publish(self) -> PublishResult:
         """The policy as the next version (rank 0 publishes; the others join the gather)."""
-        import ray
-
-        return ray.get([r.publish.remote() for r in self.ranks])[0]
+        return wait_for([r.publish.remote() for r in self.ranks])[0]
 
     def save(self, directory: str, with_hf: bool) -> None:
-        import ray
-
-        ray.get([r.save.remote(directory) for r in self.ranks])
+        wait_for([r.save.remote(directory) for r in self.ranks])
         if with_hf:
-            ray.get([r.save_hf.remote(f"{directory}/hf") for r in self.ranks])
+            wait_for([r.save_hf.remote(f"{directory}/hf") for r in self.ranks])
 
     def load(self, directory: str) -> None:
-        import ray
-
-        ray.get([r.load.remote(directory) for r in self.ranks])
+        wait_for([r.load.remote(directory) for r in self.ranks])
 
     def publish_full(self) -> PublishResult:
-        import ray
-
-        return ray.get([r.publish_full.remote() for r in self.ranks])[0]
+        return wait_for([r.publish_full.remote() for r in self.ranks])[0]
 
     def latest_published(self) -> dict | None:
-        import ray
-
-        return ray.get(self.ranks[0].latest_published.remote())
+        return wait_for([self.ranks[0].latest_published.remote()])[0]
 
     def tensor_meta(self) -> dict[str, list]:
-        import ray
-
-        return ray.get([r.tensor_meta.remote() for r in self.ranks])[0]
+        return wait_for([r.tensor_meta.remote() for r in self.ranks])[0]
 
     def broadcast_address(self) -> tuple[str, int]:
         """Rank 0's node address and a free port there (the weight-update group's rendezvous)."""
-        import ray
-
-        return ray.get(self.ranks[0].address.remote())
+        return wait_for([self.ranks[0].address.remote()])[0]
 
     def init_broadcast_group(self, master_addr: str, master_port: int, world_size: int, group_name: str) -> Pending:
         """Start joining (the engines must join concurrently)."""
@@ -122,9 +107,15 @@ class TrainerGroup:
         return Pending([r.broadcast_weights.remote() for r in self.ranks])
 
     def tensor_bytes(self) -> dict[str, bytes]:
-        import ray
+        return wait_for([r.named_tensor_bytes.remote() for r in self.ranks])[0]
 
-        return ray.get([r.named_tensor_bytes.remote() for r in self.ranks])[0]
+    def write_store_probe(self):
+        """Disk-delta: rank 0 (the publisher) writes a probe into the version store; see
+        :mod:`miles_disagg.weights.probe`."""
+        return wait_for([self.ranks[0].write_store_probe.remote()])[0]
+
+    def remove_store_probe(self, probe) -> None:
+        wait_for([self.ranks[0].remove_store_probe.remote(probe)])
 
     def shutdown(self) -> None:
         import ray

@@ -140,6 +140,8 @@ def test_train_async_rejects_colocate() -> None:
     (["--rollout-external-engine-addrs", "h:1"], "needs --rollout-external"),
     (["--rollout-external", "--rollout-external-engine-addrs", "h:1", "--rollout-service-url", "http://x"],
      "different topologies"),
+    (["--rollout-external", "--rollout-external-engine-addrs", "h:1", "--rollout-node-resource", "rollout"],
+     "--rollout-node-resource places the engines this job launches; with --rollout-external"),
 ])
 def test_external_engine_addresses(argv: list[str], fragment: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -1,0 +1,128 @@
+"""Where a run's pieces ran, and what happens when a node goes away.
+
+* :func:`placement_record` / :func:`write_placement`: the run directory's ``placement.json``,
+  for every trainer rank and engine its node id, node IP, GPU ids and address (plus the router
+  and the driver), written once the run has started.
+* :class:`NodeWatch`: registered with :func:`miles_disagg.remote.add_watch` for the run's
+  lifetime; when a node the placement put work on leaves the cluster, every wait of the driver
+  ends with :class:`~miles_disagg.types.NodeLost` naming the node and what ran there (the
+  launcher turns it into one line and exit 1).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from miles_disagg.types import NodeLost
+
+if TYPE_CHECKING:
+    from miles_disagg.loop.job import Job
+    from miles_disagg.trainer.placement import Placement
+
+PLACEMENT_FILENAME = "placement.json"
+NODE_CHECK_INTERVAL_S = 2.0
+
+
+def work_by_node(placement: Placement) -> dict[str, dict]:
+    """``node_id -> {"node_ip", "work": [...]}``: what the placement put on each node."""
+    nodes: dict[str, dict] = {}
+
+    def add(position: int, what: str) -> None:
+        entry = nodes.setdefault(placement.node_ids[position], {"node_ip": placement.node_ips[position], "work": []})
+        if what not in entry["work"]:
+            entry["work"].append(what)
+
+    for rank, position in enumerate(placement.layout.trainer):
+        add(position, f"trainer rank {rank}")
+    for index, positions in enumerate(placement.layout.engines):
+        for position in positions:
+            add(position, f"engine {index}")
+    return nodes
+
+
+class NodeWatch:
+    """Raises :class:`NodeLost` once a node of the placement is no longer alive in the cluster
+    (asks the GCS at most every ``NODE_CHECK_INTERVAL_S``; after a loss, raises every time)."""
+
+    def __init__(self, nodes: dict[str, dict], alive_nodes: Callable[[], set[str]] | None = None,
+                 interval_s: float = NODE_CHECK_INTERVAL_S):
+        """``nodes``: :func:`work_by_node`'s map; ``alive_nodes``: the ids of the cluster's live
+        nodes (default: asked of Ray's GCS)."""
+        self.nodes, self.interval_s = nodes, interval_s
+        self._alive_nodes = alive_nodes or _alive_ray_nodes
+        self._checked = -interval_s
+        self._lost: NodeLost | None = None
+
+    @classmethod
+    def of(cls, placement: Placement) -> "NodeWatch":
+        return cls(work_by_node(placement) if placement.node_ids else {})
+
+    def __call__(self) -> None:
+        if self._lost is None and time.monotonic() - self._checked >= self.interval_s:
+            self._checked = time.monotonic()
+            self._lost = self._find_lost()
+        if self._lost is not None:
+            raise self._lost
+
+    def _find_lost(self) -> NodeLost | None:
+        alive = self._alive_nodes()
+        for node_id, site in self.nodes.items():
+            if node_id not in alive:
+                return NodeLost(f"node {site['node_ip']} (id {node_id}) left the Ray cluster; "
+                                f"{', '.join(site['work'])} ran there, so the run cannot go on",
+                                node_id=node_id, node_ip=site["node_ip"])
+        return None
+
+
+def _alive_ray_nodes() -> set[str]:
+    import ray
+
+    return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+
+
+def placement_record(job: Job) -> dict:
+    """What ``placement.json`` holds for a started job."""
+    import ray
+
+    placement = job.placement
+    record: dict = {"driver": {"node_id": ray.get_runtime_context().get_node_id(),
+                               "node_ip": ray.util.get_node_ip_address()},
+                    "spans_nodes": placement.spans_nodes, "trainer": [], "engines": [], "router": None}
+    if job.trainer is not None:
+        for rank, position in enumerate(placement.layout.trainer):
+            site = placement.site(position)
+            record["trainer"].append({"rank": rank, "node_id": site["node_id"], "node_ip": site["node_ip"],
+                                      "gpu_ids": [site["gpu_id"]],
+                                      "address": job.trainer.dist_address if rank == 0 else site["node_ip"]})
+    if job.engines is not None:
+        record["engines"] = _engine_records(job)
+        record["router"] = {"address": job.engines.router_url, **record["driver"]}
+    elif job.router_url:
+        record["rollout_service"] = {"address": job.router_url}
+    return record
+
+
+def _engine_records(job: Job) -> list[dict]:
+    placement, engines = job.placement, job.engines
+    managed = bool(placement.layout.engines) and not job.config.rollout.rollout_external
+    records = []
+    for index, url in enumerate(engines.engine_urls):
+        entry = {"engine": index, "node_id": None, "node_ip": None, "gpu_ids": [], "address": url,
+                 "local_checkpoint_dir": engines.local_dirs[index] if index < len(engines.local_dirs) else None}
+        if managed:
+            positions = placement.layout.engines[index]
+            first = placement.site(positions[0])
+            entry.update(node_id=first["node_id"], node_ip=first["node_ip"],
+                         gpu_ids=[placement.site(p)["gpu_id"] for p in positions])
+        records.append(entry)
+    return records
+
+
+def write_placement(run_dir: str | Path, record: dict) -> Path:
+    path = Path(run_dir) / PLACEMENT_FILENAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path

@@ -1,0 +1,153 @@
+"""A Ray cluster of several raylets on this one machine, started with ``ray start`` as a user would.
+
+Each node has its own temp dir and its own ports (the dashboard agent, runtime-env agent and
+metrics ports default to fixed numbers that two raylets on one machine cannot share). A worker
+node may run in a private mount namespace with a tmpfs over some directories, so that what it
+writes there is invisible to the other nodes (and what the others wrote there is invisible to
+it): a "local disk" of its own. Everything is stopped by process id: the ``ray start`` process
+groups, then any process left that carries this cluster's marker in its environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from miles_disagg.process import free_port
+
+RAY = str(Path(sys.executable).with_name("ray"))
+MARKER_ENV = "MILES_DISAGG_TEST_CLUSTER"
+START_TIMEOUT_S = 240.0
+
+
+@dataclass
+class RayNode:
+    name: str
+    temp_dir: Path
+    group: int
+    """Process group of everything ``ray start`` left running for this node."""
+    private_dirs: tuple[Path, ...] = ()
+    """Directories this node sees as its own (tmpfs in its mount namespace)."""
+    raylet_pid: int | None = None
+
+    def view(self, path: Path) -> Path:
+        """``path`` as this node sees it (through its raylet's root for a private directory)."""
+        if any(path == d or d in path.parents for d in self.private_dirs):
+            return Path(f"/proc/{self.raylet_pid}/root{path}")
+        return path
+
+
+@dataclass
+class LocalRayCluster:
+    root: Path
+    env: dict[str, str]
+    marker: str = field(default_factory=lambda: uuid.uuid4().hex)
+    nodes: list[RayNode] = field(default_factory=list)
+    gcs_address: str | None = None
+    dashboard_url: str | None = None
+
+    def node_env(self) -> dict[str, str]:
+        return {**self.env, MARKER_ENV: self.marker}
+
+    def start_head(self, *, num_cpus: int, num_gpus: int, resources: dict[str, float]) -> RayNode:
+        gcs_port, dashboard_port = free_port(), free_port()
+        node = self._start("head", ["--head", "--port", str(gcs_port), "--include-dashboard", "true",
+                                    "--dashboard-port", str(dashboard_port),
+                                    "--ray-client-server-port", str(free_port())],
+                           num_cpus=num_cpus, num_gpus=num_gpus, resources=resources)
+        self.gcs_address = f"{node_ip()}:{gcs_port}"
+        self.dashboard_url = f"http://127.0.0.1:{dashboard_port}"
+        return node
+
+    def add_worker(self, name: str, *, num_cpus: int, num_gpus: int, resources: dict[str, float],
+                   private_dirs: tuple[Path, ...] = ()) -> RayNode:
+        return self._start(name, ["--address", self.gcs_address], num_cpus=num_cpus, num_gpus=num_gpus,
+                           resources=resources, private_dirs=private_dirs)
+
+    def _start(self, name: str, args: list[str], *, num_cpus: int, num_gpus: int, resources: dict[str, float],
+               private_dirs: tuple[Path, ...] = ()) -> RayNode:
+        temp_dir = Path(os.path.realpath(self.root)) / name  # Ray socket paths must stay short
+        temp_dir.mkdir(parents=True)
+        cmd = [RAY, "start", *args, "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus),
+               "--resources", json.dumps(resources), "--temp-dir", str(temp_dir), "--disable-usage-stats",
+               "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
+               "--runtime-env-agent-port", str(free_port()), "--metrics-export-port", str(free_port())]
+        if private_dirs:
+            mounts = " && ".join(f"mount -t tmpfs tmpfs {d}" for d in private_dirs)
+            cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                   f"{mounts} && exec \"$@\"", "sh", *cmd]
+        proc = subprocess.Popen(cmd, env=self.node_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True, cwd=self.root)
+        node = RayNode(name, temp_dir, proc.pid, private_dirs)
+        self.nodes.append(node)
+        out, _ = proc.communicate(timeout=START_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ray start ({name}) exited with {proc.returncode}:\n{out[-4000:]}")
+        node.raylet_pid = _raylet_pid(temp_dir)
+        return node
+
+    def kill_raylet(self, node: RayNode) -> None:
+        """What a lost machine looks like to the rest of the cluster: its raylet dies at once."""
+        os.kill(node.raylet_pid, signal.SIGKILL)
+
+    def processes(self) -> list:
+        """Every process still running with this cluster's marker in its environment."""
+        import psutil
+
+        found = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if proc.environ().get(MARKER_ENV) == self.marker:
+                    found.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return found
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for node in self.nodes:
+                try:
+                    os.killpg(node.group, sig)
+                except ProcessLookupError:
+                    pass
+            if _wait_gone(self.processes, timeout_s):
+                return
+            for proc in self.processes():
+                try:
+                    proc.send_signal(sig)
+                except Exception:
+                    pass
+        _wait_gone(self.processes, timeout_s)
+
+
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _raylet_pid(temp_dir: Path) -> int:
+    import psutil
+
+    needle = f"--raylet_socket_name={temp_dir}/"
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if cmdline and cmdline[0].endswith("/raylet") and any(a.startswith(needle) for a in cmdline):
+            return proc.info["pid"]
+    raise RuntimeError(f"no raylet found for {temp_dir}")
+
+
+def _wait_gone(list_processes, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not list_processes():
+            return True
+        time.sleep(0.5)
+    return False
