@@ -26,6 +26,8 @@ T = TypeVar("T")
 METRICS_FILENAME = "metrics.jsonl"
 TRAIN_STEPS_STREAM = "train_steps"
 UPDATES_STREAM = "updates"
+STREAM_STEP_KEYS = {TRAIN_STEPS_STREAM: "rollout_step", UPDATES_STREAM: "step"}
+"""Each stream's field naming the rollout step a record belongs to."""
 
 
 class MetricsTracker:
@@ -47,6 +49,8 @@ class MetricsTracker:
         self.path = self.output_dir / METRICS_FILENAME
         if start_step is not None:
             keep_steps_before(self.path, start_step)
+            for stream, key in STREAM_STEP_KEYS.items():
+                keep_steps_before(self.output_dir / f"{stream}.jsonl", start_step, key=key)
         self._file = open(self.path, "a", encoding="utf-8")
         self._streams: dict[str, Any] = {}
         self._tensorboard = _open_tensorboard(self.output_dir) if use_tensorboard else None
@@ -113,22 +117,29 @@ def _numeric(record: Mapping[str, Any]) -> dict[str, float]:
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Read a metrics.jsonl back: one record per step, in step order (the last one written wins
     if a step appears twice); a torn line left by a crash is skipped."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+    by_step = {record["step"]: record for record in _read_all(Path(path))}
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _read_all(path: Path) -> list[dict[str, Any]]:
+    """Every well-formed record of a JSONL file, in file order (torn lines skipped)."""
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             record = json.loads(line)
         except (json.JSONDecodeError, RecursionError):
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int):
-            by_step[record["step"]] = record
-    return [by_step[step] for step in sorted(by_step)]
+            records.append(record)
+    return records
 
 
-def keep_steps_before(path: Path, start_step: int) -> None:
-    """Rewrite ``path`` (atomically) without records of ``start_step`` or later; no file: nothing."""
+def keep_steps_before(path: Path, start_step: int, *, key: str = "step") -> None:
+    """Rewrite ``path`` (atomically) without records whose rollout step (``key``) is ``start_step`` or
+    later; no file: nothing."""
     if not path.exists():
         return
-    kept = [r for r in read_metrics(path) if r["step"] < start_step]
+    kept = [r for r in _read_all(path) if r.get(key, r["step"]) < start_step]
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)

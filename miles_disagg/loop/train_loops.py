@@ -29,8 +29,9 @@ def train_async(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
     """Generation never stops; a published version is activated on the engines while the
     trainer already trains on the next batch.
 
-    Each step's record is written as soon as the step is done (trained, published, saved,
-    evaluated), so a crash never loses a completed step. The activation of the version a
+    Each step's record is written as soon as the step is done (trained, published, evaluated)
+    and before its save, so a crash never loses a completed step (a resumed run drops records of
+    the steps it runs again). The activation of the version a
     step published finishes later: its timings and the engines' versions go to the
     ``updates`` stream (keyed by that step) when the loop next waits for it, before it starts
     the next activation (one at a time) or at the end of the run."""
@@ -55,12 +56,12 @@ def train_async(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
             activating = (step, pending) if pending is not None else None
             job.rollout.set_version(version)
         last = step == cfg.rollout.num_rollout - 1
-        maybe_save(job, LoopState(step + 1, version), last=last)
         update_metrics.update(maybe_evaluate(job, step, version, last=last))
         timings = {"perf/wait_rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
                    "perf/step_time": time.perf_counter() - start, "perf/engine_busy_fraction": busy.fraction()}
         _log_step(tracker, cfg, step, batch, train_metrics, update_metrics, timings, note=activated)
         activated = None
+        maybe_save(job, LoopState(step + 1, version), last=last)  # after the record: a resume never misses it
     _log_activation(tracker, cfg, activating)
 
 
@@ -112,12 +113,12 @@ def train_sync(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         if not cfg.rollout.debug_rollout_only and job.engines is not None:
             version, update_metrics = publish_and_update(job, version)
         last = step == cfg.rollout.num_rollout - 1
-        if job.trainer is not None:
-            maybe_save(job, LoopState(step + 1, version), last=last)
         update_metrics.update(maybe_evaluate(job, step, version, last=last))
         timings = {"perf/rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
                    "perf/step_time": time.perf_counter() - start, "perf/engine_busy_fraction": busy.fraction()}
         _log_step(tracker, job.config, step, batch, train_metrics, update_metrics, timings)
+        if job.trainer is not None:
+            maybe_save(job, LoopState(step + 1, version), last=last)  # after the record: a resume never misses it
 
 
 def _advantages(batch: RolloutBatch, train_config) -> list:

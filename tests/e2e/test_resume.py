@@ -23,6 +23,9 @@ from miles_disagg.weights.store import VersionStore
 
 REPO = Path(__file__).resolve().parents[2]
 OPTIMIZER_STEPS_PER_ROLLOUT = 2  # tiny config: 256 samples per rollout, global batch 128
+# a group dropped as stale leaves the data position too (a resumed run would drop it as well): how
+# many are dropped depends on the machine's load, so these runs keep every group to count exactly
+NO_STALE_DROPS = ("--max-weight-staleness", "1000")
 
 
 def command(tmp: Path, num_rollout: int, *extra: str) -> list[str]:
@@ -30,7 +33,7 @@ def command(tmp: Path, num_rollout: int, *extra: str) -> list[str]:
             "--run-dir", str(tmp / "run"), "--hf-checkpoint", str(tmp / "base-model"),
             "--num-rollout", str(num_rollout), "--save", str(tmp / "saves"), "--save-interval", "2",
             "--eval-interval", "2", "--eval-prompt-data", "digits", "task:count-up", "--eval-max-prompts", "16",
-            *extra]
+            *NO_STALE_DROPS, *extra]
 
 
 def environment() -> dict[str, str]:

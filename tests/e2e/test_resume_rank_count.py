@@ -27,7 +27,8 @@ def train_async(tmp: Path, num_rollout: int, num_ranks: int, *extra: str) -> sub
     command = [sys.executable, str(REPO / "train_async.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
                "--run-dir", str(tmp / "run"), "--hf-checkpoint", str(tmp / "base-model"),
                "--num-rollout", str(num_rollout), "--actor-num-gpus-per-node", str(num_ranks),
-               "--save", str(tmp / "saves"), "--save-interval", "2", *extra]
+               "--save", str(tmp / "saves"), "--save-interval", "2",
+               "--max-weight-staleness", "1000", *extra]  # no load-dependent stale drops: positions count exactly
     env = {**os.environ, "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"),
            "RAY_AUTH_MODE": "disabled"}
     result = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
