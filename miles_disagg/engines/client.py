@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_disagg.auth import ApiKeys
+from miles_disagg.keyed_client import KeyedHttpClient
 from miles_disagg.types import EngineUnreachable, EngineUnrecoverable, FailRun, InvalidInput, MilesDisaggError, Retryable
 
 CONTROL_TIMEOUT_S = 600.0
@@ -43,31 +44,17 @@ class EngineBusy(Retryable):
     """The engine cannot do this now (409); try again later."""
 
 
-class EngineClient:
+class EngineClient(KeyedHttpClient):
     """One engine. ``store_dir`` and ``local_checkpoint_dir`` are needed only for :meth:`pull`
     and :meth:`load` (the version store, and the host-local checkpoint the engine serves from)."""
 
     def __init__(self, url: str, *, store_dir: str | Path | None = None,
                  local_checkpoint_dir: str | Path | None = None, timeout_s: float = CONTROL_TIMEOUT_S,
                  keys: ApiKeys | None = None):
-        """``keys``: sent per path (the admin key only to admin endpoints); None: the environment's."""
-        import httpx
-
-        self.url = url.rstrip("/")
-        self.keys = keys if keys is not None else ApiKeys.from_env()
+        super().__init__(url, timeout_s=timeout_s, keys=keys)
         self.store_dir = os.path.abspath(store_dir) if store_dir is not None else None
         # not resolve(): the local checkpoint is a symlink the materializer flips
         self.local_dir = os.path.abspath(local_checkpoint_dir) if local_checkpoint_dir is not None else None
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False)
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> "EngineClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ weights lifecycle
 
@@ -109,7 +96,7 @@ class EngineClient:
 
     def healthy(self, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
         try:
-            return self._http.get("/health", timeout=timeout_s).status_code == 200
+            return self.request("GET", "/health", timeout=timeout_s).status_code == 200
         except Exception:  # noqa: BLE001 - any transport failure means "not healthy"
             return False
 
@@ -170,7 +157,7 @@ class EngineClient:
         if timeout_s is not None:
             kwargs["timeout"] = timeout_s
         try:
-            response = self._http.request(method, path, headers=self.keys.headers_for(path), **kwargs)
+            response = self.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise EngineUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
         payload = _json(response)

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from miles_disagg.auth import ApiKeys
+from miles_disagg.keyed_client import KeyedHttpClient
 from miles_disagg.router.registry import UnknownWorker, normalize_url
 from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
 
@@ -24,23 +25,12 @@ class RouterUnreachable(Retryable):
     """The router did not answer (not started yet, gone, or timed out)."""
 
 
-class RouterClient:
-    """Registry operations on the router at ``url`` (``http://host:port``)."""
+class RouterClient(KeyedHttpClient):
+    """Registry operations on the router at ``url`` (``http://host:port``); ``keys`` (None: the
+    environment's) go per path, the admin key to the registry endpoints."""
 
     def __init__(self, url: str, *, timeout_s: float = 30.0, keys: ApiKeys | None = None):
-        """``keys``: sent per path (the admin key to the registry endpoints); None: the environment's."""
-        self.url = url.rstrip("/")
-        self.keys = keys if keys is not None else ApiKeys.from_env()
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False)
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> "RouterClient":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        super().__init__(url, timeout_s=timeout_s, keys=keys)
 
     # ------------------------------------------------------------------ registry
 
@@ -82,7 +72,7 @@ class RouterClient:
 
     def health(self) -> bool:
         try:
-            return self._http.get("/health").status_code == 200
+            return self.request("GET", "/health").status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -113,7 +103,7 @@ class RouterClient:
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         try:
-            response = self._http.request(method, path, json=body, headers=self.keys.headers_for(path))
+            response = self.request(method, path, json=body)
         except httpx.HTTPError as exc:
             raise RouterUnreachable(f"{method} {self.url}{path}: {type(exc).__name__}: {exc}") from exc
         if response.is_success:

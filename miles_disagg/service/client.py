@@ -8,32 +8,24 @@ the ``wait_*`` helpers poll until their own deadline.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import httpx
 
 from miles_disagg.auth import ApiKeys
+from miles_disagg.keyed_client import KeyedHttpClient
 from miles_disagg.service.adapters import GatewayUnreachable
 from miles_disagg.types import VersionConstraint, VersionNotReady
 
 POLL_S = 0.05
 
 
-class GatewayClient:
+class GatewayClient(KeyedHttpClient):
+    """The gateway's service endpoints; ``keys`` (None: the environment's) go per path, the admin
+    key to ``/wake``."""
+
     def __init__(self, url: str, *, timeout_s: float = 30.0, keys: ApiKeys | None = None):
-        """``keys``: sent per path (the admin key to ``/wake``); None: the environment's."""
-        self.url = url.rstrip("/")
-        self.keys = keys if keys is not None else ApiKeys.from_env()
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False)
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> "GatewayClient":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        super().__init__(url, timeout_s=timeout_s, keys=keys)
 
     def replicas(self) -> list[dict]:
         """The fleet table: per replica its status (state, weight_version, staged_version, last_error,
@@ -84,7 +76,7 @@ class GatewayClient:
 
     def _call(self, method: str, path: str) -> dict:
         try:
-            response = self._http.request(method, path, headers=self.keys.headers_for(path))
+            response = self.request(method, path)
         except httpx.HTTPError as exc:
             raise GatewayUnreachable(f"{method} {self.url}{path}: {type(exc).__name__}: {exc}") from exc
         if not response.is_success:

@@ -1,0 +1,33 @@
+"""The skeleton every client of our servers shares (engine, router, gateway): one base URL, a
+bounded timeout, and the run's keys sent per path (the admin key only to admin endpoints)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_disagg.auth import ApiKeys
+
+
+class KeyedHttpClient:
+    """Subclasses add the endpoints; :meth:`request` sends one with the right key."""
+
+    def __init__(self, url: str, *, timeout_s: float, keys: ApiKeys | None = None):
+        """``keys``: None takes the environment's (every process of a run inherits its keys)."""
+        import httpx
+
+        self.url = url.rstrip("/")
+        self.keys = keys if keys is not None else ApiKeys.from_env()
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False)
+
+    def request(self, method: str, path: str, **kwargs: Any):
+        """The raw ``httpx.Response`` (transport errors propagate as httpx's own)."""
+        return self._http.request(method, path, headers=self.keys.headers_for(path), **kwargs)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
