@@ -94,14 +94,15 @@ class EngineClient:
     # ------------------------------------------------------------------ state
 
     def weight_version(self) -> str:
-        """The version the engine reports, as it reports it."""
-        return str(self.get("/get_weight_version").get("weight_version"))
+        """The version the engine reports, as it reports it (``/model_info``: SGLang >= 0.5.20 answers
+        ``/get_weight_version`` with 404 or not at all)."""
+        return str(self.get("/model_info").get("weight_version"))
 
     def version(self) -> int | None:
         """The served version as a number (None when the engine reports none or a non-number)."""
         from miles_disagg.router.registry import parse_version
 
-        return parse_version(self.get("/get_weight_version").get("weight_version"))
+        return parse_version(self.get("/model_info").get("weight_version"))
 
     def healthy(self) -> bool:
         try:
@@ -109,11 +110,12 @@ class EngineClient:
         except Exception:  # noqa: BLE001 - any transport failure means "not healthy"
             return False
 
+    # SGLang's current names; the /get_* forms are deprecated there (and kept by the built-in engine)
     def server_info(self) -> dict[str, Any]:
-        return self.get("/get_server_info")
+        return self.get("/server_info")
 
     def model_info(self) -> dict[str, Any]:
-        return self.get("/get_model_info")
+        return self.get("/model_info")
 
     def agent_info(self) -> dict[str, Any] | None:
         """``miles-disagg agent``'s own info; None when the URL is not an agent."""
@@ -125,7 +127,7 @@ class EngineClient:
     def load_count(self) -> int | None:
         """Requests running or queued in the engine (the built-in engine's server info); None if unknown."""
         try:
-            states = self.get("/get_server_info", timeout_s=LOAD_TIMEOUT_S).get("internal_states") or [{}]
+            states = self.get("/server_info", timeout_s=LOAD_TIMEOUT_S).get("internal_states") or [{}]
             running, waiting = states[0].get("num_running_requests"), states[0].get("num_waiting_requests")
             return int(running) + int(waiting) if running is not None and waiting is not None else None
         except (MilesDisaggError, ValueError, TypeError, AttributeError):

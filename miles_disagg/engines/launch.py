@@ -58,7 +58,7 @@ class EngineSpec:
     """SGLang's first GPU."""
     dtype: str = "auto"
     seed: int | None = None
-    """Sampling seed of the engine (``--random-seed``)."""
+    """Sampling seed of the engine (``--random-seed``, built-in engine and SGLang alike)."""
     max_running_requests: int | None = None
     """Built-in engine: most requests decoded together."""
     pre_read_hook: str | None = None
@@ -129,7 +129,7 @@ def _start_sglang_with_agent(spec: EngineSpec) -> RunningEngine:
     port = free_port(spec.host)
     cmd = sglang_command(str(spec.model_path), host=spec.host, port=port, tp_size=spec.tp_size,
                          base_gpu_id=spec.base_gpu_id, dtype=spec.dtype, weight_version=0,
-                         extra_args=dict(spec.sglang_args)) + list(spec.extra_args)
+                         random_seed=spec.seed, extra_args=dict(spec.sglang_args)) + list(spec.extra_args)
     engine = launch_sglang(cmd, url=f"http://{spec.host}:{port}", log_path=spec.log_dir / f"sglang-{spec.name}.log",
                            env=None if spec.sglang_env is None else dict(spec.sglang_env))
     try:

@@ -204,12 +204,22 @@ class EngineManager:
     def init_broadcast_group(self, master_addr: str, master_port: int) -> int:
         """Broadcast mode: every engine joins the trainer's weight-update group; returns its world size."""
         self._broadcast = BroadcastUpdater(self.engine_urls, pause_mode=self.rollout.pause_generation_mode,
-                                           set_state=self._set_state)
+                                           set_state=self._set_state, ranks_per_engine=self._engine_ranks())
         self._broadcast.init_group(master_addr, master_port)
         return self._broadcast.world_size
 
     def broadcast_world_size(self) -> int:
-        return len(self.engine_urls) + 1
+        """1 (the trainer's source rank) + every engine's ranks (its TP size, as the engine reports it)."""
+        return 1 + sum(self._engine_ranks())
+
+    def _engine_ranks(self) -> list[int]:
+        from miles_disagg.engines.updater import engine_ranks
+
+        ranks = []
+        for url in self.engine_urls:
+            with EngineClient(url, timeout_s=30) as client:
+                ranks.append(engine_ranks(client.server_info()))
+        return ranks
 
     def broadcast_update(self, version: int, meta: dict[str, list]) -> dict[str, float]:
         """Broadcast mode: receive ``version`` from the trainer (which broadcasts concurrently)."""
