@@ -31,6 +31,13 @@ def _check_entry(config: RunConfig) -> None:
         raise ConfigError(
             "train_async.py (fully async rollout) needs separate trainer and rollout GPUs: "
             "drop --colocate or use train.py", ("--colocate",))
+    if config.cluster.colocate and config.train.train_backend != "fsdp":
+        raise ConfigError(f"--colocate offloads the trainer between rollouts, implemented for --train-backend fsdp "
+                          f"only (got {config.train.train_backend}); drop --colocate or use fsdp",
+                          ("--colocate", "--train-backend"))
+    if config.cluster.colocate and config.rollout.rollout_external:
+        raise ConfigError("--colocate shares this job's GPUs with engines it launches; attached engines "
+                          "(--rollout-external) cannot be colocated", ("--colocate", "--rollout-external"))
 
 
 def _check_disk_delta(config: RunConfig) -> None:

@@ -91,6 +91,32 @@ class EngineClient:
     def update_weights_from_distributed(self, body: dict[str, Any]) -> None:
         self.post("/update_weights_from_distributed", body)
 
+    def begin_weight_update(self) -> None:
+        """SGLang >= 0.5.21 loads distributed or tensor updates only inside a weight-update session."""
+        self.post("/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self.post("/end_weight_update", {})
+
+    # ------------------------------------------------------------------ colocation
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """``/release_memory_occupation`` (SGLang's tags: ``weights``, ``kv_cache``, ``cuda_graph``; None: all)."""
+        self.post("/release_memory_occupation", {"tags": tags})
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        self.post("/resume_memory_occupation", {"tags": tags})
+
+    def update_weights_from_tensor(self, serialized: list[str], *, weight_version: int | None = None,
+                                   flush_cache: bool = False) -> None:
+        """Load named tensors shared by reference (one serialized entry per TP rank; see
+        :mod:`miles_disagg.engines.tensor_transfer`); ``weight_version`` labels the weights after."""
+        body: dict[str, Any] = {"serialized_named_tensors": serialized, "load_format": None,
+                                "flush_cache": flush_cache, "abort_all_requests": False}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        self.post("/update_weights_from_tensor", body)
+
     # ------------------------------------------------------------------ state
 
     def weight_version(self) -> str:

@@ -109,6 +109,9 @@ class EngineManager:
         from miles_disagg.engines.launch import EngineSpec
 
         backend = _resolve_backend(self.rollout.rollout_backend)
+        sglang_args = dict(self.sglang_args)
+        if self.cluster.colocate and backend == "sglang":
+            sglang_args.setdefault("enable-memory-saver", True)  # what /release_memory_occupation needs on GPU
         remote_cls = ray.remote(EngineProcess)
         local_root = Path(self.weights.update_weight_local_checkpoint_dir or self.run_dir / "rollout-checkpoints")
         for index, bundles in enumerate(self.placement.layout.engines):
@@ -117,7 +120,7 @@ class EngineManager:
                               tp_size=len(bundles), dtype=self.rollout.engine_dtype, seed=self.seed + index,
                               max_running_requests=64,
                               pre_read_hook=self.weights.sglang_custom_pull_weights_pre_read_hook,
-                              sglang_args=self.sglang_args)
+                              sglang_args=sglang_args)
             actor = remote_cls.options(num_cpus=0.2, num_gpus=0.2, max_concurrency=4,
                                        scheduling_strategy=self.placement.strategy(bundles[0])).remote(spec)
             self._actors.append(actor)
@@ -207,6 +210,23 @@ class EngineManager:
                                            set_state=self._set_state, ranks_per_engine=self._engine_ranks())
         self._broadcast.init_group(master_addr, master_port)
         return self._broadcast.world_size
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """``--colocate``: every engine releases its memory (``tags``: SGLang's; None: all)."""
+        self._each_engine(lambda client: client.release_memory(tags))
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        self._each_engine(lambda client: client.resume_memory(tags))
+
+    def _each_engine(self, call) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(url: str) -> None:
+            with EngineClient(url) as client:
+                call(client)
+
+        with ThreadPoolExecutor(max(1, len(self.engine_urls))) as pool:
+            list(pool.map(one, self.engine_urls))
 
     def broadcast_world_size(self) -> int:
         """1 (the trainer's source rank) + every engine's ranks (its TP size, as the engine reports it)."""

@@ -147,11 +147,28 @@ class BroadcastUpdater(_Fleet):
                 "flush_cache": self.pause_mode != "in_place"}
 
         def one(i: int) -> float:
-            receive = lambda: self.clients[i].update_weights_from_distributed(body)  # noqa: E731
+            client = self.clients[i]
+            receive = lambda: in_weight_update_session(client, lambda: client.update_weights_from_distributed(body))  # noqa: E731
             return self._activate(i, version, flush=False, load=receive)
 
         pauses = self._all(one, "update")
         return UpdateReport(version, 0.0, max(pauses, default=0.0), time.perf_counter() - start, pauses)
+
+
+def in_weight_update_session(client: EngineClient, load: Callable[[], None]) -> None:
+    """``load`` between ``/begin_weight_update`` and ``/end_weight_update`` (SGLang >= 0.5.21 refuses
+    distributed and tensor updates outside such a session; the built-in engine acknowledges both).
+    The session is closed whatever ``load`` did; ``load``'s error wins over the close's."""
+    client.begin_weight_update()
+    try:
+        load()
+    except BaseException:
+        try:
+            client.end_weight_update()
+        except Exception:  # noqa: BLE001 - the load's error is the one to report
+            pass
+        raise
+    client.end_weight_update()
 
 
 def rank_offsets(ranks_per_engine: Sequence[int]) -> list[int]:

@@ -42,6 +42,11 @@ class TrainerBackend(ABC):
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` returned."""
 
+    def offload_targets(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """The module and optimizer ``--colocate`` moves off the device between trainings."""
+        raise ConfigError(f"--colocate offloading is not implemented for {type(self).__name__}; "
+                          "use --train-backend fsdp", ("--colocate", "--train-backend"))
+
 
 class MetricMeans:
     """Running means of named metrics (per micro-batch or per optimizer step)."""

@@ -142,6 +142,9 @@ class FSDPBackend(TrainerBackend):
                 tensor = tensor.full_tensor()
             yield name, tensor.detach().to("cpu", self.export_dtypes[name])
 
+    def offload_targets(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        return self.module, self.optimizer
+
     def state_dict(self) -> dict:
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "torch_rng": torch.get_rng_state()}
