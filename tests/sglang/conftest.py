@@ -85,3 +85,22 @@ def io_struct(sglang_loaded):
     from sglang.srt.managers import io_struct
 
     return io_struct
+
+
+@pytest.fixture(scope="session")
+def sglang(sglang_loaded, tiny_qwen3_dir):
+    """SGLang's own HTTP app in this process with a fake tokenizer manager (see sglang_app.py)."""
+    from sglang_app import SGLangApp
+
+    app = SGLangApp(tiny_qwen3_dir)
+    yield app
+    app.stop()
+
+
+@pytest.fixture
+def manager(sglang):
+    """The fake tokenizer manager behind SGLang's app, with nothing recorded yet, at version 0."""
+    sglang.manager.received.clear()
+    sglang.manager.tensors.clear()
+    sglang.manager.version = "0"
+    return sglang.manager
