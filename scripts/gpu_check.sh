@@ -13,11 +13,15 @@
 #   scripts/gpu_check.sh --cpu      small shapes on the CPU (CI runs this)
 #   scripts/gpu_check.sh --only engine,fsdp --work-dir /tmp/gc
 #
-# Needs: python with torch and transformers. Neither Ray nor SGLang. The project's pure-Python
-# dependencies it imports (safetensors, xxhash, zstandard, blake3, numpy, fastapi, uvicorn, httpx,
-# pydantic, omegaconf) are taken from the environment, or installed without network from wheels
-# in $MILES_DISAGG_WHEELS (default: gpu-wheels/ beside the repo root, ignored by git) into a
-# private directory. The project itself runs from the source tree (PYTHONPATH), not installed.
+# Needs: python with torch and transformers. Neither Ray nor SGLang. The other modules the check
+# imports (safetensors, xxhash, zstandard, numpy, fastapi, uvicorn, httpx, pydantic) are taken
+# from the environment, or installed without network from wheels in $MILES_DISAGG_WHEELS
+# (default: gpu-wheels/ at the repo root, ignored by git) into a private directory. Make that
+# folder where the network is (a few MiB; add the GPU machine's --python-version/--platform):
+#   pip download -d gpu-wheels xxhash zstandard fastapi uvicorn httpx pydantic safetensors
+# megatron-core is used when importable (its wheel may travel in the same folder: add
+# megatron-core to the line above; it is installed only when it is in the folder).
+# The project itself runs from the source tree (PYTHONPATH), not installed.
 #   PYTHON                interpreter (default: python3)
 #   MILES_DISAGG_WHEELS   folder of wheels to install missing modules from
 set -euo pipefail
@@ -29,8 +33,8 @@ deps_dir="${TMPDIR:-/tmp}/miles-disagg-gpu-check-deps"
 missing="$("$python_bin" - <<'PY'
 import importlib.util
 modules = {"torch": "torch", "transformers": "transformers", "safetensors": "safetensors", "xxhash": "xxhash",
-           "zstandard": "zstandard", "blake3": "blake3", "numpy": "numpy", "fastapi": "fastapi",
-           "uvicorn": "uvicorn", "httpx": "httpx", "pydantic": "pydantic", "omegaconf": "omegaconf"}
+           "zstandard": "zstandard", "numpy": "numpy", "fastapi": "fastapi", "uvicorn": "uvicorn",
+           "httpx": "httpx", "pydantic": "pydantic"}
 print(" ".join(pkg for mod, pkg in modules.items() if importlib.util.find_spec(mod) is None))
 PY
 )"
@@ -46,5 +50,11 @@ if [ -n "$missing" ]; then
   echo "[gpu_check] installing $missing from $wheels into $deps_dir" >&2
   "$python_bin" -m pip install --quiet --no-index --find-links "$wheels" --target "$deps_dir" $missing >&2
   export PYTHONPATH="$PYTHONPATH:$deps_dir"
+fi
+if [ -d "$wheels" ] && ls "$wheels"/megatron_core-*.whl >/dev/null 2>&1 \
+    && ! "$python_bin" -c "import megatron.core" 2>/dev/null; then
+  echo "[gpu_check] installing megatron-core from $wheels into $deps_dir" >&2
+  "$python_bin" -m pip install --quiet --no-index --no-deps --find-links "$wheels" --target "$deps_dir" megatron-core >&2
+  case ":$PYTHONPATH:" in *":$deps_dir:"*) ;; *) export PYTHONPATH="$PYTHONPATH:$deps_dir";; esac
 fi
 exec "$python_bin" -m miles_disagg.bench.gpu_check "$@"
