@@ -3,6 +3,8 @@
 # with an unchanged pyproject.toml does nothing but check. Works with plain pip.
 #   MILES_DISAGG_PYTHON   interpreter to build the venv with (default: python3)
 #   MILES_DISAGG_EXTRAS   extras to install (default: test)
+#   MILES_DISAGG_SGLANG_TIER=0  skip the SGLang conformance tier's packages (default: installed;
+#                               CI needs them: tests/sglang fails there without them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,6 +12,9 @@ python_bin="${MILES_DISAGG_PYTHON:-python3}"
 extras="${MILES_DISAGG_EXTRAS:-test}"
 venv=".venv"
 stamp="$venv/.miles-disagg-installed"
+tier_dir="$venv/sglang-tier"
+tier_req="scripts/sglang-tier.txt"
+with_tier="${MILES_DISAGG_SGLANG_TIER:-1}"
 
 log() { echo "[setup] $*" >&2; }
 
@@ -19,8 +24,9 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 py="$venv/bin/python"
 
-want="$(cat pyproject.toml | sha256sum | cut -d' ' -f1) extras=$extras"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$py" -c "import miles_disagg, torch" 2>/dev/null; then
+want="$(cat pyproject.toml "$tier_req" | sha256sum | cut -d' ' -f1) extras=$extras tier=$with_tier"
+tier_present() { [ "$with_tier" != "1" ] || [ -d "$tier_dir/sglang" ]; }
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && tier_present && "$py" -c "import miles_disagg, torch" 2>/dev/null; then
   log "environment up to date ($venv)"
   exit 0
 fi
@@ -41,5 +47,23 @@ fi
 
 log "installing miles-disagg[$extras] (editable)"
 pip_install -e ".[$extras]"
+
+# The SGLang conformance tier: the real SGLang package judges our argv and request bodies.
+# --no-deps everywhere (SGLang's own requirements pull a CUDA torch and GPU kernels), into a
+# directory of its own: the tests/sglang conftest puts it on sys.path, nothing else sees it
+# (a torchvision that cannot load its C++ ops must not reach transformers' import checks).
+install_sglang_tier() {
+  local torch_minor torchvision
+  torch_minor="$("$py" -c "import torch; print(torch.__version__.split('.')[1])")"
+  torchvision="torchvision==0.$((torch_minor + 15)).*"  # torch 2.N pairs with torchvision 0.(N+15)
+  log "installing the SGLang conformance tier into $tier_dir ($(grep -m1 '^sglang==' "$tier_req"), $torchvision)"
+  rm -rf "$tier_dir.partial"
+  pip_install --no-deps --target "$tier_dir.partial" -r "$tier_req" "$torchvision"
+  rm -rf "$tier_dir"
+  mv "$tier_dir.partial" "$tier_dir"
+}
+if [ "$with_tier" = "1" ]; then
+  install_sglang_tier
+fi
 "$py" -c "import miles_disagg, torch; print(f'[setup] ready: torch {torch.__version__}')" >&2
 echo "$want" > "$stamp"

@@ -14,15 +14,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-TIERS = ("unit", "integration", "e2e")
+TIERS = ("unit", "integration", "e2e", "sglang")
+LAST_TIER = "sglang"  # importing SGLang changes process-wide state: nothing runs after it
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each test carries the marker of its tier (its directory under tests/)."""
-    for item in items:
+    """Each test carries the marker of its tier (its directory under tests/); the SGLang tier runs last."""
+    def tier(item: pytest.Item) -> str | None:
         parts = Path(str(item.fspath)).relative_to(REPO_ROOT / "tests").parts
-        if parts and parts[0] in TIERS:
-            item.add_marker(getattr(pytest.mark, parts[0]))
+        return parts[0] if parts and parts[0] in TIERS else None
+
+    for item in items:
+        if tier(item) is not None:
+            item.add_marker(getattr(pytest.mark, tier(item)))
+    items.sort(key=lambda item: tier(item) == LAST_TIER)  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,8 @@ _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,
 def validate(config: RunConfig) -> None:
     """Raise ``ConfigError`` (naming the offending flags) for the first invalid combination."""
     for check in (_check_entry, _check_miles_rejections, _check_disk_delta, _check_topology, _check_batches,
-                  _check_debug, _check_save_and_eval, _check_megatron, _check_megatron_only_flags, _check_routing,
-                  _check_ci, check_model_args):
+                  _check_colocate, _check_debug, _check_save_and_eval, _check_megatron, _check_megatron_only_flags,
+                  _check_routing, _check_ci, check_model_args):
         check(config)
 
 
@@ -125,6 +125,18 @@ def _check_topology(config: RunConfig) -> None:
             parse_host_port(addr)
         except ValueError as exc:
             raise ConfigError(f"--rollout-external-engine-addrs: {exc}", ("--rollout-external-engine-addrs",)) from None
+
+
+def _check_colocate(config: RunConfig) -> None:
+    if not config.cluster.colocate:
+        return
+    if config.train.train_backend != "fsdp":
+        raise ConfigError(f"--colocate offloads the trainer between rollouts, implemented for --train-backend fsdp "
+                          f"only (got {config.train.train_backend}); drop --colocate or use fsdp",
+                          ("--colocate", "--train-backend"))
+    if config.rollout.rollout_external:
+        raise ConfigError("--colocate shares this job's GPUs with engines it launches; attached engines "
+                          "(--rollout-external) cannot be colocated", ("--colocate", "--rollout-external"))
 
 
 def _check_batches(config: RunConfig) -> None:

@@ -89,5 +89,5 @@ def _check_version(engine: EnginePort, version: int) -> list[str]:
     try:
         reported = engine.version()
     except Exception as exc:  # noqa: BLE001
-        return [f"get_weight_version: {type(exc).__name__}: {exc}"]
+        return [f"model_info (weight_version): {type(exc).__name__}: {exc}"]
     return [] if reported == version else [f"the engine reports version {reported} after activating v{version}"]

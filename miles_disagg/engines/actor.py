@@ -49,13 +49,17 @@ class EngineProcess:
     def _placed_spec(self) -> EngineSpec:
         import ray
 
+        from miles_disagg.engines.sglang import sglang_device_view
         from miles_disagg.netbind import resolve_host
 
-        gpu_ids = ray.get_gpu_ids()
-        # SGLang picks its GPUs by --base-gpu-id, so it sees the node's devices, not the actor's one
+        # SGLang picks its GPUs by --base-gpu-id, so it sees the node's devices (as restricted
+        # there), not only the actor's one
+        base_gpu_id, visible = sglang_device_view(ray.get_gpu_ids(), _node_visible_gpus(), self.spec.tp_size)
         env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-        return dataclasses.replace(self.spec, host=resolve_host(self.spec.host),
-                                   base_gpu_id=int(gpu_ids[0]) if gpu_ids else 0, sglang_env=env)
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        return dataclasses.replace(self.spec, host=resolve_host(self.spec.host), base_gpu_id=base_gpu_id,
+                                   sglang_env=env)
 
     def alive(self) -> bool:
         return self._running is not None and self._running.alive()
@@ -71,3 +75,16 @@ class EngineProcess:
     def restart(self) -> str:
         self.stop()
         return self.start()
+
+
+def _node_visible_gpus() -> list[str] | None:
+    """The node's CUDA_VISIBLE_DEVICES as this Ray worker found it before Ray narrowed it to the
+    actor's GPUs (None: unset). Ray records it on the worker and maps its GPU ids through it."""
+    from ray._private.worker import global_worker
+
+    original = getattr(global_worker, "original_visible_accelerator_ids", None)
+    if original is None:
+        raise RuntimeError("this Ray version does not record the node's visible GPUs "
+                           "(ray._private.worker.global_worker.original_visible_accelerator_ids)")
+    ids = original.get("GPU")
+    return None if ids is None else [str(i) for i in ids]

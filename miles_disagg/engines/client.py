@@ -82,17 +82,44 @@ class EngineClient(KeyedHttpClient):
     def update_weights_from_distributed(self, body: dict[str, Any]) -> None:
         self.post("/update_weights_from_distributed", body)
 
+    def begin_weight_update(self) -> None:
+        """SGLang >= 0.5.21 loads distributed or tensor updates only inside a weight-update session."""
+        self.post("/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self.post("/end_weight_update", {})
+
+    # ------------------------------------------------------------------ colocation
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """``/release_memory_occupation`` (SGLang's tags: ``weights``, ``kv_cache``, ``cuda_graph``; None: all)."""
+        self.post("/release_memory_occupation", {"tags": tags})
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        self.post("/resume_memory_occupation", {"tags": tags})
+
+    def update_weights_from_tensor(self, serialized: list[str], *, weight_version: int | None = None,
+                                   flush_cache: bool = False) -> None:
+        """Load named tensors shared by reference (one serialized entry per TP rank; see
+        :mod:`miles_disagg.engines.tensor_transfer`); ``weight_version`` labels the weights after."""
+        body: dict[str, Any] = {"serialized_named_tensors": serialized, "load_format": None,
+                                "flush_cache": flush_cache, "abort_all_requests": False}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        self.post("/update_weights_from_tensor", body)
+
     # ------------------------------------------------------------------ state
 
     def weight_version(self) -> str:
-        """The version the engine reports, as it reports it."""
-        return str(self.get("/get_weight_version").get("weight_version"))
+        """The version the engine reports, as it reports it (``/model_info``: SGLang >= 0.5.20 answers
+        ``/get_weight_version`` with 404 or not at all)."""
+        return str(self.get("/model_info").get("weight_version"))
 
     def version(self) -> int | None:
         """The served version as a number (None when the engine reports none or a non-number)."""
         from miles_disagg.router.registry import parse_version
 
-        return parse_version(self.get("/get_weight_version").get("weight_version"))
+        return parse_version(self.get("/model_info").get("weight_version"))
 
     def healthy(self, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
         try:
@@ -100,11 +127,12 @@ class EngineClient(KeyedHttpClient):
         except Exception:  # noqa: BLE001 - any transport failure means "not healthy"
             return False
 
+    # SGLang's current names; the /get_* forms are deprecated there (and kept by the built-in engine)
     def server_info(self) -> dict[str, Any]:
-        return self.get("/get_server_info")
+        return self.get("/server_info")
 
     def model_info(self) -> dict[str, Any]:
-        return self.get("/get_model_info")
+        return self.get("/model_info")
 
     def agent_info(self) -> dict[str, Any] | None:
         """``miles-disagg agent``'s own info; None when the URL is not an agent."""
@@ -130,7 +158,7 @@ class EngineClient(KeyedHttpClient):
     def load_count(self) -> int | None:
         """Requests running or queued in the engine (the built-in engine's server info); None if unknown."""
         try:
-            states = self.get("/get_server_info", timeout_s=LOAD_TIMEOUT_S).get("internal_states") or [{}]
+            states = self.get("/server_info", timeout_s=LOAD_TIMEOUT_S).get("internal_states") or [{}]
             running, waiting = states[0].get("num_running_requests"), states[0].get("num_waiting_requests")
             return int(running) + int(waiting) if running is not None and waiting is not None else None
         except (MilesDisaggError, ValueError, TypeError, AttributeError):

@@ -82,6 +82,13 @@ class EngineManagerHandle:
     def versions(self) -> list[str | None]:
         return Pending([self._actor.versions.remote()]).result()
 
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """``--colocate``: every engine releases its memory (SGLang's tags; None: all)."""
+        Pending([self._actor.release_memory.remote(tags)]).result()
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        Pending([self._actor.resume_memory.remote(tags)]).result()
+
     def broadcast_world_size(self) -> int:
         return Pending([self._actor.broadcast_world_size.remote()]).result()
 

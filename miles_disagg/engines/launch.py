@@ -60,7 +60,7 @@ class EngineSpec:
     """SGLang's first GPU."""
     dtype: str = "auto"
     seed: int | None = None
-    """Sampling seed of the engine (``--random-seed``)."""
+    """Sampling seed of the engine (``--random-seed``, built-in engine and SGLang alike)."""
     max_running_requests: int | None = None
     """Built-in engine: most requests decoded together."""
     pre_read_hook: str | None = None
@@ -123,7 +123,7 @@ def engine_processes(spec: EngineSpec, *, port: int | str, agent_port: int | str
     from miles_disagg.engines.sglang import sglang_command
 
     cmd = sglang_command(str(spec.model_path), host=spec.host, port=port, tp_size=spec.tp_size,
-                         base_gpu_id=spec.base_gpu_id, dtype=spec.dtype, weight_version=0,
+                         base_gpu_id=spec.base_gpu_id, dtype=spec.dtype, weight_version=0, random_seed=spec.seed,
                          extra_args={**spec.sglang_args, **_sglang_key_args(spec)}) + list(spec.extra_args)
     agent = agent_command(engine_url or f"http://{spec.host}:{port}", spec.local_checkpoint_dir, host=spec.host,
                           port=agent_port if agent_port is not None else "{agent_port}", base_dir=spec.model_path,

@@ -263,13 +263,40 @@ class EngineManager:
     def init_broadcast_group(self, master_addr: str, master_port: int) -> int:
         """Broadcast mode: every engine joins the trainer's weight-update group; returns its world size."""
         self._broadcast = BroadcastUpdater(self.engine_urls, pause_mode=self.rollout.pause_generation_mode,
-                                           set_state=self._set_state,
+                                           set_state=self._set_state, ranks_per_engine=self._engine_ranks(),
                                            bucket_bytes=self.weights.update_weight_buffer_size)
         self._broadcast.init_group(master_addr, master_port)
         return self._broadcast.world_size
 
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """``--colocate``: every engine releases its memory (``tags``: SGLang's; None: all)."""
+        self._each_engine(lambda client: client.release_memory(tags))
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        self._each_engine(lambda client: client.resume_memory(tags))
+
+    def _each_engine(self, call) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(url: str) -> None:
+            with EngineClient(url) as client:
+                call(client)
+
+        with ThreadPoolExecutor(max(1, len(self.engine_urls))) as pool:
+            list(pool.map(one, self.engine_urls))
+
     def broadcast_world_size(self) -> int:
-        return len(self.engine_urls) + 1
+        """1 (the trainer's source rank) + every engine's ranks (its TP size, as the engine reports it)."""
+        return 1 + sum(self._engine_ranks())
+
+    def _engine_ranks(self) -> list[int]:
+        from miles_disagg.engines.updater import engine_ranks
+
+        ranks = []
+        for url in self.engine_urls:
+            with EngineClient(url, timeout_s=30) as client:
+                ranks.append(engine_ranks(client.server_info()))
+        return ranks
 
     def broadcast_update(self, version: int, meta: dict[str, list]) -> dict[str, float]:
         """Broadcast mode: receive ``version`` from the trainer (which broadcasts concurrently)."""

@@ -45,13 +45,16 @@ def engine_specs(config: EngineManagerConfig, engines: Sequence[Sequence[int]], 
     root = local_checkpoint_root(config)
     store = config.weights.update_weight_disk_dir
     per_engine = config.rollout.sglang_server_concurrency or BUILTIN_MAX_RUNNING_REQUESTS
+    sglang_args = dict(config.sglang_args)
+    if config.cluster.colocate and backend == "sglang":
+        sglang_args.setdefault("enable-memory-saver", True)  # what /release_memory_occupation needs on GPU
     return [EngineSpec(backend=backend, name=f"engine-{index}", model_path=Path(config.model_path),
                        log_dir=Path(config.run_dir) / "logs", local_checkpoint_dir=root / f"engine-{index}",
                        store_dir=Path(store) if store else None, host=bind_host(spans_nodes=config.spans_nodes),
                        tp_size=len(bundles), dtype=config.rollout.engine_dtype, seed=config.seed + index,
                        max_running_requests=per_engine,
                        pre_read_hook=config.weights.sglang_custom_pull_weights_pre_read_hook,
-                       sglang_args=dict(config.sglang_args))
+                       sglang_args=sglang_args)
             for index, bundles in enumerate(engines)]
 
 

@@ -2,7 +2,7 @@
 
 Flag names are SGLang's own (``server_args.py``): ``--model-path``, ``--host``,
 ``--port``, ``--tp-size``, ``--base-gpu-id``, ``--dtype``, ``--weight-version``,
-``--trust-remote-code``. Anything else reaches SGLang through miles' passthrough
+``--random-seed`` (each engine its own, derived from the job's ``--seed``), ``--trust-remote-code``. Anything else reaches SGLang through miles' passthrough
 convention: a job flag ``--sglang-X [VALUE]`` becomes SGLang's ``--X [VALUE]``
 (``--sglang-mem-fraction-static 0.8`` -> ``--mem-fraction-static 0.8``).
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from miles_disagg.config.sglang_args import PASSTHROUGH_PREFIX, PassthroughValue, sglang_flag_name
 from miles_disagg.types import ConfigError
@@ -31,7 +31,7 @@ SGLANG_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 # SGLang flags this module sets from typed arguments (with SGLang's own aliases).
 MANAGED_FLAGS = frozenset({
     "model-path", "model", "host", "port", "tp-size", "tp", "tensor-parallel-size", "base-gpu-id",
-    "dtype", "weight-version", "trust-remote-code",
+    "dtype", "weight-version", "trust-remote-code", "random-seed",
 })
 
 
@@ -42,13 +42,14 @@ PLACEHOLDER = re.compile(r"^\{[a-z_]+\}$")
 def sglang_command(
     model_path: str, *, host: str, port: int | str, tp_size: int, base_gpu_id: int | str, dtype: str,
     weight_version: int | str, extra_args: Mapping[str, PassthroughValue] | None = None,
-    trust_remote_code: bool = True, python: str = sys.executable,
+    trust_remote_code: bool = True, random_seed: int | None = None, python: str = sys.executable,
 ) -> list[str]:
     """The argv that starts one SGLang server; ``ConfigError`` naming the flag for bad input.
 
     ``extra_args`` are passthrough options keyed by SGLang's flag name (``mem-fraction-static``;
     ``--`` prefix and underscores are accepted), as returned by :func:`miles_disagg.config.sglang_args.parse_sglang_passthrough`.
-    ``trust_remote_code`` defaults to on, as miles launches SGLang.
+    ``trust_remote_code`` defaults to on, as miles launches SGLang. ``random_seed``: the engine's
+    sampling seed (None: SGLang picks one at random).
     """
     _check_managed(model_path, host, port, tp_size, base_gpu_id, dtype, weight_version)
     argv = [
@@ -61,6 +62,10 @@ def sglang_command(
         "--dtype", dtype,
         "--weight-version", str(weight_version),
     ]
+    if random_seed is not None:
+        if not _is_int(random_seed):
+            raise ConfigError(f"SGLang --random-seed must be an int, got {random_seed!r}", flags=("--seed",))
+        argv += ["--random-seed", str(random_seed)]
     if trust_remote_code:
         argv.append("--trust-remote-code")
     for name, value in (extra_args or {}).items():
@@ -115,3 +120,36 @@ def _is_placeholder(value: object) -> bool:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def sglang_device_view(ray_gpu_ids: Sequence[str | int], node_visible: Sequence[str] | None,
+                       tp_size: int = 1) -> tuple[int, str | None]:
+    """``(--base-gpu-id, CUDA_VISIBLE_DEVICES)`` for an SGLang server started by a Ray actor.
+
+    SGLang picks its ``tp_size`` GPUs as ``base_gpu_id, base_gpu_id + 1, ...`` among the
+    devices it sees, so it must see the node's devices, not only the actor's one. Ray's GPU
+    ids (``ray.get_gpu_ids()``) are entries of the node's ``CUDA_VISIBLE_DEVICES`` as the
+    Ray worker found it (``node_visible``; None when it was unset: ids are physical indices).
+    Where the node restricts its devices, SGLang keeps that restriction and the base is the
+    position of the actor's first id in it; otherwise CUDA_VISIBLE_DEVICES is left unset
+    (None) and the base is the id itself. ``ConfigError`` when the ids cannot be placed.
+    """
+    if not ray_gpu_ids:
+        return 0, ",".join(node_visible) if node_visible is not None else None
+    first = str(ray_gpu_ids[0]).strip()
+    if node_visible is None:
+        if not first.isdigit():
+            raise ConfigError(f"Ray gave the engine GPU {first!r}, not an index, and CUDA_VISIBLE_DEVICES "
+                              "is unset on its node; SGLang's --base-gpu-id needs an index")
+        base, count = int(first), None
+    else:
+        visible = [v.strip() for v in node_visible]
+        if first not in visible:
+            raise ConfigError(f"Ray gave the engine GPU {first!r}, which is not in its node's "
+                              f"CUDA_VISIBLE_DEVICES {','.join(visible)!r}")
+        base, count = visible.index(first), len(visible)
+    if count is not None and base + tp_size > count:
+        raise ConfigError(f"SGLang with --tp-size {tp_size} from GPU {first!r} (position {base}) needs "
+                          f"{tp_size} devices, the node shows {count} from there on: {','.join(node_visible)!r}",
+                          flags=("--rollout-num-gpus-per-engine",))
+    return base, ",".join(v.strip() for v in node_visible) if node_visible is not None else None

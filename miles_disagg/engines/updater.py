@@ -114,26 +114,35 @@ class DiskDeltaUpdater(_Fleet):
 class BroadcastUpdater(_Fleet):
     """``--update-weight-transfer-mode broadcast``: SGLang's stock torch.distributed path.
 
-    ``init_group`` has every engine join the trainer's weight-update group (engine i at rank
-    i + 1; the trainer's source rank is 0) with ``/init_weights_update_group``; the trainer
-    joins concurrently. ``update`` activates every engine at once, each loading by
+    ``init_group`` has every engine join the trainer's weight-update group with
+    ``/init_weights_update_group``; the trainer joins concurrently as rank 0. An SGLang engine
+    joins with one rank per tensor-parallel worker (``rank_offset + tp_rank``), so engine i
+    starts at ``1 + sum of the ranks of engines before it`` and the world is ``1 + sum of every
+    engine's ranks`` (``ranks_per_engine``: each engine's TP size; default one each).
+    ``update`` activates every engine at once, each loading by
     ``/update_weights_from_distributed`` (they receive while the trainer broadcasts).
     """
 
     def __init__(self, engine_urls: Sequence[str], *, pause_mode: str = "retract", set_state: StateHook | None = None,
-                 group_name: str = "miles_disagg_weight_update", bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 group_name: str = "miles_disagg_weight_update", ranks_per_engine: Sequence[int] | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        ranks = [1] * len(engine_urls) if ranks_per_engine is None else list(ranks_per_engine)
+        if len(ranks) != len(engine_urls) or any(not isinstance(r, int) or r < 1 for r in ranks):
+            raise ValueError(f"ranks_per_engine must give a positive int per engine, got {ranks_per_engine!r}")
         super().__init__([EngineClient(url) for url in engine_urls], pause_mode, set_state, "broadcast")
         self.group_name = group_name
+        self.ranks_per_engine = ranks
+        self.rank_offsets = rank_offsets(ranks)
         self.bucket_bytes = bucket_bytes
 
     @property
     def world_size(self) -> int:
-        return len(self.clients) + 1
+        return 1 + sum(self.ranks_per_engine)
 
     def init_group(self, master_addr: str, master_port: int) -> None:
         def join(i: int) -> None:
             self.clients[i].init_weights_update_group({
-                "master_address": master_addr, "master_port": master_port, "rank_offset": i + 1,
+                "master_address": master_addr, "master_port": master_port, "rank_offset": self.rank_offsets[i],
                 "world_size": self.world_size, "group_name": self.group_name, "backend": "nccl"})
         self._all(join, "init_weights_update_group")
 
@@ -147,9 +156,13 @@ class BroadcastUpdater(_Fleet):
         bodies[-1].update(weight_version=str(version), flush_cache=self.pause_mode != "in_place")
 
         def one(i: int) -> float:
+            client = self.clients[i]
+
             def receive() -> None:
-                for body in bodies:
-                    self.clients[i].update_weights_from_distributed(body)
+                def load() -> None:
+                    for body in bodies:
+                        client.update_weights_from_distributed(body)
+                in_weight_update_session(client, load)
             return self._activate(i, version, flush=False, load=receive)
 
         pauses = self._all(one, "update")
@@ -179,3 +192,37 @@ def plan_buckets(meta: dict[str, list], bucket_bytes: int) -> list[dict[str, lis
     if current["names"] or not buckets:
         buckets.append(current)
     return buckets
+
+
+def in_weight_update_session(client: EngineClient, load: Callable[[], None]) -> None:
+    """``load`` between ``/begin_weight_update`` and ``/end_weight_update`` (SGLang >= 0.5.21 refuses
+    distributed and tensor updates outside such a session; the built-in engine acknowledges both).
+    The session is closed whatever ``load`` did; ``load``'s error wins over the close's."""
+    client.begin_weight_update()
+    try:
+        load()
+    except BaseException:
+        try:
+            client.end_weight_update()
+        except Exception:  # noqa: BLE001 - the load's error is the one to report
+            pass
+        raise
+    client.end_weight_update()
+
+
+def rank_offsets(ranks_per_engine: Sequence[int]) -> list[int]:
+    """Each engine's first rank in the weight-update group (rank 0 is the trainer): cumulative."""
+    offsets, next_rank = [], 1
+    for ranks in ranks_per_engine:
+        offsets.append(next_rank)
+        next_rank += ranks
+    return offsets
+
+
+def engine_ranks(server_info: dict) -> int:
+    """How many ranks an engine joins a weight-update group with: its tensor-parallel size
+    (SGLang joins each TP worker at ``rank_offset + tp_rank``; the built-in engine reports 1)."""
+    tp_size = server_info.get("tp_size", 1)
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ValueError(f"the engine reports tp_size {tp_size!r}")
+    return tp_size

@@ -91,7 +91,12 @@ class Job:
             self._start_trainer()
         if with_engines:
             self._start_engines()
-        if with_trainer and with_engines and cfg.weights.update_weight_transfer_mode == "broadcast":
+        colocated = with_trainer and with_engines and cfg.cluster.colocate
+        if colocated:  # weights go by reference (loop/colocate.py), not over a broadcast group
+            from miles_disagg.loop import colocate
+
+            colocate.start(self)
+        elif with_trainer and with_engines and cfg.weights.update_weight_transfer_mode == "broadcast":
             self._join_broadcast_group()
         write_placement(cfg.tracking.run_dir, placement_record(self))
 

@@ -107,7 +107,8 @@ def train_sync(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         start = time.perf_counter()
         batch = _rollout_batch(job, step, version)
         got_batch = time.perf_counter()
-        train_metrics = {} if cfg.rollout.debug_rollout_only else _train(job, tracker, step, batch)
+        handoff = _colocated_handoff(job)
+        train_metrics = {} if cfg.rollout.debug_rollout_only else {**_train(job, tracker, step, batch), **handoff}
         trained = time.perf_counter()
         update_metrics = {}
         if not cfg.rollout.debug_rollout_only and job.engines is not None:
@@ -127,6 +128,15 @@ def _advantages(batch: RolloutBatch, train_config) -> list:
     if batch.advantages_given:
         return [s for g in batch.groups for s in g.samples]
     return assign_advantages(batch.groups, train_config)
+
+
+def _colocated_handoff(job: Job) -> dict:
+    """``--colocate``: the engines release their memory and the trainer onloads (loop/colocate.py)."""
+    if not (job.config.cluster.colocate and job.trainer is not None and job.engines is not None):
+        return {}
+    from miles_disagg.loop.colocate import to_trainer
+
+    return to_trainer(job)
 
 
 def _rollout_batch(job: Job, step: int, version: int) -> RolloutBatch:

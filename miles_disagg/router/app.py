@@ -82,7 +82,7 @@ class RouterConfig:
     health_check_interval_s: float = 1.0
     """Seconds between health passes over all workers."""
     health_check_timeout_s: float = 2.0
-    """Timeout of each probe request (``/health``, ``/get_weight_version``)."""
+    """Timeout of each probe request (``/health``, ``/model_info``)."""
     health_failure_threshold: int = 2
     """Probe timeouts in a row that take a worker out (refusals and error statuses: one)."""
     retry_after_s: float = 1.0

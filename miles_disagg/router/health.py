@@ -1,13 +1,14 @@
-"""Health checks: probe every worker's ``/health`` and ``/get_weight_version`` each interval.
+"""Health checks: probe every worker's ``/health`` and ``/model_info`` (its ``weight_version``) each interval.
 
 One pass at a time; within a pass all workers are probed concurrently, each bounded by
 the client's timeout, so one hung worker never delays the others' checks. A refused
 connection or an error status takes a worker out of routing at once; timeouts count
 towards the registry's failure threshold. A later successful probe brings it back with
-the version it reads. A server without ``/get_weight_version`` (404) is healthy with an
-unknown version (it then serves only unconstrained requests). Probes carry the router's key
-for each path (:meth:`~miles_disagg.auth.ApiKeys.headers_for`): the worker's own answer to
-an authenticated call is the only source of its version.
+the version it reads. A server without ``/model_info`` (404) is healthy with an unknown
+version (it then serves only unconstrained requests). ``/model_info`` and not
+``/get_weight_version``: SGLang 0.5.20 answers the latter 404 and later releases dropped it.
+Probes carry the router's key for each path (:meth:`~miles_disagg.auth.ApiKeys.headers_for`):
+the worker's own answer to an authenticated call is the only source of its version.
 """
 
 from __future__ import annotations
@@ -75,16 +76,15 @@ class HealthChecker:
         health = await self._get(url, "/health")
         if health.status_code != 200:
             raise ProbeFailed(f"/health answered {health.status_code}: {health.text[:200]}", definite=True)
-        answer = await self._get(url, "/get_weight_version")
+        answer = await self._get(url, "/model_info")
         if answer.status_code == 404:
             return None
         if answer.status_code != 200:
-            raise ProbeFailed(f"/get_weight_version answered {answer.status_code}: {answer.text[:200]}",
-                              definite=True)
+            raise ProbeFailed(f"/model_info answered {answer.status_code}: {answer.text[:200]}", definite=True)
         try:
             return parse_version(answer.json().get("weight_version"))
         except (ValueError, AttributeError) as exc:
-            raise ProbeFailed(f"/get_weight_version answered {answer.text[:200]!r}: {exc}", definite=True)
+            raise ProbeFailed(f"/model_info answered {answer.text[:200]!r}: {exc}", definite=True)
 
     async def _get(self, url: str, path: str) -> httpx.Response:
         try:

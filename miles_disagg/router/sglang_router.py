@@ -97,7 +97,7 @@ class SglangRouterClient:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                seen = httpx.get(f"{worker_url}/get_weight_version", timeout=5).json().get("weight_version")
+                seen = httpx.get(f"{worker_url}/model_info", timeout=5).json().get("weight_version")
                 if str(seen) == str(version):
                     return {"url": worker_url, "weight_version": version}
             except (httpx.HTTPError, ValueError):

@@ -11,6 +11,8 @@ import os
 import time
 
 from miles_disagg.config.actors import TrainerGroupConfig
+
+PUSH_BUCKET_BYTES = 512 << 20  # colocated weight handoff: tensors shared per request
 from miles_disagg.types import Sample
 
 
@@ -25,6 +27,7 @@ class TrainerRank:
         self.rollout_engines: tuple[str, ...] = ()
         self.backend = None
         self.publisher = None
+        self._offloader = None
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -181,6 +184,37 @@ class TrainerRank:
                 device_tensor = tensor.cuda() if dist.get_backend(self._broadcast_group) == "nccl" else tensor
                 dist.broadcast(device_tensor, src=0, group=self._broadcast_group)
         return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ colocation (--colocate)
+
+    def offload(self, params: bool = True, optimizer: bool = True) -> dict[str, int]:
+        """Move the optimizer state and/or the parameters off the device (gradients are dropped);
+        see :mod:`miles_disagg.trainer.offload`. Returns the bytes moved by kind."""
+        from miles_disagg.trainer.offload import HostOffloader
+
+        module, optim = self.backend.offload_targets()
+        if self._offloader is None:
+            self._offloader = HostOffloader(next(module.parameters()).device)
+        return self._offloader.offload(module, optim if optimizer else None, params=params)
+
+    def onload(self) -> None:
+        if self._offloader is not None:
+            self._offloader.onload()
+
+    def push_weights(self, engine_urls: list[str], version: int, bucket_bytes: int = PUSH_BUCKET_BYTES) -> dict:
+        """Hand the policy to colocated engines by reference (``/update_weights_from_tensor``: CUDA
+        IPC handles on GPU, shared memory on CPU), in buckets of about ``bucket_bytes``; the last
+        bucket labels the engines' weights ``version``. Collective (rank 0 sends)."""
+        from miles_disagg.trainer.colocated import push_named_tensors
+
+        start = time.perf_counter()
+        tensors = self.backend.named_tensors()
+        if self.rank != 0:
+            for _ in tensors:
+                pass
+            return {}
+        sent = push_named_tensors(engine_urls, tensors, version, bucket_bytes)
+        return {**sent, "seconds": time.perf_counter() - start}
 
     def named_tensor_bytes(self) -> dict[str, bytes]:
         """Rank 0's exported tensors as raw bytes (tests compare them with what engines serve)."""

@@ -45,6 +45,11 @@ class TrainerBackend(ABC):
         """Restore what ``save_checkpoint`` wrote, also when a different number of ranks (or
         another parallel layout of the same backend) wrote it (collective)."""
 
+    def offload_targets(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """The module and optimizer ``--colocate`` moves off the device between trainings."""
+        raise ConfigError(f"--colocate offloading is not implemented for {type(self).__name__}; "
+                          "use --train-backend fsdp", ("--colocate", "--train-backend"))
+
 
 class MetricMeans:
     """Running means of named metrics (per micro-batch or per optimizer step)."""

@@ -144,6 +144,9 @@ class FSDPBackend(TrainerBackend):
                 tensor = tensor.full_tensor()
             yield name, tensor.detach().to("cpu", self.export_dtypes[name])
 
+    def offload_targets(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        return self.module, self.optimizer
+
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, directory: str) -> None:

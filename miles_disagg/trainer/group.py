@@ -106,6 +106,25 @@ class TrainerGroup:
         """Start the broadcast (the engines receive concurrently)."""
         return Pending([r.broadcast_weights.remote() for r in self.ranks])
 
+    # --colocate: the ranks take turns with the engines on the same GPUs
+
+    def offload(self, params: bool = True, optimizer: bool = True) -> dict[str, int]:
+        """Every rank moves its optimizer state and/or parameters off the device; rank 0's sizes."""
+        import ray
+
+        return ray.get([r.offload.remote(params, optimizer) for r in self.ranks])[0]
+
+    def onload(self) -> None:
+        import ray
+
+        ray.get([r.onload.remote() for r in self.ranks])
+
+    def push_weights(self, engine_urls: list[str], version: int) -> dict:
+        """Hand the policy to the colocated engines by reference (rank 0 sends; the others gather)."""
+        import ray
+
+        return ray.get([r.push_weights.remote(engine_urls, version) for r in self.ranks])[0]
+
     def tensor_bytes(self) -> dict[str, bytes]:
         return wait_for([r.named_tensor_bytes.remote() for r in self.ranks])[0]
 

@@ -1,5 +1,5 @@
 """``train.py`` (synchronous: generate, train, update) driven as a user does, in three forms:
-disk-delta with managed engines, training alone on saved rollouts, and colocated broadcast."""
+disk-delta with managed engines, training alone on saved rollouts, and colocated (memory handoff)."""
 
 from __future__ import annotations
 
@@ -65,13 +65,21 @@ def test_train_only_on_saved_rollouts(sync_run) -> None:
     assert records[0]["rollout/raw_reward"] == pytest.approx(sum(rewards) / len(rewards))
 
 
-def test_colocated_broadcast(tmp_path: Path) -> None:
+def test_colocated_memory_handoff(tmp_path: Path) -> None:
+    """--colocate: engines release memory while the trainer trains, the trainer offloads while they
+    generate, and the policy reaches them by /update_weights_from_tensor (shared memory on CPU)."""
     run_dir, result = train_py(tmp_path, "colocate", "--colocate", "--update-weight-transfer-mode", "broadcast",
                                "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--num-rollout", "2")
     assert "trainer [0, 1], engines [[0], [1]]" in result.stderr  # the engines share the trainer's bundles
+    assert "broadcast group" not in result.stderr  # weights go by reference, not over a group
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["weights/engine_versions"] for r in records] == [["1", "1"], ["2", "2"]]
-    assert all(r["perf/update_weights_density"] == 1.0 for r in records)
+    for r in records:
+        assert r["perf/update_weights_density"] == 1.0 and r["perf/update_weights_wire_bytes"] > 0
+        assert r["perf/colocate_offloaded_bytes"] > r["perf/update_weights_wire_bytes"]  # params + optimizer state
+        assert r["perf/colocate_engine_release_time"] > 0
+        # the engines generated with exactly the weights the trainer handed over
+        assert r["train/train_rollout_logprob_abs_diff"] < 1e-4
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="sglang-router is not installed")

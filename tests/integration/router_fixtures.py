@@ -85,7 +85,7 @@ class FakeWorker:
 
 
 def fake_worker_app(fake: FakeWorker):
-    """A minimal SGLang-shaped server: ``/health``, ``/get_weight_version``, echoing generation routes."""
+    """A minimal SGLang-shaped server: ``/health``, ``/model_info`` (its weight_version), echoing generation routes."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
@@ -95,8 +95,8 @@ def fake_worker_app(fake: FakeWorker):
     async def health():
         return {}
 
-    @app.get("/get_weight_version")
-    async def get_weight_version():
+    @app.get("/model_info")
+    async def model_info():
         return {"weight_version": fake.weight_version}
 
     async def echo(request: Request):

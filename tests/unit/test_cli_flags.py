@@ -15,6 +15,7 @@ from miles_disagg.engines.builtin.config import ENGINE_DTYPES, EngineConfig
 def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
     """Each leaf of the command tree -> the config classes its options come from."""
     from miles_disagg.bench.async_train import AsyncBench
+    from miles_disagg.bench.colocate import ColocateBench
     from miles_disagg.bench.delta import DeltaBench
     from miles_disagg.bench.engine import EngineBench
     from miles_disagg.bench.hostile import HostileBench
@@ -37,6 +38,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
         ("bench", "async"): (AsyncBench,),
         ("bench", "service"): (ServiceBench,),
         ("bench", "hostile"): (HostileBench,),
+        ("bench", "colocate"): (ColocateBench,),
     }
 
 

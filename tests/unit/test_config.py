@@ -129,7 +129,7 @@ def test_train_async_rejects_colocate() -> None:
     with pytest.raises(ConfigError, match="--colocate") as info:
         load_config(["--colocate"], "train_async")
     assert info.value.flags == ("--colocate",)
-    config, _ = load_config(["--colocate"], "train")
+    config, _ = load_config(["--colocate", "--train-backend", "fsdp"], "train")  # colocation offloads fsdp trainers
     assert config.cluster.colocate
 
 

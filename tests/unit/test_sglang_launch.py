@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from miles_disagg.config.sglang_args import parse_sglang_passthrough, split_sglang_passthrough
-from miles_disagg.engines.sglang import sglang_command
+from miles_disagg.engines.sglang import sglang_command, sglang_device_view
 from miles_disagg.types import ConfigError
 
 BASE = dict(host="10.0.0.5", port=30001, tp_size=2, base_gpu_id=4, dtype="bfloat16", weight_version=0)
@@ -47,7 +47,16 @@ def test_passthrough_values_switches_and_lists():
                     "--chunked-prefill-size", "-1"]
 
 
-@pytest.mark.parametrize("name", ["port", "tp-size", "tp", "model-path", "dtype", "weight_version", "--base-gpu-id"])
+def test_each_engine_gets_its_random_seed():
+    argv = sglang_command("/m", **BASE, random_seed=1234)
+    assert _pairs(argv)["--random-seed"] == "1234"
+    assert "--random-seed" not in sglang_command("/m", **BASE)
+    with pytest.raises(ConfigError, match="random-seed"):
+        sglang_command("/m", **BASE, random_seed="7")
+
+
+@pytest.mark.parametrize("name", ["port", "tp-size", "tp", "model-path", "dtype", "weight_version", "--base-gpu-id",
+                                  "random-seed"])
 def test_passthrough_may_not_override_managed_flags(name):
     with pytest.raises(ConfigError, match="conflicts"):
         sglang_command("/m", **BASE, extra_args={name: "1"})
@@ -89,3 +98,23 @@ def test_a_passthrough_flag_given_twice_is_refused():
 def test_malformed_passthrough_names_are_refused(bad):
     with pytest.raises(ConfigError):
         parse_sglang_passthrough([bad, "1"])
+
+
+@pytest.mark.parametrize("ray_ids, node_visible, tp, expected", [
+    (["5"], None, 1, (5, None)),  # nothing restricted: Ray's id is the physical index
+    (["5"], ["2", "3", "5", "7"], 2, (2, "2,3,5,7")),  # restricted: the position in the node's list
+    (["GPU-b"], ["GPU-a", "GPU-b"], 1, (1, "GPU-a,GPU-b")),  # UUIDs
+    ([], None, 1, (0, None)),
+])
+def test_device_view_maps_ray_ids_through_the_node_visible_devices(ray_ids, node_visible, tp, expected):
+    assert sglang_device_view(ray_ids, node_visible, tp) == expected
+
+
+@pytest.mark.parametrize("ray_ids, node_visible, tp, message", [
+    (["4"], ["2", "3"], 1, "not in its node's CUDA_VISIBLE_DEVICES"),
+    (["3"], ["2", "3"], 2, "needs 2 devices"),
+    (["GPU-b"], None, 1, "not an index"),
+])
+def test_device_view_refuses_what_cannot_be_placed(ray_ids, node_visible, tp, message):
+    with pytest.raises(ConfigError, match=message):
+        sglang_device_view(ray_ids, node_visible, tp)

@@ -337,9 +337,9 @@ def create_app(agent: Agent):
 
     async def ensure_base_dir() -> None:
         if agent.base_dir is None:
-            info = await engine_json("/get_model_info")
+            info = await engine_json("/model_info")
             if not info.get("model_path"):
-                info = await engine_json("/get_server_info")
+                info = await engine_json("/server_info")
             agent.set_base_dir(str(info.get("model_path") or ""))
 
     @app.get("/agent_health")

@@ -3,7 +3,9 @@
 Field names and defaults follow SGLang's ``io_struct.py`` (``GenerateReqInput``,
 ``UpdateWeightFromDiskReqInput``, ``PauseGenerationReqInput``, ``AbortReq``,
 ``InitWeightsUpdateGroupReqInput``, ``UpdateWeightsFromDistributedReqInput``,
-``DestroyWeightsUpdateGroupReqInput``, ``UpdateWeightVersionReqInput``) plus this project's
+``DestroyWeightsUpdateGroupReqInput``, ``UpdateWeightVersionReqInput``,
+``ReleaseMemoryOccupationReqInput``, ``ResumeMemoryOccupationReqInput``,
+``UpdateWeightsFromTensorReqInput``) plus this project's
 ``PullWeightsReqInput``. ``Model.from_json(raw_body_or_dict)`` validates strictly (an int
 field takes no float, string or bool) and raises ``InvalidInput`` with a message naming the
 field; nothing is half-parsed. Unknown fields are ignored and ``null`` means the default,
@@ -343,6 +345,22 @@ class DistributedUpdate(Body):
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
             raise ValueError("names, dtypes and shapes must have the same length")
         return self
+
+
+class MemoryOccupation(Body):
+    """``ReleaseMemoryOccupationReqInput`` / ``ResumeMemoryOccupationReqInput``: ``tags`` null = all."""
+
+    tags: Annotated[tuple[str, ...], BeforeValidator(_array)] | None = None
+
+
+class UpdateFromTensor(Body):
+    """``UpdateWeightsFromTensorReqInput``: one serialized entry per TP rank (this engine has one)."""
+
+    serialized_named_tensors: Annotated[tuple[NonEmptyStr, ...], BeforeValidator(_array), Field(min_length=1)]
+    load_format: Literal["direct"] | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: VersionString | None = None
 
 
 class PullWeights(Body):

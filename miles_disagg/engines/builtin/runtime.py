@@ -50,9 +50,11 @@ from typing import Callable
 
 from miles_disagg.engines.builtin.config import EngineConfig
 from miles_disagg.engines.builtin.dist_update import DistUpdater
+from miles_disagg.engines.builtin.memory import WEIGHTS, MemoryReleased, MemoryState
 from miles_disagg.engines.builtin.model_runner import ModelRunner
 from miles_disagg.engines.builtin.protocol import (
     DistributedUpdate, FinishReason, GenerateItem, GenerateRequest, InitGroup, PullWeights, UpdateFromDisk,
+    UpdateFromTensor,
 )
 from miles_disagg.engines.builtin.response import result_json
 from miles_disagg.engines.builtin.scheduler import Scheduler, Sequence, Sink
@@ -104,6 +106,7 @@ class Engine:
         self.stager = Stager(self.runner, config.model_path, version_ref_from_string(config.weight_version),
                              pre_read_hook=load_hook(config.pull_weights_pre_read_hook, PRE_READ_FLAG))
         self.dist = DistUpdater(self.runner.device)
+        self.memory = MemoryState()  # colocation: released tags (see engines/builtin/memory.py)
         self.weights_path = Path(config.model_path)
         self.roots = config.roots()
         self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.runner.max_context)
@@ -141,6 +144,7 @@ class Engine:
         name exactly one request. The rid is released when its sequence finishes."""
         if self.scheduler.dead:
             raise EngineUnrecoverable(self.scheduler.dead)
+        self.memory.check_can_generate()
         prompts = [self._prompt_ids(item) for item in request.items]
         self._claim_rids([item.rid for item in request.items])
         return [
@@ -266,7 +270,9 @@ class Engine:
             num_paused = len(s.running) + len(s.waiting) if s.paused_mode else 0
             if req.abort_all_requests:
                 s.abort_all("aborted by update_weights_from_disk(abort_all_requests=true)")
+            self._check_weights_resident()
             self.runner.swap_in(tensors)
+            self.memory.loaded(tensors)
             self.weights_path = path
             self.stager.set_live(live_ref)
             label = req.weight_version if req.weight_version is not None else _label_of(live_ref)
@@ -350,7 +356,9 @@ class Engine:
             start = time.perf_counter()
             if req.abort_all_requests:
                 s.abort_all("aborted by update_weights_from_distributed(abort_all_requests=true)")
+            self._check_weights_resident()
             self.runner.swap_in(tensors)
+            self.memory.loaded(tensors)
             if req.weight_version is not None:
                 s.version = req.weight_version
             self.stager.set_live(None)  # broadcast weights are of no published version we can vouch for
@@ -358,6 +366,54 @@ class Engine:
 
         pause_ms = self.scheduler.call(activate).result()
         return {"success": True, "message": "Succeeded to update parameter online.", "pause_ms": round(pause_ms, 3)}
+
+    # ------------------------------------------------------------------ colocation (engines/builtin/memory.py)
+
+    def release_memory(self, tags: list[str] | None) -> dict:
+        released = self.scheduler.call(
+            lambda s: self.memory.release(self.runner, tags, busy=bool(s.running) or s.num_waiting > 0)).result()
+        return {"success": True, "message": f"released {tags or 'all'}", "released": released}
+
+    def resume_memory(self, tags: list[str] | None) -> dict:
+        released = self.scheduler.call(lambda s: self.memory.resume(self.runner, tags)).result()
+        return {"success": True, "message": f"resumed {tags or 'all'}", "released": released}
+
+    def update_from_tensor(self, req: UpdateFromTensor) -> dict:
+        """Copy the named tensors the caller shares (CUDA IPC / shared memory) into the live weights."""
+        from miles_disagg.engines.tensor_transfer import deserialize_named_tensors
+
+        tensors = {}
+        for name, tensor in deserialize_named_tensors(req.serialized_named_tensors[0]):
+            tensors[name] = self._converted_copy(name, tensor)
+
+        def activate(s: Scheduler) -> None:
+            if req.abort_all_requests:
+                s.abort_all("aborted by update_weights_from_tensor(abort_all_requests=true)")
+            self._check_weights_resident()
+            self.runner.swap_in(tensors)
+            self.memory.loaded(tensors)
+            self.stager.set_live(None)  # weights handed over in memory are of no published version
+            if req.weight_version is not None:
+                s.version = req.weight_version
+
+        self.scheduler.call(activate).result()
+        return {"success": True, "message": f"Succeeded to update {len(tensors)} tensors."}
+
+    def _converted_copy(self, name: str, tensor):
+        from miles_disagg.types import LayoutMismatch
+
+        live = self.runner.params.get(name)
+        if live is None:
+            raise LayoutMismatch(f"tensor {name!r} is not a parameter of the live model")
+        shape = self.memory.layouts[name].shape if name in self.memory.layouts else tuple(live.shape)
+        if tuple(tensor.shape) != shape:
+            raise LayoutMismatch(f"tensor {name!r} has shape {tuple(tensor.shape)}, the live model {shape}")
+        return tensor.to(device=self.runner.device, dtype=live.dtype, copy=True).contiguous()
+
+    def _check_weights_resident(self) -> None:
+        if WEIGHTS in self.memory.released:
+            raise MemoryReleased("the weights are released; POST /resume_memory_occupation with tags "
+                                 "[\"weights\"] before loading weights")
 
     # ------------------------------------------------------------------ info
 
@@ -425,6 +481,7 @@ class Engine:
                 "num_faults": s.num_faults,
                 "fault": s.fault or s.dead,
                 "staged_version": self.stager.staged_version(),
+                "memory_released": sorted(self.memory.released),
                 "weights_path": str(self.weights_path),
             }],
         }

@@ -154,8 +154,14 @@ def create_app(engine: Engine, guard: ServerGuard | None = None):
         ("/pull_weights", protocol.PullWeights.from_json, engine.pull_weights),
         ("/init_weights_update_group", protocol.InitGroup.from_json, engine.init_weights_update_group),
         ("/update_weights_from_distributed", protocol.DistributedUpdate.from_json, engine.update_from_distributed),
+        ("/update_weights_from_tensor", protocol.UpdateFromTensor.from_json, engine.update_from_tensor),
     ):
         app.post(path)(weight_endpoint(_parse_then_call(blocking, parse, call)))
+
+    # colocation: SGLang takes GET or POST, the body (tags) optional
+    for path, call in (("/release_memory_occupation", engine.release_memory),
+                       ("/resume_memory_occupation", engine.resume_memory)):
+        app.api_route(path, methods=["GET", "POST"])(weight_endpoint(_memory_call(blocking, call)))
 
     @app.get("/get_weight_version")
     async def get_weight_version():
@@ -281,6 +287,13 @@ def _acknowledge(path: str):
     async def handler(body: bytes) -> dict:
         protocol.parse_json(body)
         return {"success": True, "message": f"{path.strip('/')}: nothing to do for unpacked weights"}
+    return handler
+
+
+def _memory_call(blocking: Callable, call: Callable[[Any], dict]):
+    async def handler(body: bytes) -> dict:
+        tags = protocol.MemoryOccupation.from_json(body or b"{}").tags
+        return await blocking(call, list(tags) if tags is not None else None)
     return handler
 
 

@@ -1,0 +1,49 @@
+"""``scripts/gpu_check.sh --cpu``: the prepared GPU check keeps working (small shapes on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+
+
+def gpu_check(*args: str, env: dict | None = None, timeout: int = 480) -> tuple[subprocess.CompletedProcess, dict]:
+    done = subprocess.run([str(SCRIPT), "--cpu", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHON": sys.executable, **(env or {})})
+    return done, json.loads(done.stdout)
+
+
+@pytest.mark.timeout(600)
+def test_every_section_runs_on_the_cpu(tmp_path):
+    done, report = gpu_check("--work-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    sections = report["sections"]
+    assert list(sections) == ["engine", "fsdp", "megatron", "delta"]
+    assert all(s["ok"] for s in sections.values()), sections
+    assert sections["engine"]["staged_activation"] == "staged" and sections["engine"]["tokens_per_s_c1"] > 0
+    assert sections["fsdp"]["train_vs_engine_logprob_abs_diff"] < 1e-3  # same weights, float32 on both sides
+    assert sections["delta"]["round_trip_exact"] is True
+    assert "engine: ok" in done.stderr  # progress goes to stderr, the JSON alone to stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_section_over_its_time_box_is_reported_and_the_run_fails(tmp_path):
+    done, report = gpu_check("--only", "delta", "--work-dir", str(tmp_path),
+                             env={"MILES_DISAGG_GPU_CHECK_TIME_BOX_S": "1"})
+    assert done.returncode == 1
+    delta = report["sections"]["delta"]
+    assert delta["ok"] is False and delta["error"] == "time box of 1s exceeded"
+
+
+def test_an_unknown_section_is_refused_in_one_line():
+    done = subprocess.run([str(SCRIPT), "--cpu", "--only", "nope"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines()[-1].startswith("gpu_check: unknown section(s) ['nope']")

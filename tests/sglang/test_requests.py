@@ -1,0 +1,128 @@
+"""Every JSON body our engine client, updaters, trainer and agent send, judged by SGLang's own app.
+
+SGLang's HTTP app runs in this process (``sglang_app.py``): its routes parse our bodies into
+its ``io_struct`` request types, exactly as a real server would, and a fake tokenizer manager
+records what they parsed into. A body SGLang cannot parse is its 4xx; a field it does not
+know is ignored by it, so the tests check that every field we mean arrives with our value.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_disagg.engines.client import EngineClient
+from miles_disagg.engines.updater import BroadcastUpdater, in_weight_update_session
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_pause_flush_continue(sglang, manager, io_struct):
+    with EngineClient(sglang.url) as client:
+        for mode in ("abort", "retract", "in_place"):
+            client.pause(mode)
+        client.flush()
+        client.resume()
+    pauses = manager.of_type("PauseGenerationReqInput")
+    assert [p.mode for p in pauses] == ["abort", "retract", "in_place"]
+    assert all(isinstance(p, io_struct.PauseGenerationReqInput) for p in pauses)
+    assert ("flush_cache", 0.0) in manager.received
+    assert len(manager.of_type("ContinueGenerationReqInput")) == 1
+
+
+def test_version_is_read_where_sglang_reports_it(sglang, manager):
+    """SGLang 0.5.23 has no /get_weight_version: the version comes from /model_info."""
+    manager.version = "12"
+    with EngineClient(sglang.url) as client:
+        assert client.version() == 12 and client.weight_version() == "12"
+        assert client.model_info()["weight_version"] == "12"
+        assert client.server_info()["tp_size"] == 1
+    manager.version = "0"
+
+
+def test_update_weights_from_disk_body(sglang, manager, io_struct, tmp_path):
+    with EngineClient(sglang.url, local_checkpoint_dir=tmp_path / "local") as client:
+        client.load(4)
+    (req,) = manager.of_type("UpdateWeightFromDiskReqInput")
+    assert isinstance(req, io_struct.UpdateWeightFromDiskReqInput)
+    assert req.model_path == str(tmp_path / "local") and req.weight_version == "4"
+    manager.version = "0"
+
+
+def test_broadcast_bodies(sglang, manager, io_struct):
+    updater = BroadcastUpdater([sglang.url], ranks_per_engine=[2], group_name="g")
+    try:
+        updater.init_group("10.1.2.3", 29500)
+        meta = {"names": ["lm_head.weight"], "dtypes": ["bfloat16"], "shapes": [[32, 16]]}
+        updater.update(3, meta)
+    finally:
+        updater.close()
+    (init,) = manager.of_type("InitWeightsUpdateGroupReqInput")
+    assert (init.master_address, init.master_port, init.rank_offset, init.world_size, init.group_name,
+            init.backend) == ("10.1.2.3", 29500, 1, 3, "g", "nccl")
+    (update,) = manager.of_type("UpdateWeightsFromDistributedReqInput")
+    assert (update.names, update.dtypes, update.shapes) == (meta["names"], meta["dtypes"], meta["shapes"])
+    assert (update.group_name, update.weight_version, update.flush_cache) == ("g", "3", True)
+    # the load sits inside a weight-update session (SGLang >= 0.5.21 refuses it outside one)
+    kinds = [type(o).__name__ for o in manager.received if not isinstance(o, tuple)]
+    assert kinds[kinds.index("BeginWeightUpdateReqInput"):kinds.index("EndWeightUpdateReqInput") + 1] == [
+        "BeginWeightUpdateReqInput", "UpdateWeightsFromDistributedReqInput", "EndWeightUpdateReqInput"]
+    manager.version = "0"
+
+
+def test_memory_and_tensor_bodies(sglang, manager, io_struct):
+    """The colocated handoff (release, resume, update_weights_from_tensor); the payload opens
+    with SGLang's own MultiprocessingSerializer into the tensors we sent."""
+    from miles_disagg.trainer.colocated import push_named_tensors
+
+    sent = {"model.norm.weight": torch.randn(16), "lm_head.weight": torch.randn(8, 16, dtype=torch.bfloat16)}
+    with EngineClient(sglang.url) as client:
+        client.release_memory(None)
+        client.release_memory(["weights", "kv_cache"])
+        client.resume_memory(["weights"])
+    pushed = push_named_tensors([sglang.url], sent.items(), 6, bucket_bytes=1)  # one tensor per bucket
+    releases = manager.of_type("ReleaseMemoryOccupationReqInput")
+    assert [r.tags for r in releases] == [None, ["weights", "kv_cache"]]
+    assert [r.tags for r in manager.of_type("ResumeMemoryOccupationReqInput")] == [["weights"]]
+    updates = manager.of_type("UpdateWeightsFromTensorReqInput")
+    assert pushed["buckets"] == len(updates) == 3  # two tensors, then the (empty) one labelling the version
+    assert all(isinstance(u, io_struct.UpdateWeightsFromTensorReqInput) and u.load_format is None for u in updates)
+    assert [u.weight_version for u in updates] == [None, None, "6"]
+    assert [u.flush_cache for u in updates] == [False, False, True]
+    received = dict(pair for batch in manager.tensors for pair in batch)
+    assert received.keys() == sent.keys()
+    for name, tensor in sent.items():
+        assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor)
+    with EngineClient(sglang.url) as client:
+        assert client.version() == 6
+    manager.version = "0"
+
+
+def test_rollout_generate_body_and_response(sglang, manager, io_struct):
+    """The rollout's /generate body (after the router took its version constraint) parses and
+    passes SGLang's own batch validation; the answer, with SGLang's FINISH_LENGTH, parses back."""
+    from miles_disagg.rollout.generate import SamplingSettings, request_body, sample_from_response
+    from miles_disagg.router.policy import request_constraint
+
+    body = request_body([3, 4, 5], SamplingSettings(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=20),
+                        min_version=2, num_samples=3)
+    request_constraint(body, {})  # what the router forwards
+    with EngineClient(sglang.url) as client:
+        answers = client.generate(body)
+    (req,) = manager.of_type("GenerateReqInput")
+    # as SGLang normalized it: one entry per prompt
+    assert req.input_ids == [[3, 4, 5]] * 3 and req.return_logprob == [True] * 3
+    assert req.sampling_params == [{"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20}] * 3
+    assert len(answers) == 3
+    for answer in answers:
+        answer["meta_info"].update(weight_version_start="0", weight_version_end="0")  # the router adds these
+        sample = sample_from_response([3, 4, 5], answer)
+        assert sample.finish_reason == "length" and sample.response_ids == [7] * 4
+        assert sample.response_logprobs == [-0.5] * 4
+
+
+def test_a_session_error_does_not_hide_the_load_error(sglang, manager):
+    with EngineClient(sglang.url) as client:
+        with pytest.raises(RuntimeError, match="load failed"):
+            in_weight_update_session(client, lambda: (_ for _ in ()).throw(RuntimeError("load failed")))
+    assert [type(o).__name__ for o in manager.received] == ["BeginWeightUpdateReqInput", "EndWeightUpdateReqInput"]
