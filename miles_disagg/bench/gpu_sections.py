@@ -70,7 +70,10 @@ def _start_engine(model_dir: Path, work: Path, shapes: Shapes):
     from miles_disagg.engines.launch import launch_engine
 
     return launch_engine(model_dir, log_path=work / "engine.log", startup_timeout_s=180,
-                         extra_args=["--device", shapes.device, "--dtype", shapes.engine_dtype])
+                         extra_args=["--device", shapes.device, "--dtype", shapes.engine_dtype,
+                                     # the roots it may read weights from and write its checkpoint under
+                                     "--weight-store-dir", str(work / "store"),
+                                     "--local-checkpoint-dir", str(work / "local" / "ckpt")])
 
 
 # --------------------------------------------------------------------------- engine
