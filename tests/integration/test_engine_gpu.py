@@ -6,6 +6,8 @@ development machines). The same logic runs on CPU in the other engine tests.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -20,8 +22,15 @@ PROMPT = [5, 6, 7, 8, 9]
 
 
 @pytest.fixture(scope="module")
-def cuda_engine(tiny_qwen3_dir, tmp_path_factory):
-    handle = start_engine(tiny_qwen3_dir, tmp_path_factory.mktemp("gpu"), "--device", "cuda", "--dtype", "float32")
+def roots(tmp_path_factory) -> Path:
+    """The engine's version store and local checkpoint live here (the only paths it may use)."""
+    return tmp_path_factory.mktemp("gpu-roots")
+
+
+@pytest.fixture(scope="module")
+def cuda_engine(tiny_qwen3_dir, tmp_path_factory, roots):
+    handle = start_engine(tiny_qwen3_dir, tmp_path_factory.mktemp("gpu"), "--device", "cuda", "--dtype", "float32",
+                          "--weight-store-dir", str(roots / "store"), "--local-checkpoint-dir", str(roots / "local"))
     yield handle
     stop_engine(handle)
 
@@ -42,21 +51,21 @@ def test_cuda_generation_logprobs_match_a_forward_pass(cuda_engine, tiny_qwen3_d
     assert max(abs(a - b) for a, b in zip(reported, expected)) < 1e-3  # TF32/cuBLAS vs CPU
 
 
-def test_cuda_staged_update_activates_the_pulled_version(cuda_engine, tiny_qwen3_dir, tmp_path):
+def test_cuda_staged_update_activates_the_pulled_version(cuda_engine, tiny_qwen3_dir, roots):
     from safetensors.torch import load_file
 
     from miles_disagg.weights.publisher import DeltaPublisher
 
-    store = tmp_path / "store"
+    store = roots / "store"
     publisher = DeltaPublisher(store, base_dir=tiny_qwen3_dir)
     publisher.capture_baseline()
     head = load_file(str(tiny_qwen3_dir / "model.safetensors"))["lm_head.weight"]
     version = publisher.publish([("lm_head.weight", head + 1.0)]).ref.version
     publisher.close()
     pulled = cuda_engine.post("/pull_weights", {"target_version": version, "source_dir": str(store),
-                                                "local_checkpoint_dir": str(tmp_path / "local")})
+                                                "local_checkpoint_dir": str(roots / "local")})
     assert pulled.status_code == 200, pulled.text
-    activated = cuda_engine.post("/update_weights_from_disk", {"model_path": str(tmp_path / "local"),
+    activated = cuda_engine.post("/update_weights_from_disk", {"model_path": str(roots / "local"),
                                                                "weight_version": str(version)})
     assert activated.status_code == 200 and activated.json()["activation"] == "staged", activated.text
     assert cuda_engine.version() == str(version)

@@ -76,6 +76,7 @@ class ModelRunner:
         self.config_json = read_config(self.model_dir)
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
         self.model = model.to(self.device).eval().requires_grad_(False)
+        self._cache_arg = _cache_argument(self.model)
         self.config = self.model.config
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_context = int(getattr(self.config, "max_position_embeddings", 4096) or 4096)
@@ -98,10 +99,10 @@ class ModelRunner:
         cache = DynamicCache(config=self.config)
         out = self.model(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-            position_ids=position_ids.to(self.device), cache=cache, use_cache=True, logits_to_keep=1,
+            position_ids=position_ids.to(self.device), use_cache=True, logits_to_keep=1, **{self._cache_arg: cache},
         )
         positions = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
-        return out.logits[:, -1, :].float(), KVBatch(cache=out.cache, mask=mask, positions=positions)
+        return out.logits[:, -1, :].float(), KVBatch(cache=_cache_of(out), mask=mask, positions=positions)
 
     @torch.inference_mode()
     def decode(self, batch: KVBatch, next_tokens: list[int]) -> torch.Tensor:
@@ -110,9 +111,10 @@ class ModelRunner:
         batch.mask = torch.cat([batch.mask, torch.ones((batch.num_rows, 1), dtype=torch.long)], dim=1)
         out = self.model(
             input_ids=ids.to(self.device), attention_mask=batch.mask.to(self.device),
-            position_ids=batch.positions.unsqueeze(1).to(self.device), cache=batch.cache, use_cache=True,
+            position_ids=batch.positions.unsqueeze(1).to(self.device), use_cache=True,
+            **{self._cache_arg: batch.cache},
         )
-        batch.cache = out.cache
+        batch.cache = _cache_of(out)
         batch.positions = batch.positions + 1
         return out.logits[:, -1, :].float()
 
@@ -228,3 +230,17 @@ def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[dim] = missing
     return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def _cache_argument(model) -> str:
+    """The forward argument that takes the KV cache: ``cache`` in newer transformers 5 releases,
+    ``past_key_values`` before (passing the wrong one is silently ignored: no cache at all)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(out):
+    """The KV cache a forward returned (``cache``, or ``past_key_values`` in older transformers)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values

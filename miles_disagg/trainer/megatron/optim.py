@@ -108,19 +108,25 @@ class CpuOptimizer:
 
     @torch.no_grad()
     def _create_state(self) -> None:
-        """Give a fresh AdamW its per-parameter state: one step on zero gradients at learning rate 0
-        (moments stay zero, parameters unchanged; the load overwrites all of it)."""
-        if self.optimizer.state:
-            return
-        for p in self.params:
-            p.grad = torch.zeros_like(p)
-        rates = [group["lr"] for group in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
-            group["lr"] = 0.0
-        self.optimizer.step()
-        for group, rate in zip(self.optimizer.param_groups, rates):
-            group["lr"] = rate
-        self.optimizer.zero_grad(set_to_none=True)
+        create_adam_state(self.optimizer)
+
+
+def create_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh torch Adam(W) its per-parameter state (step, moments) to load a checkpoint
+    into: one step on zero gradients at learning rate 0 (moments stay zero, parameters unchanged;
+    the load overwrites all of it). An optimizer that has state is left as it is."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    optimizer.zero_grad(set_to_none=True)
 
 
 def global_grad_norm(model: torch.nn.Module) -> float:
@@ -181,7 +187,12 @@ class GpuOptimizer:
     def sharded_state_dict(self, model_sharded: dict, is_loading: bool) -> dict:
         """The distributed optimizer's state in megatron's ``fully_reshardable`` form: fp32 main
         weights and Adam moments gathered per parameter (over DP) and declared with the
-        parameter's TP sharding, so a save reloads under another TP or DP size."""
+        parameter's TP sharding, so a save reloads under another TP or DP size. ``is_loading``: a
+        fresh optimizer first gets zero state (megatron-core's distributed optimizer reads every
+        parameter's step count before it initializes any state itself)."""
+        if is_loading:
+            for chained in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                create_adam_state(chained.optimizer)
         return self.optimizer.sharded_state_dict(model_sharded, is_loading, metadata=dict(RESHARDABLE))
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
