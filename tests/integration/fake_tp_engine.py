@@ -114,7 +114,8 @@ def create_app(engine: FakeTPEngine):
     async def received():
         return {"workers": engine.received}
 
-    for path in ("/pause_generation", "/continue_generation", "/flush_cache"):
+    for path in ("/pause_generation", "/continue_generation", "/flush_cache", "/begin_weight_update",
+                 "/end_weight_update"):
         app.post(path)(_ok)
     return app
 

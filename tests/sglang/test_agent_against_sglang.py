@@ -37,7 +37,7 @@ def test_disk_delta_update_through_the_agent(sglang, manager, io_struct, tiny_qw
     assert publisher.publish(changed.items()).ref.version == 1
     publisher.close()
 
-    agent = launch_agent(sglang.url, local, log_path=tmp_path / "agent.log", base_dir=base)
+    agent = launch_agent(sglang.url, local, log_path=tmp_path / "agent.log", base_dir=base, store_dirs=[store])
     try:
         updater = DiskDeltaUpdater([agent.url], store_dir=str(store), local_dirs=[str(local)], pause_mode="retract")
         try:
