@@ -7,6 +7,18 @@ from typing import Any
 
 from miles_disagg.auth import ApiKeys
 
+KEEPALIVE_EXPIRY_S = 2.0
+"""Idle pooled connections are dropped after this long: before the 5 s after which uvicorn (our
+servers, SGLang) closes an idle connection from its side, so a request never goes out on a
+connection the server is closing (that reads as a random "connection reset by peer")."""
+
+
+def pooled_limits(**kwargs: Any):
+    """``httpx.Limits`` with :data:`KEEPALIVE_EXPIRY_S`; ``kwargs`` set the rest."""
+    import httpx
+
+    return httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S, **kwargs)
+
 
 class KeyedHttpClient:
     """Subclasses add the endpoints; :meth:`request` sends one with the right key."""
@@ -17,7 +29,7 @@ class KeyedHttpClient:
 
         self.url = url.rstrip("/")
         self.keys = keys if keys is not None else ApiKeys.from_env()
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, limits=pooled_limits(), trust_env=False)
 
     def request(self, method: str, path: str, **kwargs: Any):
         """The raw ``httpx.Response`` (transport errors propagate as httpx's own)."""

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 workers="${MILES_DISAGG_TEST_WORKERS:-3}"
 parallel=()
-[ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadscope)
+[ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadgroup)
 
 set +e
 .venv/bin/python -m pytest tests --ignore=tests/sglang "${parallel[@]}" "$@"

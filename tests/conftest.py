@@ -18,8 +18,12 @@ TIERS = ("unit", "integration", "e2e", "sglang")
 LAST_TIER = "sglang"  # importing SGLang changes process-wide state: nothing runs after it
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each test carries the marker of its tier (its directory under tests/); the SGLang tier runs last."""
+    """Each test carries the marker of its tier (its directory under tests/); ``slow`` tests start
+    first and the SGLang tier runs last. Under ``--dist loadgroup`` the tests of a module that shares
+    a module-scoped fixture (a whole run, a server) stay on one worker, so it is built once; every
+    other test goes to whichever worker is free."""
     def tier(item: pytest.Item) -> str | None:
         parts = Path(str(item.fspath)).relative_to(REPO_ROOT / "tests").parts
         return parts[0] if parts and parts[0] in TIERS else None
@@ -27,7 +31,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if tier(item) is not None:
             item.add_marker(getattr(pytest.mark, tier(item)))
-    items.sort(key=lambda item: tier(item) == LAST_TIER)  # stable: the rest keep their order
+        if _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    items.sort(key=lambda item: (tier(item) == LAST_TIER, item.get_closest_marker("slow") is None))
+
+
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(d.scope in ("module", "package", "class") for defs in info.name2fixturedefs.values() for d in defs)
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_disagg.auth import ApiKeys
+from miles_disagg.keyed_client import pooled_limits
 from miles_disagg.config.actors import RolloutManagerConfig
 from miles_disagg.rollout.buffer import BufferClosed, BufferTimeout, GroupBuffer
 from miles_disagg.rollout.filters import apply_dynamic_filter, buffer_selector
@@ -97,7 +98,7 @@ class RolloutManager:
         if self._client is not None:
             return
         self._loop = asyncio.get_running_loop()
-        limits = httpx.Limits(max_connections=self.config.rollout_concurrency + 8)
+        limits = pooled_limits(max_connections=self.config.rollout_concurrency + 8)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=limits,
                                          transport=self._transport,
                                          headers=ApiKeys.from_env().headers_for("/generate"))  # the run's keys

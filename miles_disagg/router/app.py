@@ -62,6 +62,7 @@ from miles_disagg.router.health import HealthChecker
 from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, annotate_served_versions,
                                        constraint_json, request_constraint, violates)
 from miles_disagg.router.registry import UnknownWorker, Worker, WorkerRegistry, WorkerState, parse_version
+from miles_disagg.keyed_client import pooled_limits
 from miles_disagg.httpjson import dumps_async, parse_body, parse_json_async
 from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
 
@@ -70,7 +71,6 @@ log = logging.getLogger(__name__)
 GENERATE_PATH = "/generate"
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
 DISCONNECT_RECHECK_S = 1.0
-KEEPALIVE_EXPIRY_S = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,11 +167,9 @@ class Router:
     async def start(self) -> None:
         """Open the HTTP clients, register ``config.workers``, run one health pass, start the loop."""
         timeout = httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s)
-        # Idle connections are dropped before uvicorn's 5 s keep-alive closes them from the
-        # engine side, so a request never races a closing connection (that would read as a
-        # worker failure). trust_env=False: worker traffic never goes through an env proxy.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
-                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        # Idle connections are dropped before the engine side closes them (a closing connection
+        # would read as a worker failure). trust_env=False: worker traffic never goes through an env proxy.
+        limits = pooled_limits(max_connections=None, max_keepalive_connections=256)
         self._client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
         probe_client = httpx.AsyncClient(timeout=self.config.health_check_timeout_s, limits=limits,
                                          trust_env=False)

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from miles_disagg.auth import ApiKeys
+from miles_disagg.keyed_client import pooled_limits
 from miles_disagg.service.protocol import ReplicaStatus, StoreHead
 from miles_disagg.types import InvalidInput, Retryable
 
@@ -61,7 +62,7 @@ class GatewayLink:
         """``keys``: the admin key goes with heartbeats and deregistration; None: the environment's."""
         self.url = url.rstrip("/")
         self.keys = keys if keys is not None else ApiKeys.from_env()
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, limits=pooled_limits(), trust_env=False)
 
     def close(self) -> None:
         self._http.close()

@@ -55,6 +55,7 @@ from miles_disagg.auth import forward_headers
 from miles_disagg.engines.builtin import protocol
 from miles_disagg.engines.roots import OutsideRoots, WeightRoots
 from miles_disagg.httpjson import error_json
+from miles_disagg.keyed_client import pooled_limits
 from miles_disagg.httpjson import status_for as _status_for
 from miles_disagg.types import EngineUnreachable, Forbidden, InvalidInput, Retryable, VersionRef
 
@@ -311,7 +312,7 @@ def create_app(agent: Agent):
     from fastapi.responses import JSONResponse, StreamingResponse
 
     timeout = httpx.Timeout(None, connect=agent.config.connect_timeout_s)  # generations may run for minutes
-    client = httpx.AsyncClient(base_url=agent.engine_url, timeout=timeout)
+    client = httpx.AsyncClient(base_url=agent.engine_url, timeout=timeout, limits=pooled_limits())
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
