@@ -59,7 +59,7 @@ def _header_file(raw: bytes) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
-@pytest.mark.parametrize("case, file_of, content, match", [
+MALFORMED_FILES = [
     ("index nested too deep", _index, b'{"metadata": ' + DEEP + b"}", "nested too deeply"),
     ("index with a lone surrogate", _index, b'{"metadata": {"version": "\\ud800"}, "weight_map": {}}', "UTF-8"),
     ("index not UTF-8", _index, b'{"metadata": {"version": "\xff"}}', "not valid"),
@@ -75,7 +75,12 @@ def _header_file(raw: bytes) -> bytes:
     ("LATEST with an infinite version", lambda s: s / "LATEST", b'{"run_id": "r", "version": 1e999}', "malformed"),
     ("payload header nested too deep", _payload, _header_file(DEEP), "nested too deeply"),
     ("payload header with wrong types", _payload, _header_file(b'{"w": {"dtype": "U8", "shape": "x"}}'), "malformed"),
-])
+]
+
+
+# short ids: a test's id travels in PYTEST_CURRENT_TEST to every process it starts, and one
+# environment string may not exceed 128 KiB
+@pytest.mark.parametrize("case, file_of, content, match", MALFORMED_FILES, ids=[c[0] for c in MALFORMED_FILES])
 def test_a_malformed_store_file_is_one_line_exit_2_and_changes_nothing(store, tmp_path, tiny_qwen3_dir, case,
                                                                      file_of, content, match):
     copy = tmp_path / "store"
