@@ -43,3 +43,20 @@ class KeyedHttpClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def response_payload(response) -> Any:
+    """A response's JSON, or the start of its text where it is not JSON."""
+    try:
+        return response.json()
+    except ValueError:
+        return response.text[:500]
+
+
+def payload_message(payload: Any) -> str:
+    """The human message of an error payload: ``message``, ``error.message`` or ``error`` (SGLang,
+    FastAPI and our servers each use one), else the payload itself."""
+    if isinstance(payload, dict):
+        error = payload.get("error")
+        return str(payload.get("message") or (error.get("message") if isinstance(error, dict) else error) or payload)
+    return str(payload)

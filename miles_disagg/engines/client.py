@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_disagg.auth import ApiKeys
-from miles_disagg.keyed_client import KeyedHttpClient
+from miles_disagg.keyed_client import KeyedHttpClient, payload_message, response_payload
 from miles_disagg.types import EngineUnreachable, EngineUnrecoverable, FailRun, InvalidInput, MilesDisaggError, Retryable
 
 CONTROL_TIMEOUT_S = 600.0
@@ -188,10 +188,10 @@ class EngineClient(KeyedHttpClient):
             response = self.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise EngineUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
-        payload = _json(response)
+        payload = response_payload(response)
         if response.status_code == 200 and not (isinstance(payload, dict) and payload.get("success") is False):
             return payload if whole or isinstance(payload, dict) else {"result": payload}
-        raise _error_for(f"{self.url}{path} answered {response.status_code}: {_message(payload)}",
+        raise _error_for(f"{self.url}{path} answered {response.status_code}: {payload_message(payload)}",
                          response.status_code, path)
 
     def _need(self, attr: str) -> str:
@@ -207,17 +207,3 @@ def _error_for(message: str, status: int, path: str) -> MilesDisaggError:
     if status == 409:
         return EngineBusy(message)
     return EngineUnrecoverable(message)
-
-
-def _json(response) -> Any:
-    try:
-        return response.json()
-    except ValueError:
-        return response.text[:500]
-
-
-def _message(payload: Any) -> str:
-    if isinstance(payload, dict):
-        error = payload.get("error")
-        return str(payload.get("message") or (error.get("message") if isinstance(error, dict) else error) or payload)
-    return str(payload)

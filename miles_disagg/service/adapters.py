@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from miles_disagg.auth import ApiKeys
-from miles_disagg.keyed_client import pooled_limits
+from miles_disagg.keyed_client import payload_message, pooled_limits, response_payload
 from miles_disagg.service.protocol import ReplicaStatus, StoreHead
 from miles_disagg.types import InvalidInput, Retryable
 
@@ -85,23 +84,9 @@ class GatewayLink:
             response = self._http.request(method, path, json=body, headers=self.keys.headers_for(path))
         except httpx.HTTPError as exc:
             raise GatewayUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
-        payload = _json(response)
+        payload = response_payload(response)
         if response.status_code in (400, 401, 403, 404, 413, 422):  # what was sent is wrong: retrying will not help
-            raise InvalidInput(f"{self.url}{path} answered {response.status_code}: {_message(payload)}")
+            raise InvalidInput(f"{self.url}{path} answered {response.status_code}: {payload_message(payload)}")
         if not response.is_success:
-            raise GatewayUnreachable(f"{self.url}{path} answered {response.status_code}: {_message(payload)}")
+            raise GatewayUnreachable(f"{self.url}{path} answered {response.status_code}: {payload_message(payload)}")
         return payload if isinstance(payload, dict) else {}
-
-
-def _json(response: httpx.Response) -> Any:
-    try:
-        return response.json()
-    except ValueError:
-        return response.text[:500]
-
-
-def _message(payload: Any) -> str:
-    if isinstance(payload, dict):
-        error = payload.get("error")
-        return str(payload.get("message") or (error.get("message") if isinstance(error, dict) else error) or payload)
-    return str(payload)
