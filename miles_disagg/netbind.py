@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Iterable
 
 from miles_disagg.auth import ApiKeys, new_key
@@ -22,6 +23,8 @@ from miles_disagg.auth import ApiKeys, new_key
 LOOPBACK = "127.0.0.1"
 NODE_IP = "node-ip"
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+RAY_TOKEN_ENVS = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+RAY_DEFAULT_TOKEN_FILE = Path("~/.ray/auth_token")
 
 
 def bind_host(*, spans_nodes: bool) -> str:
@@ -66,5 +69,12 @@ def keys_runtime_env() -> dict | None:
 
 
 def keep_ray_token_auth() -> None:
-    """Before starting a local Ray: token authentication stays on unless the caller chose otherwise."""
-    os.environ.setdefault(RAY_AUTH_MODE_ENV, "token")
+    """Before starting a local Ray: token authentication stays on unless the caller chose a mode.
+    Ray (>= 2.60) turns it on by itself when the mode is unset and makes a token
+    (``~/.ray/auth_token``) if there is none; it refuses to start when the mode is set to
+    ``token`` without one. So the mode is set only where a token exists (``RAY_AUTH_TOKEN``,
+    ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``), and otherwise left to Ray's default."""
+    if os.environ.get(RAY_AUTH_MODE_ENV):
+        return
+    if any(os.environ.get(name) for name in RAY_TOKEN_ENVS) or RAY_DEFAULT_TOKEN_FILE.expanduser().exists():
+        os.environ[RAY_AUTH_MODE_ENV] = "token"

@@ -1,0 +1,28 @@
+"""A local Ray started by a run keeps Ray's token authentication on and starts on a fresh machine
+(no ``~/.ray/auth_token``, no ``RAY_AUTH_*`` in the environment): the demo's own path. The rest of
+the suite runs with ``RAY_AUTH_MODE=disabled``, so this is the one test of it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+PROBE = """
+import os, ray
+from miles_disagg.loop.job import init_ray
+assert init_ray(1)
+print(ray.get(ray.remote(lambda: 7).remote()))
+ray.shutdown()
+"""
+
+
+def test_a_run_on_a_machine_without_a_ray_token_starts_ray_with_token_auth(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update(HOME=str(tmp_path), MILES_DISAGG_RAY_TMPDIR=tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["7"]
+    assert "Token authentication is enabled" in done.stderr  # Ray's default stands: auth on, its own token
+    assert (tmp_path / ".ray" / "auth_token").stat().st_size > 0
