@@ -17,13 +17,11 @@ trainer's by at least its optimizer state. Prints one JSON object; progress on s
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_disagg.bench.common import print_result, progress, work_dir
 from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
 
@@ -44,18 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, ColocateBench)
 
 
-def _progress(message: str) -> None:
-    print(f"[bench colocate] {message}", file=sys.stderr, flush=True)
+_progress = progress("colocate")
 
 
 def run(args: argparse.Namespace) -> int:
     command = config_from_args(ColocateBench, args)
-    with tempfile.TemporaryDirectory(prefix="bench-colocate-") as tmp:
-        root = Path(command.work_dir or tmp)
-        root.mkdir(parents=True, exist_ok=True)
+    with work_dir("colocate", command.work_dir) as root:
         result = _bench(root)
-    print(json.dumps(result, indent=2))
-    return 0
+    return print_result(result)
 
 
 def _bench(root: Path) -> dict:

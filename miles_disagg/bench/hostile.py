@@ -19,15 +19,13 @@ one JSON object on stdout; progress goes to stderr. Not a test: nothing here ass
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from miles_disagg.bench.common import print_result, progress, work_dir
 from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
 
@@ -47,18 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, HostileBench)
 
 
-def _progress(message: str) -> None:
-    print(f"[bench hostile] {message}", file=sys.stderr, flush=True)
+_progress = progress("hostile")
 
 
 def run(args: argparse.Namespace) -> int:
     command = config_from_args(HostileBench, args)
-    with tempfile.TemporaryDirectory(prefix="bench-hostile-") as tmp:
-        root = Path(command.work_dir or tmp)
-        root.mkdir(parents=True, exist_ok=True)
+    with work_dir("hostile", command.work_dir) as root:
         result = _bench(root, command)
-    print(json.dumps(result))
-    return 0
+    return print_result(result)
 
 
 def _bench(root: Path, command: HostileBench) -> dict:
