@@ -22,10 +22,9 @@ characters always count up, and scoring them would pay the policy for the tool's
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
-from miles_disagg.rollout.data import Prompt
+from miles_disagg.rollout.data import Prompt, digit_run_prompts
 from miles_disagg.types import Sample
 
 TURN_TOKENS = 2
@@ -72,10 +71,4 @@ def _counts_up(previous: str, char: str) -> bool:
 
 def count_up_tool_prompts(num_prompts: int, response_len: int, seed: int) -> list[Prompt]:
     """Runs of ``PROMPT_DIGITS`` consecutive digits; the label is the number of policy characters scored."""
-    rng = random.Random(seed)
-    prompts = []
-    for index in range(num_prompts):
-        start = rng.randrange(10)
-        text = "".join(str((start + i) % 10) for i in range(PROMPT_DIGITS))
-        prompts.append(Prompt(index=index, text=text, label=POLICY_CHARS))
-    return prompts
+    return digit_run_prompts(num_prompts, PROMPT_DIGITS, label=POLICY_CHARS, seed=seed)

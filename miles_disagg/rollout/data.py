@@ -225,3 +225,14 @@ class _RecordReader:
                 raise self._fail(line_number, f"message {position} of {self.input_key!r} must be "
                                               f"{{'role': str, 'content': str}}, got {message!r}", INPUT_KEY_FLAG)
         return raw
+
+
+def digit_run_prompts(num_prompts: int, digits: int, *, label: Any, seed: int) -> list[Prompt]:
+    """``num_prompts`` runs of ``digits`` consecutive digits from random starts, each with ``label``."""
+    rng = random.Random(seed)
+    prompts = []
+    for index in range(num_prompts):
+        start = rng.randrange(10)
+        text = "".join(str((start + i) % 10) for i in range(digits))
+        prompts.append(Prompt(index=index, text=text, label=label))
+    return prompts

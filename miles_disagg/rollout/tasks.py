@@ -15,10 +15,9 @@ which is masked out of the loss); it needs its generate function,
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
-from miles_disagg.rollout.data import Prompt, PromptDataset
+from miles_disagg.rollout.data import Prompt, PromptDataset, digit_run_prompts
 from miles_disagg.rollout.rewards import register_reward
 from miles_disagg.types import ConfigError
 
@@ -40,13 +39,8 @@ def count_up_reward(prompt: str, response: str, label: Any, metadata: dict) -> f
 
 
 def count_up_prompts(num_prompts: int, response_len: int, seed: int) -> list[Prompt]:
-    rng = random.Random(seed)
-    prompts = []
-    for index in range(num_prompts):
-        start = rng.randrange(10)
-        text = "".join(str((start + i) % 10) for i in range(COUNT_UP_PROMPT_DIGITS))
-        prompts.append(Prompt(index=index, text=text, label=response_len))
-    return prompts
+    return digit_run_prompts(num_prompts, COUNT_UP_PROMPT_DIGITS, label=response_len, seed=seed)
+
 
 
 def _task_table() -> dict:

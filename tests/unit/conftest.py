@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 
@@ -16,3 +18,13 @@ def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
         raise RuntimeError("unit tests may not start Ray; move this test to tests/integration")
 
     monkeypatch.setattr(ray, "init", refuse)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved tokenizer over the digits charset (the tiny models' vocabulary)."""
+    from miles_disagg.models.tiny_qwen3 import DIGITS_CHARSET, build_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(DIGITS_CHARSET).save_pretrained(path)
+    return path

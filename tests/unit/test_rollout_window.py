@@ -21,15 +21,6 @@ from miles_disagg.rollout.manager import RolloutManager
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from miles_disagg.models.tiny_qwen3 import DIGITS_CHARSET, build_tokenizer
-
-    path = tmp_path_factory.mktemp("tokenizer")
-    build_tokenizer(DIGITS_CHARSET).save_pretrained(path)
-    return path
-
-
 def make_manager(tokenizer_dir: Path, router: FakeRouter, *, capacity: int, **rollout) -> RolloutManager:
     config = RolloutConfig(**{"rollout_batch_size": 2, "n_samples_per_prompt": 2, "rollout_max_response_len": 3,
                               "max_weight_staleness": 0, **rollout})
