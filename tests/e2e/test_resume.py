@@ -1,5 +1,8 @@
-"""Save, crash, resume: a run killed with SIGKILL continues from its last complete save
-without breaking version identity (issue: save, resume and evaluate)."""
+"""Save, crash, resume with another rank count: a one-rank run killed with SIGKILL continues from its
+last complete save on two trainer ranks, without breaking version identity (issue: save, resume and
+evaluate; issue 13: a run saved with N trainer ranks resumes with M).
+
+One crashed run and one resumed run carry every check (each whole run costs half a minute of CPU)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from checkpoint_reading import read_state
+from base_model import place_base_model
 
 from miles_disagg.loop.report import join_updates
 from miles_disagg.tracking import read_metrics
@@ -23,15 +27,18 @@ from miles_disagg.weights.store import VersionStore
 
 REPO = Path(__file__).resolve().parents[2]
 OPTIMIZER_STEPS_PER_ROLLOUT = 2  # tiny config: 256 samples per rollout, global batch 128
+PROMPTS_PER_ROLLOUT = 32
+RESUMED_STEPS = 3
 # a group dropped as stale leaves the data position too (a resumed run would drop it as well): how
 # many are dropped depends on the machine's load, so these runs keep every group to count exactly
 NO_STALE_DROPS = ("--max-weight-staleness", "1000")
 
 
-def command(tmp: Path, num_rollout: int, *extra: str) -> list[str]:
+def command(tmp: Path, num_rollout: int, num_ranks: int, *extra: str) -> list[str]:
     return [sys.executable, str(REPO / "train_async.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
             "--run-dir", str(tmp / "run"), "--hf-checkpoint", str(tmp / "base-model"),
-            "--num-rollout", str(num_rollout), "--save", str(tmp / "saves"), "--save-interval", "2",
+            "--num-rollout", str(num_rollout), "--actor-num-gpus-per-node", str(num_ranks),
+            "--save", str(tmp / "saves"), "--save-interval", "2",
             "--eval-interval", "2", "--eval-prompt-data", "digits", "task:count-up", "--eval-max-prompts", "16",
             *NO_STALE_DROPS, *extra]
 
@@ -42,11 +49,14 @@ def environment() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def crashed_and_resumed(tmp_path_factory: pytest.TempPathFactory):
+def crashed_and_resumed(tmp_path_factory: pytest.TempPathFactory, digits_base_model: Path):
+    """One trainer rank runs until its save at step 4 exists and is killed; a torn newer save is
+    planted; two trainer ranks resume from the newest good save and run three more steps."""
     tmp = tmp_path_factory.mktemp("resume")
-    crash = subprocess.Popen(command(tmp, 60), cwd=tmp, env=environment(), stdout=subprocess.DEVNULL,
+    place_base_model(digits_base_model, tmp)
+    crash = subprocess.Popen(command(tmp, 60, 1), cwd=tmp, env=environment(), stdout=subprocess.DEVNULL,
                              stderr=open(tmp / "crash.log", "wb"), start_new_session=True)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300
     while read_complete(tmp / "saves" / "iter_0000004") is None:
         assert crash.poll() is None, (tmp / "crash.log").read_text()[-4000:]
         assert time.monotonic() < deadline, "no save at step 4"
@@ -56,15 +66,15 @@ def crashed_and_resumed(tmp_path_factory: pytest.TempPathFactory):
     store = VersionStore(tmp / "run" / "weight-updates")
     at_crash = store.latest()
     # a save torn mid-write (newer than every good one) must be ignored
-    torn = tmp / "saves" / "iter_0000008"
+    torn = tmp / "saves" / "iter_0000099"
     shutil.copytree(find_latest(tmp / "saves")[0], torn)
     meta = json.loads((torn / "meta.json").read_text())
-    (torn / "meta.json").write_text(json.dumps({**meta, "step": 8}))
+    (torn / "meta.json").write_text(json.dumps({**meta, "step": 99}))
     with open(next((torn / "state").glob("*.distcp")), "r+b") as f:
         f.truncate(100)
     newest_good = find_latest(tmp / "saves")[0]
-    resumed = subprocess.run(command(tmp, newest_good_step(newest_good) + 3, "--load", str(tmp / "saves")),
-                             cwd=tmp, env=environment(), capture_output=True, text=True, timeout=240)
+    resumed = subprocess.run(command(tmp, newest_good_step(newest_good) + RESUMED_STEPS, 2, "--load", str(tmp / "saves")),
+                             cwd=tmp, env=environment(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-6000:]
     return tmp, at_crash, newest_good, resumed
 
@@ -73,24 +83,36 @@ def newest_good_step(path: Path) -> int:
     return read_complete(path).step
 
 
-
 def test_the_torn_save_is_ignored(crashed_and_resumed) -> None:
     _, _, newest_good, resumed = crashed_and_resumed
-    assert newest_good.name != "iter_0000008"
+    assert newest_good.name != "iter_0000099"
     assert f"resuming from {newest_good}" in resumed.stderr
+
+
+def test_the_one_rank_save_is_resumed_by_two_ranks(crashed_and_resumed) -> None:
+    tmp, _, newest_good, resumed = crashed_and_resumed
+    assert read_complete(newest_good).world_size == 1
+    assert sorted(p.name for p in (newest_good / "rng").iterdir()) == ["rank0.pt"]
+    assert "written by 1 trainer ranks, this job has 2" in resumed.stderr
+    final_save, final = find_latest(tmp / "saves")
+    assert final.world_size == 2 and final.step == newest_good_step(newest_good) + RESUMED_STEPS
+    assert sorted(p.name for p in (final_save / "rng").iterdir()) == ["rank0.pt", "rank1.pt"]
 
 
 def test_step_optimizer_and_data_position_continue(crashed_and_resumed) -> None:
     tmp, _, newest_good, _ = crashed_and_resumed
     start = newest_good_step(newest_good)
-    records = [r for r in read_metrics(tmp / "run" / "metrics.jsonl")]
-    resumed_steps = [r["step"] for r in records][-3:]
+    assert read_complete(newest_good).data_position == start * PROMPTS_PER_ROLLOUT
+    records = read_metrics(tmp / "run" / "metrics.jsonl")
+    resumed_steps = [r["step"] for r in records][-RESUMED_STEPS:]
     assert resumed_steps == [start, start + 1, start + 2]
+    assert json.loads((tmp / "run" / "summary.json").read_text())["steps"] == start + RESUMED_STEPS
     final_path, final = find_latest(tmp / "saves")
-    assert final.step == start + 3 and final.run_id == read_complete(newest_good).run_id
-    assert final.data_position == (start + 3) * 32  # every consumed prompt counted once, across the crash
+    assert final.step == start + RESUMED_STEPS and final.run_id == read_complete(newest_good).run_id
+    # every consumed prompt counted once, across the crash and the change of rank count
+    assert final.data_position == (start + RESUMED_STEPS) * PROMPTS_PER_ROLLOUT
     steps = {int(value) for key, value in read_state(final_path)["optimizer"].items() if key.endswith(".step")}
-    assert steps == {(start + 3) * OPTIMIZER_STEPS_PER_ROLLOUT}  # Adam's moments continued, not restarted
+    assert steps == {(start + RESUMED_STEPS) * OPTIMIZER_STEPS_PER_ROLLOUT}  # Adam's moments continued, not restarted
 
 
 def test_first_version_after_resume_is_latest_plus_one_of_the_same_run(crashed_and_resumed) -> None:
@@ -98,7 +120,8 @@ def test_first_version_after_resume_is_latest_plus_one_of_the_same_run(crashed_a
     saved = read_complete(newest_good)
     store = VersionStore(tmp / "run" / "weight-updates")
     assert at_crash.run_id == saved.run_id and at_crash.version >= saved.version
-    first_record = read_metrics(tmp / "run" / "metrics.jsonl")[-3]
+    records = read_metrics(tmp / "run" / "metrics.jsonl")
+    first_record = records[-RESUMED_STEPS]
     if at_crash.version != saved.version:  # the store moved on after the save: a full republish
         assert f"republished the trainer's state as full v{at_crash.version + 1}" in resumed.stderr
         index = json.loads((store.version_dir(at_crash.version + 1) / "model.safetensors.index.json").read_text())
@@ -107,8 +130,11 @@ def test_first_version_after_resume_is_latest_plus_one_of_the_same_run(crashed_a
     else:
         assert first_record["weights/version"] == at_crash.version + 1
     assert f"engines at v{first_record['weights/version'] - 1}" in resumed.stderr
-    joined = join_updates(read_metrics(tmp / "run" / "metrics.jsonl"), read_metrics(tmp / "run" / "updates.jsonl"))
-    for record in joined[-3:]:  # each activation is logged to updates.jsonl once it finished
+    resumed_versions = [r["weights/version"] for r in records[-RESUMED_STEPS:]]
+    assert resumed_versions == sorted(set(resumed_versions))  # never a number reused
+    assert store.latest().version == resumed_versions[-1] == read_complete(find_latest(tmp / "saves")[0]).version
+    joined = join_updates(records, read_metrics(tmp / "run" / "updates.jsonl"))
+    for record in joined[-RESUMED_STEPS:]:  # each activation is logged to updates.jsonl once it finished
         assert record["weights/engine_versions"] == [str(record["weights/version"])] * 2
     assert store.latest().run_id == saved.run_id
 

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
+from base_model import place_base_model
 
 from miles_disagg.tracking import read_metrics
 
@@ -49,8 +49,18 @@ def consumed(run_dir: Path, step: int) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "consumed" / f"{step}.jsonl").read_text().splitlines()]
 
 
-def test_staleness_zero_runs_and_trains_only_on_the_current_version(tmp_path: Path) -> None:
-    run_dir = train_async(tmp_path, "k0", 4, "--max-weight-staleness", "0")
+@pytest.fixture(scope="module")
+def staleness_zero_with_dynamic_sampling(tmp_path_factory: pytest.TempPathFactory, digits_base_model: Path) -> Path:
+    """One run carries both checks: ``--max-weight-staleness 0`` and a dynamic-sampling filter (each
+    whole run costs half a minute of CPU; the filter makes the K=0 window turn stale more often)."""
+    tmp = tmp_path_factory.mktemp("k0-dapo")
+    place_base_model(digits_base_model, tmp)
+    return train_async(tmp, "k0-dapo", 4, "--max-weight-staleness", "0",
+                       "--dynamic-sampling-filter-path", "miles_disagg.rollout.filters.check_reward_nonzero_std")
+
+
+def test_staleness_zero_runs_and_trains_only_on_the_current_version(staleness_zero_with_dynamic_sampling) -> None:
+    run_dir = staleness_zero_with_dynamic_sampling
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all(r["rollout/staleness_max"] == 0 for r in records)
@@ -62,7 +72,8 @@ def test_staleness_zero_runs_and_trains_only_on_the_current_version(tmp_path: Pa
                 assert sample["weight_version_start"] == sample["weight_version_end"] == group["consumed_at_version"]
 
 
-def test_a_multi_turn_generate_function_from_a_test_file_trains(tmp_path: Path) -> None:
+def test_a_multi_turn_generate_function_from_a_test_file_trains(tmp_path: Path, digits_base_model: Path) -> None:
+    place_base_model(digits_base_model, tmp_path)
     run_dir = train_async(tmp_path, "multiturn", 3, "--custom-generate-function-path", "multiturn_hooks.generate",
                           "--rollout-max-response-len", "9", "--max-weight-staleness", "1")
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -98,9 +109,8 @@ def check_episode(sample: dict, consumed_at: int) -> int:
     return len(tool_positions)
 
 
-def test_dynamic_sampling_keeps_full_batches_without_zero_variance_groups(tmp_path: Path) -> None:
-    run_dir = train_async(tmp_path, "dapo", 4, "--dynamic-sampling-filter-path",
-                          "miles_disagg.rollout.filters.check_reward_nonzero_std")
+def test_dynamic_sampling_keeps_full_batches_without_zero_variance_groups(staleness_zero_with_dynamic_sampling) -> None:
+    run_dir = staleness_zero_with_dynamic_sampling
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for step in range(4):
@@ -114,11 +124,12 @@ def test_dynamic_sampling_keeps_full_batches_without_zero_variance_groups(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_the_built_in_multi_turn_example_learns(tmp_path: Path) -> None:
+def test_the_built_in_multi_turn_example_learns(tmp_path: Path, digits_base_model: Path) -> None:
     """``configs/tiny_cpu_multiturn.yaml`` (count-up-tool): the policy learns to count around the
     tool's answer; the tool's tokens are masked and never scored."""
     from miles_disagg.rollout.counter_tool import count_up_tool_reward
 
+    place_base_model(digits_base_model, tmp_path)
     run_dir = tmp_path / "run"
     env = {**os.environ, "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"),
            "RAY_AUTH_MODE": "disabled"}

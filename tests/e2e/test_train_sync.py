@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from base_model import place_base_model
 
 from miles_disagg.tracking import read_metrics
 
@@ -32,8 +33,9 @@ def train_py(tmp: Path, name: str, *args: str) -> tuple[Path, subprocess.Complet
 
 
 @pytest.fixture(scope="module")
-def sync_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def sync_run(tmp_path_factory: pytest.TempPathFactory, digits_base_model: Path) -> tuple[Path, Path]:
     tmp = tmp_path_factory.mktemp("sync")
+    place_base_model(digits_base_model, tmp)
     run_dir, _ = train_py(tmp, "disk-delta", "--save-debug-rollout-data", str(tmp / "rollouts" / "{rollout_id}.jsonl"))
     return tmp, run_dir
 
@@ -65,9 +67,10 @@ def test_train_only_on_saved_rollouts(sync_run) -> None:
     assert records[0]["rollout/raw_reward"] == pytest.approx(sum(rewards) / len(rewards))
 
 
-def test_colocated_memory_handoff(tmp_path: Path) -> None:
+def test_colocated_memory_handoff(tmp_path: Path, digits_base_model: Path) -> None:
     """--colocate: engines release memory while the trainer trains, the trainer offloads while they
     generate, and the policy reaches them by /update_weights_from_tensor (shared memory on CPU)."""
+    place_base_model(digits_base_model, tmp_path)
     run_dir, result = train_py(tmp_path, "colocate", "--colocate", "--update-weight-transfer-mode", "broadcast",
                                "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--num-rollout", "2")
     assert "trainer [0, 1], engines [[0], [1]]" in result.stderr  # the engines share the trainer's bundles
@@ -83,9 +86,10 @@ def test_colocated_memory_handoff(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="sglang-router is not installed")
-def test_async_behind_sglang_router(tmp_path: Path) -> None:
+def test_async_behind_sglang_router(tmp_path: Path, digits_base_model: Path) -> None:
     """--router sglang: sglang-router balances, no version constraints; versions still come from the engines."""
     env = {**os.environ, "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"), "RAY_AUTH_MODE": "disabled"}
+    place_base_model(digits_base_model, tmp_path)
     run_dir = tmp_path / "sglang-router"
     result = subprocess.run([sys.executable, str(REPO / "train_async.py"), *SMALL, "--router", "sglang",
                              "--run-dir", str(run_dir), "--hf-checkpoint", str(tmp_path / "base-model"),

@@ -24,7 +24,16 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture
 def engine(tiny_qwen3_dir, tmp_path):
+    """A fresh engine, for a test that changes its memory or weights."""
     handle = start_engine(tiny_qwen3_dir, tmp_path)
+    yield handle
+    stop_engine(handle)
+
+
+@pytest.fixture(scope="module")
+def untouched_engine(tiny_qwen3_dir, tmp_path_factory):
+    """One engine for the refused requests: each case checks that it left the engine as it was."""
+    handle = start_engine(tiny_qwen3_dir, tmp_path_factory.mktemp("engine"))
     yield handle
     stop_engine(handle)
 
@@ -83,7 +92,8 @@ def test_weights_loaded_in_parts_serve_only_once_all_are_back(engine, tiny_qwen3
     ("/update_weights_from_tensor", {"serialized_named_tensors": []}, 400),
     ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"], "load_format": "flattened_bucket"}, 400),
 ])
-def test_bad_requests_are_refused_and_change_nothing(engine, path, body, status):
+def test_bad_requests_are_refused_and_change_nothing(untouched_engine, path, body, status):
+    engine = untouched_engine
     before = engine.generate({"input_ids": PROMPT, "sampling_params": GREEDY})["output_ids"]
     response = engine.post(path, body)
     assert response.status_code == status, response.text

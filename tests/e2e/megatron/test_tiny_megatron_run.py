@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'miles-disagg[megatron]')")
 
+from base_model import place_base_model  # noqa: E402
+
 from miles_disagg.loop.report import join_updates  # noqa: E402
 from miles_disagg.tracking import read_metrics  # noqa: E402
 
@@ -20,7 +22,8 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.timeout(300)
-def test_tp2_megatron_trainer_publishes_versions_the_engines_activate(tmp_path: Path) -> None:
+def test_tp2_megatron_trainer_publishes_versions_the_engines_activate(tmp_path: Path, digits_base_model: Path) -> None:
+    place_base_model(digits_base_model, tmp_path)
     env = {**os.environ, "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"),
            "RAY_AUTH_MODE": "disabled"}  # Ray socket paths must be short
     run_dir = tmp_path / "megatron-tp2"
