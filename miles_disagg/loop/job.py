@@ -236,10 +236,8 @@ def init_ray(num_bundles: int) -> bool:
 
     if ray.is_initialized():
         return False
-    from miles_disagg.auth import ApiKeys
-    from miles_disagg.netbind import keep_ray_token_auth
+    from miles_disagg.netbind import inherit_into_local_ray, keep_ray_token_auth
 
-    keys_env = ApiKeys.from_env().env()  # every actor of the run enforces and sends the run's keys
     if os.environ.get("RAY_ADDRESS"):  # an existing cluster (also how a `ray job submit` driver connects)
         # no runtime_env here: a submitted job's own (its working_dir) must stay; the actor handles
         # hand the keys to their actors themselves (netbind.keys_runtime_env)
@@ -251,9 +249,11 @@ def init_ray(num_bundles: int) -> bool:
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else num_bundles
     tmp = os.environ.get(RAY_TMPDIR_ENV)
     keep_ray_token_auth()  # Ray's own token auth stays on (tests may set RAY_AUTH_MODE=disabled)
+    # every actor of the run enforces and sends the run's keys: its workers inherit them (and one
+    # OpenMP thread each) from this environment, with no runtime_env to set up per worker
+    inherit_into_local_ray()
     ray.init(num_cpus=max(8, os.cpu_count() or 1), num_gpus=num_gpus, include_dashboard=False,
-             logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **keys_env}})
+             logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None)
     return True
 
 

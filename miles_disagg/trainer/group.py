@@ -21,6 +21,7 @@ class TrainerGroup:
     def __init__(self, placement: Placement, config: TrainerGroupConfig):
         import ray
 
+        from miles_disagg.netbind import worker_runtime_env
         from miles_disagg.trainer.actor import TrainerRank
 
         self.train_config = config.train
@@ -30,7 +31,7 @@ class TrainerGroup:
         remote_cls = ray.remote(TrainerRank)
         self.ranks = [
             remote_cls.options(num_cpus=0.5, num_gpus=gpus, scheduling_strategy=placement.strategy(pos),
-                               runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+                               runtime_env=worker_runtime_env({"OMP_NUM_THREADS": "1"}))
             .remote(rank, self.world_size, config)
             for rank, pos in enumerate(positions)
         ]

@@ -167,9 +167,13 @@ def _record_ray_init(monkeypatch) -> list[tuple[str | None, dict]]:
     calls: list[tuple[str | None, dict]] = []
 
     def fake_init(*args, **kwargs):
-        calls.append((os.environ.get("RAY_AUTH_MODE"), kwargs))
+        calls.append((os.environ.get("RAY_AUTH_MODE"), {**kwargs, "environ": dict(os.environ)}))
         raise _Stop()
 
+    from miles_disagg.netbind import LOCAL_RAY_ENV, WORKER_ENV
+
+    for name in (LOCAL_RAY_ENV, *WORKER_ENV):  # whatever the launcher sets there is undone after the test
+        monkeypatch.setenv(name, os.environ.get(name, ""))
     monkeypatch.setattr(ray, "init", fake_init)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     return calls
@@ -187,7 +191,11 @@ def test_the_launcher_keeps_ray_token_auth_on_and_hands_actors_the_run_keys(monk
         init_ray(2)
     mode, kwargs = calls[-1]
     assert mode == "token" and kwargs["include_dashboard"] is False
-    assert kwargs["runtime_env"]["env_vars"][ADMIN_API_KEY_ENV] == "the-run-key"
+    # the local Ray's raylet, and so every actor, inherits the keys and one OpenMP thread per worker
+    assert "runtime_env" not in kwargs
+    environ = kwargs["environ"]
+    assert environ[ADMIN_API_KEY_ENV] == "the-run-key" and environ["OMP_NUM_THREADS"] == "1"
+    assert environ["MILES_DISAGG_LOCAL_RAY"] == "1"
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a test's own local cluster may opt out
     with pytest.raises(_Stop):
         init_ray(2)
