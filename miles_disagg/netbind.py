@@ -69,6 +69,11 @@ LOCAL_RAY_ENV = "MILES_DISAGG_LOCAL_RAY"  # "1" in every process of a local Ray 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}  # what every Ray worker of a run gets
 
 
+# A local Ray starts no idle workers for its first driver: a run's tasks and actors ask for GPU
+# bundles or a runtime_env those workers cannot serve (each idle worker costs half a CPU-second).
+LOCAL_RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
+
+
 def inherit_into_local_ray() -> None:
     """Before starting a local Ray: its raylet, and so every worker, inherits this environment,
     with :data:`WORKER_ENV` and the :data:`LOCAL_RAY_ENV` marker set."""

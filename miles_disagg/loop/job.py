@@ -236,7 +236,7 @@ def init_ray(num_bundles: int) -> bool:
 
     if ray.is_initialized():
         return False
-    from miles_disagg.netbind import inherit_into_local_ray, keep_ray_token_auth
+    from miles_disagg.netbind import LOCAL_RAY_SYSTEM_CONFIG, inherit_into_local_ray, keep_ray_token_auth
 
     if os.environ.get("RAY_ADDRESS"):  # an existing cluster (also how a `ray job submit` driver connects)
         # no runtime_env here: a submitted job's own (its working_dir) must stay; the actor handles
@@ -253,7 +253,8 @@ def init_ray(num_bundles: int) -> bool:
     # OpenMP thread each) from this environment, with no runtime_env to set up per worker
     inherit_into_local_ray()
     ray.init(num_cpus=max(8, os.cpu_count() or 1), num_gpus=num_gpus, include_dashboard=False,
-             logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None)
+             logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None,
+             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     return True
 
 

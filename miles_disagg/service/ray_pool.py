@@ -201,10 +201,11 @@ def run_ray_service(config: RayServiceConfig, *, address: str | None, stop: thre
     import ray
 
     if address is None:  # a cluster of our own: no dashboard (its jobs API runs code unauthenticated)
-        from miles_disagg.netbind import keep_ray_token_auth
+        from miles_disagg.netbind import LOCAL_RAY_SYSTEM_CONFIG, keep_ray_token_auth
 
         keep_ray_token_auth()
-        ray.init(include_dashboard=False, ignore_reinit_error=True, logging_level="WARNING")
+        ray.init(include_dashboard=False, ignore_reinit_error=True, logging_level="WARNING",
+                 _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     else:
         ray.init(address=address, ignore_reinit_error=True, logging_level="WARNING")
     _check_cluster(config)

@@ -74,8 +74,11 @@ def test_staleness_zero_runs_and_trains_only_on_the_current_version(staleness_ze
 
 def test_a_multi_turn_generate_function_from_a_test_file_trains(tmp_path: Path, digits_base_model: Path) -> None:
     place_base_model(digits_base_model, tmp_path)
+    # half the groups of the other runs: each sample makes three engine calls, and what is checked is
+    # per sample (two optimizer steps per rollout still)
     run_dir = train_async(tmp_path, "multiturn", 3, "--custom-generate-function-path", "multiturn_hooks.generate",
-                          "--rollout-max-response-len", "9", "--max-weight-staleness", "1")
+                          "--rollout-max-response-len", "9", "--max-weight-staleness", "1",
+                          "--rollout-batch-size", str(BATCH // 2), "--global-batch-size", "16")
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all("train/loss" in r and r["weights/version"] == r["step"] + 1 for r in records)

@@ -24,6 +24,7 @@ import httpx
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.engines.manager import EngineManager
 from miles_disagg.engines.updater import DiskDeltaUpdater
+from miles_disagg.netbind import LOCAL_RAY_SYSTEM_CONFIG
 
 HERE = Path(__file__).resolve().parent
 RETRYABLE_STATUSES = (409, 502, 503)
@@ -39,7 +40,8 @@ def ray_session(num_gpus: int = 8) -> Iterator[None]:
     pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
     ray.init(num_cpus=8, num_gpus=num_gpus, include_dashboard=False, _temp_dir=temp_dir, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1",
-                                       "TOKENIZERS_PARALLELISM": "false"}})
+                                       "TOKENIZERS_PARALLELISM": "false"}},
+             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     try:
         yield
     finally:

@@ -28,6 +28,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from checkpoint_reading import assert_same_state, read_state  # noqa: E402
 
 from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig  # noqa: E402
+from miles_disagg.netbind import LOCAL_RAY_SYSTEM_CONFIG  # noqa: E402
 from miles_disagg.types import Sample  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,7 +40,8 @@ def ray_cluster():
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
     tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray socket paths must be short
-    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING")
+    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
+             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     yield
     ray.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)

@@ -22,6 +22,7 @@ import torch
 from checkpoint_reading import assert_same_state, read_state
 
 from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig
+from miles_disagg.netbind import LOCAL_RAY_SYSTEM_CONFIG
 from miles_disagg.types import Sample
 
 pytestmark = pytest.mark.timeout(400)
@@ -33,7 +34,8 @@ def ray_cluster():
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
     tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING")
+    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
+             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     yield
     ray.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)
