@@ -26,8 +26,8 @@ from miles_disagg.trainer.checkpoint import find_latest, read_complete
 from miles_disagg.weights.store import VersionStore
 
 REPO = Path(__file__).resolve().parents[2]
-OPTIMIZER_STEPS_PER_ROLLOUT = 2  # tiny config: 256 samples per rollout, global batch 128
-PROMPTS_PER_ROLLOUT = 32
+PROMPTS_PER_ROLLOUT = 8  # groups of 8 samples: 64 samples per rollout
+OPTIMIZER_STEPS_PER_ROLLOUT = 2  # global batch 32
 RESUMED_STEPS = 3
 # a group dropped as stale leaves the data position too (a resumed run would drop it as well): how
 # many are dropped depends on the machine's load, so these runs keep every group to count exactly
@@ -38,6 +38,7 @@ def command(tmp: Path, num_rollout: int, num_ranks: int, *extra: str) -> list[st
     return [sys.executable, str(REPO / "train_async.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
             "--run-dir", str(tmp / "run"), "--hf-checkpoint", str(tmp / "base-model"),
             "--num-rollout", str(num_rollout), "--actor-num-gpus-per-node", str(num_ranks),
+            "--rollout-batch-size", str(PROMPTS_PER_ROLLOUT), "--global-batch-size", "32",
             "--save", str(tmp / "saves"), "--save-interval", "2",
             "--eval-interval", "2", "--eval-prompt-data", "digits", "task:count-up", "--eval-max-prompts", "16",
             *NO_STALE_DROPS, *extra]
