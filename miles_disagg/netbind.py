@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -99,13 +100,19 @@ def keys_runtime_env() -> dict | None:
     return worker_runtime_env(ApiKeys.from_env().env())
 
 
-def keep_ray_token_auth() -> None:
+def keep_ray_token_auth(ray_imported: bool | None = None) -> None:
     """Before starting a local Ray: token authentication stays on unless the caller chose a mode.
-    Ray (>= 2.60) turns it on by itself when the mode is unset and makes a token
-    (``~/.ray/auth_token``) if there is none; it refuses to start when the mode is set to
-    ``token`` without one. So the mode is set only where a token exists (``RAY_AUTH_TOKEN``,
-    ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``), and otherwise left to Ray's default."""
+    Ray (>= 2.60) turns it on by itself when the mode is unset, using the token it finds or one it
+    writes (``~/.ray/auth_token``), and refuses to start in token mode without a token. Ray reads
+    the mode when it is imported: set afterwards, this process would send no token to the cluster
+    it starts, which wants one. So the mode is set to ``token`` only where a token exists
+    (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``) and Ray is not imported
+    yet (``ray_imported``: None looks at ``sys.modules``); otherwise Ray's default stands."""
     if os.environ.get(RAY_AUTH_MODE_ENV):
+        return
+    if ray_imported is None:
+        ray_imported = "ray" in sys.modules
+    if ray_imported:
         return
     if any(os.environ.get(name) for name in RAY_TOKEN_ENVS) or RAY_DEFAULT_TOKEN_FILE.expanduser().exists():
         os.environ[RAY_AUTH_MODE_ENV] = "token"

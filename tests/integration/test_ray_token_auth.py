@@ -1,6 +1,7 @@
-"""A local Ray started by a run keeps Ray's token authentication on and starts on a fresh machine
-(no ``~/.ray/auth_token``, no ``RAY_AUTH_*`` in the environment): the demo's own path. The rest of
-the suite runs with ``RAY_AUTH_MODE=disabled``, so this is the one test of it."""
+"""A local Ray started by a run keeps Ray's token authentication on and starts, on a fresh machine
+(no ``~/.ray/auth_token``, no ``RAY_AUTH_*`` in the environment) and on one where Ray wrote its
+token earlier: the demo's own paths. The rest of the suite runs with ``RAY_AUTH_MODE=disabled``,
+so these are the tests of it."""
 
 from __future__ import annotations
 
@@ -26,3 +27,18 @@ def test_a_run_on_a_machine_without_a_ray_token_starts_ray_with_token_auth(tmp_p
     assert done.stdout.split() == ["7"]
     assert "Token authentication is enabled" in done.stderr  # Ray's default stands: auth on, its own token
     assert (tmp_path / ".ray" / "auth_token").stat().st_size > 0
+
+
+def test_a_run_on_a_machine_with_a_ray_token_starts_ray_with_token_auth(tmp_path):
+    """~/.ray/auth_token exists (Ray wrote it on an earlier run) and ``ray`` is imported before the
+    run starts its Ray: the driver must still send the token (it once sent none, and the run died
+    on an authentication error)."""
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("5f" * 32)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update(HOME=str(tmp_path), MILES_DISAGG_RAY_TMPDIR=tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["7"]
+    assert "Token authentication is enabled" in done.stderr
+    assert (tmp_path / ".ray" / "auth_token").read_text() == "5f" * 32  # its own token, not a new one
