@@ -42,7 +42,6 @@ def count_up_prompts(num_prompts: int, response_len: int, seed: int) -> list[Pro
     return digit_run_prompts(num_prompts, COUNT_UP_PROMPT_DIGITS, label=response_len, seed=seed)
 
 
-
 def _task_table() -> dict:
     from miles_disagg.rollout.counter_tool import count_up_tool_prompts, count_up_tool_reward
 
