@@ -32,6 +32,7 @@ from typing import Any
 
 from miles_disagg.auth import ApiKeys
 from miles_disagg.keyed_client import pooled_limits
+from miles_disagg.pooled_http import PooledSession
 from miles_disagg.config.actors import RolloutManagerConfig
 from miles_disagg.rollout.buffer import BufferClosed, BufferTimeout, GroupBuffer
 from miles_disagg.rollout.filters import apply_dynamic_filter, buffer_selector
@@ -93,15 +94,10 @@ class RolloutManager:
     # ------------------------------------------------------------------ lifecycle
 
     async def _ensure_client(self) -> None:
-        import httpx
-
         if self._client is not None:
             return
         self._loop = asyncio.get_running_loop()
-        limits = pooled_limits(max_connections=self.config.rollout_concurrency + 8)
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=limits,
-                                         transport=self._transport,
-                                         headers=ApiKeys.from_env().headers_for("/generate"))  # the run's keys
+        self._client = self._router_client(ApiKeys.from_env().headers_for("/generate"))  # the run's keys
         # one slot per group in flight: the concurrency bound counts samples
         self._slots = asyncio.Semaphore(max(1, self.config.rollout_concurrency // self.config.n_samples_per_prompt))
         self._room = asyncio.Event()
@@ -118,6 +114,16 @@ class RolloutManager:
             max_weight_staleness=self.config.max_weight_staleness, hf_checkpoint=self.hf_dir,
             router_url=self.router_url, tokenizer=self.tokenizer, engine=engine,
             run_group=lambda samples: self.generator.run_samples(samples, self.args))
+
+    def _router_client(self, headers: dict[str, str]):
+        max_connections = self.config.rollout_concurrency + 8
+        if self._transport is None:
+            return PooledSession(max_connections=max_connections, connect_timeout_s=10.0, read_timeout_s=900.0,
+                                 headers=headers)
+        import httpx
+
+        return httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), transport=self._transport,
+                                 headers=headers, limits=pooled_limits(max_connections=max_connections))
 
     def _training_bound(self) -> tuple[int | None, int | None]:
         """The version constraint of a training request sent now."""

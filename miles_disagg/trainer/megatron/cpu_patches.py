@@ -16,11 +16,19 @@ Nothing else is needed: the model must be built with ``use_cpu_initialization=Tr
 and called with an explicit causal mask (megatron's default mask is made on "cuda").
 ``apply_cpu_patches`` changes nothing when CUDA is available, and is idempotent.
 The patches are process-wide: a process that applied them runs megatron on CPU only.
+
+``fusions_left_uncompiled`` is for the import itself: megatron wraps its fused activations
+in ``torch.compile`` as its modules load, which imports TorchDynamo and Inductor (about 3
+CPU-seconds in every trainer rank) for kernels a CPU run never compiles. Without CUDA the
+import sees a ``torch.compile`` that returns the function as it is, which is megatron's
+own ``disable_jit_fuser`` applied before its modules load.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -63,3 +71,29 @@ def _no_cuda_rng_state(*args, **kwargs) -> None:
 
 def _ignore_cuda_rng_state(*args, **kwargs) -> None:
     return None
+
+
+@contextlib.contextmanager
+def fusions_left_uncompiled() -> Iterator[None]:
+    """While megatron-core is first imported on a machine without CUDA, ``torch.compile`` is
+    the identity (its fused activations stay plain functions); elsewhere this does nothing."""
+    if torch.cuda.is_available() or "megatron.core" in sys.modules:
+        yield
+        return
+    real_compile = torch.compile
+    torch.compile = _uncompiled
+    try:
+        yield
+        jit = sys.modules.get("megatron.core.jit")
+        if jit is not None:
+            jit.disable_jit_fuser()
+    finally:
+        torch.compile = real_compile
+
+
+def _uncompiled(model=None, **options):
+    return model if model is not None else _return_as_is
+
+
+def _return_as_is(function):
+    return function

@@ -45,8 +45,10 @@ class ParallelLayout:
 def import_megatron() -> None:
     """Import megatron-core quietly (it warns about every optional accelerator library it lacks);
     ``ConfigError`` when it is not installed."""
+    from miles_disagg.trainer.megatron.cpu_patches import fusions_left_uncompiled
+
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), fusions_left_uncompiled():
             warnings.simplefilter("ignore")
             from megatron.core import parallel_state, tensor_parallel  # noqa: F401
             from megatron.core.models.gpt import GPTModel  # noqa: F401

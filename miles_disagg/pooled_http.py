@@ -1,0 +1,90 @@
+"""The async HTTP client of the generation hot path: the rollout manager's requests to the
+router (or a rollout service) and the router's requests to the engines.
+
+Why not ``httpx`` there: its connection pool (httpcore) scans every pooled connection on each
+request it starts and each response it closes, asking each whether it is idle and still
+readable. At a rollout concurrency of 128 that bookkeeping took more than half of the rollout
+manager's CPU and two thirds of the router's in a multi-turn run (py-spy). aiohttp's connector
+keeps idle connections per host and hands one out without a scan. Control traffic (health
+probes, activation, the CLIs) stays on ``httpx``: a few requests, no pool to speak of.
+
+A :class:`Reply` is read whole and has the ``status_code``, ``content``, ``text``, ``headers``,
+``is_success`` and ``json()`` its readers use (the same names as an ``httpx.Response``, so a test
+may still hand the rollout manager an ``httpx`` client with a fake router's transport).
+Transport failures are typed by what the caller must do: :class:`NotConnected` (nothing was
+sent; another server may take the request) or :class:`TransportFailed` (it may have been sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json as jsonlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from miles_disagg.keyed_client import KEEPALIVE_EXPIRY_S
+
+
+class TransportFailed(Exception):
+    """The request failed on the wire after it may have reached the server (reset, timeout)."""
+
+
+class NotConnected(TransportFailed):
+    """No connection could be made: the request was never sent."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    status_code: int
+    content: bytes
+    headers: Mapping[str, str]
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status_code < 300
+
+    def json(self) -> Any:
+        return jsonlib.loads(self.content)
+
+
+class PooledSession:
+    """One aiohttp session: ``post(url, json=... | content=...)`` -> :class:`Reply`."""
+
+    def __init__(self, *, max_connections: int | None, connect_timeout_s: float, read_timeout_s: float | None,
+                 headers: Mapping[str, str] | None = None):
+        """Make it on the event loop it will be used on (aiohttp binds to the running loop).
+        ``max_connections``: None for no bound."""
+        import aiohttp
+
+        # Idle connections are dropped before a uvicorn server closes them from its side (5 s):
+        # a request sent on a connection the server is closing reads as "connection reset".
+        connector = aiohttp.TCPConnector(limit=max_connections or 0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
+        # trust_env stays False: traffic inside the cluster never goes through an environment proxy
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                              headers=dict(headers or {}))
+
+    async def post(self, url: str, *, json: Any = None, content: bytes | None = None,
+                   headers: Mapping[str, str] | None = None) -> Reply:
+        import aiohttp
+
+        if json is not None:
+            content = jsonlib.dumps(json).encode()
+            headers = {"Content-Type": "application/json", **(headers or {})}
+        try:
+            async with self._session.post(url, data=content, headers=headers) as response:
+                return Reply(response.status, await response.read(), response.headers)
+        except aiohttp.ClientConnectorError as exc:
+            raise NotConnected(f"cannot connect to {url}: {exc}") from exc
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise NotConnected(f"connecting to {url} timed out") from exc
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise TransportFailed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+
+    async def aclose(self) -> None:
+        await self._session.close()
