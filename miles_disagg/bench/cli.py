@@ -1,4 +1,4 @@
-"""``miles-disagg bench {delta,engine,async,service,hostile,colocate}``: dispatch to the benchmark modules.
+"""``miles-disagg bench {delta,engine,async,service,hostile,colocate,http}``: dispatch to the benchmark modules.
 
 Each benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and
 prints one JSON object on stdout.
@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "service": ("miles_disagg.bench.service", "rollout service: convergence, pauses, gateway overhead under load"),
     "hostile": ("miles_disagg.bench.hostile", "oversized and hostile bodies: time to refusal, engine RSS, /health"),
     "colocate": ("miles_disagg.bench.colocate", "--colocate memory handoff: engine and trainer RSS released/offloaded"),
+    "http": ("miles_disagg.bench.http_client", "the generation hot path's HTTP client: httpx vs pooled_http"),
 }
 
 

@@ -37,11 +37,13 @@ def ray_session(num_gpus: int = 8) -> Iterator[None]:
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    # The raylet, and so every worker, inherits this process's environment (tests/conftest.py sets
+    # the thread counts): only PYTHONPATH is added, for the start. A job-wide runtime_env would
+    # start every worker through Ray's setup_worker instead (about half a CPU-second more each).
     pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=8, num_gpus=num_gpus, include_dashboard=False, _temp_dir=temp_dir, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1",
-                                       "TOKENIZERS_PARALLELISM": "false"}},
-             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
+    with _environment(PYTHONPATH=pythonpath):
+        ray.init(num_cpus=8, num_gpus=num_gpus, include_dashboard=False, _temp_dir=temp_dir,
+                 logging_level="WARNING", _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     try:
         yield
     finally:
@@ -49,6 +51,20 @@ def ray_session(num_gpus: int = 8) -> Iterator[None]:
         shutil.rmtree(temp_dir, ignore_errors=True)
         # Ray's exiting workers may still write logs there; remove what they leave at exit
         atexit.register(shutil.rmtree, temp_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def checkpoint_copy(source: Path, target: Path, **config_overrides: Any) -> Path:

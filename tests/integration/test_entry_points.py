@@ -95,3 +95,20 @@ def test_load_of_another_backends_save_exits_2_naming_both(tmp_path: Path) -> No
     assert "Traceback" not in result.stderr
     assert "written by --train-backend megatron; this job has --train-backend fsdp" in result.stderr
     assert "engines:" not in result.stderr and "resuming from" not in result.stderr
+
+
+def test_bench_http_prints_both_clients_side_by_side() -> None:
+    """``miles-disagg bench http``: one JSON object, the same requests through httpx and pooled_http."""
+    import json
+
+    result = subprocess.run([sys.executable, "-m", "miles_disagg.cli", "bench", "http", "--requests", "200",
+                             "--concurrency", "16", "--delay-ms", "1"], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    answer = json.loads(result.stdout)
+    for kind in ("httpx", "pooled_http"):
+        assert answer[kind]["requests_per_s"] > 0 and answer[kind]["client_cpu_ms_per_request"] > 0
+    assert answer["config"] == {"concurrency": 16, "requests": 200, "delay_ms": 1.0}
+    assert answer["cpu_per_request_ratio_httpx_over_pooled"] > 0
+    refused = subprocess.run([sys.executable, "-m", "miles_disagg.cli", "bench", "http", "--requests", "0"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--requests must be at least 1" in refused.stderr

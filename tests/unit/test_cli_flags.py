@@ -19,6 +19,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
     from miles_disagg.bench.delta import DeltaBench
     from miles_disagg.bench.engine import EngineBench
     from miles_disagg.bench.hostile import HostileBench
+    from miles_disagg.bench.http_client import HttpBench
     from miles_disagg.bench.service import ServiceBench
     from miles_disagg.engines.agent.cli import AgentCommand
     from miles_disagg.models.cli import TinyCheckpointCommand
@@ -39,6 +40,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
         ("bench", "service"): (ServiceBench,),
         ("bench", "hostile"): (HostileBench,),
         ("bench", "colocate"): (ColocateBench,),
+        ("bench", "http"): (HttpBench,),
     }
 
 
