@@ -52,7 +52,7 @@ if [ -n "$missing" ]; then
   export PYTHONPATH="$PYTHONPATH:$deps_dir"
 fi
 if [ -d "$wheels" ] && ls "$wheels"/megatron_core-*.whl >/dev/null 2>&1 \
-    && ! "$python_bin" -c "import megatron.core" 2>/dev/null; then
+    && ! "$python_bin" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('megatron.core') is None)" 2>/dev/null; then
   echo "[gpu_check] installing megatron-core from $wheels into $deps_dir" >&2
   "$python_bin" -m pip install --quiet --no-index --no-deps --find-links "$wheels" --target "$deps_dir" megatron-core >&2
   case ":$PYTHONPATH:" in *":$deps_dir:"*) ;; *) export PYTHONPATH="$PYTHONPATH:$deps_dir";; esac
