@@ -33,9 +33,10 @@ fi
 
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
-# --no-compile: pip would byte-compile every module of every wheel (torch alone: 26 s instead of
-# 9 s here); Python compiles the ones a process imports, on first import.
-pip_install() { "$py" -m pip install --disable-pip-version-check --no-compile -q "$@"; }
+# pip byte-compiles what it installs: keep it. Where PYTHONDONTWRITEBYTECODE is set (this project's
+# machines set it), Python never writes a .pyc itself, and every process would compile every module
+# it imports (torch, transformers, ray) from source, every time.
+pip_install() { "$py" -m pip install --disable-pip-version-check -q "$@"; }
 
 if ! "$py" -c "import torch" 2>/dev/null; then
   if has_gpu; then
@@ -67,5 +68,7 @@ install_sglang_tier() {
 if [ "$with_tier" = "1" ]; then
   install_sglang_tier
 fi
+# The project's own modules are installed editable (not compiled by pip): compile them once here.
+"$py" -m compileall -q miles_disagg >/dev/null
 "$py" -c "import miles_disagg, torch; print(f'[setup] ready: torch {torch.__version__}')" >&2
 echo "$want" > "$stamp"

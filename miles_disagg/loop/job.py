@@ -17,7 +17,9 @@ directory gets ``placement.json``, and a node that leaves the cluster ends the r
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -244,18 +246,58 @@ def init_ray(num_bundles: int) -> bool:
         ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
         _report_cluster()
         return True
-    import torch
-
-    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else num_bundles
+    num_gpus = _cuda_device_count() or num_bundles  # without CUDA: logical GPUs, one per bundle
     tmp = os.environ.get(RAY_TMPDIR_ENV)
     keep_ray_token_auth()  # Ray's own token auth stays on (tests may set RAY_AUTH_MODE=disabled)
     # every actor of the run enforces and sends the run's keys: its workers inherit them (and one
     # OpenMP thread each) from this environment, with no runtime_env to set up per worker
     inherit_into_local_ray()
-    ray.init(num_cpus=max(8, os.cpu_count() or 1), num_gpus=num_gpus, include_dashboard=False,
-             logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None,
-             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
+    _start_local_ray(num_cpus=max(8, os.cpu_count() or 1), num_gpus=num_gpus, include_dashboard=False,
+                     logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None,
+                     _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     return True
+
+
+LOCAL_RAY_START_ATTEMPTS = 2
+
+
+def _start_local_ray(**options) -> None:
+    """``ray.init(**options)``, once more when the node did not come up in time. On a loaded
+    machine Ray's node agents can start slower than the raylet waits for them (a fixed timeout,
+    after which it exits and ``ray.init`` raises a bare ``Exception``); the Ray processes the
+    failed start left behind are stopped before the second."""
+    import ray
+
+    for attempt in range(1, LOCAL_RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(**options)
+            return
+        except Exception as exc:  # Ray raises a bare Exception here
+            if "timed out during startup" not in str(exc) or attempt == LOCAL_RAY_START_ATTEMPTS:
+                raise
+            status(f"the local Ray did not come up in time ({str(exc).splitlines()[0]}); starting it again")
+            _stop_ray_children()
+
+
+def _stop_ray_children(timeout_s: float = 10.0) -> None:
+    """Terminate (then kill) this process's descendants that run Ray's own programs."""
+    import psutil
+
+    marker = f"{os.sep}ray{os.sep}"
+    ours = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if marker in " ".join(child.cmdline()):
+                ours.append(child)
+        except psutil.Error:
+            continue
+    for child in ours:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, alive = psutil.wait_procs(ours, timeout=timeout_s)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
 
 
 def _report_cluster() -> None:
@@ -267,3 +309,13 @@ def _report_cluster() -> None:
               if k not in ("CPU", "GPU", "memory", "object_store_memory") and not k.startswith("node:")}
     status(f"joined the Ray cluster at {os.environ['RAY_ADDRESS']}: {len(nodes)} node(s), "
            f"{totals.get('GPU', 0):g} GPUs" + (f", resources {custom}" if custom else ""))
+
+
+def _cuda_device_count() -> int:
+    """The CUDA devices this process sees. torch (about two CPU-seconds to import, which the
+    driver otherwise never needs) is imported only where an NVIDIA driver is installed."""
+    if not os.path.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is None:
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

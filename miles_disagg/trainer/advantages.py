@@ -1,8 +1,8 @@
 """Advantage estimators (``--advantage-estimator``), with miles' meanings, in two halves.
 
 Driver side, before the batch is dealt to the ranks (miles' reward post-processing):
-``assign_advantages`` sets each sample's sequence-level signal ``Sample.advantage`` from its
-group's rewards:
+``sequence_advantages.assign_advantages`` (torch-free, as the driver is) sets each sample's
+sequence-level signal ``Sample.advantage`` from its group's rewards:
 - ``grpo``: reward minus the group's mean, divided by the group's std + 1e-6
   (``--normalize-advantages-by-std``, on by default; a group of one gets 0);
 - ``reinforce_plus_plus_baseline``: reward minus the group's mean (the group baseline);
@@ -29,41 +29,7 @@ import torch
 from miles_disagg.trainer.losses import kl_penalty
 from miles_disagg.trainer.reduction import all_reduce_sum
 
-GROUP_STD_EPS = 1e-6
 WHITEN_EPS = 1e-8
-
-
-def grpo_advantages(rewards: torch.Tensor, *, normalize_by_std: bool = True, eps: float = GROUP_STD_EPS) -> torch.Tensor:
-    """``[groups, n]`` rewards -> ``[groups, n]`` advantages: reward minus its group's mean,
-    divided by the group's std when ``normalize_by_std`` (a group of equal rewards gets 0)."""
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be [groups, samples_per_group], got shape {tuple(rewards.shape)}")
-    centered = rewards - rewards.mean(dim=1, keepdim=True)
-    if not normalize_by_std or rewards.shape[1] < 2:
-        return centered
-    return centered / (rewards.std(dim=1, keepdim=True) + eps)
-
-
-def assign_advantages(groups: list, config) -> list:
-    """Set each sample's sequence-level signal (module docstring) from its group; the samples in order.
-
-    ``config`` is the ``TrainConfig``. Groups may differ in size."""
-    estimator = config.advantage_estimator
-    samples = []
-    for group in groups:
-        rewards = torch.tensor([[s.reward for s in group.samples]], dtype=torch.float32)
-        if estimator == "grpo":
-            signal = grpo_advantages(rewards, normalize_by_std=config.normalize_advantages_by_std)
-        elif estimator == "reinforce_plus_plus_baseline":
-            signal = grpo_advantages(rewards, normalize_by_std=False)
-        elif estimator == "reinforce_plus_plus":
-            signal = rewards
-        else:
-            raise ValueError(f"unsupported --advantage-estimator {estimator!r}")
-        for sample, value in zip(group.samples, signal[0].tolist()):
-            sample.advantage = float(value)
-            samples.append(sample)
-    return samples
 
 
 def token_advantages(config, batch, old: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:

@@ -54,7 +54,7 @@ def staleness_zero_with_dynamic_sampling(tmp_path_factory: pytest.TempPathFactor
     whole run costs half a minute of CPU; the filter makes the K=0 window turn stale more often)."""
     tmp = tmp_path_factory.mktemp("k0-dapo")
     place_base_model(digits_base_model, tmp)
-    return train_async(tmp, "k0-dapo", 4, "--max-weight-staleness", "0",
+    return train_async(tmp, "k0-dapo", 4, "--max-weight-staleness", "0", "--rollout-num-gpus", "1",
                        "--dynamic-sampling-filter-path", "miles_disagg.rollout.filters.check_reward_nonzero_std")
 
 

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from base_model import place_base_model
 
 from miles_disagg.tracking import read_metrics
 
@@ -20,12 +21,11 @@ STALENESS = 2
 
 
 @pytest.fixture(scope="module")
-def service_run(tmp_path_factory: pytest.TempPathFactory):
-    from miles_disagg.models.tiny_qwen3 import DIGITS_CHARSET, make_tiny_qwen3
+def service_run(tmp_path_factory: pytest.TempPathFactory, digits_base_model: Path):
     from miles_disagg.service.local import launch_local_service
 
     tmp = tmp_path_factory.mktemp("service")
-    base = make_tiny_qwen3(tmp / "base", seed=1234, charset=DIGITS_CHARSET)
+    base = place_base_model(digits_base_model, tmp)
     store = tmp / "store"
     service = launch_local_service(store, base, work_dir=tmp / "service", num_replicas=2)
     try:
