@@ -1,5 +1,6 @@
 """The generation hot path's HTTP client, side by side: ``httpx.AsyncClient`` (what the rollout
-manager and the router used) against ``pooled_http.PooledSession`` (what they use now), each
+manager used, and the router still uses) against ``pooled_http.PooledSession`` (what the rollout
+manager uses now), each
 sending the same requests at the same concurrency to one local uvicorn server whose
 ``/generate`` answers after a fixed delay (an engine's time per request).
 
