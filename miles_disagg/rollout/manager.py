@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from miles_disagg.auth import ApiKeys
+from miles_disagg.config.actors import RolloutManagerConfig
 from miles_disagg.keyed_client import pooled_limits
 from miles_disagg.pooled_http import PooledSession
-from miles_disagg.config.actors import RolloutManagerConfig
 from miles_disagg.rollout.buffer import BufferClosed, BufferTimeout, GroupBuffer
 from miles_disagg.rollout.filters import apply_dynamic_filter, buffer_selector
 from miles_disagg.rollout.generate import GenerationFailed, RequestLost, SamplingSettings
