@@ -3,6 +3,7 @@ bounded timeout, and the run's keys sent per path (the admin key only to admin e
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from miles_disagg.auth import ApiKeys
@@ -20,6 +21,16 @@ def pooled_limits(**kwargs: Any):
     return httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S, **kwargs)
 
 
+@functools.cache
+def shared_tls_context():
+    """httpx's default TLS context, made once per process and handed to every client made here
+    (``verify=``): httpx builds a new one per client by loading the CA bundle, about 40 ms of CPU,
+    and some clients are made per call (a health check, a status read)."""
+    import httpx
+
+    return httpx.create_ssl_context()
+
+
 class KeyedHttpClient:
     """Subclasses add the endpoints; :meth:`request` sends one with the right key."""
 
@@ -29,7 +40,8 @@ class KeyedHttpClient:
 
         self.url = url.rstrip("/")
         self.keys = keys if keys is not None else ApiKeys.from_env()
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, limits=pooled_limits(), trust_env=False)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, limits=pooled_limits(), trust_env=False,
+                                  verify=shared_tls_context())
 
     def request(self, method: str, path: str, **kwargs: Any):
         """The raw ``httpx.Response`` (transport errors propagate as httpx's own)."""

@@ -23,16 +23,17 @@ class BusyMeter:
     (None where the router does not count busy time, e.g. sglang-router)."""
 
     def __init__(self, router_url: str | None):
+        import httpx
+
         self.router_url = router_url
+        self._client = httpx.Client(timeout=10, trust_env=False) if router_url else None  # one per run
         self._last = self._read() if router_url else None
 
     def _read(self) -> tuple[float, float, int] | None:
-        import httpx
-
         from miles_disagg.auth import ApiKeys
 
-        workers = httpx.get(f"{self.router_url}/list_workers", timeout=10,
-                            headers=ApiKeys.from_env().headers_for("/list_workers")).json().get("workers")
+        workers = self._client.get(f"{self.router_url}/list_workers",
+                                   headers=ApiKeys.from_env().headers_for("/list_workers")).json().get("workers")
         if not workers or not all("busy_s" in w for w in workers):
             return None
         return time.monotonic(), sum(w["busy_s"] for w in workers), len(workers)

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from miles_disagg.auth import ApiKeys
-from miles_disagg.keyed_client import payload_message, pooled_limits, response_payload
+from miles_disagg.keyed_client import payload_message, pooled_limits, response_payload, shared_tls_context
 from miles_disagg.service.protocol import ReplicaStatus, StoreHead
 from miles_disagg.types import InvalidInput, Retryable
 
@@ -61,7 +61,8 @@ class GatewayLink:
         """``keys``: the admin key goes with heartbeats and deregistration; None: the environment's."""
         self.url = url.rstrip("/")
         self.keys = keys if keys is not None else ApiKeys.from_env()
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, limits=pooled_limits(), trust_env=False)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, limits=pooled_limits(), trust_env=False,
+                                  verify=shared_tls_context())
 
     def close(self) -> None:
         self._http.close()

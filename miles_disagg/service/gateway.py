@@ -47,6 +47,7 @@ from fastapi.responses import JSONResponse
 
 from miles_disagg.asgi_guard import ServerGuard
 from miles_disagg.httpjson import error_json, parse_body, status_for
+from miles_disagg.keyed_client import shared_tls_context
 from miles_disagg.router.app import ProxyRecord, Router, RouterConfig, create_app
 from miles_disagg.router.registry import UnknownWorker
 from miles_disagg.service.fleet import Fleet
@@ -160,7 +161,8 @@ class Gateway:
         """``POST /wake`` on every live replica at once; returns who answered."""
         urls = self.fleet.control_urls()
         headers = self.router.keys.headers_for("/wake")
-        async with httpx.AsyncClient(timeout=self.config.wake_timeout_s, trust_env=False) as client:
+        async with httpx.AsyncClient(timeout=self.config.wake_timeout_s, trust_env=False,
+                                     verify=shared_tls_context()) as client:
             results = await asyncio.gather(*(client.post(f"{u}/wake", headers=headers) for u in urls),
                                            return_exceptions=True)
         woken, failed = [], {}

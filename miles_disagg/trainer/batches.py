@@ -1,4 +1,5 @@
-"""Samples -> padded tensors for the trainer, and the split of a rollout into optimizer steps."""
+"""Samples -> padded tensors for the trainer (the split of a rollout into optimizer steps and ranks' shares:
+:mod:`miles_disagg.trainer.shares`)."""
 
 from __future__ import annotations
 
@@ -87,40 +88,3 @@ def response_logits(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     offsets = torch.arange(resp_len).unsqueeze(0) + batch.response_start.unsqueeze(1) - 1
     offsets = offsets.clamp(max=logits.shape[1] - 1).to(logits.device)
     return logits.gather(1, offsets.unsqueeze(-1).expand(n, resp_len, logits.shape[-1]))
-
-
-def split_for_steps(samples: Sequence[Sample], global_batch_size: int, world_size: int,
-                    balance: bool = False) -> list[list[list[Sample]]]:
-    """``samples`` -> ``[step][rank] -> samples``: consecutive global batches, each dealt round-robin to
-    ranks, or (``balance``, miles' ``--balance-data``) so each rank's share has a similar token total.
-
-    ``ValueError`` when the samples do not fill whole global batches or a global batch does not
-    divide over the ranks (the config validation prevents both for a normal run).
-    """
-    if global_batch_size % world_size:
-        raise ValueError(f"global batch {global_batch_size} does not divide over {world_size} trainer ranks")
-    if len(samples) % global_batch_size:
-        raise ValueError(f"{len(samples)} samples are not a whole number of global batches of {global_batch_size}")
-    steps = []
-    for start in range(0, len(samples), global_batch_size):
-        chunk = samples[start:start + global_batch_size]
-        steps.append(balanced_shares(chunk, world_size) if balance else
-                     [list(chunk[rank::world_size]) for rank in range(world_size)])
-    return steps
-
-
-def balanced_shares(samples: Sequence[Sample], world_size: int) -> list[list[Sample]]:
-    """Equal-count shares with similar token totals: longest sample first, each to the share with
-    the fewest tokens that still has room (greedy; each share keeps the samples' order)."""
-    per_rank = len(samples) // world_size
-    tokens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    totals, members = [0] * world_size, [[] for _ in range(world_size)]
-    for index in sorted(range(len(samples)), key=lambda i: (-tokens[i], i)):
-        rank = min((r for r in range(world_size) if len(members[r]) < per_rank), key=lambda r: (totals[r], r))
-        members[rank].append(index)
-        totals[rank] += tokens[index]
-    return [[samples[i] for i in sorted(share)] for share in members]
-
-
-def micro_batches(samples: Sequence[Sample], micro_batch_size: int) -> list[list[Sample]]:
-    return [list(samples[i:i + micro_batch_size]) for i in range(0, len(samples), micro_batch_size)]

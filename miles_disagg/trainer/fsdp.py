@@ -17,7 +17,8 @@ import torch
 from miles_disagg.config.components import TrainConfig
 from miles_disagg.trainer.advantages import rollout_advantages
 from miles_disagg.trainer.backend import TrainerBackend, TrainResult
-from miles_disagg.trainer.batches import PackedBatch, micro_batches, pack, response_logits
+from miles_disagg.trainer.batches import PackedBatch, pack, response_logits
+from miles_disagg.trainer.shares import micro_batches
 from miles_disagg.trainer.losses import rl_loss, token_logprobs_and_entropy
 from miles_disagg.trainer.reduction import StepMetrics, global_token_mean, step_denominators
 from miles_disagg.types import Sample

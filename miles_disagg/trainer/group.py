@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from miles_disagg.config.actors import TrainerGroupConfig
 from miles_disagg.remote import Pending, wait_for
-from miles_disagg.trainer.batches import split_for_steps
+from miles_disagg.trainer.shares import split_for_steps
 from miles_disagg.trainer.placement import Placement
 from miles_disagg.types import Sample
 

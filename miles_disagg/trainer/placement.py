@@ -185,7 +185,8 @@ def create_placement(layout: Layout) -> Placement:
     if not ready:
         remove_placement_group(group)
         raise _not_reserved(layout)
-    sites = [BundleSite(*found) for found in ray.get([_probe_bundle(group, i) for i in range(layout.num_bundles)])]
+    # one bundle at a time: the probes then share one Ray worker per node (see _probe_bundle)
+    sites = [BundleSite(*ray.get(_probe_bundle(group, i))) for i in range(layout.num_bundles)]
     try:
         order = order_bundles(layout, sites)
     except ConfigError:
@@ -214,7 +215,9 @@ def _probe_bundle(group, index: int):
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    @ray.remote(num_cpus=0.01, num_gpus=0.01)
+    # max_calls=0: Ray's default for a task that asks for a GPU is a fresh worker process per call
+    # (about a CPU-second each); this one never touches the device, so one worker serves them all
+    @ray.remote(num_cpus=0.01, num_gpus=0.01, max_calls=0)
     def where() -> tuple[str, str, str]:
         ids = ray.get_gpu_ids()
         return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),

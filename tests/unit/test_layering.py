@@ -36,3 +36,19 @@ def test_imports_point_down_the_code_map():
         allowed = set(ORDER[ORDER.index(owner):])
         wrong += [f"{relative} imports miles_disagg.{m}" for m in sorted(_imports(path) - allowed)]
     assert wrong == []
+
+
+def test_the_driver_side_imports_no_torch():
+    """The driver (``train.py``/``train_async.py``: the loop, the trainer group's handle, the report)
+    never imports torch: about 2 CPU-seconds per run that only the trainer ranks and engines need."""
+    import subprocess
+    import sys
+
+    driver_modules = ["miles_disagg.launcher", "miles_disagg.loop.job", "miles_disagg.loop.train_loops",
+                      "miles_disagg.loop.report", "miles_disagg.trainer.group", "miles_disagg.rollout.handle",
+                      "miles_disagg.engines.handle"]
+    probe = "; ".join(f"import {m}" for m in driver_modules) + "; import sys; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                            cwd=PACKAGE.parent)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
