@@ -51,15 +51,14 @@ class RolloutManager:
                  *, http_transport=None):
         """``data_position``: prompts already consumed by the run (a resumed run skips them);
         ``http_transport``: an ``httpx`` transport to reach the router through (tests: a fake router)."""
-        from transformers import AutoTokenizer
-
+        from miles_disagg.models.tokenizer import load_tokenizer
         from miles_disagg.rollout.prompts import make_prompt_source, make_reward
 
         self.hf_dir, seed = config.hf_dir, config.seed
         self.config, self.router_url = config.rollout, config.router_url.rstrip("/")
         self.run_id = config.run_id
         config = config.rollout
-        self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
+        self.tokenizer = load_tokenizer(self.hf_dir)
         self.prompts = make_prompt_source(config, self.tokenizer, seed)
         self.drawn = data_position
         if data_position:

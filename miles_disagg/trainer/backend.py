@@ -7,12 +7,12 @@ initialized. Every method is collective: all ranks call it in the same order.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
 from miles_disagg.config.components import TrainConfig
+from miles_disagg.trainer.results import TrainResult
 from miles_disagg.types import ConfigError, Sample
 
 
@@ -20,7 +20,7 @@ class TrainerBackend(ABC):
     """One rank of a policy trainer."""
 
     @abstractmethod
-    def train(self, steps: list[list[Sample]]) -> "TrainResult":
+    def train(self, steps: list[list[Sample]]) -> TrainResult:
         """One rollout's optimizer steps; ``steps[i]`` is this rank's share of global batch i.
 
         The behaviour policy's logprobs are recomputed with the current weights before the
@@ -49,54 +49,6 @@ class TrainerBackend(ABC):
         """The module and optimizer ``--colocate`` moves off the device between trainings."""
         raise ConfigError(f"--colocate offloading is not implemented for {type(self).__name__}; "
                           "use --train-backend fsdp", ("--colocate", "--train-backend"))
-
-
-class MetricMeans:
-    """Running means of named metrics (per micro-batch or per optimizer step)."""
-
-    def __init__(self) -> None:
-        self._sums: dict[str, float] = {}
-        self._counts: dict[str, int] = {}
-
-    def add(self, key: str, value: float) -> None:
-        self._sums[key] = self._sums.get(key, 0.0) + float(value)
-        self._counts[key] = self._counts.get(key, 0) + 1
-
-    def means(self) -> dict[str, float]:
-        return {k: self._sums[k] / self._counts[k] for k in self._sums}
-
-
-FIRST_STEP_KEYS = ("train/ppo_kl", "train/pg_clipfrac")
-
-
-@dataclass
-class TrainResult:
-    """One rollout's training metrics: each optimizer step's, in order, and the rollout's own.
-
-    ``steps[k]``: ``train/loss``, ``train/pg_loss``, ``train/pg_clipfrac``, ``train/ppo_kl``,
-    ``train/entropy``, ``train/kl_loss`` (with ``--use-kl-loss``), ``train/tis_weight_mean``
-    (``--use-tis``), ``train/grad_norm``, ``train/lr`` of step k over the global batch.
-    ``rollout``: values of the whole rollout (``train/train_rollout_logprob_abs_diff``).
-    """
-
-    steps: list[dict[str, float]] = field(default_factory=list)
-    rollout: dict[str, float] = field(default_factory=dict)
-
-    def summary(self) -> dict[str, float]:
-        """The per-rollout record: each metric's mean over the steps, the FIRST step's
-        ``ppo_kl`` and ``pg_clipfrac`` (``train/ppo_kl_first_step``, ``train/pg_clipfrac_first_step``:
-        0 for an on-policy update, miles' CI gates), and the rollout values."""
-        means = MetricMeans()
-        for step in self.steps:
-            for key, value in step.items():
-                means.add(key, value)
-        summary = means.means()
-        if self.steps:
-            for key in FIRST_STEP_KEYS:
-                if key in self.steps[0]:
-                    summary[f"{key}_first_step"] = self.steps[0][key]
-        summary.update(self.rollout)
-        return summary
 
 
 def make_backend(config: TrainConfig, hf_dir: str, *, rank: int, world_size: int,

@@ -1,5 +1,8 @@
 """``--train-backend fsdp``: any HF causal LM, PyTorch FSDP2 on GPU.
 
+The model is :func:`miles_disagg.models.causal_lm.load_causal_lm`'s (the native Qwen3 on CPU
+where it applies, transformers otherwise).
+
 On GPU each decoder layer and the root are sharded with ``fully_shard`` (FSDP2), parameters
 kept in float32 and computed in bfloat16. On CPU (no CUDA) the same backend runs plain
 data parallelism over gloo (``DistributedDataParallel``; a single rank runs unwrapped):
@@ -16,7 +19,8 @@ import torch
 
 from miles_disagg.config.components import TrainConfig
 from miles_disagg.trainer.advantages import rollout_advantages
-from miles_disagg.trainer.backend import TrainerBackend, TrainResult
+from miles_disagg.trainer.backend import TrainerBackend
+from miles_disagg.trainer.results import TrainResult
 from miles_disagg.trainer.batches import PackedBatch, pack, response_logits
 from miles_disagg.trainer.shares import micro_batches
 from miles_disagg.trainer.losses import rl_loss, token_logprobs_and_entropy
@@ -30,13 +34,13 @@ class FSDPBackend(TrainerBackend):
     def __init__(self, config: TrainConfig, hf_dir: str, *, rank: int, world_size: int, temperature: float = 1.0):
         """``temperature``: the rollout's sampling temperature; logprobs are computed on
         ``logits / temperature`` so they are those of the distribution the engines sampled."""
-        from transformers import AutoModelForCausalLM
+        from miles_disagg.models.causal_lm import load_causal_lm
 
         self.config, self.rank, self.world_size = config, rank, world_size
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         torch.manual_seed(config.seed + rank)
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype="auto")
+        model = load_causal_lm(hf_dir, dtype="auto", runs_on=self.device)  # loaded on the CPU, moved below
         self.export_dtypes = {name: t.dtype for name, t in model.state_dict().items()}
         self.pad_id = model.config.pad_token_id or 0
         self.module = model.float().to(self.device)  # float32 master weights
@@ -62,10 +66,10 @@ class FSDPBackend(TrainerBackend):
         return module
 
     def _load_reference(self, hf_dir: str) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
+        from miles_disagg.models.causal_lm import load_causal_lm
 
-        ref = AutoModelForCausalLM.from_pretrained(self.config.ref_load or hf_dir, dtype=torch.float32)
-        return ref.to(self.device).eval().requires_grad_(False)
+        ref = load_causal_lm(self.config.ref_load or hf_dir, dtype=torch.float32, device=self.device)
+        return ref.eval().requires_grad_(False)
 
     # ------------------------------------------------------------------ training
 

@@ -11,7 +11,7 @@ from miles_disagg.trainer.placement import Placement
 from miles_disagg.types import Sample
 
 if TYPE_CHECKING:
-    from miles_disagg.trainer.backend import TrainResult
+    from miles_disagg.trainer.results import TrainResult
     from miles_disagg.weights.publisher import PublishResult
 
 

@@ -39,14 +39,17 @@ def test_imports_point_down_the_code_map():
 
 
 def test_the_driver_side_imports_no_torch():
-    """The driver (``train.py``/``train_async.py``: the loop, the trainer group's handle, the report)
-    never imports torch: about 2 CPU-seconds per run that only the trainer ranks and engines need."""
+    """The driver (``train.py``/``train_async.py``: the loop, the trainer group's handle, the report,
+    and the classes of what the actors return to it) never imports torch: about 3 CPU-seconds per
+    run that only the trainer ranks and engines need."""
     import subprocess
     import sys
 
     driver_modules = ["miles_disagg.launcher", "miles_disagg.loop.job", "miles_disagg.loop.train_loops",
                       "miles_disagg.loop.report", "miles_disagg.trainer.group", "miles_disagg.rollout.handle",
-                      "miles_disagg.engines.handle"]
+                      "miles_disagg.engines.handle",
+                      # what the actors send back: unpickling a result imports the module defining its class
+                      "miles_disagg.trainer.results", "miles_disagg.weights.publisher", "miles_disagg.weights.probe"]
     probe = "; ".join(f"import {m}" for m in driver_modules) + "; import sys; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                             cwd=PACKAGE.parent)

@@ -1,8 +1,10 @@
-"""The HF causal LM and a batched, left-padded KV cache that rows join and leave between steps.
+"""The causal LM and a batched, left-padded KV cache that rows join and leave between steps.
 
-A :class:`KVBatch` holds the KV cache of the running rows as one ``DynamicCache`` whose
-tensors are ``[rows, kv_heads, length, head_dim]``, left-padded, plus a ``[rows, length]``
-attention mask (0 on padding) and each row's real length (its next RoPE position).
+The model is :func:`miles_disagg.models.causal_lm.load_causal_lm`'s: the native Qwen3 on CPU
+where it applies, transformers otherwise. A :class:`KVBatch` holds the KV cache of the running
+rows as one ``(keys, values)`` pair per layer, each ``[rows, kv_heads, length, head_dim]``,
+left-padded, plus a ``[rows, length]`` attention mask (0 on padding) and each row's real length
+(its next RoPE position).
 Prefill builds a new ``KVBatch`` for the joining rows; :meth:`ModelRunner.merge` and
 :meth:`ModelRunner.select` let rows join and leave without recomputing anything.
 
@@ -19,6 +21,7 @@ from typing import Iterable
 
 import torch
 
+from miles_disagg.models.causal_lm import NATIVE, checkpoint_dtype, implementation, load_causal_lm, read_config
 from miles_disagg.types import FormatError, InvalidInput, LayoutMismatch
 
 # config.json keys that must agree for a checkpoint to be loadable into the live model
@@ -32,7 +35,7 @@ _ARCH_KEYS = (
 class KVBatch:
     """KV cache of the running rows (row ``i`` belongs to the scheduler's ``running[i]``)."""
 
-    cache: object  # transformers DynamicCache
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values
     mask: torch.Tensor  # [rows, length] long, 0 on left padding
     positions: torch.Tensor  # [rows] long: real tokens in the cache = next position
 
@@ -41,54 +44,47 @@ class KVBatch:
         return int(self.mask.shape[0])
 
     def layer_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer.keys, layer.values) for layer in self.cache.layers]
+        return self.layers
 
 
 def resolve_dtype(name: str, model_dir: Path) -> torch.dtype:
     """``auto`` takes the checkpoint's ``torch_dtype``/``dtype`` (float32 when absent)."""
     if name != "auto":
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-    config = read_config(model_dir)
-    declared = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return getattr(torch, str(declared), torch.float32)
-
-
-def read_config(model_dir: Path) -> dict:
-    """``config.json`` of a checkpoint directory; ``InvalidInput`` when absent or unreadable."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise InvalidInput(f"model_path {str(model_dir)!r} is not a checkpoint directory (no config.json)")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise InvalidInput(f"config.json in {str(model_dir)!r} is unreadable: {exc}") from exc
+    return checkpoint_dtype(model_dir)
 
 
 class ModelRunner:
-    """One HF causal LM on one device: batched prefill/decode and weight swaps."""
+    """One causal LM on one device: batched prefill/decode and weight swaps."""
 
     def __init__(self, model_dir: Path, *, device: str = "cpu", dtype: str = "auto"):
-        from transformers import AutoModelForCausalLM
-
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.model_dir)
         self.config_json = read_config(self.model_dir)
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
-        self.model = model.to(self.device).eval().requires_grad_(False)
-        self._cache_arg = _cache_argument(self.model)
-        self.config = self.model.config
+        self.implementation = implementation(self.model_dir, self.device)[0]
+        model = load_causal_lm(self.model_dir, dtype=self.dtype, device=self.device)
+        self.model = model.requires_grad_(False)
+        self._forward = _native_forward if self.implementation == NATIVE else _transformers_forward(self.model)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        self.max_context = int(getattr(self.config, "max_position_embeddings", 4096) or 4096)
+        self.max_context = int(self.config_json.get("max_position_embeddings") or 4096)
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
+
+    def eos_token_ids(self) -> set[int]:
+        """``eos_token_id`` of config.json and generation_config.json (an id or a list each)."""
+        ids: set[int] = set()
+        generation = self.model_dir / "generation_config.json"
+        sources = [self.config_json] + ([json.loads(generation.read_text())] if generation.is_file() else [])
+        for source in sources:
+            value = source.get("eos_token_id")
+            ids.update([value] if isinstance(value, int) else list(value or []))
+        return ids
 
     # ------------------------------------------------------------------ forward passes
 
     @torch.inference_mode()
     def prefill(self, token_lists: list[list[int]]) -> tuple[torch.Tensor, KVBatch]:
         """Run the rows' tokens from scratch; return last-position float32 logits and their KV."""
-        from transformers import DynamicCache
-
         length = max(len(t) for t in token_lists)
         ids = torch.zeros((len(token_lists), length), dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -96,27 +92,20 @@ class ModelRunner:
             ids[row, length - len(tokens):] = torch.tensor(tokens, dtype=torch.long)
             mask[row, length - len(tokens):] = 1
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.config)
-        out = self.model(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-            position_ids=position_ids.to(self.device), use_cache=True, logits_to_keep=1, **{self._cache_arg: cache},
-        )
+        logits, layers = self._forward(self.model, ids.to(self.device), mask.to(self.device),
+                                       position_ids.to(self.device), None, 1)
         positions = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
-        return out.logits[:, -1, :].float(), KVBatch(cache=_cache_of(out), mask=mask, positions=positions)
+        return logits[:, -1, :].float(), KVBatch(layers=layers, mask=mask, positions=positions)
 
     @torch.inference_mode()
     def decode(self, batch: KVBatch, next_tokens: list[int]) -> torch.Tensor:
         """Feed one token per row; the cache grows in place; return float32 logits ``[rows, vocab]``."""
         ids = torch.tensor(next_tokens, dtype=torch.long).unsqueeze(1)
         batch.mask = torch.cat([batch.mask, torch.ones((batch.num_rows, 1), dtype=torch.long)], dim=1)
-        out = self.model(
-            input_ids=ids.to(self.device), attention_mask=batch.mask.to(self.device),
-            position_ids=batch.positions.unsqueeze(1).to(self.device), use_cache=True,
-            **{self._cache_arg: batch.cache},
-        )
-        batch.cache = _cache_of(out)
+        logits, batch.layers = self._forward(self.model, ids.to(self.device), batch.mask.to(self.device),
+                                             batch.positions.unsqueeze(1).to(self.device), batch.layers, 0)
         batch.positions = batch.positions + 1
-        return out.logits[:, -1, :].float()
+        return logits[:, -1, :].float()
 
     @torch.inference_mode()
     def full_logprobs(self, tokens: list[int], temperature: float = 1.0) -> torch.Tensor:
@@ -136,7 +125,7 @@ class ModelRunner:
             for (ka, va), (kb, vb) in zip(a.layer_tensors(), b.layer_tensors())
         ]
         mask = torch.cat([_left_pad(a.mask, length), _left_pad(b.mask, length)])
-        return KVBatch(self._cache_from(layers), mask, torch.cat([a.positions, b.positions]))
+        return KVBatch(layers, mask, torch.cat([a.positions, b.positions]))
 
     def select(self, batch: KVBatch, keep: list[int]) -> KVBatch | None:
         """Only the rows ``keep`` (in that order); columns that became all-padding are dropped."""
@@ -152,12 +141,7 @@ class ModelRunner:
             (k.index_select(0, dev_index)[:, :, start:], v.index_select(0, dev_index)[:, :, start:])
             for k, v in batch.layer_tensors()
         ]
-        return KVBatch(self._cache_from(layers), mask[:, start:], batch.positions.index_select(0, index))
-
-    def _cache_from(self, layers: Iterable[tuple[torch.Tensor, torch.Tensor]]):
-        from transformers import DynamicCache
-
-        return DynamicCache(ddp_cache_data=list(layers), config=self.config)
+        return KVBatch(layers, mask[:, start:], batch.positions.index_select(0, index))
 
     # ------------------------------------------------------------------ weights
 
@@ -232,15 +216,36 @@ def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
+Layers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _native_forward(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                    layers: Layers | None, logits_to_keep: int) -> tuple[torch.Tensor, Layers]:
+    out = model(ids, attention_mask=mask, position_ids=positions, cache=layers, logits_to_keep=logits_to_keep)
+    return out.logits, out.cache
+
+
+def _transformers_forward(model):
+    """The same call for a transformers model: its ``DynamicCache`` built from, and read back into,
+    per-layer tensors."""
+    cache_arg = _cache_argument(model)
+
+    def forward(model, ids, mask, positions, layers: Layers | None, logits_to_keep: int):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config) if layers is None else \
+            DynamicCache(ddp_cache_data=list(layers), config=model.config)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    logits_to_keep=logits_to_keep, **{cache_arg: cache})
+        returned = getattr(out, "cache", None) or out.past_key_values
+        return out.logits, [(layer.keys, layer.values) for layer in returned.layers]
+
+    return forward
+
+
 def _cache_argument(model) -> str:
     """The forward argument that takes the KV cache: ``cache`` in newer transformers 5 releases,
     ``past_key_values`` before (passing the wrong one is silently ignored: no cache at all)."""
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _cache_of(out):
-    """The KV cache a forward returned (``cache``, or ``past_key_values`` in older transformers)."""
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values

@@ -93,11 +93,11 @@ class Engine:
     """One model, one scheduler thread; see the module docstring for the update contract."""
 
     def __init__(self, config: EngineConfig):
-        from transformers import AutoTokenizer
+        from miles_disagg.models.tokenizer import load_tokenizer
 
         self.config = config
         self.runner = ModelRunner(config.model_path, device=config.device, dtype=config.dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(config.model_path))
+        self.tokenizer = load_tokenizer(config.model_path)
         self.stop_ids = frozenset(self._eos_ids())
         self.scheduler = Scheduler(
             self.runner, version=config.weight_version, max_running=config.max_running_requests,
@@ -196,10 +196,7 @@ class Engine:
         return ids
 
     def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.runner.model, "generation_config", None), self.runner.config):
-            value = getattr(source, "eos_token_id", None) if source is not None else None
-            ids.update([value] if isinstance(value, int) else list(value or []))
+        ids = self.runner.eos_token_ids()
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
         return ids
@@ -426,8 +423,8 @@ class Engine:
             "weight_version": self.version,
             "has_image_understanding": False,
             "has_audio_understanding": False,
-            "model_type": getattr(self.runner.config, "model_type", None),
-            "architectures": list(getattr(self.runner.config, "architectures", None) or []),
+            "model_type": self.runner.config_json.get("model_type"),
+            "architectures": list(self.runner.config_json.get("architectures") or []),
         }
 
     def weight_checksums(self, algorithm: str) -> dict:

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from miles_disagg.config.components import TrainConfig
 from miles_disagg.trainer.advantages import rollout_advantages
-from miles_disagg.trainer.backend import TrainerBackend, TrainResult
+from miles_disagg.trainer.backend import TrainerBackend
+from miles_disagg.trainer.results import TrainResult
 from miles_disagg.trainer.megatron.batching import (
     MicroBatch, fixed_size_batches, make_micro_batch, token_budget_batches)
 from miles_disagg.trainer.megatron.checkpoint import load_checkpoint, save_checkpoint

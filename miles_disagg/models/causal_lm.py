@@ -1,0 +1,90 @@
+"""Load a checkpoint's causal LM: the native Qwen3 on CPU where it computes what transformers
+computes, transformers' ``AutoModelForCausalLM`` everywhere else.
+
+On a CPU the model's start-up is most of an engine's or a trainer rank's work before its first
+request, and transformers' import alone is about 5 CPU-seconds of it; on a GPU it is noise
+beside loading real weights, and transformers' kernels are the ones run and checked there, so
+CUDA devices always get transformers. :func:`implementation` says which one a checkpoint gets.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from miles_disagg.types import InvalidInput, LayoutMismatch
+
+NATIVE, TRANSFORMERS = "native", "transformers"
+
+
+def read_config(model_dir: Path) -> dict:
+    """``config.json`` of a checkpoint directory; ``InvalidInput`` when absent or unreadable."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise InvalidInput(f"model_path {str(model_dir)!r} is not a checkpoint directory (no config.json)")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidInput(f"config.json in {str(model_dir)!r} is unreadable: {exc}") from exc
+
+
+def checkpoint_dtype(model_dir: Path) -> torch.dtype:
+    """The checkpoint's declared ``dtype``/``torch_dtype`` (float32 when absent)."""
+    config = read_config(model_dir)
+    declared = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return getattr(torch, str(declared), torch.float32)
+
+
+def implementation(model_dir: Path, device: torch.device | str = "cpu") -> tuple[str, str]:
+    """``(NATIVE or TRANSFORMERS, why)`` for the checkpoint at ``model_dir`` on ``device``."""
+    from miles_disagg.models.qwen3 import native_blocker
+
+    if torch.device(device).type != "cpu":
+        return TRANSFORMERS, f"{torch.device(device).type} device"
+    blocker = native_blocker(read_config(model_dir))
+    return (TRANSFORMERS, blocker) if blocker else (NATIVE, "Qwen3 on CPU")
+
+
+def load_causal_lm(model_dir: Path, *, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
+                   runs_on: torch.device | str | None = None) -> torch.nn.Module:
+    """The checkpoint's model in ``dtype`` (``auto``: the checkpoint's) on ``device``, in eval mode;
+    ``runs_on``: the device it will compute on, if the caller moves it (default: ``device``)."""
+    model_dir = Path(model_dir)
+    dtype = checkpoint_dtype(model_dir) if dtype == "auto" else dtype
+    if implementation(model_dir, device if runs_on is None else runs_on)[0] == NATIVE:
+        return load_native_qwen3(model_dir, dtype=dtype, device=device)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+
+def load_native_qwen3(model_dir: Path, *, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    """:class:`~miles_disagg.models.qwen3.Qwen3ForCausalLM` with the checkpoint's tensors."""
+    from safetensors.torch import load_file
+
+    from miles_disagg.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config.from_dict(read_config(model_dir))
+    model = Qwen3ForCausalLM(config)  # uninitialised: every tensor comes from the checkpoint
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    expected = dict(model.named_parameters(remove_duplicate=False))
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = sorted(set(expected) - set(tensors) - tied)
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise LayoutMismatch(f"checkpoint {str(model_dir)!r} does not hold a {config.num_hidden_layers}-layer Qwen3: "
+                             f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise LayoutMismatch(f"tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies "
+                                 f"{tuple(expected[name].shape)}")
+    # copy: the result owns its memory (safetensors may hand out views of a file that is later rewritten)
+    tensors = {name: t.to(device=device, dtype=dtype, copy=True) for name, t in tensors.items() if name not in tied}
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
