@@ -1,13 +1,12 @@
 """The async HTTP client of the generation hot path: the rollout manager's requests to the
-router (or a rollout service).
+router (or a rollout service), and the router's (and the service gateway's) to the engines.
 
 Why not ``httpx`` there: its connection pool (httpcore) scans every pooled connection on each
 request it starts and each response it closes, asking each whether it is idle and still
 readable. At a rollout concurrency of 128 that bookkeeping took more than half of the rollout
-manager's CPU in a multi-turn run (py-spy). aiohttp's connector keeps idle connections per host
-and hands one out without a scan. The router's own requests to the engines still go through
-``httpx`` (it spends a third of its CPU the same way; moving it is open work), and so does
-control traffic (health probes, activation, the CLIs): a few requests, no pool to speak of.
+manager's CPU, and three quarters of the router's, in a multi-turn run (py-spy). aiohttp's
+connector keeps idle connections per host and hands one out without a scan. Control traffic
+(health probes, activation, the CLIs) stays on ``httpx``: a few requests, no pool to speak of.
 
 A :class:`Reply` is read whole and has the ``status_code``, ``content``, ``text``, ``headers``,
 ``is_success`` and ``json()`` its readers use (the same names as an ``httpx.Response``, so a test

@@ -33,10 +33,12 @@ fi
 
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
-# pip byte-compiles what it installs: keep it. Where PYTHONDONTWRITEBYTECODE is set (this project's
-# machines set it), Python never writes a .pyc itself, and every process would compile every module
-# it imports (torch, transformers, ray) from source, every time.
-pip_install() { "$py" -m pip install --disable-pip-version-check -q "$@"; }
+# Every module must end up byte-compiled: where PYTHONDONTWRITEBYTECODE is set (this project's machines
+# set it), Python never writes a .pyc itself, and every process would compile every module it imports
+# (torch, transformers, ray) from source, every time. pip compiles one file after another as it installs;
+# instead the installs run with --no-compile (the SGLang tier beside the project's own), and compileall
+# then compiles the whole environment on every core.
+pip_install() { "$py" -m pip install --disable-pip-version-check -q --no-compile "$@"; }
 
 if ! "$py" -c "import torch" 2>/dev/null; then
   if has_gpu; then
@@ -47,9 +49,6 @@ if ! "$py" -c "import torch" 2>/dev/null; then
     pip_install "torch==2.13.0"
   fi
 fi
-
-log "installing miles-disagg[$extras] (editable)"
-pip_install -e ".[$extras]"
 
 # The SGLang conformance tier: the real SGLang package judges our argv and request bodies.
 # --no-deps everywhere (SGLang's own requirements pull a CUDA torch and GPU kernels), into a
@@ -65,10 +64,25 @@ install_sglang_tier() {
   rm -rf "$tier_dir"
   mv "$tier_dir.partial" "$tier_dir"
 }
+tier_pid=""
 if [ "$with_tier" = "1" ]; then
-  install_sglang_tier
+  install_sglang_tier &
+  tier_pid=$!
 fi
-# The project's own modules are installed editable (not compiled by pip): compile them once here.
-"$py" -m compileall -q miles_disagg >/dev/null
+
+log "installing miles-disagg[$extras] (editable)"
+pip_install -e ".[$extras]"
+if [ -n "$tier_pid" ] && ! wait "$tier_pid"; then
+  log "the SGLang conformance tier did not install (MILES_DISAGG_SGLANG_TIER=0 skips it)"
+  exit 1
+fi
+
+# Compile the environment (the tier: the sglang package its tests import), the project's own modules
+# (installed editable, so not in site-packages) included. -j 0: one worker per core.
+site="$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
+log "byte-compiling the environment"
+compile_dirs=("$site" miles_disagg)
+[ -d "$tier_dir/sglang" ] && compile_dirs+=("$tier_dir/sglang")
+"$py" -m compileall -q -j 0 "${compile_dirs[@]}" >/dev/null || true  # a file that does not compile is its package's
 "$py" -c "import miles_disagg, torch; print(f'[setup] ready: torch {torch.__version__}')" >&2
 echo "$want" > "$stamp"

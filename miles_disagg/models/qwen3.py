@@ -32,28 +32,30 @@ LayerCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass(frozen=True)
 class Qwen3Config:
-    """The config.json fields the model uses (transformers' names)."""
+    """The config.json fields the model uses, with transformers' names and its ``Qwen3Config``
+    defaults for the fields a config.json leaves out."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 22016
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 32
+    head_dim: int = 128
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = 32768
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: Any = None
 
     @classmethod
     def from_dict(cls, config: dict) -> "Qwen3Config":
-        values = {f.name: config[f.name] for f in fields(cls) if config.get(f.name) is not None}
-        values.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
-        values["rope_theta"] = float(_rope(config).get("rope_theta", config.get("rope_theta", 10000.0)))
+        values = {f.name: config[f.name] for f in fields(cls) if f.name in config}
+        if values.get("num_key_value_heads") is None:  # transformers: as many as the attention heads
+            values["num_key_value_heads"] = values.get("num_attention_heads", cls.num_attention_heads)
+        values["rope_theta"] = float(_rope(config).get("rope_theta", config.get("rope_theta", cls.rope_theta)))
         return cls(**values)
 
 

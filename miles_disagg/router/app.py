@@ -63,6 +63,7 @@ from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailabl
                                        constraint_json, request_constraint, violates)
 from miles_disagg.router.registry import UnknownWorker, Worker, WorkerRegistry, WorkerState, parse_version
 from miles_disagg.keyed_client import pooled_limits
+from miles_disagg.pooled_http import NotConnected, PooledSession, Reply, TransportFailed
 from miles_disagg.httpjson import dumps_async, parse_body, parse_json_async
 from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
 
@@ -159,20 +160,20 @@ class Router:
         self.registry = registry or WorkerRegistry(failure_threshold=config.health_failure_threshold)
         self.policy = LeastOutstandingPolicy()
         self.counters: Counter[str] = Counter()
-        self._client: httpx.AsyncClient | None = None
+        self._client: PooledSession | None = None
         self.health: HealthChecker | None = None
         self._health_task: asyncio.Task | None = None
         self.observers: list[Callable[[ProxyRecord], None]] = []
 
     async def start(self) -> None:
         """Open the HTTP clients, register ``config.workers``, run one health pass, start the loop."""
-        timeout = httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s)
-        # Idle connections are dropped before the engine side closes them (a closing connection
-        # would read as a worker failure). trust_env=False: worker traffic never goes through an env proxy.
-        limits = pooled_limits(max_connections=None, max_keepalive_connections=256)
-        self._client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
-        probe_client = httpx.AsyncClient(timeout=self.config.health_check_timeout_s, limits=limits,
-                                         trust_env=False)
+        # Requests to workers: pooled_http (its module says why); probes: httpx. Idle connections are
+        # dropped before the engine side closes them (a closing connection would read as a worker
+        # failure); trust_env=False: worker traffic never goes through an env proxy.
+        self._client = PooledSession(max_connections=None, connect_timeout_s=self.config.connect_timeout_s,
+                                     read_timeout_s=self.config.request_timeout_s)
+        probe_client = httpx.AsyncClient(timeout=self.config.health_check_timeout_s, trust_env=False,
+                                         limits=pooled_limits(max_connections=None, max_keepalive_connections=256))
         self.health = HealthChecker(self.registry, probe_client, interval_s=self.config.health_check_interval_s,
                                     keys=self.keys)
         for url in self.config.workers:
@@ -270,11 +271,11 @@ class Router:
         except _ClientGone:
             self.counters["client_disconnected"] += 1
             return Response(status_code=499)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            self._fail(worker, f"cannot connect: {type(exc).__name__}: {exc}")
+        except NotConnected as exc:
+            self._fail(worker, f"cannot connect: {exc}")
             self.counters["connect_retries"] += 1
             return None
-        except (httpx.HTTPError, WorkerFailed) as exc:
+        except (TransportFailed, WorkerFailed) as exc:
             failure = exc if isinstance(exc, WorkerFailed) else WorkerFailed(worker.url, f"{type(exc).__name__}: {exc}")
             self._fail(worker, str(failure))
             self.counters["worker_failed"] += 1
@@ -288,7 +289,7 @@ class Router:
         log.warning("worker %s taken out of routing: %s", worker.url, reason)
         self.registry.mark_failed(worker, reason)
 
-    def _relay(self, worker: Worker, path: str, upstream: httpx.Response, dispatch_version: int | None,
+    def _relay(self, worker: Worker, path: str, upstream: Reply, dispatch_version: int | None,
                record: ProxyRecord) -> Any:
         """The worker's answer with served versions added (non-JSON or non-2xx: as is)."""
         constraint = record.constraint
@@ -337,7 +338,7 @@ class Router:
 # --------------------------------------------------------------------------- request/response helpers
 
 
-def _json_or_none(response: httpx.Response) -> Any:
+def _json_or_none(response: Reply) -> Any:
     try:
         return response.json()
     except ValueError:
@@ -362,7 +363,7 @@ def _error_response(status: int, exc: BaseException, *, type_name: str | None = 
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-async def _unless_client_gone(request: Any, send: Awaitable[httpx.Response]) -> httpx.Response:
+async def _unless_client_gone(request: Any, send: Awaitable[Reply]) -> Reply:
     """Await ``send``; if the client disconnects first, cancel it (closing the upstream
     connection, which makes the engine abort the request) and raise ``_ClientGone``."""
     sending = asyncio.ensure_future(send)
@@ -373,7 +374,7 @@ async def _unless_client_gone(request: Any, send: Awaitable[httpx.Response]) -> 
         watching.cancel()
         if not sending.done():
             sending.cancel()
-            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+            with contextlib.suppress(asyncio.CancelledError, TransportFailed):
                 await sending
     if sending.cancelled():
         raise _ClientGone()
