@@ -56,7 +56,7 @@ fi
 # (a torchvision that cannot load its C++ ops must not reach transformers' import checks).
 install_sglang_tier() {
   local torch_minor torchvision
-  torch_minor="$("$py" -c "import torch; print(torch.__version__.split('.')[1])")"
+  torch_minor="$("$py" -c "from importlib.metadata import version; print(version('torch').split('.')[1])")"
   torchvision="torchvision==0.$((torch_minor + 15)).*"  # torch 2.N pairs with torchvision 0.(N+15)
   log "installing the SGLang conformance tier into $tier_dir ($(grep -m1 '^sglang==' "$tier_req"), $torchvision)"
   rm -rf "$tier_dir.partial"
