@@ -46,10 +46,10 @@ def load_hf_config(directory: Path) -> Any:
     """The checkpoint's HF config (as the trainer reads it; a model's ``text_config`` when nested)."""
     if not (directory / "config.json").is_file():
         raise ConfigError(f"{CHECKPOINT_FLAG} {str(directory)!r} has no config.json", (CHECKPOINT_FLAG,))
-    from transformers import AutoConfig
+    from miles_disagg.config.hf_config import read_hf_config
 
     try:
-        hf = AutoConfig.from_pretrained(str(directory))
+        hf = read_hf_config(directory)
     except (ValueError, OSError, KeyError) as exc:
         raise ConfigError(f"{CHECKPOINT_FLAG} {str(directory)!r}: cannot read config.json ({exc})",
                           (CHECKPOINT_FLAG,)) from None

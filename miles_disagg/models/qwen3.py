@@ -26,37 +26,37 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from miles_disagg.config.hf_config import qwen3_values
+
 ARCHITECTURE = "Qwen3ForCausalLM"
 LayerCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class Qwen3Config:
-    """The config.json fields the model uses, with transformers' names and its ``Qwen3Config``
-    defaults for the fields a config.json leaves out."""
+    """The config.json fields the model uses (transformers' names)."""
 
-    vocab_size: int = 151936
-    hidden_size: int = 4096
-    intermediate_size: int = 22016
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int | None = 32
-    head_dim: int = 128
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 32768
-    pad_token_id: int | None = None
-    bos_token_id: int | None = None
-    eos_token_id: Any = None
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    pad_token_id: int | None
+    bos_token_id: int | None
+    eos_token_id: Any
 
     @classmethod
     def from_dict(cls, config: dict) -> "Qwen3Config":
-        values = {f.name: config[f.name] for f in fields(cls) if f.name in config}
-        if values.get("num_key_value_heads") is None:  # transformers: as many as the attention heads
-            values["num_key_value_heads"] = values.get("num_attention_heads", cls.num_attention_heads)
-        values["rope_theta"] = float(_rope(config).get("rope_theta", config.get("rope_theta", cls.rope_theta)))
-        return cls(**values)
+        """From config.json; keys it leaves out take transformers' ``Qwen3Config`` defaults."""
+        values = qwen3_values(config)
+        values["rope_theta"] = float(_rope(config).get("rope_theta", values["rope_theta"]))
+        return cls(**{f.name: values[f.name] for f in fields(cls)})
 
 
 def _rope(config: dict) -> dict:
@@ -112,10 +112,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3RMSNorm: normalised in float32, cast back, then scaled (float32 input:
+    torch's fused kernel, the same arithmetic in one call)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -124,6 +132,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    """Grouped-query attention with per-head q/k norms and RoPE. The forward reads its
+    submodules' weights directly (one module call per layer part, not one per projection)."""
+
     def __init__(self, config: Qwen3Config):
         super().__init__()
         heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -138,18 +149,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         rows, length, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(rows, length, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(rows, length, -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(rows, length, -1, self.head_dim).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        shape, eps = (rows, length, -1, self.head_dim), self.q_norm.eps
+        q = rms_norm(F.linear(x, self.q_proj.weight).view(shape), self.q_norm.weight, eps).transpose(1, 2)
+        k = rms_norm(F.linear(x, self.k_proj.weight).view(shape), self.k_norm.weight, eps).transpose(1, 2)
+        v = F.linear(x, self.v_proj.weight).view(shape).transpose(1, 2)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        groups = self.heads // self.kv_heads
-        keys = k.repeat_interleave(groups, dim=1) if groups > 1 else k
-        values = v.repeat_interleave(groups, dim=1) if groups > 1 else v
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim ** -0.5)
-        return self.o_proj(out.transpose(1, 2).reshape(rows, length, -1)), (k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5,
+                                             enable_gqa=self.heads != self.kv_heads)
+        return F.linear(out.transpose(1, 2).reshape(rows, length, -1), self.o_proj.weight), (k, v)
 
 
 class MLP(nn.Module):
@@ -160,7 +169,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -172,9 +182,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, past):
-        attended, present = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+        norm, eps = self.input_layernorm, self.input_layernorm.eps
+        attended, present = self.self_attn.forward(rms_norm(x, norm.weight, eps), cos, sin, mask, past)
         x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x)), present
+        return x + self.mlp.forward(rms_norm(x, self.post_attention_layernorm.weight, eps)), present
 
 
 class Qwen3Model(nn.Module):
@@ -186,13 +197,13 @@ class Qwen3Model(nn.Module):
         self.head_dim, self.rope_theta = config.head_dim, config.rope_theta
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``/``sin`` ``[rows, length, head_dim]`` of the default RoPE, computed in float32."""
+        """``cos``/``sin`` ``[rows, 1, length, head_dim]`` of the default RoPE, computed in float32."""
         steps = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=positions.device).float()
         inv_freq = 1.0 / (self.rope_theta ** (steps / self.head_dim))
         expanded = inv_freq[None, :, None].expand(positions.shape[0], -1, 1)
         freqs = (expanded @ positions[:, None, :].float()).transpose(1, 2)
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]  # [rows, 1, length, dim]
 
 
 @dataclass

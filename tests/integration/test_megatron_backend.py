@@ -157,12 +157,40 @@ def as_tensors(raw: dict[str, bytes], like: dict[str, torch.Tensor]) -> dict[str
     return {n: torch.frombuffer(bytearray(raw[n]), dtype=like[n].dtype).view(like[n].shape) for n in like}
 
 
-def test_tp2_matches_tp1(ray_cluster, tiny_qwen3_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def tp1_and_tp2(ray_cluster, tiny_qwen3_dir: Path, tmp_path_factory) -> dict:
+    """One TP=1 and one TP=2 group (the rank processes of both tests below): each trains a rollout
+    from the same weights; then TP=1 saves, TP=2 loads that save and saves, TP=1 (moved on by a
+    step) loads the TP=2 save and saves, and both train one more step."""
+    root = tmp_path_factory.mktemp("tp-saves")
+    out: dict = {"saves": {name: root / name for name in ("tp1", "tp2", "back")}}
+    batch = samples()
+    with trainer_group(tiny_qwen3_dir, 1, train_backend="megatron") as tp1, \
+            trainer_group(tiny_qwen3_dir, 2, train_backend="megatron", tensor_model_parallel_size=2) as tp2:
+        for name, group in (("tp1", tp1), ("tp2", tp2)):
+            before = group.tensor_bytes()
+            out[name] = (before, group.train(batch), group.tensor_bytes())
+        trained = out["tp1"][2]
+        tp1.save(str(out["saves"]["tp1"]), with_hf=False)
+        tp2.load(str(out["saves"]["tp1"]))
+        out["tp2_loaded"] = tp2.tensor_bytes()
+        tp2.save(str(out["saves"]["tp2"]), with_hf=False)
+        tp1.train(batch)
+        out["tp1_moved_on"] = tp1.tensor_bytes() != trained
+        tp1.load(str(out["saves"]["tp2"]))
+        out["tp1_loaded_back"] = tp1.tensor_bytes()
+        tp1.save(str(out["saves"]["back"]), with_hf=False)
+        tp1.train(batch)
+        tp2.train(batch)
+        out["next"] = (tp1.tensor_bytes(), tp2.tensor_bytes())
+    return out
+
+
+def test_tp2_matches_tp1(tp1_and_tp2: dict, tiny_qwen3_dir: Path) -> None:
     base = checkpoint_tensors(tiny_qwen3_dir)
     base_bytes = {n: t.contiguous().view(torch.uint8).numpy().tobytes() for n, t in base.items()}
-    tp1_before, tp1_result, tp1_after = train_group(tiny_qwen3_dir, 1, train_backend="megatron")
-    tp2_before, tp2_result, tp2_after = train_group(tiny_qwen3_dir, 2, train_backend="megatron",
-                                                    tensor_model_parallel_size=2)
+    tp1_before, tp1_result, tp1_after = tp1_and_tp2["tp1"]
+    tp2_before, tp2_result, tp2_after = tp1_and_tp2["tp2"]
     tp1_metrics, tp2_metrics = tp1_result.summary(), tp2_result.summary()
     assert tp1_before == tp2_before == base_bytes  # same weights, same bytes, canonical names
     for key in ("train/pg_loss", "train/loss", "train/entropy", "train/train_rollout_logprob_abs_diff"):
@@ -277,35 +305,22 @@ def saved_state(save_dir: Path) -> dict:
     return {**read_state(save_dir), "common": torch.load(save_dir / "state" / "common.pt", weights_only=False)}
 
 
-def test_tp1_save_loads_into_tp2_and_back(ray_cluster, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+def test_tp1_save_loads_into_tp2_and_back(tp1_and_tp2: dict, tiny_qwen3_dir: Path) -> None:
     """TP=1 trains a step and saves; TP=2 loads it (the same exported bytes; a save right after
     holds the same global model and optimizer tensors) and saves; TP=1, moved on by another step,
     loads the TP=2 save and is back to the first state exactly. A further step from there is
     the same step in both layouts (Adam's moments were carried over)."""
-    tp1_saved, tp2_saved, back_saved = tmp_path / "tp1", tmp_path / "tp2", tmp_path / "back"
-    batch = samples()
-    with trainer_group(tiny_qwen3_dir, 1, train_backend="megatron") as tp1, \
-            trainer_group(tiny_qwen3_dir, 2, train_backend="megatron", tensor_model_parallel_size=2) as tp2:
-        tp1.train(batch)
-        tp1.save(str(tp1_saved), with_hf=False)
-        trained = tp1.tensor_bytes()
-        tp2.load(str(tp1_saved))
-        assert tp2.tensor_bytes() == trained  # TP=1 -> TP=2: the same parameters, to the bit
-        tp2.save(str(tp2_saved), with_hf=False)
-        tp1.train(batch)
-        assert tp1.tensor_bytes() != trained
-        tp1.load(str(tp2_saved))
-        assert tp1.tensor_bytes() == trained  # TP=2 -> TP=1
-        tp1.save(str(back_saved), with_hf=False)
-        tp1.train(batch)
-        tp2.train(batch)
-        next_tp1, next_tp2 = tp1.tensor_bytes(), tp2.tensor_bytes()
-    first = saved_state(tp1_saved)
+    trained, saves = tp1_and_tp2["tp1"][2], tp1_and_tp2["saves"]
+    assert tp1_and_tp2["tp2_loaded"] == trained  # TP=1 -> TP=2: the same parameters, to the bit
+    assert tp1_and_tp2["tp1_moved_on"]
+    assert tp1_and_tp2["tp1_loaded_back"] == trained  # TP=2 -> TP=1
+    first = saved_state(saves["tp1"])
     assert any(key.startswith("optimizer.state.exp_avg_sq.") for key in first)
     assert first["common"]["optimizer"]["step"] == 1.0
-    assert_same_state(first, saved_state(tp2_saved))  # every model and optimizer tensor, and the common state
-    assert_same_state(first, saved_state(back_saved))
+    assert_same_state(first, saved_state(saves["tp2"]))  # every model and optimizer tensor, and the common state
+    assert_same_state(first, saved_state(saves["back"]))
     base = checkpoint_tensors(tiny_qwen3_dir)
+    next_tp1, next_tp2 = tp1_and_tp2["next"]
     after_tp1, after_tp2 = as_tensors(next_tp1, base), as_tensors(next_tp2, base)
     for name in base:
         assert torch.allclose(after_tp2[name], after_tp1[name], atol=1e-4), name

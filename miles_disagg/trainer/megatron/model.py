@@ -117,9 +117,9 @@ def current_layout() -> ParallelLayout:
 
 def read_hf_config(hf_dir: str):
     """The checkpoint's HF config and the :class:`ModelShape` taken from it."""
-    from transformers import AutoConfig
+    from miles_disagg.config.hf_config import read_hf_config as read_config
 
-    config = AutoConfig.from_pretrained(hf_dir)
+    config = read_config(hf_dir)
     return config, ModelShape.from_hf_config(config)
 
 
