@@ -54,6 +54,10 @@ def cluster():
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled",
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}  # as if installed
     env.pop("RAY_ADDRESS", None)
+    # a submitted job runs from its unpacked working directory, which holds no byte code: let its
+    # processes write it there, as Python does by default (this machine's environment forbids it,
+    # and every actor of the job would compile the package again)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     ray_cluster = LocalRayCluster(root, env)
     try:
         ray_cluster.head = ray_cluster.start_head(num_cpus=4, num_gpus=1, resources={"trainer": 1})
