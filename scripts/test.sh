@@ -2,10 +2,11 @@
 # Set up (if needed), then run the whole test suite. Extra arguments go to pytest
 # (e.g. ./scripts/test.sh -m unit: the fast tier).
 #
-# Two pytest runs: everything but the SGLang conformance tier, spread over
+# Two pytest processes side by side: everything but the SGLang conformance tier, spread over
 # MILES_DISAGG_TEST_WORKERS processes (default 3: most of a test's time is spent waiting on
-# processes and servers, not computing), then the SGLang tier alone (importing SGLang changes
-# process-wide state, so it never shares a process with other tests).
+# processes and servers, not computing), and the SGLang tier in a process of its own (importing
+# SGLang changes process-wide state, so it never shares a process with other tests). The tier's
+# report is printed after the main one's; the exit status is the first failure's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -14,12 +15,18 @@ workers="${MILES_DISAGG_TEST_WORKERS:-3}"
 parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadgroup)
 
+sglang_report="$(mktemp -t miles-disagg-sglang-tier.XXXXXX)"
 set +e
+.venv/bin/python -m pytest tests/sglang -p no:cacheprovider "$@" >"$sglang_report" 2>&1 &
+sglang_pid=$!
+trap 'kill "$sglang_pid" 2>/dev/null; rm -f "$sglang_report"' EXIT
 .venv/bin/python -m pytest tests --ignore=tests/sglang "${parallel[@]}" "$@"
 rc_main=$?
-.venv/bin/python -m pytest tests/sglang "$@"
+wait "$sglang_pid"
 rc_sglang=$?
 set -e
+echo "== the SGLang conformance tier (tests/sglang) =="
+cat "$sglang_report"
 if [ "$rc_main" -eq 5 ]; then
   echo "test.sh: pytest collected no tests; the suite must not be empty" >&2
   exit 1
