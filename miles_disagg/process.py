@@ -8,6 +8,7 @@ raises the caller's error type with the log tail.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import time
@@ -60,8 +61,7 @@ def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
     port 0 picks a free one. The socket is inheritable (a server may hand it to uvicorn)."""
     from miles_disagg.types import ConfigError
 
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -73,8 +73,56 @@ def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
     return sock
 
 
+# A port for a server of ours when none is given. The kernel's own pick (bind to port 0) lies in its
+# ephemeral range, from which every outgoing connection on the machine takes its source port: between
+# the pick and the server's own bind any connect() may take it, and the server then exits with
+# "Address already in use" (seen under the test suite's load, hundreds of connections a second). Below
+# that range only an explicit bind takes a port. Ray's workers bind 10002-19999 by default.
+PICK_FLOOR = 20000
+PICK_TRIES = 64
+LINUX_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_pick = random.SystemRandom()  # not the random module's state, which forked processes share
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
+    """A port nothing on ``host`` is bound to now, outside the kernel's ephemeral range when the
+    range leaves room (else the kernel's pick)."""
+    low, high = ephemeral_port_range()
+    for candidates in (range(PICK_FLOOR, low), range(high + 1, 65536)):
+        if len(candidates) < 1000:
+            continue
+        for _ in range(PICK_TRIES):
+            port = _pick.choice(candidates)
+            if _can_bind(host, port):
+                return port
+    return _kernel_pick(host)
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' source ports (Linux's file; else from 32768 up,
+    which covers Linux's default and the IANA range other systems use)."""
+    try:
+        low, high = (int(part) for part in LINUX_EPHEMERAL_RANGE.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 65535
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _can_bind(host: str, port: int) -> bool:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _kernel_pick(host: str) -> int:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
