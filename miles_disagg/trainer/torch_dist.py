@@ -88,7 +88,7 @@ def save_torch_dist(model: Any, path: str | Path, iteration: str = "release") ->
     root = Path(path)
     directory = root / (iteration if iteration == "release" else f"iter_{int(iteration):07d}")
     directory.mkdir(parents=True, exist_ok=True)
-    with _cpu_save():
+    with _cpu_save(), results_in_this_process():
         dist_checkpointing.save(model.sharded_state_dict(), str(directory))
     (root / TRACKER_FILE).write_text(iteration)
     return directory
@@ -133,6 +133,30 @@ def _cpu_save():
         yield
     finally:
         torch.cuda.synchronize = original
+
+
+@contextlib.contextmanager
+def results_in_this_process():
+    """A synchronous ``dist_checkpointing.save`` without a spawned helper process.
+
+    megatron's torch_dist writer passes each save's write results through a queue it keeps in a
+    ``multiprocessing`` Manager made with the spawn method: a fresh interpreter that imports torch
+    (about 1.5 CPU-seconds, once in every process that saves). That queue exists for megatron's
+    asynchronous saves, whose writing runs in another process; in a synchronous save the results are
+    put and read back by this process, so a queue of this process serves. A queue already made is
+    left as it is."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is not None:  # made already, or not this megatron
+        yield
+        return
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = None
 
 
 def initial_checkpoint(load: str | None, ref_load: str | None, resuming: bool) -> tuple[str, str] | None:

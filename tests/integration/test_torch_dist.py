@@ -1,7 +1,8 @@
 """Megatron ``torch_dist`` checkpoints as miles passes them (``--ref-load``, the initial ``--load``).
 
 A tiny Qwen3 is built as a megatron GPTModel on CPU (gloo), its weights changed, and saved with
-megatron-core's ``dist_checkpointing`` in Megatron-LM's layout (tracker file + ``release/``);
+megatron-core's ``dist_checkpointing`` in Megatron-LM's layout (tracker file + ``release/``), with
+no helper process left behind (megatron's writer keeps one for asynchronous saves);
 once with megatron's local layer names, once with the norm names Transformer Engine layers use
 (as a checkpoint written on GPU has them). The megatron backend started from either holds
 exactly those weights (its HF export equals the saved model's), and so does its KL reference.
@@ -56,8 +57,11 @@ def main(hf_dir, out):
     partial = {k: v for k, v in source.gpt.sharded_state_dict().items() if "final_layernorm" not in k}
     save_torch_dist(type("Model", (), {"sharded_state_dict": lambda self: partial})(), f"{out}/partial")
 
+    import psutil
+
     result = {"is_torch_dist": [torch_dist_dir(f"{out}/{d}") is not None for d in ("local", "te")] +
-              [torch_dist_dir(hf_dir) is not None]}
+              [torch_dist_dir(hf_dir) is not None],
+              "processes_left_by_saves": [" ".join(c.cmdline()) for c in psutil.Process().children()]}
     for name in ("local", "te"):
         backend = MegatronBackend(TrainConfig(train_backend="megatron"), hf_dir, rank=0, world_size=1,
                                   initial_checkpoint=(f"{out}/{name}", "--load"))
@@ -93,6 +97,7 @@ def test_torch_dist_checkpoints_load_into_the_megatron_backend(tiny_qwen3_dir: P
     assert result.returncode == 0 and lines, result.stderr[-4000:]
     found = json.loads(lines[0].removeprefix("RESULT "))
     assert found["is_torch_dist"] == [True, True, False]
+    assert found["processes_left_by_saves"] == []  # a synchronous save spawns no helper process
     assert found["local"] is True, "the policy started from a local-layer torch_dist checkpoint"
     assert found["te"] is True, "the policy started from a checkpoint with Transformer Engine norm names"
     assert found["reference"] is True and found["policy_is_base"] is True

@@ -18,6 +18,7 @@ import os
 import torch
 
 from miles_disagg.trainer.rank_state import load_rng, save_rng, state_dir
+from miles_disagg.trainer.torch_dist import results_in_this_process
 
 
 def save_checkpoint(gpt: torch.nn.Module, optim, directory: str, rank: int) -> None:
@@ -25,7 +26,8 @@ def save_checkpoint(gpt: torch.nn.Module, optim, directory: str, rank: int) -> N
 
     path = state_dir(directory)
     os.makedirs(path, exist_ok=True)
-    dist_checkpointing.save(_sharded_state(gpt, optim, is_loading=False), path)
+    with results_in_this_process():
+        dist_checkpointing.save(_sharded_state(gpt, optim, is_loading=False), path)
     save_rng(directory, rank)
 
 
