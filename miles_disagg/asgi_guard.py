@@ -35,6 +35,19 @@ Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
 
+def server_app(title: str, **options: Any):
+    """A FastAPI app for one of the project's servers. FastAPI's own OpenTelemetry instrumentation
+    (FastAPI >= 0.160) stays off: with no provider configured it still looks the providers up on
+    every request, about a tenth of a proxied request's CPU in the router."""
+    import inspect
+
+    from fastapi import FastAPI
+
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters:
+        options.setdefault("telemetry", {"tracing": False, "metrics": False, "logs": False})
+    return FastAPI(title=title, **options)
+
+
 @dataclass(frozen=True)
 class ServerGuard:
     """What :func:`install_guard` enforces."""

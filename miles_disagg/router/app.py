@@ -56,7 +56,7 @@ from typing import Any, Awaitable, Callable
 import httpx
 from fastapi.responses import JSONResponse, Response
 
-from miles_disagg.asgi_guard import ServerGuard, install_guard
+from miles_disagg.asgi_guard import ServerGuard, install_guard, server_app
 from miles_disagg.auth import ApiKeys, forward_headers
 from miles_disagg.router.health import HealthChecker
 from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, annotate_served_versions,
@@ -400,7 +400,7 @@ async def _client_disconnected(request: Any) -> None:
 def create_app(config: RouterConfig, registry: WorkerRegistry | None = None, guard: ServerGuard | None = None):
     """The router as an ASGI app; its lifespan starts and stops the health checker. ``guard``: keys
     and request limit (None: keys from the environment, the default limit)."""
-    from fastapi import FastAPI, Request
+    from fastapi import Request
 
     guard = guard if guard is not None else ServerGuard.from_env()
     router = Router(config, registry, guard.keys)
@@ -413,7 +413,7 @@ def create_app(config: RouterConfig, registry: WorkerRegistry | None = None, gua
         finally:
             await router.stop()
 
-    app = FastAPI(title="miles-disagg router", lifespan=lifespan)
+    app = server_app("miles-disagg router", lifespan=lifespan)
     install_guard(app, guard)
     app.state.router = router
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from miles_disagg.asgi_guard import ServerGuard, install_guard
+from miles_disagg.asgi_guard import ServerGuard, install_guard, server_app
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.engines.launch import EngineSpec, RunningEngine, start_engine
 from miles_disagg.service.adapters import GatewayLink, StoreView
@@ -278,9 +278,8 @@ def _serve_control(replica: Replica, sock: socket.socket):
 
 
 def control_app(replica: Replica):
-    from fastapi import FastAPI
 
-    app = FastAPI(title="miles-disagg replica")
+    app = server_app("miles-disagg replica")
     install_guard(app, replica.guard)
 
     @app.get("/health")

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from miles_disagg.asgi_guard import ServerGuard, install_guard
+from miles_disagg.asgi_guard import ServerGuard, install_guard, server_app
 from miles_disagg.auth import forward_headers
 from miles_disagg.engines.builtin import protocol
 from miles_disagg.engines.roots import OutsideRoots, WeightRoots
@@ -308,7 +308,7 @@ def create_app(agent: Agent):
     import contextlib
 
     import httpx
-    from fastapi import FastAPI, Request
+    from fastapi import Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
     timeout = httpx.Timeout(None, connect=agent.config.connect_timeout_s)  # generations may run for minutes
@@ -319,7 +319,7 @@ def create_app(agent: Agent):
         yield
         await client.aclose()
 
-    app = FastAPI(title="miles-disagg agent", lifespan=lifespan)
+    app = server_app("miles-disagg agent", lifespan=lifespan)
     keys = install_guard(app, agent.config.guard).keys
 
     def upstream_headers(request: Request, path: str) -> list[tuple[str, str]]:

@@ -25,7 +25,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
-from miles_disagg.asgi_guard import ServerGuard, install_guard
+from miles_disagg.asgi_guard import ServerGuard, install_guard, server_app
 from miles_disagg.engines.builtin import protocol
 from miles_disagg.engines.builtin.runtime import Engine
 from miles_disagg.engines.builtin.scheduler import Sequence
@@ -73,10 +73,10 @@ class _HttpSink:
 
 def create_app(engine: Engine, guard: ServerGuard | None = None):
     """The app; ``guard``: keys and request limit (None: the engine config's, keys from the environment)."""
-    from fastapi import FastAPI, Request
+    from fastapi import Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-    app = FastAPI(title="miles-disagg built-in engine")
+    app = server_app("miles-disagg built-in engine")
     install_guard(app, guard if guard is not None else engine.config.guard())
 
     # Own pool: long blocking calls (a pull, a group rendezvous) must not starve short ones.
