@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from session_files import made_once
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,4 +49,4 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny Qwen3 (2 layers, hidden 64, float32) with a character-level tokenizer."""
     from miles_disagg.models.tiny_qwen3 import make_tiny_qwen3
 
-    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3") / "model")
+    return made_once(tmp_path_factory, "tiny_qwen3", make_tiny_qwen3)

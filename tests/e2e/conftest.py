@@ -4,7 +4,7 @@ Every whole run of ``configs/tiny_cpu.yaml`` (or its multi-turn sibling) starts 
 digits Qwen3 that ``--hf-checkpoint-init tiny-qwen3-digits --seed 1234`` makes. A run that finds
 it at ``--hf-checkpoint`` checks that it is exactly that model (``preflight.check_tiny_base``) and
 skips making it, which saves each run about 3 CPU-seconds of imports and initialisation. It is
-made once per test process and copied into each run's directory; ``test_tiny_cpu_main_job`` still
+made once per test session (the test processes share it) and copied into each run's directory; ``test_tiny_cpu_main_job`` still
 lets its run make its own, as a user's first run does.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from session_files import made_once
 
 BASE_SEED = 1234  # configs/tiny_cpu.yaml's seed
 
@@ -21,5 +22,5 @@ BASE_SEED = 1234  # configs/tiny_cpu.yaml's seed
 def digits_base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from miles_disagg.models.tiny_qwen3 import CHARSETS, make_tiny_qwen3
 
-    return make_tiny_qwen3(tmp_path_factory.mktemp("digits-base") / "base-model", seed=BASE_SEED,
-                           charset=CHARSETS["digits"])
+    return made_once(tmp_path_factory, "digits-base",
+                     lambda path: make_tiny_qwen3(path, seed=BASE_SEED, charset=CHARSETS["digits"]))

@@ -3,7 +3,6 @@ disk-delta with managed engines, training alone on saved rollouts, and colocated
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -83,26 +82,3 @@ def test_colocated_memory_handoff(tmp_path: Path, digits_base_model: Path) -> No
         assert r["perf/colocate_engine_release_time"] > 0
         # the engines generated with exactly the weights the trainer handed over
         assert r["train/train_rollout_logprob_abs_diff"] < 1e-4
-
-
-@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="sglang-router is not installed")
-def test_async_behind_sglang_router(tmp_path: Path, digits_base_model: Path) -> None:
-    """--router sglang: sglang-router balances, no version constraints; versions still come from the engines."""
-    env = {**os.environ, "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"), "RAY_AUTH_MODE": "disabled"}
-    place_base_model(digits_base_model, tmp_path)
-    run_dir = tmp_path / "sglang-router"
-    result = subprocess.run([sys.executable, str(REPO / "train_async.py"), *SMALL, "--router", "sglang",
-                             "--run-dir", str(run_dir), "--hf-checkpoint", str(tmp_path / "base-model"),
-                             "--save-debug-rollout-data", str(tmp_path / "rollouts" / "{rollout_id}.jsonl")],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
-    assert result.returncode == 0, result.stderr[-6000:]
-    records = read_metrics(run_dir / "metrics.jsonl")
-    updates = read_metrics(run_dir / "updates.jsonl")  # train_async: activations finish after their records
-    assert [(u["step"], u["weights/engine_versions"]) for u in updates] == [(0, ["1", "1"]), (1, ["2", "2"]),
-                                                                            (2, ["3", "3"])]
-    assert all(r.get("perf/engine_busy_fraction") is None for r in records)  # sglang-router does not count it
-    for step in range(3):
-        for line in (tmp_path / "rollouts" / f"{step}.jsonl").read_text().splitlines():
-            for sample in json.loads(line)["samples"]:
-                assert sample["metadata"]["requested_min_version"] is None  # no constraint was sent
-                assert sample["weight_version_start"] <= sample["weight_version_end"] <= step + 1
