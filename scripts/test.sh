@@ -10,6 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+unset PYTHONDONTWRITEBYTECODE  # each module's byte code is written the first time it is imported (setup.sh)
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 workers="${MILES_DISAGG_TEST_WORKERS:-3}"
 parallel=()

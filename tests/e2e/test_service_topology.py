@@ -16,7 +16,7 @@ from base_model import place_base_model
 from miles_disagg.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 24
+STEPS = 20
 STALENESS = 2
 
 

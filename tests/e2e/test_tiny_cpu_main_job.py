@@ -22,7 +22,7 @@ from miles_disagg.loop.report import join_updates
 from miles_disagg.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 24
+STEPS = 20
 STALENESS = 2
 
 
