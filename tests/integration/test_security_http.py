@@ -88,6 +88,17 @@ class World:
     def version(self) -> str:
         return self.client.weight_version()
 
+    def serve_v1(self) -> None:
+        """Activate v1 with the admin key (a no-op when it is served already)."""
+        if self.version() == str(self.v1):
+            return
+        self.client.pull(self.v1)
+        self.client.pause("retract")
+        try:
+            self.client.load(self.v1)
+        finally:
+            self.client.resume()
+
     def healthy(self) -> bool:
         return httpx.get(f"{self.engine.url}/health", timeout=30).status_code == 200
 
@@ -272,6 +283,7 @@ def test_the_gateway_takes_heartbeats_only_with_the_admin_key_and_versions_only_
 
 def test_a_replica_serving_another_runs_version_never_answers_a_run_bound_request(world):
     """A wiped and reused store: the new run's v1 is not the old run's v1, whatever the number."""
+    world.serve_v1()  # (v0, the base, is every run's)
     served = int(world.version())
     old_run = ReplicaStatus(replica_id="r1", incarnation="i", seq=1, engine_url=world.engine.url, control_url=None,
                             state=ReplicaState.READY, weight_version=served, run_id="old-run")

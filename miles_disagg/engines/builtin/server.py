@@ -34,6 +34,7 @@ from miles_disagg.httpjson import error_json, status_for
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25
+INLINE_BODY_BYTES = 16 * 1024  # /generate bodies up to this are parsed and tokenized on the event loop
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
@@ -85,6 +86,9 @@ def create_app(engine: Engine, guard: ServerGuard | None = None):
     async def blocking(fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
+    async def inline(fn: Callable, *args) -> Any:
+        return fn(*args)
+
     def weight_endpoint(handler: Callable[[bytes], Awaitable[dict]]):
         async def wrapped(request: Request):
             try:
@@ -98,12 +102,15 @@ def create_app(engine: Engine, guard: ServerGuard | None = None):
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
         try:
-            req = await blocking(protocol.parse_generate, await request.body(), engine.runner.max_context,
-                                 engine.max_request_tokens)
+            body = await request.body()
+            # a small body is parsed and tokenized here: two trips through the pool cost more CPU
+            # than the work (most rollout requests); a large one must not hold up the loop
+            run = inline if len(body) <= INLINE_BODY_BYTES else blocking
+            req = await run(protocol.parse_generate, body, engine.runner.max_context, engine.max_request_tokens)
             loop = asyncio.get_running_loop()
             sinks = [_HttpSink(loop, engine, req.stream) for _ in req.items]  # made on the loop
             handed = iter(sinks)
-            seqs = await blocking(engine.make_sequences, req, lambda _item: next(handed))  # tokenizes
+            seqs = await run(engine.make_sequences, req, lambda _item: next(handed))  # tokenizes
         except Exception as exc:
             return error_response(exc)
         for seq in seqs:
