@@ -46,8 +46,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_all(args) -> int:
-    import torch
-
     from miles_disagg.bench.gpu_sections import SECTIONS
 
     names = [n for n in (args.only.split(",") if args.only else SECTIONS) if n]
@@ -55,12 +53,17 @@ def _run_all(args) -> int:
     if unknown:
         print(f"gpu_check: unknown section(s) {unknown}; choose from {sorted(SECTIONS)}", file=sys.stderr)
         return 2
-    if not args.cpu and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device (use --cpu for the small CPU run)", file=sys.stderr)
-        return 2
+    if args.cpu:  # the sections import torch; this process needs only its build (two CPU-seconds less)
+        device, (version, cuda) = "cpu", _torch_build()
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("gpu_check: no CUDA device (use --cpu for the small CPU run)", file=sys.stderr)
+            return 2
+        device, version, cuda = torch.cuda.get_device_name(0), torch.__version__, torch.version.cuda
     start = time.perf_counter()
-    result = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "cuda": torch.version.cuda, "cpus": os.cpu_count(), "sections": {}}
+    result = {"device": device, "torch": version, "cuda": cuda, "cpus": os.cpu_count(), "sections": {}}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         work = Path(args.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -72,6 +75,19 @@ def _run_all(args) -> int:
     result["total_s"] = round(time.perf_counter() - start, 1)
     print(json.dumps(result, indent=2))
     return 0 if all(s["ok"] for s in result["sections"].values()) else 1
+
+
+def _torch_build() -> tuple[str, str | None]:
+    """torch's version and CUDA version, read from its ``version.py`` without importing torch."""
+    import importlib.util
+
+    package = importlib.util.find_spec("torch")
+    if package is None or package.origin is None:
+        raise SystemExit("gpu_check: torch is not installed")
+    spec = importlib.util.spec_from_file_location("_gpu_check_torch_version", Path(package.origin).with_name("version.py"))
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    return build.__version__, build.cuda
 
 
 def _run_section(name: str, cpu: bool, work: Path, time_box_s: int) -> dict:

@@ -24,6 +24,9 @@ def gpu_check(*args: str, env: dict | None = None, timeout: int = 480) -> tuple[
 def test_every_section_runs_on_the_cpu(tmp_path):
     done, report = gpu_check("--work-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
+    import torch
+
+    assert (report["device"], report["torch"], report["cuda"]) == ("cpu", torch.__version__, torch.version.cuda)
     sections = report["sections"]
     assert list(sections) == ["engine", "fsdp", "megatron", "delta"]
     assert all(s["ok"] for s in sections.values()), sections
