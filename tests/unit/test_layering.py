@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "miles_disagg"
 
 # Each package may import only packages listed after it (and itself).
 ORDER = ["launcher", "cli", "bench", "loop", "service", "trainer", "rollout", "engines", "router", "weights", "models",
-         "config", "tracking", "distributed", "remote", "netbind", "asgi_guard", "pooled_http", "keyed_client", "auth", "httpjson", "process", "types"]
+         "config", "tracking", "distributed", "remote", "netbind", "asgi_guard", "pooled_http", "keyed_client", "auth", "httpjson", "process", "types", "startup"]
 
 
 def _imports(path: Path) -> set[str]:
