@@ -88,14 +88,12 @@ class World:
     def version(self) -> str:
         return self.client.weight_version()
 
-    def serve_v1(self) -> None:
-        """Activate v1 with the admin key (a no-op when it is served already)."""
-        if self.version() == str(self.v1):
-            return
-        self.client.pull(self.v1)
+    def activate(self, version: int) -> None:
+        """Pull and activate ``version`` with the admin key."""
+        self.client.pull(version)
         self.client.pause("retract")
         try:
-            self.client.load(self.v1)
+            self.client.load(version)
         finally:
             self.client.resume()
 
@@ -233,12 +231,7 @@ def test_a_pull_writes_only_under_the_local_checkpoint_and_reads_only_the_store(
 
 def test_a_verified_pull_and_activation_still_work_with_keys(world):
     """The admin key does what the stranger could not: pull, activate, and the label follows."""
-    world.client.pull(world.v1)
-    world.client.pause("retract")
-    try:
-        world.client.load(world.v1)
-    finally:
-        world.client.resume()
+    world.activate(world.v1)
     assert world.version() == str(world.v1)
     assert world.client.post("/update_weight_version", {"new_version": str(world.v1)})["success"]  # a no-op
 
@@ -283,7 +276,8 @@ def test_the_gateway_takes_heartbeats_only_with_the_admin_key_and_versions_only_
 
 def test_a_replica_serving_another_runs_version_never_answers_a_run_bound_request(world):
     """A wiped and reused store: the new run's v1 is not the old run's v1, whatever the number."""
-    world.serve_v1()  # (v0, the base, is every run's)
+    if world.version() != str(world.v1):
+        world.activate(world.v1)  # (v0, the base, is every run's)
     served = int(world.version())
     old_run = ReplicaStatus(replica_id="r1", incarnation="i", seq=1, engine_url=world.engine.url, control_url=None,
                             state=ReplicaState.READY, weight_version=served, run_id="old-run")
