@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from session_files import made_once
 
+import miles_disagg  # noqa: F401 - first: collection's imports of torch and ray run without the cyclic collector (startup.py)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Keep test processes from oversubscribing the 2-core CI machine.
