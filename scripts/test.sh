@@ -20,7 +20,7 @@ sglang_report="$(mktemp -t miles-disagg-sglang-tier.XXXXXX)"
 set +e
 .venv/bin/python -m pytest tests/sglang -p no:cacheprovider "$@" >"$sglang_report" 2>&1 &
 sglang_pid=$!
-trap 'kill "$sglang_pid" 2>/dev/null; rm -f "$sglang_report"' EXIT
+trap 'kill "$sglang_pid" 2>/dev/null || true; rm -f "$sglang_report"' EXIT
 .venv/bin/python -m pytest tests --ignore=tests/sglang "${parallel[@]}" "$@"
 rc_main=$?
 wait "$sglang_pid"
