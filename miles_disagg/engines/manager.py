@@ -320,11 +320,13 @@ class EngineManager:
 
     def versions(self) -> list[str | None]:
         """What each engine reports (None for an engine that is down)."""
+        with self._lock:  # not mid-restore: the router lists a restored engine before it leaves _down
+            down = set(self._down)
         out: list[str | None] = []
         for index, url in enumerate(self.engine_urls):
             try:
                 with EngineClient(url, timeout_s=10) as client:
-                    out.append(None if index in self._down else client.weight_version())
+                    out.append(None if index in down else client.weight_version())
             except MilesDisaggError:
                 out.append(None)
         return out
