@@ -3,8 +3,8 @@
 # (e.g. ./scripts/test.sh -m unit: the fast tier).
 #
 # Two pytest processes side by side: everything but the SGLang conformance tier, spread over
-# MILES_DISAGG_TEST_WORKERS processes (default 3: most of a test's time is spent waiting on
-# processes and servers, not computing), and the SGLang tier in a process of its own (importing
+# MILES_DISAGG_TEST_WORKERS processes (default 3: the suite keeps both cores of a 2-core machine
+# busy with 3; 4 is no faster), and the SGLang tier in a process of its own (importing
 # SGLang changes process-wide state, so it never shares a process with other tests). The tier's
 # report is printed after the main one's; the exit status is the first failure's.
 set -euo pipefail

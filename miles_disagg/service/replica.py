@@ -278,7 +278,6 @@ def _serve_control(replica: Replica, sock: socket.socket):
 
 
 def control_app(replica: Replica):
-
     app = server_app("miles-disagg replica")
     install_guard(app, replica.guard)
 

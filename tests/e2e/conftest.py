@@ -4,8 +4,8 @@ Every whole run of ``configs/tiny_cpu.yaml`` (or its multi-turn sibling) starts 
 digits Qwen3 that ``--hf-checkpoint-init tiny-qwen3-digits --seed 1234`` makes. A run that finds
 it at ``--hf-checkpoint`` checks that it is exactly that model (``preflight.check_tiny_base``) and
 skips making it, which saves each run about 3 CPU-seconds of imports and initialisation. It is
-made once per test session (the test processes share it) and copied into each run's directory; ``test_tiny_cpu_main_job`` still
-lets its run make its own, as a user's first run does.
+made once per test session (the test processes share it) and copied into each run's directory;
+``test_tiny_cpu_main_job`` still lets its run make its own, as a user's first run does.
 """
 
 from __future__ import annotations
