@@ -352,8 +352,9 @@ class EngineManager:
                                       "and --use-fault-tolerance is off, so it is not restarted")
 
     def info(self) -> dict:
-        return {"router_url": self.router.url if self.router else None, "engine_urls": list(self.engine_urls),
-                "version": self._version, "events": list(self.events)}
+        with self._lock:  # not mid-restore: the router lists a restored engine before its event is recorded
+            return {"router_url": self.router.url if self.router else None, "engine_urls": list(self.engine_urls),
+                    "version": self._version, "events": list(self.events)}
 
     # ------------------------------------------------------------------ faults
 

@@ -272,9 +272,9 @@ def test_a_restarted_engine_is_routed_to_only_once_it_serves_the_current_version
     kinds = [(e["engine"], e["event"]) for e in events]
     assert (1, "down") in kinds and (1, "restored") in kinds, events
     assert kinds.index((1, "down")) < kinds.index((1, "restored"))
-    down = next(e for e in events if e["event"] == "down")
-    restored = next(e for e in events if e["event"] == "restored")
-    assert down["url"] == killed and restored["url"] == new_url and restored["version"] == version
+    down = next(e for e in events if e["event"] == "down" and e["engine"] == 1)
+    restored = next(e for e in events if e["event"] == "restored" and e["engine"] == 1)
+    assert down["url"] == killed and restored["url"] == new_url and restored["version"] == version, events
     assert not [e for e in events if e["event"] == "recovery_failed"], events
 
     # the restored engine now takes requests again, at the current version
