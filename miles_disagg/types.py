@@ -310,6 +310,14 @@ class Sample:
     call_versions: list[list[int]] = field(default_factory=list)
     """``[start, end]`` served versions of each engine call that generated part of this sample, in
     order; ``weight_version_start`` is the first call's start, ``weight_version_end`` the last call's end."""
+    rollout_routed_experts: Any = None
+    """MoE routing replay (miles' field name): the experts the engines routed each token to, a numpy
+    int32 array ``[len(prompt_ids) + len(response_ids) - 1, num_hidden_layers, num_experts_per_tok]``;
+    row ``p`` is the routing of the token at position ``p`` of prompt + response (the last token never
+    ran through the model, as in SGLang's ``meta_info["routed_experts"]``); layers without experts
+    (dense MLP) hold -1. In a multi-turn sample row ``p`` comes from the engine call that first ran
+    position ``p`` through the model, so each token replays the routing of the version that served it.
+    None unless ``--use-rollout-routing-replay``."""
 
     def trained_mask(self) -> list[int]:
         """The loss mask, all ones when none was given."""

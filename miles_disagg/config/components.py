@@ -199,6 +199,8 @@ class TrainConfig:
     balance_data: bool = flag(False, "Deal each global batch so every trainer rank gets the same number of samples with similar token totals (instead of round robin).")
     num_steps_per_rollout: int | None = flag(None, "Optimizer steps per rollout: --global-batch-size = rollout samples // N.")
     use_rollout_logprobs: bool = flag(False, "Use the engines' logprobs (not the trainer's recomputed ones) as the PPO ratio's denominator.")
+    use_rollout_routing_replay: bool = flag(False, "MoE: every engine call returns each token's routed experts (SGLang's return_routed_experts); the trainer replays them in forward and backward.")
+    use_routing_replay: bool = flag(False, "MoE: recompute and backward passes route each token as the trainer's forward pass did.")
     optimizer: str = flag("adam", "Optimizer.", choices=OPTIMIZERS)
     lr: float = flag(1e-6, "Learning rate.")
     lr_decay_style: str = flag("constant", "Learning-rate schedule.", choices=LR_DECAY_STYLES)
