@@ -28,7 +28,7 @@ KL_LOSS_TYPES = ("low_var_kl", "k1", "k2")
 OPTIMIZERS = ("adam",)
 LR_DECAY_STYLES = ("constant",)
 ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-CHECKPOINT_INITS = ("none", "tiny-qwen3", "tiny-qwen3-digits")
+CHECKPOINT_INITS = ("none", "tiny-qwen3", "tiny-qwen3-digits", "tiny-qwen3-moe", "tiny-qwen3-moe-digits")
 ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # what the built-in engine (and SGLang) accept
 
 
@@ -175,7 +175,7 @@ class TrainConfig:
     """The policy trainer: model, batch, optimizer and loss."""
 
     hf_checkpoint: str | None = flag(None, "HF checkpoint directory of the base policy (version 0).")
-    hf_checkpoint_init: str = flag("none", "Create a random model at --hf-checkpoint when the directory is missing (tiny-qwen3: for CPU demos and tests).", choices=CHECKPOINT_INITS)
+    hf_checkpoint_init: str = flag("none", "Create a random model at --hf-checkpoint when the directory is missing (tiny-qwen3: for CPU demos and tests; tiny-qwen3-moe: 4 experts, top 2).", choices=CHECKPOINT_INITS)
     train_backend: str = flag("megatron", "Training backend: megatron (as in miles) or fsdp (FSDP2 on GPU, data parallel over gloo on CPU).", choices=TRAIN_BACKENDS)
     global_batch_size: int | None = flag(None, "Samples per optimizer step.")
     micro_batch_size: int = flag(1, "Samples per forward/backward pass.")

@@ -61,7 +61,13 @@ def check_runnable(config: RunConfig) -> None:
                           ("--global-batch-size", "--actor-num-gpus-per-node"))
 
 
-TINY_INITS = {"tiny-qwen3": "full", "tiny-qwen3-digits": "digits"}  # --hf-checkpoint-init -> charset
+TINY_INITS = {"tiny-qwen3": "full", "tiny-qwen3-digits": "digits",  # --hf-checkpoint-init -> charset
+              "tiny-qwen3-moe": "full", "tiny-qwen3-moe-digits": "digits"}
+TINY_MOE_SHAPE = {"num_experts": 4, "num_experts_per_tok": 2}  # what the tiny-qwen3-moe inits add
+
+
+def _tiny_shape(init: str) -> dict:
+    return TINY_MOE_SHAPE if "-moe" in init else {}
 
 
 def ensure_base_checkpoint(config: RunConfig) -> None:
@@ -84,7 +90,7 @@ def ensure_base_checkpoint(config: RunConfig) -> None:
         charset = CHARSETS[TINY_INITS[train.hf_checkpoint_init]]
         status(f"creating a random {train.hf_checkpoint_init} (seed {train.seed}) at {path}")
         staging = path.with_name(path.name + ".partial")
-        make_tiny_qwen3(staging, seed=train.seed, charset=charset)
+        make_tiny_qwen3(staging, seed=train.seed, charset=charset, **_tiny_shape(train.hf_checkpoint_init))
         staging.rename(path)  # a half-written base is never picked up
         return
     raise ConfigError(f"--hf-checkpoint {str(path)!r} is not a local directory", ("--hf-checkpoint",))
@@ -101,7 +107,7 @@ def check_tiny_base(path: Path, init: str, seed: int) -> None:
         raise ConfigError(f"--hf-checkpoint {str(path)!r} exists but has no {INIT_RECORD_FILENAME}, so it is not known "
                           f"to be what {asked} makes: drop --hf-checkpoint-init to train from it as it is, or remove "
                           "it to have it made", flags)
-    expected = tiny_spec(seed=seed, charset=CHARSETS[TINY_INITS[init]])
+    expected = tiny_spec(seed=seed, charset=CHARSETS[TINY_INITS[init]], **_tiny_shape(init))
     differences = [f"{key} {_shown(key, found.get(key))} (this run asks for {_shown(key, value)})"
                    for key, value in expected.items() if found.get(key) != value]
     if differences:

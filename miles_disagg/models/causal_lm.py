@@ -1,5 +1,5 @@
-"""Load a checkpoint's causal LM: the native Qwen3 on CPU where it computes what transformers
-computes, transformers' ``AutoModelForCausalLM`` everywhere else.
+"""Load a checkpoint's causal LM: the native Qwen3 or Qwen3-MoE on CPU where it computes what
+transformers computes, transformers' ``AutoModelForCausalLM`` everywhere else.
 
 On a CPU the model's start-up is most of an engine's or a trainer rank's work before its first
 request, and transformers' import alone is about 5 CPU-seconds of it; on a GPU it is noise
@@ -39,11 +39,15 @@ def checkpoint_dtype(model_dir: Path) -> torch.dtype:
 
 def implementation(model_dir: Path, device: torch.device | str = "cpu") -> tuple[str, str]:
     """``(NATIVE or TRANSFORMERS, why)`` for the checkpoint at ``model_dir`` on ``device``."""
-    from miles_disagg.models.qwen3 import native_blocker
+    from miles_disagg.models import qwen3, qwen3_moe
 
     if torch.device(device).type != "cpu":
         return TRANSFORMERS, f"{torch.device(device).type} device"
-    blocker = native_blocker(read_config(model_dir))
+    config = read_config(model_dir)
+    if qwen3_moe.is_moe_config(config):
+        blocker = qwen3_moe.native_blocker(config)
+        return (TRANSFORMERS, blocker) if blocker else (NATIVE, "Qwen3-MoE on CPU")
+    blocker = qwen3.native_blocker(config)
     return (TRANSFORMERS, blocker) if blocker else (NATIVE, "Qwen3 on CPU")
 
 
@@ -60,14 +64,24 @@ def load_causal_lm(model_dir: Path, *, dtype: torch.dtype | str = "auto", device
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
+def native_classes(config_json: dict) -> tuple[type, type]:
+    """``(config class, model class)`` of the native implementation for a config.json."""
+    from miles_disagg.models import qwen3, qwen3_moe
+
+    if qwen3_moe.is_moe_config(config_json):
+        return qwen3_moe.Qwen3MoeConfig, qwen3_moe.Qwen3MoeForCausalLM
+    return qwen3.Qwen3Config, qwen3.Qwen3ForCausalLM
+
+
 def load_native_qwen3(model_dir: Path, *, dtype: torch.dtype, device: torch.device | str = "cpu"):
-    """:class:`~miles_disagg.models.qwen3.Qwen3ForCausalLM` with the checkpoint's tensors."""
+    """The native Qwen3 (:mod:`~miles_disagg.models.qwen3`) or Qwen3-MoE
+    (:mod:`~miles_disagg.models.qwen3_moe`) with the checkpoint's tensors."""
     from safetensors.torch import load_file
 
-    from miles_disagg.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config.from_dict(read_config(model_dir))
-    model = Qwen3ForCausalLM(config)  # uninitialised: every tensor comes from the checkpoint
+    config_json = read_config(model_dir)
+    config_class, model_class = native_classes(config_json)
+    config = config_class.from_dict(config_json)
+    model = model_class(config)  # uninitialised: every tensor comes from the checkpoint
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(file))
@@ -76,7 +90,8 @@ def load_native_qwen3(model_dir: Path, *, dtype: torch.dtype, device: torch.devi
     missing = sorted(set(expected) - set(tensors) - tied)
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
-        raise LayoutMismatch(f"checkpoint {str(model_dir)!r} does not hold a {config.num_hidden_layers}-layer Qwen3: "
+        raise LayoutMismatch(f"checkpoint {str(model_dir)!r} does not hold a {config.num_hidden_layers}-layer "
+                             f"{config_json.get('model_type')}: "
                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):

@@ -1,4 +1,5 @@
-"""``miles-disagg make-tiny-checkpoint --out DIR``: write a random tiny Qwen3 HF checkpoint.
+"""``miles-disagg make-tiny-checkpoint --out DIR``: write a random tiny Qwen3 HF checkpoint
+(``--num-experts N``: a Qwen3-MoE).
 
 Nothing is downloaded (see :mod:`miles_disagg.models.tiny_qwen3`). The checkpoint is
 written into a staging directory beside ``--out`` and renamed into place, so ``--out``
@@ -45,6 +46,9 @@ class TinyCheckpointCommand:
     seed: int = flag(0, "Weight initialization seed.")
     charset: str = flag("full", "Tokenizer characters: full (printable ASCII) or digits (arithmetic tasks).",
                         choices=tuple(CHARSETS))
+    num_experts: int = flag(0, "Experts per layer: > 0 makes a Qwen3-MoE (every layer sparse); 0 a dense Qwen3.")
+    num_experts_per_tok: int = flag(2, "Experts each token is routed to (MoE only).")
+    moe_intermediate_size: int | None = flag(None, "Width of each expert (MoE only; default: MLP width / 2).")
     force: bool = flag(False, "Replace a non-empty --out.")
 
     def __post_init__(self) -> None:
@@ -58,9 +62,27 @@ class TinyCheckpointCommand:
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by --num-heads {self.num_heads}; "
                              "give --head-dim")
+        self._check_experts()
         tokenizer_size = len(dict.fromkeys((*SPECIAL_TOKENS, *CHARSETS[self.charset])))
         if self.vocab is not None and self.vocab < tokenizer_size:
             raise ValueError(f"--vocab must be at least the tokenizer's {tokenizer_size} tokens, got {self.vocab}")
+
+    def _check_experts(self) -> None:
+        if self.num_experts < 0:
+            raise ValueError(f"--num-experts must be >= 0, got {self.num_experts}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"--num-experts-per-tok must be in [1, --num-experts {self.num_experts}], "
+                             f"got {self.num_experts_per_tok}")
+        if self.moe_intermediate_size is not None and self.moe_intermediate_size < 1:
+            raise ValueError(f"--moe-intermediate-size must be >= 1, got {self.moe_intermediate_size}")
+
+    def moe_shape(self) -> dict[str, int]:
+        """The MoE keyword arguments of ``make_tiny_qwen3`` (none for a dense model)."""
+        if not self.num_experts:
+            return {}
+        width = self.moe_intermediate_size or (self.intermediate_size or 2 * self.hidden_size) // 2
+        return {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": width}
 
     def model_shape(self) -> dict[str, int | None]:
         """The ``make_tiny_qwen3`` keyword arguments."""
@@ -84,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     from miles_disagg.models.tiny_qwen3 import make_tiny_qwen3
 
     command = config_from_args(TinyCheckpointCommand, args)
-    shape = command.model_shape()
+    shape = {**command.model_shape(), **command.moe_shape()}
     out = command.out
     check_destination(out, force=command.force)
     out.parent.mkdir(parents=True, exist_ok=True)

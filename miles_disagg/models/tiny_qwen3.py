@@ -58,22 +58,29 @@ def make_tiny_qwen3(
     dtype: str = "float32",
     seed: int = 0,
     charset: str = CHARSET,
+    num_experts: int = 0,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int | None = None,
 ) -> Path:
     """Write a random tiny Qwen3 checkpoint with its tokenizer into ``out_dir``; return the path.
 
+    ``num_experts`` > 0 makes a Qwen3-MoE (``Qwen3MoeForCausalLM``: every layer sparse, top
+    ``num_experts_per_tok`` of ``num_experts`` experts of width ``moe_intermediate_size``, default
+    ``intermediate_size // 2``, renormalised top-k weights); 0 makes the dense Qwen3.
     ``vocab_size`` defaults to the tokenizer's size rounded up to a multiple of 8;
     ``charset`` is the tokenizer's character set (``CHARSETS`` names two). The arguments are
     recorded in ``INIT_RECORD_FILENAME`` (``read_init_record``).
     """
     spec = {name: value for name, value in locals().items() if name != "out_dir"}
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(charset)
     vocab_size = vocab_size or _round_up(len(tokenizer), 8)
-    config = Qwen3Config(
+    config = _config_class(num_experts)(
+        **_moe_fields(num_experts, num_experts_per_tok, moe_intermediate_size or intermediate_size // 2),
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -92,9 +99,38 @@ def make_tiny_qwen3(
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
+    if num_experts:
+        _name_experts_as_released_checkpoints_do(out / "config.json")
     tokenizer.save_pretrained(out)
     (out / INIT_RECORD_FILENAME).write_text(json.dumps({"made_by": __name__, "spec": spec}, indent=2) + "\n")
     return out
+
+
+def _config_class(num_experts: int):
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    return Qwen3MoeConfig if num_experts else Qwen3Config
+
+
+def _moe_fields(num_experts: int, top_k: int, width: int) -> dict[str, Any]:
+    if not num_experts:
+        return {}
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
+    return {"num_experts": num_experts, "num_experts_per_tok": top_k, "moe_intermediate_size": width,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def _name_experts_as_released_checkpoints_do(path: Path) -> None:
+    """transformers 5 saves ``num_experts`` under its alias ``num_local_experts``; released
+    Qwen3-MoE checkpoints (and SGLang, Megatron converters) use ``num_experts``."""
+    config = json.loads(path.read_text())
+    config["num_experts"] = config.pop("num_local_experts", config.get("num_experts"))
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+MOE_SPEC_DEFAULTS = {"num_experts": 0, "num_experts_per_tok": 2, "moe_intermediate_size": None}
+"""What a record written before MoE checkpoints existed means by its absent keys (a dense model)."""
 
 
 def tiny_spec(**overrides: Any) -> dict[str, Any]:
@@ -113,7 +149,7 @@ def read_init_record(directory: str | Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())["spec"]
+        return {**MOE_SPEC_DEFAULTS, **json.loads(path.read_text())["spec"]}
     except (ValueError, KeyError, TypeError):
         return None
 
