@@ -182,7 +182,7 @@ class MoeDecoderLayer(nn.Module):
         normed = rms_norm(x, self.post_attention_layernorm.weight, eps)
         if not self.sparse:
             return x + self.mlp.forward(normed), present, None
-        out, experts = self.mlp.forward(normed, forced)
+        out, experts = self.mlp(normed, forced)  # a module call: forward hooks see the routing
         return x + out, present, experts
 
 

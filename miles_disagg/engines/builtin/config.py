@@ -41,6 +41,9 @@ class EngineConfig:
                                              metavar="DIR")
     allow_unverified_versions: bool = flag(False, "Testing only: accept /update_weight_version and version labels "
                                                   "that no verified load backs (stock SGLang's behaviour).")
+    enable_return_routed_experts: bool = flag(False, "Let /generate requests ask for return_routed_experts (SGLang's "
+                                                     "flag): each token's experts in meta_info['routed_experts'] "
+                                                     "(mixture-of-experts models only).")
     api_key: str | None = flag(None, API_KEY_HELP, metavar="KEY")
     admin_api_key: str | None = flag(None, ADMIN_API_KEY_HELP, metavar="KEY")
     max_request_bytes: int = flag(DEFAULT_MAX_REQUEST_BYTES, MAX_REQUEST_BYTES_HELP, metavar="N")

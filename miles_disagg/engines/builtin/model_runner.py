@@ -8,6 +8,10 @@ left-padded, plus a ``[rows, length]`` attention mask (0 on padding) and each ro
 Prefill builds a new ``KVBatch`` for the joining rows; :meth:`ModelRunner.merge` and
 :meth:`ModelRunner.select` let rows join and leave without recomputing anything.
 
+Mixture-of-experts models: every forward pass leaves the experts each new token was routed to in
+:attr:`ModelRunner.last_routed` (int32 ``[rows, new_tokens, num_hidden_layers, top_k]``, -1 on
+layers without experts; None for a dense model), read by the scheduler right after the call.
+
 Concurrency: a ``ModelRunner`` is used by exactly one thread (the scheduler's); weight
 swaps happen on that thread between steps, so a forward pass never sees half-new weights.
 """
@@ -21,6 +25,7 @@ from typing import Iterable
 
 import torch
 
+from miles_disagg.engines.builtin.routing import routing_capture
 from miles_disagg.models.causal_lm import NATIVE, checkpoint_dtype, implementation, load_causal_lm, read_config
 from miles_disagg.types import FormatError, InvalidInput, LayoutMismatch
 
@@ -69,6 +74,12 @@ class ModelRunner:
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_context = int(self.config_json.get("max_position_embeddings") or 4096)
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.routing = routing_capture(self.model, self.config_json, self.implementation)
+        self.last_routed: torch.Tensor | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.routing is not None
 
     def eos_token_ids(self) -> set[int]:
         """``eos_token_id`` of config.json and generation_config.json (an id or a list each)."""
@@ -92,8 +103,8 @@ class ModelRunner:
             ids[row, length - len(tokens):] = torch.tensor(tokens, dtype=torch.long)
             mask[row, length - len(tokens):] = 1
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits, layers = self._forward(self.model, ids.to(self.device), mask.to(self.device),
-                                       position_ids.to(self.device), None, 1)
+        logits, layers = self._routed_forward(ids.to(self.device), mask.to(self.device),
+                                              position_ids.to(self.device), None, 1)
         positions = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
         return logits[:, -1, :].float(), KVBatch(layers=layers, mask=mask, positions=positions)
 
@@ -102,10 +113,25 @@ class ModelRunner:
         """Feed one token per row; the cache grows in place; return float32 logits ``[rows, vocab]``."""
         ids = torch.tensor(next_tokens, dtype=torch.long).unsqueeze(1)
         batch.mask = torch.cat([batch.mask, torch.ones((batch.num_rows, 1), dtype=torch.long)], dim=1)
-        logits, batch.layers = self._forward(self.model, ids.to(self.device), batch.mask.to(self.device),
-                                             batch.positions.unsqueeze(1).to(self.device), batch.layers, 0)
+        logits, batch.layers = self._routed_forward(ids.to(self.device), batch.mask.to(self.device),
+                                                    batch.positions.unsqueeze(1).to(self.device), batch.layers, 0)
         batch.positions = batch.positions + 1
         return logits[:, -1, :].float()
+
+    def _routed_forward(self, ids, mask, positions, layers, logits_to_keep):
+        if self.routing is None:
+            return self._forward(self.model, ids, mask, positions, layers, logits_to_keep)
+        with self.routing.capturing(ids.shape) as captured:
+            out = self._forward(self.model, ids, mask, positions, layers, logits_to_keep)
+        self.last_routed = captured.result()
+        return out
+
+    @torch.inference_mode()
+    def full_routed_experts(self, tokens: list[int]) -> torch.Tensor:
+        """Reference: the experts of every position of one unbatched forward pass (tests use it)."""
+        ids = torch.tensor([tokens], device=self.device)
+        self._routed_forward(ids, torch.ones_like(ids), torch.arange(len(tokens), device=self.device)[None], None, 1)
+        return self.last_routed[0]
 
     @torch.inference_mode()
     def full_logprobs(self, tokens: list[int], temperature: float = 1.0) -> torch.Tensor:

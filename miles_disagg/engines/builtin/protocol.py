@@ -40,7 +40,7 @@ UNSUPPORTED_SAMPLING = {
 # values (a list of no-op values, one per batch item, is accepted too).
 UNSUPPORTED_GENERATE = {
     "logprob_start_len": (-1,), "token_ids_logprob": (), "return_hidden_states": (False,),
-    "return_routed_experts": (False,), "return_indexer_topk": (False,), "return_sampling_mask": (False,),
+    "return_indexer_topk": (False,), "return_sampling_mask": (False,),
     "lora_path": (), "input_embeds": (), "image_data": (), "video_data": (), "audio_data": (),
 }
 
@@ -126,6 +126,8 @@ class GenerateReqInput(Body):
     return_logprob: tuple[bool, ...] = ()
     top_logprobs_num: tuple[Annotated[int, Field(ge=0)], ...] = ()
     rid: tuple[str, ...] = ()  # "": none given (a fresh one is made)
+    return_routed_experts: bool = False
+    routed_experts_start_len: tuple[Annotated[int, Field(ge=0)], ...] = ()
     return_text_in_logprobs: bool = False
     stream: bool = False
 
@@ -146,6 +148,8 @@ class GenerateReqInput(Body):
             "sampling_params": _per_item(obj.get("sampling_params"), count, "sampling_params", {}),
             "return_logprob": _per_item(obj.get("return_logprob"), count, "return_logprob", False),
             "top_logprobs_num": _per_item(obj.get("top_logprobs_num"), count, "top_logprobs_num", 0),
+            "routed_experts_start_len": _per_item(obj.get("routed_experts_start_len"), count,
+                                                  "routed_experts_start_len", 0),
             "rid": (tuple(f"{rid}_{i}" for i in range(count)) if batched and isinstance(rid, str)
                     else _per_item(rid, count, "rid", "")),
         }
@@ -234,6 +238,8 @@ class GenerateItem:
     return_logprob: bool
     return_text_in_logprobs: bool = False
     top_logprobs_num: int = 0
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -266,6 +272,8 @@ def parse_generate(body: bytes | Any, max_prompt_tokens: int | None = None,
             return_logprob=req.return_logprob[i],
             return_text_in_logprobs=req.return_text_in_logprobs,
             top_logprobs_num=req.top_logprobs_num[i],
+            return_routed_experts=req.return_routed_experts,
+            routed_experts_start_len=req.routed_experts_start_len[i],
         )
         for i, prompt in enumerate(prompts)
     )

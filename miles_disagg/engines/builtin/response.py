@@ -12,7 +12,10 @@ Shape (SGLang's tokenizer manager, default options)::
 ``text`` follows SGLang's stop trimming: a matched stop string is cut off and so is a
 matched stop token (``output_ids`` keeps every token), unless ``no_stop_trim``.
 ``weight_version_start``/``weight_version_end`` and ``num_retractions`` are this project's
-additions. Streaming chunks use the same shape with cumulative ``text``/``output_ids``.
+additions. With ``return_routed_experts`` a finished sequence's ``meta_info["routed_experts"]`` is
+SGLang's: base64 of little-endian int32 ``[prompt + output - 1 - routed_experts_start_len,
+num_hidden_layers, top_k]``, row ``p`` the experts of the token at position ``start_len + p``
+(-1 on layers without experts). Streaming chunks use the same shape with cumulative ``text``/``output_ids``.
 """
 
 from __future__ import annotations
@@ -43,8 +46,23 @@ def result_json(seq: Sequence, tokenizer) -> dict:
         if seq.item.top_logprobs_num:
             meta["output_top_logprobs"] = [_triples(row, tokenizer, seq.item.return_text_in_logprobs)
                                            for row in seq.output_top_logprobs]
+    if seq.item.return_routed_experts and seq.finish is not None:
+        meta["routed_experts"] = routed_experts_b64(seq)
     text = _trimmed_text(seq, tokenizer, finish, params.no_stop_trim, params.skip_special_tokens)
     return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
+
+
+def routed_experts_b64(seq: Sequence) -> str:
+    """The recorded routing of positions ``start_len .. seqlen - 2`` (the last token was never fed)."""
+    import base64
+
+    import numpy as np
+    import torch
+
+    fed = len(seq.all_ids) - 1
+    rows = torch.cat(seq.routed)[:fed] if seq.routed else torch.zeros((0,), dtype=torch.int32)
+    array = np.ascontiguousarray(rows[seq.item.routed_experts_start_len:].numpy().astype("<i4", copy=False))
+    return base64.b64encode(array.tobytes()).decode("ascii")
 
 
 def _trimmed_text(seq: Sequence, tokenizer, finish: dict | None, no_stop_trim: bool, skip_special: bool) -> str:

@@ -59,7 +59,7 @@ from miles_disagg.engines.builtin.protocol import (
 from miles_disagg.engines.builtin.response import result_json
 from miles_disagg.engines.builtin.scheduler import Scheduler, Sequence, Sink
 from miles_disagg.engines.builtin.staging import Stager, version_ref_from_string
-from miles_disagg.types import EngineUnrecoverable, Forbidden, InvalidInput, VersionRef
+from miles_disagg.types import ConfigError, EngineUnrecoverable, Forbidden, InvalidInput, VersionRef
 from miles_disagg.weights.hooks import PRE_READ_FLAG, load_hook
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,10 @@ class Engine:
 
         self.config = config
         self.runner = ModelRunner(config.model_path, device=config.device, dtype=config.dtype)
+        if config.enable_return_routed_experts and not self.runner.is_moe:
+            raise ConfigError(f"--enable-return-routed-experts: the model at {str(config.model_path)!r} has no "
+                              f"experts (model_type {self.runner.config_json.get('model_type')!r})",
+                              ("--enable-return-routed-experts",))
         self.tokenizer = load_tokenizer(config.model_path)
         self.stop_ids = frozenset(self._eos_ids())
         self.scheduler = Scheduler(
@@ -146,6 +150,8 @@ class Engine:
             raise EngineUnrecoverable(self.scheduler.dead)
         self.memory.check_can_generate()
         prompts = [self._prompt_ids(item) for item in request.items]
+        for item, prompt in zip(request.items, prompts):
+            self._check_routed_experts(item, len(prompt))
         self._claim_rids([item.rid for item in request.items])
         return [
             Sequence(
@@ -194,6 +200,18 @@ class Engine:
                 f"exceeds the model's context length {self.runner.max_context}"
             )
         return ids
+
+    def _check_routed_experts(self, item: GenerateItem, prompt_len: int) -> None:
+        if not item.return_routed_experts:
+            return
+        if not self.config.enable_return_routed_experts:
+            raise InvalidInput("return_routed_experts needs the server started with --enable-return-routed-experts")
+        if item.sampling.max_new_tokens == 0:
+            raise InvalidInput("return_routed_experts with max_new_tokens=0 is not supported by the built-in engine "
+                               "(it answers such requests without a forward pass)")
+        if not 0 <= item.routed_experts_start_len <= prompt_len:
+            raise InvalidInput(f"routed_experts_start_len must be in [0, {prompt_len}] (the prompt's length), "
+                               f"got {item.routed_experts_start_len}")
 
     def _eos_ids(self) -> set[int]:
         ids = self.runner.eos_token_ids()

@@ -79,6 +79,9 @@ class Sequence:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     version_spans: list[list] = field(default_factory=list)
     """SGLang's ``weight_versions``: ``[version, start, end)`` over output-token indices."""
+    routed: list[torch.Tensor] = field(default_factory=list)
+    """``return_routed_experts``: int32 ``[positions, layers, top_k]`` chunks, one per forward pass
+    that fed this sequence tokens, in position order (a re-prefill after a retraction starts over)."""
 
     @property
     def rid(self) -> str:
@@ -325,6 +328,9 @@ class Scheduler:
             for seq in joining:
                 self._finish(seq, FinishReason.abort(message, 500, "InternalServerError"))
             raise
+        for offset, seq in enumerate(joining):
+            if seq.item.return_routed_experts and self.runner.last_routed is not None:
+                seq.routed = [self.runner.last_routed[offset, -len(seq.all_ids):]]
         self.running.extend(joining)
         self.kv = self.runner.merge(self.kv, kv)
         self._sample_rows(logits, first_row=len(self.running) - len(joining))
@@ -334,6 +340,9 @@ class Scheduler:
         if not self.running:
             return False
         logits = self.runner.decode(self.kv, [seq.output_ids[-1] for seq in self.running])
+        for row, seq in enumerate(self.running):
+            if seq.item.return_routed_experts and self.runner.last_routed is not None:
+                seq.routed.append(self.runner.last_routed[row])  # the token fed at this step
         self._sample_rows(logits, first_row=0)
         return True
 
