@@ -21,18 +21,19 @@ FUSED_DOWN = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.down_proj$")
 
 def on_disk_tensors(named: Iterable[tuple[str, "torch.Tensor"]]) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
     """Each fused expert tensor split into one 2-D tensor per expert under its on-disk name;
-    anything else as given. Splits are views (no copy): the caller converts or copies."""
+    anything else as given. Splits are copies: they share no storage (safetensors refuses shared
+    tensors, and the fused source may be freed or changed)."""
     for name, tensor in named:
         gate_up, down = FUSED_GATE_UP.match(name), FUSED_DOWN.match(name)
         if gate_up and tensor.dim() == 3:
             width = tensor.shape[1] // 2
             for expert in range(tensor.shape[0]):
                 prefix = f"{gate_up['prefix']}.{expert}"
-                yield f"{prefix}.gate_proj.weight", tensor[expert, :width]
-                yield f"{prefix}.up_proj.weight", tensor[expert, width:]
+                yield f"{prefix}.gate_proj.weight", tensor[expert, :width].clone()
+                yield f"{prefix}.up_proj.weight", tensor[expert, width:].clone()
         elif down and tensor.dim() == 3:
             for expert in range(tensor.shape[0]):
-                yield f"{down['prefix']}.{expert}.down_proj.weight", tensor[expert]
+                yield f"{down['prefix']}.{expert}.down_proj.weight", tensor[expert].clone()
         else:
             yield name, tensor
 

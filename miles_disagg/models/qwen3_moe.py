@@ -126,8 +126,9 @@ class Expert(MLP):
 class Routing:
     """A sparse layer's choice for ``tokens`` flattened tokens: expert indices and their weights."""
 
-    experts: torch.Tensor  # [tokens, top_k] long
+    experts: torch.Tensor  # [tokens, top_k] long: the experts used
     weights: torch.Tensor  # [tokens, top_k] activations' dtype
+    own: torch.Tensor  # [tokens, top_k] long: the router's own top-k (differs from experts where replayed)
 
 
 class SparseMoeBlock(nn.Module):
@@ -144,16 +145,19 @@ class SparseMoeBlock(nn.Module):
         """``x`` ``[tokens, hidden]``; ``forced`` ``[tokens, top_k]`` (rows holding -1: free)."""
         probs = torch.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)
         top, experts = torch.topk(probs, self.top_k, dim=-1)
+        own = experts
         if forced is not None:
             replay = (forced >= 0).all(dim=-1)
             experts = torch.where(replay[:, None], forced.to(experts.dtype).clamp(min=0), experts)
             top = probs.gather(-1, experts)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
-        return Routing(experts, top.to(x.dtype))
+        return Routing(experts, top.to(x.dtype), own)
 
-    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` ``[rows, length, hidden]``; returns the output and the experts ``[rows, length, top_k]``."""
+    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``[rows, length, hidden]``; returns the output, the experts used and the router's own
+        top-k (each ``[rows, length, top_k]``)."""
         rows, length, hidden = x.shape
         flat = x.reshape(-1, hidden)
         routing = self.route(flat, None if forced is None else forced.reshape(-1, self.top_k))
@@ -162,7 +166,8 @@ class SparseMoeBlock(nn.Module):
             tokens, slot = torch.where(routing.experts == expert)
             computed = self.experts[expert](flat[tokens]) * routing.weights[tokens, slot, None]
             out.index_add_(0, tokens, computed.to(out.dtype))
-        return out.reshape(rows, length, hidden), routing.experts.reshape(rows, length, self.top_k)
+        shape = (rows, length, self.top_k)
+        return out.reshape(rows, length, hidden), routing.experts.reshape(shape), routing.own.reshape(shape)
 
 
 class MoeDecoderLayer(nn.Module):
@@ -175,15 +180,15 @@ class MoeDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, past, forced: torch.Tensor | None):
-        """Returns ``(hidden, kv, experts or None)``."""
+        """Returns ``(hidden, kv, (experts used, router's own top-k) or None)``."""
         norm, eps = self.input_layernorm, self.input_layernorm.eps
         attended, present = self.self_attn.forward(rms_norm(x, norm.weight, eps), cos, sin, mask, past)
         x = x + attended
         normed = rms_norm(x, self.post_attention_layernorm.weight, eps)
         if not self.sparse:
             return x + self.mlp.forward(normed), present, None
-        out, experts = self.mlp(normed, forced)  # a module call: forward hooks see the routing
-        return x + out, present, experts
+        out, experts, own = self.mlp(normed, forced)  # a module call: forward hooks see the routing
+        return x + out, present, (experts, own)
 
 
 class Qwen3MoeModel(Qwen3Model):
@@ -199,6 +204,8 @@ class Qwen3MoeModel(Qwen3Model):
 class MoeCausalLMOutput(CausalLMOutput):
     routed_experts: torch.Tensor | None = None
     """int32 ``[rows, new_tokens, num_hidden_layers, top_k]``: each token's experts, -1 on dense layers."""
+    router_choice: torch.Tensor | None = None
+    """Same shape: the router's own top-k (equal to ``routed_experts`` except where a routing was replayed)."""
 
 
 class Qwen3MoeForCausalLM(nn.Module):
@@ -229,13 +236,14 @@ class Qwen3MoeForCausalLM(nn.Module):
         mask = attention_mask_4d(attention_mask, rows, length, past_length, input_ids.device)
         routed = torch.full((rows, length, self.config.num_hidden_layers, self.config.num_experts_per_tok), -1,
                             dtype=torch.int32, device=input_ids.device)
+        own = routed.clone()
         present: LayerCache = []
         for index, layer in enumerate(self.model.layers):
             forced = routing[:, :, index] if routing is not None and layer.sparse else None
-            hidden, kv, experts = layer(hidden, cos, sin, mask, cache[index] if cache else None, forced)
-            if experts is not None:
-                routed[:, :, index] = experts.to(torch.int32)
+            hidden, kv, choice = layer(hidden, cos, sin, mask, cache[index] if cache else None, forced)
+            if choice is not None:
+                routed[:, :, index], own[:, :, index] = choice[0].to(torch.int32), choice[1].to(torch.int32)
             present.append(kv)
         hidden = self.model.norm(hidden)
         logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
-        return MoeCausalLMOutput(logits, present, routed)
+        return MoeCausalLMOutput(logits, present, routed, own)

@@ -7,6 +7,9 @@ On GPU each decoder layer and the root are sharded with ``fully_shard`` (FSDP2),
 kept in float32 and computed in bfloat16. On CPU (no CUDA) the same backend runs plain
 data parallelism over gloo (``DistributedDataParallel``; a single rank runs unwrapped):
 sharding buys nothing there and FSDP2 needs an accelerator.
+
+Qwen3-MoE: routing replay (``--use-rollout-routing-replay``, ``--use-routing-replay``) and the
+routing metrics are :mod:`miles_disagg.trainer.fsdp_routing`'s; they need the native model (CPU).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from miles_disagg.trainer.advantages import rollout_advantages
 from miles_disagg.trainer.backend import TrainerBackend
 from miles_disagg.trainer.results import TrainResult
 from miles_disagg.trainer.batches import PackedBatch, pack, response_logits
+from miles_disagg.trainer.fsdp_routing import (
+    RoutingCounts, RoutingShape, pack_engine_routing, require_engine_routing,
+)
 from miles_disagg.trainer.shares import micro_batches
 from miles_disagg.trainer.losses import rl_loss, token_logprobs_and_entropy
 from miles_disagg.trainer.reduction import StepMetrics, global_token_mean, step_denominators
@@ -44,6 +50,8 @@ class FSDPBackend(TrainerBackend):
         self.export_dtypes = {name: t.dtype for name, t in model.state_dict().items()}
         self.pad_id = model.config.pad_token_id or 0
         self.module = model.float().to(self.device)  # float32 master weights
+        self.routing_shape = RoutingShape.of(self.module)
+        self._check_replay_flags(hf_dir)
         self.model = self._wrap(self.module)
         self.ref_model = self._load_reference(hf_dir) if config.needs_reference else None
         self.optimizer = torch.optim.AdamW(
@@ -61,9 +69,19 @@ class FSDPBackend(TrainerBackend):
                 fully_shard(layer, mp_policy=policy)
             fully_shard(module, mp_policy=policy)
             return module
-        if self.world_size > 1:
-            return torch.nn.parallel.DistributedDataParallel(module)
+        if self.world_size > 1:  # an expert no token chose in a step has no gradient: not an error
+            return torch.nn.parallel.DistributedDataParallel(module,
+                                                             find_unused_parameters=self.routing_shape is not None)
         return module
+
+    def _check_replay_flags(self, hf_dir: str) -> None:
+        from miles_disagg.types import ConfigError
+
+        for name, on in (("--use-rollout-routing-replay", self.config.use_rollout_routing_replay),
+                         ("--use-routing-replay", self.config.use_routing_replay)):
+            if on and self.routing_shape is None:
+                raise ConfigError(f"{name} with --train-backend fsdp needs a mixture-of-experts model on the native "
+                                  f"Qwen3-MoE (CPU); {hf_dir!r} on {self.device.type} does not give one", (name,))
 
     def _load_reference(self, hf_dir: str) -> torch.nn.Module:
         from miles_disagg.models.causal_lm import load_causal_lm
@@ -73,22 +91,47 @@ class FSDPBackend(TrainerBackend):
 
     # ------------------------------------------------------------------ training
 
-    def _token_logprobs(self, model: torch.nn.Module, batch: PackedBatch, with_entropy: bool):
-        logits = model(input_ids=batch.input_ids.to(self.device),
-                       attention_mask=batch.attention_mask.to(self.device)).logits
-        return token_logprobs_and_entropy(response_logits(logits, batch) / self.temperature,
-                                          batch.response_ids.to(self.device), with_entropy)
+    def _forward(self, model: torch.nn.Module, batch: PackedBatch, routing: torch.Tensor | None):
+        extra = {} if routing is None else {"routing": routing.to(self.device)}
+        return model(input_ids=batch.input_ids.to(self.device), attention_mask=batch.attention_mask.to(self.device),
+                     **extra)
+
+    def _token_logprobs(self, model: torch.nn.Module, batch: PackedBatch, with_entropy: bool,
+                        routing: torch.Tensor | None = None):
+        out = self._forward(model, batch, routing)
+        logprobs, entropy = token_logprobs_and_entropy(response_logits(out.logits, batch) / self.temperature,
+                                                       batch.response_ids.to(self.device), with_entropy)
+        return logprobs, entropy, out
 
     @torch.no_grad()
-    def _frozen_logprobs(self, model: torch.nn.Module, batches: list[PackedBatch]) -> list[torch.Tensor]:
-        return [self._token_logprobs(model, b, with_entropy=False)[0] for b in batches]
+    def _frozen_logprobs(self, model: torch.nn.Module, batches: list[PackedBatch], routes: list) -> list[torch.Tensor]:
+        return [self._token_logprobs(model, b, False, r)[0] for b, r in zip(batches, routes)]
+
+    def _engine_routes(self, steps: list[list[list[Sample]]]) -> list[torch.Tensor | None]:
+        """Per micro-batch: the engine's routing packed as the batch is (None: a dense model or none given)."""
+        if self.routing_shape is None:
+            return [None for step in steps for _ in step]
+        if self.config.use_rollout_routing_replay:
+            require_engine_routing([s for step in steps for mb in step for s in mb])
+        return [pack_engine_routing(mb, max(len(s.prompt_ids) + len(s.response_ids) for s in mb), self.routing_shape)
+                for step in steps for mb in step]
+
+    @torch.no_grad()
+    def _recorded_routes(self, batches: list[PackedBatch]) -> list[torch.Tensor]:
+        """``--use-routing-replay``: the routing of this forward pass, which the training passes replay."""
+        return [self._forward(self.model, b, None).routed_experts.long().cpu() for b in batches]
 
     def train(self, steps: list[list[Sample]]) -> TrainResult:
         mbs = self.config.micro_batch_size
-        packed = [[pack(mb, self.pad_id) for mb in micro_batches(step, mbs)] for step in steps]
+        split = [list(micro_batches(step, mbs)) for step in steps]
+        packed = [[pack(mb, self.pad_id) for mb in step] for step in split]
         flat = [b for step in packed for b in step]
-        old = self._frozen_logprobs(self.model, flat)
-        ref = self._frozen_logprobs(self.ref_model, flat) if self.ref_model is not None else [None] * len(flat)
+        engine = self._engine_routes(split)
+        replay = engine if self.config.use_rollout_routing_replay else [None] * len(flat)
+        if self.config.use_routing_replay and not self.config.use_rollout_routing_replay:
+            replay = self._recorded_routes(flat)
+        old = self._frozen_logprobs(self.model, flat, replay)
+        ref = self._frozen_logprobs(self.ref_model, flat, replay) if self.ref_model is not None else [None] * len(flat)
         diff = global_token_mean([((o - b.rollout_logprobs.to(self.device)).abs(), b.loss_mask)
                                   for o, b in zip(old, flat)], device=self.device)
         if self.config.use_rollout_logprobs:  # the engines' logprobs are the behaviour policy's (miles' meaning)
@@ -100,26 +143,32 @@ class FSDPBackend(TrainerBackend):
         for step, denominator in zip(packed, denominators):
             window = slice(cursor, cursor + len(step))
             cursor += len(step)
-            result.steps.append(self._optimizer_step(step, old[window], ref[window], advantages[window], denominator))
+            result.steps.append(self._optimizer_step(step, old[window], ref[window], advantages[window], denominator,
+                                                     replay[window], engine[window]))
         return result
 
     def _optimizer_step(self, batches: list[PackedBatch], old: list, ref: list, advantages: list,
-                        denominator: float) -> dict[str, float]:
+                        denominator: float, replay: list, engine: list) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches; ``denominator`` is the step's global
         sample (or token) count. Ranks average gradients, so each backpropagates
         ``world_size / denominator`` times its sum: the mean over the global batch."""
         self.optimizer.zero_grad(set_to_none=True)
         scale = self.world_size / denominator
-        sums = StepMetrics()
+        sums, routing = StepMetrics(), RoutingCounts()
         for i, batch in enumerate(batches):
             with self._no_sync(i < len(batches) - 1):
-                logprobs, entropy = self._token_logprobs(self.model, batch, with_entropy=True)
+                logprobs, entropy, out = self._token_logprobs(self.model, batch, True, replay[i])
+                if self.routing_shape is not None:
+                    routing.add(batch, self.routing_shape, engine[i], out.routed_experts, out.router_choice,
+                                replaying_engine=self.config.use_rollout_routing_replay)
                 loss, metrics = rl_loss(self.config, batch, logprobs, entropy, old[i], ref[i], advantages[i],
                                         self.device)
                 (loss * scale).backward()
             sums.add(metrics)
         grad_norm = self._clip_and_step()
         result = sums.global_means(denominator, device=self.device)
+        if self.routing_shape is not None:
+            result.update(routing.global_metrics(self.device))
         result["train/grad_norm"] = grad_norm
         result["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return result
@@ -140,8 +189,15 @@ class FSDPBackend(TrainerBackend):
 
     # ------------------------------------------------------------------ export / state
 
-    @torch.no_grad()
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights to publish, in the checkpoint's on-disk names (transformers' fused in-memory
+        experts of a Qwen3-MoE split per expert)."""
+        from miles_disagg.models.moe_names import on_disk_tensors
+
+        return on_disk_tensors(self._state_tensors())
+
+    @torch.no_grad()
+    def _state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.module.state_dict().items():
             if name not in self.export_dtypes:
                 continue

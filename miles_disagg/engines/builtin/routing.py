@@ -83,7 +83,7 @@ def routing_capture(model: torch.nn.Module, config_json: dict, implementation: s
 
 
 def _native_experts(output) -> torch.Tensor:
-    return output[1]  # SparseMoeBlock: (hidden, experts [rows, length, top_k])
+    return output[1]  # SparseMoeBlock: (hidden, experts used [rows, length, top_k], own top-k)
 
 
 def _transformers_router_indices(output) -> torch.Tensor:

@@ -1,0 +1,125 @@
+"""Routing replay for the FSDP backend on a Qwen3-MoE, and the routing metrics.
+
+``--use-rollout-routing-replay``: the forward over ``prompt_ids + response_ids`` routes position
+``p < len - 1`` to ``Sample.rollout_routed_experts[p]`` (the engine's experts), the last position
+freely. ``--use-routing-replay``: the first forward pass of a rollout (the one that computes the
+old logprobs) records its own routing and the training passes (forward and backward) replay it.
+
+Metrics, over the positions whose logits predict a trained token and the layers with experts:
+
+* ``train/routing_replay_match``: fraction of replayed top-k sets the trainer used that equal the
+  engine's (1.0 whenever replay works);
+* ``train/routing_agreement``: fraction where the trainer router's own top-k set equals the engine's
+  (whether or not it is replayed).
+
+Both need samples carrying the engine's routing; without it they are not logged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from miles_disagg.trainer.batches import PackedBatch
+from miles_disagg.types import InvalidInput, Sample
+
+REPLAY_MATCH, AGREEMENT = "train/routing_replay_match", "train/routing_agreement"
+
+
+@dataclass(frozen=True)
+class RoutingShape:
+    layers: int
+    top_k: int
+    sparse_layers: tuple[int, ...]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "RoutingShape | None":
+        """The native Qwen3-MoE's shape (None for any other model: nothing to route)."""
+        config = getattr(model, "config", None)
+        sparse = getattr(config, "sparse_layers", None)
+        if not sparse:
+            return None
+        return cls(config.num_hidden_layers, config.num_experts_per_tok, tuple(sparse))
+
+
+def pack_engine_routing(samples: Sequence[Sample], seq_len: int, shape: RoutingShape) -> torch.Tensor | None:
+    """``[batch, seq_len, layers, top_k]`` long: each sample's ``rollout_routed_experts`` at its
+    positions, -1 elsewhere (its last position and the padding route freely). None when no sample
+    carries routing; ``InvalidInput`` naming the sample when one has the wrong shape."""
+    if all(s.rollout_routed_experts is None for s in samples):
+        return None
+    packed = torch.full((len(samples), seq_len, shape.layers, shape.top_k), -1, dtype=torch.long)
+    for i, sample in enumerate(samples):
+        if sample.rollout_routed_experts is None:
+            continue
+        routed = torch.as_tensor(sample.rollout_routed_experts)
+        expected = (len(sample.prompt_ids) + len(sample.response_ids) - 1, shape.layers, shape.top_k)
+        if tuple(routed.shape) != expected:
+            raise InvalidInput(f"sample {i} of the micro-batch: rollout_routed_experts has shape "
+                               f"{tuple(routed.shape)}, the model and its tokens need {expected}")
+        packed[i, :expected[0]] = routed.long()
+    return packed
+
+
+def require_engine_routing(samples: Sequence[Sample]) -> None:
+    """``--use-rollout-routing-replay`` trains only samples that carry the engine's routing."""
+    missing = sum(s.rollout_routed_experts is None for s in samples)
+    if missing:
+        raise InvalidInput(f"--use-rollout-routing-replay: {missing} of {len(samples)} samples carry no "
+                           "rollout_routed_experts; the rollout must request routed experts from the engines")
+
+
+def trained_positions(batch: PackedBatch) -> torch.Tensor:
+    """Bool ``[batch, seq]``: the positions whose logits predict a trained response token."""
+    n, seq_len = batch.input_ids.shape
+    positions = torch.zeros((n, seq_len), dtype=torch.bool)
+    resp_len = batch.response_ids.shape[1]
+    offsets = (torch.arange(resp_len)[None, :] + batch.response_start[:, None] - 1).clamp(0, seq_len - 1)
+    positions.scatter_(1, offsets, batch.loss_mask.bool())
+    return positions
+
+
+def equal_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise over ``[..., top_k]``: whether the two top-k index sets are equal."""
+    return (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)
+
+
+@dataclass
+class RoutingCounts:
+    """Sums for one optimizer step: ``(matching, compared)`` per metric."""
+
+    replay_match: float = 0.0
+    replayed: float = 0.0
+    agreement: float = 0.0
+    compared: float = 0.0
+
+    def add(self, batch: PackedBatch, shape: RoutingShape, engine: torch.Tensor | None, used: torch.Tensor,
+            own: torch.Tensor, replaying_engine: bool) -> None:
+        """``used``/``own``: the experts the forward used and the router's own top-k, ``[b, s, L, k]``."""
+        if engine is None:
+            return
+        layers = list(shape.sparse_layers)
+        where = trained_positions(batch).to(used.device)
+        where = where & (engine[:, :, layers[0]] >= 0).all(-1).to(used.device)  # positions the engine routed
+        engine = engine.to(used.device)[:, :, layers][where]
+        own_sets = equal_sets(own[:, :, layers][where].long(), engine)
+        self.agreement += float(own_sets.sum())
+        self.compared += float(own_sets.numel())
+        if replaying_engine:
+            used_sets = equal_sets(used[:, :, layers][where].long(), engine)
+            self.replay_match += float(used_sets.sum())
+            self.replayed += float(used_sets.numel())
+
+    def global_metrics(self, device: torch.device) -> dict[str, float]:
+        from miles_disagg.trainer.reduction import sum_over_ranks
+
+        match, replayed, agree, compared = sum_over_ranks(
+            [self.replay_match, self.replayed, self.agreement, self.compared], device=device)
+        metrics = {}
+        if compared:
+            metrics[AGREEMENT] = agree / compared
+        if replayed:
+            metrics[REPLAY_MATCH] = match / replayed
+        return metrics
