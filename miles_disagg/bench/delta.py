@@ -12,6 +12,10 @@ Codecs, both over ``--workers`` threads:
 * reference: XOR + zstd level 1 per whole tensor, no filter (the plain disk-delta format),
   a thread pool over tensors.
 
+``--moe``: the same measurements on a MoE-shaped model whose update leaves the experts that received
+no token bit-identical (:mod:`miles_disagg.bench.delta_moe`), printed as ``{"dense": ..., "moe": ...}``;
+the MoE figures add the fraction of tensors skipped (no payload) and the routing of the step.
+
 Prints one JSON object on stdout; progress goes to stderr. GB/s are model bytes per second.
 """
 
@@ -44,10 +48,16 @@ class DeltaBench:
     repeat: int = flag(5, "Interleaved timed rounds; the best of each is reported.")
     seed: int = flag(0, "Seed of the synthetic model.")
     json: bool = flag(False, "Print the JSON object only (always JSON on stdout).")
+    moe: bool = flag(False, "Also measure a MoE-shaped model in which some experts received no token.")
+    num_experts: int = flag(64, "--moe: experts per layer.")
+    experts_per_token: int = flag(8, "--moe: experts each token is routed to.")
+    tokens_per_step: int = flag(64, "--moe: tokens routed in the simulated step (fewer: more experts untouched).")
 
     def __post_init__(self) -> None:
         if self.size_mb <= 0 or self.workers < 1 or self.lr < 0:
             raise ValueError("--size-mb must be > 0, --workers >= 1 and --lr >= 0")
+        if not 1 <= self.experts_per_token <= self.num_experts or self.tokens_per_step < 0:
+            raise ValueError("--experts-per-token must be in [1, --num-experts] and --tokens-per-step >= 0")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -242,7 +252,24 @@ class Reference(_Codec):
 def run(args: argparse.Namespace) -> int:
     command = config_from_args(DeltaBench, args)
     _log(f"building a {command.size_mb:g} MiB bf16 model and one AdamW step (lr {command.lr:g})")
-    old, new = make_model(command.size_mb, command.lr, command.seed)
+    result = measure(command, *make_model(command.size_mb, command.lr, command.seed))
+    if command.moe:
+        from miles_disagg.bench.delta_moe import make_moe_model
+
+        _log(f"building a {command.size_mb:g} MiB bf16 MoE model ({command.num_experts} experts, top "
+             f"{command.experts_per_token}, {command.tokens_per_step} tokens) and one step")
+        old, new, routing = make_moe_model(command.size_mb, command.lr, command.seed, command.num_experts,
+                                           command.experts_per_token, command.tokens_per_step)
+        result = {"dense": result, "moe": {**measure(command, old, new), **routing}}
+        exact = result["dense"]["round_trip_exact"] and result["moe"]["round_trip_exact"]
+    else:
+        exact = result["round_trip_exact"]
+    print(json.dumps(result, indent=None if command.json else 2))
+    return 0 if exact else 1
+
+
+def measure(command: DeltaBench, old: dict[str, np.ndarray], new: dict[str, np.ndarray]) -> dict:
+    """Both codecs on one (old, new) model: the figures of the JSON object."""
     total = sum(a.nbytes for a in new.values())
     changed = sum(int(np.count_nonzero(old[n] != new[n])) for n in new)
     with ThreadPoolExecutor(command.workers) as pool:
@@ -255,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
             ours.timed_round()
         exact = ours.exact() and reference.exact()
         ours_report, reference_report = ours.report(), reference.report()
+        skipped = len(new) - len(ours.encoded)
     _log("entropy bound")
     result = {
         "model_bytes": total,
@@ -269,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
         "wire_ratio": ours_report["wire_bytes"] / max(reference_report["wire_bytes"], 1),
         "encode_speedup": ours_report["encode_gbps"] / reference_report["encode_gbps"],
         "decode_speedup": ours_report["decode_gbps"] / reference_report["decode_gbps"],
+        "wire_fraction": ours_report["wire_bytes"] / total,
+        "tensors_skipped_fraction": skipped / len(new),
         "round_trip_exact": bool(exact),
     }
-    print(json.dumps(result, indent=None if command.json else 2))
-    return 0 if result["round_trip_exact"] else 1
+    return result

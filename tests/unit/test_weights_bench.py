@@ -30,3 +30,33 @@ def test_model_shapes_are_llm_like_and_sized():
     assert names[0] == "model.embed_tokens.weight" and names[-1] == "lm_head.weight"
     total = sum(2 * __import__("math").prod(s) for _, s in shapes)
     assert 0.8 < total / (64 * 1024 * 1024) < 1.25
+
+
+def test_bench_delta_moe_prints_dense_and_moe_figures_side_by_side(capsys):
+    parser = argparse.ArgumentParser()
+    delta.add_arguments(parser)
+    args = parser.parse_args(["--size-mb", "4", "--repeat", "1", "--json", "--moe", "--num-experts", "16",
+                              "--experts-per-token", "2", "--tokens-per-step", "8"])
+    assert delta.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    dense, moe = result["dense"], result["moe"]
+    for figures in (dense, moe):
+        for key in ("density", "wire_ratio", "wire_fraction", "encode_speedup", "decode_speedup"):
+            assert figures[key] > 0, key
+        assert figures["round_trip_exact"] is True
+    assert moe["experts_without_tokens"] > 0
+    expert_tensors = 3 * moe["experts_without_tokens"]  # gate, up and down of each untouched expert
+    # (norms near 1.0 may not change either: lr 1e-5 is below bf16's resolution there, in both models)
+    assert moe["tensors_skipped_fraction"] >= expert_tensors / moe["num_tensors"]
+    assert moe["tensors_skipped_fraction"] > dense["tensors_skipped_fraction"]
+    assert moe["density"] < dense["density"]
+
+
+def test_moe_shapes_are_sized_and_named_as_on_disk():
+    from miles_disagg.bench.delta_moe import moe_shapes
+
+    shapes = moe_shapes(64 * 1024 * 1024, 32)
+    names = [n for n, _ in shapes]
+    assert "model.layers.2.mlp.experts.31.down_proj.weight" in names and "model.layers.0.mlp.gate.weight" in names
+    total = sum(2 * __import__("math").prod(s) for _, s in shapes)
+    assert 0.75 < total / (64 * 1024 * 1024) < 1.3
