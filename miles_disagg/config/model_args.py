@@ -9,6 +9,7 @@ and the config's value. Flags not given are not assumed.
 
 from __future__ import annotations
 
+import ast
 import math
 from pathlib import Path
 from typing import Any, Callable
@@ -36,10 +37,29 @@ def check_model_args(config: RunConfig) -> None:
         return
     hf = load_hf_config(directory)
     for name, value in given.items():
+        value = _GIVEN.get(name, _as_given)(value, hf)
         expected, describe = _EXPECTED[name](hf)
         if not _agrees(value, expected):
             raise ConfigError(f"{_flag(name)} {_show(value)} does not match {CHECKPOINT_FLAG} {path}: its config.json "
                               f"has {describe} {_show(expected)}", (_flag(name), CHECKPOINT_FLAG))
+
+
+def check_expert_layout(config: RunConfig) -> None:
+    """``ConfigError`` when ``--expert-model-parallel-size`` does not divide the checkpoint's
+    experts, or asks for expert parallelism on a dense model (skipped while the checkpoint is
+    to be created at start-up; the trainer checks again)."""
+    ep = config.train.expert_model_parallel_size
+    path = config.train.hf_checkpoint
+    if ep == 1 or path is None or not (Path(path) / "config.json").is_file():
+        return
+    experts = _num_experts(load_hf_config(Path(path)))
+    flag_name = "--expert-model-parallel-size"
+    if not experts:
+        raise ConfigError(f"{flag_name} {ep} splits MoE experts, but {CHECKPOINT_FLAG} {path} is a dense model "
+                          f"(its config.json has no num_experts): use {flag_name} 1", (flag_name, CHECKPOINT_FLAG))
+    if experts % ep:
+        raise ConfigError(f"{flag_name} {ep} does not divide the {experts} experts of {CHECKPOINT_FLAG} {path}",
+                          (flag_name, CHECKPOINT_FLAG))
 
 
 def load_hf_config(directory: Path) -> Any:
@@ -107,6 +127,69 @@ def _qk_norm(hf: Any) -> bool:
                 or str(getattr(hf, "model_type", "")).startswith("qwen3"))
 
 
+def _num_experts(hf: Any) -> int:
+    return int(getattr(hf, "num_experts", None) or 0)
+
+
+def sparse_layer_flags(hf: Any) -> tuple[bool, ...]:
+    """HF Qwen3-MoE's rule: layer ``i`` has experts iff it is not in ``mlp_only_layers``, there
+    are experts, and ``(i + 1) % decoder_sparse_step == 0``."""
+    experts = _num_experts(hf)
+    step = getattr(hf, "decoder_sparse_step", None) or 1
+    dense = set(getattr(hf, "mlp_only_layers", None) or ())
+    return tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(hf.num_hidden_layers))
+
+
+def _sparse_layers(hf: Any) -> list[int]:
+    """1 for each layer with experts, as megatron's --moe-layer-freq lists them."""
+    return [int(flag) for flag in sparse_layer_flags(hf)]
+
+
+def _as_given(value: Any, hf: Any) -> Any:
+    return value
+
+
+def _layer_pattern(value: str, hf: Any) -> list[int]:
+    """megatron's --moe-layer-freq: an integer N (layer i is MoE iff i % N == 0) or a list
+    expression of 0/1 per layer (``[1, 1, 0]``, ``([0]*3+[1]*45)``)."""
+    try:
+        parsed = _int_list_expression(ast.parse(value.strip(), mode="eval").body)
+    except (SyntaxError, ValueError) as exc:
+        raise ConfigError(f"--moe-layer-freq {value!r}: expected an integer or a list of 0/1 per layer such as "
+                          f"[1, 1, 0] ({exc})", ("--moe-layer-freq",)) from None
+    if isinstance(parsed, int):
+        if parsed < 1:
+            raise ConfigError(f"--moe-layer-freq {value!r} must be >= 1", ("--moe-layer-freq",))
+        return [int(i % parsed == 0) for i in range(hf.num_hidden_layers)]
+    if any(item not in (0, 1) for item in parsed):
+        raise ConfigError(f"--moe-layer-freq {value!r}: list items must be 0 or 1", ("--moe-layer-freq",))
+    return list(parsed)
+
+
+def _int_list_expression(node: ast.AST) -> int | list[int]:
+    """An integer, a list of integers, or ``+`` / ``*`` of those (nothing else is evaluated)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        items = [_int_list_expression(item) for item in node.elts]
+        if not all(isinstance(item, int) for item in items):
+            raise ValueError("nested lists")
+        return items
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _int_list_expression(node.left), _int_list_expression(node.right)
+        if isinstance(node.op, ast.Add) and type(left) is type(right):
+            return left + right
+        if isinstance(node.op, ast.Mult) and (isinstance(left, int) or isinstance(right, int)):
+            if max(len(left) if isinstance(left, list) else 0, len(right) if isinstance(right, list) else 0,
+                   abs(left) if isinstance(left, int) else 0, abs(right) if isinstance(right, int) else 0) > 100_000:
+                raise ValueError("too large")
+            return left * right
+    raise ValueError(f"unsupported expression {ast.dump(node)[:60]}")
+
+
+_GIVEN: dict[str, Callable[[Any, Any], Any]] = {"moe_layer_freq": _layer_pattern}
+
+
 # field -> config.json -> (the value the flag must have, what the config calls it)
 _EXPECTED: dict[str, Callable[[Any], tuple[Any, str]]] = {
     "swiglu": lambda hf: (getattr(hf, "hidden_act", None) in ("silu", "swish"),
@@ -135,6 +218,20 @@ _EXPECTED: dict[str, Callable[[Any], tuple[Any, str]]] = {
     "untie_embeddings_and_output_weights": lambda hf: (not bool(getattr(hf, "tie_word_embeddings", False)),
                                                        f"tie_word_embeddings {bool(getattr(hf, 'tie_word_embeddings', False))}, "
                                                        "i.e. untie_embeddings_and_output_weights"),
+    "rotary_percent": lambda hf: (float(getattr(hf, "partial_rotary_factor", None) or 1.0), "partial_rotary_factor"),
+    "num_experts": lambda hf: (_num_experts(hf), "num_experts"),
+    "moe_router_topk": lambda hf: (getattr(hf, "num_experts_per_tok", None), "num_experts_per_tok"),
+    "moe_ffn_hidden_size": lambda hf: (getattr(hf, "moe_intermediate_size", None), "moe_intermediate_size"),
+    "moe_layer_freq": lambda hf: (_sparse_layers(hf), "MoE layers (decoder_sparse_step, mlp_only_layers)"),
+    "moe_shared_expert_intermediate_size": lambda hf: (getattr(hf, "shared_expert_intermediate_size", None),
+                                                       "shared_expert_intermediate_size"),
+    "moe_router_score_function": lambda hf: (getattr(hf, "scoring_func", None) or "softmax",
+                                             "router scoring (scoring_func)"),
+    "moe_router_pre_softmax": lambda hf: (not bool(getattr(hf, "norm_topk_prob", False)),
+                                          f"norm_topk_prob {bool(getattr(hf, 'norm_topk_prob', False))}, i.e. "
+                                          "moe_router_pre_softmax"),
+    "moe_router_topk_scaling_factor": lambda hf: (float(getattr(hf, "routed_scaling_factor", None) or 1.0),
+                                                  "routed_scaling_factor"),
 }
 
 assert set(_EXPECTED) == {name for name in ModelConfig.__dataclass_fields__}, "every model flag has a check"

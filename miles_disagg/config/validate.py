@@ -7,7 +7,7 @@ from pathlib import Path
 
 from miles_disagg.config.components import RunConfig
 from miles_disagg.config.miles_flags import miles_refusal
-from miles_disagg.config.model_args import check_model_args
+from miles_disagg.config.model_args import check_expert_layout, check_model_args
 from miles_disagg.types import ConfigError
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,5})$")
@@ -17,7 +17,7 @@ def validate(config: RunConfig) -> None:
     """Raise ``ConfigError`` (naming the offending flags) for the first invalid combination."""
     for check in (_check_entry, _check_miles_rejections, _check_disk_delta, _check_topology, _check_batches,
                   _check_colocate, _check_debug, _check_save_and_eval, _check_megatron, _check_megatron_only_flags,
-                  _check_routing, _check_ci, check_model_args):
+                  _check_routing, _check_ci, check_model_args, check_expert_layout):
         check(config)
 
 
@@ -57,12 +57,30 @@ def _check_miles_rejections(config: RunConfig) -> None:
                                         "megatron-bridge conversion is not used; this project converts Qwen3 "
                                         "weights with its own rules", "use --megatron-to-hf-mode raw (the default)"),
                           ("--megatron-to-hf-mode",))
-    for flag_name, size in (("--expert-model-parallel-size", train.expert_model_parallel_size),
-                            ("--expert-tensor-parallel-size", train.expert_tensor_parallel_size)):
-        if size != 1:
-            raise ConfigError(miles_refusal(f"{flag_name} {size}", "expert parallelism splits MoE experts, and the "
-                                            "megatron backend here builds dense Qwen3 models",
-                                            f"use {flag_name} 1"), (flag_name,))
+    _check_moe_refusals(train)
+
+
+def _check_moe_refusals(train) -> None:
+    """miles' MoE flags whose value this backend does not run, each with its reason."""
+    size = train.expert_tensor_parallel_size
+    if size != 1:
+        raise ConfigError(miles_refusal(f"--expert-tensor-parallel-size {size}", "expert matrices are not split over "
+                                        "tensor parallelism here (each expert-parallel rank holds whole experts)",
+                                        "use --expert-tensor-parallel-size 1 and --expert-model-parallel-size to "
+                                        "split the experts"), ("--expert-tensor-parallel-size",))
+    if train.expert_model_parallel_size < 1:
+        raise ConfigError(f"--expert-model-parallel-size must be >= 1, got {train.expert_model_parallel_size}",
+                          ("--expert-model-parallel-size",))
+    if train.moe_token_dispatcher_type == "flex":
+        raise ConfigError(miles_refusal("--moe-token-dispatcher-type flex", "the flex dispatcher needs DeepEP or "
+                                        "HybridEP, which this project does not install",
+                                        "use --moe-token-dispatcher-type alltoall (or allgather)"),
+                          ("--moe-token-dispatcher-type",))
+    if train.moe_router_load_balancing_type == "sinkhorn":
+        raise ConfigError(miles_refusal("--moe-router-load-balancing-type sinkhorn", "Sinkhorn routing is not the "
+                                        "top-k softmax routing Qwen3-MoE checkpoints (and the engines) use",
+                                        "use aux_loss, seq_aux_loss, global_aux_loss or none"),
+                          ("--moe-router-load-balancing-type",))
 
 
 def _check_disk_delta(config: RunConfig) -> None:
@@ -216,6 +234,8 @@ def _check_megatron(config: RunConfig) -> None:
         used = [name for name, value in zip(_MEGATRON_ONLY, (*sizes.values(), train.sequence_parallel,
                                                             train.recompute_granularity, train.use_dynamic_batch_size))
                 if value not in (1, False, None)]
+        if train.expert_model_parallel_size != 1:
+            used.append("--expert-model-parallel-size")
         if used:
             raise ConfigError(f"{', '.join(used)}: megatron-only, but this run uses --train-backend "
                               f"{train.train_backend}", ("--train-backend", *used))
@@ -225,6 +245,15 @@ def _check_megatron(config: RunConfig) -> None:
     if ranks % model_parallel:
         raise ConfigError(f"{ranks} trainer GPUs (--actor-num-nodes x --actor-num-gpus-per-node) are not a multiple "
                           f"of TP x PP x CP = {model_parallel}", ("--actor-num-gpus-per-node", *sizes))
+    expert_parallel = train.expert_model_parallel_size * train.pipeline_model_parallel_size
+    if ranks % expert_parallel:
+        raise ConfigError(f"{ranks} trainer GPUs are not a multiple of EP x PP = {expert_parallel}",
+                          ("--actor-num-gpus-per-node", "--expert-model-parallel-size"))
+    if train.expert_model_parallel_size > 1 and train.tensor_model_parallel_size > 1 and not train.sequence_parallel:
+        raise ConfigError("--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 needs "
+                          "--sequence-parallel (megatron-core's rule)", ("--expert-model-parallel-size",
+                                                                         "--tensor-model-parallel-size",
+                                                                         "--sequence-parallel"))
     if train.sequence_parallel and train.tensor_model_parallel_size == 1:
         raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1",
                           ("--sequence-parallel", "--tensor-model-parallel-size"))
@@ -248,7 +277,12 @@ def _check_recompute(granularity: str | None, method: str | None, num_layers: in
 _MEGATRON_CONFIG_FLAGS = (("--attention-dropout", "attention_dropout"), ("--hidden-dropout", "hidden_dropout"),
                           ("--attention-softmax-in-fp32", "attention_softmax_in_fp32"),
                           ("--accumulate-allreduce-grads-in-fp32", "accumulate_allreduce_grads_in_fp32"),
-                          ("--attention-backend", "attention_backend"))
+                          ("--attention-backend", "attention_backend"),
+                          ("--moe-grouped-gemm", "moe_grouped_gemm"), ("--moe-permute-fusion", "moe_permute_fusion"),
+                          ("--moe-token-dispatcher-type", "moe_token_dispatcher_type"),
+                          ("--moe-router-load-balancing-type", "moe_router_load_balancing_type"),
+                          ("--moe-aux-loss-coeff", "moe_aux_loss_coeff"), ("--moe-router-dtype", "moe_router_dtype"),
+                          ("--moe-token-drop-policy", "moe_token_drop_policy"))
 
 
 def _check_megatron_only_flags(config: RunConfig) -> None:

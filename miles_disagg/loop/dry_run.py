@@ -96,7 +96,8 @@ def _check_model(config: RunConfig) -> list[str]:
     from miles_disagg.config.model_args import load_hf_config
 
     ModelShape.from_hf_config(load_hf_config(path)).check_parallel(train.tensor_model_parallel_size,
-                                                                     train.pipeline_model_parallel_size)
+                                                                     train.pipeline_model_parallel_size,
+                                                                     train.expert_model_parallel_size)
     try:
         check_layout_support(train)
     except ConfigError as exc:

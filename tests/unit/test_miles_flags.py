@@ -103,8 +103,9 @@ def test_refused_miles_flag_in_yaml(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("argv, named", [
     (["--megatron-to-hf-mode", "bridge"], "--megatron-to-hf-mode"),
-    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size"),
     (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size"),
+    (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type"),
+    (["--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type"),
 ])
 def test_values_miles_accepts_but_this_launcher_cannot_run(argv, named) -> None:
     with pytest.raises(ConfigError) as info:
@@ -115,7 +116,10 @@ def test_values_miles_accepts_but_this_launcher_cannot_run(argv, named) -> None:
 @pytest.mark.parametrize("flag, value", [("--attention-dropout", "0.0"), ("--hidden-dropout", "0.1"),
                                          ("--attention-softmax-in-fp32", None),
                                          ("--accumulate-allreduce-grads-in-fp32", None),
-                                         ("--attention-backend", "flash")])
+                                         ("--attention-backend", "flash"), ("--moe-grouped-gemm", None),
+                                         ("--moe-permute-fusion", None), ("--moe-token-dispatcher-type", "alltoall"),
+                                         ("--moe-router-load-balancing-type", "none"), ("--moe-aux-loss-coeff", "0"),
+                                         ("--moe-router-dtype", "fp32"), ("--moe-token-drop-policy", "probs")])
 def test_megatron_transformer_flags_are_refused_on_fsdp(flag: str, value: str | None) -> None:
     argv = [flag] + ([value] if value else [])
     config, _ = load_config(argv, "train_async")  # megatron (the default) takes them

@@ -25,9 +25,11 @@ from miles_disagg.trainer.megatron.batching import (
     MicroBatch, fixed_size_batches, make_micro_batch, token_budget_batches)
 from miles_disagg.trainer.megatron.checkpoint import load_checkpoint, save_checkpoint
 from miles_disagg.trainer.megatron.export import ExportPlan, export_hf
+from miles_disagg.trainer.megatron.convert import stage_layers
 from miles_disagg.trainer.megatron.model import (
-    build_gpt, import_megatron, init_parallel_state, load_hf_weights, read_hf_config, transformer_config,
-    uses_te_spec)
+    build_gpt, check_moe_support, import_megatron, init_parallel_state, load_hf_weights, read_hf_config,
+    transformer_config, uses_te_spec)
+from miles_disagg.trainer.megatron.moe import RoutingControl
 from miles_disagg.trainer.megatron.optim import make_optimizer
 from miles_disagg.trainer.torch_dist import load_torch_dist, torch_dist_dir
 from miles_disagg.trainer.megatron.step import (
@@ -48,17 +50,23 @@ class MegatronBackend(TrainerBackend):
         self.config, self.rank, self.world_size = config, rank, world_size
         self.layout = init_parallel_state(config, world_size)
         hf_config, self.shape = read_hf_config(hf_dir)
-        self.shape.check_parallel(self.layout.tp_size, self.layout.pp_size)
+        self.shape.check_parallel(self.layout.tp_size, self.layout.pp_size, self.layout.ep_size)
+        check_moe_support(self.shape, config, self.layout)
         self.pad_id = hf_config.pad_token_id or 0
-        self.plan = ExportPlan.build(hf_dir, self.shape, self.layout.pp_size, uses_te_spec())  # fail before building
+        self.grouped = bool(config.moe_grouped_gemm)
+        self.plan = ExportPlan.build(hf_dir, self.shape, self.layout.pp_size, uses_te_spec(), self.layout.ep_size,
+                                     self.grouped)  # fail before building
         torch.manual_seed(config.seed + rank)
         self.tconfig = transformer_config(self.shape, config, self.layout)
         self.gpt = build_gpt(self.shape, self.tconfig, self.layout)
-        load_hf_weights(self.gpt, hf_dir, self.shape, self.layout)
+        load_hf_weights(self.gpt, hf_dir, self.shape, self.layout, self.grouped)
+        self.routing = {id(self.gpt): self._routing_control(self.gpt)} if self.shape.is_moe else {}
         if initial_checkpoint is not None:
             load_torch_dist(self.gpt, *initial_checkpoint)
         self.optim = make_optimizer(self.gpt, config, self.tconfig)
         self.ref = self._reference(config.ref_load or hf_dir) if config.needs_reference else None
+        if self.ref is not None and self.shape.is_moe:
+            self.routing[id(self.ref)] = self._routing_control(self.ref)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.ctx = PassContext(self.layout, device, temperature if temperature > 0 else 1.0,
                                explicit_mask=not uses_te_spec())
@@ -68,14 +76,23 @@ class MegatronBackend(TrainerBackend):
         if torch_dist_dir(ref_dir) is not None:
             load_torch_dist(ref, ref_dir, "--ref-load")
         else:
-            load_hf_weights(ref, ref_dir, self.shape, self.layout)
+            load_hf_weights(ref, ref_dir, self.shape, self.layout, self.grouped)
         return ref.eval().requires_grad_(False)
+
+    def _routing_control(self, model: torch.nn.Module) -> RoutingControl:
+        return RoutingControl(
+            model, stage_layers(self.shape.num_layers, self.layout.pp_size, self.layout.pp_rank),
+            replay_rollout=self.config.use_rollout_routing_replay, replay_recompute=self.config.use_routing_replay,
+            recomputes=self.config.recompute_granularity is not None, sequence_parallel=self.tconfig.sequence_parallel,
+            tp_rank=self.layout.tp_rank, tp_size=self.layout.tp_size, cp_rank=self.layout.cp_rank,
+            cp_size=self.layout.cp_size)
 
     # ------------------------------------------------------------------ training
 
     def train(self, steps: list[list[Sample]]) -> TrainResult:
         steps = self._replica_share(steps)
-        micro = [[make_micro_batch(mb, self.pad_id, self._seq_multiple()) for mb in self._split(step)]
+        moe = (self.shape.num_layers, self.shape.moe_topk) if self.shape.is_moe else None
+        micro = [[make_micro_batch(mb, self.pad_id, self._seq_multiple(), moe) for mb in self._split(step)]
                  for step in steps]
         flat = [mb for step in micro for mb in step]
         old = self._frozen_logprobs(self.optim.model, flat)
@@ -133,7 +150,8 @@ class MegatronBackend(TrainerBackend):
     @torch.no_grad()
     def _frozen_logprobs(self, model: torch.nn.Module, batches: list[MicroBatch]) -> list[torch.Tensor | None]:
         """Response logprobs of ``batches`` under ``model`` (last stage; None on the others)."""
-        outputs = run_micro_batches(model, batches, self.ctx, logprob_loss_fn(batches, self.ctx), forward_only=True)
+        outputs = run_micro_batches(model, batches, self.ctx, logprob_loss_fn(batches, self.ctx), forward_only=True,
+                                    routing=self.routing.get(id(model)))
         if not self.layout.is_last_stage:
             return [None] * len(batches)
         return [out["logprobs"] for out in outputs]
@@ -143,8 +161,10 @@ class MegatronBackend(TrainerBackend):
         self.optim.zero_grad()
         outputs = run_micro_batches(self.optim.model, inputs.micro_batches, self.ctx,
                                     policy_loss_fn(inputs, self.config, self.ctx), forward_only=False,
-                                    no_sync=self.optim.no_sync)
+                                    no_sync=self.optim.no_sync, routing=self.routing.get(id(self.gpt)),
+                                    count_routing=True)
         grad_norm = self.optim.step()
+        routing = self._routing_metrics(group)
         if not self.layout.is_last_stage:
             return {}
         sums = StepMetrics()
@@ -153,7 +173,32 @@ class MegatronBackend(TrainerBackend):
         result = sums.global_means(inputs.denominator, group, self.ctx.device)
         result["train/grad_norm"] = grad_norm
         result["train/lr"] = self.optim.lr
+        result.update(routing)
         return result
+
+    def _routing_metrics(self, group) -> dict[str, float]:
+        """``train/routing_agreement`` (and with replay ``train/routing_replay_match``) of the step
+        just taken, over the trained tokens of every replica and stage (collective; {} when dense)."""
+        control = self.routing.get(id(self.gpt))
+        if control is None:
+            return {}
+        counts = control.take_counts()
+        total = torch.tensor([counts.rows, counts.agreed, counts.matched], dtype=torch.float64)
+        for reduce_group in (group, self._pp_group()):
+            if reduce_group is not None and dist.get_world_size(reduce_group) > 1:
+                dist.all_reduce(total, group=reduce_group)
+        rows, agreed, matched = total.tolist()
+        if rows == 0:
+            return {}
+        metrics = {"train/routing_agreement": agreed / rows}
+        if self.config.use_rollout_routing_replay:
+            metrics["train/routing_replay_match"] = matched / rows
+        return metrics
+
+    def _pp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_group() if self.layout.pp_size > 1 else None
 
     def _from_last_stage(self, result: TrainResult) -> TrainResult:
         """Every rank reports its replica's metrics (the loss is computed on the last stage)."""

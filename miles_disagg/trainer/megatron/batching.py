@@ -49,16 +49,19 @@ class MicroBatch:
     packed: PackedBatch
     targets: torch.Tensor
     response_positions: torch.Tensor
+    routing: tuple[torch.Tensor, torch.Tensor] | None = None  # MoE: engine experts, trained positions (moe.py)
 
     @property
     def seq_len(self) -> int:
         return self.packed.input_ids.shape[1]
 
 
-def make_micro_batch(samples: Sequence[Sample], pad_id: int, seq_multiple: int) -> MicroBatch:
+def make_micro_batch(samples: Sequence[Sample], pad_id: int, seq_multiple: int,
+                     moe: tuple[int, int] | None = None) -> MicroBatch:
     """Pack ``samples``, right-padding the sequence to a multiple of ``seq_multiple`` (sequence
     and context parallelism split it); padding sits after every real token, so under causal
-    attention it changes no real token's logits."""
+    attention it changes no real token's logits. ``moe`` ``(layers, top_k)``: also the
+    samples' routed experts (``moe.routing_targets``)."""
     packed = pack(samples, pad_id)
     length = packed.input_ids.shape[1]
     padded = -(-length // seq_multiple) * seq_multiple
@@ -70,7 +73,12 @@ def make_micro_batch(samples: Sequence[Sample], pad_id: int, seq_multiple: int) 
     targets[:, -1] = pad_id
     num_resp = packed.response_ids.shape[1]
     positions = packed.response_start.unsqueeze(1) - 1 + torch.arange(num_resp).unsqueeze(0)
-    return MicroBatch(packed, targets, positions.clamp(min=0, max=padded - 1))
+    routing = None
+    if moe is not None:
+        from miles_disagg.trainer.megatron.moe import routing_targets
+
+        routing = routing_targets(samples, padded, *moe)
+    return MicroBatch(packed, targets, positions.clamp(min=0, max=padded - 1), routing)
 
 
 def cp_split(tensor: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:

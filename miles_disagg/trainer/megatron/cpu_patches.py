@@ -12,6 +12,17 @@ megatron-core assumes a CUDA device in four places that a CPU run reaches:
 - distributed checkpointing's writer waits for device-to-host copies with
   ``torch.cuda.synchronize()``; on CPU there are none to wait for, so it returns at once.
 
+MoE layers add three more:
+
+- the router's gating GEMM names ``te_general_gemm``, which megatron's ``moe_utils`` only
+  defines when Transformer Engine imports; without it the name is set to None, megatron's
+  own sign for "use ``torch.mm``".
+- the all-to-all token dispatcher creates a CUDA stream (for device-to-host copies of its
+  split sizes) when it is first built; on CPU a placeholder stands in, never used.
+- that dispatcher's device-to-host step turns the split sizes into numpy arrays on a side
+  stream; on CPU the sizes are already on the host, so they only become the numpy arrays
+  ``all_to_all_single`` takes (gloo runs the all-to-all itself).
+
 Nothing else is needed: the model must be built with ``use_cpu_initialization=True``
 and called with an explicit causal mask (megatron's default mask is made on "cuda").
 ``apply_cpu_patches`` changes nothing when CUDA is available, and is idempotent.
@@ -49,8 +60,38 @@ def apply_cpu_patches() -> bool:
     megatron_random.CudaRNGStatesTracker.fork = _no_fork
     megatron_random._get_cuda_rng_state = _no_cuda_rng_state
     megatron_random._set_cuda_rng_state = _ignore_cuda_rng_state
+    _patch_moe()
     _applied = True
     return True
+
+
+def _patch_moe() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
+    if dispatcher.cuda_dtoh_stream is None:
+        dispatcher.cuda_dtoh_stream = _NoStream()
+    dispatcher._maybe_dtoh_and_synchronize = _host_splits
+
+
+class _NoStream:
+    """Stands in for the dispatcher's device-to-host CUDA stream on CPU (never used)."""
+
+
+_SPLIT_SIZES = ("input_splits", "output_splits", "output_splits_tp")
+
+
+def _host_splits(self, point: str, tokens_per_expert=None):
+    """The all-to-all dispatcher's device-to-host step on CPU: at its copy point, the split
+    sizes become numpy arrays (the form ``all_to_all_single`` takes); nothing to synchronize."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in _SPLIT_SIZES:
+            value = getattr(self, name, None)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
 
 
 def _cpu_device() -> str:

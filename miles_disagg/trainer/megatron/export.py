@@ -7,6 +7,11 @@ them to HF layout and checkpoint dtype, and a stage other than the first sends t
 source rank, which yields them. Only the source rank yields anything. Copies that are not
 HF tensors of their own (the tied output layer) are skipped; a tied checkpoint that still
 stores ``lm_head.weight`` gets the embedding under that name too.
+
+MoE with expert parallelism: experts live on their EP rank (``ParamRule.ep_owner``), and the
+ranks with expert-data-parallel rank 0 take part in the export of expert tensors: the owner
+sends each of its experts' whole matrices (expert TP is 1) to the stage's exporting rank
+(EP rank 0 of its EP group), which converts them like any other tensor.
 """
 
 from __future__ import annotations
@@ -35,14 +40,16 @@ class ExportPlan:
     tied_head_alias: bool
 
     @classmethod
-    def build(cls, hf_dir: str, shape: ModelShape, pp_size: int, fused_norms: bool) -> "ExportPlan":
+    def build(cls, hf_dir: str, shape: ModelShape, pp_size: int, fused_norms: bool, ep_size: int = 1,
+              grouped_experts: bool = False) -> "ExportPlan":
         """``ConfigError`` unless the rules export exactly the tensors the checkpoint holds."""
         from miles_disagg.weights.safetensors_io import checkpoint_tensors
         from miles_disagg.weights.torch_bytes import dtype_from_code
 
         entries = {name: entry for name, (_, entry) in checkpoint_tensors(hf_dir).items()}
         stages = [param_rules(shape, stage_layers(shape.num_layers, pp_size, s), pre_process=s == 0,
-                              post_process=s == pp_size - 1, fused_norms=fused_norms) for s in range(pp_size)]
+                              post_process=s == pp_size - 1, fused_norms=fused_norms, ep_size=ep_size,
+                              grouped_experts=grouped_experts) for s in range(pp_size)]
         exported = {name for rules in stages for rule in rules if rule.export for name in rule.hf}
         alias = shape.tied_embeddings and TIED_HEAD in entries
         if alias:
@@ -58,17 +65,20 @@ class ExportPlan:
 def export_hf(model: torch.nn.Module, shape: ModelShape, layout: ParallelLayout,
               plan: ExportPlan) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, cpu_tensor)`` on global rank 0; see the module docstring (collective)."""
-    if layout.dp_rank != 0 or layout.cp_rank != 0:
+    dense_part = layout.dp_rank == 0 and layout.cp_rank == 0
+    expert_part = layout.expert_dp_rank == 0 and layout.cp_rank == 0
+    if not dense_part and not expert_part:
         return
     params = dict(model.named_parameters())
     for stage, rules in enumerate(plan.stage_rules):
-        if stage != layout.pp_rank and not (layout.pp_rank == 0 and layout.tp_rank == 0):
+        if stage != layout.pp_rank and not (layout.pp_rank == 0 and layout.tp_rank == 0 and dense_part):
             continue
         for rule in rules:
-            if not rule.export:
+            if not rule.export or not (expert_part if rule.is_expert else dense_part):
                 continue
             if stage == layout.pp_rank:
-                tensors = _convert_local(params[rule.megatron], rule, shape, layout, plan)
+                tensors = (_gather_expert(params, rule, shape, layout, plan) if rule.is_expert
+                           else _convert_local(params[rule.megatron], rule, shape, layout, plan))
                 if stage != 0:
                     _send_to_source(tensors, layout)
                     continue
@@ -78,6 +88,30 @@ def export_hf(model: torch.nn.Module, shape: ModelShape, layout: ParallelLayout,
                 yield name, tensor
                 if plan.tied_head_alias and name == EMBEDDING:
                     yield TIED_HEAD, tensor.clone()
+
+
+def _gather_expert(params: dict, rule: ParamRule, shape: ModelShape, layout: ParallelLayout,
+                   plan: ExportPlan) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors of an expert's parameter on the stage's exporting rank (EP rank 0 of its
+    EP group), sent there by the owning EP rank; ``[]`` on the other ranks. Every EP rank holds
+    a parameter of the same name and shape (its own expert of that local number)."""
+    from megatron.core import parallel_state as ps
+
+    exporter = layout.ep_rank == 0
+    if exporter and rule.ep_owner == 0:
+        local = params[rule.megatron].detach()
+    elif exporter:
+        ep_ranks = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
+        buffer = _on_comm_device(torch.empty_like(params[rule.megatron].detach()))
+        dist.recv(buffer, src=ep_ranks[rule.ep_owner])
+        local = buffer
+    else:
+        if layout.ep_rank == rule.ep_owner:
+            ep_ranks = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
+            dist.send(_on_comm_device(params[rule.megatron].detach().contiguous()), dst=ep_ranks[0])
+        return []
+    return [(name, t.to(device="cpu", dtype=plan.dtypes[name], copy=True).contiguous())
+            for name, t in to_hf(rule, [local], shape)]
 
 
 def _convert_local(param: torch.Tensor, rule: ParamRule, shape: ModelShape, layout: ParallelLayout,

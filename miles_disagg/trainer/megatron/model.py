@@ -32,6 +32,9 @@ class ParallelLayout:
     cp_rank: int
     dp_size: int
     dp_rank: int
+    ep_size: int = 1  # expert parallelism: experts split over EP ranks (MoE layers only)
+    ep_rank: int = 0
+    expert_dp_rank: int = 0  # this rank's place among the replicas of its experts
 
     @property
     def is_first_stage(self) -> bool:
@@ -82,8 +85,13 @@ def init_parallel_state(config: TrainConfig, world_size: int) -> ParallelLayout:
     apply_cpu_patches()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    ep = config.expert_model_parallel_size
+    if world_size % (ep * pp):
+        raise ConfigError(f"{world_size} trainer ranks do not split into EP {ep} x PP {pp}",
+                          ("--expert-model-parallel-size", "--pipeline-model-parallel-size"))
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 context_parallel_size=cp)
+                                 context_parallel_size=cp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=config.expert_tensor_parallel_size)
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -99,10 +107,29 @@ def check_layout_support(config: TrainConfig) -> None:
             ("--pipeline-model-parallel-size", config.pipeline_model_parallel_size > 1, torch.cuda.is_available(),
              "CUDA"),
             ("--context-parallel-size", config.context_parallel_size > 1, uses_te_spec(), "CUDA and Transformer Engine"),
-            ("--sequence-parallel", config.sequence_parallel, uses_te_spec(), "CUDA and Transformer Engine")):
+            ("--sequence-parallel", config.sequence_parallel, uses_te_spec(), "CUDA and Transformer Engine"),
+            ("--moe-grouped-gemm", bool(config.moe_grouped_gemm), uses_te_spec(), "CUDA and Transformer Engine"),
+            ("--moe-permute-fusion", bool(config.moe_permute_fusion), uses_te_spec(), "CUDA and Transformer Engine")):
         if wanted and not available:
-            raise ConfigError(f"{flag_name} needs {needs} with --train-backend megatron (on CPU: tensor and data "
+            raise ConfigError(f"{flag_name} needs {needs} with --train-backend megatron (on CPU: tensor, data and expert "
                               "parallelism only)", (flag_name, "--train-backend"))
+
+
+def check_moe_support(shape: ModelShape, config: TrainConfig, layout: ParallelLayout) -> None:
+    """``ConfigError`` for an MoE layout megatron-core or this backend does not train: MoE with
+    tensor parallelism needs sequence parallelism (megatron's rule); pipelined schedules do not
+    say when a recomputation runs, so replaying routing there is refused."""
+    if not shape.is_moe:
+        return
+    if layout.tp_size > 1 and not config.sequence_parallel:
+        raise ConfigError("an MoE model with --tensor-model-parallel-size > 1 needs --sequence-parallel "
+                          "(megatron-core's rule; it needs CUDA and Transformer Engine)",
+                          ("--tensor-model-parallel-size", "--sequence-parallel"))
+    replay = config.use_rollout_routing_replay or config.use_routing_replay
+    if layout.pp_size > 1 and config.recompute_granularity is not None and replay:
+        raise ConfigError("routing replay with --recompute-granularity is supported without pipeline parallelism "
+                          "only (the pipelined schedule recomputes outside this backend's control)",
+                          ("--pipeline-model-parallel-size", "--recompute-granularity"))
 
 
 def current_layout() -> ParallelLayout:
@@ -112,7 +139,9 @@ def current_layout() -> ParallelLayout:
         tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_size=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
         cp_size=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank())
+        dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),
+        expert_dp_rank=ps.get_expert_data_parallel_rank())
 
 
 def read_hf_config(hf_dir: str):
@@ -150,6 +179,10 @@ def transformer_config(shape: ModelShape, config: TrainConfig, layout: ParallelL
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
         attention_softmax_in_fp32=_or(config.attention_softmax_in_fp32, True))
+    if shape.is_moe:
+        from miles_disagg.trainer.megatron.moe import moe_config_fields
+
+        fields.update(moe_config_fields(shape, config, layout))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecation notes about defaults this backend does not set
         return TransformerConfig(**fields)
@@ -172,7 +205,10 @@ def build_gpt(shape: ModelShape, tconfig, layout: ParallelLayout):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt import gpt_layer_specs as specs
 
-        if uses_te_spec():
+        if shape.is_moe:
+            spec = specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=uses_te_spec(),
+                                                    normalization="RMSNorm")
+        elif uses_te_spec():
             spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
         else:
             spec = specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
@@ -186,14 +222,17 @@ def build_gpt(shape: ModelShape, tconfig, layout: ParallelLayout):
     return model
 
 
-def stage_rules(shape: ModelShape, layout: ParallelLayout) -> list[ParamRule]:
-    return param_rules(shape, stage_layers(shape.num_layers, layout.pp_size, layout.pp_rank),
-                       pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
-                       fused_norms=uses_te_spec())
+def stage_rules(shape: ModelShape, layout: ParallelLayout, grouped_experts: bool = False) -> list[ParamRule]:
+    """The rules of this rank's own parameters (its pipeline stage; its EP rank's experts)."""
+    rules = param_rules(shape, stage_layers(shape.num_layers, layout.pp_size, layout.pp_rank),
+                        pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
+                        fused_norms=uses_te_spec(), ep_size=layout.ep_size, grouped_experts=grouped_experts)
+    return [rule for rule in rules if rule.ep_owner in (None, layout.ep_rank)]
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, hf_dir: str, shape: ModelShape, layout: ParallelLayout) -> None:
+def load_hf_weights(model: torch.nn.Module, hf_dir: str, shape: ModelShape, layout: ParallelLayout,
+                    grouped_experts: bool = False) -> None:
     """Copy this rank's shard of every parameter from the HF checkpoint at ``hf_dir``, and mark
     the TP-split ones as megatron's initialization would (gradient norms count them once).
 
@@ -204,7 +243,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str, shape: ModelShape, layo
 
     from miles_disagg.weights.safetensors_io import checkpoint_tensors
 
-    rules = stage_rules(shape, layout)
+    rules = stage_rules(shape, layout, grouped_experts)
     params = dict(model.named_parameters())
     expected = {rule.megatron for rule in rules}
     if set(params) != expected:
@@ -224,8 +263,9 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str, shape: ModelShape, layo
                     handles[file_name] = safe_open(str(Path(hf_dir) / file_name), "pt")
                 hf[name] = handles[file_name].get_tensor(name)
             param = params[rule.megatron]
-            param.copy_(to_megatron(rule, hf, shape, layout.tp_rank, layout.tp_size).to(param.dtype))
-            if rule.kind != "dup" and not hasattr(param, "tensor_model_parallel"):
+            tp_rank, tp_size = (0, 1) if rule.is_expert else (layout.tp_rank, layout.tp_size)  # expert TP is 1
+            param.copy_(to_megatron(rule, hf, shape, tp_rank, tp_size).to(param.dtype))
+            if rule.kind != "dup" and not rule.is_expert and not hasattr(param, "tensor_model_parallel"):
                 set_tensor_model_parallel_attributes(param, True, 1 if rule.kind == "row" else 0, 1)
     finally:
         handles.clear()

@@ -8,9 +8,12 @@ and for checkpoints ``sharded_state_dict(model_sharded, is_loading)`` (megatron-
 ``load_sharded_state_dict(loaded)``. ``step`` is collective over all ranks.
 
 The CPU optimizer reduces gradients as megatron's ``finalize_model_grads`` does for the
-layouts a CPU run allows (TP and DP; the backend rejects PP, CP and sequence parallelism
+layouts a CPU run allows (TP, DP and EP; the backend rejects PP, CP and sequence parallelism
 on CPU): averaged over data-parallel ranks, and summed over tensor-parallel ranks for the
-QK-norm weights (each TP rank's attention sees only its own heads).
+QK-norm weights (each TP rank's attention sees only its own heads). An MoE expert's
+gradient already holds every token routed to it from its EP group (the all-to-all's
+backward brings them), so it is summed over the expert's replicas (the expert-data-parallel
+group) and divided by the data-parallel size, as megatron's DDP scales expert gradients.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class CpuOptimizer:
         self.model = model
         self.config = config
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.expert_params = {name for name, _ in model.named_parameters() if is_expert_param(name)}
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                            eps=config.adam_eps, weight_decay=config.weight_decay)
 
@@ -60,10 +64,16 @@ class CpuOptimizer:
             if p.grad is None:  # every rank must join every all-reduce
                 p.grad = torch.zeros_like(p)
         dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
-        if dist.get_world_size(dp_cp) > 1:
-            for p in self.params:
-                dist.all_reduce(p.grad, group=dp_cp)
-                p.grad.div_(dist.get_world_size(dp_cp))
+        replicas = dist.get_world_size(dp_cp)
+        expert_dp = ps.get_expert_data_parallel_group() if self.expert_params else None
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            group = expert_dp if name in self.expert_params else dp_cp
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(p.grad, group=group)
+            if replicas > 1:
+                p.grad.div_(replicas)
         tp = ps.get_tensor_model_parallel_group()
         if dist.get_world_size(tp) > 1:
             for name, p in self.model.named_parameters():
@@ -129,23 +139,38 @@ def create_adam_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def is_expert_param(name: str) -> bool:
+    """An MoE expert's weight (split over expert-parallel ranks, replicated over expert-data-parallel ones)."""
+    return ".mlp.experts." in name
+
+
 def global_grad_norm(model: torch.nn.Module) -> float:
     """L2 norm of the whole model's gradient: TP shards counted once each, TP-duplicated weights
-    once (on TP rank 0), the tied output-layer copy not at all; summed over TP and PP ranks."""
+    once (on TP rank 0), the tied output-layer copy not at all; summed over TP and PP ranks.
+    MoE experts (whole matrices on their EP rank) are summed over the expert-parallel and PP ranks."""
     from megatron.core import parallel_state as ps
 
     tp_rank = ps.get_tensor_model_parallel_rank()
-    total = torch.zeros(1, dtype=torch.float64)
-    for p in model.parameters():
+    dense = torch.zeros(1, dtype=torch.float64)
+    experts = torch.zeros(1, dtype=torch.float64)
+    for name, p in model.named_parameters():
         if p.grad is None or getattr(p, "shared", False):
+            continue
+        if is_expert_param(name):
+            experts += p.grad.detach().double().pow(2).sum().cpu()
             continue
         if not getattr(p, "tensor_model_parallel", False) and tp_rank != 0:
             continue
-        total += p.grad.detach().double().pow(2).sum().cpu()
-    model_parallel = ps.get_model_parallel_group()
-    if dist.get_world_size(model_parallel) > 1:
-        dist.all_reduce(total, group=model_parallel)
-    return math.sqrt(total.item())
+        dense += p.grad.detach().double().pow(2).sum().cpu()
+    _sum_over(dense, ps.get_model_parallel_group())
+    if any(is_expert_param(name) for name, _ in model.named_parameters()):
+        _sum_over(experts, ps.get_expert_tensor_model_pipeline_parallel_group())
+    return math.sqrt(dense.item() + experts.item())
+
+
+def _sum_over(total: torch.Tensor, group) -> None:
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
 
 
 RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable"}

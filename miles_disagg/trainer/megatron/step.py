@@ -45,26 +45,35 @@ class PassContext:
 
 
 def run_micro_batches(model: torch.nn.Module, micro_batches: Sequence[MicroBatch], ctx: PassContext,
-                      loss_fn: LossFn, *, forward_only: bool, no_sync: Callable | None = None) -> list[dict]:
+                      loss_fn: LossFn, *, forward_only: bool, no_sync: Callable | None = None,
+                      routing=None, count_routing: bool = False) -> list[dict]:
     """Forward (and unless ``forward_only`` backward) every micro-batch; returns the loss
-    functions' metric dicts on the last pipeline stage, ``[]`` elsewhere (collective over PP)."""
+    functions' metric dicts on the last pipeline stage, ``[]`` elsewhere (collective over PP).
+    ``routing``: the model's ``moe.RoutingControl`` (MoE), told each micro-batch's routed experts."""
     def forward_step(data_iterator, model):
         index = next(data_iterator)
+        if routing is not None:
+            routing.begin(micro_batches[index].routing, training=not forward_only, count=count_routing)
         return _stage_forward(model, micro_batches[index], ctx), functools.partial(loss_fn, index)
 
-    if ctx.layout.pp_size > 1:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+    try:
+        if ctx.layout.pp_size > 1:
+            from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        first = micro_batches[0]
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(range(len(micro_batches))), model=[model],
-            num_microbatches=len(micro_batches), seq_length=first.seq_len,  # the schedule divides by CP (and TP with SP)
-            micro_batch_size=first.packed.input_ids.shape[0], forward_only=forward_only)
-    return _plain_loop(forward_step, model, len(micro_batches), ctx.layout.cp_size, forward_only, no_sync)
+            first = micro_batches[0]
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(range(len(micro_batches))), model=[model],
+                num_microbatches=len(micro_batches), seq_length=first.seq_len,  # the schedule divides by CP (and TP with SP)
+                micro_batch_size=first.packed.input_ids.shape[0], forward_only=forward_only)
+        return _plain_loop(forward_step, model, len(micro_batches), ctx.layout.cp_size, forward_only, no_sync,
+                           routing.backward if routing is not None else contextlib.nullcontext)
+    finally:
+        if routing is not None:
+            routing.end()
 
 
 def _plain_loop(forward_step, model, num_microbatches: int, cp_size: int, forward_only: bool,
-                no_sync: Callable | None) -> list[dict]:
+                no_sync: Callable | None, backward_context: Callable = contextlib.nullcontext) -> list[dict]:
     outputs = []
     indices = iter(range(num_microbatches))
     for i in range(num_microbatches):
@@ -74,7 +83,8 @@ def _plain_loop(forward_step, model, num_microbatches: int, cp_size: int, forwar
             output, loss_func = forward_step(indices, model)
             loss, metrics = loss_func(output)
             if not forward_only:
-                (loss * cp_size / num_microbatches).backward()
+                with backward_context():
+                    (loss * cp_size / num_microbatches).backward()
         outputs.append(metrics)
     return outputs
 
