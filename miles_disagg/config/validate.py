@@ -8,6 +8,8 @@ from pathlib import Path
 from miles_disagg.config.components import RunConfig
 from miles_disagg.config.miles_flags import miles_refusal
 from miles_disagg.config.model_args import check_model_args
+from miles_disagg.config.routing_replay import check_routing_replay
+from miles_disagg.config.sglang_args import check_parallel_passthrough
 from miles_disagg.types import ConfigError
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,5})$")
@@ -19,6 +21,8 @@ def validate(config: RunConfig) -> None:
                   _check_colocate, _check_debug, _check_save_and_eval, _check_megatron, _check_megatron_only_flags,
                   _check_routing, _check_ci, check_model_args):
         check(config)
+    check_routing_replay(config)  # MoE: the routing-replay flags need a MoE checkpoint
+    check_parallel_passthrough(config.sglang_args, config.cluster.rollout_num_gpus_per_engine)  # SGLang MoE argv
 
 
 def parse_host_port(addr: str) -> tuple[str, int]:
