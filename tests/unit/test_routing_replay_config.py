@@ -126,3 +126,14 @@ def test_sglang_moe_passthrough_that_fits_is_kept():
     assert config.sglang_args["ep-size"] == "8"
     with pytest.raises(ConfigError, match="--sglang-ep-size 8 must divide --rollout-num-gpus-per-engine 4"):
         load_config(["--rollout-num-gpus-per-engine", "4", "--sglang-ep-size", "8"], "train_async")
+
+
+def test_a_checkpoint_made_at_start_up_is_checked_once_it_exists(tmp_path):
+    """--hf-checkpoint-init makes the model at start-up: the flag is checked again then (dense: refused)."""
+    from miles_disagg.loop.preflight import prepare_run
+
+    argv = ["--hf-checkpoint", str(tmp_path / "tiny"), "--hf-checkpoint-init", "tiny-qwen3-digits",
+            "--use-rollout-routing-replay", "--run-dir", str(tmp_path / "run")]
+    config, _ = load_config(argv, "train_async")  # nothing to read yet
+    with pytest.raises(ConfigError, match="is a dense model"):
+        prepare_run(config)
