@@ -84,7 +84,7 @@ ATTN_DP_SIZE = ("attn-dp-size", "attention-data-parallel-size")
 ROUTED_EXPERTS_FLAG = "enable-return-routed-experts"
 
 
-def check_parallel_passthrough(options: dict[str, PassthroughValue], gpus_per_engine: int) -> None:
+def check_parallel_passthrough(options: dict[str, PassthroughValue], gpus_per_engine: int | None) -> None:
     """``ConfigError`` for SGLang MoE parallel options that cannot fit one engine's GPUs.
 
     An engine gets ``--rollout-num-gpus-per-engine`` GPUs (SGLang's ``--tp-size``). Within them,
@@ -93,12 +93,15 @@ def check_parallel_passthrough(options: dict[str, PassthroughValue], gpus_per_en
     groups (N must divide them too; without ``--sglang-enable-dp-attention`` SGLang would start N
     whole replicas, N times the GPUs, and miles refuses it as well). ``--sglang-enable-return-
     routed-experts`` is set by ``--use-rollout-routing-replay``, which also makes the rollout ask
-    for the routing and the trainer replay it.
+    for the routing and the trainer replay it. ``gpus_per_engine`` None: the job launches no SGLang
+    server (attached engines, a rollout service), so only the last rule applies.
     """
     if ROUTED_EXPERTS_FLAG in options:
         raise ConfigError(f"{PASSTHROUGH_PREFIX}{ROUTED_EXPERTS_FLAG}: set by --use-rollout-routing-replay (which also "
                           "has the rollout keep the routing and the trainer replay it): use that instead",
                           (f"{PASSTHROUGH_PREFIX}{ROUTED_EXPERTS_FLAG}", "--use-rollout-routing-replay"))
+    if gpus_per_engine is None:
+        return
     for names, what in ((EP_SIZE, "expert-parallel groups"), (DP_SIZE, "attention data-parallel groups"),
                         (ATTN_DP_SIZE, "attention data-parallel groups")):
         size = _size_option(options, names)

@@ -22,7 +22,8 @@ def validate(config: RunConfig) -> None:
                   _check_routing, _check_ci, check_model_args):
         check(config)
     check_routing_replay(config)  # MoE: the routing-replay flags need a MoE checkpoint
-    check_parallel_passthrough(config.sglang_args, config.cluster.rollout_num_gpus_per_engine)  # SGLang MoE argv
+    launched = not (config.rollout.rollout_external or config.rollout.rollout_service_url)  # servers this job starts
+    check_parallel_passthrough(config.sglang_args, config.cluster.rollout_num_gpus_per_engine if launched else None)
 
 
 def parse_host_port(addr: str) -> tuple[str, int]:

@@ -137,3 +137,13 @@ def test_a_checkpoint_made_at_start_up_is_checked_once_it_exists(tmp_path):
     config, _ = load_config(argv, "train_async")  # nothing to read yet
     with pytest.raises(ConfigError, match="is a dense model"):
         prepare_run(config)
+
+
+def test_engines_this_job_does_not_launch_are_not_sized_by_the_passthrough():
+    options = parse_sglang_passthrough(["--sglang-ep-size", "8"])
+    check_parallel_passthrough(options, None)  # attached engines / a rollout service: their own launch lines
+    with pytest.raises(ConfigError, match="set by --use-rollout-routing-replay"):
+        check_parallel_passthrough(parse_sglang_passthrough(["--sglang-enable-return-routed-experts"]), None)
+    config, _ = load_config(["--rollout-external", "--rollout-external-engine-addrs", "h:1", "--sglang-ep-size", "8"],
+                            "train_async")
+    assert config.sglang_args["ep-size"] == "8"
