@@ -6,10 +6,10 @@ import re
 from pathlib import Path
 
 from miles_disagg.config.components import RunConfig
-from miles_disagg.config.miles_flags import miles_refusal
-from miles_disagg.config.model_args import check_model_args
 from miles_disagg.config.routing_replay import check_routing_replay
 from miles_disagg.config.sglang_args import check_parallel_passthrough
+from miles_disagg.config.miles_flags import miles_refusal
+from miles_disagg.config.model_args import check_model_args
 from miles_disagg.types import ConfigError
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,5})$")
