@@ -6,7 +6,9 @@
 #   fsdp      one FSDP2 training step on CUDA, and the train-vs-engine logprob difference
 #   megatron  one megatron-core GPTModel step on CUDA (when megatron-core is importable)
 #   delta     the disk-delta codec on a Qwen3-4B-shaped (~8 GB bf16) random model, every core
-# Each section runs in its own process under its own time box (under 8 minutes in all); a failed
+#   moe       a tiny Qwen3-MoE: the built-in engine returning routed experts (tokens/s, the routing
+#             checked), one megatron step replaying them (skipped where this tree lacks either)
+# Each section runs in its own process under its own time box (under 9 minutes in all); a failed
 # section is reported with its error and the others still run. Exit 0 when every section is ok.
 #
 #   scripts/gpu_check.sh            on the GPU machine

@@ -14,6 +14,8 @@ has neither.
   backward, then the optimizer) if megatron-core is importable.
 * ``delta``: the disk-delta codec on a Qwen3-4B-shaped (about 8 GB bf16) random model and one
   AdamW-like step, with a worker per core: encode and decode GB/s, wire ratio, exactness.
+* ``moe``: a tiny Qwen3-MoE served by the built-in engine with routed experts returned, and one
+  megatron step replaying them (:mod:`miles_disagg.bench.gpu_moe`; parts this tree lacks are skipped).
 """
 
 from __future__ import annotations
@@ -314,4 +316,13 @@ def _qwen3_shapes(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
     return out + [("model.norm.weight", (h,))]  # Qwen3-4B ties lm_head to the embedding
 
 
-SECTIONS = {"engine": section_engine, "fsdp": section_fsdp, "megatron": section_megatron, "delta": section_delta}
+def section_moe(shapes: Shapes, work: Path) -> dict:
+    """A tiny Qwen3-MoE: the built-in engine returning routed experts, one megatron step replaying them
+    (:mod:`miles_disagg.bench.gpu_moe`)."""
+    from miles_disagg.bench.gpu_moe import section_moe as run
+
+    return run(shapes, work)
+
+
+SECTIONS = {"engine": section_engine, "fsdp": section_fsdp, "megatron": section_megatron, "delta": section_delta,
+            "moe": section_moe}

@@ -31,12 +31,26 @@ class EngineManagerConfig:
     spans_nodes: bool = False
     """The job runs on more than one node: managed servers bind the node IP instead of loopback
     (:func:`miles_disagg.netbind.bind_host`, the one place that decides)."""
+    moe: bool = False
+    """The checkpoint is a mixture-of-experts model (its config.json names experts)."""
+    use_rollout_routing_replay: bool = False
+    """Engines start with ``--enable-return-routed-experts`` (see :mod:`miles_disagg.config.routing_replay`)."""
 
     @classmethod
     def from_run(cls, config: RunConfig) -> "EngineManagerConfig":
+        from miles_disagg.config.routing_replay import moe_routing_shape
+
         return cls(cluster=config.cluster, rollout=config.rollout, weights=config.weights,
                    model_path=str(config.train.hf_checkpoint), run_dir=str(config.tracking.run_dir),
-                   seed=config.train.seed, sglang_args=dict(config.sglang_args))
+                   seed=config.train.seed, sglang_args=dict(config.sglang_args),
+                   moe=moe_routing_shape(config.train.hf_checkpoint) is not None,
+                   use_rollout_routing_replay=config.train.use_rollout_routing_replay)
+
+    def returns_routing(self, backend: str) -> bool:
+        """Whether managed engines of ``backend`` start with ``--enable-return-routed-experts``."""
+        from miles_disagg.config.routing_replay import engines_return_routing
+
+        return engines_return_routing(moe=self.moe, replay=self.use_rollout_routing_replay, backend=backend)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,8 +93,15 @@ class RolloutManagerConfig:
     run_id: str | None = None
     """Rollout service only: every request's constraint names this run, so a replica still serving
     another run's version of the same number never answers it."""
+    routed_experts: tuple[int, int] | None = None
+    """MoE: ``(num_hidden_layers, num_experts_per_tok)`` of the routing every engine call asks for
+    (``return_routed_experts``) and every sample keeps; None: none asked for."""
 
     @classmethod
-    def from_run(cls, config: RunConfig, router_url: str, run_id: str | None = None) -> "RolloutManagerConfig":
+    def from_run(cls, config: RunConfig, router_url: str, run_id: str | None = None,
+                 backend: str | None = None) -> "RolloutManagerConfig":
+        """``backend``: the managed engines' (``builtin``/``sglang``); None for attached engines or a service."""
+        from miles_disagg.config.routing_replay import rollout_routing_shape
+
         return cls(rollout=config.rollout, router_url=router_url, hf_dir=str(config.train.hf_checkpoint),
-                   seed=config.train.seed, run_id=run_id)
+                   seed=config.train.seed, run_id=run_id, routed_experts=rollout_routing_shape(config, backend))

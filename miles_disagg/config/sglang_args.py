@@ -74,3 +74,60 @@ def sglang_flag_name(name: str) -> str:
     if not flag or flag.startswith("sglang-") or not all(c.isalnum() or c == "-" for c in flag):
         raise ConfigError(f"{name!r} is not an SGLang flag name")
     return flag
+
+
+# --------------------------------------------------------------------------- MoE engines
+
+EP_SIZE = ("ep-size", "expert-parallel-size", "ep")
+DP_SIZE = ("dp-size", "data-parallel-size")
+ATTN_DP_SIZE = ("attn-dp-size", "attention-data-parallel-size")
+ROUTED_EXPERTS_FLAG = "enable-return-routed-experts"
+
+
+def check_parallel_passthrough(options: dict[str, PassthroughValue], gpus_per_engine: int | None) -> None:
+    """``ConfigError`` for SGLang MoE parallel options that cannot fit one engine's GPUs.
+
+    An engine gets ``--rollout-num-gpus-per-engine`` GPUs (SGLang's ``--tp-size``). Within them,
+    ``--sglang-ep-size`` splits the experts (it must divide the engine's GPUs), and
+    ``--sglang-dp-size N`` with ``--sglang-enable-dp-attention`` runs N attention data-parallel
+    groups (N must divide them too; without ``--sglang-enable-dp-attention`` SGLang would start N
+    whole replicas, N times the GPUs, and miles refuses it as well). ``--sglang-enable-return-
+    routed-experts`` is set by ``--use-rollout-routing-replay``, which also makes the rollout ask
+    for the routing and the trainer replay it. ``gpus_per_engine`` None: the job launches no SGLang
+    server (attached engines, a rollout service), so only the last rule applies.
+    """
+    if ROUTED_EXPERTS_FLAG in options:
+        raise ConfigError(f"{PASSTHROUGH_PREFIX}{ROUTED_EXPERTS_FLAG}: set by --use-rollout-routing-replay (which also "
+                          "has the rollout keep the routing and the trainer replay it): use that instead",
+                          (f"{PASSTHROUGH_PREFIX}{ROUTED_EXPERTS_FLAG}", "--use-rollout-routing-replay"))
+    if gpus_per_engine is None:
+        return
+    for names, what in ((EP_SIZE, "expert-parallel groups"), (DP_SIZE, "attention data-parallel groups"),
+                        (ATTN_DP_SIZE, "attention data-parallel groups")):
+        size = _size_option(options, names)
+        if size is not None and gpus_per_engine % size[1]:
+            raise ConfigError(f"{PASSTHROUGH_PREFIX}{size[0]} {size[1]} must divide --rollout-num-gpus-per-engine "
+                              f"{gpus_per_engine} (SGLang's --tp-size): an engine's GPUs are split into {what}",
+                              (f"{PASSTHROUGH_PREFIX}{size[0]}", "--rollout-num-gpus-per-engine"))
+    dp = _size_option(options, DP_SIZE)
+    if dp is not None and dp[1] > 1 and options.get("enable-dp-attention") is not True:
+        raise ConfigError(f"{PASSTHROUGH_PREFIX}{dp[0]} {dp[1]} needs {PASSTHROUGH_PREFIX}enable-dp-attention: without "
+                          f"it SGLang starts {dp[1]} whole replicas on {dp[1]} x --rollout-num-gpus-per-engine GPUs "
+                          "(miles refuses it too); use more engines instead",
+                          (f"{PASSTHROUGH_PREFIX}{dp[0]}", f"{PASSTHROUGH_PREFIX}enable-dp-attention"))
+
+
+def _size_option(options: dict[str, PassthroughValue], names: tuple[str, ...]) -> tuple[str, int] | None:
+    """``(flag name, size)`` of the one of ``names`` given (SGLang's aliases of one option); None if none."""
+    given = [name for name in names if name in options]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ConfigError(f"{', '.join(PASSTHROUGH_PREFIX + n for n in given)} are one SGLang option: give one",
+                          tuple(PASSTHROUGH_PREFIX + n for n in given))
+    value = options[given[0]]
+    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"{PASSTHROUGH_PREFIX}{given[0]} must be a positive integer, got {value!r}",
+                          (f"{PASSTHROUGH_PREFIX}{given[0]}",))
+    return given[0], int(text)

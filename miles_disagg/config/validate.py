@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 
 from miles_disagg.config.components import RunConfig
+from miles_disagg.config.routing_replay import check_routing_replay
+from miles_disagg.config.sglang_args import check_parallel_passthrough
 from miles_disagg.config.miles_flags import miles_refusal
 from miles_disagg.config.model_args import check_expert_layout, check_model_args
 from miles_disagg.types import ConfigError
@@ -19,6 +21,9 @@ def validate(config: RunConfig) -> None:
                   _check_colocate, _check_debug, _check_save_and_eval, _check_megatron, _check_megatron_only_flags,
                   _check_routing, _check_ci, check_model_args, check_expert_layout):
         check(config)
+    check_routing_replay(config)  # MoE: the routing-replay flags need a MoE checkpoint
+    launched = not (config.rollout.rollout_external or config.rollout.rollout_service_url)  # servers this job starts
+    check_parallel_passthrough(config.sglang_args, config.cluster.rollout_num_gpus_per_engine if launched else None)
 
 
 def parse_host_port(addr: str) -> tuple[str, int]:

@@ -48,14 +48,26 @@ def engine_specs(config: EngineManagerConfig, engines: Sequence[Sequence[int]], 
     sglang_args = dict(config.sglang_args)
     if config.cluster.colocate and backend == "sglang":
         sglang_args.setdefault("enable-memory-saver", True)  # what /release_memory_occupation needs on GPU
+    routing = config.returns_routing(backend)
+    if routing and backend == "sglang":
+        sglang_args["enable-return-routed-experts"] = True  # SGLang's flag (routing replay)
+    builtin_args = ("--enable-return-routed-experts",) if routing and backend == "builtin" else ()
     return [EngineSpec(backend=backend, name=f"engine-{index}", model_path=Path(config.model_path),
                        log_dir=Path(config.run_dir) / "logs", local_checkpoint_dir=root / f"engine-{index}",
                        store_dir=Path(store) if store else None, host=bind_host(spans_nodes=config.spans_nodes),
                        tp_size=len(bundles), dtype=config.rollout.engine_dtype, seed=config.seed + index,
                        max_running_requests=per_engine,
                        pre_read_hook=config.weights.sglang_custom_pull_weights_pre_read_hook,
-                       sglang_args=sglang_args)
+                       sglang_args=sglang_args, extra_args=builtin_args)
             for index, bundles in enumerate(engines)]
+
+
+def managed_backend(rollout: RolloutConfig) -> str | None:
+    """The backend of the engines this job launches; None when it launches none (attached
+    engines, a rollout service)."""
+    if rollout.rollout_external or rollout.rollout_service_url:
+        return None
+    return resolve_backend(rollout.rollout_backend)[0]
 
 
 @dataclass(frozen=True)

@@ -181,10 +181,13 @@ class Job:
         self._start_rollout()
 
     def _start_rollout(self) -> None:
+        from miles_disagg.engines.plan import managed_backend
         from miles_disagg.rollout.handle import RolloutManagerHandle
 
         run_id = self.run_id if self.config.rollout.rollout_service_url else None  # a service names runs
-        self.rollout = RolloutManagerHandle(RolloutManagerConfig.from_run(self.config, self.router_url, run_id),
+        backend = managed_backend(self.config.rollout)  # decides whether calls ask for MoE routing
+        self.rollout = RolloutManagerHandle(RolloutManagerConfig.from_run(self.config, self.router_url, run_id,
+                                                                          backend=backend),
                                             data_position=self._data_position,
                                             scheduling_strategy=self.placement.control_strategy())
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from miles_disagg.config import RunConfig, config_to_dict
 from miles_disagg.config.model_args import check_model_args
+from miles_disagg.config.routing_replay import check_routing_replay
 from miles_disagg.tracking import status
 from miles_disagg.trainer.torch_dist import check_backend_reads_torch_dist
 from miles_disagg.types import ConfigError
@@ -23,6 +24,7 @@ def prepare_run(config: RunConfig) -> None:
     status(f"run directory: {output_dir}")
     ensure_base_checkpoint(config)
     check_model_args(config)  # again: the checkpoint may have just been created
+    check_routing_replay(config)  # likewise: is it a MoE?
 
 
 PATH_FIELDS = {"tracking": ("run_dir",), "train": ("hf_checkpoint", "load", "save", "ref_load"),

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from miles_disagg.rollout.generate import GenerationFailed, generate_one, request_body, sample_from_response
 from miles_disagg.rollout.hook_args import RolloutArgs
+from miles_disagg.rollout.routed_experts import RoutingShape, append_call_routing, check_covers_tokens, request_fields
 from miles_disagg.types import Group, InvalidInput, Sample, SampleStatus
 
 VersionBound = Callable[[], "tuple[int | None, int | None]"]
@@ -31,10 +32,12 @@ class GroupGenerator:
     """Makes scored groups for the rollout manager (training, evaluation, and rollout functions)."""
 
     def __init__(self, *, client, router_url: str, counters: dict[str, int], tokenizer, reward,
-                 custom_generate: Callable | None, replay_after_dispatch: bool, run_id: str | None = None):
+                 custom_generate: Callable | None, replay_after_dispatch: bool, run_id: str | None = None,
+                 routing: RoutingShape | None = None):
+        """``routing``: MoE routed experts every call asks for and every sample must carry (None: none)."""
         self._client, self._url, self._counters = client, router_url, counters
         self.tokenizer, self._reward, self._custom = tokenizer, reward, custom_generate
-        self._replay, self._run_id = replay_after_dispatch, run_id
+        self._replay, self._run_id, self._routing = replay_after_dispatch, run_id, routing
 
     # ------------------------------------------------------------------ pending samples
 
@@ -73,6 +76,8 @@ class GroupGenerator:
         min_version, exact_version = bound()
         body = request_body(prompt_ids, args.sampling, min_version, exact_version=exact_version, num_samples=n,
                             run_id=self._run_id)
+        if self._routing is not None:
+            body.update(request_fields(0, len(prompt_ids)))
         self._counters["requests"] = self._counters.get("requests", 0) + 1
         payload = await generate_one(self._client, self._url, body, self._counters,
                                      replay_after_dispatch=self._replay)
@@ -82,6 +87,9 @@ class GroupGenerator:
         samples = []
         for item in items:
             sample = sample_from_response(prompt_ids, item)
+            if self._routing is not None:
+                append_call_routing(sample, item["meta_info"], start_len=0,
+                                    seqlen=len(prompt_ids) + len(sample.response_ids), shape=self._routing)
             sample.prompt, sample.label, sample.reward = prompt.text, prompt.label, None
             sample.metadata.update({**dict(prompt.metadata), "prompt_index": prompt.index,
                                     "requested_min_version": min_version,
@@ -106,6 +114,8 @@ class GroupGenerator:
             sample.check_consistent()
         except InvalidInput as exc:
             raise GenerationFailed(f"a generated sample is inconsistent: {exc}") from None
+        if self._routing is not None:
+            check_covers_tokens(sample, self._routing)
         if sample.status == SampleStatus.PENDING:
             sample.status = SampleStatus.COMPLETED.value
         text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)

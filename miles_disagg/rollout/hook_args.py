@@ -24,6 +24,11 @@ Every engine call must go through ``args.engine``: it adds the request's version
 (``min_version = current - K``, or the exact version during evaluation), retries refusals,
 appends the generated tokens with ``loss_mask`` 1 and their logprobs, and records the versions
 that served the call. A sample that reaches the trainer without a recorded call is refused.
+With MoE routing (``--use-rollout-routing-replay``; see :mod:`miles_disagg.rollout.routed_experts`)
+each call also asks for the routed experts of the positions no earlier call of the sample ran
+and appends them to ``sample.rollout_routed_experts``: each token keeps the routing of the call
+(and so the version) that first ran it. A hook must not cut tokens an engine already routed, and
+an episode must end with an engine call (tokens appended after the last call were routed by none).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from urllib.parse import urlsplit
 
 from miles_disagg.rollout.generate import (
     GenerationFailed, SamplingSettings, constrained, generate_one, sample_from_response)
+from miles_disagg.rollout.routed_experts import RoutingShape, append_call_routing, request_fields, rows_held
 from miles_disagg.types import Sample, SampleStatus
 
 VersionBound = Callable[[], "tuple[int | None, int | None]"]
@@ -44,17 +50,18 @@ class EngineCaller:
     """Version-constrained ``/generate`` calls through the router on behalf of rollout hooks."""
 
     def __init__(self, client, router_url: str, counters: dict[str, int], version_bound: VersionBound,
-                 tokenizer, max_response_len: int, *, replay_after_dispatch: bool = True, run_id: str | None = None):
+                 tokenizer, max_response_len: int, *, replay_after_dispatch: bool = True, run_id: str | None = None,
+                 routing: RoutingShape | None = None):
         self._client, self._url, self._counters = client, router_url, counters
         self._version_bound, self._tokenizer = version_bound, tokenizer
         self._max_response_len = max_response_len
-        self._replay, self._run_id = replay_after_dispatch, run_id
+        self._replay, self._run_id, self._routing = replay_after_dispatch, run_id, routing
 
     def with_bound(self, version_bound: VersionBound, max_response_len: int | None = None) -> "EngineCaller":
         """The same caller asking for other versions (evaluation asks for exactly one)."""
         return EngineCaller(self._client, self._url, self._counters, version_bound, self._tokenizer,
                             max_response_len or self._max_response_len, replay_after_dispatch=self._replay,
-                            run_id=self._run_id)
+                            run_id=self._run_id, routing=self._routing)
 
     async def generate(self, sample: Sample, sampling_params: dict[str, Any] | None = None) -> Sample:
         """Continue ``sample`` (prompt and response so far) with one engine call and append the result.
@@ -72,12 +79,18 @@ class EngineCaller:
         min_version, exact_version = self._version_bound()
         body = constrained({"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True},
                            min_version, exact_version, self._run_id)
+        start_len = rows_held(sample)
+        if self._routing is not None:  # only the positions no earlier call of this sample ran
+            body.update(request_fields(start_len, len(body["input_ids"])))
         self._counters["requests"] = self._counters.get("requests", 0) + 1
         payload = await generate_one(self._client, self._url, body, self._counters,
                                      replay_after_dispatch=self._replay)
         if not isinstance(payload, dict):
             raise GenerationFailed(f"one prompt was sent, the router answered {type(payload).__name__}")
-        part = sample_from_response(sample.tokens, payload)
+        part = sample_from_response(body["input_ids"], payload)
+        if self._routing is not None:
+            append_call_routing(sample, payload["meta_info"], start_len=start_len, shape=self._routing,
+                                seqlen=len(body["input_ids"]) + len(part.response_ids))
         sample.append_response(part.response_ids, part.response_logprobs, trained=True)
         sample.record_engine_call(part.weight_version_start, part.weight_version_end)
         sample.response += self._tokenizer.decode(part.response_ids, skip_special_tokens=True)

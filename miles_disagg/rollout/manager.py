@@ -41,6 +41,7 @@ from miles_disagg.rollout.groups import GroupGenerator
 from miles_disagg.rollout.hook_args import EngineCaller, EvalSamples, PromptSamples, RolloutArgs
 from miles_disagg.rollout.hooks import load_rollout_hooks
 from miles_disagg.rollout.outputs import eval_metrics, groups_from_rollout_output, post_process_rewards
+from miles_disagg.rollout.routed_experts import RoutingShape, from_jsonable, to_jsonable
 from miles_disagg.types import Group, RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class RolloutManager:
         self.hf_dir, seed = config.hf_dir, config.seed
         self.config, self.router_url = config.rollout, config.router_url.rstrip("/")
         self.run_id = config.run_id
+        self.routing = RoutingShape(*config.routed_experts) if config.routed_experts else None  # MoE routed experts
         config = config.rollout
         self.tokenizer = load_tokenizer(self.hf_dir)
         self.prompts = make_prompt_source(config, self.tokenizer, seed)
@@ -104,9 +106,10 @@ class RolloutManager:
         self.generator = GroupGenerator(client=self._client, router_url=self.router_url, counters=self.counters,
                                      tokenizer=self.tokenizer, reward=self.reward,
                                      custom_generate=self.hooks.custom_generate, replay_after_dispatch=replay,
-                                     run_id=self.run_id)
+                                     run_id=self.run_id, routing=self.routing)
         engine = EngineCaller(self._client, self.router_url, self.counters, self._training_bound, self.tokenizer,
-                              self.sampling.max_new_tokens, replay_after_dispatch=replay, run_id=self.run_id)
+                              self.sampling.max_new_tokens, replay_after_dispatch=replay, run_id=self.run_id,
+                              routing=self.routing)
         self.args = RolloutArgs(
             rollout_batch_size=self.batch_size, n_samples_per_prompt=self.config.n_samples_per_prompt,
             over_sampling_batch_size=self.over_sampling, sampling=self.sampling,
@@ -392,7 +395,10 @@ def save_groups(path: str | Path, groups: list[Group], consumed_at_version: int)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for g in groups:
-            f.write(json.dumps({**asdict(g), "consumed_at_version": consumed_at_version}) + "\n")
+            record = asdict(g)
+            for sample, original in zip(record["samples"], g.samples):  # numpy routing as nested lists
+                sample["rollout_routed_experts"] = to_jsonable(original.rollout_routed_experts)
+            f.write(json.dumps({**record, "consumed_at_version": consumed_at_version}) + "\n")
 
 
 def load_groups(path: str | Path) -> list[Group]:
@@ -402,5 +408,7 @@ def load_groups(path: str | Path) -> list[Group]:
     groups = []
     for line in Path(path).read_text().splitlines():
         raw = json.loads(line)
-        groups.append(Group(prompt_index=raw["prompt_index"], samples=[Sample(**s) for s in raw["samples"]]))
+        samples = [Sample(**{**s, "rollout_routed_experts": from_jsonable(s.get("rollout_routed_experts"))})
+                   for s in raw["samples"]]
+        groups.append(Group(prompt_index=raw["prompt_index"], samples=samples))
     return groups

@@ -28,11 +28,19 @@ def test_every_section_runs_on_the_cpu(tmp_path):
 
     assert (report["device"], report["torch"], report["cuda"]) == ("cpu", torch.__version__, torch.version.cuda)
     sections = report["sections"]
-    assert list(sections) == ["engine", "fsdp", "megatron", "delta"]
+    assert list(sections) == ["engine", "fsdp", "megatron", "delta", "moe"]
     assert all(s["ok"] for s in sections.values()), sections
     assert sections["engine"]["staged_activation"] == "staged" and sections["engine"]["tokens_per_s_c1"] > 0
     assert sections["fsdp"]["train_vs_engine_logprob_abs_diff"] < 1e-3  # same weights, float32 on both sides
     assert sections["delta"]["round_trip_exact"] is True
+    moe = sections["moe"]  # the MoE model family and Megatron MoE come from the MoE branches
+    if "skipped" in moe:
+        assert "qwen3_moe" in moe["skipped"]
+    else:
+        engine = moe["engine"]
+        assert engine["experts_in_range"] and engine["top_k_distinct"] and engine["sparse_layers"] >= 1
+        assert engine["routed_rows_per_sample"] == 16 + 8 - 1  # prompt 16, 8 new tokens, less the last
+        assert "skipped" in moe["megatron"] or moe["megatron"]["routing_replay_match"] == 1.0
     assert "engine: ok" in done.stderr  # progress goes to stderr, the JSON alone to stdout
 
 

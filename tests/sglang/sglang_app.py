@@ -43,6 +43,8 @@ class FakeTokenizerManager:
     startup_time: float = 0.0
     last_receive_tstamp: float = 0.0
     rid_to_state: dict = field(default_factory=dict)
+    routing: tuple[int, int] | None = None
+    """``(layers, top_k)``: answer ``return_routed_experts`` (a server started with --enable-return-routed-experts)."""
 
     def __post_init__(self) -> None:
         from transformers import AutoConfig
@@ -78,8 +80,22 @@ class FakeTokenizerManager:
                     "completion_tokens": n, "weight_version": self.version}
             if (obj.return_logprob[i] if batch else obj.return_logprob):
                 meta["output_token_logprobs"] = [(-0.5, t, None) for t in ids]
+            if obj.return_routed_experts and self.routing is not None:
+                prompt = obj.input_ids[i] if batch else obj.input_ids
+                meta["routed_experts"] = self._routed_experts(len(prompt) + n, obj.routed_experts_start_len)
             outputs.append({"text": "x" * n, "output_ids": ids, "meta_info": meta})
         yield outputs if batch else outputs[0]
+
+    def _routed_experts(self, seqlen: int, start_len: int) -> str:
+        """Routing of positions ``[start_len, seqlen - 1)`` (value: ``position * 100 + layer * 10 + k``),
+        encoded as SGLang's tokenizer manager encodes a captured int32 tensor."""
+        import pybase64
+        import torch
+
+        layers, top_k = self.routing
+        rows = torch.tensor([[[p * 100 + layer * 10 + k for k in range(top_k)] for layer in range(layers)]
+                             for p in range(start_len, seqlen - 1)], dtype=torch.int32)
+        return pybase64.b64encode(rows.numpy().tobytes()).decode("utf-8")
 
     def abort_request(self, rid: str = "", abort_all: bool = False):
         self.received.append(("abort", rid, abort_all))

@@ -55,3 +55,10 @@ async def eval_each_dataset(args, rollout_id, data_source, evaluation=True):
         samples = [s for group in groups for s in await args.generate_group(group)]
         data[name] = {"rewards": [s.reward for s in samples], "samples": samples}
     return data
+
+
+async def ends_with_a_tool(args, sample, sampling_params):
+    """One turn, then a tool answer no engine call follows (no engine ever ran those tokens)."""
+    sample = await args.engine.generate(sample, {**sampling_params, "max_new_tokens": 2})
+    args.engine.append_tool_output(sample, TOOL_TEXT)
+    return sample
