@@ -1,7 +1,9 @@
 """What ``train.py`` and ``train_async.py`` run: resolve the config, prepare, then train.
 
 Exit codes: 0 done, 1 the run failed (one line naming the error; an unexpected internal
-fault shows its traceback), 2 invalid configuration (a message naming the flags, no traceback).
+fault shows its traceback), 2 invalid configuration (a message naming the flags, no traceback;
+also a run directory another live run holds), 130 / 143 interrupted by SIGINT / SIGTERM (one
+line; summary.json and report.png of the completed steps are written).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from typing import Sequence
 
 from miles_disagg.config import RunConfig, config_to_yaml
 from miles_disagg.config.loader import load_launch
-from miles_disagg.loop.preflight import check_runnable, prepare_run
+from miles_disagg.loop.preflight import check_runnable, make_paths_absolute, prepare_run
+from miles_disagg.loop.run_lock import RunDirLock
 from miles_disagg.types import ConfigError, MilesDisaggError
 
 EXIT_FAILED = 1
@@ -32,8 +35,9 @@ def main(entry: str, argv: Sequence[str] | None = None) -> int:
             print(json.dumps(plan_launch(config), indent=2))
             return 0
         check_runnable(config)
-        prepare_run(config)
-        return run_training(config)
+        make_paths_absolute(config)
+        with RunDirLock.acquire(config.tracking.run_dir):  # held until the run has ended, however it ends
+            return run_training(config, entry)
     except ConfigError as exc:
         print(f"{entry}.py: error: {_cause(exc)}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
@@ -42,10 +46,17 @@ def main(entry: str, argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
 
 
-def run_training(config: RunConfig) -> int:
+def run_training(config: RunConfig, entry: str = "train") -> int:
+    from miles_disagg.loop.interrupts import catching_interrupts, exit_status, report_interruption
     from miles_disagg.loop.train_loops import run
 
-    run(config)
+    try:
+        with catching_interrupts():
+            prepare_run(config)
+            run(config)
+    except KeyboardInterrupt as exc:
+        print(f"{entry}.py: {report_interruption(config, exc)}", file=sys.stderr)
+        return exit_status(exc)
     return 0
 
 

@@ -76,6 +76,7 @@ def load_launch(argv: Sequence[str] | None, entry: str) -> tuple[RunConfig, str]
     refused = [item.flag for item in REFUSED_FLAGS.values() if args.pop(item.dest, None) is not None]
     values = _read_yaml(Path(config_path)) if config_path else {}
     refused += values.pop(_REFUSED_KEY, [])
+    bind_checkpoint_init(values, args)
     values.update(args)  # the command line wins
     config = _build(values, entry)
     config.sglang_args = sglang_args
@@ -86,6 +87,27 @@ def load_launch(argv: Sequence[str] | None, entry: str) -> tuple[RunConfig, str]
     return config, modes[0] if modes else "run"
 
 
+def bind_checkpoint_init(yaml_values: dict[str, Any], cli_args: dict[str, Any]) -> None:
+    """A YAML ``hf_checkpoint_init`` makes a model only at that YAML's own ``hf_checkpoint``: with
+    another ``--hf-checkpoint`` on the command line the path is used as it is, as without the init
+    key (a typo'd path exits 2 instead of training a random model made there). Passing
+    ``--hf-checkpoint-init`` on the command line asks for a model at the given path."""
+    import os
+
+    init, configured = yaml_values.get("hf_checkpoint_init"), yaml_values.get("hf_checkpoint")
+    if "hf_checkpoint_init" in cli_args or init in (None, "none") or configured is None:
+        return
+    given = cli_args.get("hf_checkpoint")
+    if given is None or os.path.abspath(str(given)) == os.path.abspath(str(configured)):
+        return
+    yaml_values["hf_checkpoint_init"] = "none"
+    if not Path(str(given)).is_dir():
+        raise ConfigError(f"--hf-checkpoint {str(given)!r} is not a local directory (the config's hf_checkpoint_init "
+                          f"{init} makes a model only at its own hf_checkpoint {configured!r}; add "
+                          f"--hf-checkpoint-init {init} to make one at {str(given)!r})",
+                          ("--hf-checkpoint", "--hf-checkpoint-init"))
+
+
 def job_sglang_flags() -> frozenset[str]:
     """``--sglang-*`` flags the job itself takes (never passed through to SGLang)."""
     flags = {spec.flag for specs in all_flag_specs().values() for spec in specs}
@@ -94,13 +116,16 @@ def job_sglang_flags() -> frozenset[str]:
 
 
 def fill_run_paths(config: RunConfig, now: float | None = None) -> None:
-    """Default paths inside the run directory: ``--run-dir`` itself (``runs/<timestamp>``) and,
-    for disk-delta, the publication dir and the host-local checkpoint dir when not given."""
+    """Default paths inside the run directory: ``--run-dir`` itself (``runs/<timestamp>-<random>``:
+    unique even for runs started in the same second) and, for disk-delta, the publication dir and
+    the host-local checkpoint dir when not given."""
+    import secrets
     import time
 
     tracking, weights = config.tracking, config.weights
     if tracking.run_dir is None:
-        tracking.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.localtime(now)))
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+        tracking.run_dir = str(Path("runs") / f"{stamp}-{secrets.token_hex(3)}")
     if weights.update_weight_transfer_mode == "disk-delta":
         run_dir = Path(tracking.run_dir)
         if config.rollout.rollout_service_url is None:  # a service reads the store it was given: no default

@@ -241,13 +241,16 @@ def init_ray(num_bundles: int) -> bool:
 
     if ray.is_initialized():
         return False
+    from miles_disagg.loop.interrupts import reclaim_sigterm
     from miles_disagg.netbind import LOCAL_RAY_SYSTEM_CONFIG, inherit_into_local_ray, keep_ray_token_auth
 
     if os.environ.get("RAY_ADDRESS"):  # an existing cluster (also how a `ray job submit` driver connects)
         # no runtime_env here: a submitted job's own (its working_dir) must stay; the actor handles
         # hand the keys to their actors themselves (netbind.keys_runtime_env)
         ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
+        reclaim_sigterm()
         _report_cluster()
+        _check_cluster_offers(num_bundles)
         return True
     num_gpus = _cuda_device_count() or num_bundles  # without CUDA: logical GPUs, one per bundle
     tmp = os.environ.get(RAY_TMPDIR_ENV)
@@ -258,6 +261,7 @@ def init_ray(num_bundles: int) -> bool:
     _start_local_ray(num_cpus=max(8, os.cpu_count() or 1), num_gpus=num_gpus, include_dashboard=False,
                      logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None,
                      _system_config=LOCAL_RAY_SYSTEM_CONFIG)
+    reclaim_sigterm()
     return True
 
 
@@ -312,6 +316,19 @@ def _report_cluster() -> None:
               if k not in ("CPU", "GPU", "memory", "object_store_memory") and not k.startswith("node:")}
     status(f"joined the Ray cluster at {os.environ['RAY_ADDRESS']}: {len(nodes)} node(s), "
            f"{totals.get('GPU', 0):g} GPUs" + (f", resources {custom}" if custom else ""))
+
+
+def _check_cluster_offers(num_bundles: int) -> None:
+    """A cluster must hold the GPU and CPU bundles asked for (1 GPU + 1 CPU each) before the run
+    waits for them: ``ConfigError`` naming what it has. (Busy GPUs are waited for, with progress.)"""
+    import ray
+
+    totals = ray.cluster_resources()
+    gpus, cpus = totals.get("GPU", 0), totals.get("CPU", 0)
+    if gpus < num_bundles or cpus < num_bundles:
+        raise ConfigError(f"the Ray cluster at {os.environ['RAY_ADDRESS']} has {gpus:g} GPUs and {cpus:g} CPUs; "
+                          f"this run asks for {num_bundles} bundles of 1 GPU + 1 CPU",
+                          ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus"))
 
 
 def _cuda_device_count() -> int:

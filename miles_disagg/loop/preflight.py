@@ -61,6 +61,9 @@ def check_runnable(config: RunConfig) -> None:
         raise ConfigError(f"--global-batch-size {batch} does not divide over {ranks} trainer ranks "
                           "(--actor-num-nodes x --actor-num-gpus-per-node)",
                           ("--global-batch-size", "--actor-num-gpus-per-node"))
+    from miles_disagg.loop.preflight_checks import check_before_start
+
+    check_before_start(config)  # data, reward, tracking, GPUs, --sglang-*, attached engines
 
 
 TINY_INITS = {"tiny-qwen3": "full", "tiny-qwen3-digits": "digits",  # --hf-checkpoint-init -> charset

@@ -181,8 +181,7 @@ def create_placement(layout: Layout) -> Placement:
     from ray.util.placement_group import placement_group, remove_placement_group
 
     group = placement_group([layout.bundle_resources(i) for i in range(layout.num_bundles)], strategy="PACK")
-    ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
-    if not ready:
+    if not _wait_reserved(group, layout):
         remove_placement_group(group)
         raise _not_reserved(layout)
     # one bundle at a time: the probes then share one Ray worker per node (see _probe_bundle)
@@ -195,6 +194,32 @@ def create_placement(layout: Layout) -> Placement:
     return Placement(group, order, [sites[i].gpu_id for i in order], layout,
                      node_ids=[sites[i].node_id for i in order], node_ips=[sites[i].node_ip for i in order],
                      driver_node_id=ray.get_runtime_context().get_node_id())
+
+
+PLACEMENT_PROGRESS_S = 5.0
+
+
+def _wait_reserved(group, layout: Layout) -> bool:
+    """Whether ``group`` was reserved within ``PLACEMENT_TIMEOUT_S``; a progress line every
+    ``PLACEMENT_PROGRESS_S`` while the cluster has not granted it."""
+    import time
+
+    import ray
+
+    from miles_disagg.tracking import status
+
+    ready_ref, start = group.ready(), time.monotonic()
+    while True:
+        left = PLACEMENT_TIMEOUT_S - (time.monotonic() - start)
+        ready, _ = ray.wait([ready_ref], timeout=max(0.0, min(PLACEMENT_PROGRESS_S, left)))
+        if ready:
+            return True
+        if left <= PLACEMENT_PROGRESS_S:
+            return False
+        available = ray.available_resources()
+        status(f"waiting for the Ray cluster to grant {layout.num_bundles} bundles of 1 GPU + 1 CPU "
+               f"({time.monotonic() - start:.0f}s of {PLACEMENT_TIMEOUT_S:.0f}s; free now: "
+               f"{available.get('GPU', 0):g} GPUs, {available.get('CPU', 0):g} CPUs)")
 
 
 def _not_reserved(layout: Layout) -> ConfigError:

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 from base_model import place_base_model
 
 from miles_disagg.tracking import read_metrics
@@ -79,7 +80,7 @@ def attached_multi_turn_run(tmp_path_factory: pytest.TempPathFactory, digits_bas
              "--custom-generate-function-path", "multiturn_hooks.generate", "--rollout-max-response-len", "9",
              "--max-weight-staleness", "1",
              "--save-debug-rollout-data", str(run_dir / "consumed" / "{rollout_id}.jsonl")],
-            cwd=tmp, capture_output=True, text=True, timeout=400, env=env)
+            cwd=tmp, capture_output=True, text=True, timeout=scaled(400), env=env)
         assert result.returncode == 0, result.stderr[-6000:]
         yield run_dir
     finally:

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 
 from miles_disagg.loop.report import join_updates
 from miles_disagg.process import free_port
@@ -100,7 +101,7 @@ QWEN3_4B_PERF = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--
 
 def run(*args: str, cwd: Path, timeout: int = 180, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "train_async.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+                          text=True, timeout=scaled(timeout), env=env)
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +222,7 @@ def test_the_tiny_variant_of_the_line_trains_two_steps_on_cpu(tmp_path: Path) ->
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'miles-disagg[megatron]')")
     (tmp_path / "make_ref.py").write_text(TORCH_DIST_REF)
     made = subprocess.run([sys.executable, str(tmp_path / "make_ref.py"), str(tmp_path / "base"),
-                           str(tmp_path / "base_torch_dist")], capture_output=True, text=True, timeout=200)
+                           str(tmp_path / "base_torch_dist")], capture_output=True, text=True, timeout=scaled(200))
     assert made.returncode == 0, made.stderr[-3000:]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "label": "3"}) + "\n"
                                                     for p in ("1 2 3", "5 6", "2 3 4 5", "7 8")))
@@ -240,7 +241,7 @@ def test_the_tiny_variant_of_the_line_trains_two_steps_on_cpu(tmp_path: Path) ->
         perf=[p for p in QWEN3_4B_PERF if p != "--sequence-parallel"],  # sequence parallelism needs CUDA + TE
         extra=["--tensor-model-parallel-size", "2", "--max-tokens-per-gpu", "256", "--rm-type", "count-up",
                "--rollout-backend", "builtin", "--custom-update-weight-post-write-path", "miles_user_hooks.record_version"])
-    result = run(*line, cwd=tmp_path, timeout=280, env=env)
+    result = run(*line, cwd=tmp_path, timeout=scaled(280), env=env)
     assert result.returncode == 0, result.stderr[-6000:]
 
     router_port = line[line.index("--sglang-router-port") + 1]

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 from checkpoint_reading import read_state
 from base_model import place_base_model
 
@@ -26,6 +27,7 @@ from miles_disagg.trainer.checkpoint import find_latest, read_complete
 from miles_disagg.weights.store import VersionStore
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(600)  # two whole runs in the module fixture (scaled by the load: e2e conftest)
 PROMPTS_PER_ROLLOUT = 8  # groups of 8 samples: 64 samples per rollout
 OPTIMIZER_STEPS_PER_ROLLOUT = 2  # global batch 32
 RESUMED_STEPS = 3
@@ -58,7 +60,7 @@ def crashed_and_resumed(tmp_path_factory: pytest.TempPathFactory, digits_base_mo
     place_base_model(digits_base_model, tmp)
     crash = subprocess.Popen(command(tmp, 60, 1), cwd=tmp, env=environment(), stdout=subprocess.DEVNULL,
                              stderr=open(tmp / "crash.log", "wb"), start_new_session=True)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + scaled(300)
     while read_complete(tmp / "saves" / "iter_0000004") is None:
         assert crash.poll() is None, (tmp / "crash.log").read_text()[-4000:]
         assert time.monotonic() < deadline, "no save at step 4"
@@ -76,7 +78,7 @@ def crashed_and_resumed(tmp_path_factory: pytest.TempPathFactory, digits_base_mo
         f.truncate(100)
     newest_good = find_latest(tmp / "saves")[0]
     resumed = subprocess.run(command(tmp, newest_good_step(newest_good) + RESUMED_STEPS, 2, "--load", str(tmp / "saves")),
-                             cwd=tmp, env=environment(), capture_output=True, text=True, timeout=300)
+                             cwd=tmp, env=environment(), capture_output=True, text=True, timeout=scaled(300))
     assert resumed.returncode == 0, resumed.stderr[-6000:]
     return tmp, at_crash, newest_good, resumed
 

@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 from base_model import place_base_model
 
 from miles_disagg.tracking import read_metrics
@@ -43,7 +44,7 @@ def train_async(tmp: Path, name: str, steps: int, *args: str) -> Path:
     result = subprocess.run([sys.executable, str(REPO / "train_async.py"), *SMALL, "--num-rollout", str(steps),
                              "--run-dir", str(run_dir), "--hf-checkpoint", str(tmp / "base-model"),
                              "--save-debug-rollout-data", str(run_dir / "consumed" / "{rollout_id}.jsonl"), *args],
-                            cwd=tmp, capture_output=True, text=True, timeout=600, env=env)
+                            cwd=tmp, capture_output=True, text=True, timeout=scaled(600), env=env)
     assert result.returncode == 0, result.stderr[-6000:]
     return run_dir
 
@@ -126,7 +127,7 @@ def test_the_built_in_multi_turn_example_learns(tmp_path: Path, digits_base_mode
                              str(REPO / "configs/tiny_cpu_multiturn.yaml"), "--run-dir", str(run_dir),
                              "--hf-checkpoint", str(tmp_path / "base-model"), "--num-rollout", str(MULTI_TURN_STEPS),
                              "--save-debug-rollout-data", str(run_dir / "consumed" / "{rollout_id}.jsonl")],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=1200, env=env)
+                            cwd=tmp_path, capture_output=True, text=True, timeout=scaled(1200), env=env)
     assert result.returncode == 0, result.stderr[-6000:]
     rewards = [r["rollout/raw_reward"] for r in read_metrics(run_dir / "metrics.jsonl")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 from base_model import place_base_model
 
 from miles_disagg.tracking import read_metrics
@@ -36,7 +37,7 @@ def service_run(tmp_path_factory: pytest.TempPathFactory, digits_base_model: Pat
              "--run-dir", str(tmp / "run"), "--hf-checkpoint", str(base), "--num-rollout", str(STEPS),
              "--rollout-service-url", service.url, "--update-weight-disk-dir", str(store),
              "--save-debug-rollout-data", str(tmp / "consumed" / "{rollout_id}.jsonl")],
-            cwd=tmp, capture_output=True, text=True, timeout=300, env=env)
+            cwd=tmp, capture_output=True, text=True, timeout=scaled(300), env=env)
         assert result.returncode == 0, result.stderr[-6000:]
         with service.client() as client:
             client.wait_converged(STEPS, num_replicas=2, timeout_s=60)

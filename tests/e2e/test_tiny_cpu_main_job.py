@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 
 from miles_disagg.loop.report import join_updates
 from miles_disagg.tracking import read_metrics
@@ -34,9 +35,10 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
            "RAY_AUTH_MODE": "disabled"}  # Ray socket paths must be short
     result = subprocess.run(
         [sys.executable, str(REPO / "train_async.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
-         "--run-dir", str(run_dir), "--hf-checkpoint", str(tmp / "base-model"), "--num-rollout", str(STEPS),
+         "--run-dir", str(run_dir), "--hf-checkpoint", str(tmp / "base-model"),
+         "--hf-checkpoint-init", "tiny-qwen3-digits", "--num-rollout", str(STEPS),
          "--save-debug-rollout-data", str(run_dir / "consumed" / "{rollout_id}.jsonl")],
-        cwd=tmp, capture_output=True, text=True, timeout=240, env=env)
+        cwd=tmp, capture_output=True, text=True, timeout=scaled(240), env=env)
     assert result.returncode == 0, result.stderr[-6000:]
     assert "== run summary" in result.stderr
     return run_dir

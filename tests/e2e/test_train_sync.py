@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 from base_model import place_base_model
 
 from miles_disagg.tracking import read_metrics
@@ -26,7 +27,7 @@ def train_py(tmp: Path, name: str, *args: str) -> tuple[Path, subprocess.Complet
            "RAY_AUTH_MODE": "disabled"}  # Ray socket paths must be short
     result = subprocess.run([sys.executable, str(REPO / "train.py"), *SMALL, "--run-dir", str(run_dir),
                              "--hf-checkpoint", str(tmp / "base-model"), *args],
-                            cwd=tmp, capture_output=True, text=True, timeout=240, env=env)
+                            cwd=tmp, capture_output=True, text=True, timeout=scaled(240), env=env)
     assert result.returncode == 0, result.stderr[-6000:]
     return run_dir, result
 

@@ -16,6 +16,7 @@ import pytest
 
 from engine_fixtures import start_engine, stop_engine
 from miles_disagg.launcher import main
+from miles_disagg.types import ConfigError
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -112,13 +113,91 @@ def test_attached_built_in_engines_announce_byte_planes(capsys, tmp_path, tiny_q
     assert plan["delta_filter"]["filter"] == "byteplane"
 
 
-def test_an_unreachable_attached_engine_is_a_warning_and_the_plain_format(capsys, tmp_path, tiny_qwen3_dir) -> None:
+def test_unreachable_attached_engines_fail_at_once_each_named(capsys, tmp_path, tiny_qwen3_dir, stock_sglang) -> None:
+    """All addresses are asked at once; a refused connection fails without waiting, and every engine that did
+    not answer is named (an answering one is not)."""
+    import time
+
     from miles_disagg.process import free_port
 
-    addr = f"127.0.0.1:{free_port('127.0.0.1')}"
-    plan = dry_run(capsys, *disk_delta(tmp_path, tiny_qwen3_dir), *attached(addr))
-    assert plan["delta_filter"]["filter"] == "none"
-    assert any(addr in w and "did not answer" in w for w in plan["warnings"])
+    closed = [f"127.0.0.1:{free_port('127.0.0.1')}" for _ in range(2)]
+    start = time.monotonic()
+    code = main("train_async", [*disk_delta(tmp_path, tiny_qwen3_dir), *attached(closed[0], stock_sglang, closed[1]),
+                                "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", err
+    assert time.monotonic() - start < 10
+    assert "2 of 3 engine(s) did not answer" in err and all(f"{addr}: cannot connect" in err for addr in closed)
+    assert f"{stock_sglang}:" not in err and "Traceback" not in err
+
+
+class _SlowToStartHandler(_StockSglangHandler):
+    ready_at = 0.0
+
+    def do_GET(self):  # noqa: N802
+        import time
+
+        if self.path == "/health" and time.monotonic() < self.ready_at:
+            self.send_error(503)
+            return
+        super().do_GET()
+
+
+def test_a_slow_attached_engine_is_waited_for_with_progress_lines(capsys, tmp_path, tiny_qwen3_dir, monkeypatch) -> None:
+    import time
+
+    from miles_disagg.loop import engine_probe
+
+    monkeypatch.setattr(engine_probe, "PROGRESS_EVERY_S", 0.3)
+    _SlowToStartHandler.ready_at = time.monotonic() + 2.0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowToStartHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    addr = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        code = main("train_async", [*disk_delta(tmp_path, tiny_qwen3_dir), *attached(addr), "--dry-run"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out)["topology"] == "attached"
+    assert f"waiting for attached engine(s) to answer /health" in err and f"{addr} (/health answered 503)" in err
+
+
+def test_the_probe_prints_what_it_waits_for(capsys, monkeypatch) -> None:
+    import time
+
+    from miles_disagg.loop import engine_probe
+
+    monkeypatch.setattr(engine_probe, "PROGRESS_EVERY_S", 0.3)
+    _SlowToStartHandler.ready_at = time.monotonic() + 1.5
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowToStartHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    addr = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        engine_probe.probe_engines([addr], timeout_s=30)
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err
+    assert f"waiting for attached engine(s) to answer /health" in err and f"{addr} (/health answered 503)" in err
+
+
+def test_an_engine_that_never_answers_fails_when_the_wait_ends(capsys, monkeypatch) -> None:
+    import time
+
+    from miles_disagg.loop import engine_probe
+
+    _SlowToStartHandler.ready_at = time.monotonic() + 3600
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowToStartHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    addr = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(ConfigError, match=f"{addr}: no answer within the wait \\(/health answered 503\\)"):
+            engine_probe.probe_engines([addr], timeout_s=1.5)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_dry_run_refuses_what_the_run_would_refuse(capsys, tmp_path, tiny_qwen3_dir) -> None:

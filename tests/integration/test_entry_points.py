@@ -90,7 +90,7 @@ def test_load_of_another_backends_save_exits_2_naming_both(tmp_path: Path) -> No
                                             state_format=STATE_FORMATS["megatron"]),
                lambda partial: (partial / "state").mkdir())
     result = run("train_async.py", "--config", "configs/tiny_cpu.yaml", "--hf-checkpoint", str(tmp_path / "base"),
-                 "--run-dir", str(tmp_path / "run"), "--load", str(tmp_path / "saves"))
+                 "--hf-checkpoint-init", "tiny-qwen3-digits", "--run-dir", str(tmp_path / "run"), "--load", str(tmp_path / "saves"))
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert "written by --train-backend megatron; this job has --train-backend fsdp" in result.stderr

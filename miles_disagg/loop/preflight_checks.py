@@ -1,0 +1,167 @@
+"""Everything a run can check before Ray starts, in ``--dry-run`` and real runs alike.
+
+Each check raises ``ConfigError`` naming the flag (exit 2, no traceback) for what would
+otherwise fail later inside an actor: the prompt data (exists, and its first lines parse with
+the configured keys), the reward (imports, right signature), the tracking backends asked for,
+the GPUs of this machine when a local Ray would run on them, and the ``--sglang-*`` options
+(parsed by SGLang's own ``ServerArgs`` where SGLang is importable). Attached engines are asked
+all at once: see :mod:`miles_disagg.loop.engine_probe`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+from miles_disagg.config.components import RunConfig
+from miles_disagg.types import ConfigError
+
+PREVIEW_LINES = 64  # records of a data file parsed before anything starts (the whole file is read later)
+MAX_LINE_BYTES = 16 * 1024 * 1024  # a longer "line" is not a prompt record (a binary file, a wrong path)
+
+
+def check_before_start(config: RunConfig) -> None:
+    """Every check of this module; the attached engines last (the only one that waits)."""
+    rollout = config.rollout
+    if not rollout.debug_train_only and not rollout.load_debug_rollout_data:
+        check_prompt_data(config)
+        check_reward(config)
+    check_eval_data(config)
+    check_tracking_backends(config)
+    check_local_gpus(config)
+    check_sglang_args(config)
+    if rollout.rollout_external and not rollout.debug_train_only:
+        from miles_disagg.loop.engine_probe import probe_engines
+
+        probe_engines(rollout.rollout_external_engine_addrs)
+
+
+def check_prompt_data(config: RunConfig) -> None:
+    rollout = config.rollout
+    if rollout.prompt_data:
+        check_jsonl(rollout.prompt_data, config, flag="--prompt-data")
+
+
+def check_eval_data(config: RunConfig) -> None:
+    for name, path in config.eval.datasets:
+        if not path.startswith("task:"):
+            check_jsonl(path, config, flag=f"--eval-prompt-data {name}")
+
+
+def check_jsonl(path_text: str, config: RunConfig, *, flag: str) -> None:
+    """The file exists and its first ``PREVIEW_LINES`` records are JSON objects holding the input
+    key (and the label key when one is configured)."""
+    rollout = config.rollout
+    path = Path(path_text)
+    if not path.is_file():
+        what = "does not exist" if not path.exists() else "is not a file"
+        raise ConfigError(f"{flag} {path_text!r} {what}", (flag.split()[0],))
+    keys = [(rollout.input_key, "--input-key")] + ([(rollout.label_key, "--label-key")] if rollout.label_key else [])
+    seen = 0
+    try:
+        with path.open("rb") as lines:
+            for line_number, raw in enumerate(lines, start=1):
+                if len(raw) > MAX_LINE_BYTES:
+                    raise _bad(flag, path, line_number, f"a line longer than {MAX_LINE_BYTES} bytes")
+                if not raw.strip():
+                    continue
+                _check_record(raw, keys, flag, path, line_number)
+                seen += 1
+                if seen >= PREVIEW_LINES:
+                    return
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path_text!r}: cannot read ({exc.strerror or exc})", (flag.split()[0],)) from None
+    if not seen:
+        raise ConfigError(f"{flag} {path_text!r} holds no records", (flag.split()[0],))
+
+
+def _check_record(raw: bytes, keys: list[tuple[str, str]], flag: str, path: Path, line_number: int) -> None:
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise _bad(flag, path, line_number, "not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise _bad(flag, path, line_number, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise _bad(flag, path, line_number, "JSON nested too deeply") from None
+    if not isinstance(record, dict):
+        raise _bad(flag, path, line_number, f"expected a JSON object, got {type(record).__name__}")
+    for key, key_flag in keys:
+        if key not in record:
+            present = sorted(record)[:20]
+            raise _bad(flag, path, line_number, f"missing key {key!r} ({key_flag}); keys present: {present}", key_flag)
+
+
+def _bad(flag: str, path: Path, line_number: int, message: str, key_flag: str | None = None) -> ConfigError:
+    flags = (flag.split()[0],) + ((key_flag,) if key_flag else ())
+    return ConfigError(f"{flag}: {path}:{line_number}: {message}", flags)
+
+
+def check_reward(config: RunConfig) -> None:
+    """The reward the rollout manager will make (``--custom-rm-path`` imported and signature-checked)."""
+    from miles_disagg.rollout.prompts import make_reward
+
+    make_reward(config.rollout)
+
+
+TRACKING_BACKENDS = (("use_tensorboard", "--use-tensorboard", "tensorboard", "tensorboard"),
+                     ("use_wandb", "--use-wandb", "wandb", "wandb"))
+
+
+def check_tracking_backends(config: RunConfig) -> None:
+    """A backend asked for is installed (found, not imported: wandb alone takes seconds to import)."""
+    for field, flag, module, package in TRACKING_BACKENDS:
+        if getattr(config.tracking, field, False) and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{flag}: {package} is not installed (pip install '{package}', or the project's "
+                              "'tracking' extra)", (flag,))
+
+
+def check_local_gpus(config: RunConfig) -> None:
+    """A local Ray on a machine with CUDA offers only its devices: the run must fit in them.
+    (Without CUDA the local Ray gets logical GPUs, one per bundle; a cluster is asked once joined.)"""
+    if os.environ.get("RAY_ADDRESS"):
+        return
+    from miles_disagg.loop.job import _cuda_device_count
+    from miles_disagg.trainer.placement import plan_layout
+
+    available = _cuda_device_count()
+    if not available:
+        return
+    layout = plan_layout(config.cluster, external_rollout=_external(config))
+    if layout.num_bundles > available:
+        raise ConfigError(f"this run asks for {layout.num_bundles} GPUs (trainer {len(layout.trainer)}: "
+                          "--actor-num-nodes x --actor-num-gpus-per-node; rollout "
+                          f"{layout.num_bundles - len(layout.trainer)}: --rollout-num-gpus); this machine has "
+                          f"{available} (set RAY_ADDRESS to run on a cluster)",
+                          ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus"))
+
+
+def _external(config: RunConfig) -> bool:
+    rollout = config.rollout
+    return rollout.rollout_external or bool(rollout.rollout_service_url) or rollout.debug_train_only
+
+
+def check_sglang_args(config: RunConfig) -> None:
+    """``--sglang-*`` options, parsed by SGLang's own ``ServerArgs`` where SGLang is importable:
+    a typo exits 2 with the closest SGLang option instead of reaching SGLang's command line."""
+    if not config.sglang_args or not _importable("sglang.srt.server_args"):
+        return
+    from miles_disagg.loop.sglang_check import parse_with_server_args, sglang_parser
+
+    try:
+        parser = sglang_parser()
+    except Exception as exc:  # noqa: BLE001 - SGLang installed but broken here: said, not hidden
+        from miles_disagg.tracking import status
+
+        status(f"--sglang-* options not checked: SGLang's ServerArgs does not import here ({type(exc).__name__}: {exc})")
+        return
+    parse_with_server_args(config.sglang_args, parser)
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package is missing
+        return False

@@ -1,0 +1,124 @@
+"""A run directory belongs to one run: the lock a run holds on it for its whole life.
+
+The lock is ``RUN_DIR/run.lock``, held with ``flock`` on an open descriptor: the kernel drops it
+when the holding process ends, however it ends (SIGKILL included), so a dead run never blocks
+the next one. The file records who holds it (pid, host, start time, argv); a second run on the
+same directory reads that record and exits 2 at once naming the holder. A run that finds a
+record it could lock (the previous holder died without releasing it) takes it over with a
+warning. The file is never deleted: unlinking a lock file while another process is about to
+lock it would let two runs each lock their own inode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles_disagg.tracking import status
+from miles_disagg.types import ConfigError
+
+LOCK_FILENAME = "run.lock"
+MAX_RECORD_BYTES = 64 * 1024  # a record is a few hundred bytes; anything larger is not ours
+
+
+class RunDirLocked(ConfigError):
+    """Another live run holds the run directory; nothing was written."""
+
+    def __init__(self, message: str, holder: dict | None = None):
+        super().__init__(message, ("--run-dir",))
+        self.holder = holder or {}
+
+
+@dataclass
+class RunDirLock:
+    """The held lock of one run directory; :meth:`release` (or the process's end) frees it."""
+
+    path: Path
+    fd: int | None
+    record: dict
+
+    @classmethod
+    def acquire(cls, run_dir: str | Path, *, flag: str = "--run-dir") -> "RunDirLock":
+        """Create ``run_dir`` if needed and lock it; ``RunDirLocked`` (exit 2) when a live run holds it."""
+        import fcntl
+
+        directory = Path(run_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / LOCK_FILENAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_record(fd)
+            os.close(fd)
+            raise RunDirLocked(f"{flag} {str(directory)!r} is in use by another run ({describe(holder)}); "
+                               "give this run its own --run-dir, or wait for that one to end", holder) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        previous = _read_record(fd)
+        if previous and not previous.get("released"):
+            status(f"warning: {path}: taking over the lock of a run that ended without releasing it "
+                   f"({describe(previous)})")
+        record = _own_record()
+        _write_record(fd, record)
+        return cls(path, fd, record)
+
+    def release(self) -> None:
+        """Mark the record released and unlock (the file stays: see the module docstring)."""
+        if self.fd is None:
+            return
+        try:
+            _write_record(self.fd, {**self.record, "released": True, "ended": time.time()})
+        finally:
+            os.close(self.fd)  # closing the only descriptor drops the flock
+            self.fd = None
+
+    def __enter__(self) -> "RunDirLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def describe(holder: dict) -> str:
+    """``pid 123 on host h, started 2026-01-01 12:00:00 UTC`` (what is known of it)."""
+    if not holder:
+        return "holder unknown: its lock record is empty or unreadable"
+    parts = [f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}"]
+    started = holder.get("started")
+    if isinstance(started, (int, float)):
+        parts.append(f"started {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(started))}")
+    return ", ".join(parts)
+
+
+def _own_record() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+            "argv": [str(a) for a in sys.argv[:64]]}
+
+
+def _read_record(fd: int) -> dict:
+    """The record in the lock file; ``{}`` for an empty, oversized or malformed one (hostile input)."""
+    try:
+        raw = os.pread(fd, MAX_RECORD_BYTES + 1, 0)
+    except OSError:
+        return {}
+    if not raw or len(raw) > MAX_RECORD_BYTES:
+        return {}
+    try:
+        record = json.loads(raw.decode("utf-8", errors="replace"))
+    except (ValueError, RecursionError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _write_record(fd: int, record: dict) -> None:
+    data = (json.dumps(record) + "\n").encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)
