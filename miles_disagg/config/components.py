@@ -24,7 +24,7 @@ MEGATRON_TO_HF_MODES = ("raw", "bridge")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
-KL_LOSS_TYPES = ("low_var_kl", "k1", "k2")
+KL_LOSS_TYPES = ("low_var_kl", "k1", "k2", "k3")
 OPTIMIZERS = ("adam",)
 LR_DECAY_STYLES = ("constant",)
 ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
@@ -214,7 +214,12 @@ class TrainConfig:
     clip_grad: float = flag(1.0, "Clip the global gradient norm to this (0: off).")
     seed: int = flag(1234, "Random seed.")
     advantage_estimator: str = flag("grpo", "Advantage estimator: grpo, reinforce_plus_plus (discounted per-token returns), reinforce_plus_plus_baseline (group baseline); ppo is refused (no critic).", choices=ADVANTAGE_ESTIMATORS)
-    normalize_advantages_by_std: bool = flag(True, "GRPO: divide each group's advantages by its reward std.")
+    normalize_advantages_by_std: bool | None = flag(None, "Renamed: refused with a pointer to miles' --disable-grpo-std-normalization.")
+    disable_grpo_std_normalization: bool = flag(False, "miles: GRPO advantages are reward minus the group's mean, not divided by the group's std (Dr. GRPO).")
+    disable_rewards_normalization: bool = flag(False, "miles: no group normalization of the rewards at all (grpo, reinforce_plus_plus_baseline: the raw reward is the signal).")
+    eps_clip_c: float | None = flag(None, "miles: dual-clip PPO lower bound (> 1): a negative-advantage token's loss is at most -eps_clip_c * advantage.")
+    tis_clip_low: float = flag(0.0, "miles: lower clip of the TIS ratio (with --use-tis).")
+    use_unbiased_kl: bool = flag(False, "miles: multiply the KL loss by the importance ratio exp(logprob - old logprob) (DeepSeek-V3.2's unbiased estimate).")
     normalize_advantages: bool = flag(False, "Whiten the per-token advantages over the rollout's trained tokens (all data-parallel ranks).")
     kl_coef: float = flag(0.0, "reinforce_plus_plus(_baseline): KL-to-reference penalty in the per-token reward (loads the reference).")
     gamma: float = flag(1.0, "reinforce_plus_plus: discount of the per-token returns.")
@@ -223,7 +228,7 @@ class TrainConfig:
     eps_clip_high: float | None = flag(None, "PPO clip range (high side; default: --eps-clip).")
     use_kl_loss: bool = flag(False, "Load the reference policy (the base checkpoint or --ref-load) and log train/kl_loss; add it to the loss with --kl-loss-coef.")
     kl_loss_coef: float = flag(0.0, "Weight of the KL loss (0: KL is logged, not trained on).")
-    kl_loss_type: str = flag("low_var_kl", "KL estimator: low_var_kl (k3), k1 or k2.", choices=KL_LOSS_TYPES)
+    kl_loss_type: str = flag("low_var_kl", "KL estimator: low_var_kl (k3 clamped to [-10, 10]), k3, k1 or k2.", choices=KL_LOSS_TYPES)
     entropy_coef: float = flag(0.0, "Weight of the entropy bonus.")
     ref_load: str | None = flag(None, "Reference model checkpoint (default: --hf-checkpoint).")
     use_tis: bool = flag(False, "Truncated importance sampling against the rollout policy's logprobs.")
@@ -246,6 +251,11 @@ class TrainConfig:
                  "--advantage-estimator ppo needs a critic (value model with GAE), which miles-disagg does not "
                  "train; use grpo, reinforce_plus_plus or reinforce_plus_plus_baseline")
         _require(0 <= self.gamma <= 1, "--gamma must be in [0, 1]")
+        _require(self.normalize_advantages_by_std is None,
+                 "--(no-)normalize-advantages-by-std was this project's name; miles' names are used now: GRPO "
+                 "divides by the group's reward std by default, --disable-grpo-std-normalization turns it off")
+        _require(self.eps_clip_c is None or self.eps_clip_c > 1, "--eps-clip-c (dual clip) must be > 1")
+        _require(0 <= self.tis_clip_low <= self.tis_clip, "--tis-clip-low must be in [0, --tis-clip]")
         _require(self.kl_coef == 0 or self.advantage_estimator != "grpo",
                  "--kl-coef shapes the reward of reinforce_plus_plus(_baseline) only (miles' GRPO ignores it); "
                  "for GRPO use --use-kl-loss --kl-loss-coef")

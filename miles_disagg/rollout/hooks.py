@@ -98,13 +98,26 @@ def load_hook(kind: HookKind, spec: str) -> Callable:
     return fn
 
 
+class CurrentArgs:
+    """The ``args`` a class-based function keeps from its construction: reads go to the args of the
+    current call (an evaluation's args ask for exactly that evaluation's version)."""
+
+    def __init__(self, args):
+        self.current = args
+
+    def __getattr__(self, name: str):
+        if name == "current":
+            raise AttributeError(name)
+        return getattr(self.current, name)
+
+
 class ClassRolloutFunction:
     """miles' class-based rollout (or eval) function behind the function form's call.
 
     Constructed once, at its first call, with ``RolloutFnConstructorInput(args, data_source)``; each
     call then passes ``RolloutFnTrainInput(rollout_id)`` (``RolloutFnEvalInput`` for evaluation) and
-    awaits the result if it is awaitable. An eval function's data source keeps its identity across
-    calls; its ``datasets`` are those of the current evaluation.
+    awaits the result if it is awaitable. The ``args`` and data source it was constructed with keep
+    their identity across calls; they show the current call's args and eval ``datasets``.
     """
 
     def __init__(self, cls: type, kind: HookKind, spec: str):
@@ -124,10 +137,12 @@ class ClassRolloutFunction:
             RolloutFnConstructorInput, RolloutFnEvalInput, RolloutFnTrainInput)
 
         if self._instance is None:
-            self._source = data_source
-            self._instance = self._cls(RolloutFnConstructorInput(args=args, data_source=data_source))
-        elif hasattr(data_source, "datasets") and hasattr(self._source, "datasets"):
-            self._source.datasets = data_source.datasets
+            self._source, self._args = data_source, CurrentArgs(args)
+            self._instance = self._cls(RolloutFnConstructorInput(args=self._args, data_source=data_source))
+        else:
+            self._args.current = args
+            if hasattr(data_source, "datasets") and hasattr(self._source, "datasets"):
+                self._source.datasets = data_source.datasets
         call_input = RolloutFnEvalInput(rollout_id=rollout_id) if evaluation else RolloutFnTrainInput(rollout_id)
         output = self._instance(call_input)
         return await output if inspect.isawaitable(output) else output

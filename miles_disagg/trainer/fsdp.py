@@ -24,7 +24,7 @@ from miles_disagg.trainer.results import TrainResult
 from miles_disagg.trainer.batches import PackedBatch, pack, response_logits
 from miles_disagg.trainer.shares import micro_batches
 from miles_disagg.trainer.losses import rl_loss, token_logprobs_and_entropy
-from miles_disagg.trainer.reduction import StepMetrics, global_token_mean, step_denominators
+from miles_disagg.trainer.reduction import StepMetrics, global_sample_mean, step_denominators
 from miles_disagg.types import Sample
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class FSDPBackend(TrainerBackend):
         flat = [b for step in packed for b in step]
         old = self._frozen_logprobs(self.model, flat)
         ref = self._frozen_logprobs(self.ref_model, flat) if self.ref_model is not None else [None] * len(flat)
-        diff = global_token_mean([((o - b.rollout_logprobs.to(self.device)).abs(), b.loss_mask)
+        diff = global_sample_mean([((o - b.rollout_logprobs.to(self.device)).abs(), b.loss_mask)
                                   for o, b in zip(old, flat)], device=self.device)
         if self.config.use_rollout_logprobs:  # the engines' logprobs are the behaviour policy's (miles' meaning)
             old = [b.rollout_logprobs.to(self.device) for b in flat]
