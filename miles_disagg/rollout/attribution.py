@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -37,6 +38,8 @@ class CallLog:
     """The served versions of each router call made for one sample, in order, and what went wrong."""
 
     hook: str
+    bound: VersionBound | None = None
+    """The version constraint its requests get (training: the run's bound now; evaluation: exact)."""
     calls: list[list[int]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -80,9 +83,10 @@ class _Listener:
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))  # loopback only: the hooks of this process reach it
+        self.port = sock.getsockname()[1]
+        await web.SockSite(self._runner, sock).start()
 
     async def close(self) -> None:
         if self._runner is not None:
@@ -104,7 +108,7 @@ class _Listener:
         except ValueError as exc:
             return _refusal(400, f"{self._proxy.hook}: /generate body: {exc}")
         try:
-            payload = await self._proxy.forward(body)
+            payload = await self._proxy.forward(body, log.bound)
         except GenerationFailed as exc:
             log.errors.append(str(exc))
             return _refusal(502, str(exc))
@@ -128,8 +132,7 @@ class AttributionProxy:
         """A fresh log, and the ``http://127.0.0.1:port`` URL whose requests are recorded in it
         (``version_bound``: the constraint its requests get, evaluation's exact version)."""
         listener = self._free.pop() if self._free else await self._new_listener()
-        log = CallLog(self.hook)
-        log.bound = version_bound or self._bound  # type: ignore[attr-defined]
+        log = CallLog(self.hook, version_bound or self._bound)
         listener.log = log
         token = CURRENT_LOG.set(log)
         try:
@@ -146,12 +149,11 @@ class AttributionProxy:
         return listener
 
     async def forward(self, body: dict, bound: VersionBound | None = None) -> Any:
-        """``body`` to the router's ``/generate`` with the version constraint in force now (unless the
-        hook gave one), retried as every rollout request is."""
-        log = CURRENT_LOG.get()
-        if "weight_version" not in body:
-            min_version, exact_version = (bound or getattr(log, "bound", None) or self._bound)()
-            body = constrained(body, min_version, exact_version, self._run_id)
+        """``body`` to the router's ``/generate`` with the version constraint of ``bound`` asked now
+        (in place of any the hook gave), retried as every rollout request is."""
+        min_version, exact_version = (bound or self._bound)()
+        body = constrained({k: v for k, v in body.items() if k != "weight_version"}, min_version, exact_version,
+                           self._run_id)
         self._counters["requests"] = self._counters.get("requests", 0) + 1
         return await generate_one(self._client, self._url, body, self._counters, replay_after_dispatch=self._replay)
 
@@ -166,7 +168,7 @@ def _parse_body(raw: bytes) -> dict:
         raise ValueError(f"larger than {MAX_BODY_BYTES} bytes")
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(f"not JSON ({exc})") from None
     if not isinstance(body, dict):
         raise ValueError(f"must be a JSON object, got {type(body).__name__}")
