@@ -25,9 +25,11 @@ import random
 import re
 import string
 from collections import Counter
+from types import SimpleNamespace
 from typing import Any
 
-from miles_disagg.rollout.rewards import deepscaler_reward, last_boxed, math_reward
+from miles_disagg.rollout.generate import GenerationFailed
+from miles_disagg.rollout.rewards import answers_match, deepscaler_reward, label_answers, last_boxed, math_reward
 
 REFUSED_RM_TYPES = {
     "remote_rm": "it posts each sample to an external reward server (--rm-url), which this launcher does not "
@@ -155,8 +157,11 @@ def _picked_letter(text: str, letters: list[str]) -> str | None:
 
 def score_rm_type(rm_type: str, response: str, label: Any, metadata: dict) -> Any:
     """miles' value of ``rm_type`` for one response (``ValueError`` for a type that is not here)."""
-    if rm_type.startswith("boxed_"):
+    boxed = rm_type.startswith("boxed_")
+    if boxed:
         response, rm_type = last_boxed(response) or "", rm_type[len("boxed_"):]
+        if rm_type in ("math", "deepscaler"):  # the box's content is the answer
+            return 1.0 if response and any(answers_match(response, gold) for gold in label_answers(label)) else 0.0
     if rm_type in REFUSED_RM_TYPES:
         raise ValueError(f"--rm-type {rm_type} is a miles reward that does not apply here: "
                          f"{REFUSED_RM_TYPES[rm_type]}")
@@ -187,10 +192,25 @@ def is_miles_rm_type(rm_type: str | None) -> bool:
         or rm_type.startswith("boxed_")
 
 
-async def async_rm(args: Any, sample: Any, **kwargs: Any) -> Any:
-    """miles' ``async_rm``: the sample's ``metadata["rm_type"]`` or ``args.rm_type``, scored."""
+async def async_rm(args: Any, sample: Any, default_rm_type: str | None = None, **kwargs: Any) -> Any:
+    """miles' ``async_rm``: the sample's ``metadata["rm_type"]``, else ``args.rm_type`` (else
+    ``default_rm_type``), scored; ``GenerationFailed`` for a type that is not scored here."""
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
-    rm_type = str(metadata.get("rm_type") or getattr(args, "rm_type", None) or "").strip()
+    rm_type = str(metadata.get("rm_type") or getattr(args, "rm_type", None) or default_rm_type or "").strip()
     if not rm_type:
-        raise ValueError("no reward type: give --rm-type or metadata['rm_type']")
-    return score_rm_type(rm_type, sample.response, sample.label, metadata)
+        raise GenerationFailed("no reward type: give --rm-type or metadata['rm_type']")
+    try:
+        return score_rm_type(rm_type, sample.response, sample.label, metadata)
+    except ValueError as exc:
+        raise GenerationFailed(str(exc)) from None
+
+
+def rm_type_reward(rm_type: str):
+    """``--rm-type rm_type`` as miles' reward form (a sample's ``metadata["rm_type"]`` still wins)."""
+
+    async def reward(args: Any, sample: Any, **kwargs: Any) -> Any:
+        metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
+        return await async_rm(SimpleNamespace(rm_type=metadata.get("rm_type") or rm_type), sample)
+
+    reward.__name__ = f"rm_type_{rm_type}"
+    return reward

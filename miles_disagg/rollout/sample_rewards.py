@@ -22,7 +22,7 @@ import numbers
 from typing import Any, Callable
 
 from miles_disagg.rollout.generate import GenerationFailed
-from miles_disagg.rollout.miles_rm_types import REFUSED_RM_TYPES, async_rm, is_miles_rm_type
+from miles_disagg.rollout.miles_rm_types import REFUSED_RM_TYPES, is_miles_rm_type, rm_type_reward
 from miles_disagg.rollout.rewards import CUSTOM_RM_FLAG, RM_TYPE_FLAG, get_reward_fn
 from miles_disagg.types import ConfigError, Sample
 
@@ -93,7 +93,7 @@ def load_sample_reward(config) -> SampleReward:
         if base in REFUSED_RM_TYPES:
             raise ConfigError(f"{RM_TYPE_FLAG} {base} is a miles reward that does not apply here: "
                               f"{REFUSED_RM_TYPES[base]}", (RM_TYPE_FLAG,))
-        return SampleReward(async_rm, rm_type, **{**keys, "group_rm": False})
+        return SampleReward(rm_type_reward(rm_type), rm_type, **{**keys, "group_rm": False})
     fn = get_reward_fn(rm_type, config.custom_rm_path)
     fn = getattr(fn, "__wrapped__", fn) if not is_miles_form(fn) and keys["reward_key"] else fn
     if keys["group_rm"] and not is_miles_form(fn):
