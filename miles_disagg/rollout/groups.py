@@ -6,11 +6,13 @@ Two ways to generate, chosen by ``--custom-generate-function-path``:
   serves it), single turn;
 * custom: the user's ``async generate(args, sample, sampling_params)`` runs once per sample, all
   samples of the group concurrently; it may call the engines several times through
-  ``args.engine`` (multi-turn, tool use) and insert environment tokens with ``loss_mask`` 0.
+  ``args.engine`` or by POSTing to its own ``args.sglang_router_ip/port`` (miles' way; each call is
+  recorded against the sample by ``rollout/attribution.py``), and insert environment tokens with
+  ``loss_mask`` 0.
 
 Either way each sample leaves here with its served versions (start of its first engine call, end
 of its last), consistent per-token fields, a status and a reward (the generate function's if it
-set one, else ``--custom-rm-path`` / ``--rm-type`` / the task's, on the response text).
+set one, else ``--custom-rm-path`` / ``--rm-type`` / the task's: ``rollout/sample_rewards.py``).
 """
 
 from __future__ import annotations

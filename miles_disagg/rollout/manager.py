@@ -105,8 +105,8 @@ class RolloutManager:
         self._room = asyncio.Event()
         replay = not self.config.rollout_service_url  # a service request failed after dispatch is not replayed
         if self.hooks.custom_generate is not None:
-            self._proxy = AttributionProxy(self._client, self.router_url, self.counters, self._training_bound,
-                                           f"--custom-generate-function-path {self.config.custom_generate_function_path}",
+            hook = f"--custom-generate-function-path {self.config.custom_generate_function_path}"
+            self._proxy = AttributionProxy(self._client, self.router_url, self.counters, self._training_bound, hook,
                                            replay_after_dispatch=replay, run_id=self.run_id)
         self.generator = GroupGenerator(client=self._client, router_url=self.router_url, counters=self.counters,
                                      tokenizer=self.tokenizer, reward=self.reward,

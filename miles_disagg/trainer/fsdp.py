@@ -90,7 +90,7 @@ class FSDPBackend(TrainerBackend):
         old = self._frozen_logprobs(self.model, flat)
         ref = self._frozen_logprobs(self.ref_model, flat) if self.ref_model is not None else [None] * len(flat)
         diff = global_sample_mean([((o - b.rollout_logprobs.to(self.device)).abs(), b.loss_mask)
-                                  for o, b in zip(old, flat)], device=self.device)
+                                   for o, b in zip(old, flat)], device=self.device)
         if self.config.use_rollout_logprobs:  # the engines' logprobs are the behaviour policy's (miles' meaning)
             old = [b.rollout_logprobs.to(self.device) for b in flat]
         advantages = rollout_advantages(self.config, flat, old, ref)

@@ -71,7 +71,8 @@ def test_the_search_r1_shaped_hook_trains_with_its_tool_turn_masked(miles_code_r
     records = read_metrics(miles_code_run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(STEPS))
     assert all(r["rollout/trained_token_ratio"] < 1 for r in records)
-    assert all(r["rollout/class_rollout_calls"] >= 1 for r in records)  # the class-based rollout's metrics
+    calls = [r["rollout/class_rollout_calls"] for r in records if "rollout/class_rollout_calls" in r]
+    assert calls and max(calls) >= STEPS  # the class-based rollout made every batch and reported its metrics
     assert max(r["rollout/staleness_max"] for r in records) <= STALENESS
     two_turns = 0
     for step in range(STEPS):

@@ -42,7 +42,8 @@ def test_miles_paths_are_served_when_miles_is_not_installed() -> None:
         assert Sample is miles_disagg.types.Sample and Sample.Status.ABORTED == "aborted"
         assert RolloutFnTrainInput(3).evaluation is False and RolloutFnEvalInput(3).evaluation is True
         assert compute_score("so. Answer: 1,000", "1000") == {"score": 1.0, "acc": True, "pred": "1000"}
-        assert extract_answer("x \\\\boxed{\\\\frac{1}{2}}") == "\\\\frac{1}{2}" and grade_answer_verl("\\\\boxed{0.5}", "1/2")
+        assert extract_answer("x \\\\boxed{\\\\frac{1}{2}}") == "\\\\frac{1}{2}"
+        assert grade_answer_verl("\\\\boxed{0.5}", "1/2")
         assert DynamicFilterOutput(keep=False, reason="r").keep is False
         for name in ("miles.ray.rollout", "miles.utils.types.Foo"):
             try:

@@ -87,7 +87,7 @@ class MegatronBackend(TrainerBackend):
             return self._from_last_stage(TrainResult())
         group, device = self._dp_group(), self.ctx.device
         diff = global_sample_mean([((o - mb.packed.rollout_logprobs.to(device)).abs(), mb.packed.loss_mask)
-                                  for o, mb in zip(old, flat)], group, device)
+                                   for o, mb in zip(old, flat)], group, device)
         if self.config.use_rollout_logprobs:  # the engines' logprobs are the behaviour policy's (miles' meaning)
             old = [mb.packed.rollout_logprobs.to(device) for mb in flat]
         advantages = rollout_advantages(self.config, [mb.packed for mb in flat], old, ref, group)
