@@ -99,8 +99,7 @@ class _Listener:
         if log is None:
             return _refusal(409, f"{self._proxy.hook}: a request reached the router address of a sample that is no "
                                  "longer being generated; it cannot be attributed and is not forwarded")
-        if request.method not in ("POST", "PUT") or request.path not in GENERATE_PATHS:
-            log.errors.append(f"{request.method} {request.path} is not forwarded (only POST /generate is)")
+        if request.method not in ("POST", "PUT") or request.path not in GENERATE_PATHS:  # generates nothing
             return _refusal(404, f"{self._proxy.hook}: {request.method} {request.path}: a hook's router address "
                                  "forwards POST /generate only")
         try:

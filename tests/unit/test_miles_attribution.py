@@ -145,3 +145,31 @@ def test_a_class_based_eval_function_is_built_once_and_sees_each_evaluation(toke
         await manager.stop()
 
     asyncio.run(scenario())
+
+
+def test_the_hook_address_refuses_hostile_bodies_and_imposes_the_runs_constraint():
+    from miles_disagg.rollout.attribution import MAX_JSON_DEPTH, AttributionProxy
+
+    async def scenario():
+        router = FakeRouter()
+        forwarding = httpx.AsyncClient(transport=router.transport)
+        proxy = AttributionProxy(forwarding, "http://router", {}, lambda: (3, None), "--custom-generate-function-path x")
+        async with proxy.slot() as (url, log), httpx.AsyncClient() as client:
+            deep = '{"a": ' + "[" * (MAX_JSON_DEPTH + 2) + "]" * (MAX_JSON_DEPTH + 2) + "}"
+            answers = [await client.post(f"{url}/generate", content=body) for body in (b"{not json", b"[1, 2]",
+                                                                                        deep.encode())]
+            assert [a.status_code for a in answers] == [400, 400, 400]
+            assert all(a.json()["error"]["message"].startswith("--custom-generate-function-path x: /generate body")
+                       for a in answers)
+            assert (await client.get(f"{url}/health")).status_code == 404
+            sent = asyncio.create_task(client.post(f"{url}/generate", json={
+                "input_ids": [3, 4], "weight_version": {"min_version": 0}}))  # a hook cannot loosen the bound
+            request = (await router.wait_requests(1))[0]
+            assert request.constraint == {"min_version": 3}
+            router.answer(request, 4, "5")
+            assert (await sent).status_code == 200
+        assert log.calls == [[4, 4]] and log.errors == [] and len(router.requests) == 1
+        await proxy.close()
+        await forwarding.aclose()
+
+    asyncio.run(scenario())
