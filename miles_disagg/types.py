@@ -287,9 +287,9 @@ class Sample:
 
     Status = SampleStatus  # miles spells statuses Sample.Status.COMPLETED
 
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_logprobs: list[float]
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    response_logprobs: list[float] = field(default_factory=list)
     reward: float | None = 0.0
     """None only while a sample is being generated (a generate function may set it; else the reward function does)."""
     weight_version_start: int = BASE_VERSION

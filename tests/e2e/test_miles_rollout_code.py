@@ -91,8 +91,27 @@ def test_the_search_r1_shaped_hook_trains_with_its_tool_turn_masked(miles_code_r
 
 
 def test_direct_calls_are_attributed_so_the_on_policy_step_matches(miles_code_run: Path) -> None:
+    """The logprob-recompute check: step 0's samples were all served by version 0 (the base model);
+    recomputing each one's trained tokens with it finds no misattributed sample."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     first = read_metrics(miles_code_run / "metrics.jsonl")[0]
-    assert first["train/train_rollout_logprob_abs_diff"] < 1e-3  # no misattributed sample or token
+    assert first["train/train_rollout_logprob_abs_diff"] < 1e-3
+    model = AutoModelForCausalLM.from_pretrained(miles_code_run.parent / "base-model", dtype=torch.float32).eval()
+    misattributed, checked = 0, 0
+    for group in consumed(miles_code_run, 0):
+        for sample in group["samples"]:
+            assert sample["call_versions"] and all(call == [0, 0] for call in sample["call_versions"])
+            prompt, response = sample["prompt_ids"], sample["response_ids"]
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + response])).logits[0].float()
+            logprobs = torch.log_softmax(logits, dim=-1)  # --rollout-temperature 1.0
+            diffs = [abs(float(logprobs[len(prompt) - 1 + i, token]) - sample["response_logprobs"][i])
+                     for i, token in enumerate(response) if sample["loss_mask"][i]]
+            misattributed += max(diffs) > 1e-3
+            checked += 1
+    assert checked == BATCH * 8 and misattributed == 0
 
 
 def test_the_class_based_eval_function_runs(miles_code_run: Path) -> None:

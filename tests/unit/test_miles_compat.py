@@ -127,6 +127,11 @@ def test_miles_hooks_fill_a_sample_by_hand() -> None:
     assert copy.turns == 2 and copy.status == SampleStatus.TRUNCATED == "truncated"
 
 
+def test_a_sample_is_built_with_miles_keywords() -> None:
+    sample = Sample(prompt="12", label=3, metadata={"rm_type": "math"}, status=Sample.Status.PENDING)
+    assert (sample.tokens, sample.response_length, sample.rollout_log_probs) == ([], 0, [])
+
+
 def test_response_length_moves_the_prompt_response_split() -> None:
     sample = Sample(prompt_ids=[1, 2], response_ids=[], response_logprobs=[])
     sample.tokens = [1, 2, 3, 4, 5]  # re-tokenized prompt was longer: response_length decides
