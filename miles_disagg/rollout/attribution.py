@@ -23,7 +23,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from miles_disagg.rollout.generate import GenerationFailed, constrained, generate_one
+from miles_disagg.rollout.generate import GenerationFailed, RequestLost, constrained, generate_one
 from miles_disagg.types import Sample
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -42,6 +42,12 @@ class CallLog:
     """The version constraint its requests get (training: the run's bound now; evaluation: exact)."""
     calls: list[list[int]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    lost: RequestLost | None = None
+    """A request failed after dispatch and is not replayed (rollout service): the group is given up."""
+
+    def raise_lost(self) -> None:
+        if self.lost is not None:
+            raise self.lost
 
     def record_payload(self, payload: Any) -> None:
         """Record every item of a ``/generate`` answer (a list answers a batched request)."""
@@ -57,6 +63,7 @@ class CallLog:
 
     def apply(self, sample: Any) -> None:
         """Make the log the sample's served versions; ``GenerationFailed`` naming the hook if it cannot be."""
+        self.raise_lost()
         if self.errors:
             raise GenerationFailed(f"{self.hook}: a router call of this sample cannot be attributed: {self.errors[0]}")
         if not isinstance(sample, Sample) or not self.calls:
@@ -111,6 +118,9 @@ class _Listener:
         except GenerationFailed as exc:
             log.errors.append(str(exc))
             return _refusal(502, str(exc))
+        except RequestLost as exc:
+            log.lost = exc
+            return _refusal(502, f"{self._proxy.hook}: {exc}")
         log.record_payload(payload)
         return web.json_response(payload)
 

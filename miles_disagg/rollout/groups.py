@@ -78,7 +78,11 @@ class GroupGenerator:
             result = await self._custom(args, sample, args.sampling_params)
         else:
             async with self._proxy.slot(args.engine.version_bound) as (router_url, log):
-                result = await self._custom(args.at_router(router_url), sample, args.sampling_params)
+                try:
+                    result = await self._custom(args.at_router(router_url), sample, args.sampling_params)
+                except Exception:
+                    log.raise_lost()  # the hook failed on a request lost after dispatch: the group is given up
+                    raise
             log.apply(result)
         return self.finish(result, args)
 

@@ -173,3 +173,22 @@ def test_the_hook_address_refuses_hostile_bodies_and_imposes_the_runs_constraint
         await forwarding.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_hook_request_lost_after_dispatch_gives_the_group_up(tokenizer_dir):
+    """Rollout service (nothing is replayed): the hook sees a 502 and fails; the group is lost
+    (``RequestLost``), not the run."""
+    from miles_disagg.rollout.generate import RequestLost
+
+    async def scenario():
+        lost = httpx.MockTransport(lambda request: httpx.Response(502, json={"error": "worker failed"}))
+        config = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=1, rollout_max_response_len=6,
+                               custom_generate_function_path=f"{HOOKS}.two_posts_with_aiohttp",
+                               rollout_service_url="http://service")
+        manager = RolloutManager(RolloutManagerConfig(rollout=config, router_url="http://service",
+                                                      hf_dir=str(tokenizer_dir)), http_transport=lost)
+        with pytest.raises(RequestLost):
+            await manager.generate(1, 0)
+        await manager.stop()
+
+    asyncio.run(scenario())
