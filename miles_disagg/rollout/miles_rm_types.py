@@ -15,8 +15,8 @@ returns (``dapo`` a dict ``{"score", "acc", "pred"}``: read it with ``--reward-k
 * ``boxed_<type>`` - ``<type>`` scored on the response's last ``\\boxed{...}`` only.
 
 ``math`` and ``deepscaler`` are this project's rule rewards (``rewards.py``). A sample's
-``metadata["rm_type"]`` picks its type, as in miles. ``remote_rm``, ``ocr`` and ``ifbench`` are
-refused with the reason (:data:`REFUSED_RM_TYPES`).
+``metadata["rm_type"]`` picks its type, as in miles. ``remote_rm``, ``ocr``, ``pickscore`` and
+``ifbench`` are refused with the reason (:data:`REFUSED_RM_TYPES`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from miles_disagg.rollout.rewards import answers_match, deepscaler_reward, label
 REFUSED_RM_TYPES = {
     "remote_rm": "it posts each sample to an external reward server (--rm-url), which this launcher does not "
                  "reach; put the call in an async --custom-rm-path reward_func(args, sample) instead",
-    "ocr": "it needs miles' OCR scoring stack, which is not part of this project; use --custom-rm-path",
+    "ocr": "it scores images with an OCR model, which this project does not include; use --custom-rm-path",
+    "pickscore": "it scores images with a PickScore reward model, which this project does not include; "
+                 "use --custom-rm-path",
     "ifbench": "it needs IFBench's instruction-checker library, which this project does not include; "
                "use --custom-rm-path with your own checker",
 }
