@@ -302,8 +302,17 @@ def get_reward_fn(rm_type: str | None, custom_rm_path: str | None) -> RewardFn:
     if not rm_type:
         raise ConfigError(f"no reward: give {RM_TYPE_FLAG} (one of {known_rewards()}) or {CUSTOM_RM_FLAG} "
                           "module:function", flags=(RM_TYPE_FLAG, CUSTOM_RM_FLAG))
+    from miles_disagg.rollout.miles_rm_types import REFUSED_RM_TYPES, is_miles_rm_type, rm_type_reward
+
+    if is_miles_rm_type(rm_type):  # miles' rm_hub types: miles' async form (rollout/miles_rm_types.py)
+        base = rm_type.removeprefix("boxed_")
+        if base in REFUSED_RM_TYPES:
+            raise ConfigError(f"{RM_TYPE_FLAG} {base} is a miles reward that does not apply here: "
+                              f"{REFUSED_RM_TYPES[base]}", (RM_TYPE_FLAG,))
+        return rm_type_reward(rm_type)
     if rm_type not in _REGISTRY:
-        raise ConfigError(f"{RM_TYPE_FLAG} {rm_type!r} is unknown; known: {known_rewards()}", flags=(RM_TYPE_FLAG,))
+        raise ConfigError(f"{RM_TYPE_FLAG} {rm_type!r} is unknown; known: {known_rewards()} and miles' "
+                          "dapo, f1, gpqa, random, boxed_<type>", flags=(RM_TYPE_FLAG,))
     return _checked(_REGISTRY[rm_type], rm_type)
 
 

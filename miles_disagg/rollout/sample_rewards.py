@@ -22,8 +22,7 @@ import numbers
 from typing import Any, Callable
 
 from miles_disagg.rollout.generate import GenerationFailed
-from miles_disagg.rollout.miles_rm_types import REFUSED_RM_TYPES, is_miles_rm_type, rm_type_reward
-from miles_disagg.rollout.rewards import CUSTOM_RM_FLAG, RM_TYPE_FLAG, get_reward_fn
+from miles_disagg.rollout.rewards import CUSTOM_RM_FLAG, get_reward_fn
 from miles_disagg.types import ConfigError, Sample
 
 GROUP_RM_FLAG = "--group-rm"
@@ -88,14 +87,10 @@ def load_sample_reward(config) -> SampleReward:
     keys = {"reward_key": getattr(config, "reward_key", None),
             "eval_reward_key": getattr(config, "eval_reward_key", None),
             "group_rm": bool(getattr(config, "group_rm", False))}
-    if not config.custom_rm_path and is_miles_rm_type(rm_type):
-        base = rm_type.removeprefix("boxed_")
-        if base in REFUSED_RM_TYPES:
-            raise ConfigError(f"{RM_TYPE_FLAG} {base} is a miles reward that does not apply here: "
-                              f"{REFUSED_RM_TYPES[base]}", (RM_TYPE_FLAG,))
-        return SampleReward(rm_type_reward(rm_type), rm_type, **{**keys, "group_rm": False})
     fn = get_reward_fn(rm_type, config.custom_rm_path)
     fn = getattr(fn, "__wrapped__", fn) if not is_miles_form(fn) and keys["reward_key"] else fn
+    if keys["group_rm"] and not config.custom_rm_path:  # miles: without a custom reward, each sample is scored
+        keys["group_rm"] = False
     if keys["group_rm"] and not is_miles_form(fn):
         raise ConfigError(f"{GROUP_RM_FLAG} scores a whole group in one call of miles' form async def "
                           "reward_func(args, samples, **kwargs) given by --custom-rm-path; "

@@ -35,6 +35,9 @@ def miles_rewards(tmp_path, monkeypatch):
 
         async def too_few(args):
             return 1.0
+
+        def length_ours(prompt, response, label, metadata):
+            return float(len(response))
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "miles_style_rewards"
@@ -87,13 +90,18 @@ def test_a_reward_a_generate_function_set_is_kept(miles_rewards):
 
 @pytest.mark.parametrize("config, match", [
     ({"custom_rm_path": "miles_style_rewards.too_few"}, r"miles' form async def reward_func\(args, sample"),
-    ({"rm_type": "math", "group_rm": True}, "--group-rm scores a whole group"),
+    ({"custom_rm_path": "miles_style_rewards:length_ours", "group_rm": True}, "--group-rm scores a whole group"),
     ({"rm_type": "remote_rm"}, "--rm-type remote_rm is a miles reward that does not apply here: it posts"),
     ({"rm_type": "boxed_ifbench"}, "--rm-type ifbench is a miles reward that does not apply here"),
 ])
 def test_refusals_name_the_flag(miles_rewards, config, match):
     with pytest.raises(ConfigError, match=match):
         load_sample_reward(RolloutConfig(**config))
+
+
+def test_group_rm_without_a_custom_reward_scores_each_sample_as_miles_does():
+    reward = load_sample_reward(RolloutConfig(rm_type="f1", group_rm=True))
+    assert score(reward, samples("ab", "cd", label="ab")) == [1.0, 0.0]
 
 
 def test_miles_rm_types_through_the_run_config():
