@@ -116,15 +116,17 @@ class GroupGenerator:
             raise GenerationFailed(f"a generate function returned {type(sample).__name__}, not a Sample "
                                    "(several samples per prompt: raise --n-samples-per-prompt instead)")
         if not sample.call_versions:
-            raise GenerationFailed("a sample reached the rollout without an engine call recorded: every call must "
-                                   "go through args.engine.generate or the hook's args.sglang_router_ip/port (they "
-                                   "add the version constraint and record the versions that served it)")
+            who = f"{self._proxy.hook}: " if self._proxy is not None else ""
+            raise GenerationFailed(f"{who}a sample reached the rollout without an engine call recorded: every call "
+                                   "must go through args.engine.generate or the hook's args.sglang_router_ip/port "
+                                   "(they add the version constraint and record the versions that served it)")
         if not sample.response_ids:
             raise GenerationFailed("a generated sample has an empty response")
         try:
             sample.check_consistent()
         except InvalidInput as exc:
-            raise GenerationFailed(f"a generated sample is inconsistent: {exc}") from None
+            who = f"{self._proxy.hook}: " if self._proxy is not None else ""
+            raise GenerationFailed(f"{who}a generated sample is inconsistent: {exc}") from None
         if sample.status == SampleStatus.PENDING:
             sample.status = SampleStatus.COMPLETED.value
         text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
