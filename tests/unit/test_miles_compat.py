@@ -141,3 +141,30 @@ def test_response_length_moves_the_prompt_response_split() -> None:
         sample.response_length = 9
     sample.rollout_log_probs = None
     assert sample.response_logprobs == []
+
+
+def test_a_class_that_cannot_take_miles_inputs_is_refused_naming_the_flag(tmp_path, monkeypatch) -> None:
+    from miles_disagg.rollout.hooks import ROLLOUT_FUNCTION, ClassRolloutFunction, load_hook
+    from miles_disagg.types import ConfigError
+
+    (tmp_path / "class_hooks.py").write_text(textwrap.dedent("""
+        class Good:
+            def __init__(self, input):
+                self.input = input
+
+            async def __call__(self, input):
+                return [[]]
+
+        class NoInput:
+            def __init__(self):
+                pass
+
+            def __call__(self, input):
+                return None
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert isinstance(load_hook(ROLLOUT_FUNCTION, "class_hooks.Good"), ClassRolloutFunction)
+    with pytest.raises(ConfigError, match="--rollout-function-path 'class_hooks.NoInput' is a class") as info:
+        load_hook(ROLLOUT_FUNCTION, "class_hooks.NoInput")
+    assert info.value.flags == ("--rollout-function-path",)
+    sys.modules.pop("class_hooks", None)
