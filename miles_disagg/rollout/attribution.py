@@ -12,6 +12,10 @@ id, retries of refused requests) and records the versions that served each answe
 When the hook returns, the log becomes the sample's ``call_versions``; a call the router answered
 without numeric versions, or a request to the listener while no sample holds it, fails the
 sample with one line naming the hook: a sample is never trained unattributed.
+
+The listeners bind loopback only and take no key (the hook's own client sends none): while a
+sample is being generated its address is reachable by other local processes, as any loopback
+port is. Bodies are bounded in size and nesting; only ``POST /generate`` is forwarded.
 """
 
 from __future__ import annotations
