@@ -30,6 +30,13 @@ class GenerateState:
             _SEMAPHORES[engine] = asyncio.Semaphore(max(1, int(getattr(args, "rollout_concurrency", 64))))
         self.semaphore = _SEMAPHORES[engine]
 
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"GenerateState.{name} is a miles name that miles-disagg does not serve (it has args, "
+                             "tokenizer, processor, sampling_params, semaphore): the rollout manager schedules "
+                             "generation here")
+
 
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """miles' default generation: one engine call continuing ``sample`` (appended, loss_mask 1)."""
