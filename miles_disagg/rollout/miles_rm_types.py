@@ -37,8 +37,9 @@ REFUSED_RM_TYPES = {
     "ocr": "it scores images with an OCR model, which this project does not include; use --custom-rm-path",
     "pickscore": "it scores images with a PickScore reward model, which this project does not include; "
                  "use --custom-rm-path",
-    "ifbench": "it needs IFBench's instruction-checker library, which this project does not include; "
-               "use --custom-rm-path with your own checker",
+    "ifbench": "it scores with AllenAI's IFBench checker library, which miles clones from GitHub and installs "
+               "at first use (the network) and this project does not include; install IFBench and call its "
+               "checker from an async --custom-rm-path",
 }
 
 DAPO_TAIL_CHARS = 300
