@@ -124,7 +124,8 @@ def gpqa_reward(response: str, label: Any, metadata: dict | None) -> float:
     picked = _picked_letter(text, letters)
     if picked and correct:
         return 1.0 if picked == correct else 0.0
-    targets = [str(choices[letters.index(correct)])] if correct and letters.index(correct) < len(choices) else []
+    index = letters.index(correct) if correct in letters else len(choices)
+    targets = [str(choices[index])] if index < len(choices) else []
     targets += [str(metadata[k]) for k in ("correct_answer", "answer_text") if metadata.get(k)]
     if isinstance(label, str) and not (len(label.strip()) == 1 and label.strip().upper() in letters):
         targets.append(label)
