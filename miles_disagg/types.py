@@ -277,18 +277,19 @@ class SampleStatus(str, Enum):
 class Sample:
     """One trajectory and the policy versions that generated it (from the response).
 
-    Field names are this project's; miles' names are read-only aliases (``tokens``,
-    ``response_length``, ``rollout_log_probs``, ``weight_versions``) so hooks written against
-    miles' ``Sample`` read the same values. A multi-turn episode appends to ``response_ids``
-    turn by turn: tokens the policy generated (``loss_mask`` 1, their engine logprob) and tokens
-    the environment inserted (``loss_mask`` 0, logprob 0.0 as a placeholder).
+    Field names are this project's; miles' names are aliases (``tokens``, ``response_length``,
+    ``rollout_log_probs`` settable, ``weight_versions`` read-only) so hooks written against
+    miles' ``Sample`` read and fill the same values; like miles', a sample takes free attributes.
+    A multi-turn episode appends to ``response_ids`` turn by turn: tokens the policy generated
+    (``loss_mask`` 1, their engine logprob) and tokens the environment inserted (``loss_mask`` 0,
+    logprob 0.0 as a placeholder).
     """
 
     Status = SampleStatus  # miles spells statuses Sample.Status.COMPLETED
 
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_logprobs: list[float]
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    response_logprobs: list[float] = field(default_factory=list)
     reward: float | None = 0.0
     """None only while a sample is being generated (a generate function may set it; else the reward function does)."""
     weight_version_start: int = BASE_VERSION
@@ -327,19 +328,39 @@ class Sample:
     def mixed_version(self) -> bool:
         return self.weight_version_start != self.weight_version_end
 
-    # miles' names, read-only
+    # miles' names (miles' hooks set tokens, response_length and rollout_log_probs)
     @property
     def tokens(self) -> list[int]:
         """Prompt and response token ids (miles' ``tokens``)."""
         return list(self.prompt_ids) + list(self.response_ids)
 
+    @tokens.setter
+    def tokens(self, value: list[int]) -> None:
+        """miles' hooks set ``tokens`` (prompt + response) and then ``response_length``: the split
+        stays at the current prompt length until ``response_length`` moves it."""
+        value = list(value)
+        cut = min(len(self.prompt_ids), len(value))
+        self.prompt_ids, self.response_ids = value[:cut], value[cut:]
+
     @property
     def response_length(self) -> int:
         return len(self.response_ids)
 
+    @response_length.setter
+    def response_length(self, value: int) -> None:
+        """The last ``value`` of ``tokens`` are the response (miles' meaning)."""
+        tokens = self.tokens
+        if not isinstance(value, int) or not 0 <= value <= len(tokens):
+            raise InvalidInput(f"response_length {value!r} must be an int in [0, {len(tokens)}] (len(tokens))")
+        self.prompt_ids, self.response_ids = tokens[:len(tokens) - value], tokens[len(tokens) - value:]
+
     @property
     def rollout_log_probs(self) -> list[float]:
         return self.response_logprobs
+
+    @rollout_log_probs.setter
+    def rollout_log_probs(self, value: list[float] | None) -> None:
+        self.response_logprobs = [] if value is None else [float(x) for x in value]
 
     @property
     def weight_versions(self) -> list[str]:

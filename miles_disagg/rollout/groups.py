@@ -6,23 +6,25 @@ Two ways to generate, chosen by ``--custom-generate-function-path``:
   serves it), single turn;
 * custom: the user's ``async generate(args, sample, sampling_params)`` runs once per sample, all
   samples of the group concurrently; it may call the engines several times through
-  ``args.engine`` (multi-turn, tool use) and insert environment tokens with ``loss_mask`` 0.
+  ``args.engine`` or by POSTing to its own ``args.sglang_router_ip/port`` (miles' way; each call is
+  recorded against the sample by ``rollout/attribution.py``), and insert environment tokens with
+  ``loss_mask`` 0.
 
 Either way each sample leaves here with its served versions (start of its first engine call, end
 of its last), consistent per-token fields, a status and a reward (the generate function's if it
-set one, else ``--custom-rm-path`` / ``--rm-type`` / the task's, on the response text).
+set one, else ``--custom-rm-path`` / ``--rm-type`` / the task's: ``rollout/sample_rewards.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-import numbers
 from typing import Any, Callable
 
+from miles_disagg.rollout.attribution import AttributionProxy
 from miles_disagg.rollout.generate import GenerationFailed, generate_one, request_body, sample_from_response
 from miles_disagg.rollout.hook_args import RolloutArgs
 from miles_disagg.rollout.routed_experts import RoutingShape, append_call_routing, check_covers_tokens, request_fields
+from miles_disagg.rollout.sample_rewards import SampleReward
 from miles_disagg.types import Group, InvalidInput, Sample, SampleStatus
 
 VersionBound = Callable[[], "tuple[int | None, int | None]"]
@@ -31,13 +33,14 @@ VersionBound = Callable[[], "tuple[int | None, int | None]"]
 class GroupGenerator:
     """Makes scored groups for the rollout manager (training, evaluation, and rollout functions)."""
 
-    def __init__(self, *, client, router_url: str, counters: dict[str, int], tokenizer, reward,
+    def __init__(self, *, client, router_url: str, counters: dict[str, int], tokenizer, reward: SampleReward,
                  custom_generate: Callable | None, replay_after_dispatch: bool, run_id: str | None = None,
-                 routing: RoutingShape | None = None):
-        """``routing``: MoE routed experts every call asks for and every sample must carry (None: none)."""
+                 routing: RoutingShape | None = None, proxy: AttributionProxy | None = None):
+        """``routing``: MoE routed experts every call asks for and every sample must carry (None: none);
+        ``proxy``: the generate hook's router addresses (one per sample being generated)."""
         self._client, self._url, self._counters = client, router_url, counters
         self.tokenizer, self._reward, self._custom = tokenizer, reward, custom_generate
-        self._replay, self._run_id, self._routing = replay_after_dispatch, run_id, routing
+        self._replay, self._run_id, self._routing, self._proxy = replay_after_dispatch, run_id, routing, proxy
 
     # ------------------------------------------------------------------ pending samples
 
@@ -62,13 +65,27 @@ class GroupGenerator:
 
     async def run_samples(self, samples: list[Sample], args: RolloutArgs) -> list[Sample]:
         """Generate (custom function, or one engine call each) and score pending samples concurrently."""
-        return list(await asyncio.gather(*(self._one(sample, args) for sample in samples)))
+        samples = list(await asyncio.gather(*(self._one(sample, args) for sample in samples)))
+        await self.score(samples, args)
+        return samples
+
+    async def score(self, samples: list[Sample], args: RolloutArgs) -> None:
+        """The run's reward on checked samples (one call for them all with ``--group-rm``)."""
+        await self._reward.score(args, samples)
 
     async def _one(self, sample: Sample, args: RolloutArgs) -> Sample:
         if self._custom is None:
             result = await args.engine.generate(sample, args.sampling_params)
-        else:
+        elif self._proxy is None:
             result = await self._custom(args, sample, args.sampling_params)
+        else:
+            async with self._proxy.slot(args.engine.version_bound) as (router_url, log):
+                try:
+                    result = await self._custom(args.at_router(router_url), sample, args.sampling_params)
+                except Exception:
+                    log.raise_lost()  # the hook failed on a request lost after dispatch: the group is given up
+                    raise
+            log.apply(result)
         return self.finish(result, args)
 
     async def _batched(self, prompt, n: int, args: RolloutArgs, bound: VersionBound) -> list[Sample]:
@@ -95,25 +112,28 @@ class GroupGenerator:
                                     "requested_min_version": min_version,
                                     "routed_worker": item["meta_info"].get("routed_worker")})
             samples.append(self.finish(sample, args))
+        await self.score(samples, args)
         return samples
 
     # ------------------------------------------------------------------ checks and reward
 
     def finish(self, sample: Any, args: RolloutArgs) -> Sample:
-        """Check a generated sample and score it (unless its generate function already did)."""
+        """Check a generated sample (``score`` then sets its reward unless its generate function did)."""
         if not isinstance(sample, Sample):
             raise GenerationFailed(f"a generate function returned {type(sample).__name__}, not a Sample "
                                    "(several samples per prompt: raise --n-samples-per-prompt instead)")
         if not sample.call_versions:
-            raise GenerationFailed("a sample reached the rollout without an engine call recorded: every call must "
-                                   "go through args.engine.generate (it adds the version constraint and records "
-                                   "the versions that served it)")
+            who = f"{self._proxy.hook}: " if self._proxy is not None else ""
+            raise GenerationFailed(f"{who}a sample reached the rollout without an engine call recorded: every call "
+                                   "must go through args.engine.generate or the hook's args.sglang_router_ip/port "
+                                   "(they add the version constraint and record the versions that served it)")
         if not sample.response_ids:
             raise GenerationFailed("a generated sample has an empty response")
         try:
             sample.check_consistent()
         except InvalidInput as exc:
-            raise GenerationFailed(f"a generated sample is inconsistent: {exc}") from None
+            who = f"{self._proxy.hook}: " if self._proxy is not None else ""
+            raise GenerationFailed(f"{who}a generated sample is inconsistent: {exc}") from None
         if self._routing is not None:
             check_covers_tokens(sample, self._routing)
         if sample.status == SampleStatus.PENDING:
@@ -121,9 +141,4 @@ class GroupGenerator:
         text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
         sample.response = sample.response or text
         sample.metadata["response_text"] = sample.response
-        if sample.reward is None:
-            sample.reward = self._reward(sample.prompt, sample.response, sample.label, sample.metadata)
-        elif not isinstance(sample.reward, numbers.Real) or not math.isfinite(sample.reward):
-            raise GenerationFailed(f"a generate function set the reward to {sample.reward!r}; expected a finite number")
-        sample.reward = float(sample.reward)
         return sample

@@ -20,15 +20,18 @@ miles                              here
 ``generate_and_rm_group(...)``     ``await args.generate_group(samples)``
 =================================  ==========================================================
 
-Every engine call must go through ``args.engine``: it adds the request's version constraint
-(``min_version = current - K``, or the exact version during evaluation), retries refusals,
-appends the generated tokens with ``loss_mask`` 1 and their logprobs, and records the versions
-that served the call. A sample that reaches the trainer without a recorded call is refused.
+``args.engine`` adds the request's version constraint (``min_version = current - K``, or the
+exact version during evaluation), retries refusals, appends the generated tokens with
+``loss_mask`` 1 and their logprobs, and records the versions that served the call. A generate
+hook may instead POST to ``args.sglang_router_ip/port`` itself (miles' ``post``, any client): that
+address is its sample's own (``rollout/attribution.py``), which adds the same constraint and
+records the same versions. A sample that reaches the trainer without a recorded call is refused.
 With MoE routing (``--use-rollout-routing-replay``; see :mod:`miles_disagg.rollout.routed_experts`)
-each call also asks for the routed experts of the positions no earlier call of the sample ran
-and appends them to ``sample.rollout_routed_experts``: each token keeps the routing of the call
-(and so the version) that first ran it. A hook must not cut tokens an engine already routed, and
-an episode must end with an engine call (tokens appended after the last call were routed by none).
+each ``args.engine`` call also asks for the routed experts of the positions no earlier call of the
+sample ran and appends them to ``sample.rollout_routed_experts``: each token keeps the routing of
+the call (and so the version) that first ran it. A hook must not cut tokens an engine already
+routed, and an episode must end with an engine call (tokens appended after the last call were
+routed by none).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
+from miles_disagg.rollout.attribution import CURRENT_LOG
 from miles_disagg.rollout.generate import (
     GenerationFailed, SamplingSettings, constrained, generate_one, sample_from_response)
 from miles_disagg.rollout.routed_experts import RoutingShape, append_call_routing, request_fields, rows_held
@@ -62,6 +66,10 @@ class EngineCaller:
         return EngineCaller(self._client, self._url, self._counters, version_bound, self._tokenizer,
                             max_response_len or self._max_response_len, replay_after_dispatch=self._replay,
                             run_id=self._run_id, routing=self._routing)
+
+    @property
+    def version_bound(self) -> VersionBound:
+        return self._version_bound
 
     async def generate(self, sample: Sample, sampling_params: dict[str, Any] | None = None) -> Sample:
         """Continue ``sample`` (prompt and response so far) with one engine call and append the result.
@@ -93,6 +101,9 @@ class EngineCaller:
                                 seqlen=len(body["input_ids"]) + len(part.response_ids))
         sample.append_response(part.response_ids, part.response_logprobs, trained=True)
         sample.record_engine_call(part.weight_version_start, part.weight_version_end)
+        log = CURRENT_LOG.get()  # inside a generate hook: the sample's log holds every call, in order
+        if log is not None:
+            log.calls.append([part.weight_version_start, part.weight_version_end])
         sample.response += self._tokenizer.decode(part.response_ids, skip_special_tokens=True)
         sample.finish_reason, sample.status = part.finish_reason, part.status
         sample.metadata.setdefault("requested_versions", []).append(
@@ -122,6 +133,23 @@ class RolloutArgs:
     engine: EngineCaller = field(repr=False)
     evaluation: bool = False
     run_group: Callable[[list[Sample]], Awaitable[list[Sample]]] | None = field(default=None, repr=False)
+    rollout_concurrency: int = 64
+    rm_type: str | None = None
+    custom_rm_path: str | None = None
+    reward_key: str | None = None
+    eval_reward_key: str | None = None
+    group_rm: bool = False
+    partial_rollout: bool = False  # miles' --partial-rollout is refused here: always False
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"args.{name}: miles' argument {name!r} is not given to hooks here (their args carry "
+                             "what README \"Porting your miles rollout code\" lists)")
+
+    def at_router(self, router_url: str) -> "RolloutArgs":
+        """The same args naming another router address (a generate hook's own, see rollout/attribution.py)."""
+        return replace(self, router_url=router_url)
 
     @property
     def rollout_max_response_len(self) -> int:

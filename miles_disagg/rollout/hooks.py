@@ -16,6 +16,10 @@ flag                                          called as
 ``--custom-reward-post-process-path``         ``fn(args, samples) -> (raw_rewards, rewards)``
 ============================================  ==================================================================
 
+``--rollout-function-path`` and ``--eval-function-path`` also take miles' class form (a class
+constructed with ``RolloutFnConstructorInput(args, data_source)`` and called with
+``RolloutFnTrainInput`` / ``RolloutFnEvalInput``; see :class:`ClassRolloutFunction`).
+
 ``args`` is a :class:`~miles_disagg.rollout.hook_args.RolloutArgs` (what a hook needs, under
 miles' names), not the run's whole configuration.
 """
@@ -85,10 +89,63 @@ def load_rollout_hooks(config) -> RolloutHooks:
 
 
 def load_hook(kind: HookKind, spec: str) -> Callable:
-    """Import ``spec`` and check it can be called the way ``kind`` calls it; ``ConfigError`` otherwise."""
+    """Import ``spec`` and check it can be called the way ``kind`` calls it; ``ConfigError`` otherwise.
+    A class given to a rollout or eval function flag is miles' class form (:class:`ClassRolloutFunction`)."""
     fn = import_path(spec, kind.flag)
+    if inspect.isclass(fn) and kind in (ROLLOUT_FUNCTION, EVAL_FUNCTION):
+        return ClassRolloutFunction(fn, kind, spec)
     check_signature(fn, kind, spec)
     return fn
+
+
+class CurrentArgs:
+    """The ``args`` a class-based function keeps from its construction: reads go to the args of the
+    current call (an evaluation's args ask for exactly that evaluation's version)."""
+
+    def __init__(self, args):
+        self.current = args
+
+    def __getattr__(self, name: str):
+        if name == "current":
+            raise AttributeError(name)
+        return getattr(self.current, name)
+
+
+class ClassRolloutFunction:
+    """miles' class-based rollout (or eval) function behind the function form's call.
+
+    Constructed once, at its first call, with ``RolloutFnConstructorInput(args, data_source)``; each
+    call then passes ``RolloutFnTrainInput(rollout_id)`` (``RolloutFnEvalInput`` for evaluation) and
+    awaits the result if it is awaitable. The ``args`` and data source it was constructed with keep
+    their identity across calls; they show the current call's args and eval ``datasets``.
+    """
+
+    def __init__(self, cls: type, kind: HookKind, spec: str):
+        what = f"{kind.flag} {spec!r}"
+        for method, bound in ((cls.__init__, ("self", "input")), (getattr(cls, "__call__", None), ("self", "input"))):
+            try:
+                inspect.signature(method).bind(*bound)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{what} is a class: miles' class form is constructed with "
+                                  "RolloutFnConstructorInput and called with one RolloutFnTrainInput/"
+                                  "RolloutFnEvalInput", (kind.flag,)) from None
+        self._cls, self._kind, self._instance, self._source = cls, kind, None, None
+        self.__name__ = getattr(cls, "__name__", "rollout_class")
+
+    async def __call__(self, args, rollout_id: int, data_source, evaluation: bool = False):
+        from miles_disagg.rollout.miles_compat.base_types import (
+            RolloutFnConstructorInput, RolloutFnEvalInput, RolloutFnTrainInput)
+
+        if self._instance is None:
+            self._source, self._args = data_source, CurrentArgs(args)
+            self._instance = self._cls(RolloutFnConstructorInput(args=self._args, data_source=data_source))
+        else:
+            self._args.current = args
+            if hasattr(data_source, "datasets") and hasattr(self._source, "datasets"):
+                self._source.datasets = data_source.datasets
+        call_input = RolloutFnEvalInput(rollout_id=rollout_id) if evaluation else RolloutFnTrainInput(rollout_id)
+        output = self._instance(call_input)
+        return await output if inspect.isawaitable(output) else output
 
 
 def import_path(spec: str, flag: str) -> Any:
@@ -99,6 +156,9 @@ def import_path(spec: str, flag: str) -> Any:
     if not module_name or not attr.isidentifier() or not all(p.isidentifier() for p in module_name.split(".")):
         raise ConfigError(f"{flag} {spec!r} must be a dotted path pkg.module.function (or pkg.module:function)",
                           (flag,))
+    from miles_disagg.rollout.miles_compat import install_miles_imports
+
+    install_miles_imports()  # user code may import miles' paths (served here when miles is not installed)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

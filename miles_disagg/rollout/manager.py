@@ -34,6 +34,7 @@ from miles_disagg.auth import ApiKeys
 from miles_disagg.config.actors import RolloutManagerConfig
 from miles_disagg.keyed_client import pooled_limits
 from miles_disagg.pooled_http import PooledSession
+from miles_disagg.rollout.attribution import AttributionProxy
 from miles_disagg.rollout.buffer import BufferClosed, BufferTimeout, GroupBuffer
 from miles_disagg.rollout.filters import apply_dynamic_filter, buffer_selector
 from miles_disagg.rollout.generate import GenerationFailed, RequestLost, SamplingSettings
@@ -53,7 +54,8 @@ class RolloutManager:
         """``data_position``: prompts already consumed by the run (a resumed run skips them);
         ``http_transport``: an ``httpx`` transport to reach the router through (tests: a fake router)."""
         from miles_disagg.models.tokenizer import load_tokenizer
-        from miles_disagg.rollout.prompts import make_prompt_source, make_reward
+        from miles_disagg.rollout.prompts import make_prompt_source
+        from miles_disagg.rollout.sample_rewards import load_sample_reward
 
         self.hf_dir, seed = config.hf_dir, config.seed
         self.config, self.router_url = config.rollout, config.router_url.rstrip("/")
@@ -67,7 +69,7 @@ class RolloutManager:
             n = len(self.prompts)
             self.prompts.load_state_dict({**self.prompts.state_dict(), "epoch": data_position // n,
                                           "offset": data_position % n})
-        self.reward = make_reward(config)
+        self.reward = load_sample_reward(config)
         self.hooks = load_rollout_hooks(config)
         self.sampling = SamplingSettings(config.rollout_max_response_len, config.rollout_temperature,
                                          config.rollout_top_p, config.rollout_top_k, tuple(config.rollout_stop),
@@ -91,6 +93,7 @@ class RolloutManager:
         self._room: asyncio.Event | None = None
         self._slots: asyncio.Semaphore | None = None
         self._failure: BaseException | None = None
+        self._proxy = None  # the generate hook's per-sample router addresses (rollout/attribution.py)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -103,10 +106,14 @@ class RolloutManager:
         self._slots = asyncio.Semaphore(max(1, self.config.rollout_concurrency // self.config.n_samples_per_prompt))
         self._room = asyncio.Event()
         replay = not self.config.rollout_service_url  # a service request failed after dispatch is not replayed
+        if self.hooks.custom_generate is not None:
+            hook = f"--custom-generate-function-path {self.config.custom_generate_function_path}"
+            self._proxy = AttributionProxy(self._client, self.router_url, self.counters, self._training_bound, hook,
+                                           replay_after_dispatch=replay, run_id=self.run_id)
         self.generator = GroupGenerator(client=self._client, router_url=self.router_url, counters=self.counters,
                                      tokenizer=self.tokenizer, reward=self.reward,
                                      custom_generate=self.hooks.custom_generate, replay_after_dispatch=replay,
-                                     run_id=self.run_id, routing=self.routing)
+                                     run_id=self.run_id, routing=self.routing, proxy=self._proxy)
         engine = EngineCaller(self._client, self.router_url, self.counters, self._training_bound, self.tokenizer,
                               self.sampling.max_new_tokens, replay_after_dispatch=replay, run_id=self.run_id,
                               routing=self.routing)
@@ -115,7 +122,10 @@ class RolloutManager:
             over_sampling_batch_size=self.over_sampling, sampling=self.sampling,
             max_weight_staleness=self.config.max_weight_staleness, hf_checkpoint=self.hf_dir,
             router_url=self.router_url, tokenizer=self.tokenizer, engine=engine,
-            run_group=lambda samples: self.generator.run_samples(samples, self.args))
+            run_group=lambda samples: self.generator.run_samples(samples, self.args),
+            rollout_concurrency=self.config.rollout_concurrency, rm_type=self.config.rm_type,
+            custom_rm_path=self.config.custom_rm_path, reward_key=self.config.reward_key,
+            eval_reward_key=self.config.eval_reward_key, group_rm=self.config.group_rm)
 
     def _router_client(self, headers: dict[str, str]):
         max_connections = self.config.rollout_concurrency + 8
@@ -184,6 +194,8 @@ class RolloutManager:
             if task is not None:
                 task.cancel()
         self.buffer.close()
+        if self._proxy is not None:
+            await self._proxy.close()
         if self._client is not None:
             await self._client.aclose()
 
@@ -321,6 +333,8 @@ class RolloutManager:
         rollout_id, self._rollout_calls = self._rollout_calls, self._rollout_calls + 1
         output = await self.hooks.rollout_function(self.args, rollout_id, source, evaluation=False)
         groups, metrics = groups_from_rollout_output(output, lambda s: self.generator.finish(s, self.args))
+        for group in groups:
+            await self.generator.score(group.samples, self.args)
         self.rollout_metrics.update(metrics)
         return groups
 

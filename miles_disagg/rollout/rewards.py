@@ -288,28 +288,44 @@ def known_rewards() -> list[str]:
 def get_reward_fn(rm_type: str | None, custom_rm_path: str | None) -> RewardFn:
     """The reward for a run; ``--custom-rm-path`` takes precedence over ``--rm-type``.
 
+    A custom ``async def`` is miles' form ``reward_func(args, sample, **kwargs)`` and is returned
+    as is (``sample_rewards.SampleReward`` calls it); a synchronous one is this project's form.
+
     Fails early with ``ConfigError`` naming the flag: neither given, an unknown
     ``rm_type``, or a custom path that is malformed, cannot be imported, or does not
     accept ``(prompt, response, label, metadata)``. The returned function raises
     ``RewardError`` if the underlying one returns a non-number, NaN or infinity.
     """
     if custom_rm_path:
-        return _checked(_load_custom(custom_rm_path), custom_rm_path)
+        fn = _load_custom(custom_rm_path)
+        return fn if inspect.iscoroutinefunction(fn) else _checked(fn, custom_rm_path)
     if not rm_type:
         raise ConfigError(f"no reward: give {RM_TYPE_FLAG} (one of {known_rewards()}) or {CUSTOM_RM_FLAG} "
                           "module:function", flags=(RM_TYPE_FLAG, CUSTOM_RM_FLAG))
+    from miles_disagg.rollout.miles_rm_types import REFUSED_RM_TYPES, is_miles_rm_type, rm_type_reward
+
+    if is_miles_rm_type(rm_type):  # miles' rm_hub types: miles' async form (rollout/miles_rm_types.py)
+        base = rm_type.removeprefix("boxed_")
+        if base in REFUSED_RM_TYPES:
+            raise ConfigError(f"{RM_TYPE_FLAG} {base} is a miles reward that does not apply here: "
+                              f"{REFUSED_RM_TYPES[base]}", (RM_TYPE_FLAG,))
+        return rm_type_reward(rm_type)
     if rm_type not in _REGISTRY:
-        raise ConfigError(f"{RM_TYPE_FLAG} {rm_type!r} is unknown; known: {known_rewards()}", flags=(RM_TYPE_FLAG,))
+        raise ConfigError(f"{RM_TYPE_FLAG} {rm_type!r} is unknown; known: {known_rewards()} and miles' "
+                          "dapo, f1, gpqa, random, boxed_<type>", flags=(RM_TYPE_FLAG,))
     return _checked(_REGISTRY[rm_type], rm_type)
 
 
 def _load_custom(spec: str) -> RewardFn:
     """Import ``module:function`` (or miles' dotted ``package.module.function``)."""
+    from miles_disagg.rollout.miles_compat import install_miles_imports
+
     module_name, sep, attr = spec.partition(":")
     if not sep:
         module_name, _, attr = spec.rpartition(".")
     if not module_name or not attr.isidentifier():
         raise ConfigError(f"{CUSTOM_RM_FLAG} {spec!r} is not of the form module:function", flags=(CUSTOM_RM_FLAG,))
+    install_miles_imports()  # user code may import miles' paths
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -319,8 +335,20 @@ def _load_custom(spec: str) -> RewardFn:
     if fn is None:
         raise ConfigError(f"{CUSTOM_RM_FLAG} {spec!r}: module {module_name!r} has no attribute {attr!r}",
                           flags=(CUSTOM_RM_FLAG,))
-    _check_signature(fn, f"{CUSTOM_RM_FLAG} {spec!r}", flags=(CUSTOM_RM_FLAG,))
+    if inspect.iscoroutinefunction(fn):  # miles' form: async def reward_func(args, sample, **kwargs)
+        _check_miles_signature(fn, f"{CUSTOM_RM_FLAG} {spec!r}")
+    else:
+        _check_signature(fn, f"{CUSTOM_RM_FLAG} {spec!r}", flags=(CUSTOM_RM_FLAG,))
     return fn
+
+
+def _check_miles_signature(fn: Any, what: str) -> None:
+    try:
+        inspect.signature(fn).bind("args", "sample")
+    except TypeError:
+        raise ConfigError(f"{what}: an async reward has miles' form async def reward_func(args, sample, **kwargs) "
+                          f"(or (args, samples) with --group-rm); its signature is {inspect.signature(fn)}",
+                          flags=(CUSTOM_RM_FLAG,)) from None
 
 
 def _check_signature(fn: Any, what: str, flags: tuple[str, ...]) -> None:
@@ -339,7 +367,8 @@ def _check_signature(fn: Any, what: str, flags: tuple[str, ...]) -> None:
     try:
         inspect.signature(fn).bind(*_PARAMETERS)
     except TypeError:
-        raise refuse(f"must accept ({', '.join(_PARAMETERS)}); its signature is {inspect.signature(fn)}") from None
+        raise refuse(f"must accept ({', '.join(_PARAMETERS)}); its signature is {inspect.signature(fn)} (miles' "
+                     "form reward_func(args, sample, **kwargs) is an async def)") from None
     except ValueError:
         pass  # builtins without an inspectable signature
 

@@ -3,8 +3,9 @@
 Driver side, before the batch is dealt to the ranks (miles' reward post-processing):
 ``sequence_advantages.assign_advantages`` (torch-free, as the driver is) sets each sample's
 sequence-level signal ``Sample.advantage`` from its group's rewards:
-- ``grpo``: reward minus the group's mean, divided by the group's std + 1e-6
-  (``--normalize-advantages-by-std``, on by default; a group of one gets 0);
+- ``grpo``: reward minus the group's mean, divided by the group's std + 1e-6 (a group of one
+  gets 0; miles' ``--disable-grpo-std-normalization``: not divided; ``--disable-rewards-normalization``:
+  the raw reward, for reinforce_plus_plus_baseline too);
 - ``reinforce_plus_plus_baseline``: reward minus the group's mean (the group baseline);
 - ``reinforce_plus_plus``: the raw reward.
 

@@ -35,8 +35,9 @@ class PackedBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Trained tokens (the per-token loss's denominator share)."""
-        return int(self.loss_mask.sum().item())
+        """Trained tokens, each sample's clamped at 1 (the per-token loss's denominator share, as
+        miles counts it: a sample with no trained token counts as one)."""
+        return int(self.loss_mask.sum(dim=-1).clamp(min=1).sum().item())
 
 
 def pack(samples: Sequence[Sample], pad_id: int = 0) -> PackedBatch:

@@ -30,7 +30,7 @@ from miles_disagg.trainer.fsdp_routing import (
 )
 from miles_disagg.trainer.shares import micro_batches
 from miles_disagg.trainer.losses import rl_loss, token_logprobs_and_entropy
-from miles_disagg.trainer.reduction import StepMetrics, global_token_mean, step_denominators
+from miles_disagg.trainer.reduction import StepMetrics, global_sample_mean, step_denominators
 from miles_disagg.types import Sample
 
 log = logging.getLogger(__name__)
@@ -132,8 +132,8 @@ class FSDPBackend(TrainerBackend):
             replay = self._recorded_routes(flat)
         old = self._frozen_logprobs(self.model, flat, replay)
         ref = self._frozen_logprobs(self.ref_model, flat, replay) if self.ref_model is not None else [None] * len(flat)
-        diff = global_token_mean([((o - b.rollout_logprobs.to(self.device)).abs(), b.loss_mask)
-                                  for o, b in zip(old, flat)], device=self.device)
+        diff = global_sample_mean([((o - b.rollout_logprobs.to(self.device)).abs(), b.loss_mask)
+                                   for o, b in zip(old, flat)], device=self.device)
         if self.config.use_rollout_logprobs:  # the engines' logprobs are the behaviour policy's (miles' meaning)
             old = [b.rollout_logprobs.to(self.device) for b in flat]
         advantages = rollout_advantages(self.config, flat, old, ref)

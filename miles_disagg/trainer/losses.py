@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-KL_TYPES = ("low_var_kl", "k1", "k2")
+KL_TYPES = ("low_var_kl", "k1", "k2", "k3")
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -34,6 +34,8 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, *, per_token: bool) -> 
     ``per_token``: the sum of ``values`` over the trained tokens. Otherwise the sum over samples
     of each sample's mean over its own trained tokens (a sample with none contributes 0 but
     still counts in the step's sample count, as in miles).
+    The step's per-token denominator counts each sample's trained tokens clamped at 1
+    (``PackedBatch.num_tokens``), as miles does.
     """
     if per_token:
         return (values * mask).sum()
@@ -50,12 +52,13 @@ class PolicyLoss:
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                *, eps_clip: float, eps_clip_high: float | None = None,
+                *, eps_clip: float, eps_clip_high: float | None = None, eps_clip_c: float | None = None,
                 token_weights: torch.Tensor | None = None) -> PolicyLoss:
     """PPO clipped surrogate, ratio clipped to ``[1 - eps_clip, 1 + eps_clip_high]``.
 
     ``advantages`` is per sample ``[batch]`` or per token; ``token_weights`` (TIS) multiply
-    each token's loss and carry no gradient.
+    each token's loss and carry no gradient. ``eps_clip_c`` (miles' dual clip, > 1): where the
+    advantage is negative the loss is at most ``-eps_clip_c * advantage``.
     """
     high = eps_clip if eps_clip_high is None else eps_clip_high
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
@@ -64,33 +67,41 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + high)
     per_token = torch.maximum(unclipped, clipped)
+    if eps_clip_c is not None:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -eps_clip_c * adv), per_token)
     if token_weights is not None:
         per_token = per_token * token_weights.detach()
     return PolicyLoss(per_token=per_token, clipped=(clipped > unclipped).float().detach(),
                       ppo_kl=(-log_ratio).detach())
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate of the policy from the reference.
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
+               importance_ratio: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token KL estimate of the policy from the reference (miles' estimators).
 
-    k1: ``log p - log q``; k2: ``(log p - log q)^2 / 2``; low_var_kl (k3):
-    ``exp(log q - log p) - (log q - log p) - 1``, clamped to [-10, 10] for stability.
+    k1: ``log p - log q``; k2: ``(log p - log q)^2 / 2``; k3: ``exp(log q - log p) - (log q - log p) - 1``;
+    low_var_kl: k3 clamped to [-10, 10] for stability. ``importance_ratio`` (``--use-unbiased-kl``:
+    ``exp(logprob - old logprob)``) multiplies the estimate before the clamp.
     """
-    log_ratio = logprobs - ref_logprobs
+    log_ratio = logprobs.float() - ref_logprobs.float()
     if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio.square()
-    if kind == "low_var_kl":
-        neg = -log_ratio
-        return (torch.exp(neg) - neg - 1.0).clamp(min=-10.0, max=10.0)
-    raise ValueError(f"unknown KL type {kind!r}; expected one of {KL_TYPES}")
+        kl = log_ratio
+    elif kind == "k2":
+        kl = 0.5 * log_ratio.square()
+    elif kind in ("k3", "low_var_kl"):
+        kl = torch.exp(-log_ratio) + log_ratio - 1.0
+    else:
+        raise ValueError(f"unknown KL type {kind!r}; expected one of {KL_TYPES}")
+    if importance_ratio is not None:
+        kl = importance_ratio * kl
+    return kl.clamp(min=-10.0, max=10.0) if kind == "low_var_kl" else kl
 
 
-def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, clip: float) -> torch.Tensor:
-    """Truncated importance weights ``min(exp(old - rollout), clip)``: corrects for the engine's
-    sampling policy differing from the trainer's (version lag, numerics)."""
-    return torch.exp(old_logprobs - rollout_logprobs).clamp(max=clip).detach()
+def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, clip: float,
+                clip_low: float = 0.0) -> torch.Tensor:
+    """Truncated importance weights ``exp(old - rollout)`` clamped to ``[clip_low, clip]``: corrects
+    for the engine's sampling policy differing from the trainer's (version lag, numerics)."""
+    return torch.exp(old_logprobs - rollout_logprobs).clamp(min=clip_low, max=clip).detach()
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor,
@@ -122,9 +133,10 @@ def rl_loss(config, batch, logprobs: torch.Tensor, entropy: torch.Tensor, old: t
     def reduce(values: torch.Tensor) -> torch.Tensor:
         return masked_sum(values, mask, per_token=per_token)
 
-    weights = tis_weights(old, batch.rollout_logprobs.to(device), config.tis_clip) if config.use_tis else None
+    weights = tis_weights(old, batch.rollout_logprobs.to(device), config.tis_clip,
+                          config.tis_clip_low) if config.use_tis else None
     pg = policy_loss(logprobs, old, advantages.to(device), eps_clip=config.eps_clip,
-                     eps_clip_high=config.eps_clip_high, token_weights=weights)
+                     eps_clip_high=config.eps_clip_high, eps_clip_c=config.eps_clip_c, token_weights=weights)
     pg_loss, entropy_sum = reduce(pg.per_token), reduce(entropy)
     loss = pg_loss - config.entropy_coef * entropy_sum
     metrics = {"train/pg_loss": pg_loss.item(), "train/pg_clipfrac": reduce(pg.clipped).item(),
@@ -132,7 +144,8 @@ def rl_loss(config, batch, logprobs: torch.Tensor, entropy: torch.Tensor, old: t
     if config.use_kl_loss:
         if ref is None:
             raise ValueError("--use-kl-loss needs the reference model's logprobs")
-        kl = reduce(kl_penalty(logprobs, ref, config.kl_loss_type))
+        ratio = torch.exp(logprobs - old) if config.use_unbiased_kl else None
+        kl = reduce(kl_penalty(logprobs, ref, config.kl_loss_type, ratio))
         loss = loss + config.kl_loss_coef * kl
         metrics["train/kl_loss"] = kl.item()
     if weights is not None:

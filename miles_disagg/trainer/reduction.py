@@ -61,6 +61,20 @@ class StepMetrics:
         return {key: value / denominator for key, value in zip(keys, totals)}
 
 
+def global_sample_mean(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], group=None,
+                       device: torch.device | str = "cpu") -> float:
+    """The mean over samples (rows, all pairs and all ranks of ``group``) of each sample's mean of
+    ``values`` over its tokens where ``mask`` is 1 (its token count clamped at 1, as miles'
+    ``sum_of_sample_mean``; 0 when there is no sample)."""
+    total, count = 0.0, 0.0
+    for values, mask in pairs:
+        mask = mask.to(values.device)
+        total += ((values * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)).sum().item()
+        count += float(values.shape[0])
+    total, count = sum_over_ranks([total, count], group, device)
+    return total / count if count else 0.0
+
+
 def global_token_mean(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], group=None,
                       device: torch.device | str = "cpu") -> float:
     """The mean of ``values`` over every token where ``mask`` is 1, over all ``(values, mask)``

@@ -30,17 +30,21 @@ def assign_advantages(groups: list, config) -> list:
     """Set each sample's sequence-level signal from its group; the samples in order.
 
     ``config`` is the ``TrainConfig``. Groups may differ in size.
-    - ``grpo``: reward minus the group's mean, divided by the group's std + 1e-6
-      (``--normalize-advantages-by-std``, on by default);
+    - ``grpo``: reward minus the group's mean, divided by the group's std + 1e-6 (miles'
+      ``--disable-grpo-std-normalization``: not divided);
     - ``reinforce_plus_plus_baseline``: reward minus the group's mean (the group baseline);
     - ``reinforce_plus_plus``: the raw reward.
+    miles' ``--disable-rewards-normalization``: grpo and reinforce_plus_plus_baseline take the raw
+    reward too (no group mean subtracted, no std division).
     """
     estimator = config.advantage_estimator
     samples = []
     for group in groups:
         rewards = np.asarray([[s.reward for s in group.samples]], dtype=np.float32)
-        if estimator == "grpo":
-            signal = grpo_advantages(rewards, normalize_by_std=config.normalize_advantages_by_std)
+        if estimator in ("grpo", "reinforce_plus_plus_baseline") and config.disable_rewards_normalization:
+            signal = rewards
+        elif estimator == "grpo":
+            signal = grpo_advantages(rewards, normalize_by_std=not config.disable_grpo_std_normalization)
         elif estimator == "reinforce_plus_plus_baseline":
             signal = grpo_advantages(rewards, normalize_by_std=False)
         elif estimator == "reinforce_plus_plus":

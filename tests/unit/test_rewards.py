@@ -226,7 +226,7 @@ def test_custom_rm_path_loads_and_wins_over_rm_type(reward_module):
     ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
     ("my_rewards:missing", "has no attribute 'missing'"),
     ("my_rewards:miles_style", r"must accept \(prompt, response, label, metadata\)"),
-    ("my_rewards:async_reward", "synchronous"),
+    ("my_rewards:async_reward", r"an async reward has miles' form async def reward_func\(args, sample"),
     ("my_rewards:NOT_CALLABLE", "not callable"),
 ])
 def test_custom_rm_path_errors_name_the_flag(reward_module, spec, match):

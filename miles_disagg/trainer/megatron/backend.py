@@ -34,7 +34,7 @@ from miles_disagg.trainer.megatron.optim import make_optimizer
 from miles_disagg.trainer.torch_dist import load_torch_dist, torch_dist_dir
 from miles_disagg.trainer.megatron.step import (
     PassContext, StepInputs, logprob_loss_fn, policy_loss_fn, run_micro_batches)
-from miles_disagg.trainer.reduction import StepMetrics, global_token_mean, step_denominators
+from miles_disagg.trainer.reduction import StepMetrics, global_sample_mean, step_denominators
 from miles_disagg.types import Sample
 
 
@@ -103,8 +103,8 @@ class MegatronBackend(TrainerBackend):
                 self._optimizer_step(StepInputs(step, none, none, none, denominator=1.0))
             return self._from_last_stage(TrainResult())
         group, device = self._dp_group(), self.ctx.device
-        diff = global_token_mean([((o - mb.packed.rollout_logprobs.to(device)).abs(), mb.packed.loss_mask)
-                                  for o, mb in zip(old, flat)], group, device)
+        diff = global_sample_mean([((o - mb.packed.rollout_logprobs.to(device)).abs(), mb.packed.loss_mask)
+                                   for o, mb in zip(old, flat)], group, device)
         if self.config.use_rollout_logprobs:  # the engines' logprobs are the behaviour policy's (miles' meaning)
             old = [mb.packed.rollout_logprobs.to(device) for mb in flat]
         advantages = rollout_advantages(self.config, [mb.packed for mb in flat], old, ref, group)

@@ -1,0 +1,147 @@
+"""miles' algorithm flags, each against an independent, element-by-element implementation of miles'
+formula (plain Python floats): ``--eps-clip-c`` (dual clip), ``--tis-clip-low``, ``--kl-loss-type k3``,
+``--use-unbiased-kl``, ``--disable-grpo-std-normalization``, ``--disable-rewards-normalization``, the
+per-token loss denominator (each sample's trained tokens clamped at 1) and the per-sample
+``train_rollout_logprob_abs_diff``."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from miles_disagg.config import load_config
+from miles_disagg.config.components import TrainConfig
+from miles_disagg.trainer.batches import pack
+from miles_disagg.trainer.losses import kl_penalty, policy_loss, rl_loss, tis_weights
+from miles_disagg.trainer.reduction import global_sample_mean
+from miles_disagg.trainer.sequence_advantages import assign_advantages
+from miles_disagg.types import ConfigError, Group, Sample
+
+LOGPROBS = [[-0.2, -1.5, -0.7], [-2.0, -0.1, -0.9]]
+OLD = [[-0.9, -0.3, -0.7], [-0.5, -1.2, -0.2]]
+ROLLOUT = [[-0.1, -2.5, -0.8], [-0.4, -1.0, -3.0]]
+REF = [[-0.6, -0.6, -1.9], [-1.1, -0.05, -0.3]]
+ADV = [1.5, -2.0]
+
+
+def miles_pg(logprob: float, old: float, adv: float, eps: float, eps_high: float, eps_c: float | None) -> float:
+    ratio = math.exp(logprob - old)
+    loss1, loss2 = -ratio * adv, -min(max(ratio, 1 - eps), 1 + eps_high) * adv
+    clipped = max(loss1, loss2)
+    if eps_c is None:
+        return clipped
+    return min(-eps_c * adv, clipped) if adv < 0 else clipped
+
+
+def miles_kl(logprob: float, ref: float, kind: str, ratio: float | None) -> float:
+    log_ratio = logprob - ref
+    kl = {"k1": log_ratio, "k2": log_ratio ** 2 / 2,
+          "k3": math.exp(-log_ratio) - 1 + log_ratio, "low_var_kl": math.exp(-log_ratio) - 1 + log_ratio}[kind]
+    kl = kl * ratio if ratio is not None else kl
+    return max(-10.0, min(10.0, kl)) if kind == "low_var_kl" else kl
+
+
+@pytest.mark.parametrize("eps_c", [None, 3.0, 1.05])
+def test_dual_clip_matches_miles(eps_c) -> None:
+    out = policy_loss(torch.tensor(LOGPROBS), torch.tensor(OLD), torch.tensor(ADV), eps_clip=0.2,
+                      eps_clip_high=0.28, eps_clip_c=eps_c).per_token
+    for i, row in enumerate(LOGPROBS):
+        for j, lp in enumerate(row):
+            assert out[i, j].item() == pytest.approx(miles_pg(lp, OLD[i][j], ADV[i], 0.2, 0.28, eps_c), rel=1e-5)
+    if eps_c == 1.05:  # the bound binds somewhere for a strongly negative advantage
+        assert out[1, 1].item() == pytest.approx(-1.05 * ADV[1])
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl"])
+@pytest.mark.parametrize("unbiased", [False, True])
+def test_kl_estimators_match_miles(kind, unbiased) -> None:
+    lp, old, ref = torch.tensor(LOGPROBS), torch.tensor(OLD), torch.tensor(REF)
+    ratio = torch.exp(lp - old) if unbiased else None
+    out = kl_penalty(lp, ref, kind, ratio)
+    for i, row in enumerate(LOGPROBS):
+        for j, value in enumerate(row):
+            r = math.exp(value - OLD[i][j]) if unbiased else None
+            assert out[i, j].item() == pytest.approx(miles_kl(value, REF[i][j], kind, r), rel=1e-5, abs=1e-7)
+
+
+def test_k3_is_low_var_kl_without_the_clamp() -> None:
+    lp, ref = torch.tensor([[0.0]]), torch.tensor([[-20.0]])
+    assert kl_penalty(lp, ref, "k3").item() == pytest.approx(math.exp(-20.0) - 1 + 20.0)
+    assert kl_penalty(lp, ref, "low_var_kl").item() == 10.0
+
+
+def test_tis_clip_low_matches_miles() -> None:
+    out = tis_weights(torch.tensor(OLD), torch.tensor(ROLLOUT), clip=2.0, clip_low=0.5)
+    for i, row in enumerate(OLD):
+        for j, value in enumerate(row):
+            assert out[i, j].item() == pytest.approx(min(max(math.exp(value - ROLLOUT[i][j]), 0.5), 2.0), rel=1e-5)
+
+
+def batch_of_two():
+    a = Sample(prompt_ids=[5, 6], response_ids=[7, 8, 9], response_logprobs=ROLLOUT[0], advantage=ADV[0],
+               loss_mask=[1, 0, 1])
+    b = Sample(prompt_ids=[5, 6], response_ids=[7, 8, 9], response_logprobs=ROLLOUT[1], advantage=ADV[1],
+               loss_mask=[0, 0, 0])  # no trained token: counts as one in the per-token denominator
+    return pack([a, b])
+
+
+def test_rl_loss_wires_every_miles_flag() -> None:
+    config = TrainConfig(eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0, use_tis=True, tis_clip=2.0,
+                         tis_clip_low=0.5, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3",
+                         use_unbiased_kl=True, calculate_per_token_loss=True)
+    batch = batch_of_two()
+    lp, old, ref = torch.tensor(LOGPROBS), torch.tensor(OLD), torch.tensor(REF)
+    loss, metrics = rl_loss(config, batch, lp, torch.zeros_like(lp), old, ref,
+                            batch.advantages.unsqueeze(-1).expand_as(lp), torch.device("cpu"))
+    expected_pg = expected_kl = 0.0
+    for j in (0, 2):  # sample a's trained tokens
+        tis = min(max(math.exp(OLD[0][j] - ROLLOUT[0][j]), 0.5), 2.0)
+        expected_pg += miles_pg(LOGPROBS[0][j], OLD[0][j], ADV[0], 0.2, 0.28, 3.0) * tis
+        expected_kl += miles_kl(LOGPROBS[0][j], REF[0][j], "k3", math.exp(LOGPROBS[0][j] - OLD[0][j]))
+    assert metrics["train/pg_loss"] == pytest.approx(expected_pg, rel=1e-5)
+    assert metrics["train/kl_loss"] == pytest.approx(expected_kl, rel=1e-5)
+    assert loss.item() == pytest.approx(expected_pg + 0.1 * expected_kl, rel=1e-5)
+    assert batch.num_tokens == 2 + 1  # per-token denominator: sample b's zero tokens count as one
+
+
+def test_the_logprob_abs_diff_is_a_per_sample_mean() -> None:
+    batch = batch_of_two()
+    diff = (torch.tensor(OLD) - batch.rollout_logprobs).abs()
+    a = (abs(OLD[0][0] - ROLLOUT[0][0]) + abs(OLD[0][2] - ROLLOUT[0][2])) / 2
+    assert global_sample_mean([(diff, batch.loss_mask)]) == pytest.approx((a + 0.0) / 2, rel=1e-6)
+
+
+def groups(*rewards: list[float]) -> list[Group]:
+    return [Group(prompt_index=i, samples=[Sample(prompt_ids=[1], response_ids=[2], response_logprobs=[0.0],
+                                                  reward=r) for r in rs]) for i, rs in enumerate(rewards)]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ({}, lambda rs: [(r - statistics.mean(rs)) / (statistics.stdev(rs) + 1e-6) for r in rs]),
+    ({"disable_grpo_std_normalization": True}, lambda rs: [r - statistics.mean(rs) for r in rs]),
+    ({"disable_rewards_normalization": True}, lambda rs: list(rs)),
+])
+def test_grpo_normalization_flags_match_miles(flags, expected) -> None:
+    rewards = [[1.0, 0.0, 0.5, 0.25], [3.0, -1.0]]
+    config = SimpleNamespace(**{"advantage_estimator": "grpo", "disable_grpo_std_normalization": False,
+                                "disable_rewards_normalization": False, **flags})
+    samples = assign_advantages(groups(*rewards), config)
+    assert [s.advantage for s in samples] == pytest.approx([a for rs in rewards for a in expected(rs)], rel=1e-5)
+
+
+def test_a_miles_algorithm_line_loads_and_the_old_name_is_refused(tmp_path) -> None:
+    line = ["--disable-grpo-std-normalization", "--eps-clip-c", "3", "--tis-clip-low", "0.1", "--kl-loss-type",
+            "k3", "--use-unbiased-kl", "--use-tis", "--use-kl-loss", "--disable-rewards-normalization"]
+    config, _ = load_config(line, "train_async")
+    train = config.train
+    assert (train.disable_grpo_std_normalization, train.eps_clip_c, train.tis_clip_low, train.kl_loss_type,
+            train.use_unbiased_kl, train.disable_rewards_normalization) == (True, 3.0, 0.1, "k3", True, True)
+    for old in ("--no-normalize-advantages-by-std", "--normalize-advantages-by-std"):
+        with pytest.raises(ConfigError, match="--disable-grpo-std-normalization"):
+            load_config([old], "train_async")
+    with pytest.raises(ConfigError, match="--eps-clip-c"):
+        load_config(["--eps-clip-c", "0.5"], "train_async")
