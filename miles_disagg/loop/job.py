@@ -114,6 +114,7 @@ class Job:
     def _start_trainer(self) -> None:
         from miles_disagg.trainer.group import TrainerGroup
 
+        status(f"starting the trainer: {len(self.placement.layout.trainer)} rank(s)")  # a wait worth naming
         self.trainer = TrainerGroup(self.placement, TrainerGroupConfig.from_run(self.config, self.initial_checkpoint))
         choice = self._delta_filter()
         info = self.trainer.setup(self.run_id, delta_filter=choice.filter)
@@ -142,6 +143,9 @@ class Job:
                                   resolve_backend(self.config.rollout.rollout_backend)[0])
         if note:
             status(note)
+        attached = self.config.rollout.rollout_external
+        status(f"attaching {len(self.config.rollout.rollout_external_engine_addrs)} engine(s)" if attached else
+               f"starting {len(self.placement.layout.engines)} engine(s) and the router")
         self.engines = EngineManagerHandle(manager_config, self.placement)
         probe = self._write_store_probe()
         try:
@@ -244,17 +248,20 @@ def init_ray(num_bundles: int) -> bool:
     if os.environ.get("RAY_ADDRESS"):  # an existing cluster (also how a `ray job submit` driver connects)
         # no runtime_env here: a submitted job's own (its working_dir) must stay; the actor handles
         # hand the keys to their actors themselves (netbind.keys_runtime_env)
+        status(f"connecting to the Ray cluster at {os.environ['RAY_ADDRESS']}")
         ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
         reclaim_sigterm()
         _report_cluster()
         _check_cluster_offers(num_bundles)
         return True
-    num_gpus = _cuda_device_count() or num_bundles  # without CUDA: logical GPUs, one per bundle
+    cuda_devices = _cuda_device_count()
+    num_gpus = cuda_devices or num_bundles  # without CUDA: logical GPUs, one per bundle
     tmp = os.environ.get(RAY_TMPDIR_ENV)
     keep_ray_token_auth()  # Ray's own token auth stays on (tests may set RAY_AUTH_MODE=disabled)
     # every actor of the run enforces and sends the run's keys: its workers inherit them (and one
     # OpenMP thread each) from this environment, with no runtime_env to set up per worker
     inherit_into_local_ray()
+    status(f"starting a local Ray ({num_gpus} {'GPUs' if cuda_devices else 'logical GPUs'})")
     _start_local_ray(num_cpus=max(8, os.cpu_count() or 1), num_gpus=num_gpus, include_dashboard=False,
                      logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None,
                      _system_config=LOCAL_RAY_SYSTEM_CONFIG)
