@@ -29,6 +29,7 @@ def check_before_start(config: RunConfig) -> None:
         check_prompt_data(config)
         check_reward(config)
     check_eval_data(config)
+    check_weight_hooks(config)
     check_tracking_backends(config)
     check_local_gpus(config)
     check_sglang_args(config)
@@ -104,6 +105,15 @@ def check_reward(config: RunConfig) -> None:
     from miles_disagg.rollout.prompts import make_reward
 
     make_reward(config.rollout)
+
+
+def check_weight_hooks(config: RunConfig) -> None:
+    """Import and signature-check the weight hooks, as the trainer and the engines' hosts will.
+    (The rollout hooks are checked by ``preflight.check_runnable``.)"""
+    from miles_disagg.weights.hooks import POST_WRITE_FLAG, PRE_READ_FLAG, load_hook
+
+    load_hook(config.weights.custom_update_weight_post_write_path, POST_WRITE_FLAG)
+    load_hook(config.weights.sglang_custom_pull_weights_pre_read_hook, PRE_READ_FLAG)
 
 
 TRACKING_BACKENDS = (("use_tensorboard", "--use-tensorboard", "tensorboard", "tensorboard"),

@@ -122,3 +122,12 @@ def test_an_existing_other_checkpoint_is_used_as_it_is(tmp_path, tiny_qwen3_dir)
     assert config.train.hf_checkpoint_init == "none"  # no init record needed: it is the user's model
     config, _ = load_config(["--config", str(REPO / "configs/tiny_cpu.yaml")], "train_async")
     assert config.train.hf_checkpoint_init == "tiny-qwen3-digits"  # the config's own path keeps its init
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weight_and_rollout_hooks_that_do_not_import(capsys, tmp_path, tiny_qwen3_dir, mode) -> None:
+    refused(capsys, args(tmp_path, tiny_qwen3_dir, "--custom-update-weight-post-write-path", "no_such_module_xyz.hook",
+                         *mode), "--custom-update-weight-post-write-path")
+    refused(capsys, args(tmp_path, tiny_qwen3_dir, "--custom-generate-function-path", "no_such_module_xyz.gen", *mode),
+            "--custom-generate-function-path")
+    assert not (tmp_path / "run").exists()
