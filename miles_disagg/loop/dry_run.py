@@ -39,8 +39,8 @@ def plan_launch(config: RunConfig) -> dict[str, Any]:
     from miles_disagg.loop.preflight import check_runnable
     from miles_disagg.trainer.placement import plan_layout
 
-    check_runnable(config)  # every preflight check (loop/preflight_checks.py), the weight hooks included
     warnings: list[str] = []
+    check_runnable(config, warnings)  # every preflight check (loop/preflight_checks.py), the weight hooks included
     rollout = config.rollout
     topology = "service" if rollout.rollout_service_url else "attached" if rollout.rollout_external else "managed"
     with_engines = not rollout.debug_train_only

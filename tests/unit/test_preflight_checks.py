@@ -98,6 +98,11 @@ def test_a_machine_with_fewer_gpus_than_asked(capsys, tmp_path, tiny_qwen3_dir, 
     argv = ["--hf-checkpoint", str(tiny_qwen3_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
             "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "64", "--run-dir", str(tmp_path / "run")]
     refused(capsys, argv, "asks for 65 GPUs (trainer 1: ", "rollout 64: --rollout-num-gpus); this machine has 2")
+    # --dry-run plans for a target machine: what this one lacks is a warning there
+    code = main("train_async", [*argv, "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert any(w.startswith("on this machine: this run asks for 65 GPUs") for w in json.loads(out)["warnings"])
 
 
 def test_a_typod_hf_checkpoint_is_not_made_by_the_configs_init(capsys, tmp_path) -> None:
