@@ -122,3 +122,35 @@ def test_default_run_dirs_of_two_processes_in_the_same_second_differ(tmp_path: P
              for _ in range(2)]
     dirs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert all(d.startswith("runs/") for d in dirs) and dirs[0] != dirs[1]
+
+
+def test_a_shared_version_store_outside_the_run_dirs_is_held_too(tmp_path: Path, tiny_qwen3_dir, capsys) -> None:
+    """A second run publishing into a store another live run publishes into would reset it under that run."""
+    from miles_disagg.launcher import main
+
+    store = tmp_path / "store"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(store)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        code = main("train_async", ["--hf-checkpoint", str(tiny_qwen3_dir), "--num-rollout", "1",
+                                    "--rollout-batch-size", "4", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus",
+                                    "1", "--run-dir", str(tmp_path / "run"), "--update-weight-transfer-mode", "disk-delta",
+                                    "--update-weight-disk-dir", str(store)])
+        err = capsys.readouterr().err
+        assert code == 2 and f"--update-weight-disk-dir '{store}' is in use by another run (pid {proc.pid}" in err, err
+        assert "give this run its own --update-weight-disk-dir" in err
+        assert json.loads((tmp_path / "run" / LOCK_FILENAME).read_text())["released"] is True  # the run dir's, let go
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_uncreatable_run_dir_exits_2(tmp_path: Path, tiny_qwen3_dir, capsys) -> None:
+    from miles_disagg.launcher import main
+
+    (tmp_path / "file").write_text("")
+    code = main("train_async", ["--hf-checkpoint", str(tiny_qwen3_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
+                                "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+                                "--run-dir", str(tmp_path / "file" / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--run-dir" in err and "cannot create run.lock there" in err and "Traceback" not in err
