@@ -24,7 +24,7 @@ class RunInterrupted(KeyboardInterrupt):
     """The run got ``signum`` (SIGINT or SIGTERM)."""
 
     def __init__(self, signum: int = signal.SIGINT):
-        super().__init__(signum)
+        super().__init__(int(signum))
         self.signum = int(signum)
 
     def __reduce__(self):
