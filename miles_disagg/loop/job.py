@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from miles_disagg.config.actors import EngineManagerConfig, RolloutManagerConfig, TrainerGroupConfig
 from miles_disagg.config.components import RunConfig
+from miles_disagg.loop.waiting import still
 from miles_disagg.tracking import status
 from miles_disagg.types import ConfigError
 
@@ -115,9 +116,10 @@ class Job:
         from miles_disagg.trainer.group import TrainerGroup
 
         status(f"starting the trainer: {len(self.placement.layout.trainer)} rank(s)")  # a wait worth naming
-        self.trainer = TrainerGroup(self.placement, TrainerGroupConfig.from_run(self.config, self.initial_checkpoint))
         choice = self._delta_filter()
-        info = self.trainer.setup(self.run_id, delta_filter=choice.filter)
+        with still("starting the trainer"):
+            self.trainer = TrainerGroup(self.placement, TrainerGroupConfig.from_run(self.config, self.initial_checkpoint))
+            info = self.trainer.setup(self.run_id, delta_filter=choice.filter)
         self.run_id = info.get("run_id")
         status(f"trainer: {self.trainer.world_size} rank(s), {info['backend']}, ready in {info['setup_s']:.1f}s")
         if self._publishes() and not self.config.rollout.rollout_external:
@@ -149,7 +151,8 @@ class Job:
         self.engines = EngineManagerHandle(manager_config, self.placement)
         probe = self._write_store_probe()
         try:
-            self.engines.start(store_probe=probe)
+            with still("attaching the engines" if attached else "starting the engines and the router"):
+                self.engines.start(store_probe=probe)
         finally:
             if probe is not None:
                 self.trainer.remove_store_probe(probe)
@@ -262,9 +265,10 @@ def init_ray(num_bundles: int) -> bool:
     # OpenMP thread each) from this environment, with no runtime_env to set up per worker
     inherit_into_local_ray()
     status(f"starting a local Ray ({num_gpus} {'GPUs' if cuda_devices else 'logical GPUs'})")
-    _start_local_ray(num_cpus=max(8, os.cpu_count() or 1), num_gpus=num_gpus, include_dashboard=False,
-                     logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None,
-                     _system_config=LOCAL_RAY_SYSTEM_CONFIG)
+    with still("starting the local Ray"):
+        _start_local_ray(num_cpus=max(8, os.cpu_count() or 1), num_gpus=num_gpus, include_dashboard=False,
+                         logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None,
+                         _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     reclaim_sigterm()
     return True
 
