@@ -50,18 +50,26 @@ def main(entry: str, argv: Sequence[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def run_locks(config: RunConfig) -> Iterator[None]:
-    """The run directory's lock and, for a version store outside it that this machine sees, the
-    store's: a second run publishing into the same store would reset it (a new run takes a store
-    over) under the first."""
+    """The run directory's lock and, for a version store or a ``--save`` directory outside it that
+    this machine sees, theirs: a second run publishing into the same store would reset it (a new
+    run takes a store over) under the first, and its saves would mix with the first's."""
     with contextlib.ExitStack() as locks:
         run_dir = Path(config.tracking.run_dir)
         locks.enter_context(RunDirLock.acquire(run_dir))
-        store = config.weights.update_weight_disk_dir
-        if config.weights.update_weight_transfer_mode == "disk-delta" and store and not config.rollout.debug_rollout_only:
-            store_path = Path(store)
-            if not store_path.is_relative_to(run_dir) and store_path.parent.is_dir():
-                locks.enter_context(RunDirLock.acquire(store_path, flag="--update-weight-disk-dir"))
+        for flag, path in _shared_outputs(config):
+            if not path.is_relative_to(run_dir) and path.parent.is_dir():  # else: not seen from here
+                locks.enter_context(RunDirLock.acquire(path, flag=flag))
         yield
+
+
+def _shared_outputs(config: RunConfig) -> list[tuple[str, Path]]:
+    outputs = []
+    store = config.weights.update_weight_disk_dir
+    if config.weights.update_weight_transfer_mode == "disk-delta" and store and not config.rollout.debug_rollout_only:
+        outputs.append(("--update-weight-disk-dir", Path(store)))
+    if config.train.save and not config.rollout.debug_rollout_only:
+        outputs.append(("--save", Path(config.train.save)))
+    return outputs
 
 
 def run_training(config: RunConfig, entry: str = "train") -> int:

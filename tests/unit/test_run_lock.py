@@ -124,21 +124,24 @@ def test_default_run_dirs_of_two_processes_in_the_same_second_differ(tmp_path: P
     assert all(d.startswith("runs/") for d in dirs) and dirs[0] != dirs[1]
 
 
-def test_a_shared_version_store_outside_the_run_dirs_is_held_too(tmp_path: Path, tiny_qwen3_dir, capsys) -> None:
-    """A second run publishing into a store another live run publishes into would reset it under that run."""
+@pytest.mark.parametrize("flag", ["--update-weight-disk-dir", "--save"])
+def test_a_shared_store_or_save_dir_outside_the_run_dirs_is_held_too(tmp_path: Path, tiny_qwen3_dir, capsys,
+                                                                     flag) -> None:
+    """A second run publishing into a store another live run publishes into would reset it under that run;
+    its saves would mix with the other's."""
     from miles_disagg.launcher import main
 
-    store = tmp_path / "store"
+    store = tmp_path / "shared"
     proc = subprocess.Popen([sys.executable, "-c", HOLD, str(store)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "held"
         code = main("train_async", ["--hf-checkpoint", str(tiny_qwen3_dir), "--num-rollout", "1",
                                     "--rollout-batch-size", "4", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus",
                                     "1", "--run-dir", str(tmp_path / "run"), "--update-weight-transfer-mode", "disk-delta",
-                                    "--update-weight-disk-dir", str(store)])
+                                    flag, str(store)])
         err = capsys.readouterr().err
-        assert code == 2 and f"--update-weight-disk-dir '{store}' is in use by another run (pid {proc.pid}" in err, err
-        assert "give this run its own --update-weight-disk-dir" in err
+        assert code == 2 and f"{flag} '{store}' is in use by another run (pid {proc.pid}" in err, err
+        assert f"give this run its own {flag}" in err
         assert json.loads((tmp_path / "run" / LOCK_FILENAME).read_text())["released"] is True  # the run dir's, let go
     finally:
         proc.kill()
