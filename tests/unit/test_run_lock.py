@@ -116,12 +116,14 @@ def test_default_run_dirs_started_in_the_same_second_differ() -> None:
 
 
 def test_default_run_dirs_of_two_processes_in_the_same_second_differ(tmp_path: Path) -> None:
-    script = ("import sys; from miles_disagg.config.loader import load_config; "
-              "print(load_config(['--hf-checkpoint', 'x'], 'train_async')[0].tracking.run_dir)")
-    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
-             for _ in range(2)]
-    dirs = [p.communicate(timeout=120)[0].strip() for p in procs]
-    assert all(d.startswith("runs/") for d in dirs) and dirs[0] != dirs[1]
+    """Two ``train_async.py`` started together (``--print-config`` shows where each would write)."""
+    repo = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, str(repo / "train_async.py"), "--hf-checkpoint", "x", "--print-config"],
+                              stdout=subprocess.PIPE, text=True, cwd=tmp_path) for _ in range(2)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    dirs = [next(line.split(": ", 1)[1] for line in out.splitlines() if line.strip().startswith("run_dir:"))
+            for out in outputs]
+    assert all(d.startswith("runs/") for d in dirs) and dirs[0] != dirs[1], dirs
 
 
 @pytest.mark.parametrize("flag", ["--update-weight-disk-dir", "--save"])
