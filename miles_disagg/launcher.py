@@ -8,9 +8,11 @@ line; summary.json and report.png of the completed steps are written).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import Iterator, Sequence
 
 from miles_disagg.config import RunConfig, config_to_yaml
 from miles_disagg.config.loader import load_launch
@@ -36,7 +38,7 @@ def main(entry: str, argv: Sequence[str] | None = None) -> int:
             return 0
         check_runnable(config)
         make_paths_absolute(config)
-        with RunDirLock.acquire(config.tracking.run_dir):  # held until the run has ended, however it ends
+        with run_locks(config):  # held until the run has ended, however it ends
             return run_training(config, entry)
     except ConfigError as exc:
         print(f"{entry}.py: error: {_cause(exc)}", file=sys.stderr)
@@ -44,6 +46,30 @@ def main(entry: str, argv: Sequence[str] | None = None) -> int:
     except MilesDisaggError as exc:
         print(f"{entry}.py: failed: {type(_cause(exc)).__name__}: {_cause(exc)}", file=sys.stderr)
         return EXIT_FAILED
+
+
+@contextlib.contextmanager
+def run_locks(config: RunConfig) -> Iterator[None]:
+    """The run directory's lock and, for a version store or a ``--save`` directory outside it that
+    this machine sees, theirs: a second run publishing into the same store would reset it (a new
+    run takes a store over) under the first, and its saves would mix with the first's."""
+    with contextlib.ExitStack() as locks:
+        run_dir = Path(config.tracking.run_dir)
+        locks.enter_context(RunDirLock.acquire(run_dir))
+        for flag, path in _shared_outputs(config):
+            if not path.is_relative_to(run_dir) and path.parent.is_dir():  # else: not seen from here
+                locks.enter_context(RunDirLock.acquire(path, flag=flag))
+        yield
+
+
+def _shared_outputs(config: RunConfig) -> list[tuple[str, Path]]:
+    outputs = []
+    store = config.weights.update_weight_disk_dir
+    if config.weights.update_weight_transfer_mode == "disk-delta" and store and not config.rollout.debug_rollout_only:
+        outputs.append(("--update-weight-disk-dir", Path(store)))
+    if config.train.save and not config.rollout.debug_rollout_only:
+        outputs.append(("--save", Path(config.train.save)))
+    return outputs
 
 
 def run_training(config: RunConfig, entry: str = "train") -> int:

@@ -39,9 +39,8 @@ def plan_launch(config: RunConfig) -> dict[str, Any]:
     from miles_disagg.loop.preflight import check_runnable
     from miles_disagg.trainer.placement import plan_layout
 
-    check_runnable(config)
     warnings: list[str] = []
-    _check_hooks(config)
+    check_runnable(config, warnings)  # every preflight check (loop/preflight_checks.py), the weight hooks included
     rollout = config.rollout
     topology = "service" if rollout.rollout_service_url else "attached" if rollout.rollout_external else "managed"
     with_engines = not rollout.debug_train_only
@@ -68,14 +67,6 @@ def plan_launch(config: RunConfig) -> dict[str, Any]:
         "placeholders": PLACEHOLDERS,
         "warnings": warnings,
     }
-
-
-def _check_hooks(config: RunConfig) -> None:
-    """Import and signature-check the weight hooks, as the trainer and engines will."""
-    from miles_disagg.weights.hooks import POST_WRITE_FLAG, PRE_READ_FLAG, load_hook
-
-    load_hook(config.weights.custom_update_weight_post_write_path, POST_WRITE_FLAG)
-    load_hook(config.weights.sglang_custom_pull_weights_pre_read_hook, PRE_READ_FLAG)
 
 
 def _check_model(config: RunConfig) -> list[str]:

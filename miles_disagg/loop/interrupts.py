@@ -24,7 +24,7 @@ class RunInterrupted(KeyboardInterrupt):
     """The run got ``signum`` (SIGINT or SIGTERM)."""
 
     def __init__(self, signum: int = signal.SIGINT):
-        super().__init__(signum)
+        super().__init__(int(signum))
         self.signum = int(signum)
 
     def __reduce__(self):
@@ -90,10 +90,13 @@ def report_interruption(config: RunConfig, exc: KeyboardInterrupt) -> str:
     step = records[-1]["step"] + 1 if records else 0
     name = signal.Signals(exit_status(exc) - 128).name
     line = f"interrupted ({name}) at step {step}"
-    if run_dir.is_dir():
-        with contextlib.redirect_stderr(io.StringIO()):  # the summary block: one line is what is asked
-            write_report(run_dir)
-        line += f"; summary.json and report.png of steps before {step} in {run_dir}"
+    if records:
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):  # the summary block: one line is what is asked
+                write_report(run_dir)
+            line += f"; summary.json and report.png of steps before {step} in {run_dir}"
+        except Exception as error:  # noqa: BLE001 - the run is over either way: say why there is no report
+            line += f"; no report ({type(error).__name__}: {error}; see miles-disagg report {run_dir})"
     resume = _resume_from(config)
     if resume:
         line += f"; resume with --load {resume}"

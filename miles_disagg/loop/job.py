@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from miles_disagg.config.actors import EngineManagerConfig, RolloutManagerConfig, TrainerGroupConfig
 from miles_disagg.config.components import RunConfig
+from miles_disagg.loop.waiting import still
 from miles_disagg.tracking import status
 from miles_disagg.types import ConfigError
 
@@ -114,9 +115,11 @@ class Job:
     def _start_trainer(self) -> None:
         from miles_disagg.trainer.group import TrainerGroup
 
-        self.trainer = TrainerGroup(self.placement, TrainerGroupConfig.from_run(self.config, self.initial_checkpoint))
+        status(f"starting the trainer: {len(self.placement.layout.trainer)} rank(s)")  # a wait worth naming
         choice = self._delta_filter()
-        info = self.trainer.setup(self.run_id, delta_filter=choice.filter)
+        with still("starting the trainer"):
+            self.trainer = TrainerGroup(self.placement, TrainerGroupConfig.from_run(self.config, self.initial_checkpoint))
+            info = self.trainer.setup(self.run_id, delta_filter=choice.filter)
         self.run_id = info.get("run_id")
         status(f"trainer: {self.trainer.world_size} rank(s), {info['backend']}, ready in {info['setup_s']:.1f}s")
         if self._publishes() and not self.config.rollout.rollout_external:
@@ -142,10 +145,14 @@ class Job:
                                   resolve_backend(self.config.rollout.rollout_backend)[0])
         if note:
             status(note)
+        attached = self.config.rollout.rollout_external
+        status(f"attaching {len(self.config.rollout.rollout_external_engine_addrs)} engine(s)" if attached else
+               f"starting {len(self.placement.layout.engines)} engine(s) and the router")
         self.engines = EngineManagerHandle(manager_config, self.placement)
         probe = self._write_store_probe()
         try:
-            self.engines.start(store_probe=probe)
+            with still("attaching the engines" if attached else "starting the engines and the router"):
+                self.engines.start(store_probe=probe)
         finally:
             if probe is not None:
                 self.trainer.remove_store_probe(probe)
@@ -247,20 +254,24 @@ def init_ray(num_bundles: int) -> bool:
     if os.environ.get("RAY_ADDRESS"):  # an existing cluster (also how a `ray job submit` driver connects)
         # no runtime_env here: a submitted job's own (its working_dir) must stay; the actor handles
         # hand the keys to their actors themselves (netbind.keys_runtime_env)
+        status(f"connecting to the Ray cluster at {os.environ['RAY_ADDRESS']}")
         ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
         reclaim_sigterm()
         _report_cluster()
         _check_cluster_offers(num_bundles)
         return True
-    num_gpus = _cuda_device_count() or num_bundles  # without CUDA: logical GPUs, one per bundle
+    cuda_devices = _cuda_device_count()
+    num_gpus = cuda_devices or num_bundles  # without CUDA: logical GPUs, one per bundle
     tmp = os.environ.get(RAY_TMPDIR_ENV)
     keep_ray_token_auth()  # Ray's own token auth stays on (tests may set RAY_AUTH_MODE=disabled)
     # every actor of the run enforces and sends the run's keys: its workers inherit them (and one
     # OpenMP thread each) from this environment, with no runtime_env to set up per worker
     inherit_into_local_ray()
-    _start_local_ray(num_cpus=max(8, os.cpu_count() or 1), num_gpus=num_gpus, include_dashboard=False,
-                     logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None,
-                     _system_config=LOCAL_RAY_SYSTEM_CONFIG)
+    status(f"starting a local Ray ({num_gpus} {'GPUs' if cuda_devices else 'logical GPUs'})")
+    with still("starting the local Ray"):
+        _start_local_ray(num_cpus=max(8, os.cpu_count() or 1), num_gpus=num_gpus, include_dashboard=False,
+                         logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None,
+                         _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     reclaim_sigterm()
     return True
 

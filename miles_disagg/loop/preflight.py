@@ -45,8 +45,9 @@ def make_paths_absolute(config: RunConfig) -> None:
                 setattr(component, name, os.path.abspath(value))
 
 
-def check_runnable(config: RunConfig) -> None:
-    """What a training run needs beyond a valid config (``--print-config`` does not need these)."""
+def check_runnable(config: RunConfig, warnings: list[str] | None = None) -> None:
+    """What a training run needs beyond a valid config (``--print-config`` does not need these);
+    ``warnings``: see :func:`~miles_disagg.loop.preflight_checks.check_before_start`."""
     rollout, train = config.rollout, config.train
     for flag_name, value in (("--num-rollout", rollout.num_rollout), ("--rollout-batch-size", rollout.rollout_batch_size)):
         if value is None:
@@ -63,7 +64,7 @@ def check_runnable(config: RunConfig) -> None:
                           ("--global-batch-size", "--actor-num-gpus-per-node"))
     from miles_disagg.loop.preflight_checks import check_before_start
 
-    check_before_start(config)  # data, reward, tracking, GPUs, --sglang-*, attached engines
+    check_before_start(config, warnings)  # data, reward, hooks, tracking, GPUs, --sglang-*, attached engines
 
 
 TINY_INITS = {"tiny-qwen3": "full", "tiny-qwen3-digits": "digits",  # --hf-checkpoint-init -> charset

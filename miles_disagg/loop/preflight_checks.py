@@ -22,15 +22,24 @@ PREVIEW_LINES = 64  # records of a data file parsed before anything starts (the 
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a longer "line" is not a prompt record (a binary file, a wrong path)
 
 
-def check_before_start(config: RunConfig) -> None:
-    """Every check of this module; the attached engines last (the only one that waits)."""
+def check_before_start(config: RunConfig, warnings: list[str] | None = None) -> None:
+    """Every check of this module; the attached engines last (the only one that waits).
+
+    ``warnings`` (``--dry-run``, which plans for a target machine): what this machine lacks but
+    the target may have (its GPUs) goes there instead of failing."""
     rollout = config.rollout
     if not rollout.debug_train_only and not rollout.load_debug_rollout_data:
         check_prompt_data(config)
         check_reward(config)
     check_eval_data(config)
+    check_weight_hooks(config)
     check_tracking_backends(config)
-    check_local_gpus(config)
+    try:
+        check_local_gpus(config)
+    except ConfigError as exc:
+        if warnings is None:
+            raise
+        warnings.append(f"on this machine: {exc}")
     check_sglang_args(config)
     if rollout.rollout_external and not rollout.debug_train_only:
         from miles_disagg.loop.engine_probe import probe_engines
@@ -104,6 +113,15 @@ def check_reward(config: RunConfig) -> None:
     from miles_disagg.rollout.prompts import make_reward
 
     make_reward(config.rollout)
+
+
+def check_weight_hooks(config: RunConfig) -> None:
+    """Import and signature-check the weight hooks, as the trainer and the engines' hosts will.
+    (The rollout hooks are checked by ``preflight.check_runnable``.)"""
+    from miles_disagg.weights.hooks import POST_WRITE_FLAG, PRE_READ_FLAG, load_hook
+
+    load_hook(config.weights.custom_update_weight_post_write_path, POST_WRITE_FLAG)
+    load_hook(config.weights.sglang_custom_pull_weights_pre_read_hook, PRE_READ_FLAG)
 
 
 TRACKING_BACKENDS = (("use_tensorboard", "--use-tensorboard", "tensorboard", "tensorboard"),

@@ -9,20 +9,30 @@ records that are too large or malformed to summarize, exit 2 with one line.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
+from miles_disagg.config.commands import add_config_arguments, config_from_args
+from miles_disagg.config.fields import REQUIRED, flag
 from miles_disagg.types import InvalidInput
 
 MAX_RECORDS_BYTES = 1 << 30  # one line per step: a larger file is not a run's metrics
 
 
+@dataclass(kw_only=True)
+class ReportCommand:
+    """Rebuild summary.json and report.png of a run directory from its records."""
+
+    run_dir: str = flag(REQUIRED, "A run directory (--run-dir of train.py / train_async.py) holding metrics.jsonl.",
+                        positional=True, metavar="RUN_DIR")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path,
-                        help="A run directory (--run-dir of train.py / train_async.py) holding metrics.jsonl.")
+    add_config_arguments(parser, ReportCommand)
 
 
 def run(args: argparse.Namespace) -> int:
-    rebuild(args.run_dir)
+    rebuild(Path(config_from_args(ReportCommand, args).run_dir))
     return 0
 
 

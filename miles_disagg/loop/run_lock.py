@@ -29,8 +29,8 @@ MAX_RECORD_BYTES = 64 * 1024  # a record is a few hundred bytes; anything larger
 class RunDirLocked(ConfigError):
     """Another live run holds the run directory; nothing was written."""
 
-    def __init__(self, message: str, holder: dict | None = None):
-        super().__init__(message, ("--run-dir",))
+    def __init__(self, message: str, holder: dict | None = None, flag: str = "--run-dir"):
+        super().__init__(message, (flag,))
         self.holder = holder or {}
 
 
@@ -48,16 +48,20 @@ class RunDirLock:
         import fcntl
 
         directory = Path(run_dir)
-        directory.mkdir(parents=True, exist_ok=True)
         path = directory / LOCK_FILENAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ConfigError(f"{flag} {str(directory)!r}: cannot create {LOCK_FILENAME} there "
+                              f"({exc.strerror or exc})", (flag,)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_record(fd)
             os.close(fd)
             raise RunDirLocked(f"{flag} {str(directory)!r} is in use by another run ({describe(holder)}); "
-                               "give this run its own --run-dir, or wait for that one to end", holder) from None
+                               f"give this run its own {flag}, or wait for that one to end", holder, flag) from None
         except BaseException:
             os.close(fd)
             raise

@@ -20,11 +20,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deadlines import scaled
+
 from miles_disagg.process import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
 MARKER_ENV = "MILES_DISAGG_TEST_CLUSTER"
-START_TIMEOUT_S = 240.0
+START_TIMEOUT_S = scaled(240.0)
 
 
 @dataclass

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 
 from miles_disagg.tracking import read_metrics
 
@@ -34,7 +35,7 @@ from cluster_fixtures import LocalRayCluster, RayNode
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-RUN_TIMEOUT_S = 900
+RUN_TIMEOUT_S = scaled(900)
 STEPS = 3
 OUR_ACTORS = ("ray::TrainerRank", "ray::EngineManager", "ray::EngineProcess", "ray::RolloutManager")
 
@@ -176,7 +177,7 @@ def test_serve_ray_runs_its_replicas_on_the_rollout_node(cluster: LocalRayCluste
         line = proc.stdout.readline()
         assert line.startswith("miles-disagg serve ray: gateway http://"), line
         with GatewayClient(line.split()[-1]) as client:
-            client.wait_converged(STEPS, num_replicas=1, timeout_s=300)  # the run's newest version, from the store
+            client.wait_converged(STEPS, num_replicas=1, timeout_s=scaled(300))  # the run's newest version, from the store
         actors = _actors(cluster, "ReplicaActor")
         assert [a["node_id"] for a in actors] == [node_id_offering(cluster, "rollout")]
         assert list(worker.view(work / "ray-0").iterdir())  # its local checkpoint, on the worker's own disk

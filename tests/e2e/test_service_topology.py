@@ -40,7 +40,7 @@ def service_run(tmp_path_factory: pytest.TempPathFactory, digits_base_model: Pat
             cwd=tmp, capture_output=True, text=True, timeout=scaled(300), env=env)
         assert result.returncode == 0, result.stderr[-6000:]
         with service.client() as client:
-            client.wait_converged(STEPS, num_replicas=2, timeout_s=60)
+            client.wait_converged(STEPS, num_replicas=2, timeout_s=scaled(60))
         yield tmp, result
     finally:
         service.stop()

@@ -147,6 +147,28 @@ def test_a_layout_the_cluster_cannot_hold_fails_with_config_error_and_reserves_n
     assert "PENDING" not in states, f"the refused placement group is still pending: {states}"
 
 
+def test_the_wait_for_bundles_prints_what_it_waits_for(ray_cluster, monkeypatch, capsys):
+    from miles_disagg.trainer import placement as placement_module
+
+    monkeypatch.setattr(placement_module, "PLACEMENT_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(placement_module, "PLACEMENT_PROGRESS_S", 0.5)
+    with pytest.raises(ConfigError, match="could not reserve 10 GPU bundles"):
+        create_placement(plan_layout(ClusterConfig(actor_num_gpus_per_node=4, rollout_num_gpus=6)))
+    err = capsys.readouterr().err
+    assert "waiting for the Ray cluster to grant 10 bundles of 1 GPU + 1 CPU" in err and "free now: 8 GPUs" in err
+
+
+def test_a_cluster_without_the_gpus_asked_for_is_refused_at_once(ray_cluster, monkeypatch):
+    from miles_disagg.loop.job import _check_cluster_offers
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # what the run would have joined
+    with pytest.raises(ConfigError, match="the Ray cluster at 10.0.0.1:6379 has 8 GPUs and 8 CPUs; this run asks "
+                                          "for 10 bundles") as refused:
+        _check_cluster_offers(10)
+    assert "--rollout-num-gpus" in refused.value.flags
+    _check_cluster_offers(8)  # what it holds: no error
+
+
 # --------------------------------------------------------------------------- attach by address
 
 

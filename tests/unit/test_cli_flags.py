@@ -22,6 +22,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
     from miles_disagg.bench.http_client import HttpBench
     from miles_disagg.bench.service import ServiceBench
     from miles_disagg.engines.agent.cli import AgentCommand
+    from miles_disagg.loop.report_cli import ReportCommand
     from miles_disagg.models.cli import TinyCheckpointCommand
     from miles_disagg.router.cli import RouterCommand
     from miles_disagg.service.cli import ROLES
@@ -32,6 +33,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
         ("agent",): (AgentCommand,),
         ("router",): (RouterCommand,),
         ("make-tiny-checkpoint",): (TinyCheckpointCommand,),
+        ("report",): (ReportCommand,),
         **{("serve", role): (cls,) for role, cls in ROLES.items()},
         **{("weights", action): (cls,) for action, cls in ACTIONS.items()},
         ("bench", "delta"): (DeltaBench,),
@@ -101,7 +103,8 @@ def test_defaults_come_from_the_dataclass(path, tmp_path):
               for dest in required}
     if path == ("agent",):
         values["port"] = "30010"
-    argv = [*path, *(arg for dest, value in values.items() for arg in (required[dest].flag, value))]
+    argv = [*path, *(arg for dest, value in values.items()
+                     for arg in ((value,) if required[dest].positional else (required[dest].flag, value)))]
     config = config_from_args(config_cls, parse(argv))
     expected = config_cls(**{dest: required[dest].base_type(value) for dest, value in values.items()})
     assert config == expected

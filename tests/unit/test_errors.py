@@ -28,6 +28,7 @@ SPECIAL = {
     "WorkerFailed": lambda cls: cls("http://127.0.0.1:1", "reset"),
     "WorkerVersionMismatch": lambda cls: cls("http://127.0.0.1:1", 3, 2),
     "NodeLost": lambda cls: cls("node 10.0.0.2 left", node_id="ab" * 28, node_ip="10.0.0.2"),
+    "RunInterrupted": lambda cls: cls(15),
 }
 
 

@@ -98,6 +98,11 @@ def test_a_machine_with_fewer_gpus_than_asked(capsys, tmp_path, tiny_qwen3_dir, 
     argv = ["--hf-checkpoint", str(tiny_qwen3_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
             "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "64", "--run-dir", str(tmp_path / "run")]
     refused(capsys, argv, "asks for 65 GPUs (trainer 1: ", "rollout 64: --rollout-num-gpus); this machine has 2")
+    # --dry-run plans for a target machine: what this one lacks is a warning there
+    code = main("train_async", [*argv, "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert any(w.startswith("on this machine: this run asks for 65 GPUs") for w in json.loads(out)["warnings"])
 
 
 def test_a_typod_hf_checkpoint_is_not_made_by_the_configs_init(capsys, tmp_path) -> None:
@@ -122,3 +127,12 @@ def test_an_existing_other_checkpoint_is_used_as_it_is(tmp_path, tiny_qwen3_dir)
     assert config.train.hf_checkpoint_init == "none"  # no init record needed: it is the user's model
     config, _ = load_config(["--config", str(REPO / "configs/tiny_cpu.yaml")], "train_async")
     assert config.train.hf_checkpoint_init == "tiny-qwen3-digits"  # the config's own path keeps its init
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weight_and_rollout_hooks_that_do_not_import(capsys, tmp_path, tiny_qwen3_dir, mode) -> None:
+    refused(capsys, args(tmp_path, tiny_qwen3_dir, "--custom-update-weight-post-write-path", "no_such_module_xyz.hook",
+                         *mode), "--custom-update-weight-post-write-path")
+    refused(capsys, args(tmp_path, tiny_qwen3_dir, "--custom-generate-function-path", "no_such_module_xyz.gen", *mode),
+            "--custom-generate-function-path")
+    assert not (tmp_path / "run").exists()

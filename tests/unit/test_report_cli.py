@@ -52,3 +52,24 @@ def test_hostile_records_exit_2(tmp_path, capsys) -> None:
     assert main(["report", str(run_dir)]) == 2
     err = capsys.readouterr().err
     assert "cannot be summarized" in err and "Traceback" not in err
+
+
+def test_the_interruption_line_claims_only_what_was_written(tmp_path) -> None:
+    import signal
+
+    from miles_disagg.config import load_config
+    from miles_disagg.loop.interrupts import RunInterrupted, report_interruption
+    from miles_disagg.trainer.checkpoint import SaveMeta, write_save
+
+    config, _ = load_config(["--hf-checkpoint", "x", "--run-dir", str(tmp_path / "run"), "--save",
+                             str(tmp_path / "saves")], "train_async")
+    (tmp_path / "run").mkdir()
+    assert report_interruption(config, RunInterrupted(signal.SIGTERM)) == "interrupted (SIGTERM) at step 0"
+    assert not (tmp_path / "run" / "summary.json").exists()
+    a_run(tmp_path / "run", 3)
+    write_save(tmp_path / "saves", SaveMeta(step=2, version=2, run_id="r", world_size=1, data_position=8,
+                                            state_format="fsdp/torch-distributed-checkpoint"), lambda partial: (partial / "state").mkdir())
+    line = report_interruption(config, KeyboardInterrupt())
+    assert line == (f"interrupted (SIGINT) at step 3; summary.json and report.png of steps before 3 in {tmp_path / 'run'}; "
+                    f"resume with --load {tmp_path / 'saves'}")
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3

@@ -116,9 +116,46 @@ def test_default_run_dirs_started_in_the_same_second_differ() -> None:
 
 
 def test_default_run_dirs_of_two_processes_in_the_same_second_differ(tmp_path: Path) -> None:
-    script = ("import sys; from miles_disagg.config.loader import load_config; "
-              "print(load_config(['--hf-checkpoint', 'x'], 'train_async')[0].tracking.run_dir)")
-    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
-             for _ in range(2)]
-    dirs = [p.communicate(timeout=120)[0].strip() for p in procs]
-    assert all(d.startswith("runs/") for d in dirs) and dirs[0] != dirs[1]
+    """Two ``train_async.py`` started together (``--print-config`` shows where each would write)."""
+    repo = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, str(repo / "train_async.py"), "--hf-checkpoint", "x", "--print-config"],
+                              stdout=subprocess.PIPE, text=True, cwd=tmp_path) for _ in range(2)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    dirs = [next(line.split(": ", 1)[1] for line in out.splitlines() if line.strip().startswith("run_dir:"))
+            for out in outputs]
+    assert all(d.startswith("runs/") for d in dirs) and dirs[0] != dirs[1], dirs
+
+
+@pytest.mark.parametrize("flag", ["--update-weight-disk-dir", "--save"])
+def test_a_shared_store_or_save_dir_outside_the_run_dirs_is_held_too(tmp_path: Path, tiny_qwen3_dir, capsys,
+                                                                     flag) -> None:
+    """A second run publishing into a store another live run publishes into would reset it under that run;
+    its saves would mix with the other's."""
+    from miles_disagg.launcher import main
+
+    store = tmp_path / "shared"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(store)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        code = main("train_async", ["--hf-checkpoint", str(tiny_qwen3_dir), "--num-rollout", "1",
+                                    "--rollout-batch-size", "4", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus",
+                                    "1", "--run-dir", str(tmp_path / "run"), "--update-weight-transfer-mode", "disk-delta",
+                                    flag, str(store)])
+        err = capsys.readouterr().err
+        assert code == 2 and f"{flag} '{store}' is in use by another run (pid {proc.pid}" in err, err
+        assert f"give this run its own {flag}" in err
+        assert json.loads((tmp_path / "run" / LOCK_FILENAME).read_text())["released"] is True  # the run dir's, let go
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_uncreatable_run_dir_exits_2(tmp_path: Path, tiny_qwen3_dir, capsys) -> None:
+    from miles_disagg.launcher import main
+
+    (tmp_path / "file").write_text("")
+    code = main("train_async", ["--hf-checkpoint", str(tiny_qwen3_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
+                                "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+                                "--run-dir", str(tmp_path / "file" / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--run-dir" in err and "cannot create run.lock there" in err and "Traceback" not in err
