@@ -128,3 +128,24 @@ def test_logging_flags_reach_print_config(tmp_path: Path) -> None:
 
     shown = json.dumps(config_to_dict(config))
     assert "s3cret" not in shown and '"wandb_host": "https://wandb.example"' in shown
+
+
+def test_the_runs_tracker_takes_the_flags(tmp_path: Path, monkeypatch) -> None:
+    """``open_tracker`` (what train.py / train_async.py open): tensorboard under --tb-project-name /
+    --tb-experiment-name, wandb offline under --wandb-dir."""
+    pytest.importorskip("wandb", reason="the tracking extra is not installed")
+    pytest.importorskip("tensorboard", reason="the tracking extra is not installed")
+    from miles_disagg.loop.records import open_tracker
+
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "TENSORBOARD_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config, _ = load_config(["--run-dir", str(tmp_path / "run"), "--use-tensorboard", "--tb-project-name",
+                             str(tmp_path / "tb"), "--tb-experiment-name", "exp", "--use-wandb", "--wandb-mode",
+                             "offline", "--wandb-dir", str(tmp_path / "wb"), "--wandb-project", "p",
+                             "--disable-wandb-random-suffix", "--wandb-group", "g"], "train_async")
+    with open_tracker(config, start_step=0) as tracker:
+        tracker.log(0, {"rollout/raw_reward": 0.25})
+    assert list((tmp_path / "tb" / "exp").glob("events.out.tfevents.*"))
+    runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
