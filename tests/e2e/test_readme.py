@@ -36,7 +36,9 @@ OTHER_TOOLS_FLAGS = {
     "--dist", "--strict-markers",  # pytest (section "Development")
     "--no-deps",  # pip (the SGLang tier)
     "--enable-memory-saver",  # SGLang's own flag, which managed colocated engines get
+    "--generate",  # ray get-auth-token --generate
     "--no-x",  # the README's example of the boolean pattern (--x / --no-x)
+    "--prot", "--rollout-batch-sise",  # typos in the README's "did you mean" examples
 }
 GPU_CHECK_FLAGS = {"--cpu", "--only"}  # scripts/gpu_check.sh (miles_disagg/bench/gpu_check.py)
 PATH_PREFIXES = ("configs/", "scripts/", "miles_disagg/", "tests/", "docs/", ".ci/")

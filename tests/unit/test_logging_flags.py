@@ -149,3 +149,17 @@ def test_the_runs_tracker_takes_the_flags(tmp_path: Path, monkeypatch) -> None:
     assert list((tmp_path / "tb" / "exp").glob("events.out.tfevents.*"))
     runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
+
+
+def test_without_a_global_dataset_get_samples_is_refused_naming_the_flag() -> None:
+    import pickle
+
+    from miles_disagg.rollout.hook_args import PromptSamples
+    from miles_disagg.rollout.manager import _no_global_dataset
+
+    source = PromptSamples(_no_global_dataset, lambda prompt, n: [prompt] * n, 2)
+    with pytest.raises(ConfigError) as info:
+        source.get_samples(4)
+    assert info.value.flags == ("--disable-rollout-global-dataset",) and "get_samples(4)" in str(info.value)
+    again = pickle.loads(pickle.dumps(info.value))  # it crosses the rollout manager's Ray boundary
+    assert str(again) == str(info.value) and again.flags == info.value.flags
