@@ -36,7 +36,29 @@ class _CommandLineParser(ConfigArgumentParser):
     """Its errors (and those of every subcommand parser) name the (sub)command: one line, exit 2."""
 
     def error(self, message: str):  # type: ignore[override]
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            message += _did_you_mean(message[len(prefix):].split(), _option_strings(self))
         raise ConfigError(f"{self.prog}: error: {message} (see --help)")
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every ``--option`` of ``parser`` and of the subcommand parsers built under it."""
+    options = []
+    for action in parser._actions:
+        options += [o for o in action.option_strings if o.startswith("--")]
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                options += _option_strings(sub)
+    return options
+
+
+def _did_you_mean(tokens: list[str], options: list[str]) -> str:
+    from miles_disagg.config.loader import closest
+
+    hints = [f"{token}: did you mean {hint}?" for token in tokens if token.startswith("--")
+             for hint in [closest(token.split("=", 1)[0], sorted(set(options)))] if hint]
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:

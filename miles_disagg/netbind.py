@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -100,6 +101,26 @@ def keys_runtime_env() -> dict | None:
     return worker_runtime_env(ApiKeys.from_env().env())
 
 
+RAY_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+RAY_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+class _DropRayTokenNotice(logging.Filter):
+    """Drops Ray's notice that token authentication is on by default (printed on every local start;
+    the README says once what the default is and how to set a token). Every other record passes,
+    the warning that authentication is *disabled* included."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return RAY_TOKEN_NOTICE not in record.getMessage()
+
+
+def quiet_ray_token_notice() -> None:
+    """Install :class:`_DropRayTokenNotice` on Ray's authentication logger (once per process)."""
+    logger = logging.getLogger(RAY_TOKEN_LOGGER)
+    if not any(isinstance(f, _DropRayTokenNotice) for f in logger.filters):
+        logger.addFilter(_DropRayTokenNotice())
+
+
 def keep_ray_token_auth(ray_imported: bool | None = None) -> None:
     """Before starting a local Ray: token authentication stays on unless the caller chose a mode.
     Ray (>= 2.60) turns it on by itself when the mode is unset, using the token it finds or one it
@@ -108,6 +129,7 @@ def keep_ray_token_auth(ray_imported: bool | None = None) -> None:
     it starts, which wants one. So the mode is set to ``token`` only where a token exists
     (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``) and Ray is not imported
     yet (``ray_imported``: None looks at ``sys.modules``); otherwise Ray's default stands."""
+    quiet_ray_token_notice()
     if os.environ.get(RAY_AUTH_MODE_ENV):
         return
     if ray_imported is None:

@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, TypeVar
 
@@ -43,7 +44,8 @@ class MetricsTracker:
     def __init__(self, output_dir: str | Path, *, use_tensorboard: bool = False, use_wandb: bool = False,
                  wandb_project: str | None = None, wandb_group: str | None = None, wandb_team: str | None = None,
                  wandb_key: str | None = None, run_config: Mapping[str, Any] | None = None,
-                 start_step: int | None = None):
+                 start_step: int | None = None, wandb_options: "WandbOptions | None" = None,
+                 tensorboard_dir: str | Path | None = None):
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / METRICS_FILENAME
@@ -53,9 +55,10 @@ class MetricsTracker:
                 keep_steps_before(self.output_dir / f"{stream}.jsonl", start_step, key=key)
         self._file = open(self.path, "a", encoding="utf-8")
         self._streams: dict[str, Any] = {}
-        self._tensorboard = _open_tensorboard(self.output_dir) if use_tensorboard else None
-        self._wandb = (_open_wandb(wandb_project, wandb_group, run_config, team=wandb_team, key=wandb_key)
-                       if use_wandb else None)
+        self._tensorboard = (_open_tensorboard(Path(tensorboard_dir or self.output_dir / "tensorboard"))
+                             if use_tensorboard else None)
+        options = wandb_options or WandbOptions(project=wandb_project, group=wandb_group, team=wandb_team, key=wandb_key)
+        self._wandb = open_wandb(options, run_config, self.output_dir) if use_wandb else None
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Append one record for ``step``; returns the record written."""
@@ -181,22 +184,96 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _open_tensorboard(output_dir: Path):
+def _open_tensorboard(log_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise ConfigError("--use-tensorboard: tensorboard is not installed (pip install tensorboard)",
-                          ("--use-tensorboard",)) from None
-    return SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+        raise ConfigError("--use-tensorboard: tensorboard is not installed (pip install tensorboard, or "
+                          "./scripts/setup.sh, which installs the tracking extra)", ("--use-tensorboard",)) from None
+    return SummaryWriter(log_dir=str(log_dir))
 
 
-def _open_wandb(project: str | None, group: str | None, run_config: Mapping[str, Any] | None, *,
-                team: str | None = None, key: str | None = None):
-    """A wandb run (``team``: the entity, miles' ``--wandb-team``; ``key``: logged in with it first)."""
+def tensorboard_dir(run_dir: str | Path, project: str | None, experiment: str | None) -> Path:
+    """Where TensorBoard events go, with miles' ``--tb-project-name`` / ``--tb-experiment-name`` meaning:
+    ``<project>/<experiment>``; the project defaults to ``$TENSORBOARD_DIR``, else the run directory's
+    ``tensorboard/`` (then without an experiment level unless one is named); the experiment defaults to
+    the run directory's name."""
+    run_dir = Path(run_dir)
+    root = project or os.environ.get("TENSORBOARD_DIR")
+    if root is None:
+        return run_dir / "tensorboard" / experiment if experiment else run_dir / "tensorboard"
+    return Path(root) / (experiment or run_dir.resolve().name)
+
+
+@dataclass(frozen=True)
+class WandbOptions:
+    """miles' wandb flags: ``--wandb-project``, ``-group``, ``-team`` (entity), ``-key``, ``-host`` (server
+    URL), ``-mode`` (online | offline | disabled; None: ``WANDB_MODE`` or online), ``-dir`` (None: the run
+    directory), ``-run-id`` (resume or create that run) and ``--disable-wandb-random-suffix``."""
+
+    project: str | None = None
+    group: str | None = None
+    team: str | None = None
+    key: str | None = None
+    host: str | None = None
+    mode: str | None = None
+    dir: str | None = None
+    run_id: str | None = None
+    random_suffix: bool = True
+
+    def run_name(self, run_dir: Path, suffix: str) -> str:
+        """The group (or the run directory's name), plus ``_`` and ``suffix`` unless the suffix is disabled."""
+        base = self.group or run_dir.resolve().name
+        return f"{base}_{suffix}" if self.random_suffix else base
+
+
+def open_wandb(options: WandbOptions, run_config: Mapping[str, Any] | None, run_dir: Path):
+    """A wandb run with miles' flags' meanings (logged in with the key first, against the host if given)."""
     try:
         import wandb
     except ImportError:
-        raise ConfigError("--use-wandb: wandb is not installed (pip install wandb)", ("--use-wandb",)) from None
-    if key:
-        wandb.login(key=key, relogin=True)
-    return wandb.init(project=project, group=group, entity=team, config=dict(run_config or {}))
+        raise ConfigError("--use-wandb: wandb is not installed (pip install wandb, or ./scripts/setup.sh, which "
+                          "installs the tracking extra)", ("--use-wandb",)) from None
+    if options.key:
+        login = {"key": options.key, "relogin": True}
+        if options.host:
+            login["host"] = options.host
+        wandb.login(**login)
+    kwargs: dict[str, Any] = {"project": options.project, "group": options.group, "entity": options.team,
+                              "config": dict(run_config or {})}
+    optional = {"mode": options.mode, "dir": str(options.dir or run_dir), "id": options.run_id,
+                "resume": "allow" if options.run_id else None,
+                "name": options.run_name(run_dir, _random_suffix()) if (options.group or options.run_id is None) else None,
+                "settings": wandb.Settings(base_url=options.host) if options.host else None}
+    kwargs.update({name: value for name, value in optional.items() if value is not None})
+    return wandb.init(**kwargs)
+
+
+def _random_suffix() -> str:
+    import secrets
+    import string
+
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(6))
+
+
+def pass_at_k(rewards_per_group: Iterable[Iterable[float]]) -> dict[str, float]:
+    """miles' ``--log-passrate``: ``rollout/pass@k`` for k = 1, 2, 4, ... up to the group size, a sample
+    passing when its reward is 1; per group the unbiased estimate ``1 - C(n - c, k) / C(n, k)``, then the
+    mean over groups (groups smaller than k are left out of that k)."""
+    groups = [[float(r) for r in rewards] for rewards in rewards_per_group]
+    groups = [g for g in groups if g]
+    if not groups:
+        return {}
+    metrics = {}
+    k = 1
+    while k <= max(len(g) for g in groups):
+        estimates = [_pass_at_k(len(g), sum(r == 1.0 for r in g), k) for g in groups if len(g) >= k]
+        metrics[f"rollout/pass@{k}"] = sum(estimates) / len(estimates)
+        k *= 2
+    return metrics
+
+
+def _pass_at_k(n: int, correct: int, k: int) -> float:
+    if n - correct < k:
+        return 1.0
+    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)

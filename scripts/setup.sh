@@ -2,7 +2,7 @@
 # Create .venv (if missing) and install miles-disagg into it. Idempotent: a second run
 # with an unchanged pyproject.toml does nothing but check. Works with plain pip.
 #   MILES_DISAGG_PYTHON   interpreter to build the venv with (default: python3)
-#   MILES_DISAGG_EXTRAS   extras to install (default: test)
+#   MILES_DISAGG_EXTRAS   extras to install (default: test,tracking: tensorboard and wandb)
 #   MILES_DISAGG_SGLANG_TIER=0  skip the SGLang conformance tier's packages (default: installed;
 #                               CI needs them: tests/sglang fails there without them)
 #   MILES_DISAGG_INSTALLER=pip  install with pip only (default: uv, installed into the venv with pip,
@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python_bin="${MILES_DISAGG_PYTHON:-python3}"
-extras="${MILES_DISAGG_EXTRAS:-test}"
+extras="${MILES_DISAGG_EXTRAS:-test,tracking}"
 venv=".venv"
 stamp="$venv/.miles-disagg-installed"
 tier_dir="$venv/sglang-tier"

@@ -93,7 +93,9 @@ def _measure(entry: str, root: Path, command: AsyncBench) -> dict:
     extra = [a for a in command.extra if a != "--"]
     cmd = [sys.executable, str(REPO / f"{entry}.py"), "--config", str(command.config), "--run-dir", str(run_dir),
            "--hf-checkpoint", str(root / "base-model"), "--num-rollout", str(command.steps),
-           "--rollout-max-response-len", str(command.response_len), "--rollout-num-gpus", str(command.engines), *extra]
+           "--rollout-max-response-len", str(command.response_len), "--rollout-num-gpus", str(command.engines),
+           # the base model is this bench's own (hidden size --hidden-size), not the config's --hf-checkpoint-init one
+           "--hf-checkpoint-init", "none", *extra]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp")}
     _progress(f"{entry}.py: {command.steps} steps")
     result = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

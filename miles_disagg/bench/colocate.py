@@ -1,6 +1,6 @@
 """``miles-disagg bench colocate``: does ``--colocate`` really hand memory over (on CPU)?
 
-Makes a random ~100M-parameter Qwen3 (float32) in a temp dir and measures two processes' RSS:
+Makes a random Qwen3 (float32; default ~100M parameters, `--hidden-size`, `--num-layers`) in a temp dir and measures two processes' RSS:
 
 * the engine (the built-in engine as a subprocess): before and after
   ``/release_memory_occupation`` (every tag), then after ``/resume_memory_occupation`` and a
@@ -21,12 +21,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_disagg.bench.common import print_result, progress, work_dir
+from miles_disagg.bench.common import print_result, progress, qwen3_shape, work_dir
 from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
 
-MODEL_SHAPE = dict(hidden_size=768, num_hidden_layers=12, intermediate_size=3072, num_attention_heads=12,
-                   num_key_value_heads=4, head_dim=64)
 MIB = float(1 << 20)
 
 
@@ -35,7 +33,12 @@ class ColocateBench:
     """colocation memory handoff: engine and trainer RSS while released / offloaded"""
 
     json: bool = flag(False, "Print the result as JSON (always on; kept for scripts).")
+    hidden_size: int = flag(768, "Hidden size of the random Qwen3 (a multiple of 64; 768: ~100M parameters).")
+    num_layers: int = flag(12, "Layers of the random Qwen3.")
     work_dir: Path | None = flag(None, "Keep the model here (default: a temp dir).")
+
+    def __post_init__(self) -> None:
+        qwen3_shape(self.hidden_size, self.num_layers)  # ValueError naming the flag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,11 +51,11 @@ _progress = progress("colocate")
 def run(args: argparse.Namespace) -> int:
     command = config_from_args(ColocateBench, args)
     with work_dir("colocate", command.work_dir) as root:
-        result = _bench(root)
+        result = _bench(root, command)
     return print_result(result)
 
 
-def _bench(root: Path) -> dict:
+def _bench(root: Path, command: ColocateBench) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -60,7 +63,7 @@ def _bench(root: Path) -> dict:
 
     torch.set_num_threads(2)
     _progress("making the model")
-    model_dir = make_tiny_qwen3(root / "model", **MODEL_SHAPE)
+    model_dir = make_tiny_qwen3(root / "model", **qwen3_shape(command.hidden_size, command.num_layers))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     weights_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     optimizer = _one_step(model)

@@ -30,3 +30,15 @@ def work_dir(name: str, keep: Path | None) -> Iterator[Path]:
 def print_result(result: dict[str, Any]) -> int:
     print(json.dumps(result))
     return 0
+
+
+def qwen3_shape(hidden_size: int, num_layers: int) -> dict[str, int]:
+    """The random Qwen3 of a benchmark: heads of 64 dims, 4 KV heads when the heads divide by 4
+    (the default 768 x 12 layers is the ~100M-parameter model the README's figures were measured on)."""
+    if hidden_size < 64 or hidden_size % 64:
+        raise ValueError(f"--hidden-size must be a positive multiple of 64, got {hidden_size}")
+    if num_layers < 1:
+        raise ValueError(f"--num-layers must be at least 1, got {num_layers}")
+    heads = hidden_size // 64
+    return dict(hidden_size=hidden_size, num_hidden_layers=num_layers, intermediate_size=4 * hidden_size,
+                num_attention_heads=heads, num_key_value_heads=4 if heads % 4 == 0 else heads, head_dim=64)

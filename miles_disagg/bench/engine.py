@@ -1,6 +1,6 @@
 """``miles-disagg bench engine``: built-in engine throughput and activation pause.
 
-Makes a random ~100M-parameter Qwen3 (character vocabulary) in a temp dir, starts the
+Makes a random Qwen3 (character vocabulary; default ~100M parameters, `--hidden-size`, `--num-layers`) in a temp dir, starts the
 built-in engine on it as a subprocess, and measures over HTTP:
 
 * tokens/s at concurrency 1 and 16 (``/generate``, ``ignore_eos``, fixed lengths),
@@ -22,12 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_disagg.bench.common import print_result, progress, work_dir
+from miles_disagg.bench.common import print_result, progress, qwen3_shape, work_dir
 from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
 
-MODEL_SHAPE = dict(hidden_size=768, num_hidden_layers=12, intermediate_size=3072, num_attention_heads=12,
-                   num_key_value_heads=4, head_dim=64)
 
 
 @dataclass(kw_only=True)
@@ -35,11 +33,16 @@ class EngineBench:
     """built-in engine throughput and activation pause"""
 
     json: bool = flag(False, "Print the result as JSON (always on; kept for scripts).")
+    hidden_size: int = flag(768, "Hidden size of the random Qwen3 (a multiple of 64; 768: ~100M parameters).")
+    num_layers: int = flag(12, "Layers of the random Qwen3.")
     max_new_tokens: int = flag(64, "Tokens generated per request.")
     prompt_tokens: int = flag(16, "Tokens per prompt.")
     concurrency: int = flag(16, "Requests in flight at once (the c16 measurement).")
     rounds: int = flag(2, "Activations measured per kind.")
     work_dir: Path | None = flag(None, "Keep the model and store here (default: a temp dir).")
+
+    def __post_init__(self) -> None:
+        qwen3_shape(self.hidden_size, self.num_layers)  # ValueError naming the flag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
 def _bench(root: Path, command: EngineBench) -> dict:
     from miles_disagg.models.tiny_qwen3 import make_tiny_qwen3
 
-    _progress("writing a random ~100M-parameter Qwen3")
-    model_dir = make_tiny_qwen3(root / "model", **MODEL_SHAPE)
+    _progress(f"writing a random Qwen3 (hidden {command.hidden_size}, {command.num_layers} layers)")
+    model_dir = make_tiny_qwen3(root / "model", **qwen3_shape(command.hidden_size, command.num_layers))
     prompts = [[(7 * i + j) % 90 + 3 for j in range(command.prompt_tokens)] for i in range(command.concurrency)]
     num_params, sequential = _sequential_generate(model_dir, prompts, command.max_new_tokens)
     engine = _Engine(model_dir, root)

@@ -36,6 +36,7 @@ MB = 1 << 20
 class HostileBench:
     """cost of oversized and hostile bodies to the engine and the router"""
 
+    json: bool = flag(False, "Print the result as JSON (always on; kept for scripts).")
     body_mb: int = flag(50, "Size of the oversized bodies, in MiB.")
     probe_interval: float = flag(0.05, "Seconds between /health probes while a body is sent.", metavar="S")
     work_dir: Path | None = flag(None, "Keep the model and logs here (default: a temp dir).")

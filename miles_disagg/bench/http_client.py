@@ -29,6 +29,7 @@ say = progress("http")
 class HttpBench:
     """the generation hot path's HTTP client: httpx vs pooled_http"""
 
+    json: bool = flag(False, "Print the result as JSON (always on; kept for scripts).")
     concurrency: int = flag(128, "Requests in flight (the rollout manager's --rollout-concurrency).")
     requests: int = flag(4000, "Requests each client sends.")
     delay_ms: float = flag(20.0, "The server's time per request, in milliseconds.", metavar="MS")

@@ -34,6 +34,8 @@ LR_DECAY_STYLES = ("constant",)
 ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 CHECKPOINT_INITS = ("none", "tiny-qwen3", "tiny-qwen3-digits", "tiny-qwen3-moe", "tiny-qwen3-moe-digits")
 ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # what the built-in engine (and SGLang) accept
+WANDB_MODES = ("online", "offline", "disabled")
+LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")  # miles' --loss-type values
 
 
 def _require(condition: bool, message: str) -> None:
@@ -50,6 +52,9 @@ class ClusterConfig:
     rollout_num_gpus: int | None = flag(None, "Total GPUs for rollout engines (default: same as the actor's when colocated).")
     rollout_num_gpus_per_engine: int = flag(1, "GPUs per rollout engine (its tensor-parallel size).")
     colocate: bool = flag(False, "Share GPUs between training and rollout (they take turns); train.py only.")
+    offload: bool = flag(False, "miles' --offload (= --offload-train --offload-rollout): what --colocate always does here; needs --colocate.")
+    offload_train: bool | None = flag(None, "miles': offload the trainer (parameters, gradients, optimizer state) while the engines generate; always on with --colocate; needs --colocate.")
+    offload_rollout: bool | None = flag(None, "miles': the engines release weights and KV cache while the trainer trains; always on with --colocate; needs --colocate.")
     num_gpus_per_node: int | None = flag(None, "GPUs per node (miles' flag): when given, --dry-run shows each bundle's node and a rollout engine may not span two nodes.")
     rollout_node_resource: str | None = flag(None, "Place engines only on nodes offering this Ray custom resource (e.g. one a rollout host was started with: ray start --resources '{\"rollout\": 8}'); each engine GPU asks for a share of it.", metavar="NAME")
 
@@ -127,6 +132,7 @@ class RolloutConfig:
     debug_train_only: bool = flag(False, "Train on --load-debug-rollout-data without engines.")
     save_debug_rollout_data: str | None = flag(None, "Write each step's groups to this path pattern ({rollout_id} is replaced).")
     load_debug_rollout_data: str | None = flag(None, "Read each step's groups from this path pattern instead of generating.")
+    disable_rollout_global_dataset: bool = flag(False, "No global prompt dataset is sampled for rollout: the --rollout-function-path manages its own data (its data_source.get_samples is refused); needs --rollout-function-path.")
 
     def __post_init__(self) -> None:
         _require(self.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be >= 1")
@@ -184,6 +190,7 @@ class TrainConfig:
     hf_checkpoint: str | None = flag(None, "HF checkpoint directory of the base policy (version 0).")
     hf_checkpoint_init: str = flag("none", "Create a random model at --hf-checkpoint when the directory is missing (tiny-qwen3: for CPU demos and tests; tiny-qwen3-moe: 4 experts, top 2).", choices=CHECKPOINT_INITS)
     train_backend: str = flag("megatron", "Training backend: megatron (as in miles) or fsdp (FSDP2 on GPU, data parallel over gloo on CPU).", choices=TRAIN_BACKENDS)
+    loss_type: str = flag("policy_loss", "miles' loss: policy_loss (the policy-gradient loss of --advantage-estimator, the only one here; sft_loss and custom_loss are refused).", choices=LOSS_TYPES)
     global_batch_size: int | None = flag(None, "Samples per optimizer step.")
     micro_batch_size: int = flag(1, "Samples per forward/backward pass.")
     use_dynamic_batch_size: bool = flag(False, "megatron: micro-batches by token budget (--max-tokens-per-gpu) instead of --micro-batch-size.")
@@ -366,6 +373,15 @@ class TrackingConfig:
     wandb_group: str | None = flag(None, "wandb group name.")
     wandb_team: str | None = flag(None, "wandb entity (team) the run is logged under.")
     wandb_key: str | None = flag(None, "wandb API key (logged in with it; never printed or written to the run directory).")
+    wandb_host: str | None = flag(None, "wandb server URL (logged in and logged to there).", metavar="URL")
+    wandb_mode: str | None = flag(None, "wandb mode: online, offline (files only, no network; `wandb sync` uploads them later) or disabled (default: $WANDB_MODE, else online).", choices=WANDB_MODES)
+    wandb_dir: str | None = flag(None, "Directory wandb writes its files under (default: the run directory).", metavar="DIR")
+    wandb_run_id: str | None = flag(None, "Resume the wandb run with this id (created if it does not exist).", metavar="ID")
+    disable_wandb_random_suffix: bool = flag(False, "Name the wandb run exactly --wandb-group (default: the group, else the run directory's name, plus '_' and 6 random characters).")
+    tb_project_name: str | None = flag(None, "TensorBoard log root: events go to DIR/<--tb-experiment-name> (default: $TENSORBOARD_DIR, else <run-dir>/tensorboard).", metavar="DIR")
+    tb_experiment_name: str | None = flag(None, "TensorBoard experiment: a subdirectory of --tb-project-name (default: the run directory's name).", metavar="NAME")
+    log_passrate: bool = flag(False, "Log rollout/pass@k each step (k = 1, 2, 4, ... up to --n-samples-per-prompt; a sample passes when its reward is 1).")
+    dump_details: str | None = flag(None, "Dump each step's groups for post-hoc analysis under DIR/rollout_data/ (sets --save-debug-rollout-data DIR/rollout_data/{rollout_id}.jsonl unless given).", metavar="DIR")
 
 
 @dataclass(kw_only=True)

@@ -133,7 +133,7 @@ def add_flag(group: argparse.ArgumentParser | argparse._ArgumentGroup, spec: Fla
         group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **kwargs)
         return
     kwargs["type"] = spec.base_type
-    kwargs["metavar"] = spec.metavar or spec.dest.upper().split("_")[-1]
+    kwargs["metavar"] = spec.metavar or default_metavar(spec)
     if spec.choices:
         kwargs["choices"] = spec.choices
         kwargs.pop("metavar")
@@ -147,6 +147,33 @@ def add_flag(group: argparse.ArgumentParser | argparse._ArgumentGroup, spec: Fla
     if not spec.required and spec.default not in (None, [], argparse.SUPPRESS):
         kwargs["help"] = f"{spec.help} (default: {spec.default})"
     group.add_argument(spec.flag, **kwargs)
+
+
+_DIR_FIELDS = ("hf_checkpoint", "load", "ref_load", "save")
+_METAVAR_SUFFIXES = (("api_key", "KEY"), ("wandb_key", "KEY"), ("_key", "FIELD"), ("_function_path", "MODULE:FUNCTION"),
+                     ("_filter_path", "MODULE:FUNCTION"), ("_process_path", "MODULE:FUNCTION"), ("_rm_path", "MODULE:FUNCTION"),
+                     ("_write_path", "MODULE:FUNCTION"), ("_hook", "MODULE:FUNCTION"), ("_dir", "DIR"), ("_path", "PATH"),
+                     ("_data", "PATH"), ("_url", "URL"), ("_addrs", "HOST:PORT"), ("_addr", "HOST:PORT"),
+                     ("_port", "PORT"), ("_host", "HOST"))
+
+
+def default_metavar(spec: FlagSpec) -> str:
+    """What a flag's value is, for ``--help``: a count (``N``), a number (``X``), a directory, a path, a hook
+    (``MODULE:FUNCTION``), a URL, ... never the last word of the flag's name (``--actor-num-gpus-per-node NODE``)."""
+    if spec.dest == "port" or spec.dest.endswith("_port"):
+        return "PORT"
+    if spec.base_type is int:
+        return "N"
+    if spec.base_type is float:
+        return "X"
+    if spec.dest in _DIR_FIELDS:
+        return "DIR"
+    for suffix, metavar in _METAVAR_SUFFIXES:
+        if spec.dest.endswith(suffix):
+            return metavar
+    if spec.base_type is not str:
+        return "PATH" if spec.base_type.__name__.endswith("Path") else spec.base_type.__name__.upper()
+    return spec.dest.upper().split("_")[-1]
 
 
 def build_config(config_cls: type[C], values: Mapping[str, Any]) -> C:

@@ -65,9 +65,10 @@ def load_launch(argv: Sequence[str] | None, entry: str) -> tuple[RunConfig, str]
     argv = list(sys.argv[1:] if argv is None else argv)
     # --sglang-* go to managed SGLang servers as they are, except the job's own --sglang-* flags
     sglang_args, argv = split_sglang_passthrough(argv, consumed=job_sglang_flags())
-    parsed, unknown = build_parser(entry).parse_known_args(argv)
+    parser = build_parser(entry)
+    parsed, unknown = parser.parse_known_args(argv)
     if unknown:
-        raise unknown_flags_error(entry, unknown)
+        raise with_suggestions(unknown_flags_error(entry, unknown), known_flags(parser), entry)
     args = vars(parsed)
     config_path = args.pop("config", None)
     modes = [mode for mode, key in (("print-config", "print_config"), ("dry-run", "dry_run")) if args.pop(key, False)]
@@ -108,6 +109,33 @@ def bind_checkpoint_init(yaml_values: dict[str, Any], cli_args: dict[str, Any]) 
                           ("--hf-checkpoint", "--hf-checkpoint-init"))
 
 
+def closest(name: str, candidates: Sequence[str]) -> str | None:
+    """The candidate nearest ``name`` (a typo's likely meaning), or None when none is close."""
+    import difflib
+
+    matches = difflib.get_close_matches(name, candidates, n=1, cutoff=0.75)
+    return matches[0] if matches else None
+
+
+def known_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string the parser takes (``--no-x`` forms included), refused miles flags left out."""
+    refused = set(REFUSED_FLAGS)
+    return sorted(option for action in parser._actions for option in action.option_strings
+                  if option.startswith("--") and option not in refused)
+
+
+def with_suggestions(error: ConfigError, flags: Sequence[str], entry: str) -> ConfigError:
+    """``error`` (unknown flags) with "did you mean" for each flag that is a likely typo of a known one
+    (when every one is, just those lines: the typo's cause is plain)."""
+    hints = {flag_name: closest(flag_name, flags) for flag_name in error.flags}
+    found = [f"{flag_name}: not a flag of {entry}.py; did you mean {hint}?" for flag_name, hint in hints.items() if hint]
+    if not found:
+        return error
+    if len(found) == len(hints):
+        return ConfigError("; ".join(found), error.flags)
+    return ConfigError(f"{error} ({'; '.join(found)})", error.flags)
+
+
 def job_sglang_flags() -> frozenset[str]:
     """``--sglang-*`` flags the job itself takes (never passed through to SGLang)."""
     flags = {spec.flag for specs in all_flag_specs().values() for spec in specs}
@@ -126,6 +154,8 @@ def fill_run_paths(config: RunConfig, now: float | None = None) -> None:
     if tracking.run_dir is None:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
         tracking.run_dir = str(Path("runs") / f"{stamp}-{secrets.token_hex(3)}")
+    if tracking.dump_details and config.rollout.save_debug_rollout_data is None:  # miles' --dump-details
+        config.rollout.save_debug_rollout_data = str(Path(tracking.dump_details) / "rollout_data" / "{rollout_id}.jsonl")
     if weights.update_weight_transfer_mode == "disk-delta":
         run_dir = Path(tracking.run_dir)
         if config.rollout.rollout_service_url is None:  # a service reads the store it was given: no default
@@ -169,7 +199,9 @@ def _flatten(raw: dict[str, Any], path: Path) -> dict[str, Any]:
         elif name in refused:
             flat[_REFUSED_KEY].append(refused[name])
         else:
-            raise ConfigError(f"--config {str(path)!r}: unknown key {key!r}", ("--config",))
+            hint = closest(name, sorted(known | set(refused) | set(SECTIONS)))
+            raise ConfigError(f"--config {str(path)!r}: unknown key {key!r}"
+                              + (f" (did you mean {hint!r}?)" if hint else ""), ("--config",))
     return flat
 
 

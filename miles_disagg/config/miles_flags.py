@@ -34,9 +34,6 @@ def miles_refusal(flag: str, why: str, instead: str) -> str:
     return f"{flag} is a miles flag that does not apply here: {why}; {instead}"
 
 
-_COLOCATED_OFFLOAD = ("miles moves one side's GPU memory to the CPU while the other side of a colocated job runs; "
-                      "colocated jobs here keep the trainer and the engines resident and take turns computing")
-
 REFUSED_FLAGS: dict[str, RefusedFlag] = {f.flag: f for f in (
     RefusedFlag("--keep-old-actor",
                 "it keeps a copy of the weights the engines serve to recompute the PPO ratio's denominator, but here a "
@@ -54,9 +51,6 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {f.flag: f for f in (
     RefusedFlag("--sglang-router-request-timeout-secs",
                 "it sets sglang-router's per-request timeout, which the job's router does not take",
                 "drop it"),
-    RefusedFlag("--offload", _COLOCATED_OFFLOAD, "drop it (and size --sglang-mem-fraction-static so both fit)"),
-    RefusedFlag("--offload-train", _COLOCATED_OFFLOAD, "drop it"),
-    RefusedFlag("--offload-rollout", _COLOCATED_OFFLOAD, "drop it"),
     RefusedFlag("--partial-rollout",
                 "it recycles unfinished samples into the next rollout; here every group is generated whole",
                 "drop it (--max-weight-staleness bounds how old a consumed sample may be)"),

@@ -19,7 +19,8 @@ def validate(config: RunConfig) -> None:
     """Raise ``ConfigError`` (naming the offending flags) for the first invalid combination."""
     for check in (_check_entry, _check_miles_rejections, _check_disk_delta, _check_topology, _check_batches,
                   _check_colocate, _check_debug, _check_save_and_eval, _check_megatron, _check_megatron_only_flags,
-                  _check_routing, _check_ci, check_model_args, check_expert_layout):
+                  _check_routing, _check_ci, check_model_args, check_expert_layout, _check_miles_logging_and_data,
+                  _check_offload):
         check(config)
     check_routing_replay(config)  # MoE: the routing-replay flags need a MoE checkpoint
     launched = not (config.rollout.rollout_external or config.rollout.rollout_service_url)  # servers this job starts
@@ -324,3 +325,36 @@ def _check_ci(config: RunConfig) -> None:
                           "--rollout-service-url the run holds no engine (the service's replicas verify every "
                           "version's checksums before activating it)", ("--check-weight-update-equal",
                                                                         "--rollout-service-url"))
+
+
+def _check_miles_logging_and_data(config: RunConfig) -> None:
+    """miles' --loss-type and --disable-rollout-global-dataset where their meaning does not apply here."""
+    if config.train.loss_type != "policy_loss":
+        raise ConfigError(miles_refusal(f"--loss-type {config.train.loss_type}",
+                                        "the trainer here computes only the policy-gradient loss of "
+                                        "--advantage-estimator (no supervised or custom loss function)",
+                                        "use --loss-type policy_loss (the default)"), ("--loss-type",))
+    rollout = config.rollout
+    if rollout.disable_rollout_global_dataset and not rollout.rollout_function_path:
+        raise ConfigError("--disable-rollout-global-dataset leaves the rollout without prompts unless a "
+                          "--rollout-function-path manages its own data (as in miles): give one, or drop the flag",
+                          ("--disable-rollout-global-dataset", "--rollout-function-path"))
+
+
+def _check_offload(config: RunConfig) -> None:
+    """miles' --offload flags: what --colocate does here (both sides offload); without --colocate, or turned
+    off under it, refused with the reason."""
+    cluster = config.cluster
+    given = [(name, value) for name, value in (("--offload", cluster.offload or None),
+                                               ("--offload-train", cluster.offload_train),
+                                               ("--offload-rollout", cluster.offload_rollout)) if value is not None]
+    for name, value in given:
+        if value and not cluster.colocate:
+            raise ConfigError(miles_refusal(name, "it frees one side's GPU memory while the other side of a colocated "
+                                            "job runs, and this job is not colocated (the trainer and the engines "
+                                            "have GPUs of their own)", "drop it, or add --colocate (which offloads "
+                                            "both sides)"), (name,))
+        if not value and cluster.colocate:
+            off = "--no-" + name.removeprefix("--")
+            raise ConfigError(miles_refusal(off, "a colocated job here always offloads both sides (the trainer "
+                                            "between its steps, the engines while it trains)", "drop it"), (off,))

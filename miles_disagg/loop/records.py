@@ -18,6 +18,24 @@ def step_record(train_metrics: dict, rollout_metrics: dict, update_metrics: dict
     return record
 
 
+def open_tracker(config, *, start_step: int | None) -> "MetricsTracker":
+    """The run's metrics tracker with miles' logging flags (``--use-tensorboard --tb-project-name
+    --tb-experiment-name``, ``--use-wandb --wandb-*``)."""
+    from miles_disagg.tracking import MetricsTracker, WandbOptions, tensorboard_dir
+
+    tracking = config.tracking
+    wandb = WandbOptions(project=tracking.wandb_project, group=tracking.wandb_group, team=tracking.wandb_team,
+                         key=tracking.wandb_key, host=tracking.wandb_host, mode=tracking.wandb_mode,
+                         dir=tracking.wandb_dir, run_id=tracking.wandb_run_id,
+                         random_suffix=not tracking.disable_wandb_random_suffix)
+    from miles_disagg.config.loader import config_to_dict
+
+    return MetricsTracker(tracking.run_dir, use_tensorboard=tracking.use_tensorboard, use_wandb=tracking.use_wandb,
+                          wandb_options=wandb, run_config=config_to_dict(config), start_step=start_step,
+                          tensorboard_dir=tensorboard_dir(tracking.run_dir, tracking.tb_project_name,
+                                                          tracking.tb_experiment_name))
+
+
 class BusyMeter:
     """Fraction of wall time the engines had a request in flight, from the router's counters
     (None where the router does not count busy time, e.g. sglang-router)."""

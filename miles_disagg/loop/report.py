@@ -11,14 +11,23 @@ from typing import Any
 from miles_disagg.tracking import METRICS_FILENAME, UPDATES_STREAM, read_metrics
 
 WINDOW = 5
+MS = 1e3
+# (metric, panel title, y-axis label, scale): every panel's x axis is the rollout step
 PLOTS = (
-    ("rollout/raw_reward", "reward"),
-    ("rollout/staleness_max", "staleness (max)"),
-    ("perf/update_weights_density", "update density"),
-    ("perf/update_weights_pause_time", "pause (s)"),
-    ("perf/update_weights_prepare_time", "prepare (s)"),
-    ("train/ppo_kl", "ppo_kl"),
+    ("rollout/raw_reward", "reward (mean over samples)", "reward", 1.0),
+    ("rollout/staleness_max", "staleness (max)", "versions behind", 1.0),
+    ("rollout/stale_groups_dropped", "stale groups dropped", "groups per step", 1.0),
+    ("perf/update_weights_density", "update density", "fraction of bytes changed", 1.0),
+    ("perf/update_weights_pause_time", "activation pause", "ms", MS),
+    ("perf/update_weights_prepare_time", "prepare (pull + stage)", "ms", MS),
+    ("train/ppo_kl", "ppo_kl", "nats per token", 1.0),
+    ("perf/samples_per_s", "throughput", "samples / s", 1.0),
 )
+COLOCATE_PLOTS = {  # a colocated run has no publication or pause: its handoff instead
+    "perf/update_weights_pause_time": ("perf/colocate_engine_release_time", "engines release memory", "ms", MS),
+    "perf/update_weights_prepare_time": ("perf/update_weights_time", "weights to engines (handoff)", "ms", MS),
+}
+COLOCATE_KEY = "perf/colocate_offloaded_bytes"
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -44,7 +53,19 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "pause_time_mean_s": mean(r.get("perf/update_weights_pause_time") for r in updates),
         "pause_time_max_s": max((r.get("perf/update_weights_pause_time", 0) or 0 for r in updates), default=None),
         "samples_per_s": mean(r.get("perf/samples_per_s") for r in records),
+        **_handoff(records, mean),
     }
+
+
+def _handoff(records: list[dict[str, Any]], mean) -> dict[str, Any]:
+    """A colocated run's handoff (``loop/colocate.py``): no pause or prepare, but these, per step."""
+    steps = [r for r in records if COLOCATE_KEY in r]
+    if not steps:
+        return {}
+    return {"colocate_release_time_mean_s": mean(r.get("perf/colocate_engine_release_time") for r in steps),
+            "colocate_onload_time_mean_s": mean(r.get("perf/colocate_trainer_onload_time") for r in steps),
+            "colocate_update_time_mean_s": mean(r.get("perf/update_weights_time") for r in steps),
+            "colocate_offloaded_bytes_mean": mean(r.get(COLOCATE_KEY) for r in steps)}
 
 
 def write_report(run_dir: str | Path) -> dict[str, Any]:
@@ -54,7 +75,7 @@ def write_report(run_dir: str | Path) -> dict[str, Any]:
     summary = summarize(records)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if records:
-        plot(records, run_dir / "report.png")
+        plot(records, run_dir / "report.png", title=report_title(run_dir))
     print(format_summary(summary, run_dir), file=sys.stderr)
     return summary
 
@@ -81,6 +102,7 @@ def format_summary(s: dict[str, Any], run_dir: Path) -> str:
         f"updates: {s['updates']}   density: {f(s['update_density_mean'])}   wire: "
         f"{f(s['wire_bytes_mean'] and s['wire_bytes_mean'] / 1024, '{:.1f}')} KiB of "
         f"{f(s['total_bytes'] and s['total_bytes'] / 1024, '{:.1f}')} KiB per update",
+        _handoff_line(s, f) if "colocate_update_time_mean_s" in s else
         f"prepare: {f(s['prepare_time_mean_s'] and s['prepare_time_mean_s'] * 1e3, '{:.1f}')} ms   pause: mean "
         f"{f(s['pause_time_mean_s'] and s['pause_time_mean_s'] * 1e3, '{:.1f}')} ms, max "
         f"{f(s['pause_time_max_s'] and s['pause_time_max_s'] * 1e3, '{:.1f}')} ms",
@@ -89,19 +111,61 @@ def format_summary(s: dict[str, Any], run_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def plot(records: list[dict[str, Any]], path: Path) -> None:
+def _handoff_line(s: dict[str, Any], f) -> str:
+    def ms(key):
+        return f(s[key] and s[key] * 1e3, "{:.1f}")
+
+    return (f"handoff (colocated, mean per step): engines release {ms('colocate_release_time_mean_s')} ms, trainer "
+            f"onload {ms('colocate_onload_time_mean_s')} ms, weights to engines {ms('colocate_update_time_mean_s')} ms, "
+            f"offloaded {f(s['colocate_offloaded_bytes_mean'] and s['colocate_offloaded_bytes_mean'] / 2**20, '{:.1f}')}"
+            " MiB")
+
+
+def report_title(run_dir: Path) -> str:
+    """The run directory and the key settings of its command (from its ``config.json``)."""
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+        return f"{run_dir}\n{key_settings(config)}"
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return str(run_dir)
+
+
+def key_settings(config: dict[str, Any]) -> str:
+    """One line: entry, model, batch, staleness, transfer, engines, learning rate."""
+    cluster, rollout, weights, train = (config.get(k, {}) for k in ("cluster", "rollout", "weights", "train"))
+    engines = (cluster.get("rollout_num_gpus") or 0) // max(cluster.get("rollout_num_gpus_per_engine") or 1, 1)
+    parts = [f"{config.get('entry', '?')}.py", f"model {Path(str(train.get('hf_checkpoint'))).name}",
+             f"{rollout.get('rollout_batch_size')} prompts x {rollout.get('n_samples_per_prompt')} samples/step",
+             f"staleness <= {rollout.get('max_weight_staleness')}" if rollout.get("max_weight_staleness") is not None
+             else "staleness unbounded",
+             "colocated" if cluster.get("colocate") else f"{weights.get('update_weight_transfer_mode')} updates",
+             f"{engines} engine(s) ({rollout.get('rollout_backend')})", f"{train.get('train_backend')}",
+             f"lr {train.get('lr')}"]
+    return ", ".join(parts)
+
+
+def plot(records: list[dict[str, Any]], path: Path, title: str | None = None) -> None:
     # a Figure on the Agg canvas directly: pyplot's import and tight_layout cost about a CPU-second
     # more per run and add nothing to one PNG
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(12, 6))
+    fig = Figure(figsize=(16, 7.5))
     FigureCanvasAgg(fig)
-    for ax, (key, title) in zip(fig.subplots(2, 3).flat, PLOTS):
-        points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    colocated = any(COLOCATE_KEY in r for r in records)
+    for ax, panel in zip(fig.subplots(2, 4).flat, PLOTS):
+        key, name, unit, scale = COLOCATE_PLOTS.get(panel[0], panel) if colocated else panel
+        points = [(r["step"], r[key] * scale) for r in records if isinstance(r.get(key), (int, float))]
         if points:
             ax.plot(*zip(*points), marker=".")
-        ax.set_title(title)
-        ax.set_xlabel("step")
-    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.08, top=0.95, wspace=0.28, hspace=0.4)
+        else:
+            ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("rollout step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(unit)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.08, top=0.86 if title else 0.94, wspace=0.32, hspace=0.42)
     fig.savefig(path, dpi=80)

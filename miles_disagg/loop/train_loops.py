@@ -15,11 +15,11 @@ from miles_disagg.config.components import RunConfig
 from miles_disagg.loop.ci_gates import check_step
 from miles_disagg.loop.evaluation import maybe_evaluate
 from miles_disagg.loop.job import Job
-from miles_disagg.loop.records import BusyMeter, step_record
+from miles_disagg.loop.records import BusyMeter, open_tracker, step_record
 from miles_disagg.loop.resume import LoopState, find_resume, maybe_save, restore
 from miles_disagg.loop.updates import publish, publish_and_update, start_update
 from miles_disagg.rollout.manager import load_groups, save_groups
-from miles_disagg.tracking import TRAIN_STEPS_STREAM, UPDATES_STREAM, MetricsTracker, status
+from miles_disagg.tracking import TRAIN_STEPS_STREAM, UPDATES_STREAM, MetricsTracker, pass_at_k, status
 from miles_disagg.trainer.sequence_advantages import assign_advantages
 from miles_disagg.trainer.torch_dist import initial_checkpoint
 from miles_disagg.types import RolloutBatch
@@ -159,7 +159,10 @@ def _mean_reward(groups) -> float:
 
 def _log_step(tracker: MetricsTracker, config: RunConfig, step: int, batch: RolloutBatch, train_metrics: dict,
               update_metrics: dict, timings: dict, note: str | None = None) -> None:
-    record = tracker.log(step, step_record(train_metrics, batch.metrics, update_metrics, timings, batch.num_samples))
+    rollout_metrics = dict(batch.metrics)
+    if config.tracking.log_passrate:
+        rollout_metrics.update(pass_at_k([s.reward for s in g.samples] for g in batch.groups))
+    record = tracker.log(step, step_record(train_metrics, rollout_metrics, update_metrics, timings, batch.num_samples))
     check_step(record, config)
     parts = [f"step {step}", f"reward {record.get('rollout/raw_reward', 0):.3f}",
              f"staleness max {record.get('rollout/staleness_max', 0):.0f}"]
@@ -183,11 +186,7 @@ def run(config: RunConfig) -> None:
     job = Job.start(config, with_trainer=not config.rollout.debug_rollout_only, with_engines=with_engines,
                     run_id=found[1].run_id if found else None, data_position=found[1].data_position if found else 0,
                     initial_checkpoint=initial)
-    tracker = MetricsTracker(config.tracking.run_dir, use_tensorboard=config.tracking.use_tensorboard,
-                             use_wandb=config.tracking.use_wandb, wandb_project=config.tracking.wandb_project,
-                             wandb_group=config.tracking.wandb_group, wandb_team=config.tracking.wandb_team,
-                             wandb_key=config.tracking.wandb_key,
-                             start_step=found[1].step if found else 0)  # each step logged once after --load
+    tracker = open_tracker(config, start_step=found[1].step if found else 0)  # each step logged once after --load
     try:
         state = restore(job, found)
         if config.entry == "train_async" and not (config.rollout.debug_rollout_only or config.rollout.debug_train_only):

@@ -329,7 +329,8 @@ class RolloutManager:
 
     async def _rollout_function_groups(self) -> list[Group]:
         """One call of ``--rollout-function-path``: its groups, each sample checked and scored."""
-        source = PromptSamples(self._draw, self.generator.pending_group, self.config.n_samples_per_prompt)
+        draw = _no_global_dataset if self.config.disable_rollout_global_dataset else self._draw
+        source = PromptSamples(draw, self.generator.pending_group, self.config.n_samples_per_prompt)
         rollout_id, self._rollout_calls = self._rollout_calls, self._rollout_calls + 1
         output = await self.hooks.rollout_function(self.args, rollout_id, source, evaluation=False)
         groups, metrics = groups_from_rollout_output(output, lambda s: self.generator.finish(s, self.args))
@@ -387,6 +388,15 @@ class RolloutManager:
             metrics["rollout/trained_token_ratio"] = sum(s.effective_response_length for s in samples) / sum(lengths)
             metrics["rollout/engine_calls_mean"] = _mean(len(s.call_versions) for s in samples)
         return metrics
+
+
+def _no_global_dataset(n: int):
+    """``data_source.get_samples`` under ``--disable-rollout-global-dataset``: there is no global dataset."""
+    from miles_disagg.types import ConfigError
+
+    raise ConfigError(f"the rollout function asked data_source.get_samples({n}) for prompts, but "
+                      "--disable-rollout-global-dataset says it manages its own data: drop the flag, or load the "
+                      "prompts in the rollout function", ("--disable-rollout-global-dataset",))
 
 
 def _check_exact(samples: list, exact_version: int) -> None:

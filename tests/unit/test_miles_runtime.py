@@ -136,7 +136,7 @@ def test_wandb_team_and_key(tmp_path, monkeypatch) -> None:
         "calls = []\n"
         "def login(key=None, relogin=None):\n    calls.append(('login', key))\n"
         "class _Run:\n    def log(self, *a, **k): pass\n    def finish(self): pass\n"
-        "def init(project=None, group=None, entity=None, config=None):\n"
+        "def init(project=None, group=None, entity=None, config=None, **options):\n"
         "    calls.append(('init', project, group, entity))\n    return _Run()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "wandb", raising=False)

@@ -118,3 +118,18 @@ def test_a_run_that_dies_keeps_every_completed_step(tmp_path: Path) -> None:
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]  # step 1 is not lost
     assert [u["step"] for u in read_metrics(tmp_path / "updates.jsonl")] == [0]  # v2's activation never ended
     assert len(read_metrics(tmp_path / "train_steps.jsonl")) == 4
+
+
+def test_log_passrate_adds_pass_at_k_to_each_step(tmp_path: Path) -> None:
+    from miles_disagg.config.components import TrackingConfig
+
+    config = RunConfig(rollout=RolloutConfig(num_rollout=2, rollout_batch_size=2),
+                       weights=WeightUpdateConfig(update_weight_transfer_mode="disk-delta"), train=TrainConfig(),
+                       tracking=TrackingConfig(log_passrate=True))
+    job = Job(config, trainer=FakeTrainer(None), engines=FakeEngines(tmp_path / "metrics.jsonl"), rollout=FakeRollout())
+    with MetricsTracker(tmp_path) as tracker:
+        train_async(job, tracker, LoopState())
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["rollout/pass@1"], r["rollout/pass@2"]) for r in records] == [(0.5, 1.0), (0.5, 1.0)]
+    run_loop(tmp_path / "off")
+    assert all("rollout/pass@1" not in r for r in read_metrics(tmp_path / "off" / "metrics.jsonl"))

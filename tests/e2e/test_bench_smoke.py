@@ -1,0 +1,83 @@
+"""Every ``miles-disagg bench`` subcommand runs as the README documents it (``--json``), at tiny
+sizes: exit 0 and exactly one JSON object on stdout with the fields the README's table quotes.
+
+Smoke tests, not measurements: nothing here asserts a time or a ratio's size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles_disagg.bench.cli import BENCHMARKS
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY: dict[str, list[str]] = {
+    "delta": ["--size-mb", "4", "--repeat", "1", "--workers", "1"],
+    "engine": ["--hidden-size", "64", "--num-layers", "1", "--max-new-tokens", "4", "--prompt-tokens", "4",
+               "--concurrency", "2", "--rounds", "1"],
+    "service": ["--replicas", "1", "--versions", "2", "--burst", "1", "--concurrency", "2", "--max-new-tokens", "4",
+                "--poll-interval", "0.2"],
+    "hostile": [],  # the tiny model is built in; the bodies must pass the 32 MiB limit
+    "colocate": ["--hidden-size", "64", "--num-layers", "1"],
+    "http": ["--requests", "40", "--concurrency", "8", "--delay-ms", "1"],
+    "async": ["--steps", "3", "--warmup-steps", "1", "--hidden-size", "64", "--num-layers", "1", "--response-len", "4",
+              "--", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+              "--micro-batch-size", "16"],
+}
+"""Per benchmark, the flags that make it tiny (after ``--json``)."""
+
+EXPECTED_KEYS: dict[str, set[str]] = {
+    "delta": {"wire_ratio", "encode_speedup", "decode_speedup"},
+    "engine": {"throughput_ratio"},
+    "service": set(),
+    "hostile": set(),
+    "colocate": set(),
+    "http": {"httpx", "pooled_http"},
+    "async": {"samples_per_s_sync", "samples_per_s_async", "ratio", "engine_busy_fraction"},
+}
+
+
+def test_every_benchmark_has_a_smoke_variant() -> None:
+    assert set(TINY) == set(BENCHMARKS) == set(EXPECTED_KEYS)
+
+
+def bench(name: str, tmp_path: Path, timeout: float) -> dict:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    result = subprocess.run([sys.executable, "-m", "miles_disagg.cli", "bench", name, "--json", *TINY[name]],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"bench {name} --json exited {result.returncode}:\n{result.stderr[-4000:]}"
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"bench {name}: expected one JSON line on stdout, got {result.stdout[-2000:]!r}"
+    answer = json.loads(lines[0])
+    assert isinstance(answer, dict) and answer
+    missing = EXPECTED_KEYS[name] - answer.keys()
+    assert not missing, f"bench {name}: missing {sorted(missing)} in {sorted(answer)}"
+    return answer
+
+
+@pytest.mark.parametrize("name", ["delta", "http", "hostile", "engine", "colocate", "service"])
+def test_bench_runs_with_json(name: str, tmp_path: Path) -> None:
+    bench(name, tmp_path, timeout=600)
+
+
+@pytest.mark.slow
+def test_bench_async_runs_with_json(tmp_path: Path) -> None:
+    """The README's ``bench async --json``: both entry points on the bench's own model (the tiny
+    config's ``hf_checkpoint_init`` must not judge it: that exited 1 before)."""
+    answer = bench("async", tmp_path, timeout=900)
+    assert answer["samples_per_s_sync"] > 0 and answer["samples_per_s_async"] > 0
+
+
+def test_every_benchmark_refuses_a_bad_flag_with_exit_2() -> None:
+    for name in BENCHMARKS:
+        result = subprocess.run([sys.executable, "-m", "miles_disagg.cli", "bench", name, "--json", "--no-such-flag"],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, (name, result.stderr[-2000:])
+        assert "Traceback" not in result.stderr

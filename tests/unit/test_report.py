@@ -1,0 +1,69 @@
+"""report.png and the end-of-run summary: a title naming the run and its settings, units, stale drops,
+and a colocated run's handoff instead of an empty pause."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from miles_disagg.loop.report import PLOTS, key_settings, report_title, write_report
+
+
+def _run_dir(tmp_path: Path, records: list[dict], config: dict | None = None) -> Path:
+    run = tmp_path / "run-1"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if config is not None:
+        (run / "config.json").write_text(json.dumps(config))
+    return run
+
+
+CONFIG = {"entry": "train", "cluster": {"colocate": True, "rollout_num_gpus": 2, "rollout_num_gpus_per_engine": 1},
+          "rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 4, "max_weight_staleness": None,
+                      "rollout_backend": "builtin"},
+          "weights": {"update_weight_transfer_mode": "broadcast"},
+          "train": {"hf_checkpoint": "/models/tiny-base", "train_backend": "fsdp", "lr": 0.003}}
+
+
+def test_a_colocated_run_reports_its_handoff_not_an_empty_pause(tmp_path: Path, capsys) -> None:
+    records = [{"step": i, "rollout/raw_reward": 0.1 * i, "perf/colocate_engine_release_time": 0.02,
+                "perf/colocate_trainer_onload_time": 0.03, "perf/update_weights_time": 0.05,
+                "perf/update_weights_wire_bytes": 1000, "perf/update_weights_total_bytes": 1000,
+                "perf/colocate_offloaded_bytes": 3 * 2**20} for i in range(3)]
+    run = _run_dir(tmp_path, records, CONFIG)
+    summary = write_report(run)
+    printed = capsys.readouterr().err
+    assert "pause: mean n/a" not in printed
+    assert "handoff (colocated, mean per step): engines release 20.0 ms, trainer onload 30.0 ms, weights to " \
+           "engines 50.0 ms, offloaded 3.0 MiB" in printed
+    assert summary["colocate_update_time_mean_s"] == pytest.approx(0.05)
+    assert json.loads((run / "summary.json").read_text())["colocate_offloaded_bytes_mean"] == 3 * 2**20
+    assert (run / "report.png").stat().st_size > 10_000
+
+
+def test_a_disaggregated_run_keeps_its_pause_line(tmp_path: Path, capsys) -> None:
+    run = _run_dir(tmp_path, [{"step": 0, "perf/update_weights_pause_time": 0.01, "perf/update_weights_wire_bytes": 5,
+                               "rollout/stale_groups_dropped": 3}])
+    summary = write_report(run)
+    printed = capsys.readouterr().err
+    assert "pause: mean 10.0 ms" in printed and "handoff" not in printed
+    assert "colocate_update_time_mean_s" not in summary and summary["stale_groups_dropped"] == 3
+    assert report_title(run) == str(run)  # no config.json: the directory alone
+
+
+def test_the_title_names_the_run_and_its_key_settings(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path, [{"step": 0}], CONFIG)
+    title = report_title(run)
+    assert title.startswith(str(run) + "\n")
+    assert key_settings(CONFIG) == ("train.py, model tiny-base, 8 prompts x 4 samples/step, staleness unbounded, "
+                                    "colocated, 2 engine(s) (builtin), fsdp, lr 0.003")
+    (run / "config.json").write_text("{not json")
+    assert report_title(run) == str(run)  # a damaged config never stops the report
+
+
+def test_every_panel_has_units_and_stale_drops_are_plotted() -> None:
+    keys = [key for key, *_ in PLOTS]
+    assert "rollout/stale_groups_dropped" in keys
+    assert all(unit for _, _, unit, _ in PLOTS)
