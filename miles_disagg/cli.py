@@ -28,6 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("miles_disagg.service.cli", "the external rollout service: gateway, self-converging replicas, pools"),
     "make-tiny-checkpoint": ("miles_disagg.models.cli", "write a random tiny Qwen3 HF checkpoint (no download)"),
     "bench": ("miles_disagg.bench.cli", "benchmarks that print one JSON object"),
+    "sim-engines": ("miles_disagg.engines.simulated_cli", "simulated engines for scale benchmarks (no model)"),
 }
 
 

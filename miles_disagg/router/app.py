@@ -44,6 +44,7 @@ answer is decided, on the event loop; an observer that raises is logged and igno
 # no "from __future__ import annotations": FastAPI must see the real Request class
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -72,6 +73,7 @@ log = logging.getLogger(__name__)
 GENERATE_PATH = "/generate"
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
 DISCONNECT_RECHECK_S = 1.0
+OVERHEAD_WINDOW = 100_000  # routing overheads kept for /metrics' percentiles (the most recent requests)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +166,7 @@ class Router:
         self.health: HealthChecker | None = None
         self._health_task: asyncio.Task | None = None
         self.observers: list[Callable[[ProxyRecord], None]] = []
+        self.overheads_s: collections.deque[float] = collections.deque(maxlen=OVERHEAD_WINDOW)
 
     async def start(self) -> None:
         """Open the HTTP clients, register ``config.workers``, run one health pass, start the loop."""
@@ -229,6 +232,7 @@ class Router:
         started = time.perf_counter()
         response = await self._route(request, path, body, record, len(raw))
         record.status, record.total_s = response.status_code, time.perf_counter() - started
+        self.overheads_s.append(record.total_s - record.upstream_s)
         self._notify(record)
         return response
 
@@ -332,7 +336,17 @@ class Router:
         return {**{k: self.counters.get(k, 0) for k in (
             "requests", "version_not_ready", "no_worker_available", "worker_failed", "connect_retries",
             "stale_view", "client_disconnected")},
-            "served_per_worker": {w.url: w.num_served for w in self.registry.workers()}}
+            "served_per_worker": {w.url: w.num_served for w in self.registry.workers()},
+            "routing_overhead_ms": _percentiles_ms(self.overheads_s)}
+
+
+def _percentiles_ms(values_s: collections.deque) -> dict[str, float | int | None]:
+    """p50/p99/max in milliseconds of the router's own time per request (its time minus the workers')."""
+    ordered = sorted(values_s)
+    if not ordered:
+        return {"count": 0, "p50": None, "p99": None, "max": None}
+    at = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 3)  # noqa: E731
+    return {"count": len(ordered), "p50": at(0.5), "p99": at(0.99), "max": round(ordered[-1] * 1e3, 3)}
 
 
 # --------------------------------------------------------------------------- request/response helpers
