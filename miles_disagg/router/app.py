@@ -54,7 +54,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-import httpx
 from fastapi.responses import JSONResponse, Response
 
 from miles_disagg.asgi_guard import ServerGuard, install_guard, server_app
@@ -63,7 +62,6 @@ from miles_disagg.router.health import HealthChecker
 from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, annotate_served_versions,
                                        constraint_json, request_constraint, violates)
 from miles_disagg.router.registry import UnknownWorker, Worker, WorkerRegistry, WorkerState, parse_version
-from miles_disagg.keyed_client import pooled_limits
 from miles_disagg.pooled_http import NotConnected, PooledSession, Reply, TransportFailed
 from miles_disagg.httpjson import dumps_async, parse_body, parse_json_async
 from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
@@ -170,13 +168,14 @@ class Router:
 
     async def start(self) -> None:
         """Open the HTTP clients, register ``config.workers``, run one health pass, start the loop."""
-        # Requests to workers: pooled_http (its module says why); probes: httpx. Idle connections are
+        # Requests to workers and probes: pooled_http (its module and health.py say why). Idle connections are
         # dropped before the engine side closes them (a closing connection would read as a worker
         # failure); trust_env=False: worker traffic never goes through an env proxy.
         self._client = PooledSession(max_connections=None, connect_timeout_s=self.config.connect_timeout_s,
                                      read_timeout_s=self.config.request_timeout_s)
-        probe_client = httpx.AsyncClient(timeout=self.config.health_check_timeout_s, trust_env=False,
-                                         limits=pooled_limits(max_connections=None, max_keepalive_connections=256))
+        timeout = self.config.health_check_timeout_s
+        probe_client = PooledSession(max_connections=None, connect_timeout_s=timeout, read_timeout_s=timeout,
+                                     total_timeout_s=timeout)
         self.health = HealthChecker(self.registry, probe_client, interval_s=self.config.health_check_interval_s,
                                     keys=self.keys)
         for url in self.config.workers:
