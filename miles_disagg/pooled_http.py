@@ -71,25 +71,30 @@ class PooledSession:
 
         # Idle connections are dropped before a uvicorn server closes them from its side (5 s):
         # a request sent on a connection the server is closing reads as "connection reset".
+        self._connect_timeout_s = connect_timeout_s
         connector = aiohttp.TCPConnector(limit=max_connections or 0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
         timeout = aiohttp.ClientTimeout(total=total_timeout_s, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
         # trust_env stays False: traffic inside the cluster never goes through an environment proxy
-        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                              headers=dict(headers or {}))
+        # no cookie jar: nothing of ours sets cookies, and the jar's bookkeeping costs on every request
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=dict(headers or {}),
+                                              cookie_jar=aiohttp.DummyCookieJar())
 
     async def post(self, url: str, *, json: Any = None, content: bytes | None = None,
-                   headers: Mapping[str, str] | None = None) -> Reply:
+                   headers: Mapping[str, str] | None = None, timeout_s: float | None = None) -> Reply:
+        """``timeout_s``: a bound of this whole request (None: the session's timeouts)."""
         if json is not None:
             content = jsonlib.dumps(json).encode()
             headers = {"Content-Type": "application/json", **(headers or {})}
-        return await self._request("POST", url, data=content, headers=headers)
+        return await self._request("POST", url, timeout_s, data=content, headers=headers)
 
-    async def get(self, url: str, *, headers: Mapping[str, str] | None = None) -> Reply:
-        return await self._request("GET", url, headers=headers)
+    async def get(self, url: str, *, headers: Mapping[str, str] | None = None, timeout_s: float | None = None) -> Reply:
+        return await self._request("GET", url, timeout_s, headers=headers)
 
-    async def _request(self, method: str, url: str, **kwargs: Any) -> Reply:
+    async def _request(self, method: str, url: str, timeout_s: float | None, **kwargs: Any) -> Reply:
         import aiohttp
 
+        if timeout_s is not None:
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._connect_timeout_s)
         try:
             async with self._session.request(method, url, **kwargs) as response:
                 return Reply(response.status, await response.read(), response.headers)

@@ -88,9 +88,10 @@ class SimulatedEngine:
         new_tokens = _new_tokens(body, self.latency.default_new_tokens)
         prompt_tokens = _prompt_tokens(body)
         self.running += 1
+        epoch = self.abort_epoch  # a pause in abort mode ends what is queued too
         try:
             await self.resumed.wait()
-            start_version, epoch = self.version, self.abort_epoch
+            start_version = self.version
             await asyncio.sleep(self.latency.generate_s(new_tokens))
             await self.resumed.wait()  # a retracted request resumes after the pause
         finally:
