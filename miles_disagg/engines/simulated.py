@@ -85,6 +85,9 @@ class SimulatedEngine:
         self.resumed.set()
 
     async def generate(self, body: dict) -> dict:
+        if "weight_version" in body:
+            raise BadRequest("weight_version: an engine serves the version it holds and ignores constraints; send "
+                             "constrained requests to the router, or drop the field")
         new_tokens = _new_tokens(body, self.latency.default_new_tokens)
         prompt_tokens = _prompt_tokens(body)
         self.running += 1

@@ -61,7 +61,8 @@ from miles_disagg.auth import ApiKeys, forward_headers
 from miles_disagg.router.health import HealthChecker
 from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, annotate_served_versions,
                                        constraint_json, request_constraint, violates)
-from miles_disagg.router.registry import UnknownWorker, Worker, WorkerRegistry, WorkerState, parse_version
+from miles_disagg.router.registry import (UnknownWorker, Worker, WorkerRegistry, WorkerState, normalize_url,
+                                          parse_version)
 from miles_disagg.pooled_http import NotConnected, PooledSession, Reply, TransportFailed
 from miles_disagg.httpjson import dumps_async, parse_body, parse_json_async
 from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
@@ -165,6 +166,7 @@ class Router:
         self._health_task: asyncio.Task | None = None
         self.observers: list[Callable[[ProxyRecord], None]] = []
         self.overheads_s: collections.deque[float] = collections.deque(maxlen=OVERHEAD_WINDOW)
+        self.server_id: str | None = None  # the app's (asgi_guard): a worker answering with it is this router
 
     async def start(self) -> None:
         """Open the HTTP clients, register ``config.workers``, run one health pass, start the loop."""
@@ -177,7 +179,7 @@ class Router:
         probe_client = PooledSession(max_connections=None, connect_timeout_s=timeout, read_timeout_s=timeout,
                                      total_timeout_s=timeout)
         self.health = HealthChecker(self.registry, probe_client, interval_s=self.config.health_check_interval_s,
-                                    keys=self.keys)
+                                    keys=self.keys, own_server_id=self.server_id)
         for url in self.config.workers:
             self.registry.add(url)
         await self.health.check_all()
@@ -195,7 +197,12 @@ class Router:
     # ------------------------------------------------------------------ registry operations
 
     async def add_worker(self, url: str) -> Worker:
-        """Register ``url`` and probe it at once, so a live engine is ``ready`` on return."""
+        """Register ``url`` and probe it at once, so a live engine is ``ready`` on return. ``InvalidInput``
+        (nothing registered) when ``url`` reaches this router itself (or its gateway): requests would loop."""
+        url = normalize_url(url)
+        if await self.health.is_self(url):
+            raise InvalidInput(f"{url} is this router itself (or an alias of its address); a router cannot be its "
+                               "own worker: requests would loop through it")
         worker = self.registry.add(url)
         await self.health.check(worker)
         return worker
@@ -428,6 +435,7 @@ def create_app(config: RouterConfig, registry: WorkerRegistry | None = None, gua
 
     app = server_app("miles-disagg router", lifespan=lifespan)
     install_guard(app, guard)
+    router.server_id = app.state.server_id
     app.state.router = router
 
     for path in (GENERATE_PATH, *OPENAI_PATHS):

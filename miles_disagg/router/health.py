@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from miles_disagg.asgi_guard import SERVER_ID_HEADER
 from miles_disagg.auth import ApiKeys
 from miles_disagg.pooled_http import ConnectTimedOut, NotConnected, PooledSession, Reply, TimedOut, TransportFailed
 from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, parse_version
@@ -39,7 +40,10 @@ class HealthChecker:
     """Periodic prober over a :class:`WorkerRegistry` (``client`` carries the probe timeout)."""
 
     def __init__(self, registry: WorkerRegistry, client: PooledSession, *, interval_s: float,
-                 keys: ApiKeys | None = None):
+                 keys: ApiKeys | None = None, own_server_id: str | None = None):
+        """``own_server_id``: this router's (:data:`~miles_disagg.asgi_guard.SERVER_ID_HEADER`); a worker
+        answering with it is the router itself under another address, never routed to."""
+        self.own_server_id = own_server_id
         self.registry = registry
         self.client = client
         self.interval_s = interval_s
@@ -76,6 +80,9 @@ class HealthChecker:
     async def probe(self, url: str) -> int | None:
         """The worker's version if ``/health`` answers 200; ``ProbeFailed`` otherwise."""
         health = await self._get(url, "/health")
+        if self.answers_as_self(health):
+            raise ProbeFailed("it answers as this router itself (an alias of its own address): requests would loop",
+                              definite=True)
         if health.status_code != 200:
             raise ProbeFailed(f"/health answered {health.status_code}: {health.text[:200]}", definite=True)
         answer = await self._get(url, "/model_info")
@@ -87,6 +94,17 @@ class HealthChecker:
             return parse_version(answer.json().get("weight_version"))
         except (ValueError, AttributeError) as exc:
             raise ProbeFailed(f"/model_info answered {answer.text[:200]!r}: {exc}", definite=True)
+
+    def answers_as_self(self, reply: Reply) -> bool:
+        return self.own_server_id is not None and reply.headers.get(SERVER_ID_HEADER) == self.own_server_id
+
+    async def is_self(self, url: str) -> bool:
+        """Whether ``url`` reaches this router itself (False when it cannot be reached now: the
+        probes then keep checking)."""
+        try:
+            return self.answers_as_self(await self.client.get(url + "/health"))
+        except TransportFailed:
+            return False
 
     async def _get(self, url: str, path: str) -> Reply:
         try:
