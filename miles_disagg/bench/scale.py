@@ -11,8 +11,10 @@ machine), with N simulated engines (:mod:`miles_disagg.engines.simulated`, one p
   ``--duration`` seconds from one asyncio client: requests/s, client latency p50/p99, the router's own
   time per request (its ``/metrics`` ``routing_overhead_ms``: time in the router minus time waiting
   for engines), its CPU per request and its peak memory.
-* ``rollout_manager``: the rollout manager's generation path (:func:`miles_disagg.rollout.generate`'s
-  requests through the same router), samples/s at ``--in-flight`` concurrency, and its memory.
+* ``rollout``: the rollout manager (:class:`~miles_disagg.rollout.manager.RolloutManager`, in this
+  process, the built-in count-up task on a digits tokenizer) producing through the same router at
+  ``--rollout-concurrency`` requests in flight whatever the pool size, the trainer's side taking
+  batches: samples/s, and this process's memory (it holds the manager).
 
 ``ratios`` compares each size with the smallest. The simulated engines answer ``/generate`` after
 ``--per-request-ms``; ``/pull_weights`` takes ``--pull-ms``, ``/update_weights_from_disk``
@@ -38,6 +40,7 @@ from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
 
 _progress = progress("scale")
+SECTIONS = ("fanout", "router", "rollout")
 GENERATE_BODY = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0},
                  "return_logprob": True}
 
@@ -54,15 +57,16 @@ class ScaleBench:
     per_request_ms: float = flag(20.0, "Simulated /generate time.", metavar="MS")
     pull_ms: float = flag(100.0, "Simulated /pull_weights time.", metavar="MS")
     load_ms: float = flag(50.0, "Simulated /update_weights_from_disk time.", metavar="MS")
-    sections: str = flag("fanout,router", "What to measure, comma-separated: fanout, router.")
+    rollout_concurrency: int = flag(256, "The rollout manager's --rollout-concurrency (equal for every pool).")
+    sections: str = flag("fanout,router,rollout", "What to measure, comma-separated: fanout, router, rollout.")
     work_dir: Path | None = flag(None, "Keep logs here (default: a temp dir).")
 
     def __post_init__(self) -> None:
         if not self.pool_sizes() or min(self.pool_sizes()) < 1:
             raise ValueError(f"--engines must list positive pool sizes, got {self.engines!r}")
-        unknown = set(self.section_names()) - {"fanout", "router"}
+        unknown = set(self.section_names()) - set(SECTIONS)
         if unknown:
-            raise ValueError(f"--sections: unknown {sorted(unknown)}; choose from fanout, router")
+            raise ValueError(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
 
     def pool_sizes(self) -> list[int]:
         try:
@@ -91,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _settings(command: ScaleBench) -> dict:
-    return {"in_flight": command.in_flight, "duration_s": command.duration, "updates": command.updates,
+    return {"in_flight": command.in_flight, "rollout_concurrency": command.rollout_concurrency, "duration_s": command.duration, "updates": command.updates,
             "per_request_ms": command.per_request_ms, "pull_ms": command.pull_ms, "load_ms": command.load_ms}
 
 
@@ -106,6 +110,9 @@ def _one_pool(root: Path, command: ScaleBench, num_engines: int) -> dict:
         if "router" in command.section_names():
             result["router"] = _router_load(root, fleet.urls, command)
             _progress(f"  router: {result['router']}")
+        if "rollout" in command.section_names():
+            result["rollout"] = _rollout(root, fleet.urls, command)
+            _progress(f"  rollout manager: {result['rollout']}")
         result["sim_engines_rss_mb"] = rss_mb(fleet.proc.pid)
         return result
     finally:
@@ -232,11 +239,13 @@ def _wait_ready(url: str, num_engines: int, timeout_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-async def generate_load(url: str, in_flight: int, duration_s: float, warmup_s: float = 1.0) -> dict:
-    """``in_flight`` requests kept in flight for ``warmup_s + duration_s``; figures of the measured part."""
+async def generate_load(url: str, in_flight: int, duration_s: float, warmup_s: float = 1.0,
+                        body: dict | None = None) -> dict:
+    """``in_flight`` requests kept in flight for ``warmup_s + duration_s``. Throughput counts the answers
+    that arrived within the measured window (whenever they were sent); latencies are theirs."""
     import aiohttp
 
-    payload = json.dumps(GENERATE_BODY).encode()
+    payload = json.dumps(body or GENERATE_BODY).encode()
     headers = {"Content-Type": "application/json"}
     latencies: list[float] = []
     errors: dict[str, int] = {}
@@ -257,19 +266,65 @@ async def generate_load(url: str, in_flight: int, duration_s: float, warmup_s: f
                 status = type(exc).__name__
             done = loop.time()
             served_total += 1
-            if sent >= measure_from and done <= stop_at:
+            if measure_from <= done <= stop_at:
                 if status == 200:
                     latencies.append(done - sent)
                 else:
                     errors[str(status)] = errors.get(str(status), 0) + 1
 
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
         await asyncio.gather(*(client(session) for _ in range(in_flight)))
     latencies.sort()
     at = lambda q: round(1e3 * latencies[min(len(latencies) - 1, int(q * len(latencies)))], 2) if latencies else None  # noqa: E731
     return {"requests_per_s": round(len(latencies) / duration_s, 1), "served": len(latencies), "errors": errors,
             "latency_ms": {"p50": at(0.5), "p99": at(0.99)}, "served_total": served_total}
+
+
+# --------------------------------------------------------------------------- rollout manager
+
+
+def _rollout(root: Path, urls: list[str], command: ScaleBench) -> dict:
+    router = _start_router(root, urls, len(urls))
+    try:
+        _wait_ready(router.url, len(urls))
+        return asyncio.run(_drive_rollout_manager(_tokenizer_dir(root), router.url, command))
+    finally:
+        router.stop()
+
+
+def _tokenizer_dir(root: Path) -> Path:
+    from miles_disagg.models.tiny_qwen3 import DIGITS_CHARSET, build_tokenizer
+
+    path = root / "tokenizer"
+    if not path.exists():
+        build_tokenizer(DIGITS_CHARSET).save_pretrained(path)
+    return path
+
+
+async def _drive_rollout_manager(tokenizer_dir: Path, router_url: str, command: ScaleBench) -> dict:
+    """The manager produces continuously; batches of 64 groups are taken for ``--duration`` seconds."""
+    from miles_disagg.config.actors import RolloutManagerConfig
+    from miles_disagg.config.components import RolloutConfig
+    from miles_disagg.rollout.manager import RolloutManager
+
+    groups_per_batch, n_samples = 64, 4
+    config = RolloutConfig(rollout_batch_size=groups_per_batch, n_samples_per_prompt=n_samples,
+                           rollout_max_response_len=16, rollout_concurrency=command.rollout_concurrency,
+                           max_weight_staleness=4)
+    manager = RolloutManager(RolloutManagerConfig(rollout=config, router_url=router_url, hf_dir=str(tokenizer_dir)),
+                             capacity_groups=4 * groups_per_batch)
+    await manager.start()
+    try:
+        await manager.take(groups_per_batch, 0)  # warm-up
+        samples, started = 0, time.perf_counter()
+        while time.perf_counter() - started < command.duration:
+            samples += (await manager.take(groups_per_batch, 0)).num_samples
+        elapsed = time.perf_counter() - started
+    finally:
+        await manager.stop()
+    return {"samples_per_s": round(samples / elapsed, 1), "samples": samples,
+            "rollout_concurrency": command.rollout_concurrency, "manager_process_rss_mb": rss_mb(os.getpid())}
 
 
 # --------------------------------------------------------------------------- ratios
@@ -289,5 +344,10 @@ def _ratios(per_size: dict[int, dict]) -> dict:
         if "router" in result and base["router"]["requests_per_s"]:
             entry["router_throughput_vs_smallest"] = round(
                 result["router"]["requests_per_s"] / base["router"]["requests_per_s"], 3)
+            entry["router_cpu_per_request_vs_smallest"] = round(
+                result["router"]["router_cpu_ms_per_request"] / base["router"]["router_cpu_ms_per_request"], 3)
+        if "rollout" in result and base["rollout"]["samples_per_s"]:
+            entry["rollout_samples_per_s_vs_smallest"] = round(
+                result["rollout"]["samples_per_s"] / base["rollout"]["samples_per_s"], 3)
         ratios[f"{size}_vs_{base_size}"] = entry
     return ratios

@@ -4,7 +4,7 @@ One process serves many engines, each on its own port (one aiohttp app per engin
 loop), so 256 of them fit on a 2-core machine. What a run calls on an engine is answered the way the
 built-in engine answers it:
 
-* ``POST /generate``: after ``per_request_s + per_token_s * max_new_tokens`` (the generation waits
+* ``POST /generate`` (one prompt or a batch): after ``per_request_s + per_token_s * max_new_tokens`` (the generation waits
   while the engine is paused, as a retracted request does); ``output_ids`` of that length, ``meta_info``
   with ``weight_version`` (the version at the end), ``weight_version_start``/``_end``, ``finish_reason``
   and, with ``return_logprob``, ``output_token_logprobs`` triples. A pause in ``abort`` mode ends the
@@ -84,13 +84,15 @@ class SimulatedEngine:
     def __post_init__(self) -> None:
         self.resumed.set()
 
-    async def generate(self, body: dict) -> dict:
+    async def generate(self, body: dict) -> dict | list[dict]:
+        """One prompt, or a batch (``input_ids`` a list of lists / ``text`` a list): a list of answers,
+        generated together (one request's time)."""
         if "weight_version" in body:
             raise BadRequest("weight_version: an engine serves the version it holds and ignores constraints; send "
                              "constrained requests to the router, or drop the field")
         new_tokens = _new_tokens(body, self.latency.default_new_tokens)
-        prompt_tokens = _prompt_tokens(body)
-        self.running += 1
+        prompt_tokens, batched = _prompt_tokens(body)
+        self.running += len(prompt_tokens)
         epoch = self.abort_epoch  # a pause in abort mode ends what is queued too
         try:
             await self.resumed.wait()
@@ -98,20 +100,23 @@ class SimulatedEngine:
             await asyncio.sleep(self.latency.generate_s(new_tokens))
             await self.resumed.wait()  # a retracted request resumes after the pause
         finally:
-            self.running -= 1
+            self.running -= len(prompt_tokens)
         aborted = epoch != self.abort_epoch
-        self.num_served += 1
-        return self._answer(body, start_version, 0 if aborted else new_tokens, prompt_tokens, aborted)
+        answers = []
+        for count in prompt_tokens:
+            self.num_served += 1
+            answers.append(self._answer(body, start_version, 0 if aborted else new_tokens, count, aborted))
+        return answers if batched else answers[0]
 
     def _answer(self, body: dict, start_version: int, new_tokens: int, prompt_tokens: int, aborted: bool) -> dict:
         meta: dict[str, Any] = {
-            "id": str(body.get("rid") or f"sim-{self.index}-{self.num_served}"),
+            "id": f"sim-{self.index}-{self.num_served}",
             "finish_reason": {"type": "abort"} if aborted else {"type": "length", "length": new_tokens},
             "prompt_tokens": prompt_tokens, "completion_tokens": new_tokens,
             "weight_version": str(self.version),
             "weight_version_start": start_version, "weight_version_end": self.version,
         }
-        output_ids = [(self.index + i) % 1000 + 1 for i in range(new_tokens)]
+        output_ids = [(self.index + i) % 8 + 2 for i in range(new_tokens)]  # ids every tokenizer has
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[-0.5, token, None] for token in output_ids]
         return {"text": " ".join(map(str, output_ids)), "output_ids": output_ids, "meta_info": meta}
@@ -175,13 +180,18 @@ def _new_tokens(body: dict, default: int) -> int:
     return value
 
 
-def _prompt_tokens(body: dict) -> int:
+def _prompt_tokens(body: dict) -> tuple[list[int], bool]:
+    """Each prompt's length, and whether the body is a batch."""
     ids, text = body.get("input_ids"), body.get("text")
+    if isinstance(ids, list) and ids and all(isinstance(item, list) for item in ids):
+        return [len(item) for item in ids], True
     if isinstance(ids, list):
-        return len(ids)
+        return [len(ids)], False
+    if isinstance(text, list) and text and all(isinstance(item, str) for item in text):
+        return [len(item.split()) for item in text], True
     if isinstance(text, str):
-        return len(text.split())
-    raise BadRequest("give input_ids (a list of token ids) or text (a string)")
+        return [len(text.split())], False
+    raise BadRequest("give input_ids (token ids, or a list of them) or text (a string, or a list of them)")
 
 
 def _version_field(body: dict, name: str, *, text: bool = False) -> int:

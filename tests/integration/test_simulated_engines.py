@@ -116,7 +116,7 @@ def test_a_pause_in_abort_mode_aborts_requests_in_flight(fleet) -> None:
 def test_bench_scale_prints_one_json_object_with_every_pool_size(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "miles_disagg.cli", "bench", "scale", "--engines", "2,4", "--updates", "1",
-         "--in-flight", "16", "--duration", "1", "--json", "--work-dir", str(tmp_path)],
+         "--in-flight", "16", "--rollout-concurrency", "16", "--duration", "1", "--json", "--work-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout)
@@ -124,4 +124,15 @@ def test_bench_scale_prints_one_json_object_with_every_pool_size(tmp_path: Path)
     for pool in out["pools"].values():
         assert pool["fanout"]["update_s"] > 0 and pool["router"]["served"] > 0 and pool["router"]["errors"] == {}
         assert pool["router"]["router_rss_mb"]["peak"] > 0
-    assert "fanout_update_time_vs_smallest" in out["ratios"]["4_vs_2"]
+        assert pool["rollout"]["samples_per_s"] > 0 and pool["rollout"]["rollout_concurrency"] == 16
+    assert {"fanout_update_time_vs_smallest", "router_throughput_vs_smallest",
+            "rollout_samples_per_s_vs_smallest"} <= set(out["ratios"]["4_vs_2"])
+
+
+def test_a_batched_generate_answers_one_item_per_prompt(fleet) -> None:
+    _, sim = fleet
+    answer = httpx.post(sim.urls[0] + "/generate", json={"input_ids": [[1, 2], [3]], "sampling_params":
+                                                         {"max_new_tokens": 2}}, timeout=30).json()
+    assert [item["meta_info"]["prompt_tokens"] for item in answer] == [2, 1]
+    refused = httpx.post(sim.urls[0] + "/generate", json={**GENERATE, "weight_version": {"min_version": 0}})
+    assert refused.status_code == 400 and "router" in refused.text
