@@ -30,7 +30,9 @@ class SimEnginesCommand(ServerFlags):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.latency()  # ValueError naming the field
+        for name in ("per_request_ms", "per_token_ms", "pull_ms", "pause_ms", "load_ms"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.num_engines < 1:
             raise ValueError(f"--num-engines must be >= 1, got {self.num_engines}")
 
