@@ -5,13 +5,18 @@
 1. **Keys** (:mod:`miles_disagg.auth`): the endpoint's level from its path; a caller without the
    key it needs gets ``401`` JSON before the app sees the request. The level the caller proved is
    left in ``scope["state"]["auth_level"]`` (``request.state.auth_level``) for proxies.
-2. **Size**: a ``Content-Length`` above ``max_request_bytes`` is ``413`` before a byte of the body
-   is handed to the app; a body without a length (chunked) is counted as it streams and refused
-   as soon as it passes the limit, so no server ever holds more than the limit of one request.
-   The rest of an oversized body is read and dropped (up to :data:`DRAIN_CAP_BYTES`, nothing
-   kept) before the ``413`` is sent, so a client that sends first and reads after sees the
-   answer rather than a reset connection; a client that asked ``Expect: 100-continue`` gets
-   the ``413`` at once and never sends the body.
+2. **Size**: a ``Content-Length`` above ``max_request_bytes`` is ``413`` at once, before a byte
+   of the body is read (no waiting on a body that may never come); what the client sends after
+   is read and dropped only while it keeps coming at least at the rate floor (point 3)
+   (up to :data:`DRAIN_CAP_BYTES`), so a client that sends first and reads after still sees the
+   answer rather than a reset connection. A body without a length (chunked) is counted as it
+   streams and refused as soon as it passes the limit, so no server ever holds more than the
+   limit of one request.
+3. **Slow bodies**: the body is read by the guard and handed to the app whole; it must arrive
+   within ``body_grace_s`` plus its size at ``min_body_bytes_per_s`` (:class:`ServerGuard`), else ``408`` (a body
+   trickled in to hold connections open is cut off, whatever its declared length).
+4. **Identity**: every answer carries :data:`SERVER_ID_HEADER`, random per app (``app.state.server_id``),
+   so a proxy can tell it has been handed its own address (or any alias of it) as an upstream.
 
 Error bodies carry every shape our clients read: SGLang's ``success``/``message``, the router's
 ``type``/``retryable`` and ``{"error": {message, type, code, retryable}}``.
@@ -19,7 +24,10 @@ Error bodies carry every shape our clients read: SGLang's ``success``/``message`
 
 from __future__ import annotations
 
+import asyncio
 import json
+import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -27,6 +35,9 @@ from miles_disagg.auth import ApiKeys, level_of
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 DRAIN_CAP_BYTES = 256 * 1024 * 1024  # an oversized body is read and dropped up to this, so the client sees its 413
+MIN_BODY_BYTES_PER_S = 64 * 1024  # a body (or the rest of a refused one) must keep coming at least this fast
+BODY_GRACE_S = 10.0  # ... after this much time to start
+SERVER_ID_HEADER = "x-miles-disagg-server-id"  # a proxy refuses an upstream that answers with its own
 MAX_REQUEST_BYTES_HELP = ("Largest request body accepted; a bigger one is refused with 413 before it is read "
                           "(0: no limit).")
 
@@ -55,10 +66,17 @@ class ServerGuard:
     keys: ApiKeys = field(default_factory=ApiKeys)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     """0: no limit."""
+    body_grace_s: float = BODY_GRACE_S
+    """Time a body may take to start arriving (see ``min_body_bytes_per_s``)."""
+    min_body_bytes_per_s: int = MIN_BODY_BYTES_PER_S
+    """A body must arrive within ``body_grace_s`` plus its size at this rate, else 408."""
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 0:
             raise ValueError(f"--max-request-bytes must be >= 0, got {self.max_request_bytes}")
+        if not (self.body_grace_s > 0 and self.min_body_bytes_per_s > 0):
+            raise ValueError(f"body_grace_s and min_body_bytes_per_s must be > 0, got {self.body_grace_s}, "
+                             f"{self.min_body_bytes_per_s}")
 
     @classmethod
     def from_env(cls) -> "ServerGuard":
@@ -69,7 +87,8 @@ class ServerGuard:
 def install_guard(app: Any, guard: ServerGuard | None = None) -> ServerGuard:
     """Add the guard to ``app`` (``None``: :meth:`ServerGuard.from_env`); returns what it enforces."""
     guard = guard if guard is not None else ServerGuard.from_env()
-    app.add_middleware(GuardMiddleware, guard=guard)
+    app.state.server_id = secrets.token_hex(8)
+    app.add_middleware(GuardMiddleware, guard=guard, server_id=app.state.server_id)
     app.state.guard = guard
     return guard
 
@@ -91,8 +110,9 @@ class GuardMiddleware:
     """See the module docstring. Pure ASGI (no ``BaseHTTPMiddleware``), so streaming responses
     and client-disconnect events pass through untouched."""
 
-    def __init__(self, app: Any, *, guard: ServerGuard):
+    def __init__(self, app: Any, *, guard: ServerGuard, server_id: str = ""):
         self.app, self.guard = app, guard
+        self._id_header = (SERVER_ID_HEADER.encode(), server_id.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -106,30 +126,32 @@ class GuardMiddleware:
                             headers=((b"www-authenticate", b"Bearer"),))
             return
         scope.setdefault("state", {})["auth_level"] = level
+        send = _with_header(send, self._id_header)
         limit = self.guard.max_request_bytes
-        if not limit:
-            await self.app(scope, receive, send)
-            return
         length = _content_length(headers)
-        if length is not None and length > limit:
-            await _refuse_too_large(receive, send, _too_large(length, limit), headers)
+        if limit and length is not None and length > limit:
+            await _refuse_too_large(receive, send, _too_large(length, limit), headers, self.guard)
             return
-        if length is not None:  # the server never delivers more than Content-Length
-            await self.app(scope, receive, send)
-            return
-        await self._counted(scope, receive, send, limit, headers)
+        await self._buffered(scope, receive, send, limit, headers)
 
-    async def _counted(self, scope: Scope, receive: Receive, send: Send, limit: int, headers: dict[str, str]) -> None:
-        """A body of unknown length: read it up to the limit, then replay it to the app."""
+    async def _buffered(self, scope: Scope, receive: Receive, send: Send, limit: int, headers: dict[str, str]) -> None:
+        """Read the body (up to the limit, at the rate floor), then replay it to the app."""
         chunks, size = [], 0
+        deadline = _BodyDeadline(self.guard)
         while True:
-            message = await receive()
+            try:
+                message = await deadline.receive(receive, size)
+            except asyncio.TimeoutError:
+                await send_json(send, 408, error_body(408, "RequestTimeout", deadline.message(size)),
+                                headers=((b"connection", b"close"),))
+                return
             if message["type"] != "http.request":  # the client left
                 return
             size += len(message.get("body", b""))
-            if size > limit:
+            if limit and size > limit:
                 more = message.get("more_body", False)
-                await _refuse_too_large(receive if more else None, send, _too_large(size, limit, partial=True), headers)
+                await _refuse_too_large(receive if more else None, send, _too_large(size, limit, partial=True), headers,
+                                        self.guard)
                 return
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
@@ -146,18 +168,60 @@ class GuardMiddleware:
         await self.app(scope, replay, send)
 
 
-async def _refuse_too_large(receive: Receive | None, send: Send, message: str, headers: dict[str, str]) -> None:
-    """413, after dropping what is left of the body (``receive`` None: nothing is left)."""
+class _BodyDeadline:
+    """A body must arrive within the guard's grace plus its size at the guard's rate floor."""
+
+    def __init__(self, guard: ServerGuard) -> None:
+        self.started = time.monotonic()
+        self.grace_s, self.rate = guard.body_grace_s, guard.min_body_bytes_per_s
+
+    def remaining_s(self, received: int) -> float:
+        return self.started + self.grace_s + received / self.rate - time.monotonic()
+
+    async def receive(self, receive: Receive, received: int) -> dict:
+        """The next message; ``asyncio.TimeoutError`` when the body is behind the floor."""
+        return await asyncio.wait_for(receive(), max(0.0, self.remaining_s(received)))
+
+    def message(self, received: int) -> str:
+        return (f"request body too slow: {received} bytes in {time.monotonic() - self.started:.1f} s; this server "
+                f"needs the body within {self.grace_s:g} s plus {self.rate} bytes/s")
+
+
+def _with_header(send: Send, header: tuple[bytes, bytes]) -> Send:
+    async def send_with_header(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), header]}
+        await send(message)
+    return send_with_header
+
+
+async def _refuse_too_large(receive: Receive | None, send: Send, message: str, headers: dict[str, str],
+                            guard: ServerGuard) -> None:
+    """413 at once, then drop what is left of the body while it keeps coming at the rate floor
+    (``receive`` None: nothing is left), so a client that reads only after sending sees the 413.
+
+    The whole answer (its length declared) is sent before the drain; only the end of the response
+    waits for it, because the server stops handing the app the body once the response is complete."""
+    payload = json.dumps(error_body(413, "RequestTooLarge", message)).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": payload, "more_body": True})
     if receive is not None and "100-continue" not in headers.get("expect", "").lower():
-        dropped = 0
-        while dropped <= DRAIN_CAP_BYTES:
-            chunk = await receive()
-            if chunk["type"] != "http.request":
-                return  # the client left
-            dropped += len(chunk.get("body", b""))
-            if not chunk.get("more_body", False):
-                break
-    await send_json(send, 413, error_body(413, "RequestTooLarge", message))
+        await _drain(receive, guard)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _drain(receive: Receive, guard: ServerGuard) -> None:
+    dropped, deadline = 0, _BodyDeadline(guard)
+    while dropped <= DRAIN_CAP_BYTES:
+        try:
+            chunk = await deadline.receive(receive, dropped)
+        except asyncio.TimeoutError:
+            return  # a slow or stalled sender: the connection closes now
+        if chunk["type"] != "http.request" or not chunk.get("more_body", False):
+            return
+        dropped += len(chunk.get("body", b""))
 
 
 def _content_length(headers: dict[str, str]) -> int | None:

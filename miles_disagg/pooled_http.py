@@ -34,6 +34,14 @@ class NotConnected(TransportFailed):
     """No connection could be made: the request was never sent."""
 
 
+class ConnectTimedOut(NotConnected):
+    """Connecting took longer than the connect timeout (nothing was sent; the server may be overloaded)."""
+
+
+class TimedOut(TransportFailed):
+    """No (whole) answer within the timeout."""
+
+
 @dataclass(frozen=True)
 class Reply:
     status_code: int
@@ -53,37 +61,50 @@ class Reply:
 
 
 class PooledSession:
-    """One aiohttp session: ``post(url, json=... | content=...)`` -> :class:`Reply`."""
+    """One aiohttp session: ``post(url, json=... | content=...)`` and ``get(url)`` -> :class:`Reply`."""
 
     def __init__(self, *, max_connections: int | None, connect_timeout_s: float, read_timeout_s: float | None,
-                 headers: Mapping[str, str] | None = None):
+                 headers: Mapping[str, str] | None = None, total_timeout_s: float | None = None):
         """Make it on the event loop it will be used on (aiohttp binds to the running loop).
-        ``max_connections``: None for no bound."""
+        ``max_connections``: None for no bound. ``total_timeout_s``: bound of a whole request (probes)."""
         import aiohttp
 
         # Idle connections are dropped before a uvicorn server closes them from its side (5 s):
         # a request sent on a connection the server is closing reads as "connection reset".
+        self._connect_timeout_s = connect_timeout_s
         connector = aiohttp.TCPConnector(limit=max_connections or 0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=total_timeout_s, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
         # trust_env stays False: traffic inside the cluster never goes through an environment proxy
-        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                              headers=dict(headers or {}))
+        # no cookie jar: nothing of ours sets cookies, and the jar's bookkeeping costs on every request
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=dict(headers or {}),
+                                              cookie_jar=aiohttp.DummyCookieJar())
 
     async def post(self, url: str, *, json: Any = None, content: bytes | None = None,
-                   headers: Mapping[str, str] | None = None) -> Reply:
-        import aiohttp
-
+                   headers: Mapping[str, str] | None = None, timeout_s: float | None = None) -> Reply:
+        """``timeout_s``: a bound of this whole request (None: the session's timeouts)."""
         if json is not None:
             content = jsonlib.dumps(json).encode()
             headers = {"Content-Type": "application/json", **(headers or {})}
+        return await self._request("POST", url, timeout_s, data=content, headers=headers)
+
+    async def get(self, url: str, *, headers: Mapping[str, str] | None = None, timeout_s: float | None = None) -> Reply:
+        return await self._request("GET", url, timeout_s, headers=headers)
+
+    async def _request(self, method: str, url: str, timeout_s: float | None, **kwargs: Any) -> Reply:
+        import aiohttp
+
+        if timeout_s is not None:
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._connect_timeout_s)
         try:
-            async with self._session.post(url, data=content, headers=headers) as response:
+            async with self._session.request(method, url, **kwargs) as response:
                 return Reply(response.status, await response.read(), response.headers)
         except aiohttp.ClientConnectorError as exc:
             raise NotConnected(f"cannot connect to {url}: {exc}") from exc
         except aiohttp.ConnectionTimeoutError as exc:
-            raise NotConnected(f"connecting to {url} timed out") from exc
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise ConnectTimedOut(f"connecting to {url} timed out") from exc
+        except (aiohttp.ServerTimeoutError, asyncio.TimeoutError) as exc:
+            raise TimedOut(f"{method} {url}: no answer in time ({type(exc).__name__})") from exc
+        except aiohttp.ClientError as exc:
             raise TransportFailed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
 
     async def aclose(self) -> None:

@@ -1,4 +1,4 @@
-"""``miles-disagg bench {delta,engine,async,service,hostile,colocate,http}``: dispatch to the benchmark modules.
+"""``miles-disagg bench {delta,engine,async,service,hostile,colocate,http,scale}``: dispatch to the benchmark modules.
 
 Each benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and
 prints one JSON object on stdout.
@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "hostile": ("miles_disagg.bench.hostile", "oversized and hostile bodies: time to refusal, engine RSS, /health"),
     "colocate": ("miles_disagg.bench.colocate", "--colocate memory handoff: engine and trainer RSS released/offloaded"),
     "http": ("miles_disagg.bench.http_client", "the generation hot path's HTTP client: httpx vs pooled_http"),
+    "scale": ("miles_disagg.bench.scale", "control plane at scale with simulated engines: fan-out, router, memory"),
 }
 
 

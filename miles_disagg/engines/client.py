@@ -191,7 +191,7 @@ class EngineClient(KeyedHttpClient):
         payload = response_payload(response)
         if response.status_code == 200 and not (isinstance(payload, dict) and payload.get("success") is False):
             return payload if whole or isinstance(payload, dict) else {"result": payload}
-        raise _error_for(f"{self.url}{path} answered {response.status_code}: {payload_message(payload)}",
+        raise error_for(f"{self.url}{path} answered {response.status_code}: {payload_message(payload)}",
                          response.status_code, path)
 
     def _need(self, attr: str) -> str:
@@ -201,7 +201,7 @@ class EngineClient(KeyedHttpClient):
         return value
 
 
-def _error_for(message: str, status: int, path: str) -> MilesDisaggError:
+def error_for(message: str, status: int, path: str) -> MilesDisaggError:
     if status in (400, 401, 403, 404, 413, 422):
         return StagingRefused(message) if path == "/pull_weights" else EngineRefused(message)
     if status == 409:

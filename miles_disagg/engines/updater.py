@@ -10,6 +10,10 @@ committed ``version``, with the per-engine steps of :mod:`miles_disagg.engines.a
    :func:`~miles_disagg.engines.activation.activate` (pause, flush, load, continue, verify),
    and the router routes to it again by the version it really serves.
 
+Both phases run on one event loop (a private thread's, so a caller inside a loop is fine) with
+:class:`~miles_disagg.engines.async_client.AsyncEngineClient`: with a thread and a synchronous
+client per engine the fan-out to 256 engines took 7.8x its time for 8 (``bench scale``).
+
 ``BroadcastUpdater`` is SGLang's stock torch.distributed path: the same activation, with
 the load step receiving the tensors over the weight-update group while the trainer broadcasts.
 Either raises :class:`UpdateFailed` naming each engine and phase that failed.
@@ -17,17 +21,20 @@ Either raises :class:`UpdateFailed` naming each engine and phase that failed.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
-from miles_disagg.engines.activation import activate, prepare
+from miles_disagg.engines.activation import activate, activate_async, prepare, prepare_async
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.types import MilesDisaggError, ReplaceReplica
 
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
+CONNECT_TIMEOUT_S = 30.0
 
 
 class UpdateFailed(ReplaceReplica):
@@ -57,6 +64,7 @@ class _Fleet:
     def __init__(self, clients: list[EngineClient], pause_mode: str, set_state: StateHook | None, name: str):
         self.clients, self.pause_mode = clients, pause_mode
         self.set_state = set_state or (lambda url, state: None)
+        self.has_router_hook = set_state is not None
         self._pool = ThreadPoolExecutor(max(1, len(clients)), thread_name_prefix=name)
 
     def _all(self, fn: Callable[[int], object], phase: str) -> list:
@@ -96,12 +104,49 @@ class DiskDeltaUpdater(_Fleet):
         super().__init__(clients, pause_mode, set_state, "update")
 
     def update(self, version: int) -> UpdateReport:
-        start = time.perf_counter()
-        self._all(lambda i: self.prepare(i, version), "prepare")
-        prepared = time.perf_counter()
-        pauses = self._all(lambda i: self.activate(i, version), "activate")
-        done = time.perf_counter()
+        """Prepare everywhere, then activate everywhere (see the module docstring)."""
+        return run_in_own_loop(self._update_async(version))
+
+    async def _update_async(self, version: int) -> UpdateReport:
+        from miles_disagg.engines.async_client import AsyncEngineClient
+        from miles_disagg.pooled_http import PooledSession
+
+        session = PooledSession(max_connections=None, connect_timeout_s=CONNECT_TIMEOUT_S, read_timeout_s=None)
+        try:
+            engines = [AsyncEngineClient(c.url, session, store_dir=c.store_dir, local_checkpoint_dir=c.local_dir,
+                                         keys=c.keys) for c in self.clients]
+            start = time.perf_counter()
+            await self._all_async([prepare_async(engine, version) for engine in engines], "prepare")
+            prepared = time.perf_counter()
+            pauses = await self._all_async([self._activate_async(engine, version) for engine in engines], "activate")
+            done = time.perf_counter()
+        finally:
+            await session.aclose()
         return UpdateReport(version, prepared - start, max(pauses, default=0.0), done - prepared, pauses)
+
+    async def _all_async(self, steps: list[Awaitable[Any]], phase: str) -> list:
+        """Every step at once; :class:`UpdateFailed` naming each engine whose step failed (as ``_all``)."""
+        outcomes = await asyncio.gather(*steps, return_exceptions=True)
+        errors = [f"{phase} on {client.url}: {outcome}" for client, outcome in zip(self.clients, outcomes)
+                  if isinstance(outcome, MilesDisaggError)]
+        unexpected = [o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, MilesDisaggError)]
+        if unexpected:
+            raise unexpected[0]
+        if errors:
+            raise UpdateFailed("; ".join(errors))
+        return outcomes
+
+    async def _activate_async(self, engine: Any, version: int) -> float:
+        """``_activate`` on the loop; the router hook (synchronous) runs on the fleet's threads."""
+        await self._tell_router(engine.url, "paused")
+        try:
+            return await activate_async(engine, version, pause_mode=self.pause_mode)
+        finally:
+            await self._tell_router(engine.url, "ready")
+
+    async def _tell_router(self, url: str, state: str) -> None:
+        if self.has_router_hook:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self.set_state, url, state)
 
     def prepare(self, index: int, version: int) -> None:
         prepare(self.clients[index], version)
@@ -167,6 +212,25 @@ class BroadcastUpdater(_Fleet):
 
         pauses = self._all(one, "update")
         return UpdateReport(version, 0.0, max(pauses, default=0.0), time.perf_counter() - start, pauses)
+
+
+def run_in_own_loop(coroutine: Awaitable[Any]) -> Any:
+    """Run ``coroutine`` to completion on a new event loop in a thread of its own (the caller may
+    itself be on a loop, e.g. an async Ray actor's) and return its result or raise its error."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = asyncio.run(coroutine)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="update-fanout", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,

@@ -44,6 +44,7 @@ answer is decided, on the event loop; an observer that raises is logged and igno
 # no "from __future__ import annotations": FastAPI must see the real Request class
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -53,7 +54,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-import httpx
 from fastapi.responses import JSONResponse, Response
 
 from miles_disagg.asgi_guard import ServerGuard, install_guard, server_app
@@ -61,8 +61,8 @@ from miles_disagg.auth import ApiKeys, forward_headers
 from miles_disagg.router.health import HealthChecker
 from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, annotate_served_versions,
                                        constraint_json, request_constraint, violates)
-from miles_disagg.router.registry import UnknownWorker, Worker, WorkerRegistry, WorkerState, parse_version
-from miles_disagg.keyed_client import pooled_limits
+from miles_disagg.router.registry import (UnknownWorker, Worker, WorkerRegistry, WorkerState, normalize_url,
+                                          parse_version)
 from miles_disagg.pooled_http import NotConnected, PooledSession, Reply, TransportFailed
 from miles_disagg.httpjson import dumps_async, parse_body, parse_json_async
 from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 GENERATE_PATH = "/generate"
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
 DISCONNECT_RECHECK_S = 1.0
+OVERHEAD_WINDOW = 100_000  # routing overheads kept for /metrics' percentiles (the most recent requests)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,18 +165,21 @@ class Router:
         self.health: HealthChecker | None = None
         self._health_task: asyncio.Task | None = None
         self.observers: list[Callable[[ProxyRecord], None]] = []
+        self.overheads_s: collections.deque[float] = collections.deque(maxlen=OVERHEAD_WINDOW)
+        self.server_id: str | None = None  # the app's (asgi_guard): a worker answering with it is this router
 
     async def start(self) -> None:
         """Open the HTTP clients, register ``config.workers``, run one health pass, start the loop."""
-        # Requests to workers: pooled_http (its module says why); probes: httpx. Idle connections are
+        # Requests to workers and probes: pooled_http (its module and health.py say why). Idle connections are
         # dropped before the engine side closes them (a closing connection would read as a worker
         # failure); trust_env=False: worker traffic never goes through an env proxy.
         self._client = PooledSession(max_connections=None, connect_timeout_s=self.config.connect_timeout_s,
                                      read_timeout_s=self.config.request_timeout_s)
-        probe_client = httpx.AsyncClient(timeout=self.config.health_check_timeout_s, trust_env=False,
-                                         limits=pooled_limits(max_connections=None, max_keepalive_connections=256))
+        timeout = self.config.health_check_timeout_s
+        probe_client = PooledSession(max_connections=None, connect_timeout_s=timeout, read_timeout_s=timeout,
+                                     total_timeout_s=timeout)
         self.health = HealthChecker(self.registry, probe_client, interval_s=self.config.health_check_interval_s,
-                                    keys=self.keys)
+                                    keys=self.keys, own_server_id=self.server_id)
         for url in self.config.workers:
             self.registry.add(url)
         await self.health.check_all()
@@ -193,7 +197,12 @@ class Router:
     # ------------------------------------------------------------------ registry operations
 
     async def add_worker(self, url: str) -> Worker:
-        """Register ``url`` and probe it at once, so a live engine is ``ready`` on return."""
+        """Register ``url`` and probe it at once, so a live engine is ``ready`` on return. ``InvalidInput``
+        (nothing registered) when ``url`` reaches this router itself (or its gateway): requests would loop."""
+        url = normalize_url(url)
+        if await self.health.is_self(url):
+            raise InvalidInput(f"{url} is this router itself (or an alias of its address); a router cannot be its "
+                               "own worker: requests would loop through it")
         worker = self.registry.add(url)
         await self.health.check(worker)
         return worker
@@ -229,6 +238,7 @@ class Router:
         started = time.perf_counter()
         response = await self._route(request, path, body, record, len(raw))
         record.status, record.total_s = response.status_code, time.perf_counter() - started
+        self.overheads_s.append(record.total_s - record.upstream_s)
         self._notify(record)
         return response
 
@@ -332,7 +342,17 @@ class Router:
         return {**{k: self.counters.get(k, 0) for k in (
             "requests", "version_not_ready", "no_worker_available", "worker_failed", "connect_retries",
             "stale_view", "client_disconnected")},
-            "served_per_worker": {w.url: w.num_served for w in self.registry.workers()}}
+            "served_per_worker": {w.url: w.num_served for w in self.registry.workers()},
+            "routing_overhead_ms": _percentiles_ms(self.overheads_s)}
+
+
+def _percentiles_ms(values_s: collections.deque) -> dict[str, float | int | None]:
+    """p50/p99/max in milliseconds of the router's own time per request (its time minus the workers')."""
+    ordered = sorted(values_s)
+    if not ordered:
+        return {"count": 0, "p50": None, "p99": None, "max": None}
+    at = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 3)  # noqa: E731
+    return {"count": len(ordered), "p50": at(0.5), "p99": at(0.99), "max": round(ordered[-1] * 1e3, 3)}
 
 
 # --------------------------------------------------------------------------- request/response helpers
@@ -415,6 +435,7 @@ def create_app(config: RouterConfig, registry: WorkerRegistry | None = None, gua
 
     app = server_app("miles-disagg router", lifespan=lifespan)
     install_guard(app, guard)
+    router.server_id = app.state.server_id
     app.state.router = router
 
     for path in (GENERATE_PATH, *OPENAI_PATHS):

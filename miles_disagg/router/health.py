@@ -1,7 +1,7 @@
 """Health checks: probe every worker's ``/health`` and ``/model_info`` (its ``weight_version``) each interval.
 
-One pass at a time; within a pass all workers are probed concurrently, each bounded by
-the client's timeout, so one hung worker never delays the others' checks. A refused
+One pass at a time; within a pass the workers' probes start spread over the interval and run
+concurrently, each bounded by the client's timeout, so one hung worker never delays the others' checks. A refused
 connection or an error status takes a worker out of routing at once; timeouts count
 towards the registry's failure threshold. A later successful probe brings it back with
 the version it reads. A server without ``/model_info`` (404) is healthy with an unknown
@@ -9,6 +9,9 @@ version (it then serves only unconstrained requests). ``/model_info`` and not
 ``/get_weight_version``: SGLang 0.5.20 answers the latter 404 and later releases dropped it.
 Probes carry the router's key for each path (:meth:`~miles_disagg.auth.ApiKeys.headers_for`):
 the worker's own answer to an authenticated call is the only source of its version.
+Probes go through a :class:`~miles_disagg.pooled_http.PooledSession` (aiohttp): httpx's pool scans
+every pooled connection per request, so a pass over N workers cost O(N^2); with 256 workers it
+took three fifths of the router's CPU (py-spy, ``miles-disagg bench scale``).
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import httpx
-
+from miles_disagg.asgi_guard import SERVER_ID_HEADER
 from miles_disagg.auth import ApiKeys
+from miles_disagg.pooled_http import ConnectTimedOut, NotConnected, PooledSession, Reply, TimedOut, TransportFailed
 from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, parse_version
 from miles_disagg.types import MilesDisaggError
 
@@ -36,22 +39,41 @@ class ProbeFailed(MilesDisaggError):
 class HealthChecker:
     """Periodic prober over a :class:`WorkerRegistry` (``client`` carries the probe timeout)."""
 
-    def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, *, interval_s: float,
-                 keys: ApiKeys | None = None):
+    def __init__(self, registry: WorkerRegistry, client: PooledSession, *, interval_s: float,
+                 keys: ApiKeys | None = None, own_server_id: str | None = None):
+        """``own_server_id``: this router's (:data:`~miles_disagg.asgi_guard.SERVER_ID_HEADER`); a worker
+        answering with it is the router itself under another address, never routed to."""
+        self.own_server_id = own_server_id
         self.registry = registry
         self.client = client
         self.interval_s = interval_s
         self.keys = keys or ApiKeys()
 
     async def run_forever(self) -> None:
-        """Sleep ``interval_s``, probe all workers, repeat until cancelled (the owner runs
-        the first pass itself, before it starts serving)."""
+        """Probe every worker once per ``interval_s``, the probes spread evenly over the interval,
+        until cancelled (the owner runs the first pass itself, all at once, before it serves).
+        Spread, not in a burst: a burst of 2 x 256 probes held the event loop long enough to show
+        in the p99 of the routing overhead (``bench scale``)."""
         while True:
-            await asyncio.sleep(self.interval_s)
             try:
-                await self.check_all()
+                await self.check_spread(self.interval_s)
             except Exception:  # a bug here must not stop health checking for good
                 log.exception("health pass failed")
+                await asyncio.sleep(self.interval_s)
+
+    async def check_spread(self, over_s: float) -> None:
+        """One pass: each worker's probe starts ``over_s / n`` after the previous one; returns when
+        the last has finished (one pass at a time)."""
+        workers = self.registry.workers()
+        if not workers:
+            await asyncio.sleep(over_s)
+            return
+        gap_s = over_s / len(workers)
+        probes = []
+        for worker in workers:
+            await asyncio.sleep(gap_s)
+            probes.append(asyncio.create_task(self.check(worker)))
+        await asyncio.gather(*probes)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.registry.workers()))
@@ -74,6 +96,9 @@ class HealthChecker:
     async def probe(self, url: str) -> int | None:
         """The worker's version if ``/health`` answers 200; ``ProbeFailed`` otherwise."""
         health = await self._get(url, "/health")
+        if self.answers_as_self(health):
+            raise ProbeFailed("it answers as this router itself (an alias of its own address): requests would loop",
+                              definite=True)
         if health.status_code != 200:
             raise ProbeFailed(f"/health answered {health.status_code}: {health.text[:200]}", definite=True)
         answer = await self._get(url, "/model_info")
@@ -86,12 +111,23 @@ class HealthChecker:
         except (ValueError, AttributeError) as exc:
             raise ProbeFailed(f"/model_info answered {answer.text[:200]!r}: {exc}", definite=True)
 
-    async def _get(self, url: str, path: str) -> httpx.Response:
+    def answers_as_self(self, reply: Reply) -> bool:
+        return self.own_server_id is not None and reply.headers.get(SERVER_ID_HEADER) == self.own_server_id
+
+    async def is_self(self, url: str) -> bool:
+        """Whether ``url`` reaches this router itself (False when it cannot be reached now: the
+        probes then keep checking)."""
+        try:
+            return self.answers_as_self(await self.client.get(url + "/health"))
+        except TransportFailed:
+            return False
+
+    async def _get(self, url: str, path: str) -> Reply:
         try:
             return await self.client.get(url + path, headers=self.keys.headers_for(path))
-        except httpx.TimeoutException as exc:
-            raise ProbeFailed(f"GET {path} timed out ({type(exc).__name__})", definite=False) from exc
-        except httpx.ConnectError as exc:
+        except (TimedOut, ConnectTimedOut) as exc:
+            raise ProbeFailed(f"GET {path} timed out ({exc})", definite=False) from exc
+        except NotConnected as exc:
             raise ProbeFailed(f"GET {path}: cannot connect ({exc})", definite=True) from exc
-        except httpx.HTTPError as exc:
+        except TransportFailed as exc:
             raise ProbeFailed(f"GET {path} failed: {type(exc).__name__}: {exc}", definite=False) from exc

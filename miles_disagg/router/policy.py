@@ -62,19 +62,33 @@ class LeastOutstandingPolicy:
         Raises ``NoWorkerAvailable`` when no worker is ready and ``VersionNotReady`` when
         ready workers exist but none satisfies ``constraint``.
         """
-        ready = [w for w in workers if w.state is WorkerState.READY]
-        if not ready:
-            states = dict(Counter(w.state.value for w in workers))
-            what = f"worker states: {states}" if workers else "no workers are registered"
-            raise NoWorkerAvailable(f"no ready worker ({what})", states)
-        eligible = [w for w in ready if satisfies(w.weight_version, constraint, w.run_id)]
-        if not eligible:
-            raise VersionNotReady(constraint, ready_versions(ready))
-        fewest = min(w.outstanding for w in eligible)
-        tied = [w for w in eligible if w.outstanding == fewest]
+        # one pass, no intermediate lists: this runs for every request, over every worker
+        tied: list[Worker] = []
+        fewest = -1
+        any_ready = False
+        for worker in workers:
+            if worker.state is not WorkerState.READY:
+                continue
+            any_ready = True
+            if not satisfies(worker.weight_version, constraint, worker.run_id):
+                continue
+            if fewest < 0 or worker.outstanding < fewest:
+                fewest, tied = worker.outstanding, [worker]
+            elif worker.outstanding == fewest:
+                tied.append(worker)
+        if not tied:
+            self._refuse(workers, constraint, any_ready)
         chosen = tied[self._turn % len(tied)]
         self._turn += 1
         return chosen
+
+    @staticmethod
+    def _refuse(workers: Sequence[Worker], constraint: VersionConstraint, any_ready: bool) -> None:
+        if not any_ready:
+            states = dict(Counter(w.state.value for w in workers))
+            what = f"worker states: {states}" if workers else "no workers are registered"
+            raise NoWorkerAvailable(f"no ready worker ({what})", states)
+        raise VersionNotReady(constraint, ready_versions(workers))
 
 
 # --------------------------------------------------------------------------- request constraints

@@ -73,7 +73,7 @@ def normalize_url(url: Any) -> str:
         url = f"http://{url}"
     scheme, _, rest = url.partition("://")
     rest = rest.rstrip("/")
-    if scheme not in ("http", "https") or not rest or "/" in rest or any(c.isspace() for c in rest):
+    if scheme not in ("http", "https") or not rest or "/" in rest or not rest.isprintable() or " " in rest:
         raise InvalidInput(f"worker url must look like http://host:port, got {given!r}")
     return f"{scheme}://{rest}"
 

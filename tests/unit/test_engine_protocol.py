@@ -74,10 +74,11 @@ def test_pause_modes_and_abort():
 
 
 def test_pull_and_group_requests():
-    pull = protocol.PullWeights.from_json({"target_version": "4", "source_dir": "s", "local_checkpoint_dir": "l"})
+    pull = protocol.PullWeights.from_json({"target_version": 4, "source_dir": "s", "local_checkpoint_dir": "l"})
     assert pull.target_version == 4
-    with pytest.raises(InvalidInput):
-        protocol.PullWeights.from_json({"target_version": -1, "source_dir": "s", "local_checkpoint_dir": "l"})
+    for wrong in (-1, "4", 4.0, True, None, [4]):  # a string is refused like every other wrong type (issue 30)
+        with pytest.raises(InvalidInput, match="target_version"):
+            protocol.PullWeights.from_json({"target_version": wrong, "source_dir": "s", "local_checkpoint_dir": "l"})
     group = protocol.InitGroup.from_json({"master_address": "h", "master_port": 1234, "rank_offset": 1, "world_size": 2})
     assert group.group_name == "weight_update_group" and group.backend == "nccl"
     with pytest.raises(InvalidInput):
@@ -137,3 +138,18 @@ def test_no_op_generate_fields_are_accepted():
     body = {"input_ids": [[1], [2]], "logprob_start_len": -1, "top_logprobs_num": [0, 0], "return_hidden_states": False,
             "return_routed_experts": False, "return_indexer_topk": False, "lora_path": None, "image_data": None}
     assert len(protocol.parse_generate(body).items) == 2
+
+
+def test_a_nul_byte_in_a_path_field_is_invalid_input():
+    for kind, body in ((protocol.PullWeights, {"target_version": 1, "source_dir": "/s\x00/x"}),
+                       (protocol.PullWeights, {"target_version": 1, "source_dir": "/s", "local_checkpoint_dir": "\x00"}),
+                       (protocol.UpdateFromDisk, {"model_path": "/m\x00"})):
+        with pytest.raises(InvalidInput, match="NUL"):
+            kind.from_json(body)
+
+
+def test_a_version_constraint_sent_to_the_engine_is_refused_not_ignored():
+    for constraint in ({"min_version": 2}, {"exact_version": 2}, 3, "3"):
+        with pytest.raises(InvalidInput, match="weight_version.*router"):
+            protocol.parse_generate({"input_ids": [1, 2], "weight_version": constraint})
+    assert protocol.parse_generate({"input_ids": [1, 2]}).items

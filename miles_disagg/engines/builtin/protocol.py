@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
 
 from miles_disagg.httpjson import parse_body, parse_json  # noqa: F401  (re-exported: protocol.parse_json)
 
@@ -59,11 +59,23 @@ def _version_string(value: Any) -> Any:
     raise ValueError(f"must be a non-empty string or an int, got {value!r}")
 
 
-def _digits_to_int(value: Any) -> Any:
-    return int(value) if isinstance(value, str) and value.isascii() and value.isdigit() else value
+def _no_nul(value: str) -> str:
+    """A path with a NUL byte names no file (the OS refuses it): 400, not a server error."""
+    if "\x00" in value:
+        raise ValueError("a path must not contain a NUL byte")
+    return value
+
+
+def refuse_version_constraint(obj: Any) -> None:
+    """``weight_version`` in a generation request is a router constraint: an engine serves whatever it
+    holds, so taking the field silently would let a client believe its request was constrained."""
+    if isinstance(obj, dict) and "weight_version" in obj:
+        raise ValueError("weight_version: an engine serves the version it holds and ignores constraints; send "
+                         "constrained requests to the router (or the rollout service), or drop the field")
 
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+PathStr = Annotated[str, Field(min_length=1), AfterValidator(_no_nul)]
 Ints = Annotated[tuple[int, ...], BeforeValidator(_array)]
 VersionString = Annotated[str, BeforeValidator(_version_string)]
 
@@ -134,6 +146,7 @@ class GenerateReqInput(Body):
     @model_validator(mode="before")
     @classmethod
     def _split_batch(cls, obj: Any, info: ValidationInfo) -> Any:
+        refuse_version_constraint(obj)
         if not isinstance(obj, dict):
             return obj
         _refuse_unsupported_fields(obj)
@@ -286,7 +299,7 @@ def parse_generate(body: bytes | Any, max_prompt_tokens: int | None = None,
 class UpdateFromDisk(Body):
     """``UpdateWeightFromDiskReqInput`` (fields this engine acts on)."""
 
-    model_path: NonEmptyStr
+    model_path: PathStr
     weight_version: VersionString | None = None
     abort_all_requests: bool = False
     flush_cache: bool = True
@@ -374,9 +387,9 @@ class UpdateFromTensor(Body):
 class PullWeights(Body):
     """This project's ``/pull_weights``: materialize and stage a published version."""
 
-    target_version: Annotated[int, BeforeValidator(_digits_to_int), Field(ge=0)]
-    source_dir: NonEmptyStr
-    local_checkpoint_dir: NonEmptyStr | None = None  # None: the server's own (--local-checkpoint-dir)
+    target_version: Annotated[int, Field(ge=0)]  # an int: "3" is refused like every other wrong type
+    source_dir: PathStr
+    local_checkpoint_dir: PathStr | None = None  # None: the server's own (--local-checkpoint-dir)
 
 
 @dataclass

@@ -1,0 +1,353 @@
+"""``miles-disagg bench scale --engines 8,64,256``: the control plane against pools of simulated engines.
+
+For each pool size N (all sizes measured side by side in one run, so their ratios hold on a loaded
+machine), with N simulated engines (:mod:`miles_disagg.engines.simulated`, one process, one port each):
+
+* ``fanout``: the disk-delta updater (:class:`~miles_disagg.engines.updater.DiskDeltaUpdater`, the
+  run's own) bringing all N engines to a new version, ``--updates`` times: the whole update, its
+  prepare phase (``/pull_weights`` everywhere) and activate phase (pause, flush, load, continue,
+  verify, everywhere), and the longest pause of one engine. Medians over the updates.
+* ``router``: ``miles-disagg router`` over the N engines, ``--in-flight`` requests kept in flight for
+  ``--duration`` seconds from one asyncio client: requests/s, client latency p50/p99, the router's own
+  time per request (its ``/metrics`` ``routing_overhead_ms``: time in the router minus time waiting
+  for engines), its CPU per request and its peak memory.
+* ``rollout``: the rollout manager (:class:`~miles_disagg.rollout.manager.RolloutManager`, in this
+  process, the built-in count-up task on a digits tokenizer) producing through the same router at
+  ``--rollout-concurrency`` requests in flight whatever the pool size, the trainer's side taking
+  batches: samples/s, and this process's memory (it holds the manager).
+
+``ratios`` compares each size with the smallest. The simulated engines answer ``/generate`` after
+``--per-request-ms``; ``/pull_weights`` takes ``--pull-ms``, ``/update_weights_from_disk``
+``--load-ms``. Prints one JSON object on stdout; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles_disagg.bench.common import print_result, progress, work_dir
+from miles_disagg.config.commands import add_config_arguments, config_from_args
+from miles_disagg.config.fields import flag
+
+_progress = progress("scale")
+SECTIONS = ("fanout", "router", "rollout")
+GENERATE_BODY = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0},
+                 "return_logprob": True}
+
+
+@dataclass(kw_only=True)
+class ScaleBench:
+    """control plane at scale: fan-out, router throughput/overhead, memory, with simulated engines"""
+
+    json: bool = flag(False, "Print the result as JSON (always on; kept for scripts).")
+    engines: str = flag("8,64,256", "Pool sizes, comma-separated.", metavar="N,N,...")
+    updates: int = flag(3, "Weight updates timed per pool size (medians reported).")
+    in_flight: int = flag(1024, "Requests kept in flight against the router.")
+    duration: float = flag(8.0, "Seconds of measured load per pool size (after a 1 s warm-up).", metavar="S")
+    per_request_ms: float = flag(20.0, "Simulated /generate time.", metavar="MS")
+    pull_ms: float = flag(100.0, "Simulated /pull_weights time.", metavar="MS")
+    load_ms: float = flag(50.0, "Simulated /update_weights_from_disk time.", metavar="MS")
+    rollout_concurrency: int = flag(256, "The rollout manager's --rollout-concurrency (equal for every pool).")
+    sections: str = flag("fanout,router,rollout", "What to measure, comma-separated: fanout, router, rollout.")
+    work_dir: Path | None = flag(None, "Keep logs here (default: a temp dir).")
+
+    def __post_init__(self) -> None:
+        if not self.pool_sizes() or min(self.pool_sizes()) < 1:
+            raise ValueError(f"--engines must list positive pool sizes, got {self.engines!r}")
+        unknown = set(self.section_names()) - set(SECTIONS)
+        if unknown:
+            raise ValueError(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+
+    def pool_sizes(self) -> list[int]:
+        try:
+            return [int(part) for part in self.engines.split(",") if part.strip()]
+        except ValueError:
+            raise ValueError(f"--engines must be comma-separated integers, got {self.engines!r}") from None
+
+    def section_names(self) -> list[str]:
+        return [part.strip() for part in self.sections.split(",") if part.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, ScaleBench)
+
+
+def run(args: argparse.Namespace) -> int:
+    command = config_from_args(ScaleBench, args)
+    from miles_disagg.auth import ADMIN_API_KEY_ENV, new_key
+
+    os.environ.setdefault(ADMIN_API_KEY_ENV, new_key())  # every process of the bench shares one admin key
+    with work_dir("scale", command.work_dir) as root:
+        per_size = {n: _one_pool(root, command, n) for n in command.pool_sizes()}
+    return print_result({"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
+                         "settings": _settings(command), "pools": per_size,
+                         "ratios": _ratios(per_size)})
+
+
+def _settings(command: ScaleBench) -> dict:
+    return {"in_flight": command.in_flight, "rollout_concurrency": command.rollout_concurrency, "duration_s": command.duration, "updates": command.updates,
+            "per_request_ms": command.per_request_ms, "pull_ms": command.pull_ms, "load_ms": command.load_ms}
+
+
+def _one_pool(root: Path, command: ScaleBench, num_engines: int) -> dict:
+    _progress(f"{num_engines} simulated engines")
+    fleet = SimFleetProcess.start(root / f"sim-{num_engines}.log", num_engines, command)
+    try:
+        result: dict = {"num_engines": num_engines}
+        if "fanout" in command.section_names():
+            result["fanout"] = _fanout(root / f"fanout-{num_engines}", fleet.urls, command.updates)
+            _progress(f"  fan-out: {result['fanout']}")
+        if "router" in command.section_names():
+            result["router"] = _router_load(root, fleet.urls, command)
+            _progress(f"  router: {result['router']}")
+        if "rollout" in command.section_names():
+            result["rollout"] = _rollout(root, fleet.urls, command)
+            _progress(f"  rollout manager: {result['rollout']}")
+        result["sim_engines_rss_mb"] = rss_mb(fleet.proc.pid)
+        return result
+    finally:
+        fleet.stop()
+
+
+# --------------------------------------------------------------------------- processes
+
+
+@dataclass
+class SimFleetProcess:
+    proc: subprocess.Popen
+    urls: list[str]
+
+    @classmethod
+    def start(cls, log_path: Path, num_engines: int, command: ScaleBench, timeout_s: float = 120.0):
+        """``miles-disagg sim-engines`` in a child process; returns once it printed its URLs."""
+        argv = [sys.executable, "-m", "miles_disagg.cli", "sim-engines", "--num-engines", str(num_engines),
+                "--per-request-ms", str(command.per_request_ms), "--pull-ms", str(command.pull_ms),
+                "--load-ms", str(command.load_ms)]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log)
+        line: list[bytes] = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if not line or not line[0]:
+            proc.kill()
+            raise RuntimeError(f"sim-engines did not start: {log_path.read_text(errors='replace')[-2000:]}")
+        return cls(proc, json.loads(line[0])["urls"])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(15)
+
+
+def _start_router(root: Path, urls: list[str], num_engines: int):
+    from miles_disagg.process import free_port, start_http_process
+
+    port = free_port()
+    argv = [sys.executable, "-m", "miles_disagg.cli", "router", "--port", str(port)]
+    for url in urls:
+        argv += ["--worker", url]
+    return start_http_process(argv, url=f"http://127.0.0.1:{port}", log_path=root / f"router-{num_engines}.log",
+                              health_path="/health", what="router", error=RuntimeError, startup_timeout_s=120)
+
+
+def rss_mb(pid: int) -> dict[str, float]:
+    """Resident and peak resident memory of ``pid`` in MiB (Linux ``/proc``)."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = round(int(value.split()[0]) / 1024, 1)
+    return {"rss": fields.get("VmRSS"), "peak": fields.get("VmHWM")}
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far."""
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# --------------------------------------------------------------------------- fan-out
+
+
+def _fanout(root: Path, urls: list[str], updates: int) -> dict:
+    from miles_disagg.engines.updater import DiskDeltaUpdater
+
+    local_dirs = [str(root / f"engine-{i}") for i in range(len(urls))]
+    updater = DiskDeltaUpdater(urls, store_dir=str(root / "store"), local_dirs=local_dirs)
+    reports, cpu = [], []
+    try:
+        for version in range(1, updates + 1):
+            start, cpu_start = time.perf_counter(), time.process_time()
+            report = updater.update(version)
+            reports.append((time.perf_counter() - start, report))
+            cpu.append(time.process_time() - cpu_start)
+    finally:
+        updater.close()
+    med = lambda values: round(statistics.median(values), 4)  # noqa: E731
+    return {"update_s": med([total for total, _ in reports]),
+            "prepare_s": med([r.prepare_time_s for _, r in reports]),
+            "activate_s": med([r.activate_time_s for _, r in reports]),
+            "max_pause_s": med([r.pause_time_s for _, r in reports]),
+            "updater_cpu_s": med(cpu)}
+
+
+# --------------------------------------------------------------------------- router load
+
+
+def _router_load(root: Path, urls: list[str], command: ScaleBench) -> dict:
+    import httpx
+
+    router = _start_router(root, urls, len(urls))
+    try:
+        _wait_ready(router.url, len(urls))
+        cpu_before = cpu_s(router.proc.pid)
+        load = asyncio.run(generate_load(router.url + "/generate", command.in_flight, command.duration))
+        cpu_used = cpu_s(router.proc.pid) - cpu_before
+        metrics = httpx.get(router.url + "/metrics", timeout=30, trust_env=False).json()
+        served = load.pop("served_total")
+        return {**load, "router_cpu_ms_per_request": round(1e3 * cpu_used / max(1, served), 3),
+                "routing_overhead_ms": metrics.get("routing_overhead_ms"),
+                "router_rss_mb": rss_mb(router.proc.pid)}
+    finally:
+        router.stop()
+
+
+def _wait_ready(url: str, num_engines: int, timeout_s: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = httpx.get(url + "/health", timeout=10, trust_env=False).json()
+        if health.get("num_ready") == num_engines:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the router sees {health} after {timeout_s}s, expected {num_engines} ready")
+        time.sleep(0.2)
+
+
+async def generate_load(url: str, in_flight: int, duration_s: float, warmup_s: float = 1.0,
+                        body: dict | None = None) -> dict:
+    """``in_flight`` requests kept in flight for ``warmup_s + duration_s``. Throughput counts the answers
+    that arrived within the measured window (whenever they were sent); latencies are theirs."""
+    import aiohttp
+
+    payload = json.dumps(body or GENERATE_BODY).encode()
+    headers = {"Content-Type": "application/json"}
+    latencies: list[float] = []
+    errors: dict[str, int] = {}
+    loop = asyncio.get_running_loop()
+    begin = loop.time()
+    measure_from, stop_at = begin + warmup_s, begin + warmup_s + duration_s
+    served_total = 0
+
+    async def client(session) -> None:
+        nonlocal served_total
+        while loop.time() < stop_at:
+            sent = loop.time()
+            try:
+                async with session.post(url, data=payload, headers=headers) as response:
+                    await response.read()
+                    status = response.status
+            except aiohttp.ClientError as exc:
+                status = type(exc).__name__
+            done = loop.time()
+            served_total += 1
+            if measure_from <= done <= stop_at:
+                if status == 200:
+                    latencies.append(done - sent)
+                else:
+                    errors[str(status)] = errors.get(str(status), 0) + 1
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
+        await asyncio.gather(*(client(session) for _ in range(in_flight)))
+    latencies.sort()
+    at = lambda q: round(1e3 * latencies[min(len(latencies) - 1, int(q * len(latencies)))], 2) if latencies else None  # noqa: E731
+    return {"requests_per_s": round(len(latencies) / duration_s, 1), "served": len(latencies), "errors": errors,
+            "latency_ms": {"p50": at(0.5), "p99": at(0.99)}, "served_total": served_total}
+
+
+# --------------------------------------------------------------------------- rollout manager
+
+
+def _rollout(root: Path, urls: list[str], command: ScaleBench) -> dict:
+    router = _start_router(root, urls, len(urls))
+    try:
+        _wait_ready(router.url, len(urls))
+        return asyncio.run(_drive_rollout_manager(_tokenizer_dir(root), router.url, command))
+    finally:
+        router.stop()
+
+
+def _tokenizer_dir(root: Path) -> Path:
+    from miles_disagg.models.tiny_qwen3 import DIGITS_CHARSET, build_tokenizer
+
+    path = root / "tokenizer"
+    if not path.exists():
+        build_tokenizer(DIGITS_CHARSET).save_pretrained(path)
+    return path
+
+
+async def _drive_rollout_manager(tokenizer_dir: Path, router_url: str, command: ScaleBench) -> dict:
+    """The manager produces continuously; batches of 64 groups are taken for ``--duration`` seconds."""
+    from miles_disagg.config.actors import RolloutManagerConfig
+    from miles_disagg.config.components import RolloutConfig
+    from miles_disagg.rollout.manager import RolloutManager
+
+    groups_per_batch, n_samples = 64, 4
+    config = RolloutConfig(rollout_batch_size=groups_per_batch, n_samples_per_prompt=n_samples,
+                           rollout_max_response_len=16, rollout_concurrency=command.rollout_concurrency,
+                           max_weight_staleness=4)
+    manager = RolloutManager(RolloutManagerConfig(rollout=config, router_url=router_url, hf_dir=str(tokenizer_dir)),
+                             capacity_groups=4 * groups_per_batch)
+    await manager.start()
+    try:
+        await manager.take(groups_per_batch, 0)  # warm-up
+        samples, started = 0, time.perf_counter()
+        while time.perf_counter() - started < command.duration:
+            samples += (await manager.take(groups_per_batch, 0)).num_samples
+        elapsed = time.perf_counter() - started
+    finally:
+        await manager.stop()
+    return {"samples_per_s": round(samples / elapsed, 1), "samples": samples,
+            "rollout_concurrency": command.rollout_concurrency, "manager_process_rss_mb": rss_mb(os.getpid())}
+
+
+# --------------------------------------------------------------------------- ratios
+
+
+def _ratios(per_size: dict[int, dict]) -> dict:
+    """Each pool size against the smallest: fan-out time (target <= 3) and router throughput (>= 0.9)."""
+    base_size = min(per_size)
+    base = per_size[base_size]
+    ratios = {}
+    for size, result in per_size.items():
+        if size == base_size:
+            continue
+        entry = {}
+        if "fanout" in result:
+            entry["fanout_update_time_vs_smallest"] = round(result["fanout"]["update_s"] / base["fanout"]["update_s"], 3)
+        if "router" in result and base["router"]["requests_per_s"]:
+            entry["router_throughput_vs_smallest"] = round(
+                result["router"]["requests_per_s"] / base["router"]["requests_per_s"], 3)
+            entry["router_cpu_per_request_vs_smallest"] = round(
+                result["router"]["router_cpu_ms_per_request"] / base["router"]["router_cpu_ms_per_request"], 3)
+        if "rollout" in result and base["rollout"]["samples_per_s"]:
+            entry["rollout_samples_per_s_vs_smallest"] = round(
+                result["rollout"]["samples_per_s"] / base["rollout"]["samples_per_s"], 3)
+        ratios[f"{size}_vs_{base_size}"] = entry
+    return ratios
