@@ -159,6 +159,7 @@ def _shown(kind: str) -> list[list[str]]:
 def test_the_readme_shows_commands_of_every_kind() -> None:
     for kind in ("train", "cluster", "miles-disagg", "script"):
         assert _shown(kind), kind
+    assert len(_shown("train")) <= 8, "raise test_train_commands_run's range: every train command must run"
 
 
 @pytest.fixture(scope="module")
