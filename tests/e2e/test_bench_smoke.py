@@ -62,12 +62,14 @@ def bench(name: str, tmp_path: Path, timeout: float) -> dict:
     return answer
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["delta", "http", "hostile", "engine", "colocate", "service"])
 def test_bench_runs_with_json(name: str, tmp_path: Path) -> None:
     bench(name, tmp_path, timeout=600)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_bench_async_runs_with_json(tmp_path: Path) -> None:
     """The README's ``bench async --json``: both entry points on the bench's own model (the tiny
     config's ``hf_checkpoint_init`` must not judge it: that exited 1 before)."""

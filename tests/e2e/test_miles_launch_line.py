@@ -79,7 +79,7 @@ def launch_line(root: Path, model_args: list[str], *, hf: Path, gpus: dict[str, 
     optimizer = ["--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
                  "--adam-beta1", "0.9", "--adam-beta2", "0.98"]
     wandb = ["--wandb-project", "miles-dev", "--wandb-group", "qwen3-4B-test", "--wandb-key", "0123456789abcdef",
-             "--wandb-team", "rl-team"]
+             "--wandb-team", "rl-team", "--wandb-host", "https://wandb.example.com", "--disable-wandb-random-suffix"]
     sglang = ["--sglang-mem-fraction-static", "0.7", "--sglang-server-concurrency", "64",
               "--sglang-router-port", str(free_port("127.0.0.1")), "--use-miles-router"]
     misc = ["--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
@@ -129,7 +129,8 @@ def test_the_qwen3_4b_launch_line_passes_print_config(qwen3_4b_line) -> None:
     out = result.stdout
     for expected in ("train_backend: megatron", "num_layers: 36", "qk_layernorm: true", "ci_test: true",
                      "check_weight_update_equal: true", "fully_async: true", "update_weight_delta_filter: auto",
-                     "rollout_concurrency: 128", "wandb_team: rl-team", "wandb_key: <redacted>"):
+                     "rollout_concurrency: 128", "wandb_team: rl-team", "wandb_key: <redacted>",
+                     "wandb_host: https://wandb.example.com", "disable_wandb_random_suffix: true"):
         assert expected in out, expected
     assert "0123456789abcdef" not in out + result.stderr
     assert "mem-fraction-static: '0.7'" in out and "router-port" not in out.split("sglang_args:")[1]

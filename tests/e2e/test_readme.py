@@ -159,6 +159,7 @@ def _shown(kind: str) -> list[list[str]]:
 def test_the_readme_shows_commands_of_every_kind() -> None:
     for kind in ("train", "cluster", "miles-disagg", "script"):
         assert _shown(kind), kind
+    assert len(_shown("train")) <= 8, "raise test_train_commands_run's range: every train command must run"
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +180,7 @@ def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("index", range(8))
 def test_train_commands_run(index: int, base_copy: Path, tmp_path: Path) -> None:
     shown = _shown("train")
@@ -244,6 +246,7 @@ def test_the_weights_chain_runs_on_a_tiny_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_demo_script_runs(tmp_path: Path, base_copy: Path) -> None:
     scripts = [argv for argv in _shown("script") if argv[0] == "./scripts/demo.sh"]
     assert scripts == [["./scripts/demo.sh"]]
@@ -254,6 +257,7 @@ def test_demo_script_runs(tmp_path: Path, base_copy: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_test_script_collects_the_suite() -> None:
     scripts = [argv for argv in _shown("script") if argv[0] == "./scripts/test.sh"]
     assert scripts == [["./scripts/test.sh"]]
