@@ -72,6 +72,10 @@ def test_rows_joining_a_running_batch_record_their_own_routing(moe_engine, refer
     _check(long.result(), [4, 5, 6, 7], reference)
 
 
+def test_server_info_announces_the_flag(moe_engine):
+    assert moe_engine.get("/get_server_info").json()["enable_return_routed_experts"] is True
+
+
 def test_without_the_request_field_there_is_no_routing(moe_engine):
     result = moe_engine.generate({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
     assert "routed_experts" not in result["meta_info"]

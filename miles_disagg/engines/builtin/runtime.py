@@ -479,6 +479,7 @@ class Engine:
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "max_running_requests": self.config.max_running_requests,
             "random_seed": self.config.random_seed,
+            "enable_return_routed_experts": self.config.enable_return_routed_experts,  # SGLang's server arg
             "context_length": self.runner.max_context,
             "max_req_input_len": self.runner.max_context - 1,
             "weight_version": self.version,
