@@ -34,6 +34,7 @@ class RoutingShape:
     layers: int
     top_k: int
     sparse_layers: tuple[int, ...]
+    num_experts: int
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "RoutingShape | None":
@@ -43,7 +44,9 @@ class RoutingShape:
             return None
         skip, step = set(getattr(config, "mlp_only_layers", None) or ()), config.decoder_sparse_step
         sparse = tuple(i for i in range(config.num_hidden_layers) if i not in skip and (i + 1) % step == 0)
-        return cls(config.num_hidden_layers, config.num_experts_per_tok, sparse) if sparse else None
+        if not sparse:
+            return None
+        return cls(config.num_hidden_layers, config.num_experts_per_tok, sparse, config.num_experts)
 
 
 def pack_engine_routing(samples: Sequence[Sample], seq_len: int, shape: RoutingShape) -> torch.Tensor | None:
@@ -61,7 +64,11 @@ def pack_engine_routing(samples: Sequence[Sample], seq_len: int, shape: RoutingS
         if tuple(routed.shape) != expected:
             raise InvalidInput(f"sample {i} of the micro-batch: rollout_routed_experts has shape "
                                f"{tuple(routed.shape)}, the model and its tokens need {expected}")
-        packed[i, :expected[0]] = routed.long()
+        routed = routed.long()
+        if routed.numel() and (routed.min() < -1 or routed.max() >= shape.num_experts):
+            raise InvalidInput(f"sample {i} of the micro-batch: rollout_routed_experts holds expert ids outside "
+                               f"[-1, {shape.num_experts}): {routed.min().item()}..{routed.max().item()}")
+        packed[i, :expected[0]] = routed
     return packed
 
 

@@ -33,6 +33,9 @@ from miles_disagg.types import FormatError, InvalidInput, LayoutMismatch
 _ARCH_KEYS = (
     "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "intermediate_size", "vocab_size", "head_dim",
+    # Qwen3-MoE: a different routing rule loads the same tensors but is another model
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers",
 )
 
 
