@@ -35,6 +35,7 @@ def reference(tiny_qwen3_moe_dir):
 def _check(result: dict, prompt: list[int], reference, start: int = 0) -> None:
     tokens = prompt + result["output_ids"]
     routed = decode_routed_experts(result["meta_info"]["routed_experts"], LAYERS, TOP_K)
+    assert result["meta_info"]["routed_experts_start_len"] == start
     assert routed.shape == (len(tokens) - 1 - start, LAYERS, TOP_K)
     fresh = reference.full_routed_experts(tokens)[:-1].numpy()
     assert (routed == fresh[start:]).all()
