@@ -142,10 +142,12 @@ class FSDPBackend(TrainerBackend):
         flat = [b for step in packed for b in step]
         engine = self._engine_routes(split)
         replay = engine if self.config.use_rollout_routing_replay else [None] * len(flat)
+        ref_replay = replay  # the reference replays the engines' routing too; its own forward routes freely
         if self.config.use_routing_replay and not self.config.use_rollout_routing_replay:
             replay = self._recorded_routes(flat)
         old = self._frozen_logprobs(self.model, flat, replay)
-        ref = self._frozen_logprobs(self.ref_model, flat, replay) if self.ref_model is not None else [None] * len(flat)
+        ref = (self._frozen_logprobs(self.ref_model, flat, ref_replay) if self.ref_model is not None
+               else [None] * len(flat))
         diff = global_token_mean([((o - b.rollout_logprobs.to(self.device)).abs(), b.loss_mask)
                                   for o, b in zip(old, flat)], device=self.device)
         if self.config.use_rollout_logprobs:  # the engines' logprobs are the behaviour policy's (miles' meaning)

@@ -54,7 +54,7 @@ def rollout(tiny_qwen3_moe_dir) -> list[Sample]:
 def _backend(model_dir, **flags):
     from miles_disagg.trainer.fsdp import FSDPBackend
 
-    config = TrainConfig(lr=1e-2, global_batch_size=8, micro_batch_size=4, **flags)
+    config = TrainConfig(**{"lr": 1e-2, "global_batch_size": 8, "micro_batch_size": 4, **flags})
     return FSDPBackend(config, str(model_dir), rank=0, world_size=1)
 
 
@@ -158,3 +158,15 @@ def _only_experts_0_and_1(routed):
     out = routed.copy()
     out[...] = [0, 1]
     return out
+
+
+def test_the_reference_replays_the_engines_routing_too(tiny_qwen3_moe_dir, rollout):
+    """With --use-kl-loss the reference (the same base weights) replays the engine's routing as the
+    policy does: at the first optimizer step both are the same model on the same routing, KL 0."""
+    backend = _backend(tiny_qwen3_moe_dir, use_rollout_routing_replay=True, use_kl_loss=True,
+                       global_batch_size=4)  # two optimizer steps: the first is before any update
+    forged = [Sample(**{**s.__dict__, "rollout_routed_experts": (s.rollout_routed_experts + 1) % EXPERTS})
+              for s in rollout]
+    steps = backend.train([forged[:4], forged[4:]]).steps
+    assert steps[0]["train/kl_loss"] == pytest.approx(0.0, abs=1e-7)
+    assert steps[1]["train/kl_loss"] != 0.0
