@@ -25,6 +25,7 @@ from typing import Iterable
 
 import torch
 
+from miles_disagg.engines.builtin.fused_experts import ExpertLayout
 from miles_disagg.engines.builtin.routing import routing_capture
 from miles_disagg.models.causal_lm import NATIVE, checkpoint_dtype, implementation, load_causal_lm, read_config
 from miles_disagg.types import FormatError, InvalidInput, LayoutMismatch
@@ -77,6 +78,7 @@ class ModelRunner:
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_context = int(self.config_json.get("max_position_embeddings") or 4096)
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.experts = ExpertLayout(self.params)  # transformers' fused experts under their on-disk names
         self.routing = routing_capture(self.model, self.config_json, self.implementation)
         self.last_routed: torch.Tensor | None = None
 
@@ -189,7 +191,8 @@ class ModelRunner:
         against the live layout and converted to the live dtype/device. Nothing live changes."""
         from safetensors import safe_open
 
-        wanted = set(self.params) if names is None else set(names)
+        live = self.named_weights()
+        wanted = set(live) if names is None else set(names)
         files = sorted(Path(model_dir).glob("*.safetensors"))
         if not files:
             raise InvalidInput(f"no *.safetensors files in {str(model_dir)!r}")
@@ -199,7 +202,7 @@ class ModelRunner:
                 with safe_open(str(file), framework="pt") as handle:
                     for name in handle.keys():
                         if name in wanted:
-                            loaded[name] = self._converted(name, handle.get_tensor(name))
+                            loaded[name] = self._converted(name, handle.get_tensor(name), live)
             except (LayoutMismatch, InvalidInput):
                 raise
             except Exception as exc:  # truncated or corrupt file: the caller's input, not our fault
@@ -209,8 +212,8 @@ class ModelRunner:
             raise LayoutMismatch(f"checkpoint {str(model_dir)!r} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
         return loaded
 
-    def _converted(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        live = self.params.get(name)
+    def _converted(self, name: str, tensor: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        live = weights.get(name)
         if live is None:
             raise LayoutMismatch(f"tensor {name!r} is not a parameter of the live model")
         if tuple(tensor.shape) != tuple(live.shape):
@@ -228,10 +231,18 @@ class ModelRunner:
             seen.setdefault(id(param), name)
         return tied
 
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The live weights by their checkpoint names (what versions, checksums and updates name)."""
+        return self.experts.named_weights(self.params)
+
+    def live_names(self, names: Iterable[str]) -> set[str]:
+        """The parameters an update of ``names`` (checkpoint names) fills in full."""
+        return self.experts.live_names(names)
+
     def swap_in(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Make ``tensors`` live by pointer swap (``param.data = t``): O(1) per tensor."""
-        for name, tensor in tensors.items():
-            self.params[name].data = tensor
+        """Make ``tensors`` (by checkpoint name) live by pointer swap (``param.data = t``): O(1) per
+        tensor; a fused expert parameter is rebuilt first (:mod:`.fused_experts`)."""
+        self.experts.swap_in(self.params, tensors)
 
 
 def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:

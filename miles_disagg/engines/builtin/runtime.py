@@ -287,7 +287,7 @@ class Engine:
                 s.abort_all("aborted by update_weights_from_disk(abort_all_requests=true)")
             self._check_weights_resident()
             self.runner.swap_in(tensors)
-            self.memory.loaded(tensors)
+            self.memory.loaded(self.runner.live_names(tensors))
             self.weights_path = path
             self.stager.set_live(live_ref)
             label = req.weight_version if req.weight_version is not None else _label_of(live_ref)
@@ -365,7 +365,7 @@ class Engine:
         return {"success": True, "message": f"Succeeded to destroy group {group_name!r}."}
 
     def update_from_distributed(self, req: DistributedUpdate) -> dict:
-        tensors = self.dist.receive(req, self.runner.params)
+        tensors = self.dist.receive(req, self.runner.named_weights())
 
         def activate(s: Scheduler) -> float:
             start = time.perf_counter()
@@ -373,7 +373,7 @@ class Engine:
                 s.abort_all("aborted by update_weights_from_distributed(abort_all_requests=true)")
             self._check_weights_resident()
             self.runner.swap_in(tensors)
-            self.memory.loaded(tensors)
+            self.memory.loaded(self.runner.live_names(tensors))
             if req.weight_version is not None:
                 s.version = req.weight_version
             self.stager.set_live(None)  # broadcast weights are of no published version we can vouch for
@@ -397,16 +397,16 @@ class Engine:
         """Copy the named tensors the caller shares (CUDA IPC / shared memory) into the live weights."""
         from miles_disagg.engines.tensor_transfer import deserialize_named_tensors
 
-        tensors = {}
+        tensors, weights = {}, self.runner.named_weights()
         for name, tensor in deserialize_named_tensors(req.serialized_named_tensors[0]):
-            tensors[name] = self._converted_copy(name, tensor)
+            tensors[name] = self._converted_copy(name, tensor, weights)
 
         def activate(s: Scheduler) -> None:
             if req.abort_all_requests:
                 s.abort_all("aborted by update_weights_from_tensor(abort_all_requests=true)")
             self._check_weights_resident()
             self.runner.swap_in(tensors)
-            self.memory.loaded(tensors)
+            self.memory.loaded(self.runner.live_names(tensors))
             self.stager.set_live(None)  # weights handed over in memory are of no published version
             if req.weight_version is not None:
                 s.version = req.weight_version
@@ -414,10 +414,10 @@ class Engine:
         self.scheduler.call(activate).result()
         return {"success": True, "message": f"Succeeded to update {len(tensors)} tensors."}
 
-    def _converted_copy(self, name: str, tensor):
+    def _converted_copy(self, name: str, tensor, weights: dict):
         from miles_disagg.types import LayoutMismatch
 
-        live = self.runner.params.get(name)
+        live = weights.get(name)
         if live is None:
             raise LayoutMismatch(f"tensor {name!r} is not a parameter of the live model")
         shape = self.memory.layouts[name].shape if name in self.memory.layouts else tuple(live.shape)
@@ -456,7 +456,7 @@ class Engine:
         if algorithm not in CHECKSUMS:
             raise InvalidInput(f"unknown checksum {algorithm!r} (known: {', '.join(CHECKSUMS)})")
         version, tensors = self.scheduler.call(
-            lambda s: (s.version, {name: p.data for name, p in self.runner.params.items()})).result()
+            lambda s: (s.version, {name: t.data for name, t in self.runner.named_weights().items()})).result()
         return {"weight_version": version, "algorithm": algorithm, "source": "live",
                 "checksums": {name: checksum(algorithm, tensor_bytes(t.detach().cpu())) for name, t in tensors.items()}}
 
