@@ -109,3 +109,14 @@ def test_the_flag_on_a_dense_model_exits_2(tiny_qwen3_dir):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--enable-return-routed-experts" in proc.stderr and "has no experts" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_request_asking_beside_one_that_does_not_gets_its_full_routing(moe_engine, reference):
+    """Passes record only when some row asked: a row asking must not miss the passes that fed it."""
+    plain = Background(lambda: moe_engine.generate(
+        {"input_ids": [4, 5, 6, 7], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}))
+    wait_in_flight(moe_engine, [plain])
+    asking = moe_engine.generate({"input_ids": [9, 8, 7], "return_routed_experts": True,
+                                  "sampling_params": {"max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 1}})
+    _check(asking, [9, 8, 7], reference)
+    assert "routed_experts" not in plain.result()["meta_info"]

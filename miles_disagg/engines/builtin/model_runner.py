@@ -10,7 +10,8 @@ Prefill builds a new ``KVBatch`` for the joining rows; :meth:`ModelRunner.merge`
 
 Mixture-of-experts models: every forward pass leaves the experts each new token was routed to in
 :attr:`ModelRunner.last_routed` (int32 ``[rows, new_tokens, num_hidden_layers, top_k]``, -1 on
-layers without experts; None for a dense model), read by the scheduler right after the call.
+layers without experts; None for a dense model or a pass called with ``record_routing=False``),
+read by the scheduler right after the call.
 
 Concurrency: a ``ModelRunner`` is used by exactly one thread (the scheduler's); weight
 swaps happen on that thread between steps, so a forward pass never sees half-new weights.
@@ -99,7 +100,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward passes
 
     @torch.inference_mode()
-    def prefill(self, token_lists: list[list[int]]) -> tuple[torch.Tensor, KVBatch]:
+    def prefill(self, token_lists: list[list[int]], record_routing: bool = False) -> tuple[torch.Tensor, KVBatch]:
         """Run the rows' tokens from scratch; return last-position float32 logits and their KV."""
         length = max(len(t) for t in token_lists)
         ids = torch.zeros((len(token_lists), length), dtype=torch.long)
@@ -109,22 +110,24 @@ class ModelRunner:
             mask[row, length - len(tokens):] = 1
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         logits, layers = self._routed_forward(ids.to(self.device), mask.to(self.device),
-                                              position_ids.to(self.device), None, 1)
+                                              position_ids.to(self.device), None, 1, record_routing)
         positions = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
         return logits[:, -1, :].float(), KVBatch(layers=layers, mask=mask, positions=positions)
 
     @torch.inference_mode()
-    def decode(self, batch: KVBatch, next_tokens: list[int]) -> torch.Tensor:
+    def decode(self, batch: KVBatch, next_tokens: list[int], record_routing: bool = False) -> torch.Tensor:
         """Feed one token per row; the cache grows in place; return float32 logits ``[rows, vocab]``."""
         ids = torch.tensor(next_tokens, dtype=torch.long).unsqueeze(1)
         batch.mask = torch.cat([batch.mask, torch.ones((batch.num_rows, 1), dtype=torch.long)], dim=1)
         logits, batch.layers = self._routed_forward(ids.to(self.device), batch.mask.to(self.device),
-                                                    batch.positions.unsqueeze(1).to(self.device), batch.layers, 0)
+                                                    batch.positions.unsqueeze(1).to(self.device), batch.layers, 0,
+                                                    record_routing)
         batch.positions = batch.positions + 1
         return logits[:, -1, :].float()
 
-    def _routed_forward(self, ids, mask, positions, layers, logits_to_keep):
-        if self.routing is None:
+    def _routed_forward(self, ids, mask, positions, layers, logits_to_keep, record: bool):
+        self.last_routed = None
+        if self.routing is None or not record:
             return self._forward(self.model, ids, mask, positions, layers, logits_to_keep)
         with self.routing.capturing(ids.shape) as captured:
             out = self._forward(self.model, ids, mask, positions, layers, logits_to_keep)
@@ -135,7 +138,8 @@ class ModelRunner:
     def full_routed_experts(self, tokens: list[int]) -> torch.Tensor:
         """Reference: the experts of every position of one unbatched forward pass (tests use it)."""
         ids = torch.tensor([tokens], device=self.device)
-        self._routed_forward(ids, torch.ones_like(ids), torch.arange(len(tokens), device=self.device)[None], None, 1)
+        self._routed_forward(ids, torch.ones_like(ids), torch.arange(len(tokens), device=self.device)[None], None, 1,
+                             True)
         return self.last_routed[0]
 
     @torch.inference_mode()
