@@ -9,7 +9,7 @@ import torch
 
 from miles_disagg.engines.builtin.routing import routing_capture
 from miles_disagg.models.causal_lm import NATIVE, TRANSFORMERS, load_causal_lm
-from tests.unit.test_native_qwen3_moe import _checkpoint
+from test_native_qwen3_moe import _checkpoint
 
 
 def test_transformers_router_hooks_record_what_the_native_model_routes(tmp_path):
