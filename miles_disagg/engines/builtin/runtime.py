@@ -36,6 +36,8 @@ Where this differs from SGLang (documented, deliberate):
   (``rid_0``, ``rid_1``, ...), as in SGLang.
 * Accepted and ignored: ``load_format``, ``is_async``, ``keep_pause``, ``torch_empty_cache``,
   ``recapture_cuda_graph``, ``token_step``, ``flush_cache`` (there is no prefix cache to flush).
+* ``return_routed_experts`` (with ``--enable-return-routed-experts``, mixture-of-experts models) is
+  refused with ``max_new_tokens=0``: such requests are answered without a forward pass.
 * Versions are strings as in SGLang (ints are accepted and reported as decimal strings);
   the start-up default is ``"0"`` (this project's base version), not SGLang's ``"default"``.
 """
