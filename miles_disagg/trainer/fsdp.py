@@ -54,7 +54,6 @@ class FSDPBackend(TrainerBackend):
         self.routing_shape = RoutingShape.of(self.module)
         self._check_replay_flags(hf_dir)
         self.router_replay = self._router_replay(self.module)
-        self.ref_replay = None
         self.model = self._wrap(self.module)
         self.ref_model = self._load_reference(hf_dir) if config.needs_reference else None
         self.ref_replay = self._router_replay(self.ref_model) if self.ref_model is not None else None
