@@ -9,7 +9,8 @@ data parallelism over gloo (``DistributedDataParallel``; a single rank runs unwr
 sharding buys nothing there and FSDP2 needs an accelerator.
 
 Qwen3-MoE: routing replay (``--use-rollout-routing-replay``, ``--use-routing-replay``) and the
-routing metrics are :mod:`miles_disagg.trainer.fsdp_routing`'s; they need the native model (CPU).
+routing metrics are :mod:`miles_disagg.trainer.fsdp_routing`'s: the native model takes the routing
+as an argument, transformers' (on CUDA) through hooks on its routers.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from miles_disagg.trainer.backend import TrainerBackend
 from miles_disagg.trainer.results import TrainResult
 from miles_disagg.trainer.batches import PackedBatch, pack, response_logits
 from miles_disagg.trainer.fsdp_routing import (
-    RoutingCounts, RoutingShape, pack_engine_routing, require_engine_routing,
+    RouterReplay, RoutingCounts, RoutingShape, pack_engine_routing, require_engine_routing,
 )
 from miles_disagg.trainer.shares import micro_batches
 from miles_disagg.trainer.losses import rl_loss, token_logprobs_and_entropy
@@ -52,8 +53,10 @@ class FSDPBackend(TrainerBackend):
         self.module = model.float().to(self.device)  # float32 master weights
         self.routing_shape = RoutingShape.of(self.module)
         self._check_replay_flags(hf_dir)
+        self.router_replay = self._router_replay(self.module)
         self.model = self._wrap(self.module)
         self.ref_model = self._load_reference(hf_dir) if config.needs_reference else None
+        self.ref_replay = self._router_replay(self.ref_model) if self.ref_model is not None else None
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps, weight_decay=config.weight_decay)
@@ -74,14 +77,22 @@ class FSDPBackend(TrainerBackend):
                                                              find_unused_parameters=self.routing_shape is not None)
         return module
 
+    def _router_replay(self, module: torch.nn.Module) -> RouterReplay | None:
+        """Hooks on a transformers Qwen3-MoE's routers (the native model routes through an argument)."""
+        from miles_disagg.models.qwen3_moe import Qwen3MoeForCausalLM
+
+        if self.routing_shape is None or isinstance(module, Qwen3MoeForCausalLM):
+            return None
+        return RouterReplay(module, self.routing_shape)
+
     def _check_replay_flags(self, hf_dir: str) -> None:
         from miles_disagg.types import ConfigError
 
         for name, on in (("--use-rollout-routing-replay", self.config.use_rollout_routing_replay),
                          ("--use-routing-replay", self.config.use_routing_replay)):
             if on and self.routing_shape is None:
-                raise ConfigError(f"{name} with --train-backend fsdp needs a mixture-of-experts model on the native "
-                                  f"Qwen3-MoE (CPU); {hf_dir!r} on {self.device.type} does not give one", (name,))
+                raise ConfigError(f"{name} needs a mixture-of-experts model (Qwen3-MoE); {hf_dir!r} is not one",
+                                  (name,))
 
     def _load_reference(self, hf_dir: str) -> torch.nn.Module:
         from miles_disagg.models.causal_lm import load_causal_lm
@@ -92,9 +103,11 @@ class FSDPBackend(TrainerBackend):
     # ------------------------------------------------------------------ training
 
     def _forward(self, model: torch.nn.Module, batch: PackedBatch, routing: torch.Tensor | None):
-        extra = {} if routing is None else {"routing": routing.to(self.device)}
-        return model(input_ids=batch.input_ids.to(self.device), attention_mask=batch.attention_mask.to(self.device),
-                     **extra)
+        inputs = {"input_ids": batch.input_ids.to(self.device), "attention_mask": batch.attention_mask.to(self.device)}
+        replay = self.ref_replay if model is self.ref_model else self.router_replay
+        if replay is not None:
+            return replay.forward(model, routing, **inputs)
+        return model(**inputs, **({} if routing is None else {"routing": routing.to(self.device)}))
 
     def _token_logprobs(self, model: torch.nn.Module, batch: PackedBatch, with_entropy: bool,
                         routing: torch.Tensor | None = None):
@@ -128,10 +141,12 @@ class FSDPBackend(TrainerBackend):
         flat = [b for step in packed for b in step]
         engine = self._engine_routes(split)
         replay = engine if self.config.use_rollout_routing_replay else [None] * len(flat)
+        ref_replay = replay  # the reference replays the engines' routing too; its own forward routes freely
         if self.config.use_routing_replay and not self.config.use_rollout_routing_replay:
             replay = self._recorded_routes(flat)
         old = self._frozen_logprobs(self.model, flat, replay)
-        ref = self._frozen_logprobs(self.ref_model, flat, replay) if self.ref_model is not None else [None] * len(flat)
+        ref = (self._frozen_logprobs(self.ref_model, flat, ref_replay) if self.ref_model is not None
+               else [None] * len(flat))
         diff = global_sample_mean([((o - b.rollout_logprobs.to(self.device)).abs(), b.loss_mask)
                                    for o, b in zip(old, flat)], device=self.device)
         if self.config.use_rollout_logprobs:  # the engines' logprobs are the behaviour policy's (miles' meaning)

@@ -26,6 +26,7 @@ from miles_disagg.trainer.batches import PackedBatch
 from miles_disagg.types import InvalidInput, Sample
 
 REPLAY_MATCH, AGREEMENT = "train/routing_replay_match", "train/routing_agreement"
+MOE_TYPE = "qwen3_moe"
 
 
 @dataclass(frozen=True)
@@ -33,15 +34,19 @@ class RoutingShape:
     layers: int
     top_k: int
     sparse_layers: tuple[int, ...]
+    num_experts: int
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "RoutingShape | None":
-        """The native Qwen3-MoE's shape (None for any other model: nothing to route)."""
+        """A Qwen3-MoE's shape, native or transformers' (None for any other model: nothing to route)."""
         config = getattr(model, "config", None)
-        sparse = getattr(config, "sparse_layers", None)
+        if getattr(config, "model_type", MOE_TYPE) != MOE_TYPE or not getattr(config, "num_experts", 0):
+            return None
+        skip, step = set(getattr(config, "mlp_only_layers", None) or ()), config.decoder_sparse_step
+        sparse = tuple(i for i in range(config.num_hidden_layers) if i not in skip and (i + 1) % step == 0)
         if not sparse:
             return None
-        return cls(config.num_hidden_layers, config.num_experts_per_tok, tuple(sparse))
+        return cls(config.num_hidden_layers, config.num_experts_per_tok, sparse, config.num_experts)
 
 
 def pack_engine_routing(samples: Sequence[Sample], seq_len: int, shape: RoutingShape) -> torch.Tensor | None:
@@ -59,7 +64,11 @@ def pack_engine_routing(samples: Sequence[Sample], seq_len: int, shape: RoutingS
         if tuple(routed.shape) != expected:
             raise InvalidInput(f"sample {i} of the micro-batch: rollout_routed_experts has shape "
                                f"{tuple(routed.shape)}, the model and its tokens need {expected}")
-        packed[i, :expected[0]] = routed.long()
+        routed = routed.long()
+        if routed.numel() and (routed.min() < -1 or routed.max() >= shape.num_experts):
+            raise InvalidInput(f"sample {i} of the micro-batch: rollout_routed_experts holds expert ids outside "
+                               f"[-1, {shape.num_experts}): {routed.min().item()}..{routed.max().item()}")
+        packed[i, :expected[0]] = routed
     return packed
 
 
@@ -123,3 +132,60 @@ class RoutingCounts:
         if replayed:
             metrics[REPLAY_MATCH] = match / replayed
         return metrics
+
+
+@dataclass
+class RoutedOutput:
+    """A transformers model's output with the routing its routers recorded (the native model's fields)."""
+
+    logits: torch.Tensor
+    routed_experts: torch.Tensor
+    router_choice: torch.Tensor
+
+
+class RouterReplay:
+    """Routing replay on transformers' ``Qwen3MoeForCausalLM`` (the fsdp backend's model on CUDA).
+
+    A forward hook on each sparse layer's router (``mlp.gate``, returning ``(logits, weights,
+    indices)``) replaces the indices by the replayed ones (rows holding -1 keep the router's) and
+    the weights by the router's softmax probabilities gathered there (renormalised if
+    ``norm_topk_prob``), the native model's rule; it records the experts used and the router's own."""
+
+    def __init__(self, model: torch.nn.Module, shape: RoutingShape):
+        self.shape, self.norm_topk_prob = shape, bool(getattr(model.config, "norm_topk_prob", False))
+        self._forced: torch.Tensor | None = None
+        self._used: torch.Tensor | None = None
+        self._own: torch.Tensor | None = None
+        for layer in shape.sparse_layers:
+            model.model.layers[layer].mlp.gate.register_forward_hook(self._hook(layer))
+
+    def forward(self, model: torch.nn.Module, routing: torch.Tensor | None, **inputs) -> RoutedOutput:
+        rows, length = inputs["input_ids"].shape
+        size = (rows, length, self.shape.layers, self.shape.top_k)
+        self._used = torch.full(size, -1, dtype=torch.int32, device=inputs["input_ids"].device)
+        self._own, self._forced = self._used.clone(), routing
+        try:
+            logits = model(**inputs).logits
+        finally:
+            self._forced = None
+        return RoutedOutput(logits, self._used, self._own)
+
+    def _hook(self, layer: int):
+        def hook(_module, _inputs, output):
+            if self._used is None:
+                return None
+            logits, weights, indices = output
+            rows, length = self._used.shape[:2]
+            own, used = indices, indices
+            if self._forced is not None:
+                forced = self._forced[:, :, layer].reshape(-1, indices.shape[-1]).to(indices.device)
+                replay = (forced >= 0).all(dim=-1)
+                used = torch.where(replay[:, None], forced.clamp(min=0).to(indices.dtype), indices)
+                probs = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, used)
+                if self.norm_topk_prob:
+                    probs = probs / probs.sum(dim=-1, keepdim=True)
+                weights = probs.to(weights.dtype)
+            self._used[:, :, layer] = used.reshape(rows, length, -1).to(torch.int32)
+            self._own[:, :, layer] = own.reshape(rows, length, -1).to(torch.int32)
+            return logits, weights, used
+        return hook

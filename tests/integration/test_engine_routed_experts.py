@@ -35,6 +35,7 @@ def reference(tiny_qwen3_moe_dir):
 def _check(result: dict, prompt: list[int], reference, start: int = 0) -> None:
     tokens = prompt + result["output_ids"]
     routed = decode_routed_experts(result["meta_info"]["routed_experts"], LAYERS, TOP_K)
+    assert result["meta_info"]["routed_experts_start_len"] == start
     assert routed.shape == (len(tokens) - 1 - start, LAYERS, TOP_K)
     fresh = reference.full_routed_experts(tokens)[:-1].numpy()
     assert (routed == fresh[start:]).all()
@@ -72,6 +73,10 @@ def test_rows_joining_a_running_batch_record_their_own_routing(moe_engine, refer
     _check(long.result(), [4, 5, 6, 7], reference)
 
 
+def test_server_info_announces_the_flag(moe_engine):
+    assert moe_engine.get("/get_server_info").json()["enable_return_routed_experts"] is True
+
+
 def test_without_the_request_field_there_is_no_routing(moe_engine):
     result = moe_engine.generate({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
     assert "routed_experts" not in result["meta_info"]
@@ -104,3 +109,14 @@ def test_the_flag_on_a_dense_model_exits_2(tiny_qwen3_dir):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--enable-return-routed-experts" in proc.stderr and "has no experts" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_request_asking_beside_one_that_does_not_gets_its_full_routing(moe_engine, reference):
+    """Passes record only when some row asked: a row asking must not miss the passes that fed it."""
+    plain = Background(lambda: moe_engine.generate(
+        {"input_ids": [4, 5, 6, 7], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}))
+    wait_in_flight(moe_engine, [plain])
+    asking = moe_engine.generate({"input_ids": [9, 8, 7], "return_routed_experts": True,
+                                  "sampling_params": {"max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 1}})
+    _check(asking, [9, 8, 7], reference)
+    assert "routed_experts" not in plain.result()["meta_info"]

@@ -6,6 +6,8 @@ routes to the engine's experts (``train/routing_replay_match`` 1.0, checked inde
 the model's own report of the experts it used), the step-0 train-vs-rollout logprob difference is
 below 1e-3, and a forged routing is replayed too (so the metric would fail if replay did not
 happen). ``--use-routing-replay``: the training passes replay the routing of the first forward.
+Every test runs on the native model and on transformers' (the CUDA path: replay through hooks on
+its routers), forced onto the CPU.
 """
 
 from __future__ import annotations
@@ -21,6 +23,16 @@ from miles_disagg.types import ConfigError, InvalidInput, Sample
 
 pytestmark = pytest.mark.timeout(300)
 LAYERS, TOP_K, EXPERTS = 2, 2, 4
+
+
+@pytest.fixture(params=["native", "transformers"], autouse=True)
+def implementation(request, monkeypatch):
+    """The trainer's model: the native Qwen3-MoE, or transformers' as on a CUDA device."""
+    from miles_disagg.models import causal_lm
+
+    if request.param == "transformers":
+        monkeypatch.setattr(causal_lm, "implementation", lambda *_a, **_k: (causal_lm.TRANSFORMERS, "test"))
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -42,23 +54,27 @@ def rollout(tiny_qwen3_moe_dir) -> list[Sample]:
 def _backend(model_dir, **flags):
     from miles_disagg.trainer.fsdp import FSDPBackend
 
-    config = TrainConfig(lr=1e-2, global_batch_size=8, micro_batch_size=4, **flags)
+    config = TrainConfig(**{"lr": 1e-2, "global_batch_size": 8, "micro_batch_size": 4, **flags})
     return FSDPBackend(config, str(model_dir), rank=0, world_size=1)
 
 
 def _routing_of_training_forwards(backend) -> list[torch.Tensor | None]:
-    """The ``routing`` argument of every forward pass that builds a graph (the training passes)."""
-    seen = []
+    """The routing given to every forward pass that builds a graph (the training passes)."""
+    seen, forward = [], backend._forward
 
-    def hook(_module, _args, kwargs):
+    def spy(model, batch, routing):
         if torch.is_grad_enabled():
-            seen.append(kwargs.get("routing"))
-    backend.module.register_forward_pre_hook(hook, with_kwargs=True)
+            seen.append(routing)
+        return forward(model, batch, routing)
+    backend._forward = spy
     return seen
 
 
-def test_rollout_routing_replay_uses_the_engines_experts(tiny_qwen3_moe_dir, rollout):
+def test_rollout_routing_replay_uses_the_engines_experts(tiny_qwen3_moe_dir, rollout, implementation):
+    from miles_disagg.models.qwen3_moe import Qwen3MoeForCausalLM
+
     backend = _backend(tiny_qwen3_moe_dir, use_rollout_routing_replay=True)
+    assert isinstance(backend.module, Qwen3MoeForCausalLM) == (implementation == "native")
     from miles_disagg.trainer.batches import pack
     from miles_disagg.trainer.fsdp_routing import RoutingShape, pack_engine_routing
 
@@ -124,7 +140,8 @@ def test_replay_flags_on_a_dense_model_are_refused(tiny_qwen3_dir):
 
 
 def test_an_expert_no_token_chose_keeps_its_weights_bit_identical(tiny_qwen3_moe_dir, rollout):
-    """Every token forced onto experts 0 and 1: experts 2 and 3 get no gradient and stay as they were."""
+    """Every token forced onto experts 0 and 1: experts 2 and 3 get no gradient (native) or a zero one
+    (transformers' fused experts, first step: zero Adam moments) and stay as they were."""
     forced = [Sample(**{**s.__dict__, "rollout_routed_experts": _only_experts_0_and_1(s.rollout_routed_experts)})
               for s in rollout]
     backend = _backend(tiny_qwen3_moe_dir, use_rollout_routing_replay=True)
@@ -141,3 +158,15 @@ def _only_experts_0_and_1(routed):
     out = routed.copy()
     out[...] = [0, 1]
     return out
+
+
+def test_the_reference_replays_the_engines_routing_too(tiny_qwen3_moe_dir, rollout):
+    """With --use-kl-loss the reference (the same base weights) replays the engine's routing as the
+    policy does: at the first optimizer step both are the same model on the same routing, KL 0."""
+    backend = _backend(tiny_qwen3_moe_dir, use_rollout_routing_replay=True, use_kl_loss=True,
+                       global_batch_size=4)  # two optimizer steps: the first is before any update
+    forged = [Sample(**{**s.__dict__, "rollout_routed_experts": (s.rollout_routed_experts + 1) % EXPERTS})
+              for s in rollout]
+    steps = backend.train([forged[:4], forged[4:]]).steps
+    assert steps[0]["train/kl_loss"] == pytest.approx(0.0, abs=1e-7)
+    assert steps[1]["train/kl_loss"] != 0.0

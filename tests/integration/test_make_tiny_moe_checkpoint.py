@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.integration.test_make_tiny_checkpoint import cli, refused
+from test_make_tiny_checkpoint import cli, refused
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -11,7 +11,7 @@ import pytest
 from miles_disagg.loop.preflight import ensure_base_checkpoint
 from miles_disagg.models.tiny_qwen3 import INIT_RECORD_FILENAME
 from miles_disagg.types import ConfigError
-from tests.unit.test_base_checkpoint import config_for
+from test_base_checkpoint import config_for
 
 
 def test_the_moe_init_makes_a_qwen3_moe_and_is_told_from_the_dense_one(tmp_path: Path) -> None:

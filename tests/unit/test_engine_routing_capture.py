@@ -9,7 +9,7 @@ import torch
 
 from miles_disagg.engines.builtin.routing import routing_capture
 from miles_disagg.models.causal_lm import NATIVE, TRANSFORMERS, load_causal_lm
-from tests.unit.test_native_qwen3_moe import _checkpoint
+from test_native_qwen3_moe import _checkpoint
 
 
 def test_transformers_router_hooks_record_what_the_native_model_routes(tmp_path):
@@ -32,3 +32,23 @@ def test_transformers_router_hooks_record_what_the_native_model_routes(tmp_path)
 def test_a_dense_model_has_no_routing(tiny_qwen3_dir):
     config = json.loads((tiny_qwen3_dir / "config.json").read_text())
     assert routing_capture(load_causal_lm(tiny_qwen3_dir), config, NATIVE) is None
+
+
+def test_a_checkpoint_with_another_routing_rule_is_another_architecture(tmp_path):
+    import shutil
+
+    import pytest
+
+    from miles_disagg.engines.builtin.model_runner import ModelRunner
+    from miles_disagg.types import InvalidInput
+
+    path = _checkpoint(tmp_path / "moe")
+    runner = ModelRunner(path)
+    other = tmp_path / "other"
+    shutil.copytree(path, other)
+    config = json.loads((other / "config.json").read_text())
+    config["num_experts_per_tok"] = 3  # the same tensors, another model
+    (other / "config.json").write_text(json.dumps(config))
+    runner.check_compatible(path)
+    with pytest.raises(InvalidInput, match="num_experts_per_tok=3"):
+        runner.check_compatible(other)

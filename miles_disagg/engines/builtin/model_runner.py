@@ -10,7 +10,8 @@ Prefill builds a new ``KVBatch`` for the joining rows; :meth:`ModelRunner.merge`
 
 Mixture-of-experts models: every forward pass leaves the experts each new token was routed to in
 :attr:`ModelRunner.last_routed` (int32 ``[rows, new_tokens, num_hidden_layers, top_k]``, -1 on
-layers without experts; None for a dense model), read by the scheduler right after the call.
+layers without experts; None for a dense model or a pass called with ``record_routing=False``),
+read by the scheduler right after the call.
 
 Concurrency: a ``ModelRunner`` is used by exactly one thread (the scheduler's); weight
 swaps happen on that thread between steps, so a forward pass never sees half-new weights.
@@ -25,6 +26,7 @@ from typing import Iterable
 
 import torch
 
+from miles_disagg.engines.builtin.fused_experts import ExpertLayout
 from miles_disagg.engines.builtin.routing import routing_capture
 from miles_disagg.models.causal_lm import NATIVE, checkpoint_dtype, implementation, load_causal_lm, read_config
 from miles_disagg.types import FormatError, InvalidInput, LayoutMismatch
@@ -33,6 +35,9 @@ from miles_disagg.types import FormatError, InvalidInput, LayoutMismatch
 _ARCH_KEYS = (
     "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "intermediate_size", "vocab_size", "head_dim",
+    # Qwen3-MoE: a different routing rule loads the same tensors but is another model
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers",
 )
 
 
@@ -74,6 +79,7 @@ class ModelRunner:
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_context = int(self.config_json.get("max_position_embeddings") or 4096)
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.experts = ExpertLayout(self.params)  # transformers' fused experts under their on-disk names
         self.routing = routing_capture(self.model, self.config_json, self.implementation)
         self.last_routed: torch.Tensor | None = None
 
@@ -94,7 +100,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward passes
 
     @torch.inference_mode()
-    def prefill(self, token_lists: list[list[int]]) -> tuple[torch.Tensor, KVBatch]:
+    def prefill(self, token_lists: list[list[int]], record_routing: bool = False) -> tuple[torch.Tensor, KVBatch]:
         """Run the rows' tokens from scratch; return last-position float32 logits and their KV."""
         length = max(len(t) for t in token_lists)
         ids = torch.zeros((len(token_lists), length), dtype=torch.long)
@@ -104,22 +110,24 @@ class ModelRunner:
             mask[row, length - len(tokens):] = 1
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         logits, layers = self._routed_forward(ids.to(self.device), mask.to(self.device),
-                                              position_ids.to(self.device), None, 1)
+                                              position_ids.to(self.device), None, 1, record_routing)
         positions = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
         return logits[:, -1, :].float(), KVBatch(layers=layers, mask=mask, positions=positions)
 
     @torch.inference_mode()
-    def decode(self, batch: KVBatch, next_tokens: list[int]) -> torch.Tensor:
+    def decode(self, batch: KVBatch, next_tokens: list[int], record_routing: bool = False) -> torch.Tensor:
         """Feed one token per row; the cache grows in place; return float32 logits ``[rows, vocab]``."""
         ids = torch.tensor(next_tokens, dtype=torch.long).unsqueeze(1)
         batch.mask = torch.cat([batch.mask, torch.ones((batch.num_rows, 1), dtype=torch.long)], dim=1)
         logits, batch.layers = self._routed_forward(ids.to(self.device), batch.mask.to(self.device),
-                                                    batch.positions.unsqueeze(1).to(self.device), batch.layers, 0)
+                                                    batch.positions.unsqueeze(1).to(self.device), batch.layers, 0,
+                                                    record_routing)
         batch.positions = batch.positions + 1
         return logits[:, -1, :].float()
 
-    def _routed_forward(self, ids, mask, positions, layers, logits_to_keep):
-        if self.routing is None:
+    def _routed_forward(self, ids, mask, positions, layers, logits_to_keep, record: bool):
+        self.last_routed = None
+        if self.routing is None or not record:
             return self._forward(self.model, ids, mask, positions, layers, logits_to_keep)
         with self.routing.capturing(ids.shape) as captured:
             out = self._forward(self.model, ids, mask, positions, layers, logits_to_keep)
@@ -130,7 +138,8 @@ class ModelRunner:
     def full_routed_experts(self, tokens: list[int]) -> torch.Tensor:
         """Reference: the experts of every position of one unbatched forward pass (tests use it)."""
         ids = torch.tensor([tokens], device=self.device)
-        self._routed_forward(ids, torch.ones_like(ids), torch.arange(len(tokens), device=self.device)[None], None, 1)
+        self._routed_forward(ids, torch.ones_like(ids), torch.arange(len(tokens), device=self.device)[None], None, 1,
+                             True)
         return self.last_routed[0]
 
     @torch.inference_mode()
@@ -186,7 +195,8 @@ class ModelRunner:
         against the live layout and converted to the live dtype/device. Nothing live changes."""
         from safetensors import safe_open
 
-        wanted = set(self.params) if names is None else set(names)
+        live = self.named_weights()
+        wanted = set(live) if names is None else set(names)
         files = sorted(Path(model_dir).glob("*.safetensors"))
         if not files:
             raise InvalidInput(f"no *.safetensors files in {str(model_dir)!r}")
@@ -196,7 +206,7 @@ class ModelRunner:
                 with safe_open(str(file), framework="pt") as handle:
                     for name in handle.keys():
                         if name in wanted:
-                            loaded[name] = self._converted(name, handle.get_tensor(name))
+                            loaded[name] = self._converted(name, handle.get_tensor(name), live)
             except (LayoutMismatch, InvalidInput):
                 raise
             except Exception as exc:  # truncated or corrupt file: the caller's input, not our fault
@@ -206,8 +216,8 @@ class ModelRunner:
             raise LayoutMismatch(f"checkpoint {str(model_dir)!r} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
         return loaded
 
-    def _converted(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        live = self.params.get(name)
+    def _converted(self, name: str, tensor: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        live = weights.get(name)
         if live is None:
             raise LayoutMismatch(f"tensor {name!r} is not a parameter of the live model")
         if tuple(tensor.shape) != tuple(live.shape):
@@ -225,10 +235,18 @@ class ModelRunner:
             seen.setdefault(id(param), name)
         return tied
 
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The live weights by their checkpoint names (what versions, checksums and updates name)."""
+        return self.experts.named_weights(self.params)
+
+    def live_names(self, names: Iterable[str]) -> set[str]:
+        """The parameters an update of ``names`` (checkpoint names) fills in full."""
+        return self.experts.live_names(names)
+
     def swap_in(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Make ``tensors`` live by pointer swap (``param.data = t``): O(1) per tensor."""
-        for name, tensor in tensors.items():
-            self.params[name].data = tensor
+        """Make ``tensors`` (by checkpoint name) live by pointer swap (``param.data = t``): O(1) per
+        tensor; a fused expert parameter is rebuilt first (:mod:`.fused_experts`)."""
+        self.experts.swap_in(self.params, tensors)
 
 
 def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:

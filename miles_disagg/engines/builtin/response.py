@@ -48,6 +48,7 @@ def result_json(seq: Sequence, tokenizer) -> dict:
                                            for row in seq.output_top_logprobs]
     if seq.item.return_routed_experts and seq.finish is not None:
         meta["routed_experts"] = routed_experts_b64(seq)
+        meta["routed_experts_start_len"] = seq.item.routed_experts_start_len
     text = _trimmed_text(seq, tokenizer, finish, params.no_stop_trim, params.skip_special_tokens)
     return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
 

@@ -6,6 +6,7 @@ transformers' ``Qwen3MoeForCausalLM`` (its router ``mlp.gate`` returns ``(logits
 indices)``), so the engine records routing on CPU and CUDA alike without a second forward pass.
 Hooks record only inside :meth:`RoutingCapture.capturing`; the result is SGLang's layout per token,
 int32 ``[rows, new_tokens, num_hidden_layers, top_k]`` on the CPU, -1 on layers without experts.
+The model runner records only for forward passes whose rows asked for it.
 """
 
 from __future__ import annotations
@@ -22,16 +23,19 @@ class Captured:
     """The routing of one forward pass over ``shape`` = ``(rows, new_tokens)``."""
 
     def __init__(self, shape: tuple[int, int], layers: int, top_k: int):
-        self.tensor = torch.full((*shape, layers, top_k), -1, dtype=torch.int32)
+        self.size = (*shape, layers, top_k)
+        self.tensor: torch.Tensor | None = None  # on the model's device until result()
         self.seen: set[int] = set()
 
     def record(self, layer: int, indices: torch.Tensor) -> None:
-        rows, length = self.tensor.shape[:2]
-        self.tensor[:, :, layer] = indices.reshape(rows, length, -1).to("cpu", torch.int32)
+        if self.tensor is None:
+            self.tensor = torch.full(self.size, -1, dtype=torch.int32, device=indices.device)
+        self.tensor[:, :, layer] = indices.reshape(*self.size[:2], -1).to(torch.int32)
         self.seen.add(layer)
 
     def result(self) -> torch.Tensor:
-        return self.tensor
+        """On the CPU (one copy per forward pass, not one per layer)."""
+        return self.tensor.cpu() if self.tensor is not None else torch.full(self.size, -1, dtype=torch.int32)
 
 
 class RoutingCapture:

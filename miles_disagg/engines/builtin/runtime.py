@@ -36,6 +36,8 @@ Where this differs from SGLang (documented, deliberate):
   (``rid_0``, ``rid_1``, ...), as in SGLang.
 * Accepted and ignored: ``load_format``, ``is_async``, ``keep_pause``, ``torch_empty_cache``,
   ``recapture_cuda_graph``, ``token_step``, ``flush_cache`` (there is no prefix cache to flush).
+* ``return_routed_experts`` (with ``--enable-return-routed-experts``, mixture-of-experts models) is
+  refused with ``max_new_tokens=0``: such requests are answered without a forward pass.
 * Versions are strings as in SGLang (ints are accepted and reported as decimal strings);
   the start-up default is ``"0"`` (this project's base version), not SGLang's ``"default"``.
 """
@@ -287,7 +289,7 @@ class Engine:
                 s.abort_all("aborted by update_weights_from_disk(abort_all_requests=true)")
             self._check_weights_resident()
             self.runner.swap_in(tensors)
-            self.memory.loaded(tensors)
+            self.memory.loaded(self.runner.live_names(tensors))
             self.weights_path = path
             self.stager.set_live(live_ref)
             label = req.weight_version if req.weight_version is not None else _label_of(live_ref)
@@ -365,7 +367,7 @@ class Engine:
         return {"success": True, "message": f"Succeeded to destroy group {group_name!r}."}
 
     def update_from_distributed(self, req: DistributedUpdate) -> dict:
-        tensors = self.dist.receive(req, self.runner.params)
+        tensors = self.dist.receive(req, self.runner.named_weights())
 
         def activate(s: Scheduler) -> float:
             start = time.perf_counter()
@@ -373,7 +375,7 @@ class Engine:
                 s.abort_all("aborted by update_weights_from_distributed(abort_all_requests=true)")
             self._check_weights_resident()
             self.runner.swap_in(tensors)
-            self.memory.loaded(tensors)
+            self.memory.loaded(self.runner.live_names(tensors))
             if req.weight_version is not None:
                 s.version = req.weight_version
             self.stager.set_live(None)  # broadcast weights are of no published version we can vouch for
@@ -397,16 +399,16 @@ class Engine:
         """Copy the named tensors the caller shares (CUDA IPC / shared memory) into the live weights."""
         from miles_disagg.engines.tensor_transfer import deserialize_named_tensors
 
-        tensors = {}
+        tensors, weights = {}, self.runner.named_weights()
         for name, tensor in deserialize_named_tensors(req.serialized_named_tensors[0]):
-            tensors[name] = self._converted_copy(name, tensor)
+            tensors[name] = self._converted_copy(name, tensor, weights)
 
         def activate(s: Scheduler) -> None:
             if req.abort_all_requests:
                 s.abort_all("aborted by update_weights_from_tensor(abort_all_requests=true)")
             self._check_weights_resident()
             self.runner.swap_in(tensors)
-            self.memory.loaded(tensors)
+            self.memory.loaded(self.runner.live_names(tensors))
             self.stager.set_live(None)  # weights handed over in memory are of no published version
             if req.weight_version is not None:
                 s.version = req.weight_version
@@ -414,10 +416,10 @@ class Engine:
         self.scheduler.call(activate).result()
         return {"success": True, "message": f"Succeeded to update {len(tensors)} tensors."}
 
-    def _converted_copy(self, name: str, tensor):
+    def _converted_copy(self, name: str, tensor, weights: dict):
         from miles_disagg.types import LayoutMismatch
 
-        live = self.runner.params.get(name)
+        live = weights.get(name)
         if live is None:
             raise LayoutMismatch(f"tensor {name!r} is not a parameter of the live model")
         shape = self.memory.layouts[name].shape if name in self.memory.layouts else tuple(live.shape)
@@ -456,7 +458,7 @@ class Engine:
         if algorithm not in CHECKSUMS:
             raise InvalidInput(f"unknown checksum {algorithm!r} (known: {', '.join(CHECKSUMS)})")
         version, tensors = self.scheduler.call(
-            lambda s: (s.version, {name: p.data for name, p in self.runner.params.items()})).result()
+            lambda s: (s.version, {name: t.data for name, t in self.runner.named_weights().items()})).result()
         return {"weight_version": version, "algorithm": algorithm, "source": "live",
                 "checksums": {name: checksum(algorithm, tensor_bytes(t.detach().cpu())) for name, t in tensors.items()}}
 
@@ -479,6 +481,7 @@ class Engine:
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "max_running_requests": self.config.max_running_requests,
             "random_seed": self.config.random_seed,
+            "enable_return_routed_experts": self.config.enable_return_routed_experts,  # SGLang's server arg
             "context_length": self.runner.max_context,
             "max_req_input_len": self.runner.max_context - 1,
             "weight_version": self.version,

@@ -322,7 +322,7 @@ class Scheduler:
             if seq.version_start is None:
                 seq.version_start = self.version
         try:
-            logits, kv = self.runner.prefill([seq.all_ids for seq in joining])
+            logits, kv = self.runner.prefill([seq.all_ids for seq in joining], _wants_routing(joining))
         except Exception as exc:  # they are in neither queue now: answer them before re-raising
             message = f"internal engine error: {type(exc).__name__}: {exc}"
             for seq in joining:
@@ -339,7 +339,8 @@ class Scheduler:
     def _decode(self) -> bool:
         if not self.running:
             return False
-        logits = self.runner.decode(self.kv, [seq.output_ids[-1] for seq in self.running])
+        logits = self.runner.decode(self.kv, [seq.output_ids[-1] for seq in self.running],
+                                    _wants_routing(self.running))
         for row, seq in enumerate(self.running):
             if seq.item.return_routed_experts and self.runner.last_routed is not None:
                 seq.routed.append(self.runner.last_routed[row])  # the token fed at this step
@@ -401,3 +402,8 @@ class Scheduler:
             seq.sink.on_finish(seq)
         except Exception:  # a broken sink must not take the loop down
             log.error("result sink failed:\n%s", traceback.format_exc())
+
+
+def _wants_routing(rows: list[Sequence]) -> bool:
+    """Record routed experts only in the forward passes of batches where some request asked."""
+    return any(seq.item.return_routed_experts for seq in rows)

@@ -1,0 +1,97 @@
+"""Two fsdp ranks (gloo data parallelism over Ray actors) train the tiny Qwen3-MoE with rollout
+routing replay as one rank does on the whole batch: same metrics, same weights. An expert no token
+on any rank was routed to keeps its bytes (it has no gradient anywhere, which data parallelism
+must tolerate)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moe_fixtures import tiny_qwen3_moe_dir  # noqa: F401  (fixture)
+
+from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig
+from miles_disagg.netbind import LOCAL_RAY_SYSTEM_CONFIG
+from miles_disagg.types import Sample
+
+pytestmark = pytest.mark.timeout(400)
+UNUSED_EXPERT = 3
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray socket paths must be short
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
+             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
+    yield
+    ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def samples(n: int = 8) -> list[Sample]:
+    """Ragged samples whose routing (top 2 of experts 0-2, never 3) the trainer replays."""
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        prompt = rng.integers(3, 12, 3 + i % 3).tolist()
+        response = rng.integers(3, 12, 4 + i % 2).tolist()
+        routed = np.stack([rng.permutation(3)[:2] for _ in range((len(prompt) + len(response) - 1) * 2)])
+        out.append(Sample(prompt_ids=prompt, response_ids=response, response_logprobs=[-2.0] * len(response),
+                          advantage=float(i % 2) - 0.5 + 0.1 * i,
+                          rollout_routed_experts=routed.reshape(-1, 2, 2).astype(np.int32)))
+    return out
+
+
+@contextmanager
+def trainer_group(model_dir: Path, world_size: int, **train_flags):
+    from ray.util.placement_group import remove_placement_group
+
+    from miles_disagg.config.actors import TrainerGroupConfig
+    from miles_disagg.trainer.group import TrainerGroup
+    from miles_disagg.trainer.placement import create_placement, plan_layout
+
+    placement = create_placement(plan_layout(ClusterConfig(actor_num_gpus_per_node=world_size), external_rollout=True))
+    train = TrainConfig(**{"lr": 1.0, "adam_eps": 1.0, "clip_grad": 0.0, "global_batch_size": 8,
+                           "micro_batch_size": 2, "seed": 0, "train_backend": "fsdp", **train_flags})
+    group = TrainerGroup(placement, TrainerGroupConfig(train=train, weights=WeightUpdateConfig(), hf_dir=str(model_dir)))
+    try:
+        group.setup()
+        yield group
+    finally:
+        group.shutdown()
+        remove_placement_group(placement.group)
+
+
+def trained(model_dir: Path, world_size: int):
+    with trainer_group(model_dir, world_size, use_rollout_routing_replay=True) as group:
+        before = group.tensor_bytes()
+        result = group.train(samples())
+        return before, result, group.tensor_bytes()
+
+
+def test_two_ranks_train_the_moe_as_one_rank_does(ray_cluster, tiny_qwen3_moe_dir: Path) -> None:
+    before, one, one_after = trained(tiny_qwen3_moe_dir, 1)
+    _, two, two_after = trained(tiny_qwen3_moe_dir, 2)
+    for a, b in zip(one.steps, two.steps):
+        assert a["train/routing_replay_match"] == b["train/routing_replay_match"] == 1.0
+        assert a["train/routing_agreement"] == pytest.approx(b["train/routing_agreement"])
+        for key in ("train/pg_loss", "train/entropy"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), key
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
+    for name, raw in before.items():
+        one_w, two_w = (torch.frombuffer(bytearray(w[name]), dtype=torch.float32) for w in (one_after, two_after))
+        if f".experts.{UNUSED_EXPERT}." in name:
+            assert one_after[name] == two_after[name] == raw, name
+        else:
+            assert one_after[name] != raw, name
+            assert torch.allclose(one_w, two_w, rtol=1e-3, atol=1e-6), name
