@@ -13,6 +13,12 @@ When the hook returns, the log becomes the sample's ``call_versions``; a call th
 without numeric versions, or a request to the listener while no sample holds it, fails the
 sample with one line naming the hook: a sample is never trained unattributed.
 
+With MoE routing on (``--use-rollout-routing-replay``, or the routing agreement of built-in MoE
+engines) every forwarded call asks for the routed experts of all its positions (the listener
+cannot know which rows the sample already holds before the hook fills it in); when the hook
+returns, the sample's ``rollout_routed_experts`` is extended call by call, each position taken
+from the first call that ran it, as ``args.engine`` calls do (:mod:`miles_disagg.rollout.routed_experts`).
+
 The listeners bind loopback only and take no key (the hook's own client sends none): while a
 sample is being generated its address is reachable by other local processes, as any loopback
 port is. Bodies are bounded in size and nesting; only ``POST /generate`` is forwarded.
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from miles_disagg.rollout.generate import GenerationFailed, RequestLost, constrained, generate_one
+from miles_disagg.rollout.routed_experts import RoutedExpertsMissing, RoutingShape, decode_all_rows, extend_routing
 from miles_disagg.types import Sample
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -48,6 +55,10 @@ class CallLog:
     errors: list[str] = field(default_factory=list)
     lost: RequestLost | None = None
     """A request failed after dispatch and is not replayed (rollout service): the group is given up."""
+    routing: RoutingShape | None = None
+    """MoE: the routed experts every forwarded call asks for (None: none)."""
+    routings: list[Any] = field(default_factory=list)
+    """The routed experts of each forwarded call (all its positions), in order."""
 
     def raise_lost(self) -> None:
         if self.lost is not None:
@@ -64,6 +75,17 @@ class CallLog:
                 self.calls.append([int(start), int(end)])
             else:
                 self.errors.append(f"a /generate answer named no numeric weight version ({start!r}, {end!r})")
+        if self.routing is not None:
+            self._record_routing(items)
+
+    def _record_routing(self, items: list) -> None:
+        if len(items) != 1:
+            self.errors.append(f"a batched /generate of {len(items)} prompts cannot carry one sample's routed experts")
+            return
+        try:
+            self.routings.append(decode_all_rows(items[0].get("meta_info"), self.routing))
+        except RoutedExpertsMissing as exc:
+            self.errors.append(str(exc))
 
     def apply(self, sample: Any) -> None:
         """Make the log the sample's served versions; ``GenerationFailed`` naming the hook if it cannot be."""
@@ -75,6 +97,8 @@ class CallLog:
         sample.call_versions = []
         for start, end in self.calls:
             sample.record_engine_call(start, end)
+        for routed in self.routings:  # each position from the first call that ran it
+            extend_routing(sample, routed)
 
 
 CURRENT_LOG: contextvars.ContextVar[CallLog | None] = contextvars.ContextVar("miles_disagg_call_log", default=None)
@@ -133,9 +157,10 @@ class AttributionProxy:
     """Hands out slots (``async with proxy.slot() as (router_url, log)``) and forwards their calls."""
 
     def __init__(self, client, router_url: str, counters: dict[str, int], version_bound: VersionBound, hook: str,
-                 *, replay_after_dispatch: bool = True, run_id: str | None = None):
+                 *, replay_after_dispatch: bool = True, run_id: str | None = None,
+                 routing: RoutingShape | None = None):
         self._client, self._url, self._counters = client, router_url, counters
-        self._bound, self.hook = version_bound, hook
+        self._bound, self.hook, self._routing = version_bound, hook, routing
         self._replay, self._run_id = replay_after_dispatch, run_id
         self._free: list[_Listener] = []
         self._all: list[_Listener] = []
@@ -145,7 +170,7 @@ class AttributionProxy:
         """A fresh log, and the ``http://127.0.0.1:port`` URL whose requests are recorded in it
         (``version_bound``: the constraint its requests get, evaluation's exact version)."""
         listener = self._free.pop() if self._free else await self._new_listener()
-        log = CallLog(self.hook, version_bound or self._bound)
+        log = CallLog(self.hook, version_bound or self._bound, routing=self._routing)
         listener.log = log
         token = CURRENT_LOG.set(log)
         try:
@@ -167,6 +192,8 @@ class AttributionProxy:
         min_version, exact_version = (bound or self._bound)()
         body = constrained({k: v for k, v in body.items() if k != "weight_version"}, min_version, exact_version,
                            self._run_id)
+        if self._routing is not None:
+            body.update(return_routed_experts=True, routed_experts_start_len=0)
         self._counters["requests"] = self._counters.get("requests", 0) + 1
         return await generate_one(self._client, self._url, body, self._counters, replay_after_dispatch=self._replay)
 

@@ -109,7 +109,7 @@ class RolloutManager:
         if self.hooks.custom_generate is not None:
             hook = f"--custom-generate-function-path {self.config.custom_generate_function_path}"
             self._proxy = AttributionProxy(self._client, self.router_url, self.counters, self._training_bound, hook,
-                                           replay_after_dispatch=replay, run_id=self.run_id)
+                                           replay_after_dispatch=replay, run_id=self.run_id, routing=self.routing)
         self.generator = GroupGenerator(client=self._client, router_url=self.router_url, counters=self.counters,
                                      tokenizer=self.tokenizer, reward=self.reward,
                                      custom_generate=self.hooks.custom_generate, replay_after_dispatch=replay,

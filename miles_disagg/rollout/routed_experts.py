@@ -105,6 +105,31 @@ def append_call_routing(sample: Sample, meta: dict, *, start_len: int, seqlen: i
     sample.rollout_routed_experts = new if held is None else np.concatenate([held, new], axis=0)
 
 
+def decode_all_rows(meta: dict | None, shape: RoutingShape):
+    """The routing of every position of a call asked with ``routed_experts_start_len`` 0, when the
+    caller does not know the call's length (a hook's own router call): rows from the payload's size."""
+    encoded = meta.get(FIELD) if isinstance(meta, dict) else None
+    rows = 0
+    if isinstance(encoded, str):
+        try:
+            rows = len(base64.b64decode(encoded, validate=True)) // (shape.per_row * 4)
+        except (binascii.Error, ValueError):
+            rows = 0  # decode_routed_experts names the problem
+    return decode_routed_experts(meta or {}, rows, shape)
+
+
+def extend_routing(sample: Sample, routed) -> None:
+    """Extend ``sample.rollout_routed_experts`` with the rows of ``routed`` (a call's routing of all its
+    positions) past those the sample holds: each position keeps the first call that ran it."""
+    import numpy as np
+
+    held = rows_held(sample)
+    if routed.shape[0] <= held:
+        return
+    new = routed[held:]
+    sample.rollout_routed_experts = new if held == 0 else np.concatenate([sample.rollout_routed_experts, new], axis=0)
+
+
 def check_covers_tokens(sample: Sample, shape: RoutingShape) -> None:
     """``RoutedExpertsMissing`` unless the sample holds one row per position but the last."""
     needed = len(sample.prompt_ids) + len(sample.response_ids) - 1

@@ -192,3 +192,63 @@ def test_a_hook_request_lost_after_dispatch_gives_the_group_up(tokenizer_dir):
         await manager.stop()
 
     asyncio.run(scenario())
+
+
+def _routing_meta(rows: int, shape, offset: int = 0) -> dict:
+    import base64
+
+    import numpy as np
+
+    array = (np.arange(rows * shape.per_row, dtype="<i4") + offset).reshape(rows, shape.num_layers, shape.top_k)
+    return {"weight_version_start": 1, "weight_version_end": 1,
+            "routed_experts": base64.b64encode(array.tobytes()).decode()}, array
+
+
+def test_direct_calls_carry_routing_each_position_from_the_first_call_that_ran_it():
+    """MoE routing through a hook's own router calls: each call asks for all its positions; the
+    sample keeps the first call's rows and takes only the new positions from later calls."""
+    import numpy as np
+
+    from miles_disagg.rollout.routed_experts import RoutingShape
+
+    shape = RoutingShape(2, 2)
+    log = CallLog("hook", routing=shape)
+    first_meta, first = _routing_meta(4, shape)  # call 1: 5 tokens ran -> rows 0..3
+    second_meta, second = _routing_meta(7, shape, offset=1000)  # call 2: 8 tokens -> rows 0..6
+    log.record_payload({"meta_info": first_meta})
+    log.record_payload({"meta_info": second_meta})
+    sample = Sample(prompt_ids=[1, 2], response_ids=[3, 4, 5, 6, 7, 8], response_logprobs=[0.0] * 6)
+    log.apply(sample)
+    assert sample.rollout_routed_experts.shape == (7, 2, 2)
+    assert np.array_equal(sample.rollout_routed_experts[:4], first)
+    assert np.array_equal(sample.rollout_routed_experts[4:], second[4:])
+
+
+def test_a_direct_call_without_routing_fails_the_sample_naming_the_hook():
+    from miles_disagg.rollout.routed_experts import RoutingShape
+
+    log = CallLog("--custom-generate-function-path my.hook", routing=RoutingShape(2, 2))
+    log.record_payload({"meta_info": {"weight_version_start": 1, "weight_version_end": 1}})
+    sample = Sample(prompt_ids=[1], response_ids=[2], response_logprobs=[0.0])
+    with pytest.raises(GenerationFailed, match=r"^--custom-generate-function-path my.hook: .*routed_experts"):
+        log.apply(sample)
+
+
+def test_the_hook_address_asks_for_routing_when_the_run_replays_it():
+    from miles_disagg.rollout.attribution import AttributionProxy
+    from miles_disagg.rollout.routed_experts import RoutingShape
+
+    async def scenario():
+        router = FakeRouter()
+        forwarding = httpx.AsyncClient(transport=router.transport)
+        proxy = AttributionProxy(forwarding, "http://router", {}, lambda: (0, None), "hook", routing=RoutingShape(2, 2))
+        async with proxy.slot() as (url, log), httpx.AsyncClient() as client:
+            sent = asyncio.create_task(client.post(f"{url}/generate", json={"input_ids": [3, 4]}))
+            request = (await router.wait_requests(1))[0]
+            assert request.body["return_routed_experts"] is True and request.body["routed_experts_start_len"] == 0
+            router.answer(request, 1, "5")
+            await sent
+        await proxy.close()
+        await forwarding.aclose()
+
+    asyncio.run(scenario())
