@@ -76,6 +76,11 @@ def _check_moe_refusals(train) -> None:
                                         "HybridEP, which this project does not install",
                                         "use --moe-token-dispatcher-type alltoall (or allgather)"),
                           ("--moe-token-dispatcher-type",))
+    if train.moe_token_dispatcher_type == "allgather" and train.expert_model_parallel_size > 1:
+        raise ConfigError("--moe-token-dispatcher-type allgather with --expert-model-parallel-size > 1: that dispatcher "
+                          "gathers the same number of tokens from every EP rank, and RL micro-batches differ in "
+                          "length between ranks; use alltoall (the default with EP > 1)",
+                          ("--moe-token-dispatcher-type", "--expert-model-parallel-size"))
     if train.moe_router_load_balancing_type == "sinkhorn":
         raise ConfigError(miles_refusal("--moe-router-load-balancing-type sinkhorn", "Sinkhorn routing is not the "
                                         "top-k softmax routing Qwen3-MoE checkpoints (and the engines) use",

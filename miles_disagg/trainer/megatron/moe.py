@@ -45,12 +45,19 @@ def moe_config_fields(shape, config: TrainConfig, layout) -> dict:
         moe_router_score_function="softmax", moe_router_pre_softmax=not shape.norm_topk_prob,
         moe_router_topk_scaling_factor=None,
         moe_router_dtype=config.moe_router_dtype,
-        moe_token_dispatcher_type=config.moe_token_dispatcher_type or "allgather",
+        moe_token_dispatcher_type=config.moe_token_dispatcher_type or default_dispatcher(layout.ep_size),
         moe_router_load_balancing_type=config.moe_router_load_balancing_type or "aux_loss",
         moe_aux_loss_coeff=config.moe_aux_loss_coeff or 0.0,
         moe_token_drop_policy=config.moe_token_drop_policy or "probs",
         moe_grouped_gemm=bool(config.moe_grouped_gemm), moe_permute_fusion=bool(config.moe_permute_fusion),
         expert_model_parallel_size=layout.ep_size, expert_tensor_parallel_size=1)
+
+
+def default_dispatcher(ep_size: int) -> str:
+    """Unset ``--moe-token-dispatcher-type``: megatron's allgather without expert parallelism;
+    alltoall with it (allgather needs equal token counts on every EP rank, which RL
+    micro-batches of different lengths do not have)."""
+    return "alltoall" if ep_size > 1 else "allgather"
 
 
 def routing_targets(samples: Sequence[Sample], seq_len: int, num_layers: int,
@@ -71,7 +78,7 @@ def routing_targets(samples: Sequence[Sample], seq_len: int, num_layers: int,
         routed = np.asarray(routed)
         positions = len(sample.prompt_ids) + len(sample.response_ids) - 1
         if routed.shape != (positions, num_layers, topk):
-            raise ValueError(f"sample {sample.index}: rollout_routed_experts has shape {tuple(routed.shape)}, expected "
+            raise ValueError(f"sample {i} of the micro-batch: rollout_routed_experts has shape {tuple(routed.shape)}, expected "
                              f"({positions}, {num_layers}, {topk}) (positions, layers, top-k)")
         experts[i, :positions] = torch.from_numpy(routed.astype(np.int64))
         start = len(sample.prompt_ids) - 1
