@@ -228,7 +228,7 @@ _EXPECTED: dict[str, Callable[[Any], tuple[Any, str]]] = {
     "moe_router_score_function": lambda hf: (getattr(hf, "scoring_func", None) or "softmax",
                                              "router scoring (scoring_func)"),
     "moe_router_pre_softmax": lambda hf: (not bool(getattr(hf, "norm_topk_prob", False)),
-                                          f"norm_topk_prob {bool(getattr(hf, 'norm_topk_prob', False))}, i.e. "
+                                          f"norm_topk_prob {str(bool(getattr(hf, 'norm_topk_prob', False))).lower()}, i.e. "
                                           "moe_router_pre_softmax"),
     "moe_router_topk_scaling_factor": lambda hf: (float(getattr(hf, "routed_scaling_factor", None) or 1.0),
                                                   "routed_scaling_factor"),
