@@ -252,7 +252,9 @@ def _check_megatron(config: RunConfig) -> None:
                           f"of TP x PP x CP = {model_parallel}", ("--actor-num-gpus-per-node", *sizes))
     expert_parallel = train.expert_model_parallel_size * train.pipeline_model_parallel_size
     if ranks % expert_parallel:
-        raise ConfigError(f"{ranks} trainer GPUs are not a multiple of EP x PP = {expert_parallel}",
+        raise ConfigError(f"{ranks} trainer GPUs (--actor-num-nodes x --actor-num-gpus-per-node) are not a multiple "
+                          f"of --expert-model-parallel-size {train.expert_model_parallel_size} x "
+                          f"--pipeline-model-parallel-size {train.pipeline_model_parallel_size}",
                           ("--actor-num-gpus-per-node", "--expert-model-parallel-size"))
     if train.expert_model_parallel_size > 1 and train.tensor_model_parallel_size > 1 and not train.sequence_parallel:
         raise ConfigError("--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 needs "

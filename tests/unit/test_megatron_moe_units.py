@@ -144,7 +144,7 @@ def test_expert_parallelism_layout_rules(tmp_path: Path) -> None:
     hf = write_config(tmp_path / "m")
     load_config(["--hf-checkpoint", str(hf), "--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "4"],
                 "train_async")
-    with pytest.raises(ConfigError, match="not a multiple of EP x PP"):
+    with pytest.raises(ConfigError, match="not a multiple of --expert-model-parallel-size 4"):
         load_config(["--hf-checkpoint", str(hf), "--expert-model-parallel-size", "4", "--actor-num-gpus-per-node", "2"],
                     "train_async")
     with pytest.raises(ConfigError, match="megatron-only"):
