@@ -37,30 +37,7 @@ from miles_disagg.types import Sample  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 
-LAYERS, EXPERTS, TOPK = 3, 4, 2
-
-
-def make_tiny_moe(out: Path, seed: int = 0) -> Path:
-    """A random tiny Qwen3-MoE: layers 0 and 2 sparse, layer 1 dense (``mlp_only_layers``), float32."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from miles_disagg.models.tiny_qwen3 import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=EXPERTS,
-        num_experts_per_tok=TOPK, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
-        max_position_embeddings=128, rope_theta=10000.0, tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+from tiny_moe import EXPERTS, LAYERS, TOPK, make_tiny_moe  # noqa: E402
 
 
 @pytest.fixture(scope="module")
