@@ -7,6 +7,7 @@
 - The FSDP backend (transformers' Qwen3MoeForCausalLM) on the same batch gives the same loss,
   gradient norm and updated weights as Megatron EP=1 and EP=2 (its export may still use
   transformers 5's fused in-memory expert names; they are unfused here to compare).
+- Distributed checkpointing: an EP=2 save resumes under EP=1 exactly.
 - Routing replay: with ``--use-rollout-routing-replay`` the experts the trainer uses are the
   engine's for every trained token (``train/routing_replay_match`` 1.0) although the router
   itself disagrees (``train/routing_agreement`` < 1); replaying the router's own routing
@@ -289,3 +290,20 @@ def test_routing_replay_under_full_recompute_trains_as_without(ray_cluster, tiny
         assert recomputed["metrics"][key] == pytest.approx(plain["metrics"][key], rel=1e-6), key
     for name, tensor in as_tensors(plain["after"]).items():
         torch.testing.assert_close(as_tensors(recomputed["after"])[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_an_ep2_save_resumes_under_ep1(ray_cluster, tiny_moe_dir: Path, tmp_path: Path) -> None:
+    """megatron-core's distributed checkpoint of an EP=2 run (experts split over two ranks) loads
+    into one rank exactly, Adam state included (the next step matches the EP=2 run's)."""
+    save_dir = str(tmp_path / "save")
+    with trainer_group(tiny_moe_dir, 2, expert_model_parallel_size=2) as group:
+        group.train(samples())
+        group.save(save_dir, with_hf=False)
+        saved = group.tensor_bytes()
+        next_step = group.train(samples()).steps[0]
+    with trainer_group(tiny_moe_dir, 1) as group:
+        group.load(save_dir)
+        assert group.tensor_bytes() == saved
+        resumed = group.train(samples()).steps[0]
+    for key in ("train/loss", "train/entropy", "train/grad_norm", "train/ppo_kl"):
+        assert resumed[key] == pytest.approx(next_step[key], rel=1e-5, abs=1e-7), key
