@@ -64,6 +64,8 @@ class MegatronBackend(TrainerBackend):
         if initial_checkpoint is not None:
             load_torch_dist(self.gpt, *initial_checkpoint)
         self.optim = make_optimizer(self.gpt, config, self.tconfig)
+        if self.routing:  # forward passes call the optimizer's wrapper (DDP on GPU) of the same modules
+            self.routing[id(self.optim.model)] = self.routing[id(self.gpt)]
         self.ref = self._reference(config.ref_load or hf_dir) if config.needs_reference else None
         if self.ref is not None and self.shape.is_moe:
             self.routing[id(self.ref)] = self._routing_control(self.ref)

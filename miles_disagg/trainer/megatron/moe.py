@@ -53,6 +53,14 @@ def moe_config_fields(shape, config: TrainConfig, layout) -> dict:
         expert_model_parallel_size=layout.ep_size, expert_tensor_parallel_size=1)
 
 
+def set_aux_loss_scale(num_microbatches: int) -> None:
+    """The load-balancing loss's gradient weight per micro-batch, as megatron's schedules set it
+    (1 / micro-batches: the aux loss is averaged over the step's micro-batches)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / num_microbatches))
+
+
 def default_dispatcher(ep_size: int) -> str:
     """Unset ``--moe-token-dispatcher-type``: megatron's allgather without expert parallelism;
     alltoall with it (allgather needs equal token counts on every EP rank, which RL
