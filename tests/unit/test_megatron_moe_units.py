@@ -129,6 +129,8 @@ def test_moe_architecture_flags_that_match_config_json(tmp_path: Path, argv: lis
     (["--moe-router-topk", "8"], "--moe-router-topk 8 does not match"),
     (["--moe-layer-freq", "1"], "--moe-layer-freq"),
     (["--moe-layer-freq", "__import__('os')"], "--moe-layer-freq"),
+    (["--moe-layer-freq", "[1]*100000*100000"], "too large"),
+    (["--moe-layer-freq", "[[1]]"], "--moe-layer-freq"),
     (["--moe-router-pre-softmax"], "norm_topk_prob true"),
     (["--moe-shared-expert-intermediate-size", "16"], "--moe-shared-expert-intermediate-size 16 does not match"),
     (["--expert-model-parallel-size", "3", "--actor-num-gpus-per-node", "3"], "does not divide the 8 experts"),
