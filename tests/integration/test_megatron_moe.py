@@ -222,7 +222,7 @@ def replay_logprobs(model_dir: str) -> dict:
     recorded = {}
 
     def logprobs(with_routing: list[Sample]) -> torch.Tensor:
-        mb = make_micro_batch(with_routing, backend.pad_id, 1, (LAYERS, TOPK))
+        mb = make_micro_batch(with_routing, backend.pad_id, 1, (LAYERS, TOPK, EXPERTS))
         taps_used = []
         for tap in control.taps:
             original = tap.get_replay_topk

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from miles_disagg.config.loader import load_config
-from miles_disagg.trainer.megatron.convert import ModelShape, param_rules, stage_layers, to_hf, to_megatron
+from miles_disagg.trainer.megatron.convert import ModelShape, param_rules, to_hf, to_megatron
 from miles_disagg.types import ConfigError, Sample
 
 MOE = ModelShape(num_layers=3, hidden_size=8, ffn_hidden_size=12, num_attention_heads=4, num_query_groups=2,
@@ -208,3 +208,12 @@ def test_routing_targets_shape_and_trained_positions() -> None:
     sample.rollout_routed_experts = np.zeros((5, 2, 2), dtype=np.int32)
     with pytest.raises(ValueError, match=r"shape \(5, 2, 2\), expected \(4, 2, 2\)"):
         routing_targets([sample], 6, 2, 2)
+    for bad in ([3, 3], [0, 16], [-1, 2]):  # a duplicate, out of range, half free
+        routed = np.zeros((4, 2, 2), dtype=np.int32)
+        routed[:, :] = [0, 1]
+        routed[2, 1] = bad
+        sample.rollout_routed_experts = routed
+        with pytest.raises(ValueError, match=r"rollout_routed_experts\[2, 1\]"):
+            routing_targets([sample], 6, 2, 2, num_experts=16)
+    routed[2, 1] = [-1, -1]  # a layer without experts
+    routing_targets([sample], 6, 2, 2, num_experts=16)

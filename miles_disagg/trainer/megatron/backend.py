@@ -93,7 +93,7 @@ class MegatronBackend(TrainerBackend):
 
     def train(self, steps: list[list[Sample]]) -> TrainResult:
         steps = self._replica_share(steps)
-        moe = (self.shape.num_layers, self.shape.moe_topk) if self.shape.is_moe else None
+        moe = (self.shape.num_layers, self.shape.moe_topk, self.shape.num_experts) if self.shape.is_moe else None
         micro = [[make_micro_batch(mb, self.pad_id, self._seq_multiple(), moe) for mb in self._split(step)]
                  for step in steps]
         flat = [mb for step in micro for mb in step]

@@ -68,11 +68,12 @@ def default_dispatcher(ep_size: int) -> str:
     return "alltoall" if ep_size > 1 else "allgather"
 
 
-def routing_targets(samples: Sequence[Sample], seq_len: int, num_layers: int,
-                    topk: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def routing_targets(samples: Sequence[Sample], seq_len: int, num_layers: int, topk: int,
+                    num_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``([batch, seq, layers, topk]`` engine experts, -1 where there are none; ``[batch, seq]``
     trained positions) of a micro-batch, or None when no sample carries routed experts.
-    ``ValueError`` naming the sample when its array has the wrong shape."""
+    ``ValueError`` naming the sample when its array has the wrong shape or (given
+    ``num_experts``) a row that is neither all -1 nor ``topk`` distinct experts in range."""
     if not any(s.rollout_routed_experts is not None for s in samples):
         return None
     import numpy as np
@@ -88,11 +89,26 @@ def routing_targets(samples: Sequence[Sample], seq_len: int, num_layers: int,
         if routed.shape != (positions, num_layers, topk):
             raise ValueError(f"sample {i} of the micro-batch: rollout_routed_experts has shape {tuple(routed.shape)}, expected "
                              f"({positions}, {num_layers}, {topk}) (positions, layers, top-k)")
-        experts[i, :positions] = torch.from_numpy(routed.astype(np.int64))
+        rows = torch.from_numpy(routed.astype(np.int64))
+        if num_experts is not None:
+            _check_rows(rows, num_experts, i)
+        experts[i, :positions] = rows
         start = len(sample.prompt_ids) - 1
         mask = torch.tensor(sample.trained_mask(), dtype=torch.bool)
         counted[i, start:start + len(mask)] = mask
     return experts, counted
+
+
+def _check_rows(rows: torch.Tensor, num_experts: int, index: int) -> None:
+    free = (rows == -1).all(dim=-1)
+    valid = ((rows >= 0) & (rows < num_experts)).all(dim=-1)
+    distinct = (rows.sort(dim=-1).values.diff(dim=-1) != 0).all(dim=-1)
+    bad = ~(free | (valid & distinct))
+    if bad.any():
+        position, layer = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"sample {index} of the micro-batch: rollout_routed_experts[{position}, {layer}] = "
+                         f"{rows[position, layer].tolist()} is neither all -1 nor distinct experts in "
+                         f"[0, {num_experts})")
 
 
 @dataclass
