@@ -12,7 +12,8 @@
   engine's for every trained token (``train/routing_replay_match`` 1.0) although the router
   itself disagrees (``train/routing_agreement`` < 1); replaying the router's own routing
   changes no logprob, replaying other experts does; ``--use-routing-replay`` with full
-  recomputation trains as without recomputation.
+  recomputation trains as without recomputation, every recomputed router taking the experts its
+  forward used.
 
 The checkpoint is made with transformers' ``Qwen3MoeForCausalLM.save_pretrained`` (the
 on-disk names the engines read).
@@ -307,3 +308,45 @@ def test_an_ep2_save_resumes_under_ep1(ray_cluster, tiny_moe_dir: Path, tmp_path
         resumed = group.train(samples()).steps[0]
     for key in ("train/loss", "train/entropy", "train/grad_norm", "train/ppo_kl"):
         assert resumed[key] == pytest.approx(next_step[key], rel=1e-5, abs=1e-7), key
+
+
+def recompute_routing_calls(model_dir: str) -> dict:
+    """In a fresh process: one step with full recomputation and ``--use-routing-replay``, counting
+    per router the forward calls that recorded their experts and the recomputed calls that
+    replayed a recorded routing (and whether it was the forward's, for the same micro-batch)."""
+    import torch.distributed as dist
+
+    from miles_disagg.distributed import init_distributed
+    from miles_disagg.engines.launch import free_port
+    from miles_disagg.trainer.megatron.backend import MegatronBackend
+
+    init_distributed(0, 1, "127.0.0.1", free_port())
+    config = TrainConfig(train_backend="megatron", use_routing_replay=True, recompute_granularity="full",
+                         recompute_method="uniform", recompute_num_layers=1, seed=0, global_batch_size=8,
+                         micro_batch_size=2)
+    backend = MegatronBackend(config, model_dir, rank=0, world_size=1)
+    calls = {"recorded": 0, "replayed": 0, "same": 0}
+    for tap in backend.routing[id(backend.gpt)].taps:
+        original = tap.get_replay_topk
+
+        def spy(*args, tap=tap, original=original, **kwargs):
+            replaying = tap.replay_recorded and bool(tap.recorded)
+            expected = tap.recorded[0].clone() if replaying else None
+            probs, used = original(*args, **kwargs)
+            if replaying:
+                calls["replayed"] += 1
+                calls["same"] += int(torch.equal(used, expected))
+            elif tap.record:
+                calls["recorded"] += 1
+            return probs, used
+        tap.get_replay_topk = spy
+    backend.train([samples()])
+    dist.destroy_process_group()
+    return calls
+
+
+def test_use_routing_replay_makes_recomputation_replay_the_forward(ray_cluster, tiny_moe_dir: Path) -> None:
+    calls = run_remote(recompute_routing_calls, str(tiny_moe_dir))
+    micro_batches, sparse_layers = 4, 2
+    assert calls["recorded"] == micro_batches * sparse_layers  # the training forward only (not the frozen passes)
+    assert calls["replayed"] == calls["same"] == calls["recorded"]  # every recomputation took the forward's experts
