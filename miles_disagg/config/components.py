@@ -206,7 +206,7 @@ class TrainConfig:
     expert_tensor_parallel_size: int = flag(1, "megatron: expert tensor-parallel size (1 only: expert matrices are not split over TP here).")
     moe_grouped_gemm: bool | None = flag(None, "megatron MoE: grouped-GEMM experts (Transformer Engine's; needs CUDA and Transformer Engine).")
     moe_permute_fusion: bool | None = flag(None, "megatron MoE: fused token permutation (needs CUDA and Transformer Engine).")
-    moe_token_dispatcher_type: str | None = flag(None, "megatron MoE: token dispatcher (unset: allgather, megatron's default; alltoall runs on CPU over gloo too).", choices=MOE_DISPATCHERS)
+    moe_token_dispatcher_type: str | None = flag(None, "megatron MoE: token dispatcher (unset: alltoall with --expert-model-parallel-size > 1, else allgather; both run on CPU over gloo; allgather is refused with EP > 1).", choices=MOE_DISPATCHERS)
     moe_router_load_balancing_type: str | None = flag(None, "megatron MoE: load-balancing loss type (unset: aux_loss, megatron's default).", choices=MOE_LOAD_BALANCING_TYPES)
     moe_aux_loss_coeff: float | None = flag(None, "megatron MoE: load-balancing loss weight (unset: 0.0, megatron's default; miles' Qwen3-MoE line passes 0).")
     moe_router_dtype: str | None = flag(None, "megatron MoE: router logits and softmax in this dtype (unset: the parameters' dtype).", choices=MOE_ROUTER_DTYPES)

@@ -166,6 +166,9 @@ def _layer_pattern(value: str, hf: Any) -> list[int]:
     return list(parsed)
 
 
+_MAX_LAYERS = 100_000
+
+
 def _int_list_expression(node: ast.AST) -> int | list[int]:
     """An integer, a list of integers, or ``+`` / ``*`` of those (nothing else is evaluated)."""
     if isinstance(node, ast.Constant) and type(node.value) is int:
@@ -178,10 +181,14 @@ def _int_list_expression(node: ast.AST) -> int | list[int]:
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
         left, right = _int_list_expression(node.left), _int_list_expression(node.right)
         if isinstance(node.op, ast.Add) and type(left) is type(right):
+            if isinstance(left, list) and len(left) + len(right) > _MAX_LAYERS:
+                raise ValueError("too large")
             return left + right
         if isinstance(node.op, ast.Mult) and (isinstance(left, int) or isinstance(right, int)):
-            if max(len(left) if isinstance(left, list) else 0, len(right) if isinstance(right, list) else 0,
-                   abs(left) if isinstance(left, int) else 0, abs(right) if isinstance(right, int) else 0) > 100_000:
+            size = (len(left) if isinstance(left, list) else 1) * (len(right) if isinstance(right, list) else 1)
+            if isinstance(left, list) or isinstance(right, list):
+                size *= abs(left) if isinstance(left, int) else abs(right)
+            if size > _MAX_LAYERS or (isinstance(left, int) and isinstance(right, int) and abs(left * right) > _MAX_LAYERS):
                 raise ValueError("too large")
             return left * right
     raise ValueError(f"unsupported expression {ast.dump(node)[:60]}")
@@ -228,7 +235,7 @@ _EXPECTED: dict[str, Callable[[Any], tuple[Any, str]]] = {
     "moe_router_score_function": lambda hf: (getattr(hf, "scoring_func", None) or "softmax",
                                              "router scoring (scoring_func)"),
     "moe_router_pre_softmax": lambda hf: (not bool(getattr(hf, "norm_topk_prob", False)),
-                                          f"norm_topk_prob {bool(getattr(hf, 'norm_topk_prob', False))}, i.e. "
+                                          f"norm_topk_prob {str(bool(getattr(hf, 'norm_topk_prob', False))).lower()}, i.e. "
                                           "moe_router_pre_softmax"),
     "moe_router_topk_scaling_factor": lambda hf: (float(getattr(hf, "routed_scaling_factor", None) or 1.0),
                                                   "routed_scaling_factor"),

@@ -82,6 +82,11 @@ def _check_moe_refusals(train) -> None:
                                         "HybridEP, which this project does not install",
                                         "use --moe-token-dispatcher-type alltoall (or allgather)"),
                           ("--moe-token-dispatcher-type",))
+    if train.moe_token_dispatcher_type == "allgather" and train.expert_model_parallel_size > 1:
+        raise ConfigError("--moe-token-dispatcher-type allgather with --expert-model-parallel-size > 1: that dispatcher "
+                          "gathers the same number of tokens from every EP rank, and RL micro-batches differ in "
+                          "length between ranks; use alltoall (the default with EP > 1)",
+                          ("--moe-token-dispatcher-type", "--expert-model-parallel-size"))
     if train.moe_router_load_balancing_type == "sinkhorn":
         raise ConfigError(miles_refusal("--moe-router-load-balancing-type sinkhorn", "Sinkhorn routing is not the "
                                         "top-k softmax routing Qwen3-MoE checkpoints (and the engines) use",
@@ -253,7 +258,9 @@ def _check_megatron(config: RunConfig) -> None:
                           f"of TP x PP x CP = {model_parallel}", ("--actor-num-gpus-per-node", *sizes))
     expert_parallel = train.expert_model_parallel_size * train.pipeline_model_parallel_size
     if ranks % expert_parallel:
-        raise ConfigError(f"{ranks} trainer GPUs are not a multiple of EP x PP = {expert_parallel}",
+        raise ConfigError(f"{ranks} trainer GPUs (--actor-num-nodes x --actor-num-gpus-per-node) are not a multiple "
+                          f"of --expert-model-parallel-size {train.expert_model_parallel_size} x "
+                          f"--pipeline-model-parallel-size {train.pipeline_model_parallel_size}",
                           ("--actor-num-gpus-per-node", "--expert-model-parallel-size"))
     if train.expert_model_parallel_size > 1 and train.tensor_model_parallel_size > 1 and not train.sequence_parallel:
         raise ConfigError("--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 needs "

@@ -64,6 +64,8 @@ class MegatronBackend(TrainerBackend):
         if initial_checkpoint is not None:
             load_torch_dist(self.gpt, *initial_checkpoint)
         self.optim = make_optimizer(self.gpt, config, self.tconfig)
+        if self.routing:  # forward passes call the optimizer's wrapper (DDP on GPU) of the same modules
+            self.routing[id(self.optim.model)] = self.routing[id(self.gpt)]
         self.ref = self._reference(config.ref_load or hf_dir) if config.needs_reference else None
         if self.ref is not None and self.shape.is_moe:
             self.routing[id(self.ref)] = self._routing_control(self.ref)
@@ -91,7 +93,7 @@ class MegatronBackend(TrainerBackend):
 
     def train(self, steps: list[list[Sample]]) -> TrainResult:
         steps = self._replica_share(steps)
-        moe = (self.shape.num_layers, self.shape.moe_topk) if self.shape.is_moe else None
+        moe = (self.shape.num_layers, self.shape.moe_topk, self.shape.num_experts) if self.shape.is_moe else None
         micro = [[make_micro_batch(mb, self.pad_id, self._seq_multiple(), moe) for mb in self._split(step)]
                  for step in steps]
         flat = [mb for step in micro for mb in step]

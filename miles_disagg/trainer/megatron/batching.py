@@ -57,10 +57,10 @@ class MicroBatch:
 
 
 def make_micro_batch(samples: Sequence[Sample], pad_id: int, seq_multiple: int,
-                     moe: tuple[int, int] | None = None) -> MicroBatch:
+                     moe: tuple[int, int, int] | None = None) -> MicroBatch:
     """Pack ``samples``, right-padding the sequence to a multiple of ``seq_multiple`` (sequence
     and context parallelism split it); padding sits after every real token, so under causal
-    attention it changes no real token's logits. ``moe`` ``(layers, top_k)``: also the
+    attention it changes no real token's logits. ``moe`` ``(layers, top_k, experts)``: also the
     samples' routed experts (``moe.routing_targets``)."""
     packed = pack(samples, pad_id)
     length = packed.input_ids.shape[1]

@@ -125,6 +125,9 @@ def check_moe_support(shape: ModelShape, config: TrainConfig, layout: ParallelLa
         raise ConfigError("an MoE model with --tensor-model-parallel-size > 1 needs --sequence-parallel "
                           "(megatron-core's rule; it needs CUDA and Transformer Engine)",
                           ("--tensor-model-parallel-size", "--sequence-parallel"))
+    if layout.ep_size > 1 and config.moe_token_dispatcher_type == "allgather":
+        raise ConfigError("--moe-token-dispatcher-type allgather needs the same token count on every EP rank; use "
+                          "alltoall with --expert-model-parallel-size > 1", ("--moe-token-dispatcher-type",))
     replay = config.use_rollout_routing_replay or config.use_routing_replay
     if layout.pp_size > 1 and config.recompute_granularity is not None and replay:
         raise ConfigError("routing replay with --recompute-granularity is supported without pipeline parallelism "

@@ -45,7 +45,7 @@ def moe_config_fields(shape, config: TrainConfig, layout) -> dict:
         moe_router_score_function="softmax", moe_router_pre_softmax=not shape.norm_topk_prob,
         moe_router_topk_scaling_factor=None,
         moe_router_dtype=config.moe_router_dtype,
-        moe_token_dispatcher_type=config.moe_token_dispatcher_type or "allgather",
+        moe_token_dispatcher_type=config.moe_token_dispatcher_type or default_dispatcher(layout.ep_size),
         moe_router_load_balancing_type=config.moe_router_load_balancing_type or "aux_loss",
         moe_aux_loss_coeff=config.moe_aux_loss_coeff or 0.0,
         moe_token_drop_policy=config.moe_token_drop_policy or "probs",
@@ -53,11 +53,27 @@ def moe_config_fields(shape, config: TrainConfig, layout) -> dict:
         expert_model_parallel_size=layout.ep_size, expert_tensor_parallel_size=1)
 
 
-def routing_targets(samples: Sequence[Sample], seq_len: int, num_layers: int,
-                    topk: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def set_aux_loss_scale(num_microbatches: int) -> None:
+    """The load-balancing loss's gradient weight per micro-batch, as megatron's schedules set it
+    (1 / micro-batches: the aux loss is averaged over the step's micro-batches)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / num_microbatches))
+
+
+def default_dispatcher(ep_size: int) -> str:
+    """Unset ``--moe-token-dispatcher-type``: megatron's allgather without expert parallelism;
+    alltoall with it (allgather needs equal token counts on every EP rank, which RL
+    micro-batches of different lengths do not have)."""
+    return "alltoall" if ep_size > 1 else "allgather"
+
+
+def routing_targets(samples: Sequence[Sample], seq_len: int, num_layers: int, topk: int,
+                    num_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``([batch, seq, layers, topk]`` engine experts, -1 where there are none; ``[batch, seq]``
     trained positions) of a micro-batch, or None when no sample carries routed experts.
-    ``ValueError`` naming the sample when its array has the wrong shape."""
+    ``ValueError`` naming the sample when its array has the wrong shape or (given
+    ``num_experts``) a row that is neither all -1 nor ``topk`` distinct experts in range."""
     if not any(s.rollout_routed_experts is not None for s in samples):
         return None
     import numpy as np
@@ -71,13 +87,28 @@ def routing_targets(samples: Sequence[Sample], seq_len: int, num_layers: int,
         routed = np.asarray(routed)
         positions = len(sample.prompt_ids) + len(sample.response_ids) - 1
         if routed.shape != (positions, num_layers, topk):
-            raise ValueError(f"sample {sample.index}: rollout_routed_experts has shape {tuple(routed.shape)}, expected "
+            raise ValueError(f"sample {i} of the micro-batch: rollout_routed_experts has shape {tuple(routed.shape)}, expected "
                              f"({positions}, {num_layers}, {topk}) (positions, layers, top-k)")
-        experts[i, :positions] = torch.from_numpy(routed.astype(np.int64))
+        rows = torch.from_numpy(routed.astype(np.int64))
+        if num_experts is not None:
+            _check_rows(rows, num_experts, i)
+        experts[i, :positions] = rows
         start = len(sample.prompt_ids) - 1
         mask = torch.tensor(sample.trained_mask(), dtype=torch.bool)
         counted[i, start:start + len(mask)] = mask
     return experts, counted
+
+
+def _check_rows(rows: torch.Tensor, num_experts: int, index: int) -> None:
+    free = (rows == -1).all(dim=-1)
+    valid = ((rows >= 0) & (rows < num_experts)).all(dim=-1)
+    distinct = (rows.sort(dim=-1).values.diff(dim=-1) != 0).all(dim=-1)
+    bad = ~(free | (valid & distinct))
+    if bad.any():
+        position, layer = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"sample {index} of the micro-batch: rollout_routed_experts[{position}, {layer}] = "
+                         f"{rows[position, layer].tolist()} is neither all -1 nor distinct experts in "
+                         f"[0, {num_experts})")
 
 
 @dataclass

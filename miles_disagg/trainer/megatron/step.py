@@ -65,6 +65,10 @@ def run_micro_batches(model: torch.nn.Module, micro_batches: Sequence[MicroBatch
                 forward_step_func=forward_step, data_iterator=iter(range(len(micro_batches))), model=[model],
                 num_microbatches=len(micro_batches), seq_length=first.seq_len,  # the schedule divides by CP (and TP with SP)
                 micro_batch_size=first.packed.input_ids.shape[0], forward_only=forward_only)
+        if routing is not None and not forward_only:
+            from miles_disagg.trainer.megatron.moe import set_aux_loss_scale
+
+            set_aux_loss_scale(len(micro_batches))
         return _plain_loop(forward_step, model, len(micro_batches), ctx.layout.cp_size, forward_only, no_sync,
                            routing.backward if routing is not None else contextlib.nullcontext)
     finally:
