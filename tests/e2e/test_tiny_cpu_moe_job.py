@@ -33,7 +33,8 @@ def moe_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
            "RAY_AUTH_MODE": "disabled"}
     result = subprocess.run(
         [sys.executable, str(REPO / "train_async.py"), "--config", str(REPO / "configs/tiny_cpu_moe.yaml"),
-         "--run-dir", str(run_dir), "--hf-checkpoint", str(tmp / "base-model"), "--num-rollout", str(STEPS)],
+         "--run-dir", str(run_dir), "--hf-checkpoint", str(tmp / "base-model"),
+         "--hf-checkpoint-init", "tiny-qwen3-moe-digits", "--num-rollout", str(STEPS)],
         cwd=tmp, capture_output=True, text=True, timeout=540, env=env)
     assert result.returncode == 0, result.stderr[-6000:]
     assert json.loads((tmp / "base-model" / "config.json").read_text())["model_type"] == "qwen3_moe"
