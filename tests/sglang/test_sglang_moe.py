@@ -153,3 +153,66 @@ def test_a_second_turn_asks_only_for_positions_no_earlier_call_ran(sglang, routi
         rows = len(sample.prompt_ids) + len(sample.response_ids) - 1
         assert sample.rollout_routed_experts.shape == (rows, LAYERS, TOP_K)
         assert all(np.array_equal(sample.rollout_routed_experts[p], _expected_row(p)) for p in range(rows))
+
+
+QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B's config.json (config-only checkpoint)
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "decoder_sparse_step": 1,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+SCRIPT_30B = Path(__file__).resolve().parents[2] / "scripts" / "run_qwen3_30B_A3B_disk_delta.sh"
+
+
+def _script_line(script: Path, tmp_path: Path) -> list[str]:
+    """The train_async.py arguments the script execs: its required MILES_DISAGG_* variables filled in
+    (a config-only checkpoint, a prompts file, a work dir) and PYTHON a shim that records its argv."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    model = tmp_path / "Qwen3-30B-A3B"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": [{"role": "user", "content": "1+1?"}], "label": "2"}\n')
+    env = {**os.environ}
+    for name in set(re.findall(r"\$\{(MILES_DISAGG_\w+)", script.read_text())):
+        env[name] = str(prompts if "JSONL" in name else tmp_path / "work" if "WORK" in name else model)
+    record = tmp_path / "argv.json"
+    shim = tmp_path / "python-shim"
+    shim.write_text(f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n")
+    shim.chmod(0o755)
+    done = subprocess.run(["bash", str(script)], env={**env, "PYTHON": str(shim)}, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    argv = json.loads(record.read_text())
+    assert argv[0].endswith("train_async.py"), argv[:2]
+    return argv[1:]
+
+
+def test_the_30b_a3b_scripts_engines_parse(sglang_loaded, tmp_path, monkeypatch):
+    """scripts/run_qwen3_30B_A3B_disk_delta.sh (the MoE launch line): each SGLang EP engine's command as
+    the manager builds it, parsed by SGLang's ServerArgs."""
+    if not SCRIPT_30B.is_file():
+        pytest.skip(f"{SCRIPT_30B.name} is not in this tree yet (the Megatron MoE work adds it)")
+    from miles_disagg.config import load_config
+    from miles_disagg.config.actors import EngineManagerConfig
+    from miles_disagg.engines.launch import engine_processes
+    from miles_disagg.engines.plan import engine_specs
+
+    monkeypatch.chdir(tmp_path)
+    config, _ = load_config(_script_line(SCRIPT_30B, tmp_path), "train_async")
+    tp = config.cluster.rollout_num_gpus_per_engine
+    engines = [list(range(i * tp, (i + 1) * tp)) for i in range(config.cluster.rollout_num_gpus // tp)]
+    assert engines, "the script launches no engine"
+    for index, spec in enumerate(engine_specs(EngineManagerConfig.from_run(config), engines, "sglang")):
+        args = parse(engine_processes(spec, port=30000 + index)[0].argv)
+        assert args.tp_size == tp and args.ep_size == int(config.sglang_args.get("ep-size", 1))
+        assert args.enable_return_routed_experts is config.train.use_rollout_routing_replay
