@@ -41,6 +41,8 @@ def check_before_start(config: RunConfig, warnings: list[str] | None = None) -> 
             raise
         warnings.append(f"on this machine: {exc}")
     check_sglang_args(config)
+    if warnings is not None:
+        warnings += outputs_in_use(config)
     if rollout.rollout_external and not rollout.debug_train_only:
         from miles_disagg.loop.engine_probe import probe_engines
 
@@ -159,6 +161,20 @@ def check_local_gpus(config: RunConfig) -> None:
 def _external(config: RunConfig) -> bool:
     rollout = config.rollout
     return rollout.rollout_external or bool(rollout.rollout_service_url) or rollout.debug_train_only
+
+
+def outputs_in_use(config: RunConfig) -> list[str]:
+    """``--dry-run``: the directories the run would lock that another run appears to hold (a real
+    run takes the locks and exits 2 naming the holder; a dry run only reads, so it warns)."""
+    from miles_disagg.loop.run_lock import apparent_holder, describe, outputs_to_lock
+
+    found = []
+    for flag, path in outputs_to_lock(config):
+        holder = apparent_holder(Path(os.path.abspath(path)))
+        if holder is not None:
+            found.append(f"{flag} {path} appears to be in use by another run ({describe(holder)}): a run started now "
+                         "would exit 2 while that one holds it")
+    return found
 
 
 def check_sglang_args(config: RunConfig) -> None:
