@@ -1,11 +1,12 @@
 """Everything a run can check before Ray starts, in ``--dry-run`` and real runs alike.
 
 Each check raises ``ConfigError`` naming the flag (exit 2, no traceback) for what would
-otherwise fail later inside an actor: the prompt data (exists, and its first lines parse with
-the configured keys), the reward (imports, right signature), the tracking backends asked for,
-the GPUs of this machine when a local Ray would run on them, and the ``--sglang-*`` options
-(parsed by SGLang's own ``ServerArgs`` where SGLang is importable). Attached engines are asked
-all at once: see :mod:`miles_disagg.loop.engine_probe`.
+otherwise fail later inside an actor: the prompt and eval data (exists, and its first lines
+parse with the configured keys; a built-in ``task:NAME`` exists), the reward and the weight
+hooks (import, right signature; the rollout hooks are checked by ``preflight.check_runnable``),
+the tracking backends asked for, the GPUs of this machine when a local Ray would run on them,
+and the ``--sglang-*`` options (parsed by SGLang's own ``ServerArgs`` where SGLang is
+importable). Attached engines are asked all at once: see :mod:`miles_disagg.loop.engine_probe`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def check_before_start(config: RunConfig, warnings: list[str] | None = None) -> 
     ``warnings`` (``--dry-run``, which plans for a target machine): what this machine lacks but
     the target may have (its GPUs) goes there instead of failing."""
     rollout = config.rollout
-    if not rollout.debug_train_only and not rollout.load_debug_rollout_data:
+    if not rollout.debug_train_only:  # a run with engines reads them (its rollout manager does)
         check_prompt_data(config)
         check_reward(config)
     check_eval_data(config)
@@ -57,7 +58,13 @@ def check_prompt_data(config: RunConfig) -> None:
 
 def check_eval_data(config: RunConfig) -> None:
     for name, path in config.eval.datasets:
-        if not path.startswith("task:"):
+        if path.startswith("task:"):
+            from miles_disagg.rollout.tasks import TASKS
+
+            if path.removeprefix("task:") not in TASKS:
+                raise ConfigError(f"--eval-prompt-data {name} {path!r}: no such built-in task; built-in tasks: "
+                                  f"{sorted(TASKS)}", ("--eval-prompt-data",))
+        else:
             check_jsonl(path, config, flag=f"--eval-prompt-data {name}")
 
 

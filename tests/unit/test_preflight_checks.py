@@ -69,6 +69,8 @@ def test_prompt_data_with_the_configured_keys_passes(capsys, tmp_path, tiny_qwen
 def test_eval_data_is_checked_too(capsys, tmp_path, tiny_qwen3_dir) -> None:
     refused(capsys, args(tmp_path, tiny_qwen3_dir, "--eval-interval", "1", "--eval-prompt-data", "held", "/no/eval.jsonl",
                          "--dry-run"), "--eval-prompt-data held '/no/eval.jsonl' does not exist")
+    refused(capsys, args(tmp_path, tiny_qwen3_dir, "--eval-interval", "1", "--eval-prompt-data", "held", "task:count-dwn"),
+            "--eval-prompt-data held 'task:count-dwn': no such built-in task", "count-up")
 
 
 @pytest.mark.parametrize("mode", MODES)
