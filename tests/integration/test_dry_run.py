@@ -122,14 +122,16 @@ def test_unreachable_attached_engines_fail_at_once_each_named(capsys, tmp_path, 
     from miles_disagg.process import free_port
 
     closed = [f"127.0.0.1:{free_port('127.0.0.1')}" for _ in range(2)]
-    start = time.monotonic()
-    code = main("train_async", [*disk_delta(tmp_path, tiny_qwen3_dir), *attached(closed[0], stock_sglang, closed[1]),
-                                "--dry-run"])
-    out, err = capsys.readouterr()
-    assert code == 2 and out == "", err
-    assert time.monotonic() - start < scaled(10)  # a refused connection is not waited for
-    assert "2 of 3 engine(s) did not answer" in err and all(f"{addr}: cannot connect" in err for addr in closed)
-    assert f"{stock_sglang}:" not in err and "Traceback" not in err
+    for mode in (["--dry-run"], []):  # a real run asks them before Ray starts, as the dry run does
+        start = time.monotonic()
+        code = main("train_async", [*disk_delta(tmp_path, tiny_qwen3_dir), *attached(closed[0], stock_sglang, closed[1]),
+                                    *mode])
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "", err
+        assert time.monotonic() - start < scaled(10)  # a refused connection is not waited for
+        assert "2 of 3 engine(s) did not answer" in err and all(f"{addr}: cannot connect" in err for addr in closed)
+        assert f"{stock_sglang}:" not in err and "Traceback" not in err
+        assert not (tmp_path / "run").exists()
 
 
 class _SlowToStartHandler(_StockSglangHandler):
