@@ -44,9 +44,13 @@ def check_before_start(config: RunConfig, warnings: list[str] | None = None) -> 
     check_sglang_args(config)
     if warnings is not None:
         warnings += outputs_in_use(config)
-    if rollout.rollout_external and not rollout.debug_train_only:
-        from miles_disagg.loop.engine_probe import probe_engines
+    if rollout.debug_train_only:
+        return
+    from miles_disagg.loop.engine_probe import probe_engines, probe_service
 
+    if rollout.rollout_service_url:
+        probe_service(rollout.rollout_service_url)
+    elif rollout.rollout_external:
         probe_engines(rollout.rollout_external_engine_addrs)
 
 

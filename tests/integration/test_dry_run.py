@@ -129,7 +129,7 @@ def test_unreachable_attached_engines_fail_at_once_each_named(capsys, tmp_path, 
         out, err = capsys.readouterr()
         assert code == 2 and out == "", err
         assert time.monotonic() - start < scaled(10)  # a refused connection is not waited for
-        assert "2 of 3 engine(s) did not answer" in err and all(f"{addr}: cannot connect" in err for addr in closed)
+        assert "--rollout-external-engine-addrs: 2 of 3 did not answer" in err and all(f"{addr}: cannot connect" in err for addr in closed)
         assert f"{stock_sglang}:" not in err and "Traceback" not in err
         assert not (tmp_path / "run").exists()
 
@@ -164,7 +164,7 @@ def test_a_slow_attached_engine_is_waited_for_with_progress_lines(capsys, tmp_pa
     out, err = capsys.readouterr()
     assert code == 0, err
     assert json.loads(out)["topology"] == "attached"
-    assert f"waiting for attached engine(s) to answer /health" in err and f"{addr} (/health answered 503)" in err
+    assert "waiting for --rollout-external-engine-addrs to answer /health" in err and f"{addr} (/health answered 503)" in err
 
 
 def test_the_probe_prints_what_it_waits_for(capsys, monkeypatch) -> None:
@@ -183,7 +183,7 @@ def test_the_probe_prints_what_it_waits_for(capsys, monkeypatch) -> None:
         server.shutdown()
         server.server_close()
     err = capsys.readouterr().err
-    assert f"waiting for attached engine(s) to answer /health" in err and f"{addr} (/health answered 503)" in err
+    assert "waiting for --rollout-external-engine-addrs to answer /health" in err and f"{addr} (/health answered 503)" in err
 
 
 def test_an_engine_that_never_answers_fails_when_the_wait_ends(capsys, monkeypatch) -> None:

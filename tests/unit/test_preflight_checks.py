@@ -138,3 +138,13 @@ def test_weight_and_rollout_hooks_that_do_not_import(capsys, tmp_path, tiny_qwen
     refused(capsys, args(tmp_path, tiny_qwen3_dir, "--custom-generate-function-path", "no_such_module_xyz.gen", *mode),
             "--custom-generate-function-path")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rollout_service_that_does_not_answer(capsys, tmp_path, tiny_qwen3_dir, mode) -> None:
+    from miles_disagg.process import free_port
+
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    refused(capsys, args(tmp_path, tiny_qwen3_dir, "--rollout-service-url", url, "--update-weight-transfer-mode",
+                         "disk-delta", "--update-weight-disk-dir", str(tmp_path / "store"), *mode),
+            f"--rollout-service-url: 1 of 1 did not answer: {url}: cannot connect")
