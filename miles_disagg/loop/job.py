@@ -257,7 +257,7 @@ def init_ray(num_bundles: int) -> bool:
         _report_cluster()
         _check_cluster_offers(num_bundles)
         return True
-    cuda_devices = _cuda_device_count()
+    cuda_devices = cuda_device_count()
     num_gpus = cuda_devices or num_bundles  # without CUDA: logical GPUs, one per bundle
     tmp = os.environ.get(RAY_TMPDIR_ENV)
     keep_ray_token_auth()  # Ray's own token auth stays on (tests may set RAY_AUTH_MODE=disabled)
@@ -339,7 +339,7 @@ def _check_cluster_offers(num_bundles: int) -> None:
                           ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus"))
 
 
-def _cuda_device_count() -> int:
+def cuda_device_count() -> int:
     """The CUDA devices this process sees. torch (about two CPU-seconds to import, which the
     driver otherwise never needs) is imported only where an NVIDIA driver is installed."""
     if not os.path.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is None:

@@ -154,10 +154,10 @@ def check_local_gpus(config: RunConfig) -> None:
     (Without CUDA the local Ray gets logical GPUs, one per bundle; a cluster is asked once joined.)"""
     if os.environ.get("RAY_ADDRESS"):
         return
-    from miles_disagg.loop.job import _cuda_device_count
+    from miles_disagg.loop.job import cuda_device_count
     from miles_disagg.trainer.placement import plan_layout
 
-    available = _cuda_device_count()
+    available = cuda_device_count()
     if not available:
         return
     layout = plan_layout(config.cluster, external_rollout=_external(config))

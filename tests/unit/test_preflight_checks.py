@@ -96,7 +96,7 @@ def test_a_tracking_backend_that_is_not_installed(capsys, tmp_path, tiny_qwen3_d
 
 def test_a_machine_with_fewer_gpus_than_asked(capsys, tmp_path, tiny_qwen3_dir, monkeypatch) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr("miles_disagg.loop.job._cuda_device_count", lambda: 2)
+    monkeypatch.setattr("miles_disagg.loop.job.cuda_device_count", lambda: 2)
     argv = ["--hf-checkpoint", str(tiny_qwen3_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
             "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "64", "--run-dir", str(tmp_path / "run")]
     refused(capsys, argv, "asks for 65 GPUs (trainer 1: ", "rollout 64: --rollout-num-gpus); this machine has 2")
