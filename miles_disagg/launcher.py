@@ -21,6 +21,7 @@ from miles_disagg.types import ConfigError, MilesDisaggError
 
 EXIT_FAILED = 1
 EXIT_CONFIG_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT; a run stopped by a signal exits 128 + its number (loop/interrupts.py)
 
 
 def main(entry: str, argv: Sequence[str] | None = None) -> int:
@@ -45,6 +46,9 @@ def main(entry: str, argv: Sequence[str] | None = None) -> int:
     except MilesDisaggError as exc:
         print(f"{entry}.py: failed: {type(_cause(exc)).__name__}: {_cause(exc)}", file=sys.stderr)
         return EXIT_FAILED
+    except KeyboardInterrupt:  # during the checks (e.g. waiting for an attached engine): nothing started yet
+        print(f"{entry}.py: interrupted before the run started", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 @contextlib.contextmanager

@@ -228,3 +228,34 @@ def test_router_settings_reach_the_router_argv(capsys, tmp_path, tiny_qwen3_dir)
     router = plan["processes"][0]
     assert router["role"] == "sglang-router" and router["argv"][1:3] == ["-m", "sglang_router.launch_router"]
     assert router["argv"][router["argv"].index("--policy") + 1] == "cache_aware"
+
+
+def test_ctrl_c_while_waiting_for_an_engine_ends_with_one_line(tmp_path, tiny_qwen3_dir) -> None:
+    """Nothing has started while the checks wait: exit 130, one line, no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    _SlowToStartHandler.ready_at = time.monotonic() + 3600
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowToStartHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    addr = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parents[2] / "train_async.py"),
+                                 *disk_delta(tmp_path, tiny_qwen3_dir), *attached(addr)],
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        lines = []
+        while not any("waiting for --rollout-external-engine-addrs" in line for line in lines):
+            line = proc.stderr.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=scaled(30)) == 130
+        assert rest.strip().splitlines() == ["train_async.py: interrupted before the run started"], rest
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not (tmp_path / "run").exists()
