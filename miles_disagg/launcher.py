@@ -61,16 +61,20 @@ def run_locks(config: RunConfig) -> Iterator[None]:
 
 
 def run_training(config: RunConfig, entry: str = "train") -> int:
-    from miles_disagg.loop.interrupts import catching_interrupts, exit_status, report_interruption
+    from miles_disagg.loop.interrupts import catching_interrupts, exit_status, interrupted_by, report_interruption
     from miles_disagg.loop.train_loops import run
 
+    received: list[int] = []
     try:
-        with catching_interrupts():
+        with catching_interrupts() as received:
             prepare_run(config)
             run(config)
-    except KeyboardInterrupt as exc:
-        print(f"{entry}.py: {report_interruption(config, exc)}", file=sys.stderr)
-        return exit_status(exc)
+    except BaseException as exc:  # noqa: BLE001 - re-raised unless a signal stopped the run
+        interruption = interrupted_by(received, exc)
+        if interruption is None:
+            raise
+        print(f"{entry}.py: {report_interruption(config, interruption)}", file=sys.stderr)
+        return exit_status(interruption)
     return 0
 
 
