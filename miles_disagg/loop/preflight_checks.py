@@ -84,15 +84,17 @@ def check_jsonl(path_text: str, config: RunConfig, *, flag: str) -> None:
     seen = 0
     try:
         with path.open("rb") as lines:
-            for line_number, raw in enumerate(lines, start=1):
+            line_number = 0
+            while seen < PREVIEW_LINES:
+                raw = lines.readline(MAX_LINE_BYTES + 1)  # bounded: a file without newlines is not read whole
+                line_number += 1
+                if not raw:
+                    break
                 if len(raw) > MAX_LINE_BYTES:
                     raise _bad(flag, path, line_number, f"a line longer than {MAX_LINE_BYTES} bytes")
-                if not raw.strip():
-                    continue
-                _check_record(raw, keys, flag, path, line_number)
-                seen += 1
-                if seen >= PREVIEW_LINES:
-                    return
+                if raw.strip():
+                    _check_record(raw, keys, flag, path, line_number)
+                    seen += 1
     except OSError as exc:
         raise ConfigError(f"{flag} {path_text!r}: cannot read ({exc.strerror or exc})", (flag.split()[0],)) from None
     if not seen:

@@ -57,6 +57,17 @@ def test_prompt_data_that_does_not_parse(capsys, tmp_path, tiny_qwen3_dir, lines
                 "--prompt-data", expected)
 
 
+def test_a_huge_file_without_newlines_is_refused_without_reading_it_whole(capsys, tmp_path, tiny_qwen3_dir,
+                                                                          monkeypatch) -> None:
+    from miles_disagg.loop import preflight_checks
+
+    monkeypatch.setattr(preflight_checks, "MAX_LINE_BYTES", 1024)
+    data = tmp_path / "blob.jsonl"
+    data.write_bytes(b"\x00" * 10_000)
+    refused(capsys, args(tmp_path, tiny_qwen3_dir, "--prompt-data", str(data), "--dry-run"),
+            ":1: a line longer than 1024 bytes")
+
+
 def test_prompt_data_with_the_configured_keys_passes(capsys, tmp_path, tiny_qwen3_dir) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", '{"q": "1+1", "a": "2"}', "", '{"q": "2+2", "a": "4"}')
     code = main("train_async", args(tmp_path, tiny_qwen3_dir, "--prompt-data", str(data), "--input-key", "q",
