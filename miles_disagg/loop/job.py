@@ -266,7 +266,7 @@ def init_ray(num_bundles: int) -> bool:
     inherit_into_local_ray()
     status(f"starting a local Ray ({num_gpus} {'GPUs' if cuda_devices else 'logical GPUs'})")
     with still("starting the local Ray"):
-        _start_local_ray(num_cpus=max(8, os.cpu_count() or 1), num_gpus=num_gpus, include_dashboard=False,
+        _start_local_ray(num_cpus=local_ray_num_cpus(), num_gpus=num_gpus, include_dashboard=False,
                          logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None,
                          _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     reclaim_sigterm()
@@ -324,6 +324,11 @@ def _report_cluster() -> None:
               if k not in ("CPU", "GPU", "memory", "object_store_memory") and not k.startswith("node:")}
     status(f"joined the Ray cluster at {os.environ['RAY_ADDRESS']}: {len(nodes)} node(s), "
            f"{totals.get('GPU', 0):g} GPUs" + (f", resources {custom}" if custom else ""))
+
+
+def local_ray_num_cpus() -> int:
+    """The CPUs a local Ray started by a run offers (every bundle takes one)."""
+    return max(8, os.cpu_count() or 1)
 
 
 def _check_cluster_offers(num_bundles: int) -> None:

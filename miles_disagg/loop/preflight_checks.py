@@ -152,23 +152,24 @@ def check_tracking_backends(config: RunConfig) -> None:
 
 
 def check_local_gpus(config: RunConfig) -> None:
-    """A local Ray on a machine with CUDA offers only its devices: the run must fit in them.
-    (Without CUDA the local Ray gets logical GPUs, one per bundle; a cluster is asked once joined.)"""
+    """A local Ray offers this machine's CUDA devices (without CUDA: logical GPUs, one per bundle)
+    and ``local_ray_num_cpus()`` CPUs; every bundle takes one GPU and one CPU, so the run must fit
+    in them. (A cluster is asked once joined: ``job._check_cluster_offers``.)"""
     if os.environ.get("RAY_ADDRESS"):
         return
-    from miles_disagg.loop.job import cuda_device_count
+    from miles_disagg.loop.job import cuda_device_count, local_ray_num_cpus
     from miles_disagg.trainer.placement import plan_layout
 
-    available = cuda_device_count()
-    if not available:
-        return
     layout = plan_layout(config.cluster, external_rollout=_external(config))
-    if layout.num_bundles > available:
-        raise ConfigError(f"this run asks for {layout.num_bundles} GPUs (trainer {len(layout.trainer)}: "
-                          "--actor-num-nodes x --actor-num-gpus-per-node; rollout "
-                          f"{layout.num_bundles - len(layout.trainer)}: --rollout-num-gpus); this machine has "
-                          f"{available} (set RAY_ADDRESS to run on a cluster)",
-                          ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus"))
+    asked = (f"this run asks for {layout.num_bundles} bundles of 1 GPU + 1 CPU (trainer {len(layout.trainer)}: "
+             "--actor-num-nodes x --actor-num-gpus-per-node; rollout "
+             f"{layout.num_bundles - len(layout.trainer)}: --rollout-num-gpus)")
+    flags = ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus")
+    gpus, cpus = cuda_device_count(), local_ray_num_cpus()
+    if gpus and layout.num_bundles > gpus:
+        raise ConfigError(f"{asked}; this machine has {gpus} GPUs (set RAY_ADDRESS to run on a cluster)", flags)
+    if layout.num_bundles > cpus:
+        raise ConfigError(f"{asked}; a local Ray here offers {cpus} CPUs (set RAY_ADDRESS to run on a cluster)", flags)
 
 
 def _external(config: RunConfig) -> bool:

@@ -110,12 +110,25 @@ def test_a_machine_with_fewer_gpus_than_asked(capsys, tmp_path, tiny_qwen3_dir, 
     monkeypatch.setattr("miles_disagg.loop.job.cuda_device_count", lambda: 2)
     argv = ["--hf-checkpoint", str(tiny_qwen3_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
             "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "64", "--run-dir", str(tmp_path / "run")]
-    refused(capsys, argv, "asks for 65 GPUs (trainer 1: ", "rollout 64: --rollout-num-gpus); this machine has 2")
+    refused(capsys, argv, "asks for 65 bundles of 1 GPU + 1 CPU (trainer 1: ",
+            "rollout 64: --rollout-num-gpus); this machine has 2 GPUs")
     # --dry-run plans for a target machine: what this one lacks is a warning there
     code = main("train_async", [*argv, "--dry-run"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert any(w.startswith("on this machine: this run asks for 65 GPUs") for w in json.loads(out)["warnings"])
+    assert any(w.startswith("on this machine: this run asks for 65 bundles") for w in json.loads(out)["warnings"])
+
+
+def test_a_machine_without_cuda_has_the_local_rays_cpus(capsys, tmp_path, tiny_qwen3_dir, monkeypatch) -> None:
+    """Without CUDA the local Ray has one logical GPU per bundle, but only so many CPUs: 65 bundles
+    would wait for a placement that never comes."""
+    from miles_disagg.loop.job import local_ray_num_cpus
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("miles_disagg.loop.job.cuda_device_count", lambda: 0)
+    argv = ["--hf-checkpoint", str(tiny_qwen3_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
+            "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "64", "--run-dir", str(tmp_path / "run")]
+    refused(capsys, argv, "asks for 65 bundles", f"a local Ray here offers {local_ray_num_cpus()} CPUs")
 
 
 def test_a_typod_hf_checkpoint_is_not_made_by_the_configs_init(capsys, tmp_path) -> None:
