@@ -11,17 +11,17 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from pathlib import Path
 from typing import Iterator, Sequence
 
 from miles_disagg.config import RunConfig, config_to_yaml
 from miles_disagg.config.loader import load_launch
 from miles_disagg.loop.preflight import check_runnable, make_paths_absolute, prepare_run
-from miles_disagg.loop.run_lock import RunDirLock
+from miles_disagg.loop.run_lock import RunDirLock, outputs_to_lock
 from miles_disagg.types import ConfigError, MilesDisaggError
 
 EXIT_FAILED = 1
 EXIT_CONFIG_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT; a run stopped by a signal exits 128 + its number (loop/interrupts.py)
 
 
 def main(entry: str, argv: Sequence[str] | None = None) -> int:
@@ -46,43 +46,35 @@ def main(entry: str, argv: Sequence[str] | None = None) -> int:
     except MilesDisaggError as exc:
         print(f"{entry}.py: failed: {type(_cause(exc)).__name__}: {_cause(exc)}", file=sys.stderr)
         return EXIT_FAILED
+    except KeyboardInterrupt:  # during the checks (e.g. waiting for an attached engine): nothing started yet
+        print(f"{entry}.py: interrupted before the run started", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 @contextlib.contextmanager
 def run_locks(config: RunConfig) -> Iterator[None]:
-    """The run directory's lock and, for a version store or a ``--save`` directory outside it that
-    this machine sees, theirs: a second run publishing into the same store would reset it (a new
-    run takes a store over) under the first, and its saves would mix with the first's."""
+    """The locks of what the run writes (``run_lock.outputs_to_lock``), held until it has ended."""
     with contextlib.ExitStack() as locks:
-        run_dir = Path(config.tracking.run_dir)
-        locks.enter_context(RunDirLock.acquire(run_dir))
-        for flag, path in _shared_outputs(config):
-            if not path.is_relative_to(run_dir) and path.parent.is_dir():  # else: not seen from here
-                locks.enter_context(RunDirLock.acquire(path, flag=flag))
+        for flag, path in outputs_to_lock(config):
+            locks.enter_context(RunDirLock.acquire(path, flag=flag))
         yield
 
 
-def _shared_outputs(config: RunConfig) -> list[tuple[str, Path]]:
-    outputs = []
-    store = config.weights.update_weight_disk_dir
-    if config.weights.update_weight_transfer_mode == "disk-delta" and store and not config.rollout.debug_rollout_only:
-        outputs.append(("--update-weight-disk-dir", Path(store)))
-    if config.train.save and not config.rollout.debug_rollout_only:
-        outputs.append(("--save", Path(config.train.save)))
-    return outputs
-
-
 def run_training(config: RunConfig, entry: str = "train") -> int:
-    from miles_disagg.loop.interrupts import catching_interrupts, exit_status, report_interruption
+    from miles_disagg.loop.interrupts import catching_interrupts, exit_status, interrupted_by, report_interruption
     from miles_disagg.loop.train_loops import run
 
+    received: list[int] = []
     try:
-        with catching_interrupts():
+        with catching_interrupts() as received:
             prepare_run(config)
             run(config)
-    except KeyboardInterrupt as exc:
-        print(f"{entry}.py: {report_interruption(config, exc)}", file=sys.stderr)
-        return exit_status(exc)
+    except BaseException as exc:  # noqa: BLE001 - re-raised unless a signal stopped the run
+        interruption = interrupted_by(received, exc)
+        if interruption is None:
+            raise
+        print(f"{entry}.py: {report_interruption(config, interruption)}", file=sys.stderr)
+        return exit_status(interruption)
     return 0
 
 

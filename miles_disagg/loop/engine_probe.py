@@ -1,4 +1,5 @@
-"""Attached engines (``--rollout-external-engine-addrs``) asked before anything starts.
+"""Attached engines (``--rollout-external-engine-addrs``) and a rollout service
+(``--rollout-service-url``) asked before anything starts.
 
 Every address is asked at once (one thread each). A refused connection (nothing listens there)
 or an unknown host fails at once; an engine that is slow to answer (still loading, busy) is
@@ -24,7 +25,8 @@ REQUEST_TIMEOUT_S = 3.0
 
 @dataclass
 class _Probe:
-    addr: str
+    addr: str  # as the user gave it (the name in every line)
+    url: str
     done: threading.Event = field(default_factory=threading.Event)
     failure: str | None = None  # None with done set: answered
     last: str = "no answer yet"
@@ -32,9 +34,19 @@ class _Probe:
 
 def probe_engines(addrs: list[str], *, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     """Return once every engine answered ``/health`` with 200; else ``ConfigError`` naming each one that did not."""
-    if not addrs:
+    probe_health([(addr, f"http://{addr}") for addr in addrs], FLAG, timeout_s=timeout_s)
+
+
+def probe_service(url: str, *, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """The rollout service's endpoint answers ``/health`` (open: no key needed)."""
+    probe_health([(url, url.rstrip("/"))], "--rollout-service-url", timeout_s=timeout_s)
+
+
+def probe_health(targets: list[tuple[str, str]], flag: str, *, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Every ``(name, base URL)`` asked at once; ``ConfigError`` naming ``flag`` and each one that did not answer."""
+    if not targets:
         return
-    probes = [_Probe(addr) for addr in addrs]
+    probes = [_Probe(name, url) for name, url in targets]
     deadline = time.monotonic() + timeout_s
     for probe in probes:
         threading.Thread(target=_ask, args=(probe, deadline), name=f"probe-{probe.addr}", daemon=True).start()
@@ -44,12 +56,12 @@ def probe_engines(addrs: list[str], *, timeout_s: float = PROBE_TIMEOUT_S) -> No
         still = [p for p in probes if not p.done.is_set()]
         if still and time.monotonic() - last_line >= PROGRESS_EVERY_S:
             last_line = time.monotonic()
-            status(f"waiting for attached engine(s) to answer /health ({last_line - start:.0f}s of "
+            status(f"waiting for {flag} to answer /health ({last_line - start:.0f}s of "
                    f"{timeout_s:.0f}s): " + "; ".join(f"{p.addr} ({p.last})" for p in still))
     failed = [p for p in probes if p.failure is not None]
     if failed:
         details = "; ".join(f"{p.addr}: {p.failure}" for p in failed)
-        raise ConfigError(f"{FLAG}: {len(failed)} of {len(probes)} engine(s) did not answer: {details}", (FLAG,))
+        raise ConfigError(f"{flag}: {len(failed)} of {len(probes)} did not answer: {details}", (flag,))
 
 
 def _ask(probe: _Probe, deadline: float) -> None:
@@ -59,7 +71,7 @@ def _ask(probe: _Probe, deadline: float) -> None:
         with httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:
             while True:
                 try:
-                    response = client.get(f"http://{probe.addr}/health")
+                    response = client.get(f"{probe.url}/health")
                     if response.status_code == 200:
                         return
                     probe.last = f"/health answered {response.status_code}"

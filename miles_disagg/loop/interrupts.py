@@ -31,19 +31,31 @@ class RunInterrupted(KeyboardInterrupt):
         return (type(self), (self.signum,))
 
 
+def interrupted_by(received: list[int], exc: BaseException) -> KeyboardInterrupt | None:
+    """The interruption ``exc`` stands for: itself, or (an error raised after a signal arrived)
+    the first signal's; None for an error of a run no signal reached."""
+    if isinstance(exc, KeyboardInterrupt):
+        return exc
+    return RunInterrupted(received[0]) if received else None
+
+
 def exit_status(exc: KeyboardInterrupt) -> int:
     return 128 + getattr(exc, "signum", int(signal.SIGINT))
 
 
 @contextlib.contextmanager
-def catching_interrupts() -> Iterator[None]:
+def catching_interrupts() -> Iterator[list[int]]:
     """SIGINT and SIGTERM raise :class:`RunInterrupted` in the main thread; the first one only:
     while the run tears down, a second is noted and ignored, so the stop is not cut short
-    (a third restores the default, for a run that will not stop)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    (a third restores the default, for a run that will not stop).
+
+    Yields the signals received: Ctrl-C reaches the run's whole process group, so an engine or a
+    worker may die of it and its error reach the driver before the driver's own interrupt does;
+    the caller treats any error after a signal as that interruption (:func:`interrupted_by`)."""
     received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
 
     def handler(signum, frame):
         received.append(signum)
@@ -62,7 +74,7 @@ def catching_interrupts() -> Iterator[None]:
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     _active_handler = handler
     try:
-        yield
+        yield received
     finally:
         _active_handler = None
         for s, h in previous.items():

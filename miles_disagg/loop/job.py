@@ -260,7 +260,7 @@ def init_ray(num_bundles: int) -> bool:
         _report_cluster()
         _check_cluster_offers(num_bundles)
         return True
-    cuda_devices = _cuda_device_count()
+    cuda_devices = cuda_device_count()
     num_gpus = cuda_devices or num_bundles  # without CUDA: logical GPUs, one per bundle
     tmp = os.environ.get(RAY_TMPDIR_ENV)
     keep_ray_token_auth()  # Ray's own token auth stays on (tests may set RAY_AUTH_MODE=disabled)
@@ -269,7 +269,7 @@ def init_ray(num_bundles: int) -> bool:
     inherit_into_local_ray()
     status(f"starting a local Ray ({num_gpus} {'GPUs' if cuda_devices else 'logical GPUs'})")
     with still("starting the local Ray"):
-        _start_local_ray(num_cpus=max(8, os.cpu_count() or 1), num_gpus=num_gpus, include_dashboard=False,
+        _start_local_ray(num_cpus=local_ray_num_cpus(), num_gpus=num_gpus, include_dashboard=False,
                          logging_level="WARNING", _temp_dir=str(Path(tmp).resolve()) if tmp else None,
                          _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     reclaim_sigterm()
@@ -329,6 +329,11 @@ def _report_cluster() -> None:
            f"{totals.get('GPU', 0):g} GPUs" + (f", resources {custom}" if custom else ""))
 
 
+def local_ray_num_cpus() -> int:
+    """The CPUs a local Ray started by a run offers (every bundle takes one)."""
+    return max(8, os.cpu_count() or 1)
+
+
 def _check_cluster_offers(num_bundles: int) -> None:
     """A cluster must hold the GPU and CPU bundles asked for (1 GPU + 1 CPU each) before the run
     waits for them: ``ConfigError`` naming what it has. (Busy GPUs are waited for, with progress.)"""
@@ -342,7 +347,7 @@ def _check_cluster_offers(num_bundles: int) -> None:
                           ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus"))
 
 
-def _cuda_device_count() -> int:
+def cuda_device_count() -> int:
     """The CUDA devices this process sees. torch (about two CPU-seconds to import, which the
     driver otherwise never needs) is imported only where an NVIDIA driver is installed."""
     if not os.path.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is None:

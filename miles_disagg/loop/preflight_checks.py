@@ -1,11 +1,12 @@
 """Everything a run can check before Ray starts, in ``--dry-run`` and real runs alike.
 
 Each check raises ``ConfigError`` naming the flag (exit 2, no traceback) for what would
-otherwise fail later inside an actor: the prompt data (exists, and its first lines parse with
-the configured keys), the reward (imports, right signature), the tracking backends asked for,
-the GPUs of this machine when a local Ray would run on them, and the ``--sglang-*`` options
-(parsed by SGLang's own ``ServerArgs`` where SGLang is importable). Attached engines are asked
-all at once: see :mod:`miles_disagg.loop.engine_probe`.
+otherwise fail later inside an actor: the prompt and eval data (exists, and its first lines
+parse with the configured keys; a built-in ``task:NAME`` exists), the reward and the weight
+hooks (import, right signature; the rollout hooks are checked by ``preflight.check_runnable``),
+the tracking backends asked for, the GPUs of this machine when a local Ray would run on them,
+and the ``--sglang-*`` options (parsed by SGLang's own ``ServerArgs`` where SGLang is
+importable). Attached engines are asked all at once: see :mod:`miles_disagg.loop.engine_probe`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def check_before_start(config: RunConfig, warnings: list[str] | None = None) -> 
     ``warnings`` (``--dry-run``, which plans for a target machine): what this machine lacks but
     the target may have (its GPUs) goes there instead of failing."""
     rollout = config.rollout
-    if not rollout.debug_train_only and not rollout.load_debug_rollout_data:
+    if not rollout.debug_train_only:  # a run with engines reads them (its rollout manager does)
         check_prompt_data(config)
         check_reward(config)
     check_eval_data(config)
@@ -41,9 +42,15 @@ def check_before_start(config: RunConfig, warnings: list[str] | None = None) -> 
             raise
         warnings.append(f"on this machine: {exc}")
     check_sglang_args(config)
-    if rollout.rollout_external and not rollout.debug_train_only:
-        from miles_disagg.loop.engine_probe import probe_engines
+    if warnings is not None:
+        warnings += outputs_in_use(config)
+    if rollout.debug_train_only:
+        return
+    from miles_disagg.loop.engine_probe import probe_engines, probe_service
 
+    if rollout.rollout_service_url:
+        probe_service(rollout.rollout_service_url)
+    elif rollout.rollout_external:
         probe_engines(rollout.rollout_external_engine_addrs)
 
 
@@ -55,7 +62,13 @@ def check_prompt_data(config: RunConfig) -> None:
 
 def check_eval_data(config: RunConfig) -> None:
     for name, path in config.eval.datasets:
-        if not path.startswith("task:"):
+        if path.startswith("task:"):
+            from miles_disagg.rollout.tasks import TASKS
+
+            if path.removeprefix("task:") not in TASKS:
+                raise ConfigError(f"--eval-prompt-data {name} {path!r}: no such built-in task; built-in tasks: "
+                                  f"{sorted(TASKS)}", ("--eval-prompt-data",))
+        else:
             check_jsonl(path, config, flag=f"--eval-prompt-data {name}")
 
 
@@ -71,15 +84,17 @@ def check_jsonl(path_text: str, config: RunConfig, *, flag: str) -> None:
     seen = 0
     try:
         with path.open("rb") as lines:
-            for line_number, raw in enumerate(lines, start=1):
+            line_number = 0
+            while seen < PREVIEW_LINES:
+                raw = lines.readline(MAX_LINE_BYTES + 1)  # bounded: a file without newlines is not read whole
+                line_number += 1
+                if not raw:
+                    break
                 if len(raw) > MAX_LINE_BYTES:
                     raise _bad(flag, path, line_number, f"a line longer than {MAX_LINE_BYTES} bytes")
-                if not raw.strip():
-                    continue
-                _check_record(raw, keys, flag, path, line_number)
-                seen += 1
-                if seen >= PREVIEW_LINES:
-                    return
+                if raw.strip():
+                    _check_record(raw, keys, flag, path, line_number)
+                    seen += 1
     except OSError as exc:
         raise ConfigError(f"{flag} {path_text!r}: cannot read ({exc.strerror or exc})", (flag.split()[0],)) from None
     if not seen:
@@ -137,28 +152,43 @@ def check_tracking_backends(config: RunConfig) -> None:
 
 
 def check_local_gpus(config: RunConfig) -> None:
-    """A local Ray on a machine with CUDA offers only its devices: the run must fit in them.
-    (Without CUDA the local Ray gets logical GPUs, one per bundle; a cluster is asked once joined.)"""
+    """A local Ray offers this machine's CUDA devices (without CUDA: logical GPUs, one per bundle)
+    and ``local_ray_num_cpus()`` CPUs; every bundle takes one GPU and one CPU, so the run must fit
+    in them. (A cluster is asked once joined: ``job._check_cluster_offers``.)"""
     if os.environ.get("RAY_ADDRESS"):
         return
-    from miles_disagg.loop.job import _cuda_device_count
+    from miles_disagg.loop.job import cuda_device_count, local_ray_num_cpus
     from miles_disagg.trainer.placement import plan_layout
 
-    available = _cuda_device_count()
-    if not available:
-        return
     layout = plan_layout(config.cluster, external_rollout=_external(config))
-    if layout.num_bundles > available:
-        raise ConfigError(f"this run asks for {layout.num_bundles} GPUs (trainer {len(layout.trainer)}: "
-                          "--actor-num-nodes x --actor-num-gpus-per-node; rollout "
-                          f"{layout.num_bundles - len(layout.trainer)}: --rollout-num-gpus); this machine has "
-                          f"{available} (set RAY_ADDRESS to run on a cluster)",
-                          ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus"))
+    asked = (f"this run asks for {layout.num_bundles} bundles of 1 GPU + 1 CPU (trainer {len(layout.trainer)}: "
+             "--actor-num-nodes x --actor-num-gpus-per-node; rollout "
+             f"{layout.num_bundles - len(layout.trainer)}: --rollout-num-gpus)")
+    flags = ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus")
+    gpus, cpus = cuda_device_count(), local_ray_num_cpus()
+    if gpus and layout.num_bundles > gpus:
+        raise ConfigError(f"{asked}; this machine has {gpus} GPUs (set RAY_ADDRESS to run on a cluster)", flags)
+    if layout.num_bundles > cpus:
+        raise ConfigError(f"{asked}; a local Ray here offers {cpus} CPUs (set RAY_ADDRESS to run on a cluster)", flags)
 
 
 def _external(config: RunConfig) -> bool:
     rollout = config.rollout
     return rollout.rollout_external or bool(rollout.rollout_service_url) or rollout.debug_train_only
+
+
+def outputs_in_use(config: RunConfig) -> list[str]:
+    """``--dry-run``: the directories the run would lock that another run appears to hold (a real
+    run takes the locks and exits 2 naming the holder; a dry run only reads, so it warns)."""
+    from miles_disagg.loop.run_lock import apparent_holder, describe, outputs_to_lock
+
+    found = []
+    for flag, path in outputs_to_lock(config):
+        holder = apparent_holder(Path(os.path.abspath(path)))
+        if holder is not None:
+            found.append(f"{flag} {path} appears to be in use by another run ({describe(holder)}): a run started now "
+                         "would exit 2 while that one holds it")
+    return found
 
 
 def check_sglang_args(config: RunConfig) -> None:

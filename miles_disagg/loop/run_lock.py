@@ -126,3 +126,50 @@ def _write_record(fd: int, record: dict) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, data, 0)
     os.fsync(fd)
+
+
+def outputs_to_lock(config) -> list[tuple[str, Path]]:
+    """``(flag, directory)`` a run holds: its run directory and, outside it, a version store it
+    publishes into and its ``--save`` directory (a second run would reset the store under it, and
+    its saves would mix with the first's), where this machine sees their parent."""
+    run_dir = Path(config.tracking.run_dir)
+    outputs = [("--run-dir", run_dir)]
+    if config.rollout.debug_rollout_only:
+        return outputs
+    store, save = config.weights.update_weight_disk_dir, config.train.save
+    if config.weights.update_weight_transfer_mode == "disk-delta" and store:
+        outputs.append(("--update-weight-disk-dir", Path(store)))
+    if save:
+        outputs.append(("--save", Path(save)))
+    return [(flag, path) for flag, path in outputs
+            if flag == "--run-dir" or (not path.is_relative_to(run_dir) and path.parent.is_dir())]
+
+
+def apparent_holder(directory: Path) -> dict | None:
+    """Without locking (``--dry-run`` must not get in a starting run's way): the record of a run that
+    has not released ``directory``'s lock and whose pid is alive on this host, or on another host
+    (not checkable from here); None when no run appears to hold it."""
+    path = directory / LOCK_FILENAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        record = _read_record(fd)
+    finally:
+        os.close(fd)
+    if not record or record.get("released"):
+        return None
+    if record.get("host") != socket.gethostname():
+        return record
+    pid = record.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # alive, another user's
+        pass
+    return record
+

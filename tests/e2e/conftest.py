@@ -1,11 +1,14 @@
 """The e2e tier's shared base model.
 
 Every whole run of ``configs/tiny_cpu.yaml`` (or its multi-turn sibling) starts from the random
-digits Qwen3 that ``--hf-checkpoint-init tiny-qwen3-digits --seed 1234`` makes. A run that finds
-it at ``--hf-checkpoint`` checks that it is exactly that model (``preflight.check_tiny_base``) and
-skips making it, which saves each run about 3 CPU-seconds of imports and initialisation. It is
-made once per test session (the test processes share it) and copied into each run's directory;
-``test_tiny_cpu_main_job`` still lets its run make its own, as a user's first run does.
+digits Qwen3 that ``--hf-checkpoint-init tiny-qwen3-digits --seed 1234`` makes. A run pointed at
+it with ``--hf-checkpoint`` (another path than the config's own, so the config's init does not
+apply: the directory is used as it is) skips making it, which saves each run about 3 CPU-seconds
+of imports and initialisation. It is made once per test session (the test processes share it)
+and copied into each run's directory; ``test_tiny_cpu_main_job`` still lets its run make its own
+(``--hf-checkpoint-init`` on its command line), as a user's first run does.
+
+Pytest timeouts of this tier are scaled by the machine's measured load (``tests/deadlines.py``).
 """
 
 from __future__ import annotations

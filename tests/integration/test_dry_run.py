@@ -122,14 +122,16 @@ def test_unreachable_attached_engines_fail_at_once_each_named(capsys, tmp_path, 
     from miles_disagg.process import free_port
 
     closed = [f"127.0.0.1:{free_port('127.0.0.1')}" for _ in range(2)]
-    start = time.monotonic()
-    code = main("train_async", [*disk_delta(tmp_path, tiny_qwen3_dir), *attached(closed[0], stock_sglang, closed[1]),
-                                "--dry-run"])
-    out, err = capsys.readouterr()
-    assert code == 2 and out == "", err
-    assert time.monotonic() - start < scaled(10)  # a refused connection is not waited for
-    assert "2 of 3 engine(s) did not answer" in err and all(f"{addr}: cannot connect" in err for addr in closed)
-    assert f"{stock_sglang}:" not in err and "Traceback" not in err
+    for mode in (["--dry-run"], []):  # a real run asks them before Ray starts, as the dry run does
+        start = time.monotonic()
+        code = main("train_async", [*disk_delta(tmp_path, tiny_qwen3_dir), *attached(closed[0], stock_sglang, closed[1]),
+                                    *mode])
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "", err
+        assert time.monotonic() - start < scaled(10)  # a refused connection is not waited for
+        assert "--rollout-external-engine-addrs: 2 of 3 did not answer" in err and all(f"{addr}: cannot connect" in err for addr in closed)
+        assert f"{stock_sglang}:" not in err and "Traceback" not in err
+        assert not (tmp_path / "run").exists()
 
 
 class _SlowToStartHandler(_StockSglangHandler):
@@ -162,7 +164,7 @@ def test_a_slow_attached_engine_is_waited_for_with_progress_lines(capsys, tmp_pa
     out, err = capsys.readouterr()
     assert code == 0, err
     assert json.loads(out)["topology"] == "attached"
-    assert f"waiting for attached engine(s) to answer /health" in err and f"{addr} (/health answered 503)" in err
+    assert "waiting for --rollout-external-engine-addrs to answer /health" in err and f"{addr} (/health answered 503)" in err
 
 
 def test_the_probe_prints_what_it_waits_for(capsys, monkeypatch) -> None:
@@ -181,7 +183,7 @@ def test_the_probe_prints_what_it_waits_for(capsys, monkeypatch) -> None:
         server.shutdown()
         server.server_close()
     err = capsys.readouterr().err
-    assert f"waiting for attached engine(s) to answer /health" in err and f"{addr} (/health answered 503)" in err
+    assert "waiting for --rollout-external-engine-addrs to answer /health" in err and f"{addr} (/health answered 503)" in err
 
 
 def test_an_engine_that_never_answers_fails_when_the_wait_ends(capsys, monkeypatch) -> None:
@@ -226,3 +228,34 @@ def test_router_settings_reach_the_router_argv(capsys, tmp_path, tiny_qwen3_dir)
     router = plan["processes"][0]
     assert router["role"] == "sglang-router" and router["argv"][1:3] == ["-m", "sglang_router.launch_router"]
     assert router["argv"][router["argv"].index("--policy") + 1] == "cache_aware"
+
+
+def test_ctrl_c_while_waiting_for_an_engine_ends_with_one_line(tmp_path, tiny_qwen3_dir) -> None:
+    """Nothing has started while the checks wait: exit 130, one line, no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    _SlowToStartHandler.ready_at = time.monotonic() + 3600
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowToStartHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    addr = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parents[2] / "train_async.py"),
+                                 *disk_delta(tmp_path, tiny_qwen3_dir), *attached(addr)],
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        lines = []
+        while not any("waiting for --rollout-external-engine-addrs" in line for line in lines):
+            line = proc.stderr.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=scaled(30)) == 130
+        assert rest.strip().splitlines() == ["train_async.py: interrupted before the run started"], rest
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not (tmp_path / "run").exists()

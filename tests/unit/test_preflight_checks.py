@@ -57,6 +57,17 @@ def test_prompt_data_that_does_not_parse(capsys, tmp_path, tiny_qwen3_dir, lines
                 "--prompt-data", expected)
 
 
+def test_a_huge_file_without_newlines_is_refused_without_reading_it_whole(capsys, tmp_path, tiny_qwen3_dir,
+                                                                          monkeypatch) -> None:
+    from miles_disagg.loop import preflight_checks
+
+    monkeypatch.setattr(preflight_checks, "MAX_LINE_BYTES", 1024)
+    data = tmp_path / "blob.jsonl"
+    data.write_bytes(b"\x00" * 10_000)
+    refused(capsys, args(tmp_path, tiny_qwen3_dir, "--prompt-data", str(data), "--dry-run"),
+            ":1: a line longer than 1024 bytes")
+
+
 def test_prompt_data_with_the_configured_keys_passes(capsys, tmp_path, tiny_qwen3_dir) -> None:
     data = write_jsonl(tmp_path / "data.jsonl", '{"q": "1+1", "a": "2"}', "", '{"q": "2+2", "a": "4"}')
     code = main("train_async", args(tmp_path, tiny_qwen3_dir, "--prompt-data", str(data), "--input-key", "q",
@@ -69,6 +80,8 @@ def test_prompt_data_with_the_configured_keys_passes(capsys, tmp_path, tiny_qwen
 def test_eval_data_is_checked_too(capsys, tmp_path, tiny_qwen3_dir) -> None:
     refused(capsys, args(tmp_path, tiny_qwen3_dir, "--eval-interval", "1", "--eval-prompt-data", "held", "/no/eval.jsonl",
                          "--dry-run"), "--eval-prompt-data held '/no/eval.jsonl' does not exist")
+    refused(capsys, args(tmp_path, tiny_qwen3_dir, "--eval-interval", "1", "--eval-prompt-data", "held", "task:count-dwn"),
+            "--eval-prompt-data held 'task:count-dwn': no such built-in task", "count-up")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -94,15 +107,28 @@ def test_a_tracking_backend_that_is_not_installed(capsys, tmp_path, tiny_qwen3_d
 
 def test_a_machine_with_fewer_gpus_than_asked(capsys, tmp_path, tiny_qwen3_dir, monkeypatch) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr("miles_disagg.loop.job._cuda_device_count", lambda: 2)
+    monkeypatch.setattr("miles_disagg.loop.job.cuda_device_count", lambda: 2)
     argv = ["--hf-checkpoint", str(tiny_qwen3_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
             "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "64", "--run-dir", str(tmp_path / "run")]
-    refused(capsys, argv, "asks for 65 GPUs (trainer 1: ", "rollout 64: --rollout-num-gpus); this machine has 2")
+    refused(capsys, argv, "asks for 65 bundles of 1 GPU + 1 CPU (trainer 1: ",
+            "rollout 64: --rollout-num-gpus); this machine has 2 GPUs")
     # --dry-run plans for a target machine: what this one lacks is a warning there
     code = main("train_async", [*argv, "--dry-run"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert any(w.startswith("on this machine: this run asks for 65 GPUs") for w in json.loads(out)["warnings"])
+    assert any(w.startswith("on this machine: this run asks for 65 bundles") for w in json.loads(out)["warnings"])
+
+
+def test_a_machine_without_cuda_has_the_local_rays_cpus(capsys, tmp_path, tiny_qwen3_dir, monkeypatch) -> None:
+    """Without CUDA the local Ray has one logical GPU per bundle, but only so many CPUs: 65 bundles
+    would wait for a placement that never comes."""
+    from miles_disagg.loop.job import local_ray_num_cpus
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("miles_disagg.loop.job.cuda_device_count", lambda: 0)
+    argv = ["--hf-checkpoint", str(tiny_qwen3_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
+            "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "64", "--run-dir", str(tmp_path / "run")]
+    refused(capsys, argv, "asks for 65 bundles", f"a local Ray here offers {local_ray_num_cpus()} CPUs")
 
 
 def test_a_typod_hf_checkpoint_is_not_made_by_the_configs_init(capsys, tmp_path) -> None:
@@ -136,3 +162,13 @@ def test_weight_and_rollout_hooks_that_do_not_import(capsys, tmp_path, tiny_qwen
     refused(capsys, args(tmp_path, tiny_qwen3_dir, "--custom-generate-function-path", "no_such_module_xyz.gen", *mode),
             "--custom-generate-function-path")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rollout_service_that_does_not_answer(capsys, tmp_path, tiny_qwen3_dir, mode) -> None:
+    from miles_disagg.process import free_port
+
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    refused(capsys, args(tmp_path, tiny_qwen3_dir, "--rollout-service-url", url, "--update-weight-transfer-mode",
+                         "disk-delta", "--update-weight-disk-dir", str(tmp_path / "store"), *mode),
+            f"--rollout-service-url: 1 of 1 did not answer: {url}: cannot connect")

@@ -73,3 +73,17 @@ def test_the_interruption_line_claims_only_what_was_written(tmp_path) -> None:
     assert line == (f"interrupted (SIGINT) at step 3; summary.json and report.png of steps before 3 in {tmp_path / 'run'}; "
                     f"resume with --load {tmp_path / 'saves'}")
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
+
+
+def test_an_error_after_a_signal_is_that_interruption() -> None:
+    """Ctrl-C reaches the whole process group: a worker's error may beat the driver's own interrupt."""
+    import signal
+
+    from miles_disagg.loop.interrupts import RunInterrupted, exit_status, interrupted_by
+    from miles_disagg.types import MilesDisaggError
+
+    assert interrupted_by([], MilesDisaggError("engine died")) is None  # no signal: the error stands
+    stands_for = interrupted_by([signal.SIGTERM], MilesDisaggError("engine died"))
+    assert isinstance(stands_for, RunInterrupted) and exit_status(stands_for) == 143
+    own = KeyboardInterrupt()
+    assert interrupted_by([], own) is own and exit_status(own) == 130

@@ -159,3 +159,18 @@ def test_an_uncreatable_run_dir_exits_2(tmp_path: Path, tiny_qwen3_dir, capsys) 
                                 "--run-dir", str(tmp_path / "file" / "run")])
     err = capsys.readouterr().err
     assert code == 2 and "--run-dir" in err and "cannot create run.lock there" in err and "Traceback" not in err
+
+
+def test_a_dry_run_warns_of_a_held_run_dir_without_locking_it(holder, tiny_qwen3_dir, capsys) -> None:
+    from miles_disagg.launcher import main
+
+    run_dir, proc = holder
+    argv = ["--hf-checkpoint", str(tiny_qwen3_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
+            "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--run-dir", str(run_dir), "--dry-run"]
+    assert main("train_async", argv) == 0
+    warnings = json.loads(capsys.readouterr().out)["warnings"]
+    assert any(w.startswith(f"--run-dir {run_dir} appears to be in use by another run (pid {proc.pid}") for w in warnings)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert main("train_async", argv) == 0  # its holder is gone: nothing to warn about
+    assert not any("appears to be in use" in w for w in json.loads(capsys.readouterr().out)["warnings"])
