@@ -19,7 +19,7 @@ from engine_fixtures import start_engine, stop_engine
 from miles_disagg.launcher import main
 from miles_disagg.types import ConfigError
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(scaled(180))
 
 
 def dry_run(capsys, *argv: str) -> dict:

@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 
 from miles_disagg.launcher import main
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(scaled(120))
 REPO = Path(__file__).resolve().parents[2]
 MODES = ([], ["--dry-run"])
 
