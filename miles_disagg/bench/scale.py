@@ -12,7 +12,8 @@ machine), with N simulated engines (:mod:`miles_disagg.engines.simulated`, one p
 * ``router``: ``miles-disagg router`` over the N engines, ``--in-flight`` requests kept in flight for
   ``--duration`` seconds from one asyncio client: requests/s, client latency p50/p99, the router's own
   time per request (its ``/metrics`` ``routing_overhead_ms``: time in the router minus time waiting
-  for engines), its CPU per request and its peak memory.
+  for engines), its CPU per request and its peak memory; before the load, the share of a core it uses
+  idle (health checks of N workers alone).
 * ``rollout``: the rollout manager (:class:`~miles_disagg.rollout.manager.RolloutManager`, in this
   process, the built-in count-up task on a digits tokenizer) producing through the same router at
   ``--rollout-concurrency`` requests in flight whatever the pool size, the trainer's side taking
@@ -43,6 +44,7 @@ from miles_disagg.config.fields import flag
 
 _progress = progress("scale")
 SECTIONS = ("fanout", "router", "rollout")
+IDLE_MEASURE_S = 3.0
 GENERATE_BODY = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0},
                  "return_logprob": True}
 
@@ -245,12 +247,16 @@ def _router_load(root: Path, urls: list[str], command: ScaleBench) -> dict:
     router = _start_router(root, urls, len(urls))
     try:
         _wait_ready(router.url, len(urls))
+        idle_cpu = cpu_s(router.proc.pid)
+        time.sleep(IDLE_MEASURE_S)  # no traffic: what health checking alone costs
+        idle_cpu = cpu_s(router.proc.pid) - idle_cpu
         cpu_before = cpu_s(router.proc.pid)
         load = asyncio.run(generate_load(router.url + "/generate", command.in_flight, command.duration))
         cpu_used = cpu_s(router.proc.pid) - cpu_before
         metrics = httpx.get(router.url + "/metrics", timeout=30, trust_env=False).json()
         served = load.pop("served_total")
         return {**load, "router_cpu_ms_per_request": round(1e3 * cpu_used / max(1, served), 3),
+                "router_idle_cpu_fraction": round(idle_cpu / IDLE_MEASURE_S, 4),
                 "routing_overhead_ms": metrics.get("routing_overhead_ms"),
                 "router_rss_mb": rss_mb(router.proc.pid)}
     finally:
