@@ -37,6 +37,7 @@ DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 DRAIN_CAP_BYTES = 256 * 1024 * 1024  # an oversized body is read and dropped up to this, so the client sees its 413
 MIN_BODY_BYTES_PER_S = 64 * 1024  # a body (or the rest of a refused one) must keep coming at least this fast
 BODY_GRACE_S = 10.0  # ... after this much time to start
+DRAIN_GRACE_S = 1.0  # the grace of the rest of a refused body: its sender already has the 413
 SERVER_ID_HEADER = "x-miles-disagg-server-id"  # a proxy refuses an upstream that answers with its own
 MAX_REQUEST_BYTES_HELP = ("Largest request body accepted; a bigger one is refused with 413 before it is read "
                           "(0: no limit).")
@@ -171,9 +172,10 @@ class GuardMiddleware:
 class _BodyDeadline:
     """A body must arrive within the guard's grace plus its size at the guard's rate floor."""
 
-    def __init__(self, guard: ServerGuard) -> None:
+    def __init__(self, guard: ServerGuard, grace_s: float | None = None) -> None:
         self.started = time.monotonic()
-        self.grace_s, self.rate = guard.body_grace_s, guard.min_body_bytes_per_s
+        self.grace_s = guard.body_grace_s if grace_s is None else grace_s
+        self.rate = guard.min_body_bytes_per_s
 
     def remaining_s(self, received: int) -> float:
         return self.started + self.grace_s + received / self.rate - time.monotonic()
@@ -213,7 +215,7 @@ async def _refuse_too_large(receive: Receive | None, send: Send, message: str, h
 
 
 async def _drain(receive: Receive, guard: ServerGuard) -> None:
-    dropped, deadline = 0, _BodyDeadline(guard)
+    dropped, deadline = 0, _BodyDeadline(guard, grace_s=min(guard.body_grace_s, DRAIN_GRACE_S))
     while dropped <= DRAIN_CAP_BYTES:
         try:
             chunk = await deadline.receive(receive, dropped)

@@ -6,11 +6,14 @@ machine), with N simulated engines (:mod:`miles_disagg.engines.simulated`, one p
 * ``fanout``: the disk-delta updater (:class:`~miles_disagg.engines.updater.DiskDeltaUpdater`, the
   run's own) bringing all N engines to a new version, ``--updates`` times: the whole update, its
   prepare phase (``/pull_weights`` everywhere) and activate phase (pause, flush, load, continue,
-  verify, everywhere), and the longest pause of one engine. Medians over the updates.
+  verify, everywhere), the longest pause of one engine and the updater's CPU. Medians over the
+  updates. ``threads``: each update is followed by one done as before (a thread and a synchronous
+  client per engine), so the two are compared side by side.
 * ``router``: ``miles-disagg router`` over the N engines, ``--in-flight`` requests kept in flight for
   ``--duration`` seconds from one asyncio client: requests/s, client latency p50/p99, the router's own
   time per request (its ``/metrics`` ``routing_overhead_ms``: time in the router minus time waiting
-  for engines), its CPU per request and its peak memory.
+  for engines), its CPU per request and its peak memory; before the load, the share of a core it uses
+  idle (health checks of N workers alone).
 * ``rollout``: the rollout manager (:class:`~miles_disagg.rollout.manager.RolloutManager`, in this
   process, the built-in count-up task on a digits tokenizer) producing through the same router at
   ``--rollout-concurrency`` requests in flight whatever the pool size, the trainer's side taking
@@ -41,6 +44,7 @@ from miles_disagg.config.fields import flag
 
 _progress = progress("scale")
 SECTIONS = ("fanout", "router", "rollout")
+IDLE_MEASURE_S = 3.0
 GENERATE_BODY = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0},
                  "return_logprob": True}
 
@@ -184,25 +188,54 @@ def cpu_s(pid: int) -> float:
 
 
 def _fanout(root: Path, urls: list[str], updates: int) -> dict:
+    """``updates`` updates by the updater (one event loop), each followed by one the way it was done
+    before (a thread and a synchronous client per engine: its public per-engine steps), side by side."""
     from miles_disagg.engines.updater import DiskDeltaUpdater
 
     local_dirs = [str(root / f"engine-{i}") for i in range(len(urls))]
     updater = DiskDeltaUpdater(urls, store_dir=str(root / "store"), local_dirs=local_dirs)
-    reports, cpu = [], []
+    loop_runs, thread_runs = [], []
     try:
-        for version in range(1, updates + 1):
-            start, cpu_start = time.perf_counter(), time.process_time()
-            report = updater.update(version)
-            reports.append((time.perf_counter() - start, report))
-            cpu.append(time.process_time() - cpu_start)
+        _loop_update(updater, 1)  # warm-up (imports, first connections): not measured
+        _threaded_update(updater, 2)
+        for version in range(3, 2 * updates + 3, 2):
+            loop_runs.append(_timed(lambda: _loop_update(updater, version)))
+            thread_runs.append(_timed(lambda: _threaded_update(updater, version + 1)))
     finally:
         updater.close()
     med = lambda values: round(statistics.median(values), 4)  # noqa: E731
-    return {"update_s": med([total for total, _ in reports]),
-            "prepare_s": med([r.prepare_time_s for _, r in reports]),
-            "activate_s": med([r.activate_time_s for _, r in reports]),
-            "max_pause_s": med([r.pause_time_s for _, r in reports]),
-            "updater_cpu_s": med(cpu)}
+    return {"update_s": med([r["update_s"] for r in loop_runs]),
+            "prepare_s": med([r["prepare_s"] for r in loop_runs]),
+            "activate_s": med([r["activate_s"] for r in loop_runs]),
+            "max_pause_s": med([r["max_pause_s"] for r in loop_runs]),
+            "updater_cpu_s": med([r["cpu_s"] for r in loop_runs]),
+            "threads": {"update_s": med([r["update_s"] for r in thread_runs]),
+                        "max_pause_s": med([r["max_pause_s"] for r in thread_runs]),
+                        "updater_cpu_s": med([r["cpu_s"] for r in thread_runs])}}
+
+
+def _timed(run) -> dict:
+    start, cpu_start = time.perf_counter(), time.process_time()
+    prepare_s, activate_s, max_pause_s = run()
+    return {"update_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu_start,
+            "prepare_s": prepare_s, "activate_s": activate_s, "max_pause_s": max_pause_s}
+
+
+def _loop_update(updater, version: int) -> tuple[float, float, float]:
+    report = updater.update(version)
+    return report.prepare_time_s, report.activate_time_s, report.pause_time_s
+
+
+def _threaded_update(updater, version: int) -> tuple[float, float, float]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    indices = range(len(updater.clients))
+    with ThreadPoolExecutor(len(updater.clients)) as pool:
+        start = time.perf_counter()
+        list(pool.map(lambda i: updater.prepare(i, version), indices))
+        prepared = time.perf_counter()
+        pauses = list(pool.map(lambda i: updater.activate(i, version), indices))
+    return prepared - start, time.perf_counter() - prepared, max(pauses)
 
 
 # --------------------------------------------------------------------------- router load
@@ -214,12 +247,16 @@ def _router_load(root: Path, urls: list[str], command: ScaleBench) -> dict:
     router = _start_router(root, urls, len(urls))
     try:
         _wait_ready(router.url, len(urls))
+        idle_cpu = cpu_s(router.proc.pid)
+        time.sleep(IDLE_MEASURE_S)  # no traffic: what health checking alone costs
+        idle_cpu = cpu_s(router.proc.pid) - idle_cpu
         cpu_before = cpu_s(router.proc.pid)
         load = asyncio.run(generate_load(router.url + "/generate", command.in_flight, command.duration))
         cpu_used = cpu_s(router.proc.pid) - cpu_before
         metrics = httpx.get(router.url + "/metrics", timeout=30, trust_env=False).json()
         served = load.pop("served_total")
         return {**load, "router_cpu_ms_per_request": round(1e3 * cpu_used / max(1, served), 3),
+                "router_idle_cpu_fraction": round(idle_cpu / IDLE_MEASURE_S, 4),
                 "routing_overhead_ms": metrics.get("routing_overhead_ms"),
                 "router_rss_mb": rss_mb(router.proc.pid)}
     finally:
@@ -331,16 +368,25 @@ async def _drive_rollout_manager(tokenizer_dir: Path, router_url: str, command: 
 
 
 def _ratios(per_size: dict[int, dict]) -> dict:
-    """Each pool size against the smallest: fan-out time (target <= 3) and router throughput (>= 0.9)."""
+    """Each pool size against the smallest: fan-out time (target <= 3) and router throughput (>= 0.9);
+    per size, the event-loop fan-out against the threaded one."""
     base_size = min(per_size)
     base = per_size[base_size]
-    ratios = {}
+    ratios: dict = {}
+    for size, result in per_size.items():
+        if "fanout" in result:
+            loop, threads = result["fanout"], result["fanout"]["threads"]
+            ratios[f"fanout_loop_vs_threads_{size}"] = {
+                "update_time": round(loop["update_s"] / threads["update_s"], 3),
+                "updater_cpu": round(loop["updater_cpu_s"] / max(threads["updater_cpu_s"], 1e-9), 3)}
     for size, result in per_size.items():
         if size == base_size:
             continue
         entry = {}
         if "fanout" in result:
             entry["fanout_update_time_vs_smallest"] = round(result["fanout"]["update_s"] / base["fanout"]["update_s"], 3)
+            entry["fanout_threads_update_time_vs_smallest"] = round(
+                result["fanout"]["threads"]["update_s"] / base["fanout"]["threads"]["update_s"], 3)
         if "router" in result and base["router"]["requests_per_s"]:
             entry["router_throughput_vs_smallest"] = round(
                 result["router"]["requests_per_s"] / base["router"]["requests_per_s"], 3)

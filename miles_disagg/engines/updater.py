@@ -116,13 +116,18 @@ class DiskDeltaUpdater(_Fleet):
             engines = [AsyncEngineClient(c.url, session, store_dir=c.store_dir, local_checkpoint_dir=c.local_dir,
                                          keys=c.keys) for c in self.clients]
             start = time.perf_counter()
-            await self._all_async([prepare_async(engine, version) for engine in engines], "prepare")
+            await self._all_async([self.prepare_one(i, engine, version) for i, engine in enumerate(engines)],
+                                  "prepare")
             prepared = time.perf_counter()
             pauses = await self._all_async([self._activate_async(engine, version) for engine in engines], "activate")
             done = time.perf_counter()
         finally:
             await session.aclose()
         return UpdateReport(version, prepared - start, max(pauses, default=0.0), done - prepared, pauses)
+
+    async def prepare_one(self, index: int, engine: Any, version: int) -> None:
+        """Step 1 for engine ``index`` inside :meth:`update` (``engine``: its asynchronous client)."""
+        await prepare_async(engine, version)
 
     async def _all_async(self, steps: list[Awaitable[Any]], phase: str) -> list:
         """Every step at once; :class:`UpdateFailed` naming each engine whose step failed (as ``_all``)."""

@@ -127,11 +127,13 @@ class RecordingUpdater(DiskDeltaUpdater):
         super().__init__(*args, set_state=self._record_state, **kwargs)
         self._outer_set_state = outer_set_state or (lambda url, state: None)
 
-    def prepare(self, index: int, version: int) -> None:
-        super().prepare(index, version)
+    async def prepare_one(self, index: int, engine, version: int) -> None:
+        import asyncio
+
+        await super().prepare_one(index, engine, version)
         url = self.clients[index].url
-        engine = _engine_state(url)
-        self.log.append(("prepared", url, engine["staged_version"], engine["num_running_requests"]))
+        state = await asyncio.to_thread(_engine_state, url)
+        self.log.append(("prepared", url, state["staged_version"], state["num_running_requests"]))
 
     def _record_state(self, url: str, state: str) -> None:
         if state == "paused":

@@ -122,11 +122,12 @@ def test_bench_scale_prints_one_json_object_with_every_pool_size(tmp_path: Path)
     out = json.loads(result.stdout)
     assert sorted(out["pools"]) == ["2", "4"]
     for pool in out["pools"].values():
-        assert pool["fanout"]["update_s"] > 0 and pool["router"]["served"] > 0 and pool["router"]["errors"] == {}
+        assert pool["fanout"]["update_s"] > 0 and pool["fanout"]["threads"]["update_s"] > 0 and pool["router"]["served"] > 0 and pool["router"]["errors"] == {}
         assert pool["router"]["router_rss_mb"]["peak"] > 0
         assert pool["rollout"]["samples_per_s"] > 0 and pool["rollout"]["rollout_concurrency"] == 16
     assert {"fanout_update_time_vs_smallest", "router_throughput_vs_smallest",
             "rollout_samples_per_s_vs_smallest"} <= set(out["ratios"]["4_vs_2"])
+    assert out["ratios"]["fanout_loop_vs_threads_4"]["updater_cpu"] > 0
 
 
 def test_a_batched_generate_answers_one_item_per_prompt(fleet) -> None:

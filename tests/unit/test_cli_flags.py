@@ -20,6 +20,8 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
     from miles_disagg.bench.engine import EngineBench
     from miles_disagg.bench.hostile import HostileBench
     from miles_disagg.bench.http_client import HttpBench
+    from miles_disagg.bench.scale import ScaleBench
+    from miles_disagg.engines.simulated_cli import SimEnginesCommand
     from miles_disagg.bench.service import ServiceBench
     from miles_disagg.engines.agent.cli import AgentCommand
     from miles_disagg.loop.report_cli import ReportCommand
@@ -43,6 +45,8 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
         ("bench", "hostile"): (HostileBench,),
         ("bench", "colocate"): (ColocateBench,),
         ("bench", "http"): (HttpBench,),
+        ("bench", "scale"): (ScaleBench,),
+        ("sim-engines",): (SimEnginesCommand,),
     }
 
 
