@@ -30,6 +30,8 @@ TINY: dict[str, list[str]] = {
     "async": ["--steps", "3", "--warmup-steps", "1", "--hidden-size", "64", "--num-layers", "1", "--response-len", "4",
               "--", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
               "--micro-batch-size", "16"],
+    "scale": ["--engines", "2,4", "--updates", "1", "--in-flight", "16", "--duration", "1", "--rollout-concurrency", "8",
+              "--per-request-ms", "2", "--pull-ms", "5", "--load-ms", "5"],
 }
 """Per benchmark, the flags that make it tiny (after ``--json``)."""
 
@@ -41,6 +43,7 @@ EXPECTED_KEYS: dict[str, set[str]] = {
     "colocate": set(),
     "http": {"httpx", "pooled_http"},
     "async": {"samples_per_s_sync", "samples_per_s_async", "ratio", "engine_busy_fraction"},
+    "scale": {"pools", "ratios"},
 }
 
 
@@ -63,7 +66,7 @@ def bench(name: str, tmp_path: Path, timeout: float) -> dict:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["delta", "http", "hostile", "engine", "colocate", "service"])
+@pytest.mark.parametrize("name", ["delta", "http", "hostile", "engine", "colocate", "service", "scale"])
 def test_bench_runs_with_json(name: str, tmp_path: Path) -> None:
     bench(name, tmp_path, timeout=600)
 

@@ -72,7 +72,7 @@ def test_pip_install_without_extras_runs_a_miles_line_dry_run(tmp_path):
     build_tokenizer().save_pretrained(hf)
     (root / "prompts.jsonl").write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
     line = launch_line(root, QWEN3_4B_MODEL_ARGS, hf=hf, gpus={"actor": "4", "rollout": "4", "per_engine": "2"},
-                       numbers={}, perf=QWEN3_4B_PERF)
+                       numbers={}, perf=QWEN3_4B_PERF, extra=["--rm-type", "deepscaler"])
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     result = subprocess.run([python, "-c", "import sys; from miles_disagg.launcher import main; "
                              "sys.exit(main('train_async', sys.argv[1:]))", *line, "--dry-run"],

@@ -83,7 +83,8 @@ def node_id_offering(cluster: LocalRayCluster, resource: str) -> str:
 
 def run_args(root: Path, name: str, *extra: str) -> list[str]:
     return ["train_async.py", "--config", "configs/tiny_cpu.yaml", "--run-dir", str(root / "shared" / name),
-            "--hf-checkpoint", str(root / "shared" / "base-model"), "--rollout-batch-size", "4",
+            "--hf-checkpoint", str(root / "shared" / "base-model"), "--hf-checkpoint-init", "tiny-qwen3-digits",
+            "--rollout-batch-size", "4",
             "--global-batch-size", "32", "--rollout-num-gpus", "2", "--rollout-node-resource", "rollout", *extra]
 
 

@@ -36,6 +36,7 @@ OTHER_TOOLS_FLAGS = {
     "--dist", "--strict-markers",  # pytest (section "Development")
     "--no-deps",  # pip (the SGLang tier)
     "--enable-memory-saver",  # SGLang's own flag, which managed colocated engines get
+    "--ep-size",  # SGLang's own flag, which --sglang-ep-size becomes
     "--generate",  # ray get-auth-token --generate
     "--no-x",  # the README's example of the boolean pattern (--x / --no-x)
     "--prot", "--rollout-batch-sise",  # typos in the README's "did you mean" examples
