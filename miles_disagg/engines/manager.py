@@ -63,6 +63,10 @@ class EngineManager:
         self._failures: dict[int, int] = {}  # consecutive failed health checks per engine
         self._lost: set[int] = set()  # engines whose actor is gone (with its node): never restarted
         self._broadcast: BroadcastUpdater | None = None
+        from miles_disagg.engines.membership import Membership
+
+        self.members = Membership(self)  # engines joining and leaving mid-run (engines add/remove)
+        self._control = None  # the membership control endpoint (engines/control_server.py)
 
     # ------------------------------------------------------------------ start
 
@@ -100,9 +104,20 @@ class EngineManager:
             self.router_client.wait_worker_version(url, 0, timeout_s=60)
         self._monitor = threading.Thread(target=self._watch, name="engine-monitor", daemon=True)
         self._monitor.start()
+        self._start_control()
         return {"router_url": self.router.url, "engine_urls": list(self.engine_urls),
                 "delta_filters": [self._announced_filters(url) for url in self.engine_urls],
                 "local_dirs": list(self.local_dirs)}
+
+    def _start_control(self) -> None:
+        """The endpoint ``miles-disagg engines add|remove|list`` reach (see engines/membership.py)."""
+        from miles_disagg.engines.control_server import ControlServer
+        from miles_disagg.netbind import bind_host, resolve_host
+
+        self.members.record_start()
+        self.members.write_placement()
+        self._control = ControlServer(self.members, self.run_dir,
+                                      resolve_host(bind_host(spans_nodes=self.config.spans_nodes)))
 
     @staticmethod
     def _announced_filters(url: str) -> list[str] | None:
@@ -324,6 +339,8 @@ class EngineManager:
             down = set(self._down)
         out: list[str | None] = []
         for index, url in enumerate(self.engine_urls):
+            if self.members.is_removed(index):
+                continue  # left the run (engines remove)
             try:
                 with EngineClient(url, timeout_s=10) as client:
                     out.append(None if index in down else client.weight_version())
@@ -336,7 +353,7 @@ class EngineManager:
         results = []
         with self._lock:
             for index, url in enumerate(self.engine_urls):
-                if index in self._down:
+                if index in self._down or self.members.is_removed(index):
                     continue
                 try:
                     with EngineClient(url, timeout_s=600) as client:
@@ -362,7 +379,7 @@ class EngineManager:
         import ray
         from ray.exceptions import ActorUnavailableError, RayActorError
 
-        if self._actors:
+        if self._actors and self._actors[index] is not None:  # None: an attached engine of a managed run
             if index in self._lost:
                 return False
             try:
@@ -379,7 +396,7 @@ class EngineManager:
 
     def _is_live(self, index: int) -> bool:
         """False (and the engine marked down) when it is down or just died."""
-        if index in self._down:
+        if index in self._down or self.members.is_removed(index):
             return False
         if self._alive(index):
             return True
@@ -413,7 +430,9 @@ class EngineManager:
     def _check_engine(self, index: int) -> None:
         import ray
 
-        managed = bool(self._actors)
+        if self.members.is_removed(index):
+            return  # left the run (engines remove)
+        managed = bool(self._actors) and self._actors[index] is not None
         if index not in self._down:
             with self._lock:
                 if self._passes_health_check(index):
@@ -496,11 +515,13 @@ class EngineManager:
         import ray
 
         self._stop.set()
+        if self._control is not None:
+            self._control.stop()
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=60)  # a restart in progress finishes before the engines stop
         for index, actor in enumerate(self._actors):
-            if index in self._lost:
-                continue  # gone with its node, and its processes with it
+            if index in self._lost or actor is None:
+                continue  # gone with its node (and its processes with it), removed, or attached
             try:
                 ray.get(actor.stop.remote(), timeout=60)
             except Exception as exc:  # a dead actor: its process is gone already

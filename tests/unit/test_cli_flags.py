@@ -24,6 +24,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
     from miles_disagg.engines.simulated_cli import SimEnginesCommand
     from miles_disagg.bench.service import ServiceBench
     from miles_disagg.engines.agent.cli import AgentCommand
+    from miles_disagg.engines.members_cli import ACTIONS as ENGINES_ACTIONS
     from miles_disagg.loop.report_cli import ReportCommand
     from miles_disagg.models.cli import TinyCheckpointCommand
     from miles_disagg.router.cli import RouterCommand
@@ -47,6 +48,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
         ("bench", "http"): (HttpBench,),
         ("bench", "scale"): (ScaleBench,),
         ("sim-engines",): (SimEnginesCommand,),
+        **{("engines", action): (cls,) for action, cls in ENGINES_ACTIONS.items()},
     }
 
 

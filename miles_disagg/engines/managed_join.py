@@ -1,0 +1,102 @@
+"""``engines add --managed N``: start N more managed engines on GPUs the cluster has free.
+
+The run's placement group was sized at start, so a joining managed engine gets bundles of its
+own (one placement group per engine, its tp size in GPU bundles on one node). A cluster without
+the free GPUs is refused at once (nothing started); a group not placed within
+:data:`PLACE_TIMEOUT_S` is removed and refused. Each engine starts as the run's own do
+(:class:`~miles_disagg.engines.actor.EngineProcess`, the run's backend and flags), after its
+node found the base checkpoint. A failure stops whatever this call started.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from miles_disagg.types import MilesDisaggError
+
+if TYPE_CHECKING:
+    from miles_disagg.engines.manager import EngineManager
+
+log = logging.getLogger(__name__)
+
+PLACE_TIMEOUT_S = 60.0
+
+
+def start_managed_engines(manager: "EngineManager", count: int, *, first_index: int) -> list[tuple[Any, str, Any]]:
+    """``[(actor, url, MemberInfo)]`` of ``count`` started engines (not yet caught up or routed)."""
+    import ray
+
+    from miles_disagg.engines.membership import MembershipRefused
+
+    tp = manager.cluster.rollout_num_gpus_per_engine
+    free = ray.available_resources().get("GPU", 0.0)
+    if free < count * tp:
+        raise MembershipRefused(f"the cluster has {free:g} GPU(s) free; {count} more engine(s) of "
+                                f"--rollout-num-gpus-per-engine {tp} need {count * tp}; nothing was started")
+    started: list[tuple[Any, str, Any]] = []
+    try:
+        for offset in range(count):
+            started.append(_start_one(manager, first_index + offset, tp))
+    except BaseException:
+        for actor, _url, info in started:
+            _stop(actor, info.placement_group)
+        raise
+    return started
+
+
+def _start_one(manager: "EngineManager", index: int, tp: int) -> tuple[Any, str, Any]:
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from miles_disagg.engines.actor import EngineProcess
+    from miles_disagg.engines.membership import MemberInfo, MembershipRefused
+    from miles_disagg.engines.plan import engine_specs, resolve_backend
+
+    group = placement_group([{"GPU": 1, "CPU": 1}] * tp, strategy="STRICT_PACK")
+    try:
+        ray.get(group.ready(), timeout=PLACE_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        _stop(None, group)
+        raise MembershipRefused(f"engine {index}: the cluster did not place {tp} GPU bundle(s) on one node within "
+                                f"{PLACE_TIMEOUT_S:g}s; nothing more was started") from None
+    backend, _ = resolve_backend(manager.rollout.rollout_backend)
+    spec = engine_specs(manager.config, [[0] * tp] * (index + 1), backend)[index]
+    actor = ray.remote(EngineProcess).options(
+        num_cpus=0.2, num_gpus=0.2, max_concurrency=4,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
+                                                             placement_group_bundle_index=0)).remote(spec)
+    try:
+        problems = ray.get(actor.check_paths.remote(None))
+        if problems:
+            raise MembershipRefused(f"engine {index}'s node lacks a shared path: {'; '.join(problems)}")
+        url = ray.get(actor.start.remote())
+    except BaseException:
+        _stop(actor, group)
+        raise
+    node_id, node_ip = _node_of(group)
+    return actor, url, MemberInfo("managed", node_ip, node_id, [], placement_group=group)
+
+
+def _node_of(group: Any) -> tuple[str | None, str | None]:
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    node_id = (placement_group_table(group).get("bundles_to_node_id") or {}).get(0)
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    return node_id, ips.get(node_id)
+
+
+def _stop(actor: Any, group: Any) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    if actor is not None:
+        try:
+            ray.get(actor.stop.remote(), timeout=60)
+        except (MilesDisaggError, ray.exceptions.RayError) as exc:
+            log.info("stopping a joining engine: %s", exc)
+        ray.kill(actor)
+    if group is not None:
+        remove_placement_group(group)

@@ -1,0 +1,196 @@
+"""Engines join and leave a running job through ``miles-disagg engines add|remove|list``.
+
+An ``EngineManager`` in this process (attaching launches no Ray actor) runs one built-in engine
+("A") behind its router and serves its control endpoint; a second built-in engine ("B") is started
+by hand and joined through the CLI (``cli.main``, so the real argument parsing, the control file,
+the admin key and HTTP), while the manager publishes and activates versions. Checked: B is caught
+up to the current version, including one activated while it catches up, before the router may
+route to it; later updates cover it; ``remove`` drains it (its in-flight requests finish, none
+fail) and later updates leave it out; every change is in ``membership.jsonl`` and ``placement.json``;
+and the CLI's refusals are one line, exit 2, nothing changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from deadlines import scaled
+from engine_fixtures import start_engine, stop_engine, wait_until
+from rollout_fixtures import VersionSource, long_body
+
+from miles_disagg.auth import ADMIN_API_KEY_ENV, new_key
+from miles_disagg.cli import main
+from miles_disagg.config.actors import EngineManagerConfig
+from miles_disagg.config.components import ClusterConfig, RolloutConfig, WeightUpdateConfig
+from miles_disagg.engines.manager import EngineManager
+from miles_disagg.router.client import RouterClient
+
+STORE_AND_LOCAL = ("--weight-store-dir", "--local-checkpoint-dir")
+
+
+@pytest.fixture(scope="module")
+def run(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A running "job": manager + router + engine A (the run's admin key in the environment, as a run sets it)."""
+    root = tmp_path_factory.mktemp("membership")
+    saved = os.environ.get(ADMIN_API_KEY_ENV)
+    os.environ[ADMIN_API_KEY_ENV] = new_key()
+
+    def engine_args(name: str) -> list[str]:
+        return [STORE_AND_LOCAL[0], str(root / "store"), STORE_AND_LOCAL[1], str(root / f"local-{name}")]
+
+    engine_a = start_engine(tiny_qwen3_dir, root, *engine_args("a"))
+    engine_b = start_engine(tiny_qwen3_dir, root, *engine_args("b"))
+    manager = EngineManager(EngineManagerConfig(
+        cluster=ClusterConfig(actor_num_gpus_per_node=1),
+        rollout=RolloutConfig(rollout_external=True, rollout_external_engine_addrs=[engine_a.url.removeprefix("http://")],
+                              rollout_health_check_interval=0.5),
+        weights=WeightUpdateConfig(update_weight_transfer_mode="disk-delta", update_weight_disk_dir=str(root / "store")),
+        model_path=str(tiny_qwen3_dir), run_dir=str(root / "run")))
+    versions = None
+    try:
+        info = manager.start()
+        versions = VersionSource(root / "store", tiny_qwen3_dir)
+        manager.update_weights(versions.publish_next(seed=1))
+        yield {"manager": manager, "a": engine_a, "b": engine_b, "versions": versions, "run_dir": root / "run",
+               "router_url": info["router_url"]}
+    finally:
+        if versions is not None:
+            versions.close()
+        manager.shutdown()
+        stop_engine(engine_a)
+        stop_engine(engine_b)
+        os.environ.pop(ADMIN_API_KEY_ENV) if saved is None else os.environ.update({ADMIN_API_KEY_ENV: saved})
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(["engines", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "membership.jsonl").read_text().splitlines()]
+
+
+def test_a_joining_engine_is_routed_to_only_once_it_serves_the_current_version(run, capsys, monkeypatch):
+    """Version 2 is activated while B catches up to version 1: B is brought to 2 as well before
+    the router is told about it; the router never lists it at another version."""
+    manager, engine_b, versions = run["manager"], run["b"], run["versions"]
+    caught_up_to, seen_at_registration = [], []
+    catch_up = manager.members.catch_up
+
+    def catch_up_and_publish_meanwhile(url: str, local_dir: str, version: int) -> int:
+        reached = catch_up(url, local_dir, version)
+        caught_up_to.append(reached)
+        if len(caught_up_to) == 1:  # the rest of the run goes on: a newer version is activated
+            manager.update_weights(versions.publish_next(seed=2))
+        return reached
+
+    add_worker = manager.router_client.add_worker
+
+    def recording_add_worker(url: str) -> dict:
+        seen_at_registration.append((url, engine_b.version(), manager._version))
+        return add_worker(url)
+
+    monkeypatch.setattr(manager.members, "catch_up", catch_up_and_publish_meanwhile)
+    monkeypatch.setattr(manager.router_client, "add_worker", recording_add_worker)
+    code, out, err = cli(capsys, "add", "--run-dir", str(run["run_dir"]), engine_b.url)
+    assert code == 0, err
+    assert caught_up_to == [1, 2]
+    assert seen_at_registration == [(engine_b.url, "2", 2)]
+    assert f"joined {engine_b.url} (attached) at version 2" in out
+    with RouterClient(run["router_url"]) as router:
+        workers = {w["url"]: (w["state"], w["weight_version"]) for w in router.list_workers()}
+    assert workers == {run["a"].url: ("ready", 2), engine_b.url: ("ready", 2)}
+
+    manager.update_weights(versions.publish_next(seed=3))  # later updates cover the new member
+    assert manager.versions() == ["3", "3"]
+    added = [r for r in records(run["run_dir"]) if r["action"] == "add"]
+    assert [(r["url"], r["version"], r["kind"]) for r in added] == [(engine_b.url, 2, "attached")]
+    assert added[0]["catch_up_s"] > 0 and added[0]["node"] == "127.0.0.1"
+    placement = json.loads((run["run_dir"] / "placement.json").read_text())
+    assert [e["address"] for e in placement["engines"]] == [run["a"].url, engine_b.url]
+
+    code, out, err = cli(capsys, "list", "--run-dir", str(run["run_dir"]), "--json")
+    listed = json.loads(out)
+    assert listed["version"] == 3
+    assert [(e["url"], e["version"], e["state"]) for e in listed["engines"]] == [
+        (run["a"].url, "3", "ready"), (engine_b.url, "3", "ready")]
+    code, out, err = cli(capsys, "list", "--run-dir", str(run["run_dir"]))
+    assert code == 0 and engine_b.url in out and "STATE" in out.splitlines()[0]
+
+
+def test_refusals_are_one_line_exit_2_and_change_nothing(run, capsys, tmp_path):
+    run_dir = str(run["run_dir"])
+    before = run["manager"].members.list()
+    cases = [
+        (["add", "--run-dir", run_dir, "--admin-api-key", "not-the-key", run["b"].url], "refused the key"),
+        (["add", "--run-dir", run_dir, "127.0.0.1:9"], "does not answer /health"),
+        (["add", "--run-dir", run_dir, run["router_url"]], "cannot read its server and model info"),
+        (["add", "--run-dir", run_dir, run["a"].url], "already an engine of this run"),
+        (["remove", "--run-dir", run_dir, "127.0.0.1:9"], "not an engine of this run"),
+        (["add", "--run-dir", str(tmp_path), run["b"].url], "no running job in"),
+        (["add", "--run-dir", run_dir], "name the engines to attach"),
+    ]
+    for argv, expected in cases:
+        code, out, err = cli(capsys, *argv)
+        assert (code, out) == (2, ""), (argv, out, err)
+        assert expected in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert run["manager"].members.list() == before
+    (tmp_path / "control.json").write_text(json.dumps({"url": "http://127.0.0.1:9"}))
+    code, _, err = cli(capsys, "list", "--run-dir", str(tmp_path))
+    assert code == 2 and "does not answer (the run has ended)" in err
+
+
+def test_the_control_endpoint_takes_only_the_admin_key_and_bounded_bodies(run):
+    control = json.loads((run["run_dir"] / "control.json").read_text())["url"]
+    assert oct((run["run_dir"] / "control.key").stat().st_mode & 0o777) == "0o600"
+    key = os.environ[ADMIN_API_KEY_ENV]
+    assert httpx.get(f"{control}/engines", trust_env=False).status_code == 401
+    big = httpx.post(f"{control}/engines/add", content=b"x" * (1 << 20), trust_env=False,
+                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    assert big.status_code == 413
+    wrong = httpx.post(f"{control}/engines/remove", json={"urls": "not-a-list"}, trust_env=False,
+                       headers={"Authorization": f"Bearer {key}"})
+    assert wrong.status_code == 400 and "urls" in wrong.json()["message"]
+
+
+def test_remove_drains_in_flight_requests_then_later_updates_leave_the_engine_out(run, capsys):
+    manager, engine_b, versions = run["manager"], run["b"], run["versions"]
+    answers: list[int] = []
+
+    def generate(seed: int) -> None:
+        with httpx.Client(base_url=run["router_url"], timeout=scaled(120), trust_env=False) as http:
+            answers.append(http.post("/generate", json=long_body(300, seed=seed)).status_code)
+
+    senders = [threading.Thread(target=generate, args=(seed,)) for seed in range(4)]
+    for sender in senders:
+        sender.start()
+    with RouterClient(run["router_url"]) as router:
+        wait_until(lambda: router.worker(engine_b.url)["outstanding"] > 0, timeout=scaled(60),
+                   what="a request in flight on B")
+        code, out, err = cli(capsys, "remove", "--run-dir", str(run["run_dir"]), "--json", engine_b.url)
+        assert code == 0, err
+        [removed] = json.loads(out)["removed"]
+        assert (removed["url"], removed["kind"], removed["drained"]) == (engine_b.url, "attached", True)
+        assert [w["url"] for w in router.list_workers()] == [run["a"].url]
+    for sender in senders:
+        sender.join(timeout=scaled(120))
+    assert answers == [200, 200, 200, 200]  # none lost: B's own finished before it left
+    assert engine_b.get("/health").status_code == 200, "an attached engine is left running"
+
+    manager.update_weights(versions.publish_next(seed=4))
+    assert manager.versions() == ["4"] and engine_b.version() == "3"
+    assert [r["action"] for r in records(run["run_dir"])] == ["start", "add", "remove"]
+    placement = json.loads((run["run_dir"] / "placement.json").read_text())
+    assert [e["address"] for e in placement["engines"]] == [run["a"].url]
+
+    code, _, err = cli(capsys, "remove", "--run-dir", str(run["run_dir"]), run["a"].url)
+    assert code == 2 and "no live engine" in err and "--force" in err
+    assert [r["action"] for r in records(run["run_dir"])] == ["start", "add", "remove"]
