@@ -40,7 +40,7 @@ def start_managed_engines(manager: "EngineManager", count: int, *, first_index: 
             started.append(_start_one(manager, first_index + offset, tp))
     except BaseException:
         for actor, _url, info in started:
-            _stop(actor, info.placement_group)
+            stop_started(actor, info.placement_group)
         raise
     return started
 
@@ -58,7 +58,7 @@ def _start_one(manager: "EngineManager", index: int, tp: int) -> tuple[Any, str,
     try:
         ray.get(group.ready(), timeout=PLACE_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
-        _stop(None, group)
+        stop_started(None, group)
         raise MembershipRefused(f"engine {index}: the cluster did not place {tp} GPU bundle(s) on one node within "
                                 f"{PLACE_TIMEOUT_S:g}s; nothing more was started") from None
     backend, _ = resolve_backend(manager.rollout.rollout_backend)
@@ -73,7 +73,7 @@ def _start_one(manager: "EngineManager", index: int, tp: int) -> tuple[Any, str,
             raise MembershipRefused(f"engine {index}'s node lacks a shared path: {'; '.join(problems)}")
         url = ray.get(actor.start.remote())
     except BaseException:
-        _stop(actor, group)
+        stop_started(actor, group)
         raise
     node_id, node_ip = _node_of(group)
     return actor, url, MemberInfo("managed", node_ip, node_id, [], placement_group=group)
@@ -88,7 +88,8 @@ def _node_of(group: Any) -> tuple[str | None, str | None]:
     return node_id, ips.get(node_id)
 
 
-def _stop(actor: Any, group: Any) -> None:
+def stop_started(actor: Any, group: Any) -> None:
+    """Stop an engine this module started (and remove its placement group)."""
     import ray
     from ray.util.placement_group import remove_placement_group
 

@@ -487,6 +487,8 @@ class EngineManager:
     def _restore(self, index: int) -> None:
         """Bring a (re)started engine to the current version, then let the router use it."""
         with self._lock:
+            if self.members.is_removed(index):
+                return  # removed (engines remove) while it was down: it stays out
             version = self._version
             if version > 0:
                 updater = self._updater([index], registered=False)  # added to the router only below

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from miles_disagg.engines.client import EngineClient
-from miles_disagg.types import ConfigError, InvalidInput, MilesDisaggError
+from miles_disagg.types import ConfigError, InvalidInput, MilesDisaggError, ReplaceReplica
 
 if TYPE_CHECKING:
     from miles_disagg.engines.manager import EngineManager
@@ -51,6 +51,15 @@ DEFAULT_DRAIN_TIMEOUT_S = 120.0
 
 class UnknownEngine(InvalidInput):
     """``engines remove`` named an address that is not a member of the run."""
+
+
+class JoinFailed(ReplaceReplica):
+    """An engine that passed the attach checks failed to catch up or register; it is not routed to."""
+
+
+def join_failed(url: str, cause: BaseException, joined: list[dict]) -> JoinFailed:
+    before = f"; joined before it: {', '.join(j['url'] for j in joined)}" if joined else ""
+    return JoinFailed(f"{url} did not join: {type(cause).__name__}: {cause}{before}")
 
 
 class MembershipRefused(InvalidInput):
@@ -116,21 +125,33 @@ class Membership:
             self._refuse_unless_disk_delta()
             urls = [normalize(u) for u in urls]
             self._check_new(urls)
-            return [self._join(url, MemberInfo("attached", urlsplit(url).hostname), why="engines add")
-                    for url in urls]
+            joined: list[dict] = []
+            for url in urls:
+                try:
+                    joined.append(self._join(url, MemberInfo("attached", urlsplit(url).hostname), why="engines add"))
+                except MilesDisaggError as exc:
+                    raise join_failed(url, exc, joined) from exc
+            return joined
 
     def add_managed(self, count: int) -> list[dict]:
         """``count`` more managed engines on GPUs the cluster has free: placed, caught up, routed."""
-        from miles_disagg.engines.managed_join import start_managed_engines
+        from miles_disagg.engines.managed_join import start_managed_engines, stop_started
 
         if count < 1:
             raise InvalidInput(f"--managed must be at least 1, got {count}")
         with self._changing:
             self._refuse_unless_disk_delta()
             started = start_managed_engines(self.manager, count, first_index=len(self.manager.engine_urls))
-            joined = []
-            for actor, url, info in started:
-                joined.append(self._join(url, info, why=f"engines add --managed {count}", actor=actor))
+            joined: list[dict] = []
+            for position, (actor, url, info) in enumerate(started):
+                try:
+                    joined.append(self._join(url, info, why=f"engines add --managed {count}", actor=actor))
+                except BaseException as exc:
+                    for left, _url, left_info in started[position:]:  # started, never routed to: stopped
+                        stop_started(left, left_info.placement_group)
+                    if isinstance(exc, MilesDisaggError):
+                        raise join_failed(url, exc, joined) from exc
+                    raise
             return joined
 
     def _refuse_unless_disk_delta(self) -> None:
@@ -181,8 +202,13 @@ class Membership:
             while reached != manager._version:  # a version was activated while this one caught up
                 reached = self.catch_up(url, local_dir, manager._version)
             index = self._register(url, local_dir, info, actor)
-            manager.router_client.add_worker(url)
-            manager.router_client.wait_worker_version(url, reached, timeout_s=60)
+            try:
+                manager.router_client.add_worker(url)
+                manager.router_client.wait_worker_version(url, reached, timeout_s=60)
+            except BaseException:
+                self.removed.add(index)  # never a member: later updates and the monitor leave it out
+                _quietly(manager.router_client.remove_worker, url)
+                raise
         catch_up_s = time.monotonic() - started
         manager.events.append({"engine": index, "event": "joined", "url": url, "version": reached,
                                "time": time.time()})
@@ -352,6 +378,13 @@ class Membership:
                                          "address": url, "local_checkpoint_dir": self.manager.local_dirs[index]})
         entry.update(engine=index, kind=info.kind, joined=info.joined)
         return entry
+
+
+def _quietly(call, *args) -> None:
+    try:
+        call(*args)
+    except MilesDisaggError as exc:
+        log.info("%s%s: %s", getattr(call, "__name__", call), args, exc)
 
 
 def _reported_version(url: str) -> str | None:
