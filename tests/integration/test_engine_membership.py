@@ -6,7 +6,8 @@ by hand and joined through the CLI (``cli.main``, so the real argument parsing, 
 the admin key and HTTP), while the manager publishes and activates versions. Checked: B is caught
 up to the current version, including one activated while it catches up, before the router may
 route to it; later updates cover it; ``remove`` drains it (its in-flight requests finish, none
-fail) and later updates leave it out; every change is in ``membership.jsonl`` and ``placement.json``;
+fail) and later updates leave it out; an engine behind ``miles-disagg agent`` (as stock SGLang
+would be) joins the same way; every change is in ``membership.jsonl`` and ``placement.json``;
 and the CLI's refusals are one line, exit 2, nothing changed.
 """
 
@@ -57,7 +58,7 @@ def run(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         versions = VersionSource(root / "store", tiny_qwen3_dir)
         manager.update_weights(versions.publish_next(seed=1))
         yield {"manager": manager, "a": engine_a, "b": engine_b, "versions": versions, "run_dir": root / "run",
-               "router_url": info["router_url"]}
+               "store": root / "store", "router_url": info["router_url"]}
     finally:
         if versions is not None:
             versions.close()
@@ -194,3 +195,29 @@ def test_remove_drains_in_flight_requests_then_later_updates_leave_the_engine_ou
     code, _, err = cli(capsys, "remove", "--run-dir", str(run["run_dir"]), run["a"].url)
     assert code == 2 and "no live engine" in err and "--force" in err
     assert [r["action"] for r in records(run["run_dir"])] == ["start", "add", "remove"]
+
+
+def test_an_engine_behind_the_agent_joins_as_stock_sglang_would(run, capsys, tiny_qwen3_dir, tmp_path):
+    """The built-in engine stands in for stock SGLang (its own /pull_weights unused): the agent in
+    front of it is what joins; the agent materializes the versions in its local checkpoint."""
+    from miles_disagg.engines.launch import launch_agent
+
+    manager, versions = run["manager"], run["versions"]
+    local = tmp_path / "local" / "ckpt"
+    local.parent.mkdir(parents=True)
+    # its server info passes through the agent: it names the run's store as a built-in engine must
+    engine = start_engine(tiny_qwen3_dir, tmp_path, "--local-checkpoint-dir", str(local),
+                          "--weight-store-dir", str(run["store"]))
+    agent = launch_agent(engine.url, local, log_path=tmp_path / "agent.log", store_dirs=[run["store"]])
+    try:
+        code, out, err = cli(capsys, "add", "--run-dir", str(run["run_dir"]), "--json", agent.url)
+        assert code == 0, err
+        [joined] = json.loads(out)["joined"]
+        assert (joined["url"], joined["version"]) == (agent.url, manager._version)
+        assert engine.version() == str(manager._version)
+        manager.update_weights(versions.publish_next(seed=5))
+        assert manager.versions() == [str(manager._version)] * 2
+        assert manager.local_dirs[-1] == str(local)  # the agent's own checkpoint, as it reports it
+    finally:
+        agent.stop()
+        stop_engine(engine)
