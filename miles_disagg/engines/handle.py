@@ -68,6 +68,10 @@ class EngineManagerHandle:
         self.delta_filters = list(info.get("delta_filters") or [])
         self.local_dirs = list(info["local_dirs"])
 
+    def serve_membership(self) -> str:
+        """Open the membership control endpoint (``miles-disagg engines``); its URL."""
+        return Pending([self._actor.serve_membership.remote()]).result()
+
     def weight_checksums(self, algorithm: str) -> list[dict]:
         """Each live engine's ``/weight_checksums`` (see ``EngineManager.weight_checksums``)."""
         return Pending([self._actor.weight_checksums.remote(algorithm)]).result()

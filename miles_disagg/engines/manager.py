@@ -104,20 +104,22 @@ class EngineManager:
             self.router_client.wait_worker_version(url, 0, timeout_s=60)
         self._monitor = threading.Thread(target=self._watch, name="engine-monitor", daemon=True)
         self._monitor.start()
-        self._start_control()
         return {"router_url": self.router.url, "engine_urls": list(self.engine_urls),
                 "delta_filters": [self._announced_filters(url) for url in self.engine_urls],
                 "local_dirs": list(self.local_dirs)}
 
-    def _start_control(self) -> None:
-        """The endpoint ``miles-disagg engines add|remove|list`` reach (see engines/membership.py)."""
+    def serve_membership(self) -> str:
+        """Open the endpoint ``miles-disagg engines add|remove|list`` reach (engines/membership.py);
+        the run calls it once its ``placement.json`` is written (changes rewrite that file). Returns its URL."""
         from miles_disagg.engines.control_server import ControlServer
         from miles_disagg.netbind import bind_host, resolve_host
 
-        self.members.record_start()
-        self.members.write_placement()
-        self._control = ControlServer(self.members, self.run_dir,
-                                      resolve_host(bind_host(spans_nodes=self.config.spans_nodes)))
+        if self._control is None:
+            self.members.record_start()
+            self.members.write_placement()
+            self._control = ControlServer(self.members, self.run_dir,
+                                          resolve_host(bind_host(spans_nodes=self.config.spans_nodes)))
+        return self._control.url
 
     @staticmethod
     def _announced_filters(url: str) -> list[str] | None:

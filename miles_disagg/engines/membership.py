@@ -157,7 +157,7 @@ class Membership:
     def _refuse_unless_disk_delta(self) -> None:
         manager = self.manager
         if manager.weights.update_weight_transfer_mode != "disk-delta" or manager._broadcast is not None:
-            raise MembershipRefused("this run updates weights by broadcast: an NCCL group cannot take new "
+            raise MembershipRefused("this run updates weights by broadcast: an NCCL group cannot change "
                                     "members (use --update-weight-transfer-mode disk-delta)")
         if manager.cluster.colocate:
             raise MembershipRefused("this run is colocated (engines share the trainer's GPUs): its engine set "
@@ -253,6 +253,7 @@ class Membership:
                drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> list[dict]:
         """Drain, then detach (attached) or stop (managed) each engine at ``urls``."""
         with self._changing:
+            self._refuse_unless_disk_delta()
             indices = self._indices_of([normalize(u) for u in urls])
             self._refuse_last(indices, force)
             return [self._leave(index, drain_timeout_s) for index in indices]

@@ -102,6 +102,8 @@ class Job:
         elif with_trainer and with_engines and cfg.weights.update_weight_transfer_mode == "broadcast":
             self._join_broadcast_group()
         write_placement(cfg.tracking.run_dir, placement_record(self))
+        if self.engines is not None:  # after placement.json, which membership changes rewrite
+            self.engines.serve_membership()  # engines may join and leave from now on (miles-disagg engines)
 
     def _delta_filter(self, attached: list | None = None):
         from miles_disagg.engines.plan import delta_filter_choice, resolve_backend

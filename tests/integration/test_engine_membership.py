@@ -55,6 +55,7 @@ def run(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     versions = None
     try:
         info = manager.start()
+        manager.serve_membership()
         versions = VersionSource(root / "store", tiny_qwen3_dir)
         manager.update_weights(versions.publish_next(seed=1))
         yield {"manager": manager, "a": engine_a, "b": engine_b, "versions": versions, "run_dir": root / "run",

@@ -47,6 +47,7 @@ def test_managed_engines_join_on_free_gpus_and_are_stopped_when_removed(tiny_qwe
             versions = None
             try:
                 info = manager.start()
+                manager.serve_membership()
                 versions = VersionSource(store, tiny_qwen3_dir)
                 manager.update_weights(versions.publish_next(seed=1))
 
