@@ -125,6 +125,18 @@ class Job:
         if self._publishes() and not self.config.rollout.rollout_external:
             status(f"weights: delta filter {choice.filter} ({choice.reason})")
 
+    def restart_trainer(self) -> None:
+        """Replace the trainer group after a rank died (``loop/trainer_restart.py``): the old
+        ranks are killed, new ones start in the same bundles, continue the run's version stream
+        and learn the engines as the first ones did."""
+        self._stop_trainer()
+        self.trainer = None
+        self._start_trainer()
+        if self.engines is not None:
+            self.trainer.set_rollout_engines(self.engines.engine_urls)
+            if self._publishes() and self.config.rollout.rollout_external:
+                self.trainer.set_delta_filter(self._delta_filter(attached=self.engines.delta_filters).filter)
+
     def _publishes(self) -> bool:
         return self.trainer is not None and self.config.weights.update_weight_transfer_mode == "disk-delta"
 

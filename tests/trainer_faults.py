@@ -1,0 +1,72 @@
+"""Killing a trainer rank of a running job from outside it (issue 30: trainer restarts; reused by
+the chaos test).
+
+A trainer rank is a Ray worker process whose title Ray sets to ``ray::TrainerRank`` (plus the
+method it runs). A driver that started its own local Ray is the ancestor of that Ray's raylet and
+so of every worker: ``root_pid`` = the driver keeps the search inside one run when several run at
+once (pytest-xdist). On a cluster of raylets started by hand, pass the pid of the raylet (or of
+the ``ray start`` process) that hosts the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+
+TRAINER_RANK_TITLE = "ray::TrainerRank"
+
+
+def trainer_rank_pids(root_pid: int | None = None) -> list[int]:
+    """Pids of the live trainer rank processes under ``root_pid`` (None: all of this user's), in
+    pid order (the order the ranks were started in, as far as the OS handed out pids in order)."""
+    try:
+        candidates = psutil.Process(root_pid).children(recursive=True) if root_pid else psutil.process_iter()
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for process in candidates:
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if " ".join(process.cmdline()).startswith(TRAINER_RANK_TITLE) and process.uids().real == os.getuid():
+                found.append(process.pid)
+        except psutil.Error:
+            continue
+    return sorted(found)
+
+
+def kill_trainer_rank(root_pid: int | None = None, index: int = 0, timeout_s: float = 120.0) -> int:
+    """SIGKILL the ``index``-th trainer rank process (``trainer_rank_pids`` order), waiting up to
+    ``timeout_s`` for it to exist; returns its pid. ``AssertionError`` when none appeared."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pids = trainer_rank_pids(root_pid)
+        if len(pids) > index:
+            os.kill(pids[index], signal.SIGKILL)
+            return pids[index]
+        assert time.monotonic() < deadline, f"no trainer rank {index} under pid {root_pid} within {timeout_s:.0f}s"
+        time.sleep(0.2)
+
+
+def wait_for_step(run_dir: str | Path, step: int, timeout_s: float, alive=None) -> None:
+    """Until ``run_dir/metrics.jsonl`` holds a record of ``step`` (``alive()``, if given, is asserted
+    meanwhile: e.g. that the run's process has not exited)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step") == step:
+                        return
+                except ValueError:
+                    continue
+        if alive is not None:
+            assert alive(), f"the run ended before step {step}"
+        assert time.monotonic() < deadline, f"no record of step {step} within {timeout_s:.0f}s"
+        time.sleep(0.1)
