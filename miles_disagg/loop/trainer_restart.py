@@ -43,6 +43,9 @@ from miles_disagg.types import NodeLost, TrainerLost
 EVENTS_STREAM = "events"
 """``<run_dir>/events.jsonl``: one record per trainer restart (never rewound)."""
 FLAG = "--max-trainer-restarts"
+PLACE_TIMEOUT_S = 900.0
+"""How long a restarted rank may wait for its bundle (after a node loss, Ray places the bundles
+of the lost node again once a node offers the resources) before the run ends."""
 
 
 @dataclass
@@ -114,7 +117,7 @@ class TrainerRestarts:
         settled = _settle_activation(progress)
         if lost_node:
             _stop_watching(job, lost_node)
-        job.restart_trainer()
+        job.restart_trainer(place_timeout_s=PLACE_TIMEOUT_S)
         point = self._restart_point()
         step, held, origin = 0, (1 if job.initial_checkpoint else 0), "the start of the run"
         if point is not None:
@@ -191,5 +194,6 @@ def _stop_watching(job, lost_node: str) -> None:
     if old is None or not hasattr(old, "nodes"):
         return
     remove_watch(old)
-    job._watch = NodeWatch({node: site for node, site in old.nodes.items() if node != lost_node})
+    job._watch = NodeWatch({node: site for node, site in old.nodes.items() if node != lost_node},
+                           alive_nodes=getattr(old, "_alive_nodes", None), interval_s=old.interval_s)
     add_watch(job._watch)

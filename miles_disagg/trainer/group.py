@@ -14,7 +14,7 @@ from miles_disagg.config.actors import TrainerGroupConfig
 from miles_disagg.remote import WATCH_INTERVAL_S, Pending, run_watches
 from miles_disagg.trainer.shares import split_for_steps
 from miles_disagg.trainer.placement import Placement
-from miles_disagg.types import Sample, TrainerLost
+from miles_disagg.types import FailRun, Sample, TrainerLost
 
 if TYPE_CHECKING:
     from miles_disagg.trainer.results import TrainResult
@@ -50,11 +50,12 @@ class TrainerGroup:
         self.dist_address: str | None = None
         """Rank 0's torch.distributed rendezvous ``host:port`` (once set up)."""
 
-    def setup(self, run_id: str | None = None, delta_filter: str = "none") -> dict:
+    def setup(self, run_id: str | None = None, delta_filter: str = "none", place_timeout_s: float | None = None) -> dict:
         """Join torch.distributed, build the backend, and (disk-delta) capture the publisher's
         baseline; ``run_id`` continues that run's version stream (a resumed run);
-        ``delta_filter``: the resolved ``--update-weight-delta-filter``."""
-        master_addr, master_port = self._wait([self.ranks[0].address.remote()])[0]
+        ``delta_filter``: the resolved ``--update-weight-delta-filter``; ``place_timeout_s``: how
+        long rank 0 may take to be placed and answer (None: no limit) before ``FailRun``."""
+        master_addr, master_port = self._wait([self.ranks[0].address.remote()], place_timeout_s)[0]
         self.dist_address = f"{master_addr}:{master_port}"
         infos = self._wait([r.setup.remote(master_addr, master_port, run_id, delta_filter) for r in self.ranks])
         self.run_id = infos[0]["run_id"]
@@ -150,14 +151,20 @@ class TrainerGroup:
 
     # ------------------------------------------------------------------ waiting on the ranks
 
-    def _wait(self, refs: list) -> list:
+    def _wait(self, refs: list, timeout_s: float | None = None) -> list:
         """The calls' results, running the run's watches (``remote.run_watches``) while waiting;
         the first call to fail ends the wait: with ``TrainerLost`` when a rank died, else with
         its own error (a rank that raised, e.g. on bad input, is no trainer failure)."""
+        import time
+
         import ray
 
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = list(refs)
         while pending:
+            if deadline is not None and time.monotonic() > deadline:
+                raise FailRun(f"the trainer ranks did not answer within {timeout_s:.0f}s (a rank's bundle waits for "
+                              "a node with the resources it needs)")
             ready, pending = ray.wait(pending, num_returns=1, timeout=WATCH_INTERVAL_S)
             run_watches()
             for ref in ready:

@@ -155,3 +155,32 @@ def test_the_launcher_ends_a_lost_trainer_with_one_line_and_exit_1(tmp_path: Pat
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1
     assert err[0].startswith("train_async.py: failed: TrainerLost: trainer rank 0 died")
+
+
+def test_a_lost_trainer_node_is_restarted_and_no_longer_watched(monkeypatch) -> None:
+    from miles_disagg.loop import trainer_restart
+    from miles_disagg.loop.cluster import NodeWatch
+    from miles_disagg.remote import add_watch, remove_watch, run_watches
+
+    nodes = {"node-t": {"node_ip": "10.0.0.1", "work": ["trainer rank 0"]},
+             "node-r": {"node_ip": "10.0.0.2", "work": ["engine 0"]}}
+    job = fake_job(limit=1)
+    job._watch = NodeWatch(nodes, alive_nodes=lambda: {"node-r"}, interval_s=0)
+    add_watch(job._watch)
+    try:
+        with pytest.raises(NodeLost) as lost:
+            run_watches()
+        restarts = TrainerRestarts(job, None, None)
+        seen = []
+
+        def restart(what, progress, lost_node):
+            seen.append(lost_node)
+            trainer_restart._stop_watching(job, lost_node)
+            return LoopState()
+
+        monkeypatch.setattr(restarts, "_restart", restart)
+        assert restarts._recover(lost.value, trainer_restart.LoopProgress()) == LoopState()
+        assert seen == ["node-t"] and set(job._watch.nodes) == {"node-r"}
+        run_watches()  # the lost trainer node no longer ends every wait
+    finally:
+        remove_watch(job._watch)
