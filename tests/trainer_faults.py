@@ -4,8 +4,9 @@ the chaos test).
 A trainer rank is a Ray worker process whose title Ray sets to ``ray::TrainerRank`` (plus the
 method it runs). A driver that started its own local Ray is the ancestor of that Ray's raylet and
 so of every worker: ``root_pid`` = the driver keeps the search inside one run when several run at
-once (pytest-xdist). On a cluster of raylets started by hand, pass the pid of the raylet (or of
-the ``ray start`` process) that hosts the trainer.
+once (pytest-xdist). On a cluster of raylets started with ``ray start`` (which leaves its
+processes to init), start the trainer's raylet with a marker in its environment, which every
+worker inherits, and pass ``env=(NAME, VALUE)`` instead.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import psutil
 TRAINER_RANK_TITLE = "ray::TrainerRank"
 
 
-def trainer_rank_pids(root_pid: int | None = None) -> list[int]:
-    """Pids of the live trainer rank processes under ``root_pid`` (None: all of this user's), in
-    pid order (the order the ranks were started in, as far as the OS handed out pids in order)."""
+def trainer_rank_pids(root_pid: int | None = None, env: tuple[str, str] | None = None) -> list[int]:
+    """Pids of the live trainer rank processes under ``root_pid`` (None: all of this user's) whose
+    environment has ``env`` (if given), in pid order (the order the ranks were started in, as far
+    as the OS handed out pids in order)."""
     try:
         candidates = psutil.Process(root_pid).children(recursive=True) if root_pid else psutil.process_iter()
     except psutil.NoSuchProcess:
@@ -33,19 +35,23 @@ def trainer_rank_pids(root_pid: int | None = None) -> list[int]:
         try:
             if process.status() == psutil.STATUS_ZOMBIE:
                 continue
-            if " ".join(process.cmdline()).startswith(TRAINER_RANK_TITLE) and process.uids().real == os.getuid():
+            if not " ".join(process.cmdline()).startswith(TRAINER_RANK_TITLE) or process.uids().real != os.getuid():
+                continue
+            if env is None or process.environ().get(env[0]) == env[1]:
                 found.append(process.pid)
         except psutil.Error:
             continue
     return sorted(found)
 
 
-def kill_trainer_rank(root_pid: int | None = None, index: int = 0, timeout_s: float = 120.0) -> int:
-    """SIGKILL the ``index``-th trainer rank process (``trainer_rank_pids`` order), waiting up to
-    ``timeout_s`` for it to exist; returns its pid. ``AssertionError`` when none appeared."""
+def kill_trainer_rank(root_pid: int | None = None, index: int = 0, timeout_s: float = 120.0,
+                      env: tuple[str, str] | None = None) -> int:
+    """SIGKILL the ``index``-th trainer rank process (``trainer_rank_pids(root_pid, env)`` order),
+    waiting up to ``timeout_s`` for it to exist; returns its pid. ``AssertionError`` when none
+    appeared."""
     deadline = time.monotonic() + timeout_s
     while True:
-        pids = trainer_rank_pids(root_pid)
+        pids = trainer_rank_pids(root_pid, env)
         if len(pids) > index:
             os.kill(pids[index], signal.SIGKILL)
             return pids[index]

@@ -125,3 +125,32 @@ def test_without_restarts_a_killed_rank_ends_the_loop_with_one_error(job) -> Non
     assert str(raised.value).startswith("trainer rank 1 died")
     assert "--max-trainer-restarts N restarts the trainer from its last save" in str(raised.value)
     assert restarts.count == 0
+
+
+def test_the_kill_helper_finds_ranks_by_title_under_a_root_or_by_environment() -> None:
+    """``tests/trainer_faults.py`` (used by the e2e run and the chaos test) on stand-in processes
+    titled as Ray titles a trainer rank's worker."""
+    import subprocess
+
+    from trainer_faults import kill_trainer_rank, trainer_rank_pids
+
+    marker = ("MILES_DISAGG_TEST_MARK", f"restart-{os.getpid()}")
+    stand_in = subprocess.Popen(["bash", "-c", 'exec -a "ray::TrainerRank.train" sleep 120'],
+                                env={**os.environ, marker[0]: marker[1]})
+    other = subprocess.Popen(["bash", "-c", 'exec -a "ray::RolloutManager.take" sleep 120'])
+    try:
+        import time
+
+        deadline = time.monotonic() + 30
+        while stand_in.pid not in trainer_rank_pids(env=marker):
+            assert time.monotonic() < deadline, "the stand-in never showed up"
+            time.sleep(0.05)
+        assert trainer_rank_pids(os.getpid()) == [stand_in.pid]  # a descendant of this process
+        assert trainer_rank_pids(env=(marker[0], "another-cluster")) == []
+        assert kill_trainer_rank(env=marker) == stand_in.pid
+        assert stand_in.wait(timeout=30) == -9
+        assert other.poll() is None  # not a trainer rank: left alone
+    finally:
+        for process in (stand_in, other):
+            process.kill()
+            process.wait()
