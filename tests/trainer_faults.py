@@ -45,16 +45,24 @@ def trainer_rank_pids(root_pid: int | None = None, env: tuple[str, str] | None =
 
 
 def kill_trainer_rank(root_pid: int | None = None, index: int = 0, timeout_s: float = 120.0,
-                      env: tuple[str, str] | None = None) -> int:
+                      env: tuple[str, str] | None = None, freeze_pid: int | None = None) -> int:
     """SIGKILL the ``index``-th trainer rank process (``trainer_rank_pids(root_pid, env)`` order),
     waiting up to ``timeout_s`` for it to exist; returns its pid. ``AssertionError`` when none
-    appeared."""
+    appeared. ``freeze_pid`` (the run's driver) is stopped (SIGSTOP) while the rank is found and
+    killed, then continued: a tiny run's remaining steps can take less time than finding the
+    rank, and a kill after the last trainer call would not be a mid-run failure."""
     deadline = time.monotonic() + timeout_s
     while True:
-        pids = trainer_rank_pids(root_pid, env)
-        if len(pids) > index:
-            os.kill(pids[index], signal.SIGKILL)
-            return pids[index]
+        if freeze_pid is not None:
+            os.kill(freeze_pid, signal.SIGSTOP)
+        try:
+            pids = trainer_rank_pids(root_pid, env)
+            if len(pids) > index:
+                os.kill(pids[index], signal.SIGKILL)
+                return pids[index]
+        finally:
+            if freeze_pid is not None:
+                os.kill(freeze_pid, signal.SIGCONT)
         assert time.monotonic() < deadline, f"no trainer rank {index} under pid {root_pid} within {timeout_s:.0f}s"
         time.sleep(0.2)
 
@@ -75,4 +83,4 @@ def wait_for_step(run_dir: str | Path, step: int, timeout_s: float, alive=None) 
         if alive is not None:
             assert alive(), f"the run ended before step {step}"
         assert time.monotonic() < deadline, f"no record of step {step} within {timeout_s:.0f}s"
-        time.sleep(0.1)
+        time.sleep(0.02)

@@ -1,5 +1,5 @@
 """A trainer rank killed mid-run restarts the trainer group inside the run (issue 30, item 3):
-``train_async.py --max-trainer-restarts 1`` on one engine, a rank SIGKILLed once after step 2's
+``train_async.py --max-trainer-restarts 1`` on one engine, a rank SIGKILLed once after step 4's
 record; the run ends with exit 0, every step is recorded once, the version stream goes on without
 a reused or torn number (``weights verify`` replays the newest from the base), and the summary
 names the restart. One whole run carries every check."""
@@ -24,8 +24,9 @@ from miles_disagg.weights.store import VersionStore
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(420)  # one whole run (scaled by the load: e2e conftest)
-NUM_ROLLOUT = 6
-KILL_AFTER_STEP = 2
+NUM_ROLLOUT = 7
+SAVE_INTERVAL = 3  # saves at steps 3 (v3) and 6
+KILL_AFTER_STEP = 4  # v4 and v5 published after the step-3 save, and groups generated on them
 
 
 def command(tmp: Path) -> list[str]:
@@ -33,7 +34,8 @@ def command(tmp: Path) -> list[str]:
             "--run-dir", str(tmp / "run"), "--hf-checkpoint", str(tmp / "base-model"),
             "--num-rollout", str(NUM_ROLLOUT), "--rollout-num-gpus", "1", "--rollout-batch-size", "4",
             "--global-batch-size", "32", "--micro-batch-size", "32",
-            "--save", str(tmp / "saves"), "--save-interval", "2", "--max-trainer-restarts", "1"]
+            "--save", str(tmp / "saves"), "--save-interval", str(SAVE_INTERVAL), "--max-trainer-restarts", "1",
+            "--save-debug-rollout-data", str(tmp / "consumed" / "{rollout_id}.jsonl")]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def restarted_run(tmp_path_factory: pytest.TempPathFactory, digits_base_model: P
                                start_new_session=True)
         try:
             wait_for_step(tmp / "run", KILL_AFTER_STEP, scaled(300), alive=lambda: run.poll() is None)
-            killed = kill_trainer_rank(run.pid)
+            killed = kill_trainer_rank(run.pid, freeze_pid=run.pid)  # the driver waits until the rank is dead
             returncode = run.wait(timeout=scaled(300))
         finally:
             if run.poll() is None:
@@ -100,5 +102,23 @@ def test_the_summary_names_the_restart(restarted_run) -> None:
     assert restart["restart"] == 1 and restart["max_restarts"] == 1
     assert "trainer rank 0 died" in restart["failed"]
     assert restart["failed_at_step"] >= KILL_AFTER_STEP
-    assert restart["resumed_from_step"] in (2, 4) and restart["resumed_from_step"] <= restart["failed_at_step"]
+    assert restart["resumed_from_step"] == SAVE_INTERVAL and restart["failed_at_step"] > KILL_AFTER_STEP
     assert f"trainer restart 1 of 1 at step {restart['failed_at_step']}" in stderr
+
+
+def test_steps_after_the_restart_train_on_no_sample_of_the_lost_lineage(restarted_run) -> None:
+    """Versions published after the save are not the restored trainer's: no group generated on
+    one is consumed by the steps run again (each step's consumed groups, rewritten by its rerun)."""
+    tmp, _, _, _ = restarted_run
+    [event] = read_records(tmp / "run" / "events.jsonl")
+    first, last = event["discarded_versions"]  # v4 .. v5 at least (the save holds v3)
+    assert first == SAVE_INTERVAL + 1 and last >= KILL_AFTER_STEP + 1
+    lost = range(first, last + 1)
+    for step in range(event["resumed_from_step"], NUM_ROLLOUT):
+        groups = [json.loads(line) for line in (tmp / "consumed" / f"{step}.jsonl").read_text().splitlines()]
+        assert groups
+        for group in groups:
+            assert group["consumed_at_version"] >= event["version"]
+            for sample in group["samples"]:
+                calls = sample["call_versions"] or [[sample["weight_version_start"], sample["weight_version_end"]]]
+                assert not any(v in lost for start, end in calls for v in range(start, end + 1)), (step, calls)
