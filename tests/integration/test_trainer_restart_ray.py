@@ -145,7 +145,9 @@ def test_the_kill_helper_finds_ranks_by_title_under_a_root_or_by_environment() -
         while stand_in.pid not in trainer_rank_pids(env=marker):
             assert time.monotonic() < deadline, "the stand-in never showed up"
             time.sleep(0.05)
-        assert trainer_rank_pids(os.getpid()) == [stand_in.pid]  # a descendant of this process
+        under_this_process = trainer_rank_pids(os.getpid())  # (with the module's job's own ranks)
+        assert stand_in.pid in under_this_process and other.pid not in under_this_process
+        assert trainer_rank_pids(env=marker) == [stand_in.pid]
         assert trainer_rank_pids(env=(marker[0], "another-cluster")) == []
         assert kill_trainer_rank(env=marker) == stand_in.pid
         assert stand_in.wait(timeout=30) == -9
