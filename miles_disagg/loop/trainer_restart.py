@@ -100,7 +100,7 @@ class TrainerRestarts:
             status(f"trainer failed at step {progress.step}: {what}; restarting the trainer group "
                    f"(restart {self.count} of {self.limit})")
             try:
-                return self._restart(what, progress, lost_node=exc.node_id if isinstance(exc, NodeLost) else None)
+                return self._restart(what, progress, lost_node=_node_to_unwatch(exc, self.job))
             except Exception as again:
                 exc = again
 
@@ -184,9 +184,24 @@ def _reconcile(job, held: int) -> tuple[int, tuple[int, int] | None]:
     return version, discarded
 
 
+def _node_to_unwatch(exc: Exception, job) -> str | None:
+    """The node the run's watch stops watching at this restart: a lost trainer node (the watch
+    raises for every later wait once a node is gone), or the node of a rank that died when only
+    trainer ranks ran there (the node may be going away: Ray can report the rank's death before
+    the node's, and the restart must not count that loss a second time). A trainer node that is
+    not watched is still covered: a rank that dies there ends its call with ``TrainerLost``."""
+    if isinstance(exc, NodeLost):
+        return exc.node_id
+    node = getattr(exc, "node_id", "")
+    site = getattr(getattr(job, "_watch", None), "nodes", {}).get(node)
+    if site and all(work.startswith("trainer rank") for work in site["work"]):
+        return node
+    return None
+
+
 def _stop_watching(job, lost_node: str) -> None:
-    """After a trainer node was lost, the run's node watch stops raising for it (it raises for
-    every later wait once a node is gone); the other nodes stay watched."""
+    """The run's node watch stops watching ``lost_node`` (see ``_node_to_unwatch``); the other
+    nodes stay watched."""
     from miles_disagg.loop.cluster import NodeWatch
     from miles_disagg.remote import add_watch, remove_watch
 

@@ -184,3 +184,16 @@ def test_a_lost_trainer_node_is_restarted_and_no_longer_watched(monkeypatch) -> 
         run_watches()  # the lost trainer node no longer ends every wait
     finally:
         remove_watch(job._watch)
+
+
+def test_a_dead_rank_on_a_trainer_only_node_unwatches_that_node_only() -> None:
+    from miles_disagg.loop.cluster import NodeWatch
+    from miles_disagg.loop.trainer_restart import _node_to_unwatch
+
+    job = fake_job()
+    job._watch = NodeWatch({"node-t": {"node_ip": "10.0.0.1", "work": ["trainer rank 0", "trainer rank 1"]},
+                            "node-x": {"node_ip": "10.0.0.2", "work": ["trainer rank 2", "engine 0"]}},
+                           alive_nodes=lambda: {"node-t", "node-x"})
+    assert _node_to_unwatch(TrainerLost("rank 1 died", rank=1, node_id="node-t"), job) == "node-t"
+    assert _node_to_unwatch(TrainerLost("rank 2 died", rank=2, node_id="node-x"), job) is None  # engines there
+    assert _node_to_unwatch(NodeLost("node x left", node_id="node-x"), job) == "node-x"
