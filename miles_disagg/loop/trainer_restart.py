@@ -31,6 +31,7 @@ the engines serve.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -113,7 +114,7 @@ class TrainerRestarts:
         return TrainerLost(what + hint, rank=getattr(exc, "rank", -1), node_id=getattr(exc, "node_id", ""))
 
     def _restart(self, what: str, progress: LoopProgress, lost_node: str | None) -> LoopState:
-        job = self.job
+        job, started = self.job, time.perf_counter()
         settled = _settle_activation(progress)
         if lost_node:
             _stop_watching(job, lost_node)
@@ -124,17 +125,18 @@ class TrainerRestarts:
             path, meta = point
             job.trainer.load(str(path))
             step, held, origin = meta.step, meta.version, str(path)
-        version, discarded = _reconcile(job, held)
+        version, discarded, dropped = _reconcile(job, held)
         self.tracker.rewind(step)
         if settled is not None and settled[0] < step:  # its step's record stays: so does its activation
             self.tracker.log_stream(UPDATES_STREAM, settled[0], settled[1])
         event = {"event": "trainer_restart", "failed": what, "failed_at_step": progress.step, "restart": self.count,
                  "max_restarts": self.limit, "resumed_from_step": step, "resumed_from": origin, "version": version,
-                 "discarded_versions": list(discarded) if discarded else None}
+                 "discarded_versions": list(discarded) if discarded else None, "groups_dropped": dropped,
+                 "restart_s": round(time.perf_counter() - started, 3)}
         self.tracker.log_stream(EVENTS_STREAM, step, event)
         status(f"trainer restart {self.count} of {self.limit}: resumed from step {step} ({origin}) at v{version}"
-               + (f"; groups of v{discarded[0]}-v{discarded[1]} dropped (not in the restored lineage)"
-                  if discarded else ""))
+               + (f"; {dropped} buffered group(s) of v{discarded[0]}-v{discarded[1]} dropped (not in the restored "
+                  "lineage)" if discarded else "") + f" ({time.perf_counter() - started:.1f}s)")
         return LoopState(step=step, version=version)
 
     def _restart_point(self) -> tuple[Path, SaveMeta] | None:
@@ -158,9 +160,10 @@ def _settle_activation(progress: LoopProgress) -> tuple[int, dict] | None:
     return (step, {"weights/version": pending.version, **metrics}) if metrics else None
 
 
-def _reconcile(job, held: int) -> tuple[int, tuple[int, int] | None]:
+def _reconcile(job, held: int) -> tuple[int, tuple[int, int] | None, int]:
     """Bring the store, the engines and the rollout to the restored trainer; the version they
-    serve and the range of versions that left the lineage (None: none)."""
+    serve, the range of versions that left the lineage (None: none) and how many buffered groups
+    of those versions were dropped."""
     from miles_disagg.loop.updates import wake_service
 
     latest = job.trainer.latest_published()
@@ -177,11 +180,12 @@ def _reconcile(job, held: int) -> tuple[int, tuple[int, int] | None]:
         status(f"engines at v{version}")
     elif job.config.rollout.rollout_service_url:
         wake_service(job.config.rollout.rollout_service_url)
+    dropped = 0
     if job.rollout is not None:
         if discarded is not None:
-            job.rollout.discard_versions(*discarded)
+            dropped = job.rollout.discard_versions(*discarded)
         job.rollout.set_version(version)
-    return version, discarded
+    return version, discarded, dropped
 
 
 def _node_to_unwatch(exc: Exception, job) -> str | None:

@@ -112,6 +112,7 @@ def test_steps_after_the_restart_train_on_no_sample_of_the_lost_lineage(restarte
     tmp, _, _, _ = restarted_run
     [event] = read_records(tmp / "run" / "events.jsonl")
     first, last = event["discarded_versions"]  # v4 .. v5 at least (the save holds v3)
+    assert event["groups_dropped"] >= 0 and event["restart_s"] > 0
     assert first == SAVE_INTERVAL + 1 and last >= KILL_AFTER_STEP + 1
     lost = range(first, last + 1)
     for step in range(event["resumed_from_step"], NUM_ROLLOUT):

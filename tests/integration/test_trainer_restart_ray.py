@@ -108,6 +108,7 @@ def test_a_killed_rank_restarts_the_group_from_its_last_save(job) -> None:
     assert event["event"] == "trainer_restart" and event["failed"].startswith("trainer rank 1 died")
     assert (event["failed_at_step"], event["resumed_from_step"], event["version"]) == (3, 2, 4)
     assert event["discarded_versions"] == [3, 3] and event["resumed_from"].endswith("iter_0000002")
+    assert event["groups_dropped"] == 0 and event["restart_s"] > 0  # no rollout in this job
 
 
 def test_without_restarts_a_killed_rank_ends_the_loop_with_one_error(job) -> None:
