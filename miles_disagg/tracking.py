@@ -81,6 +81,20 @@ class MetricsTracker:
         self._to_tensorboard(f"{name}/", _numeric(record), step)
         return record
 
+    def rewind(self, start_step: int) -> None:
+        """Drop the records of ``start_step`` and later from ``metrics.jsonl`` and the step-keyed
+        streams, as a resumed run's tracker does at start: a restarted trainer runs those steps
+        again (``loop/trainer_restart.py``). Records go on being appended after it. (TensorBoard
+        and wandb cannot take points back: they get the steps run again as new points.)"""
+        self._file.close()
+        keep_steps_before(self.path, start_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+        for stream, key in STREAM_STEP_KEYS.items():
+            handle = self._streams.pop(stream, None)
+            if handle is not None:
+                handle.close()
+            keep_steps_before(self.output_dir / f"{stream}.jsonl", start_step, key=key)
+
     def _to_tensorboard(self, prefix: str, numeric: dict[str, float], step: int) -> None:
         if self._tensorboard is None:
             return
@@ -122,6 +136,12 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     if a step appears twice); a torn line left by a crash is skipped."""
     by_step = {record["step"]: record for record in _read_all(Path(path))}
     return [by_step[step] for step in sorted(by_step)]
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a stream, in file order, steps repeated or not (no file: none)."""
+    path = Path(path)
+    return _read_all(path) if path.exists() else []
 
 
 def _read_all(path: Path) -> list[dict[str, Any]]:

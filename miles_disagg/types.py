@@ -136,6 +136,16 @@ class NodeLost(FailRun):
         super().__init__(message)
 
 
+class TrainerLost(FailRun):
+    """A trainer rank died (its process was killed, or its node left the cluster) during a call
+    of the trainer group. With ``--max-trainer-restarts N`` the run restarts the trainer group
+    from its last save (``loop/trainer_restart.py``); without, the run ends with this one line."""
+
+    def __init__(self, message: str, rank: int = -1, node_id: str = ""):
+        self.rank, self.node_id = rank, node_id
+        super().__init__(message)
+
+
 # --------------------------------------------------------------------------- versions
 
 

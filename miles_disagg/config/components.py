@@ -256,6 +256,7 @@ class TrainConfig:
     save: str | None = flag(None, "Save training checkpoints here (atomically: a half-written save is never loaded).")
     save_interval: int | None = flag(None, "Save every N rollouts (and at the end).")
     save_hf_interval: int | None = flag(None, "Also export the policy as an HF checkpoint every N rollouts (always at the end when --save is given).")
+    max_trainer_restarts: int = flag(0, "Restart the trainer group from its last --save up to N times when a trainer rank dies or a trainer node is lost; the rollout goes on meanwhile (0: a trainer failure ends the run).")
 
     def __post_init__(self) -> None:
         _require(self.micro_batch_size >= 1, "--micro-batch-size must be >= 1")

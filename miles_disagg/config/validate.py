@@ -20,7 +20,7 @@ def validate(config: RunConfig) -> None:
     for check in (_check_entry, _check_miles_rejections, _check_disk_delta, _check_topology, _check_batches,
                   _check_colocate, _check_debug, _check_save_and_eval, _check_megatron, _check_megatron_only_flags,
                   _check_routing, _check_ci, check_model_args, check_expert_layout, _check_miles_logging_and_data,
-                  _check_offload):
+                  _check_offload, _check_trainer_restarts):
         check(config)
     check_routing_replay(config)  # MoE: the routing-replay flags need a MoE checkpoint
     launched = not (config.rollout.rollout_external or config.rollout.rollout_service_url)  # servers this job starts
@@ -211,6 +211,25 @@ def _check_save_and_eval(config: RunConfig) -> None:
                           ("--eval-interval", "--eval-prompt-data"))
     if train.load and Path(train.load).exists() and not Path(train.load).is_dir():
         raise ConfigError(f"--load {train.load!r} is not a directory", ("--load",))
+
+
+def _check_trainer_restarts(config: RunConfig) -> None:
+    """``--max-trainer-restarts N``: a restarted trainer resumes from its last ``--save`` and
+    catches the engines up through the version store, so it needs both."""
+    train, flag_name = config.train, "--max-trainer-restarts"
+    if train.max_trainer_restarts < 0:
+        raise ConfigError(f"{flag_name} must be >= 0, got {train.max_trainer_restarts}", (flag_name,))
+    if train.max_trainer_restarts == 0:
+        return
+    if not train.save:
+        raise ConfigError(f"{flag_name} {train.max_trainer_restarts} needs --save DIR: a restarted trainer resumes "
+                          "from its last save there (give --save-interval N to bound the steps run again)",
+                          (flag_name, "--save"))
+    if config.cluster.colocate or config.weights.update_weight_transfer_mode != "disk-delta":
+        raise ConfigError(f"{flag_name} needs --update-weight-transfer-mode disk-delta without --colocate: a restarted "
+                          "trainer reaches the engines through the version store (a broadcast group or a colocated "
+                          "handoff cannot take in a new trainer)",
+                          (flag_name, "--update-weight-transfer-mode", "--colocate"))
 
 
 def _check_service(config: RunConfig) -> None:

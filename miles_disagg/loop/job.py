@@ -114,18 +114,31 @@ class Job:
         return delta_filter_choice(cfg.weights, cfg.rollout, backend=backend,
                                    num_engines=len(self.placement.layout.engines), attached=attached)
 
-    def _start_trainer(self) -> None:
+    def _start_trainer(self, place_timeout_s: float | None = None) -> None:
         from miles_disagg.trainer.group import TrainerGroup
 
         status(f"starting the trainer: {len(self.placement.layout.trainer)} rank(s)")  # a wait worth naming
         choice = self._delta_filter()
         with still("starting the trainer"):
             self.trainer = TrainerGroup(self.placement, TrainerGroupConfig.from_run(self.config, self.initial_checkpoint))
-            info = self.trainer.setup(self.run_id, delta_filter=choice.filter)
+            info = self.trainer.setup(self.run_id, delta_filter=choice.filter, place_timeout_s=place_timeout_s)
         self.run_id = info.get("run_id")
         status(f"trainer: {self.trainer.world_size} rank(s), {info['backend']}, ready in {info['setup_s']:.1f}s")
         if self._publishes() and not self.config.rollout.rollout_external:
             status(f"weights: delta filter {choice.filter} ({choice.reason})")
+
+    def restart_trainer(self, place_timeout_s: float | None = None) -> None:
+        """Replace the trainer group after a rank died (``loop/trainer_restart.py``): the old
+        ranks are killed, new ones start in the same bundles (after a node loss, where Ray placed
+        them again; ``FailRun`` when that takes over ``place_timeout_s``), continue the run's
+        version stream and learn the engines as the first ones did."""
+        self._stop_trainer()
+        self.trainer = None
+        self._start_trainer(place_timeout_s)
+        if self.engines is not None:
+            self.trainer.set_rollout_engines(self.engines.engine_urls)
+            if self._publishes() and self.config.rollout.rollout_external:
+                self.trainer.set_delta_filter(self._delta_filter(attached=self.engines.delta_filters).filter)
 
     def _publishes(self) -> bool:
         return self.trainer is not None and self.config.weights.update_weight_transfer_mode == "disk-delta"

@@ -73,11 +73,22 @@ def write_report(run_dir: str | Path) -> dict[str, Any]:
     records = _read(run_dir / METRICS_FILENAME)
     records = join_updates(records, _read(run_dir / f"{UPDATES_STREAM}.jsonl"))
     summary = summarize(records)
+    restarts = trainer_restarts(run_dir)
+    if restarts:
+        summary["trainer_restarts"] = restarts
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if records:
         plot(records, run_dir / "report.png", title=report_title(run_dir))
     print(format_summary(summary, run_dir), file=sys.stderr)
     return summary
+
+
+def trainer_restarts(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's trainer restarts (``events.jsonl``, ``loop/trainer_restart.py``), in order."""
+    from miles_disagg.tracking import read_records
+
+    return [{k: v for k, v in e.items() if k not in ("step", "wall_time", "event")} for e in read_records(run_dir / "events.jsonl")
+            if e.get("event") == "trainer_restart"]
 
 
 def join_updates(records: list[dict[str, Any]], updates: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -108,6 +119,9 @@ def format_summary(s: dict[str, Any], run_dir: Path) -> str:
         f"{f(s['pause_time_max_s'] and s['pause_time_max_s'] * 1e3, '{:.1f}')} ms",
         f"throughput: {f(s['samples_per_s'], '{:.1f}')} samples/s   report: {run_dir / 'report.png'}",
     ]
+    for event in s.get("trainer_restarts", []):
+        lines.append(f"trainer restart {event['restart']} of {event['max_restarts']} at step {event['failed_at_step']}: "
+                     f"{event['failed']}; resumed from step {event['resumed_from_step']} at v{event['version']}")
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ from miles_disagg.loop.evaluation import maybe_evaluate
 from miles_disagg.loop.job import Job
 from miles_disagg.loop.records import BusyMeter, open_tracker, step_record
 from miles_disagg.loop.resume import LoopState, find_resume, maybe_save, restore
+from miles_disagg.loop.trainer_restart import LoopProgress, TrainerRestarts
 from miles_disagg.loop.updates import publish, publish_and_update, start_update
 from miles_disagg.rollout.manager import load_groups, save_groups
 from miles_disagg.tracking import TRAIN_STEPS_STREAM, UPDATES_STREAM, MetricsTracker, pass_at_k, status
@@ -25,7 +26,7 @@ from miles_disagg.trainer.torch_dist import initial_checkpoint
 from miles_disagg.types import RolloutBatch
 
 
-def train_async(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
+def train_async(job: Job, tracker: MetricsTracker, state: LoopState, progress: LoopProgress | None = None) -> None:
     """Generation never stops; a published version is activated on the engines while the
     trainer already trains on the next batch.
 
@@ -34,14 +35,16 @@ def train_async(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
     the steps it runs again). The activation of the version a
     step published finishes later: its timings and the engines' versions go to the
     ``updates`` stream (keyed by that step) when the loop next waits for it, before it starts
-    the next activation (one at a time) or at the end of the run."""
+    the next activation (one at a time) or at the end of the run. ``progress``: where the loop
+    is, for a trainer restart (``loop/trainer_restart.py``) to take over from."""
     cfg = job.config
+    progress = progress or LoopProgress()
     version = state.version
     job.rollout.start()
     busy = BusyMeter(job.router_url if cfg.rollout.router == "builtin" else None)
-    activating = None  # (step, PendingUpdate) of the activation in flight
     activated = None  # what the status line says about the newest finished activation
     for step in range(state.step, cfg.rollout.num_rollout):
+        progress.step = step
         start = time.perf_counter()
         batch = job.rollout.take(cfg.rollout.rollout_batch_size, version)
         got_batch = time.perf_counter()
@@ -51,9 +54,10 @@ def train_async(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         trained = time.perf_counter()
         update_metrics = {}
         if (step + 1) % cfg.weights.update_weights_interval == 0:
-            activated = _log_activation(tracker, cfg, activating)  # one at a time: the previous one finishes first
+            activated = _log_activation(tracker, cfg, progress.activating)  # one at a time: the previous one first
+            progress.activating = None
             version, update_metrics, pending = _begin_update(job, version)
-            activating = (step, pending) if pending is not None else None
+            progress.activating = (step, pending) if pending is not None else None
             job.rollout.set_version(version)
         last = step == cfg.rollout.num_rollout - 1
         update_metrics.update(maybe_evaluate(job, step, version, last=last))
@@ -62,7 +66,8 @@ def train_async(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
         _log_step(tracker, cfg, step, batch, train_metrics, update_metrics, timings, note=activated)
         activated = None
         maybe_save(job, LoopState(step + 1, version), last=last)  # after the record: a resume never misses it
-    _log_activation(tracker, cfg, activating)
+    _log_activation(tracker, cfg, progress.activating)
+    progress.activating = None
 
 
 def _begin_update(job: Job, version: int):
@@ -99,11 +104,13 @@ def _train(job: Job, tracker: MetricsTracker, step: int, batch: RolloutBatch) ->
     return result.summary()
 
 
-def train_sync(job: Job, tracker: MetricsTracker, state: LoopState) -> None:
+def train_sync(job: Job, tracker: MetricsTracker, state: LoopState, progress: LoopProgress | None = None) -> None:
     cfg = job.config
+    progress = progress or LoopProgress()
     version = state.version
     busy = BusyMeter(job.router_url if cfg.rollout.router == "builtin" else None)
     for step in range(state.step, cfg.rollout.num_rollout):
+        progress.step = step
         start = time.perf_counter()
         batch = _rollout_batch(job, step, version)
         got_batch = time.perf_counter()
@@ -189,10 +196,9 @@ def run(config: RunConfig) -> None:
     tracker = open_tracker(config, start_step=found[1].step if found else 0)  # each step logged once after --load
     try:
         state = restore(job, found)
-        if config.entry == "train_async" and not (config.rollout.debug_rollout_only or config.rollout.debug_train_only):
-            train_async(job, tracker, state)
-        else:
-            train_sync(job, tracker, state)
+        asynchronous = config.entry == "train_async" and not (config.rollout.debug_rollout_only or
+                                                               config.rollout.debug_train_only)
+        TrainerRestarts(job, tracker, resumed_from=found).run(train_async if asynchronous else train_sync, state)
     finally:
         tracker.close()
         job.stop()

@@ -9,6 +9,10 @@ Staleness (DESIGN.md section 6), with ``K = --max-weight-staleness``:
   the engine's response (``Sample.weight_version_start``), never from a trainer counter.
   A group exactly ``K`` versions behind is kept; ``K + 1`` behind is dropped.
   ``K = None`` keeps everything.
+* discarded versions (:meth:`GroupBuffer.discard_versions`): versions published by a trainer
+  that failed and was restarted from an older save are not in the restored trainer's lineage,
+  so their distance from it is not the difference of version numbers; a group any of whose
+  engine calls ran on one is dropped (and counted) whatever ``K`` is.
 
 Concurrency: one :class:`threading.Condition` guards all state; any number of producer
 threads may :meth:`~GroupBuffer.put` while consumers :meth:`~GroupBuffer.take`. Groups are
@@ -114,6 +118,7 @@ class GroupBuffer:
         self._groups: deque[Group] = deque()
         self._closed = False
         self._last_version: int | None = None
+        self._discarded: list[tuple[int, int]] = []  # (first, last) version ranges
         self._dropped_unreported = 0
         self._num_waiting = 0
         self.num_put = 0
@@ -128,10 +133,23 @@ class GroupBuffer:
             return None
         return max(0, current_version - self.max_weight_staleness)
 
-    def is_admissible(self, group: Group, current_version: int) -> bool:
-        """A group is kept iff its oldest start version is at least ``current - K``."""
-        minimum = self.admission_min_version(current_version)
+    def is_admissible(self, group: Group, current_version: int | None) -> bool:
+        """A group is kept iff its oldest start version is at least ``current - K`` (``current``
+        None: no bound) and none of its samples ran on a discarded version."""
+        if self._discarded and any(_touches(s, self._discarded) for s in group.samples):
+            return False
+        minimum = None if current_version is None else self.admission_min_version(current_version)
         return minimum is None or group.oldest_version >= minimum
+
+    def discard_versions(self, first: int, last: int) -> int:
+        """Versions ``first..last`` left the trainer's lineage (a restarted trainer republished
+        its older saved state as a newer version): buffered groups that ran on one are dropped
+        now, and those still arriving are dropped on arrival. Returns how many were dropped now."""
+        if not (_is_count(first) and _is_count(last) and first <= last):
+            raise InvalidInput(f"discard_versions needs 0 <= first <= last, got {first!r}..{last!r}")
+        with self._cond:
+            self._discarded.append((first, last))
+            return self._drop_stale(self._last_version)
 
     # ------------------------------------------------------------------ producer / consumer
 
@@ -145,7 +163,7 @@ class GroupBuffer:
                 raise BufferClosed("put on a closed buffer")
             self._groups.append(group)
             self.num_put += 1
-            if self._last_version is not None:  # stale on arrival: drop it now, not at the next take
+            if self._last_version is not None or self._discarded:  # stale on arrival: drop it now
                 self._drop_stale(self._last_version)
             self._cond.notify_all()
 
@@ -217,7 +235,7 @@ class GroupBuffer:
                                "stale groups were already dropped against the newer version")
         self._last_version = current_version
 
-    def _drop_stale(self, current_version: int) -> int:
+    def _drop_stale(self, current_version: int | None) -> int:
         kept = deque(g for g in self._groups if self.is_admissible(g, current_version))
         dropped = len(self._groups) - len(kept)
         if dropped:
@@ -248,3 +266,9 @@ class GroupBuffer:
             self._cond.wait(remaining)
         finally:
             self._num_waiting -= 1
+
+
+def _touches(sample, ranges: list[tuple[int, int]]) -> bool:
+    """Whether one of the sample's engine calls ran on a version in one of ``ranges``."""
+    calls = sample.call_versions or [[sample.weight_version_start, sample.weight_version_end]]
+    return any(start <= last and end >= first for start, end in calls for first, last in ranges)

@@ -33,6 +33,10 @@ class RolloutManagerHandle:
         """The trainer's newest version: new requests ask for at least ``version - K``."""
         Pending([self._actor.set_version.remote(version)]).result()
 
+    def discard_versions(self, first: int, last: int) -> int:
+        """Drop groups that ran on versions ``first..last`` (a restarted trainer's lost lineage)."""
+        return Pending([self._actor.discard_versions.remote(first, last)]).result()
+
     def take(self, n_groups: int, current_version: int) -> RolloutBatch:
         """The next ``n_groups`` admissible groups (async mode)."""
         return Pending([self._actor.take.remote(n_groups, current_version)]).result()

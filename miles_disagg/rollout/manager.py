@@ -158,6 +158,11 @@ class RolloutManager:
         self.current_version = version
         self.buffer.drop_stale(version)
 
+    async def discard_versions(self, first: int, last: int) -> int:
+        """Versions ``first..last`` left the trainer's lineage (``GroupBuffer.discard_versions``);
+        how many buffered groups were dropped (their slots go back to the producer)."""
+        return self.buffer.discard_versions(first, last)
+
     async def take(self, n_groups: int, current_version: int, timeout_s: float = 900.0) -> RolloutBatch:
         """The next ``n_groups`` admissible groups (oldest first) and their staleness metrics."""
         self._raise_failure()
