@@ -57,13 +57,17 @@ class TrainerGroup:
     def set_delta_filter(self, delta_filter: str) -> None:
         import ray
 
-        ray.get(self.ranks[0].set_delta_filter.remote(delta_filter))
+        ray.get([r.set_delta_filter.remote(delta_filter) for r in self.ranks])
 
     def weight_checksums(self, algorithm: str) -> dict[str, str]:
-        """What the engines must serve now, per tensor (collective; rank 0's answer)."""
+        """What the engines must serve now, per tensor (collective; disk-delta: every rank's share
+        merged; broadcast: rank 0's answer)."""
         import ray
 
-        return ray.get([r.weight_checksums.remote(algorithm) for r in self.ranks])[0]
+        merged: dict[str, str] = {}
+        for part in ray.get([r.weight_checksums.remote(algorithm) for r in self.ranks]):
+            merged.update(part or {})
+        return merged
 
     def train(self, samples: list[Sample]) -> TrainResult:
         """Train on one rollout's samples (whole global batches); the metrics of each optimizer
@@ -74,7 +78,7 @@ class TrainerGroup:
         return results[0]
 
     def publish(self) -> PublishResult:
-        """The policy as the next version (rank 0 publishes; the others join the gather)."""
+        """The policy as the next version (every rank writes its share; rank 0 commits)."""
         return wait_for([r.publish.remote() for r in self.ranks])[0]
 
     def save(self, directory: str, with_hf: bool) -> None:
