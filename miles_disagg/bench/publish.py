@@ -82,13 +82,13 @@ def write_checkpoints(root: Path, size_mb: float, lr: float, seed: int, files: i
 
 
 def publish_with_ranks(base: Path, trained: Path, store: Path, ranks: int, workers: int = 1,
-                       timeout_s: float = 600.0) -> dict[str, Any]:
+                       timeout_s: float = 600.0, filter: str = "byteplane") -> dict[str, Any]:
     """Publish ``trained`` onto ``store`` (baseline ``base``) with ``ranks`` processes; rank 0's report."""
     context = multiprocessing.get_context("spawn")
     init_file = store.parent / f".dist-{store.name}-{time.time_ns()}"
     queue = context.Queue()
     procs = [context.Process(target=_rank_main, args=(rank, ranks, str(init_file), str(base), str(trained),
-                                                      str(store), workers, queue), daemon=True)
+                                                      str(store), workers, filter, queue), daemon=True)
              for rank in range(ranks)]
     for proc in procs:
         proc.start()
@@ -108,15 +108,15 @@ def publish_with_ranks(base: Path, trained: Path, store: Path, ranks: int, worke
 
 
 def _rank_main(rank: int, ranks: int, init_file: str, base: str, trained: str, store: str, workers: int,
-               queue: Any) -> None:
+               filter: str, queue: Any) -> None:
     try:
-        queue.put(_publish_share(rank, ranks, init_file, base, trained, store, workers))
+        queue.put(_publish_share(rank, ranks, init_file, base, trained, store, workers, filter))
     except BaseException as exc:  # reported to the parent, which raises
         queue.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
 
 
 def _publish_share(rank: int, ranks: int, init_file: str, base: str, trained: str, store: str,
-                   workers: int) -> dict[str, Any]:
+                   workers: int, filter: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -131,7 +131,7 @@ def _publish_share(rank: int, ranks: int, init_file: str, base: str, trained: st
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks)
     entries = checkpoint_tensors(trained)
     share = assign_by_size({n: e.nbytes for n, (_, e) in entries.items()}, ranks)[rank]
-    publisher = DeltaPublisher(store, base_dir=base, num_workers=workers, share=share,
+    publisher = DeltaPublisher(store, base_dir=base, num_workers=workers, share=share, filter=filter,
                                collective=TorchCollective() if ranks > 1 else None)
     publisher.capture_baseline()
     tensors = [(n, torch.frombuffer(read_bytes(Path(trained) / f, e), dtype=dtype_from_code(e.dtype)).view(e.shape))
