@@ -1,5 +1,6 @@
-"""Sharded publication by the real trainer group (Ray actors, gloo, CPU): FSDP over 2 ranks,
-Megatron TP=2 and Megatron EP=2 (Qwen3-MoE) each train a step, then every rank writes its
+"""Sharded publication by the real trainer group (Ray actors, gloo, CPU): FSDP over 2 and 4 ranks,
+Megatron TP=2 (2 ranks; 4 ranks: 2 data-parallel replicas) and EP=2 (Qwen3-MoE) each train a
+step, then every rank writes its
 share of the trained policy; one version commits with one index; a host applies it to the
 bytes the trainer holds, and those bytes equal a 1-rank publish of the same weights.
 
@@ -123,10 +124,12 @@ def one_rank_publish(model_dir: Path, store: Path, policy: dict[str, bytes]) -> 
     return held_digests(Materializer(store.parent / f"{store.name}-host", base_dir=model_dir).prepare(store).path)
 
 
-CASES = {
-    "fsdp": ("tiny_qwen3_dir", {"train_backend": "fsdp"}),
-    "megatron-tp2": ("tiny_qwen3_dir", {"train_backend": "megatron", "tensor_model_parallel_size": 2}),
-    "megatron-ep2": ("tiny_moe_dir", {"train_backend": "megatron", "expert_model_parallel_size": 2}),
+CASES = {  # (model, ranks, flags)
+    "fsdp": ("tiny_qwen3_dir", 2, {"train_backend": "fsdp"}),
+    "fsdp-4-ranks": ("tiny_qwen3_dir", 4, {"train_backend": "fsdp"}),
+    "megatron-tp2": ("tiny_qwen3_dir", 2, {"train_backend": "megatron", "tensor_model_parallel_size": 2}),
+    "megatron-tp2-dp2": ("tiny_qwen3_dir", 4, {"train_backend": "megatron", "tensor_model_parallel_size": 2}),
+    "megatron-ep2": ("tiny_moe_dir", 2, {"train_backend": "megatron", "expert_model_parallel_size": 2}),
 }
 
 
@@ -138,22 +141,22 @@ def tiny_moe_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_ranks_each_write_a_share_of_the_trained_policy(ray_cluster, case: str, request, tmp_path: Path) -> None:
+def test_every_rank_writes_a_share_of_the_trained_policy(ray_cluster, case: str, request, tmp_path: Path) -> None:
     if case.startswith("megatron"):
         pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    fixture, flags = CASES[case]
+    fixture, ranks, flags = CASES[case]
     model_dir: Path = request.getfixturevalue(fixture)
     store = tmp_path / "store"
-    with trainer_group(model_dir, 2, disk_delta(store), **flags) as group:
+    with trainer_group(model_dir, ranks, disk_delta(store), **flags) as group:
         group.train(samples())
         result = group.publish()
         policy = group.tensor_bytes()  # rank 0's whole export (the unsharded path) of the same weights
         expected = group.weight_checksums("xxh3-128")  # every rank's share, merged
     model_bytes = sum(e.nbytes for _, e in checkpoint_tensors(model_dir).values())
-    assert result.ref.version == 1 and result.num_ranks == 2, result
+    assert result.ref.version == 1 and result.num_ranks == ranks, result
     assert result.metrics()["perf/update_weights_snapshot_bytes"] == result.snapshot_bytes < model_bytes
     index = VersionStore(store).read_index(1)
-    assert index.files() == ["model-00000-of-00002.safetensors", "model-00001-of-00002.safetensors"]  # both ranks wrote
+    assert index.files() == [f"model-{i:05d}-of-{ranks:05d}.safetensors" for i in range(ranks)]  # every rank wrote
     assert expected == digests(policy)  # the shares together are the whole policy
     host = Materializer(tmp_path / "host", base_dir=model_dir).prepare(store)
     assert held_digests(host.path) == expected
