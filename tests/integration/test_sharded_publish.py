@@ -123,3 +123,41 @@ def test_a_plain_version_of_4_ranks_is_read_by_a_reference_only_consumer(tmp_pat
     _reference_applier()(local, store / "weight_v000001")
     assert state_checksums(local) == state_checksums(trained)
     shutil.rmtree(local)
+
+
+def test_an_engine_serves_versions_of_1_and_4_ranks_identically(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    """The built-in engine pulls (verifying every tensor's checksum) and activates the version of a
+    1-rank and of a 4-rank publish of the same trained weights: the live weights are the same."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from engine_fixtures import start_engine, stop_engine
+
+    trained = tmp_path / "trained"
+    shutil.copytree(tiny_qwen3_dir, trained)
+    generator = torch.Generator().manual_seed(5)
+    for file in trained.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        save_file({n: t + 0.01 * torch.randn(t.shape, generator=generator, dtype=t.dtype) for n, t in tensors.items()},
+                  str(file), metadata={"format": "pt"})
+    served = {}
+    for ranks in (1, 4):
+        store, local = tmp_path / f"store-{ranks}", tmp_path / f"local-{ranks}" / "ckpt"
+        publish_with_ranks(tiny_qwen3_dir, trained, store, ranks)
+        local.parent.mkdir(parents=True)
+        engine = start_engine(tiny_qwen3_dir, tmp_path / f"engine-{ranks}", "--weight-store-dir", str(store),
+                              "--local-checkpoint-dir", str(local))
+        try:
+            pulled = engine.post("/pull_weights", {"target_version": 1, "source_dir": str(store),
+                                                   "local_checkpoint_dir": str(local)})
+            assert pulled.status_code == 200 and pulled.json()["success"] is True, pulled.text
+            activated = engine.post("/update_weights_from_disk", {"model_path": str(local), "weight_version": "1"})
+            assert activated.status_code == 200, activated.text
+            report = engine.get("/weight_checksums", params={"algorithm": "xxh3-128"}).json()
+            assert report["weight_version"] == "1"
+            served[ranks] = report["checksums"]
+        finally:
+            stop_engine(engine)
+    assert served[1] == served[4] == state_checksums(trained)
