@@ -170,8 +170,7 @@ class DeltaPublisher:
     def capture_baseline(self) -> None:
         """Snapshot this rank's share of ``base_dir`` (and of this run's published versions, if any);
         publish nothing. Collective when sharded (rank 0 checks the store and names the run)."""
-        latest = self._open_store() if self.collective.rank == 0 else None
-        latest, self.run_id = self.collective.broadcast((latest, self.run_id))
+        latest, self.run_id = self._on_rank_0(lambda: (self._open_store(), self.run_id))
         snapshot, layouts = {}, {}
         for name, (file_name, entry) in checkpoint_tensors(self.base_dir).items():
             layouts[name] = LocalTensor(entry.dtype, entry.shape, entry.nbytes, entry.itemsize)
@@ -231,8 +230,12 @@ class DeltaPublisher:
         anchor = force_full or (self.full_anchor_interval > 0 and version % self.full_anchor_interval == 0)
         spec = CodecSpec("full" if anchor else self.encoding, self.filter, self.chunk_bytes)
         ref = VersionRef(self.run_id or "", version)
-        staging = self.store.new_staging_dir(version) if self.collective.rank == 0 else None
-        staging = Path(self.collective.broadcast(str(staging) if staging else None))
+        try:
+            staging = Path(self._on_rank_0(lambda: str(self.store.new_staging_dir(version))))
+        except Exception:
+            for _ in named_tensors:  # producing them is collective: every rank drains its iterator
+                pass
+            raise
         new_bytes: dict[str, np.ndarray] = {}
         manifest, failure = self._write_share(staging, spec, named_tensors, new_bytes, anchor)
         manifests = self.collective.gather(manifest)
@@ -253,6 +256,23 @@ class DeltaPublisher:
         if self.collective.rank == 0 and spec.encoding == "full" and self.prune_on_anchor:
             self.store.prune()
         return result
+
+    def _on_rank_0(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on rank 0, its value on every rank; when it raises, rank 0 raises the error and
+        the other ranks ``ShareFailed`` naming it (no rank is left waiting)."""
+        value, error = None, None
+        if self.collective.rank == 0:
+            try:
+                value = fn()
+            except Exception as exc:
+                error = exc
+        ok, shared = self.collective.broadcast((True, value) if error is None
+                                               else (False, f"{type(error).__name__}: {error}"))
+        if error is not None:
+            raise error
+        if not ok:
+            raise ShareFailed(f"rank 0 failed: {shared}")
+        return shared
 
     def _write_share(self, staging: Path, spec: CodecSpec, named_tensors: Iterable[tuple[str, Any]],
                      new_bytes: dict[str, np.ndarray], anchor: bool) -> tuple[ShareManifest, BaseException | None]:

@@ -174,3 +174,23 @@ def test_a_failing_hook_fails_every_rank_and_changes_nothing(tmp_path: Path) -> 
     assert VersionStore(store).latest() is None and no_debris(store) and not (store / "weight_v000001").exists()
     fail[0] = False
     assert publish_all(pubs, lambda rank: trained(model()))[0].ref.version == 1
+
+
+def test_a_store_of_another_run_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0 checks the store; the other ranks learn its verdict instead of waiting for it."""
+    base = write_checkpoint(tmp_path / "base", model())
+    store = tmp_path / "store"
+    other = DeltaPublisher(store, base_dir=base, run_id="other")
+    other.capture_baseline()
+    other.publish(trained(model()).items())
+
+    def make(rank: int, collective: RankView) -> DeltaPublisher:
+        pub = DeltaPublisher(store, base_dir=base, run_id="r", share=None, collective=collective)
+        pub.capture_baseline()
+        return pub
+
+    from miles_disagg.types import ConfigError
+
+    results = run_ranks(2, make)
+    assert isinstance(results[0], ConfigError) and isinstance(results[1], ShareFailed), results
+    assert "holds run 'other'" in str(results[1])
