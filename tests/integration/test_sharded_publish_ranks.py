@@ -197,6 +197,7 @@ def test_a_rank_killed_mid_publish_leaves_no_version_and_the_resumed_run_publish
             ray.get(pending[0], timeout=120)
     visible = VersionStore(store)
     assert visible.latest() == VersionRef(run_id, 1) and visible.visible_versions() == [1]
+    assert len(visible.read_index(1).files()) == 2  # both ranks wrote a share of version 1
     assert verify_cli(store, tiny_qwen3_dir)["version"] == 1
     with trainer_group(tiny_qwen3_dir, 2, disk_delta(store), run_id=run_id, train_backend="fsdp") as group:
         group.train(samples())
