@@ -226,16 +226,13 @@ class DeltaPublisher:
         if self._snapshot is None:
             raise InvalidInput("capture_baseline() must run before publish()")
         start = time.perf_counter()
-        version = (self._latest.version if self._latest else 0) + 1
-        anchor = force_full or (self.full_anchor_interval > 0 and version % self.full_anchor_interval == 0)
-        spec = CodecSpec("full" if anchor else self.encoding, self.filter, self.chunk_bytes)
-        ref = VersionRef(self.run_id or "", version)
-        try:
-            staging = Path(self._on_rank_0(lambda: str(self.store.new_staging_dir(version))))
+        try:  # rank 0 decides the version and its codec, so every share is written as the index says
+            staging, ref, spec, anchor = self._on_rank_0(lambda: self._next_version(force_full))
         except Exception:
             for _ in named_tensors:  # producing them is collective: every rank drains its iterator
                 pass
             raise
+        version = ref.version
         new_bytes: dict[str, np.ndarray] = {}
         manifest, failure = self._write_share(staging, spec, named_tensors, new_bytes, anchor)
         manifests = self.collective.gather(manifest)
@@ -256,6 +253,13 @@ class DeltaPublisher:
         if self.collective.rank == 0 and spec.encoding == "full" and self.prune_on_anchor:
             self.store.prune()
         return result
+
+    def _next_version(self, force_full: bool) -> tuple[Path, VersionRef, CodecSpec, bool]:
+        """Rank 0: the staging dir, ref and codec of the next version, and whether it is an anchor."""
+        version = (self._latest.version if self._latest else 0) + 1
+        anchor = force_full or (self.full_anchor_interval > 0 and version % self.full_anchor_interval == 0)
+        spec = CodecSpec("full" if anchor else self.encoding, self.filter, self.chunk_bytes)
+        return self.store.new_staging_dir(version), VersionRef(self.run_id or "", version), spec, anchor
 
     def _on_rank_0(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` on rank 0, its value on every rank; when it raises, rank 0 raises the error and
