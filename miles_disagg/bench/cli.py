@@ -1,4 +1,4 @@
-"""``miles-disagg bench {delta,engine,async,service,hostile,colocate,http,scale}``: dispatch to the benchmark modules.
+"""``miles-disagg bench {delta,engine,async,service,hostile,colocate,http,scale,publish}``: dispatch to the benchmark modules.
 
 Each benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and
 prints one JSON object on stdout.
@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "colocate": ("miles_disagg.bench.colocate", "--colocate memory handoff: engine and trainer RSS released/offloaded"),
     "http": ("miles_disagg.bench.http_client", "the generation hot path's HTTP client: httpx vs pooled_http"),
     "scale": ("miles_disagg.bench.scale", "control plane at scale with simulated engines: fan-out, router, memory"),
+    "publish": ("miles_disagg.bench.publish", "sharded publication: per-rank snapshot and payload bytes, wall, wire by rank count"),
 }
 
 

@@ -1,8 +1,9 @@
-"""One trainer rank (a Ray actor): torch.distributed, a backend, and on rank 0 the publisher.
+"""One trainer rank (a Ray actor): torch.distributed, a backend, and (disk-delta) its publisher.
 
 Every method is called on all ranks at once by ``TrainerGroup`` (the backend's methods
-are collective). Only rank 0 (the source rank) feeds the ``DeltaPublisher``; the other
-ranks take part in the gather and drop the tensors.
+are collective). Disk-delta publication is sharded: every rank's ``DeltaPublisher`` holds,
+encodes and writes its share of the HF tensors (``backend.publish_share``), and rank 0
+commits each version once every share is durable (``weights/commit.py``).
 """
 
 from __future__ import annotations
@@ -47,22 +48,28 @@ class TrainerRank:
         backend = init_distributed(self.rank, self.world_size, master_addr, master_port)
         self.backend = make_backend(self.train_config, self.hf_dir, rank=self.rank, world_size=self.world_size,
                                     temperature=self.temperature, initial_checkpoint=self.initial_checkpoint)
-        if self.rank == 0 and self.weights_config.update_weight_transfer_mode == "disk-delta":
+        if self.weights_config.update_weight_transfer_mode == "disk-delta":
             self.publisher = self._make_publisher(run_id, delta_filter)
         return {"backend": backend, "setup_s": time.perf_counter() - start,
                 "run_id": self.publisher.run_id if self.publisher else run_id}
 
     def _make_publisher(self, run_id: str | None, delta_filter: str):
+        from miles_disagg.weights.commit import TorchCollective
         from miles_disagg.weights.hooks import POST_WRITE_FLAG, MilesHookContext, load_hook
         from miles_disagg.weights.publisher import DeltaPublisher
+        from miles_disagg.weights.safetensors_io import checkpoint_tensors
 
         w = self.weights_config
-        hook = load_hook(w.custom_update_weight_post_write_path, POST_WRITE_FLAG,
-                         MilesHookContext(self.miles_args, lambda: self.rollout_engines))
+        hook = None
+        if self.rank == 0:  # the committing rank runs the post-write hook, once per version
+            hook = load_hook(w.custom_update_weight_post_write_path, POST_WRITE_FLAG,
+                             MilesHookContext(self.miles_args, lambda: self.rollout_engines))
+        sizes = {name: entry.nbytes for name, (_, entry) in checkpoint_tensors(self.hf_dir).items()}
         publisher = DeltaPublisher(
             w.update_weight_disk_dir, base_dir=self.hf_dir, run_id=run_id, encoding=w.update_weight_delta_encoding,
             checksum=w.update_weight_delta_checksum, filter=delta_filter, post_write_hook=hook,
-            full_anchor_interval=w.update_weight_full_anchor_interval)
+            full_anchor_interval=w.update_weight_full_anchor_interval,
+            share=self.backend.publish_share(sizes), collective=TorchCollective() if self.world_size > 1 else None)
         publisher.capture_baseline()  # the first update only captures the baseline
         return publisher
 
@@ -76,13 +83,14 @@ class TrainerRank:
             self.publisher.set_filter(delta_filter)
 
     def weight_checksums(self, algorithm: str) -> dict[str, str] | None:
-        """Rank 0: per-tensor checksums of what the engines must serve now: the last published
-        state (disk-delta) or the policy itself (broadcast); collective. Other ranks: None."""
+        """Per-tensor checksums of what the engines must serve now: this rank's share of the last
+        published state (disk-delta: the group merges the shares), or on rank 0 the policy itself
+        (broadcast; collective; other ranks None)."""
         from miles_disagg.weights.checksums import checksum
         from miles_disagg.weights.torch_bytes import tensor_bytes
 
-        if self.weights_config.update_weight_transfer_mode == "disk-delta":  # only rank 0 holds the publisher
-            return self.publisher.published_checksums(algorithm) if self.rank == 0 else None
+        if self.weights_config.update_weight_transfer_mode == "disk-delta":
+            return self.publisher.published_checksums(algorithm)
         sums = {name: checksum(algorithm, tensor_bytes(t)) for name, t in self.backend.named_tensors()}
         return sums if self.rank == 0 else None
 
@@ -141,9 +149,9 @@ class TrainerRank:
         return self.backend.train(steps)
 
     def publish(self, full: bool = False):
-        """Publish the current policy as the next version (rank 0: its ``PublishResult``; other
-        ranks join the gather and return None)."""
-        tensors = self.backend.named_tensors()
+        """Publish the current policy as the next version, every rank its share (collective; rank 0
+        returns the version's ``PublishResult``, the others None)."""
+        tensors = self.backend.share_tensors()
         if self.publisher is None:
             for _ in tensors:
                 pass

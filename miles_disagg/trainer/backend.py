@@ -34,6 +34,19 @@ class TrainerBackend(ABC):
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy as canonical HF-named CPU tensors in the checkpoint's dtypes (collective)."""
 
+    def publish_share(self, sizes: dict[str, int]) -> frozenset[str]:
+        """The HF tensors this rank publishes (sharded disk-delta; ``sizes``: every tensor's bytes).
+        Default: every rank gathers every tensor, so they are split by size (balanced, the same on
+        every rank)."""
+        from miles_disagg.weights.shares import assign_by_size
+
+        return assign_by_size(sizes, self.world_size)[self.rank]  # type: ignore[attr-defined]
+
+    def share_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """At least this rank's ``publish_share`` as HF-named CPU tensors (collective; tensors of other
+        shares may come too, and are skipped by the publisher)."""
+        return self.named_tensors()
+
     @abstractmethod
     def save_checkpoint(self, directory: str) -> None:
         """Model, optimizer and RNG state into ``directory`` (collective; every rank writes its

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -211,14 +211,30 @@ class FSDPBackend(TrainerBackend):
 
         return on_disk_tensors(self._state_tensors())
 
+    def publish_share(self, sizes: dict[str, int]) -> frozenset[str]:
+        self._share = super().publish_share(sizes)
+        return self._share
+
+    def share_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor is still gathered (collective), but only this rank's share (and fused
+        expert tensors, whose experts may fall in several shares) is copied to the CPU."""
+        from miles_disagg.models.moe_names import FUSED_DOWN, FUSED_GATE_UP, on_disk_tensors
+
+        share = getattr(self, "_share", None)
+        if share is None:
+            return self.named_tensors()
+        return on_disk_tensors(self._state_tensors(
+            lambda name: name in share or bool(FUSED_GATE_UP.match(name) or FUSED_DOWN.match(name))))
+
     @torch.no_grad()
-    def _state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _state_tensors(self, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.module.state_dict().items():
             if name not in self.export_dtypes:
                 continue
             if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor: gather (collective)
                 tensor = tensor.full_tensor()
-            yield name, tensor.detach().to("cpu", self.export_dtypes[name])
+            if keep is None or keep(name):
+                yield name, tensor.detach().to("cpu", self.export_dtypes[name])
 
     def offload_targets(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         return self.module, self.optimizer

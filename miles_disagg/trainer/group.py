@@ -65,11 +65,15 @@ class TrainerGroup:
         self._wait([r.set_rollout_engines.remote(list(urls)) for r in self.ranks])
 
     def set_delta_filter(self, delta_filter: str) -> None:
-        self._wait([self.ranks[0].set_delta_filter.remote(delta_filter)])
+        self._wait([r.set_delta_filter.remote(delta_filter) for r in self.ranks])
 
     def weight_checksums(self, algorithm: str) -> dict[str, str]:
-        """What the engines must serve now, per tensor (collective; rank 0's answer)."""
-        return self._wait([r.weight_checksums.remote(algorithm) for r in self.ranks])[0]
+        """What the engines must serve now, per tensor (collective; disk-delta: every rank's share
+        merged; broadcast: rank 0's answer)."""
+        merged: dict[str, str] = {}
+        for part in self._wait([r.weight_checksums.remote(algorithm) for r in self.ranks]):
+            merged.update(part or {})
+        return merged
 
     def train(self, samples: list[Sample]) -> TrainResult:
         """Train on one rollout's samples (whole global batches); the metrics of each optimizer
@@ -80,7 +84,7 @@ class TrainerGroup:
         return results[0]
 
     def publish(self) -> PublishResult:
-        """The policy as the next version (rank 0 publishes; the others join the gather)."""
+        """The policy as the next version (every rank writes its share; rank 0 commits)."""
         return self._wait([r.publish.remote() for r in self.ranks])[0]
 
     def save(self, directory: str, with_hf: bool) -> None:

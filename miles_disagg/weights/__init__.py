@@ -10,6 +10,7 @@ On-disk layout of a store (``--update-weight-disk-dir``)::
                                          "weight_map": {hf_name: payload file}}
       model-00000-of-0000K.safetensors  one 1-D uint8 payload per changed tensor; __metadata__
                                         maps each name to the checksum of its FULL new bytes
+                                        (one or more files per writing trainer rank)
 
 Encodings: ``xor`` (default; applies exactly once onto its base), ``overwrite``
 (``[u32 count][u32 positions][new bytes]``; idempotent) and ``full`` (periodic anchors).
@@ -24,7 +25,9 @@ Checksums: ``xxh3-128`` (default), ``blake3``, ``adler32`` (lowercase hex digest
 
 Public API (import from the submodules; this package imports nothing heavy):
 
-* ``publisher.DeltaPublisher`` / ``PublishResult``: trainer side (``capture_baseline``, ``publish``).
+* ``publisher.DeltaPublisher`` / ``PublishResult``: trainer side (``capture_baseline``, ``publish``);
+  sharded over the trainer's ranks with ``share`` and ``collective``: ``shares`` (who owns which
+  tensor, writing a rank's share), ``commit`` (gathering the manifests, the one commit).
 * ``materializer.Materializer`` / ``PreparedVersion``: host side (``prepare``, ``prepare_in_memory``, ``held``).
 * ``store.VersionStore``: pointer, visible versions, chain planning, commit protocol, ``prune``.
 * ``codec``: per-tensor encode/decode over a thread pool; ``format``: index parsing/validation.

@@ -12,7 +12,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Collection, Iterator, Mapping
 
 import numpy as np
 
@@ -38,30 +38,45 @@ class Payload:
     checksum: str
 
 
-def load_payloads(version_dir: Path, index: VersionIndex) -> dict[str, Payload]:
-    """Read and validate every payload of a version; ``FormatError`` on any malformed file."""
+def load_payloads(version_dir: Path, index: VersionIndex, pool: ThreadPoolExecutor | None = None,
+                  names: Collection[str] | None = None) -> dict[str, Payload]:
+    """Read and validate the payloads of a version (of ``names`` only, when given: a rank's share);
+    ``FormatError`` on any malformed file. The files of a version (one or more per writing rank)
+    are read in parallel over ``pool``."""
+    wanted = set(index.weight_map) if names is None else set(names) & set(index.weight_map)
+    files = sorted({index.weight_map[n] for n in wanted})
+    if pool is None or len(files) < 2:
+        parts = [_load_file(version_dir, index, f, wanted) for f in files]
+    else:
+        parts = list(pool.map(lambda f: _load_file(version_dir, index, f, wanted), files))
+    return {name: payload for part in parts for name, payload in part.items()}
+
+
+def _load_file(version_dir: Path, index: VersionIndex, file_name: str, wanted: set[str]) -> dict[str, Payload]:
+    header = read_header(version_dir / file_name)
+    mapped = {n for n, f in index.weight_map.items() if f == file_name}
+    if set(header.tensors) != mapped:
+        raise FormatError(
+            f"{version_dir.name}/{file_name} holds {sorted(header.tensors)}, the index maps {sorted(mapped)} to it"
+        )
     payloads: dict[str, Payload] = {}
-    for file_name in index.files():
-        header = read_header(version_dir / file_name)
-        mapped = {n for n, f in index.weight_map.items() if f == file_name}
-        if set(header.tensors) != mapped:
-            raise FormatError(
-                f"{version_dir.name}/{file_name} holds {sorted(header.tensors)}, the index maps {sorted(mapped)} to it"
-            )
-        for name in sorted(mapped):
-            entry = header.tensors[name]
-            if entry.dtype != "U8" or len(entry.shape) != 1:
-                raise FormatError(f"{version_dir.name}/{file_name}: payload {name!r} is not a 1-D uint8 tensor")
-            digest = header.metadata.get(name)
-            if not digest:
-                raise FormatError(f"{version_dir.name}/{file_name}: no checksum for tensor {name!r} in __metadata__")
+    for name in sorted(mapped):
+        entry = header.tensors[name]
+        if entry.dtype != "U8" or len(entry.shape) != 1:
+            raise FormatError(f"{version_dir.name}/{file_name}: payload {name!r} is not a 1-D uint8 tensor")
+        digest = header.metadata.get(name)
+        if not digest:
+            raise FormatError(f"{version_dir.name}/{file_name}: no checksum for tensor {name!r} in __metadata__")
+        if name in wanted:
             payloads[name] = Payload(memoryview(read_bytes(header.path, entry)), digest)
     return payloads
 
 
-def check_layouts(index: VersionIndex, local: Mapping[str, LocalTensor], where: str) -> None:
-    """Every changed tensor exists locally with the dtype/shape/size the version declares."""
-    for name in index.weight_map:
+def check_layouts(index: VersionIndex, local: Mapping[str, LocalTensor], where: str,
+                  names: Collection[str] | None = None) -> None:
+    """Every changed tensor (of ``names``, when given) exists locally with the dtype/shape/size the
+    version declares."""
+    for name in (index.weight_map if names is None else set(names) & set(index.weight_map)):
         have = local.get(name)
         if have is None:
             raise LayoutMismatch(f"{where} changes tensor {name!r}, which the local checkpoint does not have")
@@ -74,15 +89,18 @@ def check_layouts(index: VersionIndex, local: Mapping[str, LocalTensor], where: 
 
 
 def apply_version(pool: ThreadPoolExecutor, version_dir: Path, index: VersionIndex,
-                  local: Mapping[str, LocalTensor], target_of: Callable[[str], np.ndarray]) -> Iterator[str]:
-    """Apply ``index``'s deltas onto ``target_of(name)`` buffers in place; yield each verified name.
+                  local: Mapping[str, LocalTensor], target_of: Callable[[str], np.ndarray],
+                  names: Collection[str] | None = None) -> Iterator[str]:
+    """Apply ``index``'s deltas (to ``names`` only, when given) onto ``target_of(name)`` buffers in
+    place; yield each verified name.
 
-    Validates layouts and payload files up front, then decodes in parallel. Raises
-    ``LayoutMismatch``, ``FormatError`` or ``ChecksumMismatch``.
+    Validates layouts and payload files up front (the files read in parallel), then decodes
+    tensors and their chunks in parallel. Raises ``LayoutMismatch``, ``FormatError`` or
+    ``ChecksumMismatch``.
     """
     where = f"version {index.version} ({version_dir})"
-    check_layouts(index, local, where)
-    payloads = load_payloads(version_dir, index)
+    check_layouts(index, local, where, names)
+    payloads = load_payloads(version_dir, index, pool, names)
     items = (
         (name, target_of(name), payloads[name].data, local[name].itemsize, payloads[name].checksum)
         for name in sorted(payloads)

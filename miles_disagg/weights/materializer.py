@@ -185,15 +185,20 @@ class Materializer:
             buffers[name] = np.frombuffer(read_bytes(dest / file_name, entry), dtype=np.uint8)
             return buffers[name]
 
+        pool = self._pool_get()
+        writes = []
         try:
-            for name in apply_version(self._pool_get(), version_dir, index, layouts, target_of):
+            for name in apply_version(pool, version_dir, index, layouts, target_of):
                 file_name, entry = tensors[name]
                 if file_name not in fds:
                     fds[file_name] = os.open(dest / file_name, os.O_RDWR)
-                _pwrite_all(fds[file_name], buffers.pop(name), entry.offset)
-            for fd in fds.values():
-                os.fsync(fd)
+                writes.append(pool.submit(_pwrite_all, fds[file_name], buffers.pop(name), entry.offset))
+            for write in writes:
+                write.result()
+            list(pool.map(os.fsync, fds.values()))
         finally:
+            for write in writes:
+                write.cancel() or write.exception()  # every write is over before its file is closed
             for fd in fds.values():
                 os.close(fd)
 

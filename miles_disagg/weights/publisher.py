@@ -7,6 +7,12 @@ diffed and compressed over a thread pool), writes the changed ones into a stagin
 directory, fsyncs it and commits it (rename, post-write hook, ``LATEST``). The snapshot
 advances only after the commit succeeded, so a failed publish can be retried from the
 same state. Unchanged tensors are not published.
+
+Sharded (``share`` and ``collective`` given): one publisher per trainer rank, each owning a
+share of the tensors: its snapshot (baseline and catch-up included) holds only that share,
+it encodes and writes only that share, and rank 0 commits the version once every share is
+durable (:mod:`miles_disagg.weights.shares`, :mod:`miles_disagg.weights.commit`). Tensors of
+other shares given to ``publish`` are skipped.
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ from miles_disagg.types import ConfigError, InvalidInput, LayoutMismatch, Versio
 from miles_disagg.weights.apply import LocalTensor, apply_version
 from miles_disagg.weights.checksums import CHECKSUMS
 from miles_disagg.weights.codec import (
-    COMPRESSIONS, DEFAULT_CHUNK_BYTES, FILTERS, PUBLISH_ENCODINGS, CodecSpec, EncodedTensor, encode_tensors,
+    DEFAULT_CHUNK_BYTES, FILTERS, PUBLISH_ENCODINGS, CodecSpec, EncodedTensor, encode_tensors,
 )
-from miles_disagg.weights.format import INDEX_NAME, TensorLayout, VersionIndex
+from miles_disagg.weights.commit import Collective, ShareFailed, SingleRank, commit_shares
 from miles_disagg.weights.hooks import POST_WRITE_FLAG, load_hook
-from miles_disagg.weights.safetensors_io import checkpoint_tensors, fsync_dir, read_bytes, write_file
+from miles_disagg.weights.safetensors_io import checkpoint_tensors, read_bytes
+from miles_disagg.weights.shares import ShareManifest, write_share
 from miles_disagg.weights.store import VersionStore
 
 DEFAULT_SHARD_BYTES = 1 << 30
@@ -51,6 +58,10 @@ class PublishResult:
     encode_time_s: float  # diff + compress + checksum (includes pulling tensors from the iterable)
     publish_time_s: float  # write + fsync + commit (hook and pointer included)
     delta_encoding: str = "xor"
+    snapshot_bytes: int = 0  # the largest CPU snapshot of a writing rank (its share)
+    num_ranks: int = 1  # ranks that wrote a share
+    commit_time_s: float = 0.0  # rank 0's part after every share was durable: index, fsync, commit
+    max_rank_wire_bytes: int = 0  # the largest share's payload bytes
 
     def metrics(self) -> dict[str, float]:
         """The publish phase's record (the reference page's update metrics)."""
@@ -59,6 +70,7 @@ class PublishResult:
                 "perf/update_weights_density": self.density,
                 "perf/update_weights_wire_bytes": self.wire_bytes,
                 "perf/update_weights_total_bytes": self.total_bytes,
+                "perf/update_weights_snapshot_bytes": self.snapshot_bytes,
                 "weights/version": self.ref.version}
 
 
@@ -97,13 +109,14 @@ def choose_delta_filter(requested: str, consumers: list[tuple[str, list[str] | N
 
 
 class DeltaPublisher:
-    """Publishes versions of one run onto a store; one ``publish`` at a time."""
+    """Publishes versions of one run onto a store; one ``publish`` at a time (per rank)."""
 
     def __init__(self, store_dir: str | Path, *, base_dir: str | Path, run_id: str | None = None,
                  encoding: str = "xor", checksum: str = "xxh3-128", filter: str = "byteplane",
                  post_write_hook: str | Callable[..., Any] | None = None, full_anchor_interval: int = 0,
                  num_workers: int = 2, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 shard_bytes: int = DEFAULT_SHARD_BYTES, prune_on_anchor: bool = True, reset_store: bool = False):
+                 shard_bytes: int = DEFAULT_SHARD_BYTES, prune_on_anchor: bool = True, reset_store: bool = False,
+                 share: Iterable[str] | None = None, collective: Collective | None = None):
         check_codec_choices(encoding, checksum, filter)
         if not isinstance(full_anchor_interval, int) or full_anchor_interval < 0:
             raise ConfigError(f"{ANCHOR_FLAG} must be an integer >= 0, got {full_anchor_interval!r}", flags=(ANCHOR_FLAG,))
@@ -114,17 +127,24 @@ class DeltaPublisher:
         self.full_anchor_interval = full_anchor_interval
         self.chunk_bytes, self.shard_bytes = chunk_bytes, shard_bytes
         self.prune_on_anchor, self.reset_store = prune_on_anchor, reset_store
-        self._post_write = load_hook(post_write_hook, POST_WRITE_FLAG)
+        self.share = None if share is None else frozenset(share)
+        self.collective: Collective = collective or SingleRank()
+        self._post_write = load_hook(post_write_hook, POST_WRITE_FLAG) if self.collective.rank == 0 else None
         self._pool = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="publish")
         self._snapshot: dict[str, np.ndarray] | None = None
-        self._layouts: dict[str, LocalTensor] = {}
+        self._layouts: dict[str, LocalTensor] = {}  # every tensor of the checkpoint (all shares)
         self._latest: VersionRef | None = None
         self._publish_lock = threading.Lock()
 
     @property
     def tensor_names(self) -> frozenset[str]:
-        """Names of the baseline's tensors (empty before ``capture_baseline``)."""
+        """Names of the baseline's tensors, all shares (empty before ``capture_baseline``)."""
         return frozenset(self._layouts)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes this rank's CPU snapshot holds (its share of the model)."""
+        return sum(a.nbytes for a in (self._snapshot or {}).values())
 
     def set_filter(self, filter: str) -> None:
         """The filter of every later version (a run resolves ``auto`` once its engines are known)."""
@@ -133,8 +153,8 @@ class DeltaPublisher:
             self.filter = filter
 
     def published_checksums(self, algorithm: str | None = None) -> dict[str, str]:
-        """Checksums of every tensor of the last published (or baseline) state, keyed by HF name:
-        what an engine serving ``latest`` must hold, byte for byte."""
+        """Checksums of every tensor of this rank's share of the last published (or baseline) state,
+        keyed by HF name: what an engine serving ``latest`` must hold, byte for byte."""
         from miles_disagg.weights.checksums import checksum
 
         if self._snapshot is None:
@@ -148,7 +168,28 @@ class DeltaPublisher:
         return self._latest
 
     def capture_baseline(self) -> None:
-        """Snapshot ``base_dir`` (and this run's published versions, if any); publish nothing."""
+        """Snapshot this rank's share of ``base_dir`` (and of this run's published versions, if any);
+        publish nothing. Collective when sharded (rank 0 checks the store and names the run)."""
+        latest, self.run_id = self._on_rank_0(lambda: (self._open_store(), self.run_id))
+        snapshot, layouts = {}, {}
+        for name, (file_name, entry) in checkpoint_tensors(self.base_dir).items():
+            layouts[name] = LocalTensor(entry.dtype, entry.shape, entry.nbytes, entry.itemsize)
+            if self.share is None or name in self.share:
+                snapshot[name] = np.frombuffer(read_bytes(self.base_dir / file_name, entry), dtype=np.uint8)
+        if self.share is not None and not self.share <= layouts.keys():
+            raise LayoutMismatch(f"the share names tensors the checkpoint {self.base_dir} does not have: "
+                                 f"{sorted(self.share - layouts.keys())[:5]}")
+        if latest is not None and latest.version > 0:
+            plan = self.store.plan_chain(latest.version, VersionRef(latest.run_id, 0))
+            for index in plan.versions:
+                for _ in apply_version(self._pool, self.store.version_dir(index.version), index, layouts,
+                                       snapshot.__getitem__, snapshot.keys()):
+                    pass
+        self._snapshot, self._layouts, self._latest = snapshot, layouts, latest
+
+    def _open_store(self) -> VersionRef | None:
+        """Rank 0: the store's newest version of this run (a store of another run is refused or reset);
+        leftovers of publishers that died are removed."""
         latest = self.store.latest()
         if latest is not None and self.run_id is not None and not same_run(latest.run_id, self.run_id):
             if not self.reset_store:
@@ -161,23 +202,18 @@ class DeltaPublisher:
             latest = None
         if self.run_id is None:
             self.run_id = latest.run_id if latest is not None else uuid.uuid4().hex[:12]
-        snapshot, layouts = {}, {}
-        for name, (file_name, entry) in checkpoint_tensors(self.base_dir).items():
-            snapshot[name] = np.frombuffer(read_bytes(self.base_dir / file_name, entry), dtype=np.uint8)
-            layouts[name] = LocalTensor(entry.dtype, entry.shape, entry.nbytes, entry.itemsize)
-        if latest is not None and latest.version > 0:
-            plan = self.store.plan_chain(latest.version, VersionRef(latest.run_id, 0))
-            for index in plan.versions:
-                for _ in apply_version(self._pool, self.store.version_dir(index.version), index, layouts, snapshot.__getitem__):
-                    pass
-        self._snapshot, self._layouts, self._latest = snapshot, layouts, latest
+        if self.store.root.is_dir():
+            self.store.sweep()
+        return latest
 
-    def publish(self, named_tensors: Iterable[tuple[str, Any]], *, full: bool = False) -> PublishResult:
+    def publish(self, named_tensors: Iterable[tuple[str, Any]], *, full: bool = False) -> PublishResult | None:
         """Publish the next version from ``(hf_name, tensor)`` pairs (streamed, one at a time).
 
         Raises ``LayoutMismatch`` for an unknown name or a dtype/shape that differs from the
         baseline, ``PublishConflict`` when another publisher moved the pointer, and whatever
         the post-write hook raises; in every case the pointer and the snapshot are unchanged.
+        Sharded: collective; rank 0 returns the version's result, the other ranks ``None``, and
+        every rank raises (``ShareFailed`` where another rank failed) when nothing committed.
 
         ``full=True`` publishes a ``full`` anchor (every tensor whole) whatever the interval:
         a resumed trainer whose state differs from the store's newest version uses it so every
@@ -186,33 +222,102 @@ class DeltaPublisher:
         with self._publish_lock:
             return self._publish(named_tensors, full)
 
-    def _publish(self, named_tensors: Iterable[tuple[str, Any]], force_full: bool = False) -> PublishResult:
+    def _publish(self, named_tensors: Iterable[tuple[str, Any]], force_full: bool = False) -> PublishResult | None:
         if self._snapshot is None:
             raise InvalidInput("capture_baseline() must run before publish()")
         start = time.perf_counter()
-        version = (self._latest.version if self._latest else 0) + 1
-        anchor = force_full or (self.full_anchor_interval > 0 and version % self.full_anchor_interval == 0)
-        spec = CodecSpec("full" if anchor else self.encoding, self.filter, self.chunk_bytes)
+        try:  # rank 0 decides the version and its codec, so every share is written as the index says
+            staging, ref, spec, anchor = self._on_rank_0(lambda: self._next_version(force_full))
+        except Exception:
+            for _ in named_tensors:  # producing them is collective: every rank drains its iterator
+                pass
+            raise
+        version = ref.version
         new_bytes: dict[str, np.ndarray] = {}
-        encoded: list[EncodedTensor] = []
-        total = 0
-        for result in encode_tensors(self._pool, spec, self.checksum, self._items(named_tensors, new_bytes, anchor)):
-            total += result.nbytes
-            if result.payload is None:
-                new_bytes.pop(result.name, None)
-            else:
-                encoded.append(result)
-        encode_s = time.perf_counter() - start
-        ref = VersionRef(self.run_id or "", version)
-        wire = self._write_and_commit(ref, spec, encoded, total)
+        manifest, failure = self._write_share(staging, spec, named_tensors, new_bytes, anchor)
+        manifests = self.collective.gather(manifest)
+        result: PublishResult | BaseException | None = None
+        if self.collective.rank == 0:
+            result = self._commit(staging, ref, spec, manifests or [], start)
+        verdict = self.collective.broadcast(f"{type(result).__name__}: {result}"
+                                            if isinstance(result, BaseException) else None)
+        if failure is not None:
+            raise failure
+        if isinstance(result, BaseException):
+            raise result
+        if verdict is not None:
+            raise ShareFailed(f"version {version} was not committed: {verdict}")
         for name, data in new_bytes.items():
             self._snapshot[name] = data
         self._latest = ref
-        if anchor and self.prune_on_anchor:
+        if self.collective.rank == 0 and spec.encoding == "full" and self.prune_on_anchor:
             self.store.prune()
-        changed = sum(e.changed_bytes for e in encoded)
-        return PublishResult(ref, changed / max(total, 1), wire, changed, total, len(encoded), encode_s,
-                             time.perf_counter() - start - encode_s, spec.encoding)
+        return result
+
+    def _next_version(self, force_full: bool) -> tuple[Path, VersionRef, CodecSpec, bool]:
+        """Rank 0: the staging dir, ref and codec of the next version, and whether it is an anchor."""
+        version = (self._latest.version if self._latest else 0) + 1
+        anchor = force_full or (self.full_anchor_interval > 0 and version % self.full_anchor_interval == 0)
+        spec = CodecSpec("full" if anchor else self.encoding, self.filter, self.chunk_bytes)
+        return self.store.new_staging_dir(version), VersionRef(self.run_id or "", version), spec, anchor
+
+    def _on_rank_0(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on rank 0, its value on every rank; when it raises, rank 0 raises the error and
+        the other ranks ``ShareFailed`` naming it (no rank is left waiting)."""
+        value, error = None, None
+        if self.collective.rank == 0:
+            try:
+                value = fn()
+            except Exception as exc:
+                error = exc
+        ok, shared = self.collective.broadcast((True, value) if error is None
+                                               else (False, f"{type(error).__name__}: {error}"))
+        if error is not None:
+            raise error
+        if not ok:
+            raise ShareFailed(f"rank 0 failed: {shared}")
+        return shared
+
+    def _write_share(self, staging: Path, spec: CodecSpec, named_tensors: Iterable[tuple[str, Any]],
+                     new_bytes: dict[str, np.ndarray], anchor: bool) -> tuple[ShareManifest, BaseException | None]:
+        """Encode and write this rank's share: its manifest, and the error when it failed (the
+        tensors are still drained: producing them is collective on the trainer's ranks)."""
+        start = time.perf_counter()
+        tensors = iter(named_tensors)
+        try:
+            encoded, total = [], 0
+            for result in encode_tensors(self._pool, spec, self.checksum, self._items(tensors, new_bytes, anchor)):
+                total += result.nbytes
+                if result.payload is None:
+                    new_bytes.pop(result.name, None)
+                else:
+                    encoded.append(result)
+            encode_s = time.perf_counter() - start
+            written, files, wire = write_share(staging, self.collective.rank, encoded, self._layouts, self.shard_bytes)
+        except Exception as exc:
+            for _ in tensors:
+                pass
+            return ShareManifest(self.collective.rank, error=f"{type(exc).__name__}: {exc}"), exc
+        return ShareManifest(self.collective.rank, written, files, wire, total, self.snapshot_bytes, encode_s,
+                             time.perf_counter() - start - encode_s), None
+
+    def _commit(self, staging: Path, ref: VersionRef, spec: CodecSpec, manifests: list[ShareManifest],
+                start: float) -> PublishResult | BaseException:
+        """Rank 0: the commit of every share (see :func:`commit_shares`), or the error that stopped it."""
+        try:
+            info = commit_shares(self.store, staging, ref, self._latest, manifests, spec, self.checksum,
+                                 self._post_write)
+        except Exception as exc:
+            return exc
+        changed = sum(m.changed_bytes for m in manifests)
+        total = sum(m.total_bytes for m in manifests)
+        encode_s = max(m.encode_time_s for m in manifests)
+        return PublishResult(ref, changed / max(total, 1), info.wire_bytes, changed, total,
+                             sum(len(m.tensors) for m in manifests), encode_s,
+                             time.perf_counter() - start - encode_s, spec.encoding,
+                             snapshot_bytes=max(m.snapshot_bytes for m in manifests),
+                             num_ranks=sum(1 for m in manifests if m.total_bytes), commit_time_s=info.commit_time_s,
+                             max_rank_wire_bytes=max(m.wire_bytes for m in manifests))
 
     def _items(self, named_tensors: Iterable[tuple[str, Any]], new_bytes: dict[str, np.ndarray],
                anchor: bool) -> Iterator[tuple[str, np.ndarray, np.ndarray, int]]:
@@ -227,70 +332,16 @@ class DeltaPublisher:
             if name in seen:
                 raise InvalidInput(f"tensor {name!r} was given twice in one publish")
             seen.add(name)
+            if name not in self._snapshot:
+                continue  # another rank's share
             got = (dtype_code(tensor.dtype), tuple(tensor.shape))
             if got != (layout.dtype, layout.shape):
                 raise LayoutMismatch(f"tensor {name!r} is {got[0]}{list(got[1])}, the baseline has {layout.dtype}{list(layout.shape)}")
             new_bytes[name] = tensor_bytes(tensor).copy()  # the caller may reuse its buffer
             yield name, self._snapshot[name], new_bytes[name], layout.itemsize
-        if anchor:  # an anchor holds every tensor, also those the caller did not send
+        if anchor:  # an anchor holds every tensor of the share, also those the caller did not send
             for name in sorted(self._snapshot.keys() - seen):
                 yield name, self._snapshot[name], self._snapshot[name], self._layouts[name].itemsize
 
-    def _write_and_commit(self, ref: VersionRef, spec: CodecSpec, encoded: list[EncodedTensor], total: int) -> int:
-        staging = self.store.new_staging_dir(ref.version)
-        try:
-            shards = _shard(encoded, self.shard_bytes)
-            weight_map, wire = {}, 0
-            for i, shard in enumerate(shards):
-                file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                tensors = {e.name: ("U8", (len(e.payload),), e.payload) for e in shard}  # type: ignore[arg-type]
-                wire += write_file(staging / file_name, tensors, {e.name: e.checksum for e in shard})
-                weight_map.update({e.name: file_name for e in shard})
-            index = VersionIndex(
-                version=ref.version, base_version=ref.version - 1, run_id=ref.run_id,
-                delta_encoding=spec.encoding, compression_format=COMPRESSIONS[0], checksum_format=self.checksum,
-                filter=spec.filter, chunk_bytes=spec.chunk_bytes, weight_map=weight_map,
-                layouts={e.name: _tensor_layout(self._layouts[e.name]) for e in encoded},
-                extra={"changed_bytes": str(sum(e.changed_bytes for e in encoded)), "total_bytes": str(total),
-                       "created_unix": f"{time.time():.3f}"},
-            )
-            _write_json(staging / INDEX_NAME, index.to_json())
-            fsync_dir(staging)
-        except BaseException:
-            import shutil
-
-            shutil.rmtree(staging, ignore_errors=True)
-            self.store.release_staging(staging)
-            raise
-        self.store.commit(staging, ref, self._latest, self._post_write)
-        return wire
-
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-def _tensor_layout(layout: LocalTensor) -> TensorLayout:
-    return TensorLayout(layout.dtype, layout.shape, layout.nbytes)
-
-
-def _shard(encoded: list[EncodedTensor], shard_bytes: int) -> list[list[EncodedTensor]]:
-    shards: list[list[EncodedTensor]] = []
-    size = 0
-    for item in encoded:
-        n = len(item.payload or b"")
-        if not shards or size + n > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += n
-    return shards
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    import json
-    import os
-
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())

@@ -32,6 +32,7 @@ TINY: dict[str, list[str]] = {
               "--micro-batch-size", "16"],
     "scale": ["--engines", "2,4", "--updates", "1", "--in-flight", "16", "--duration", "1", "--rollout-concurrency", "8",
               "--per-request-ms", "2", "--pull-ms", "5", "--load-ms", "5"],
+    "publish": ["--ranks", "1,2", "--size-mb", "2"],
 }
 """Per benchmark, the flags that make it tiny (after ``--json``)."""
 
@@ -44,6 +45,7 @@ EXPECTED_KEYS: dict[str, set[str]] = {
     "http": {"httpx", "pooled_http"},
     "async": {"samples_per_s_sync", "samples_per_s_async", "ratio", "engine_busy_fraction"},
     "scale": {"pools", "ratios"},
+    "publish": {"results", "wire_equal_within_1pct", "model_bytes"},
 }
 
 
@@ -66,7 +68,7 @@ def bench(name: str, tmp_path: Path, timeout: float) -> dict:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["delta", "http", "hostile", "engine", "colocate", "service", "scale"])
+@pytest.mark.parametrize("name", ["delta", "http", "hostile", "engine", "colocate", "service", "scale", "publish"])
 def test_bench_runs_with_json(name: str, tmp_path: Path) -> None:
     bench(name, tmp_path, timeout=600)
 

@@ -80,6 +80,7 @@ def test_every_update_is_measured_and_reaches_every_engine(tiny_run: Path) -> No
         assert r["weights/engine_versions"] == [str(version)] * 2
         assert 0 < r["perf/update_weights_density"] <= 1
         assert 0 < r["perf/update_weights_wire_bytes"] < r["perf/update_weights_total_bytes"]
+        assert r["perf/update_weights_snapshot_bytes"] == r["perf/update_weights_total_bytes"]  # one trainer rank
         assert r["perf/update_weights_prepare_time"] > 0 and r["perf/update_weights_pause_time"] > 0
     assert max(r["rollout/staleness_max"] for r in records) <= STALENESS
 

@@ -21,6 +21,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
     from miles_disagg.bench.hostile import HostileBench
     from miles_disagg.bench.http_client import HttpBench
     from miles_disagg.bench.scale import ScaleBench
+    from miles_disagg.bench.publish import PublishBench
     from miles_disagg.engines.simulated_cli import SimEnginesCommand
     from miles_disagg.bench.service import ServiceBench
     from miles_disagg.engines.agent.cli import AgentCommand
@@ -47,6 +48,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
         ("bench", "colocate"): (ColocateBench,),
         ("bench", "http"): (HttpBench,),
         ("bench", "scale"): (ScaleBench,),
+        ("bench", "publish"): (PublishBench,),
         ("sim-engines",): (SimEnginesCommand,),
         **{("engines", action): (cls,) for action, cls in ENGINES_ACTIONS.items()},
     }

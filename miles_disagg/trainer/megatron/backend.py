@@ -218,6 +218,18 @@ class MegatronBackend(TrainerBackend):
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return export_hf(self.gpt, self.shape, self.layout, self.plan)
 
+    def publish_share(self, sizes: dict[str, int]) -> frozenset[str]:
+        """By pipeline stage and expert-parallel rank, dense tensors split over the data-parallel
+        replicas (``sharded_export``)."""
+        from miles_disagg.trainer.megatron.sharded_export import share_names
+
+        return share_names(self.plan, self.layout)
+
+    def share_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from miles_disagg.trainer.megatron.sharded_export import export_share
+
+        return export_share(self.gpt, self.shape, self.layout, self.plan)
+
     def save_checkpoint(self, directory: str) -> None:
         """megatron-core distributed checkpointing: reloads under another TP/DP layout (``checkpoint.py``)."""
         save_checkpoint(self.gpt, self.optim, directory, self.rank)
