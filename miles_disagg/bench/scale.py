@@ -109,10 +109,10 @@ def _one_pool(root: Path, command: ScaleBench, num_engines: int) -> dict:
     try:
         result: dict = {"num_engines": num_engines}
         if "fanout" in command.section_names():
-            result["fanout"] = _fanout(root / f"fanout-{num_engines}", fleet.urls, command.updates)
+            result["fanout"] = _fanout(root / f"fanout-{num_engines}", fleet, command.updates)
             _progress(f"  fan-out: {result['fanout']}")
         if "router" in command.section_names():
-            result["router"] = _router_load(root, fleet.urls, command)
+            result["router"] = _router_load(root, fleet, command)
             _progress(f"  router: {result['router']}")
         if "rollout" in command.section_names():
             result["rollout"] = _rollout(root, fleet.urls, command)
@@ -187,11 +187,14 @@ def cpu_s(pid: int) -> float:
 # --------------------------------------------------------------------------- fan-out
 
 
-def _fanout(root: Path, urls: list[str], updates: int) -> dict:
+def _fanout(root: Path, fleet: SimFleetProcess, updates: int) -> dict:
     """``updates`` updates by the updater (one event loop), each followed by one the way it was done
-    before (a thread and a synchronous client per engine: its public per-engine steps), side by side."""
+    before (a thread and a synchronous client per engine: its public per-engine steps), side by side.
+    ``sim_engines_cpu_s``: the simulated engines' CPU per update (their process is one event loop: with
+    far less than one core per update's seconds, they are not what the fan-out waits for)."""
     from miles_disagg.engines.updater import DiskDeltaUpdater
 
+    urls = fleet.urls
     local_dirs = [str(root / f"engine-{i}") for i in range(len(urls))]
     updater = DiskDeltaUpdater(urls, store_dir=str(root / "store"), local_dirs=local_dirs)
     loop_runs, thread_runs = [], []
@@ -199,8 +202,8 @@ def _fanout(root: Path, urls: list[str], updates: int) -> dict:
         _loop_update(updater, 1)  # warm-up (imports, first connections): not measured
         _threaded_update(updater, 2)
         for version in range(3, 2 * updates + 3, 2):
-            loop_runs.append(_timed(lambda: _loop_update(updater, version)))
-            thread_runs.append(_timed(lambda: _threaded_update(updater, version + 1)))
+            loop_runs.append(_timed(lambda: _loop_update(updater, version), fleet.proc.pid))
+            thread_runs.append(_timed(lambda: _threaded_update(updater, version + 1), fleet.proc.pid))
     finally:
         updater.close()
     med = lambda values: round(statistics.median(values), 4)  # noqa: E731
@@ -209,15 +212,17 @@ def _fanout(root: Path, urls: list[str], updates: int) -> dict:
             "activate_s": med([r["activate_s"] for r in loop_runs]),
             "max_pause_s": med([r["max_pause_s"] for r in loop_runs]),
             "updater_cpu_s": med([r["cpu_s"] for r in loop_runs]),
+            "sim_engines_cpu_s": med([r["sim_cpu_s"] for r in loop_runs]),
             "threads": {"update_s": med([r["update_s"] for r in thread_runs]),
                         "max_pause_s": med([r["max_pause_s"] for r in thread_runs]),
                         "updater_cpu_s": med([r["cpu_s"] for r in thread_runs])}}
 
 
-def _timed(run) -> dict:
-    start, cpu_start = time.perf_counter(), time.process_time()
+def _timed(run, sim_pid: int) -> dict:
+    start, cpu_start, sim_start = time.perf_counter(), time.process_time(), cpu_s(sim_pid)
     prepare_s, activate_s, max_pause_s = run()
     return {"update_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu_start,
+            "sim_cpu_s": cpu_s(sim_pid) - sim_start,
             "prepare_s": prepare_s, "activate_s": activate_s, "max_pause_s": max_pause_s}
 
 
@@ -241,22 +246,32 @@ def _threaded_update(updater, version: int) -> tuple[float, float, float]:
 # --------------------------------------------------------------------------- router load
 
 
-def _router_load(root: Path, urls: list[str], command: ScaleBench) -> dict:
+def _router_load(root: Path, fleet: SimFleetProcess, command: ScaleBench) -> dict:
+    """The router under load. ``cpu_cores``: the share of a core each process used over the load (the
+    router, the simulated engines, this load client; each is one event loop, so near 1.0 is that
+    process's limit, and the machine's two cores bound their sum): the check that the figures are the
+    router's, not the simulator's or the client's."""
     import httpx
 
+    from miles_disagg.pooled_http import run_loop
+
+    urls = fleet.urls
     router = _start_router(root, urls, len(urls))
     try:
         _wait_ready(router.url, len(urls))
         idle_cpu = cpu_s(router.proc.pid)
         time.sleep(IDLE_MEASURE_S)  # no traffic: what health checking alone costs
         idle_cpu = cpu_s(router.proc.pid) - idle_cpu
-        cpu_before = cpu_s(router.proc.pid)
-        load = asyncio.run(generate_load(router.url + "/generate", command.in_flight, command.duration))
-        cpu_used = cpu_s(router.proc.pid) - cpu_before
+        pids = {"router": router.proc.pid, "sim_engines": fleet.proc.pid, "load_client": os.getpid()}
+        before, started = {name: cpu_s(pid) for name, pid in pids.items()}, time.perf_counter()
+        load = run_loop(generate_load(router.url + "/generate", command.in_flight, command.duration))
+        elapsed = time.perf_counter() - started
+        used = {name: cpu_s(pid) - before[name] for name, pid in pids.items()}
         metrics = httpx.get(router.url + "/metrics", timeout=30, trust_env=False).json()
         served = load.pop("served_total")
-        return {**load, "router_cpu_ms_per_request": round(1e3 * cpu_used / max(1, served), 3),
+        return {**load, "router_cpu_ms_per_request": round(1e3 * used["router"] / max(1, served), 3),
                 "router_idle_cpu_fraction": round(idle_cpu / IDLE_MEASURE_S, 4),
+                "cpu_cores": {name: round(value / elapsed, 3) for name, value in used.items()},
                 "routing_overhead_ms": metrics.get("routing_overhead_ms"),
                 "router_rss_mb": rss_mb(router.proc.pid)}
     finally:

@@ -58,6 +58,7 @@ from fastapi.responses import JSONResponse, Response
 
 from miles_disagg.asgi_guard import ServerGuard, install_guard, server_app
 from miles_disagg.auth import ApiKeys, forward_headers
+from miles_disagg.router.fast_path import GenerationFastPath
 from miles_disagg.router.health import HealthChecker
 from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, annotate_served_versions,
                                        constraint_json, request_constraint, violates)
@@ -247,9 +248,9 @@ class Router:
         payload = await dumps_async(body, size)
         level = getattr(request.state, "auth_level", None)
         headers = {"content-type": "application/json", **forward_headers(self.keys, level, path)}
-        for _ in range(len(self.registry.workers()) + 1):
+        for _ in range(len(self.registry) + 1):
             try:
-                worker = self.policy.choose(self.registry.workers(), constraint)
+                worker = self.policy.choose_in(self.registry, constraint)
             except (VersionNotReady, NoWorkerAvailable) as exc:
                 return self._not_ready(exc, constraint)
             response = await self._dispatch(worker, path, payload, headers, request, record)
@@ -434,13 +435,15 @@ def create_app(config: RouterConfig, registry: WorkerRegistry | None = None, gua
             await router.stop()
 
     app = server_app("miles-disagg router", lifespan=lifespan)
+    methods = {path: frozenset({"POST", "PUT"} if path == GENERATE_PATH else {"POST"})
+               for path in (GENERATE_PATH, *OPENAI_PATHS)}
+    app.add_middleware(GenerationFastPath, proxy=router.proxy, paths=methods)  # inside the guard (added next)
     install_guard(app, guard)
     router.server_id = app.state.server_id
     app.state.router = router
 
-    for path in (GENERATE_PATH, *OPENAI_PATHS):
-        app.add_api_route(path, _proxy_route(router, path), methods=["POST", "PUT"] if path == GENERATE_PATH
-                          else ["POST"])
+    for path, allowed in methods.items():  # served by GenerationFastPath; listed here for the schema and 405s
+        app.add_api_route(path, _proxy_route(router, path), methods=sorted(allowed))
 
     def admin(handler: Callable[[Request], Awaitable[dict]]):
         async def wrapped(request: Request):
