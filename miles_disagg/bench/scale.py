@@ -1,19 +1,21 @@
 """``miles-disagg bench scale --engines 8,64,256``: the control plane against pools of simulated engines.
 
-For each pool size N (all sizes measured side by side in one run, so their ratios hold on a loaded
-machine), with N simulated engines (:mod:`miles_disagg.engines.simulated`, one process, one port each):
+For each pool size N, with N simulated engines (:mod:`miles_disagg.engines.simulated`, one process, one
+port each). Every size's fleet runs for the whole bench and the sizes take turns, update after update and
+load window after load window, so a change in the machine's load (it is shared) hits every size alike:
 
 * ``fanout``: the disk-delta updater (:class:`~miles_disagg.engines.updater.DiskDeltaUpdater`, the
   run's own) bringing all N engines to a new version, ``--updates`` times: the whole update, its
   prepare phase (``/pull_weights`` everywhere) and activate phase (pause, flush, load, continue,
-  verify, everywhere), the longest pause of one engine and the updater's CPU. Medians over the
-  updates. ``threads``: each update is followed by one done as before (a thread and a synchronous
+  verify, everywhere), the longest pause of one engine, the updater's CPU and the simulated engines'
+  (their headroom). Medians over the updates. ``threads``: each update is followed by one done as before (a thread and a synchronous
   client per engine), so the two are compared side by side.
 * ``router``: ``miles-disagg router`` over the N engines, ``--in-flight`` requests kept in flight for
-  ``--duration`` seconds from one asyncio client: requests/s, client latency p50/p99, the router's own
-  time per request (its ``/metrics`` ``routing_overhead_ms``: time in the router minus time waiting
-  for engines), its CPU per request and its peak memory; before the load, the share of a core it uses
-  idle (health checks of N workers alone).
+  ``--duration`` seconds from one asyncio client, ``--rounds`` windows: requests/s, client latency
+  p50/p99, the router's own time per request (its ``/metrics`` ``routing_overhead_ms``: time in the
+  router minus time waiting for engines), its CPU per request, the share of a core the router, the
+  simulated engines and the load client each used (which process was the limit), the router's peak
+  memory; before the load, the share of a core it uses idle (health checks of N workers alone).
 * ``rollout``: the rollout manager (:class:`~miles_disagg.rollout.manager.RolloutManager`, in this
   process, the built-in count-up task on a digits tokenizer) producing through the same router at
   ``--rollout-concurrency`` requests in flight whatever the pool size, the trainer's side taking
@@ -37,6 +39,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from miles_disagg.bench.common import print_result, progress, work_dir
 from miles_disagg.config.commands import add_config_arguments, config_from_args
@@ -57,7 +60,8 @@ class ScaleBench:
     engines: str = flag("8,64,256", "Pool sizes, comma-separated.", metavar="N,N,...")
     updates: int = flag(3, "Weight updates timed per pool size (medians reported).")
     in_flight: int = flag(1024, "Requests kept in flight against the router.")
-    duration: float = flag(8.0, "Seconds of measured load per pool size (after a 1 s warm-up).", metavar="S")
+    duration: float = flag(8.0, "Seconds of one measured router load window (after a 1 s warm-up).", metavar="S")
+    rounds: int = flag(3, "Router load windows per pool size, the sizes taking turns (medians reported).")
     per_request_ms: float = flag(20.0, "Simulated /generate time.", metavar="MS")
     pull_ms: float = flag(100.0, "Simulated /pull_weights time.", metavar="MS")
     load_ms: float = flag(50.0, "Simulated /update_weights_from_disk time.", metavar="MS")
@@ -66,6 +70,8 @@ class ScaleBench:
     work_dir: Path | None = flag(None, "Keep logs here (default: a temp dir).")
 
     def __post_init__(self) -> None:
+        if self.rounds < 1 or self.updates < 1:
+            raise ValueError(f"--rounds and --updates must be >= 1, got {self.rounds}, {self.updates}")
         if not self.pool_sizes() or min(self.pool_sizes()) < 1:
             raise ValueError(f"--engines must list positive pool sizes, got {self.engines!r}")
         unknown = set(self.section_names()) - set(SECTIONS)
@@ -92,35 +98,44 @@ def run(args: argparse.Namespace) -> int:
 
     os.environ.setdefault(ADMIN_API_KEY_ENV, new_key())  # every process of the bench shares one admin key
     with work_dir("scale", command.work_dir) as root:
-        per_size = {n: _one_pool(root, command, n) for n in command.pool_sizes()}
+        per_size = _all_pools(root, command)
     return print_result({"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
                          "settings": _settings(command), "pools": per_size,
                          "ratios": _ratios(per_size)})
 
 
 def _settings(command: ScaleBench) -> dict:
-    return {"in_flight": command.in_flight, "rollout_concurrency": command.rollout_concurrency, "duration_s": command.duration, "updates": command.updates,
+    return {"in_flight": command.in_flight, "rollout_concurrency": command.rollout_concurrency,
+            "duration_s": command.duration, "rounds": command.rounds, "updates": command.updates,
             "per_request_ms": command.per_request_ms, "pull_ms": command.pull_ms, "load_ms": command.load_ms}
 
 
-def _one_pool(root: Path, command: ScaleBench, num_engines: int) -> dict:
-    _progress(f"{num_engines} simulated engines")
-    fleet = SimFleetProcess.start(root / f"sim-{num_engines}.log", num_engines, command)
+def _all_pools(root: Path, command: ScaleBench) -> dict[int, dict]:
+    """Every pool size's fleet runs for the whole bench; fan-out updates and router load windows take
+    turns between the sizes (round after round), so a change of the machine's load hits every size."""
+    sizes = command.pool_sizes()
+    fleets: dict[int, SimFleetProcess] = {}
     try:
-        result: dict = {"num_engines": num_engines}
+        for size in sizes:
+            _progress(f"starting {size} simulated engines")
+            fleets[size] = SimFleetProcess.start(root / f"sim-{size}.log", size, command)
+        per_size: dict[int, dict] = {size: {"num_engines": size} for size in sizes}
         if "fanout" in command.section_names():
-            result["fanout"] = _fanout(root / f"fanout-{num_engines}", fleet, command.updates)
-            _progress(f"  fan-out: {result['fanout']}")
+            for size, result in _fanout_all(root, fleets, command.updates).items():
+                per_size[size]["fanout"] = result
         if "router" in command.section_names():
-            result["router"] = _router_load(root, fleet, command)
-            _progress(f"  router: {result['router']}")
+            for size, result in _router_all(root, fleets, command).items():
+                per_size[size]["router"] = result
         if "rollout" in command.section_names():
-            result["rollout"] = _rollout(root, fleet.urls, command)
-            _progress(f"  rollout manager: {result['rollout']}")
-        result["sim_engines_rss_mb"] = rss_mb(fleet.proc.pid)
-        return result
+            for size in sizes:
+                per_size[size]["rollout"] = _rollout(root, fleets[size].urls, command)
+                _progress(f"  rollout manager, {size} engines: {per_size[size]['rollout']}")
+        for size in sizes:
+            per_size[size]["sim_engines_rss_mb"] = rss_mb(fleets[size].proc.pid)
+        return per_size
     finally:
-        fleet.stop()
+        for fleet in fleets.values():
+            fleet.stop()
 
 
 # --------------------------------------------------------------------------- processes
@@ -187,25 +202,38 @@ def cpu_s(pid: int) -> float:
 # --------------------------------------------------------------------------- fan-out
 
 
-def _fanout(root: Path, fleet: SimFleetProcess, updates: int) -> dict:
-    """``updates`` updates by the updater (one event loop), each followed by one the way it was done
-    before (a thread and a synchronous client per engine: its public per-engine steps), side by side.
-    ``sim_engines_cpu_s``: the simulated engines' CPU per update (their process is one event loop: with
-    far less than one core per update's seconds, they are not what the fan-out waits for)."""
+def _fanout_all(root: Path, fleets: dict[int, SimFleetProcess], updates: int) -> dict[int, dict]:
+    """``updates`` rounds; in each, every pool size gets one update by the updater (one event loop) and
+    then one the way it was done before (a thread and a synchronous client per engine: its public
+    per-engine steps). ``sim_engines_cpu_s``: the simulated engines' CPU per update (their process is one
+    event loop: far less than one core over the update's seconds means they are not what it waits for)."""
     from miles_disagg.engines.updater import DiskDeltaUpdater
 
-    urls = fleet.urls
-    local_dirs = [str(root / f"engine-{i}") for i in range(len(urls))]
-    updater = DiskDeltaUpdater(urls, store_dir=str(root / "store"), local_dirs=local_dirs)
-    loop_runs, thread_runs = [], []
+    updaters = {size: DiskDeltaUpdater(fleet.urls, store_dir=str(root / f"store-{size}"),
+                                       local_dirs=[str(root / f"fanout-{size}" / f"engine-{i}")
+                                                   for i in range(size)])
+                for size, fleet in fleets.items()}
+    loop_runs: dict[int, list] = {size: [] for size in fleets}
+    thread_runs: dict[int, list] = {size: [] for size in fleets}
     try:
-        _loop_update(updater, 1)  # warm-up (imports, first connections): not measured
-        _threaded_update(updater, 2)
+        for updater in updaters.values():
+            _loop_update(updater, 1)  # warm-up (imports, first connections): not measured
+            _threaded_update(updater, 2)
         for version in range(3, 2 * updates + 3, 2):
-            loop_runs.append(_timed(lambda: _loop_update(updater, version), fleet.proc.pid))
-            thread_runs.append(_timed(lambda: _threaded_update(updater, version + 1), fleet.proc.pid))
+            for size, updater in updaters.items():
+                pid = fleets[size].proc.pid
+                loop_runs[size].append(_timed(lambda: _loop_update(updater, version), pid))
+                thread_runs[size].append(_timed(lambda: _threaded_update(updater, version + 1), pid))
     finally:
-        updater.close()
+        for updater in updaters.values():
+            updater.close()
+    results = {size: _fanout_summary(loop_runs[size], thread_runs[size]) for size in fleets}
+    for size, result in results.items():
+        _progress(f"  fan-out, {size} engines: {result}")
+    return results
+
+
+def _fanout_summary(loop_runs: list[dict], thread_runs: list[dict]) -> dict:
     med = lambda values: round(statistics.median(values), 4)  # noqa: E731
     return {"update_s": med([r["update_s"] for r in loop_runs]),
             "prepare_s": med([r["prepare_s"] for r in loop_runs]),
@@ -246,36 +274,68 @@ def _threaded_update(updater, version: int) -> tuple[float, float, float]:
 # --------------------------------------------------------------------------- router load
 
 
-def _router_load(root: Path, fleet: SimFleetProcess, command: ScaleBench) -> dict:
-    """The router under load. ``cpu_cores``: the share of a core each process used over the load (the
-    router, the simulated engines, this load client; each is one event loop, so near 1.0 is that
-    process's limit, and the machine's two cores bound their sum): the check that the figures are the
-    router's, not the simulator's or the client's."""
+def _router_all(root: Path, fleets: dict[int, SimFleetProcess], command: ScaleBench) -> dict[int, dict]:
+    """A router per pool size, all started first; then ``--rounds`` rounds of one load window per size.
+    Per size: medians over its windows; ``throughput_vs_smallest_per_round`` compares windows of the same
+    round. ``cpu_cores``: the share of a core each process used in the window (the router, its simulated
+    engines, this load client; each is one event loop, so near 1.0 is that process's limit, and the
+    machine's cores bound their sum): the check that the figures are the router's, not the simulator's
+    or the client's. ``router_idle_cpu_fraction``: health checks of N workers alone, before any load."""
     import httpx
 
+    routers = {size: _start_router(root, fleet.urls, size) for size, fleet in fleets.items()}
+    try:
+        for size, router in routers.items():
+            _wait_ready(router.url, size)
+        idle_before = {size: cpu_s(router.proc.pid) for size, router in routers.items()}
+        time.sleep(IDLE_MEASURE_S)  # no traffic anywhere: what health checking alone costs
+        idle = {size: (cpu_s(router.proc.pid) - idle_before[size]) / IDLE_MEASURE_S for size, router in routers.items()}
+        windows: dict[int, list[dict]] = {size: [] for size in fleets}
+        for round_index in range(command.rounds):
+            for size, router in routers.items():
+                windows[size].append(_load_window(router, fleets[size], command))
+                _progress(f"  router, {size} engines, round {round_index + 1}: {windows[size][-1]}")
+        results = {}
+        for size, router in routers.items():
+            metrics = httpx.get(router.url + "/metrics", timeout=30, trust_env=False).json()
+            results[size] = {**_router_summary(windows[size]), "router_idle_cpu_fraction": round(idle[size], 4),
+                             "routing_overhead_ms": metrics.get("routing_overhead_ms"),
+                             "router_rss_mb": rss_mb(router.proc.pid)}
+        base = min(fleets)
+        for size in fleets:
+            results[size]["throughput_vs_smallest_per_round"] = [
+                round(mine["requests_per_s"] / theirs["requests_per_s"], 3) if theirs["requests_per_s"] else None
+                for mine, theirs in zip(windows[size], windows[base])]
+        return results
+    finally:
+        for router in routers.values():
+            router.stop()
+
+
+def _load_window(router: Any, fleet: SimFleetProcess, command: ScaleBench) -> dict:
     from miles_disagg.pooled_http import run_loop
 
-    urls = fleet.urls
-    router = _start_router(root, urls, len(urls))
-    try:
-        _wait_ready(router.url, len(urls))
-        idle_cpu = cpu_s(router.proc.pid)
-        time.sleep(IDLE_MEASURE_S)  # no traffic: what health checking alone costs
-        idle_cpu = cpu_s(router.proc.pid) - idle_cpu
-        pids = {"router": router.proc.pid, "sim_engines": fleet.proc.pid, "load_client": os.getpid()}
-        before, started = {name: cpu_s(pid) for name, pid in pids.items()}, time.perf_counter()
-        load = run_loop(generate_load(router.url + "/generate", command.in_flight, command.duration))
-        elapsed = time.perf_counter() - started
-        used = {name: cpu_s(pid) - before[name] for name, pid in pids.items()}
-        metrics = httpx.get(router.url + "/metrics", timeout=30, trust_env=False).json()
-        served = load.pop("served_total")
-        return {**load, "router_cpu_ms_per_request": round(1e3 * used["router"] / max(1, served), 3),
-                "router_idle_cpu_fraction": round(idle_cpu / IDLE_MEASURE_S, 4),
-                "cpu_cores": {name: round(value / elapsed, 3) for name, value in used.items()},
-                "routing_overhead_ms": metrics.get("routing_overhead_ms"),
-                "router_rss_mb": rss_mb(router.proc.pid)}
-    finally:
-        router.stop()
+    pids = {"router": router.proc.pid, "sim_engines": fleet.proc.pid, "load_client": os.getpid()}
+    before, started = {name: cpu_s(pid) for name, pid in pids.items()}, time.perf_counter()
+    load = run_loop(generate_load(router.url + "/generate", command.in_flight, command.duration))
+    elapsed = time.perf_counter() - started
+    used = {name: cpu_s(pid) - before[name] for name, pid in pids.items()}
+    served = load.pop("served_total")
+    return {**load, "router_cpu_ms_per_request": round(1e3 * used["router"] / max(1, served), 3),
+            "cpu_cores": {name: round(value / elapsed, 3) for name, value in used.items()},
+            "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def _router_summary(windows: list[dict]) -> dict:
+    med = lambda values: round(statistics.median(values), 3) if values else None  # noqa: E731
+    return {"requests_per_s": med([w["requests_per_s"] for w in windows]),
+            "served": sum(w["served"] for w in windows),
+            "errors": {k: sum(w["errors"].get(k, 0) for w in windows) for w in windows for k in w["errors"]},
+            "latency_ms": {q: med([w["latency_ms"][q] for w in windows if w["latency_ms"][q] is not None])
+                           for q in ("p50", "p99")},
+            "router_cpu_ms_per_request": med([w["router_cpu_ms_per_request"] for w in windows]),
+            "cpu_cores": {name: med([w["cpu_cores"][name] for w in windows]) for name in windows[0]["cpu_cores"]},
+            "windows": windows}
 
 
 def _wait_ready(url: str, num_engines: int, timeout_s: float = 120.0) -> None:
@@ -405,6 +465,9 @@ def _ratios(per_size: dict[int, dict]) -> dict:
         if "router" in result and base["router"]["requests_per_s"]:
             entry["router_throughput_vs_smallest"] = round(
                 result["router"]["requests_per_s"] / base["router"]["requests_per_s"], 3)
+            per_round = [r for r in result["router"]["throughput_vs_smallest_per_round"] if r is not None]
+            entry["router_throughput_vs_smallest_median_of_rounds"] = (
+                round(statistics.median(per_round), 3) if per_round else None)
             entry["router_cpu_per_request_vs_smallest"] = round(
                 result["router"]["router_cpu_ms_per_request"] / base["router"]["router_cpu_ms_per_request"], 3)
         if "rollout" in result and base["rollout"]["samples_per_s"]:
