@@ -386,20 +386,30 @@ def _error_response(status: int, exc: BaseException, *, type_name: str | None = 
 
 async def _unless_client_gone(request: Any, send: Awaitable[Reply]) -> Reply:
     """Await ``send``; if the client disconnects first, cancel it (closing the upstream
-    connection, which makes the engine abort the request) and raise ``_ClientGone``."""
-    sending = asyncio.ensure_future(send)
-    watching = asyncio.ensure_future(_client_disconnected(request))
+    connection, which makes the engine abort the request) and raise ``_ClientGone``.
+
+    ``send`` runs in the caller's task; one watcher task cancels that task if the client leaves while
+    ``send`` is still awaited (a second task and an ``asyncio.wait`` per request cost more)."""
+    task = asyncio.current_task()
+    state = {"sending": True, "gone": False}
+
+    async def watch() -> None:
+        await _client_disconnected(request)
+        if state["sending"]:  # the task is suspended inside ``send``: the cancel lands there
+            state["gone"] = True
+            task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait({sending, watching}, return_when=asyncio.FIRST_COMPLETED)
+        return await send
+    except asyncio.CancelledError:
+        if not state["gone"]:
+            raise
+        task.uncancel()
+        raise _ClientGone() from None
     finally:
-        watching.cancel()
-        if not sending.done():
-            sending.cancel()
-            with contextlib.suppress(asyncio.CancelledError, TransportFailed):
-                await sending
-    if sending.cancelled():
-        raise _ClientGone()
-    return sending.result()
+        state["sending"] = False
+        watcher.cancel()
 
 
 async def _client_disconnected(request: Any) -> None:
