@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -48,6 +49,7 @@ from miles_disagg.config.fields import flag
 _progress = progress("scale")
 SECTIONS = ("fanout", "router", "rollout")
 IDLE_MEASURE_S = 3.0
+MAX_WARMUP_S = 120.0
 GENERATE_BODY = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0},
                  "return_logprob": True}
 
@@ -353,8 +355,11 @@ def _wait_ready(url: str, num_engines: int, timeout_s: float = 120.0) -> None:
 
 async def generate_load(url: str, in_flight: int, duration_s: float, warmup_s: float = 1.0,
                         body: dict | None = None) -> dict:
-    """``in_flight`` requests kept in flight for ``warmup_s + duration_s``. Throughput counts the answers
-    that arrived within the measured window (whenever they were sent); latencies are theirs."""
+    """``in_flight`` requests kept in flight. The measured window of ``duration_s`` opens once ``warmup_s``
+    has passed and ``in_flight`` answers have come back (every client turned over once), at the latest
+    :data:`MAX_WARMUP_S` later: with thousands in flight on a busy machine the first answers come late, and
+    a window opened before would measure the queue filling, not the router serving. Throughput counts the
+    answers that arrived within the window (whenever they were sent); latencies are theirs."""
     import aiohttp
 
     payload = json.dumps(body or GENERATE_BODY).encode()
@@ -363,12 +368,20 @@ async def generate_load(url: str, in_flight: int, duration_s: float, warmup_s: f
     errors: dict[str, int] = {}
     loop = asyncio.get_running_loop()
     begin = loop.time()
-    measure_from, stop_at = begin + warmup_s, begin + warmup_s + duration_s
+    window = {"from": None, "to": math.inf}
     served_total = 0
+
+    def measured(done: float) -> bool:
+        """Whether an answer at ``done`` is in the window (opening it when the warm-up is over)."""
+        if window["from"] is None:
+            if (served_total >= in_flight and done >= begin + warmup_s) or done >= begin + warmup_s + MAX_WARMUP_S:
+                window["from"], window["to"] = done, done + duration_s
+            return False
+        return done <= window["to"]
 
     async def client(session) -> None:
         nonlocal served_total
-        while loop.time() < stop_at:
+        while loop.time() < window["to"]:
             sent = loop.time()
             try:
                 async with session.post(url, data=payload, headers=headers) as response:
@@ -378,7 +391,7 @@ async def generate_load(url: str, in_flight: int, duration_s: float, warmup_s: f
                 status = type(exc).__name__
             done = loop.time()
             served_total += 1
-            if measure_from <= done <= stop_at:
+            if measured(done):
                 if status == 200:
                     latencies.append(done - sent)
                 else:
@@ -390,7 +403,8 @@ async def generate_load(url: str, in_flight: int, duration_s: float, warmup_s: f
     latencies.sort()
     at = lambda q: round(1e3 * latencies[min(len(latencies) - 1, int(q * len(latencies)))], 2) if latencies else None  # noqa: E731
     return {"requests_per_s": round(len(latencies) / duration_s, 1), "served": len(latencies), "errors": errors,
-            "latency_ms": {"p50": at(0.5), "p99": at(0.99)}, "served_total": served_total}
+            "latency_ms": {"p50": at(0.5), "p99": at(0.99)}, "warmup_s": round(window["from"] - begin, 2),
+            "served_total": served_total}
 
 
 # --------------------------------------------------------------------------- rollout manager

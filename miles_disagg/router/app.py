@@ -21,7 +21,9 @@ Contracts:
   version does not satisfy the constraint (the router's view was stale) the answer is a 409
   instead of that sample; the version seen in every response updates the registry.
 * Failures: a refused connection (nothing was sent) marks the worker unhealthy and the
-  request is tried on another worker. Any later failure (connection lost, timeout, 5xx)
+  request is tried on another worker; so does a connect timeout, except that a worker which
+  answered a request within the connect timeout stays in routing (busy, not gone: its probes
+  decide). A request never tries the same worker twice. Any later failure (connection lost, timeout, 5xx)
   marks the worker unhealthy and answers 502 ``WorkerFailed`` (retryable). A request that
   may have started generating is never replayed, ``rid`` or not. 4xx answers pass through.
 * A client that disconnects has its upstream request closed, so the engine aborts it.
@@ -64,7 +66,7 @@ from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailabl
                                        constraint_json, request_constraint, violates)
 from miles_disagg.router.registry import (UnknownWorker, Worker, WorkerRegistry, WorkerState, normalize_url,
                                           parse_version)
-from miles_disagg.pooled_http import NotConnected, PooledSession, Reply, TransportFailed
+from miles_disagg.pooled_http import ConnectTimedOut, NotConnected, PooledSession, Reply, TransportFailed
 from miles_disagg.httpjson import dumps_async, parse_body, parse_json_async
 from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
 
@@ -248,14 +250,16 @@ class Router:
         payload = await dumps_async(body, size)
         level = getattr(request.state, "auth_level", None)
         headers = {"content-type": "application/json", **forward_headers(self.keys, level, path)}
+        tried: set[Worker] = set()
         for _ in range(len(self.registry) + 1):
             try:
-                worker = self.policy.choose_in(self.registry, constraint)
+                worker = self.policy.choose_in(self.registry, constraint, skip=tried)
             except (VersionNotReady, NoWorkerAvailable) as exc:
                 return self._not_ready(exc, constraint)
             response = await self._dispatch(worker, path, payload, headers, request, record)
             if response is not None:
                 return response
+            tried.add(worker)
         return self._not_ready(NoWorkerAvailable("every ready worker refused the connection"), constraint)
 
     def _notify(self, record: ProxyRecord) -> None:
@@ -282,6 +286,13 @@ class Router:
         except _ClientGone:
             self.counters["client_disconnected"] += 1
             return Response(status_code=499)
+        except ConnectTimedOut as exc:
+            self.counters["connect_retries"] += 1
+            if self.registry.answered_within(worker, self.config.connect_timeout_s):
+                self.counters["connect_timeouts_of_live_workers"] += 1  # busy, not gone: probes decide
+            else:
+                self._fail(worker, f"cannot connect: {exc}")
+            return None
         except NotConnected as exc:
             self._fail(worker, f"cannot connect: {exc}")
             self.counters["connect_retries"] += 1
@@ -342,7 +353,7 @@ class Router:
     def metrics(self) -> dict[str, Any]:
         return {**{k: self.counters.get(k, 0) for k in (
             "requests", "version_not_ready", "no_worker_available", "worker_failed", "connect_retries",
-            "stale_view", "client_disconnected")},
+            "connect_timeouts_of_live_workers", "stale_view", "client_disconnected")},
             "served_per_worker": {w.url: w.num_served for w in self.registry.workers()},
             "routing_overhead_ms": _percentiles_ms(self.overheads_s)}
 

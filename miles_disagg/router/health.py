@@ -83,7 +83,7 @@ class HealthChecker:
         try:
             version = await self.probe(worker.url)
         except ProbeFailed as exc:
-            self.registry.record_probe_failure(worker, str(exc), definite=exc.definite)
+            self.registry.record_probe_failure(worker, str(exc), definite=exc.definite, ticket=ticket)
         else:
             self.registry.record_probe_ok(worker, version, ticket)
         if worker.state is not before:

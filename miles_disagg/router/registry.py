@@ -84,6 +84,7 @@ class ProbeTicket:
 
     version_seq: int
     failure_seq: int
+    answered_seq: int = 0
 
 
 @dataclass(eq=False)
@@ -104,6 +105,8 @@ class Worker:
     failure_seq: int = 0
     busy_s: float = 0.0  # wall time with at least one request outstanding, up to busy_since
     busy_since: float | None = None
+    answered_seq: int = 0  # proxied requests it answered (evidence it is alive, whatever a probe saw meanwhile)
+    last_answer_at: float | None = None  # time.monotonic() of the last one
 
     def busy_seconds(self, now: float | None = None) -> float:
         """Cumulative time this worker had a request in flight (the engine-busy metric)."""
@@ -231,6 +234,12 @@ class WorkerRegistry:
             worker.busy_since = None
         if served:
             worker.num_served += 1
+            worker.answered_seq += 1
+            worker.last_answer_at = time.monotonic()
+
+    def answered_within(self, worker: Worker, seconds: float) -> bool:
+        """Whether ``worker`` answered a proxied request in the last ``seconds``."""
+        return worker.last_answer_at is not None and time.monotonic() - worker.last_answer_at <= seconds
 
     def _move(self, worker: Worker, by: int) -> None:
         """Change ``worker.outstanding`` by ``by``, keeping its filing (a removed worker is not refiled)."""
@@ -260,7 +269,7 @@ class WorkerRegistry:
 
     def ticket(self, worker: Worker) -> ProbeTicket:
         """Take before probing ``worker``; hand back to :meth:`record_probe_ok`."""
-        return ProbeTicket(worker.version_seq, worker.failure_seq)
+        return ProbeTicket(worker.version_seq, worker.failure_seq, worker.answered_seq)
 
     def record_probe_ok(self, worker: Worker, version: int | None, ticket: ProbeTicket) -> None:
         """A probe found the worker healthy at ``version``.
@@ -279,12 +288,19 @@ class WorkerRegistry:
         worker.consecutive_failures = 0
         worker.last_error = None
 
-    def record_probe_failure(self, worker: Worker, error: str, *, definite: bool) -> None:
+    def record_probe_failure(self, worker: Worker, error: str, *, definite: bool,
+                             ticket: ProbeTicket | None = None) -> None:
         """A probe failed. ``definite`` (refused connection, error status) takes a ready worker
         out at once; otherwise (a timeout) only ``failure_threshold`` failures in a row do.
 
-        A worker that never passed a probe stays ``starting`` (with ``last_error``).
+        A timeout is not counted when the worker answered a proxied request while the probe ran
+        (``ticket``: taken when it started): the worker is alive, and the probe was slow on the
+        router's side (a router with thousands of requests queued on its event loop timed out its own
+        probes and took every healthy worker out). A worker that never passed a probe stays
+        ``starting`` (with ``last_error``).
         """
+        if not definite and ticket is not None and worker.answered_seq != ticket.answered_seq:
+            return
         worker.consecutive_failures += 1
         worker.last_error = error
         worker.failure_seq += 1
