@@ -19,7 +19,8 @@ load window after load window, so a change in the machine's load (it is shared) 
 * ``rollout``: the rollout manager (:class:`~miles_disagg.rollout.manager.RolloutManager`, in this
   process, the built-in count-up task on a digits tokenizer) producing through the same router at
   ``--rollout-concurrency`` requests in flight whatever the pool size, the trainer's side taking
-  batches: samples/s, and this process's memory (it holds the manager).
+  batches for ``--duration`` seconds, ``--rounds`` times (sizes taking turns): samples/s, and this
+  process's memory (it holds the manager).
 
 ``ratios`` compares each size with the smallest. The simulated engines answer ``/generate`` after
 ``--per-request-ms``; ``/pull_weights`` takes ``--pull-ms``, ``/update_weights_from_disk``
@@ -125,19 +126,36 @@ def _all_pools(root: Path, command: ScaleBench) -> dict[int, dict]:
         if "fanout" in command.section_names():
             for size, result in _fanout_all(root, fleets, command.updates).items():
                 per_size[size]["fanout"] = result
-        if "router" in command.section_names():
-            for size, result in _router_all(root, fleets, command).items():
-                per_size[size]["router"] = result
-        if "rollout" in command.section_names():
-            for size in sizes:
-                per_size[size]["rollout"] = _rollout(root, fleets[size].urls, command)
-                _progress(f"  rollout manager, {size} engines: {per_size[size]['rollout']}")
+        if {"router", "rollout"} & set(command.section_names()):
+            _router_sections(root, fleets, command, per_size)
         for size in sizes:
             per_size[size]["sim_engines_rss_mb"] = rss_mb(fleets[size].proc.pid)
         return per_size
     finally:
         for fleet in fleets.values():
             fleet.stop()
+
+
+def _router_sections(root: Path, fleets: dict[int, SimFleetProcess], command: ScaleBench,
+                     per_size: dict[int, dict]) -> None:
+    """A router per pool size, all started first and kept for both sections."""
+    from miles_disagg.bench.scale_rollout import rollout_all
+
+    routers: dict[int, Any] = {}
+    try:
+        for size, fleet in fleets.items():
+            routers[size] = _start_router(root, fleet.urls, size)
+        for size, router in routers.items():
+            _wait_ready(router.url, size)
+        if "router" in command.section_names():
+            for size, result in _router_all(routers, fleets, command).items():
+                per_size[size]["router"] = result
+        if "rollout" in command.section_names():
+            for size, result in rollout_all(root, {size: r.url for size, r in routers.items()}, command).items():
+                per_size[size]["rollout"] = result
+    finally:
+        for router in routers.values():
+            router.stop()
 
 
 # --------------------------------------------------------------------------- processes
@@ -276,45 +294,41 @@ def _threaded_update(updater, version: int) -> tuple[float, float, float]:
 # --------------------------------------------------------------------------- router load
 
 
-def _router_all(root: Path, fleets: dict[int, SimFleetProcess], command: ScaleBench) -> dict[int, dict]:
-    """A router per pool size, all started first; then ``--rounds`` rounds of one load window per size.
-    Per size: medians over its windows; ``throughput_vs_smallest_per_round`` compares windows of the same
-    round. ``cpu_cores``: the share of a core each process used in the window (the router, its simulated
-    engines, this load client; each is one event loop, so near 1.0 is that process's limit, and the
-    machine's cores bound their sum): the check that the figures are the router's, not the simulator's
-    or the client's. ``router_idle_cpu_fraction``: health checks of N workers alone, before any load."""
+def _router_all(routers: dict[int, Any], fleets: dict[int, SimFleetProcess], command: ScaleBench) -> dict[int, dict]:
+    """``--rounds`` rounds of one load window per size. Per size: medians over its windows;
+    ``throughput_vs_smallest_per_round`` compares windows of the same round. ``cpu_cores``: the share of
+    a core each process used in the window (the router, its simulated engines, this load client; each is
+    one event loop, so near 1.0 is that process's limit, and the machine's cores bound their sum): the
+    check that the figures are the router's, not the simulator's or the client's.
+    ``router_idle_cpu_fraction``: health checks of N workers alone, before any load."""
     import httpx
 
-    routers = {size: _start_router(root, fleet.urls, size) for size, fleet in fleets.items()}
-    try:
+    idle_before = {size: cpu_s(router.proc.pid) for size, router in routers.items()}
+    time.sleep(IDLE_MEASURE_S)  # no traffic anywhere: what health checking alone costs
+    idle = {size: (cpu_s(router.proc.pid) - idle_before[size]) / IDLE_MEASURE_S for size, router in routers.items()}
+    windows: dict[int, list[dict]] = {size: [] for size in routers}
+    for round_index in range(command.rounds):
         for size, router in routers.items():
-            _wait_ready(router.url, size)
-        idle_before = {size: cpu_s(router.proc.pid) for size, router in routers.items()}
-        time.sleep(IDLE_MEASURE_S)  # no traffic anywhere: what health checking alone costs
-        idle = {size: (cpu_s(router.proc.pid) - idle_before[size]) / IDLE_MEASURE_S for size, router in routers.items()}
-        windows: dict[int, list[dict]] = {size: [] for size in fleets}
-        for round_index in range(command.rounds):
-            for size, router in routers.items():
-                windows[size].append(_load_window(router, fleets[size], command))
-                _progress(f"  router, {size} engines, round {round_index + 1}: {windows[size][-1]}")
-        results = {}
-        for size, router in routers.items():
-            metrics = httpx.get(router.url + "/metrics", timeout=30, trust_env=False).json()
-            results[size] = {**_router_summary(windows[size]), "router_idle_cpu_fraction": round(idle[size], 4),
-                             "routing_overhead_ms": metrics.get("routing_overhead_ms"),
-                             "router_rss_mb": rss_mb(router.proc.pid)}
-        base = min(fleets)
-        for size in fleets:
-            results[size]["throughput_vs_smallest_per_round"] = [
-                round(mine["requests_per_s"] / theirs["requests_per_s"], 3) if theirs["requests_per_s"] else None
-                for mine, theirs in zip(windows[size], windows[base])]
-        return results
-    finally:
-        for router in routers.values():
-            router.stop()
+            windows[size].append(_load_window(router, fleets[size], command, idle[size]))
+            _progress(f"  router, {size} engines, round {round_index + 1}: {windows[size][-1]}")
+    results = {}
+    for size, router in routers.items():
+        metrics = httpx.get(router.url + "/metrics", timeout=30, trust_env=False).json()
+        results[size] = {**_router_summary(windows[size]), "router_idle_cpu_fraction": round(idle[size], 4),
+                         "routing_overhead_ms": metrics.get("routing_overhead_ms"),
+                         "router_rss_mb": rss_mb(router.proc.pid)}
+    base = min(routers)
+    for size in routers:
+        results[size]["throughput_vs_smallest_per_round"] = [
+            round(mine["requests_per_s"] / theirs["requests_per_s"], 3) if theirs["requests_per_s"] else None
+            for mine, theirs in zip(windows[size], windows[base])]
+    return results
 
 
-def _load_window(router: Any, fleet: SimFleetProcess, command: ScaleBench) -> dict:
+def _load_window(router: Any, fleet: SimFleetProcess, command: ScaleBench, idle_cores: float) -> dict:
+    """One load window. ``router_net_cpu_ms_per_request``: the router's CPU less what its health checks
+    take idle (``idle_cores``), per request: on a starved machine few requests are served and the
+    checks of 256 workers would otherwise read as routing cost."""
     from miles_disagg.pooled_http import run_loop
 
     pids = {"router": router.proc.pid, "sim_engines": fleet.proc.pid, "load_client": os.getpid()}
@@ -324,6 +338,7 @@ def _load_window(router: Any, fleet: SimFleetProcess, command: ScaleBench) -> di
     used = {name: cpu_s(pid) - before[name] for name, pid in pids.items()}
     served = load.pop("served_total")
     return {**load, "router_cpu_ms_per_request": round(1e3 * used["router"] / max(1, served), 3),
+            "router_net_cpu_ms_per_request": round(1e3 * max(0.0, used["router"] - idle_cores * elapsed) / max(1, served), 3),
             "cpu_cores": {name: round(value / elapsed, 3) for name, value in used.items()},
             "load_avg_1m": round(os.getloadavg()[0], 2)}
 
@@ -336,6 +351,7 @@ def _router_summary(windows: list[dict]) -> dict:
             "latency_ms": {q: med([w["latency_ms"][q] for w in windows if w["latency_ms"][q] is not None])
                            for q in ("p50", "p99")},
             "router_cpu_ms_per_request": med([w["router_cpu_ms_per_request"] for w in windows]),
+            "router_net_cpu_ms_per_request": med([w["router_net_cpu_ms_per_request"] for w in windows]),
             "cpu_cores": {name: med([w["cpu_cores"][name] for w in windows]) for name in windows[0]["cpu_cores"]},
             "windows": windows}
 
@@ -407,52 +423,6 @@ async def generate_load(url: str, in_flight: int, duration_s: float, warmup_s: f
             "served_total": served_total}
 
 
-# --------------------------------------------------------------------------- rollout manager
-
-
-def _rollout(root: Path, urls: list[str], command: ScaleBench) -> dict:
-    router = _start_router(root, urls, len(urls))
-    try:
-        _wait_ready(router.url, len(urls))
-        return asyncio.run(_drive_rollout_manager(_tokenizer_dir(root), router.url, command))
-    finally:
-        router.stop()
-
-
-def _tokenizer_dir(root: Path) -> Path:
-    from miles_disagg.models.tiny_qwen3 import DIGITS_CHARSET, build_tokenizer
-
-    path = root / "tokenizer"
-    if not path.exists():
-        build_tokenizer(DIGITS_CHARSET).save_pretrained(path)
-    return path
-
-
-async def _drive_rollout_manager(tokenizer_dir: Path, router_url: str, command: ScaleBench) -> dict:
-    """The manager produces continuously; batches of 64 groups are taken for ``--duration`` seconds."""
-    from miles_disagg.config.actors import RolloutManagerConfig
-    from miles_disagg.config.components import RolloutConfig
-    from miles_disagg.rollout.manager import RolloutManager
-
-    groups_per_batch, n_samples = 64, 4
-    config = RolloutConfig(rollout_batch_size=groups_per_batch, n_samples_per_prompt=n_samples,
-                           rollout_max_response_len=16, rollout_concurrency=command.rollout_concurrency,
-                           max_weight_staleness=4)
-    manager = RolloutManager(RolloutManagerConfig(rollout=config, router_url=router_url, hf_dir=str(tokenizer_dir)),
-                             capacity_groups=4 * groups_per_batch)
-    await manager.start()
-    try:
-        await manager.take(groups_per_batch, 0)  # warm-up
-        samples, started = 0, time.perf_counter()
-        while time.perf_counter() - started < command.duration:
-            samples += (await manager.take(groups_per_batch, 0)).num_samples
-        elapsed = time.perf_counter() - started
-    finally:
-        await manager.stop()
-    return {"samples_per_s": round(samples / elapsed, 1), "samples": samples,
-            "rollout_concurrency": command.rollout_concurrency, "manager_process_rss_mb": rss_mb(os.getpid())}
-
-
 # --------------------------------------------------------------------------- ratios
 
 
@@ -484,8 +454,15 @@ def _ratios(per_size: dict[int, dict]) -> dict:
                 round(statistics.median(per_round), 3) if per_round else None)
             entry["router_cpu_per_request_vs_smallest"] = round(
                 result["router"]["router_cpu_ms_per_request"] / base["router"]["router_cpu_ms_per_request"], 3)
+            if base["router"].get("router_net_cpu_ms_per_request"):
+                entry["router_net_cpu_per_request_vs_smallest"] = round(
+                    result["router"]["router_net_cpu_ms_per_request"] / base["router"]["router_net_cpu_ms_per_request"], 3)
         if "rollout" in result and base["rollout"]["samples_per_s"]:
             entry["rollout_samples_per_s_vs_smallest"] = round(
                 result["rollout"]["samples_per_s"] / base["rollout"]["samples_per_s"], 3)
+            per_round = [mine / theirs for mine, theirs in zip(result["rollout"]["samples_per_s_per_round"],
+                                                               base["rollout"]["samples_per_s_per_round"]) if theirs]
+            entry["rollout_samples_per_s_vs_smallest_median_of_rounds"] = (
+                round(statistics.median(per_round), 3) if per_round else None)
         ratios[f"{size}_vs_{base_size}"] = entry
     return ratios

@@ -22,8 +22,9 @@ Contracts:
   instead of that sample; the version seen in every response updates the registry.
 * Failures: a refused connection (nothing was sent) marks the worker unhealthy and the
   request is tried on another worker; so does a connect timeout, except that a worker which
-  answered a request within the connect timeout stays in routing (busy, not gone: its probes
-  decide). A request never tries the same worker twice. Any later failure (connection lost, timeout, 5xx)
+  answered a request within the connect timeout, or whose connect timed out while the router's own
+  loop lagged (:mod:`~miles_disagg.router.loop_lag`), stays in routing (its probes decide). A request
+  never tries the same worker twice. Any later failure (connection lost, timeout, 5xx)
   marks the worker unhealthy and answers 502 ``WorkerFailed`` (retryable). A request that
   may have started generating is never replayed, ``rid`` or not. 4xx answers pass through.
 * A client that disconnects has its upstream request closed, so the engine aborts it.
@@ -60,8 +61,10 @@ from fastapi.responses import JSONResponse, Response
 
 from miles_disagg.asgi_guard import ServerGuard, install_guard, server_app
 from miles_disagg.auth import ApiKeys, forward_headers
+from miles_disagg.router.client_gone import _ClientGone, _unless_client_gone
 from miles_disagg.router.fast_path import GenerationFastPath
 from miles_disagg.router.health import HealthChecker
+from miles_disagg.router.loop_lag import LoopLag
 from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, annotate_served_versions,
                                        constraint_json, request_constraint, violates)
 from miles_disagg.router.registry import (UnknownWorker, Worker, WorkerRegistry, WorkerState, normalize_url,
@@ -74,7 +77,6 @@ log = logging.getLogger(__name__)
 
 GENERATE_PATH = "/generate"
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
-DISCONNECT_RECHECK_S = 1.0
 OVERHEAD_WINDOW = 100_000  # routing overheads kept for /metrics' percentiles (the most recent requests)
 
 
@@ -139,10 +141,6 @@ class WorkerVersionMismatch(Retryable):
                          "only from the worker itself")
 
 
-class _ClientGone(Exception):
-    pass
-
-
 @dataclass
 class ProxyRecord:
     """One proxied generation request, as observers see it."""
@@ -167,6 +165,8 @@ class Router:
         self._client: PooledSession | None = None
         self.health: HealthChecker | None = None
         self._health_task: asyncio.Task | None = None
+        self._lag_task: asyncio.Task | None = None
+        self.loop_lag = LoopLag()
         self.observers: list[Callable[[ProxyRecord], None]] = []
         self.overheads_s: collections.deque[float] = collections.deque(maxlen=OVERHEAD_WINDOW)
         self.server_id: str | None = None  # the app's (asgi_guard): a worker answering with it is this router
@@ -182,17 +182,20 @@ class Router:
         probe_client = PooledSession(max_connections=None, connect_timeout_s=timeout, read_timeout_s=timeout,
                                      total_timeout_s=timeout)
         self.health = HealthChecker(self.registry, probe_client, interval_s=self.config.health_check_interval_s,
-                                    keys=self.keys, own_server_id=self.server_id)
+                                    keys=self.keys, own_server_id=self.server_id, loop_lag=self.loop_lag,
+                                    timeout_s=timeout)
+        self._lag_task = asyncio.create_task(self.loop_lag.run_forever())
         for url in self.config.workers:
             self.registry.add(url)
         await self.health.check_all()
         self._health_task = asyncio.create_task(self.health.run_forever())
 
     async def stop(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+        for task in (self._health_task, self._lag_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for client in (self._client, self.health and self.health.client):
             if client is not None:
                 await client.aclose()
@@ -276,7 +279,7 @@ class Router:
         record.worker = worker.url
         self.registry.acquire(worker)
         served = False
-        sent_at = time.perf_counter()
+        sent_at, sent_loop_time = time.perf_counter(), asyncio.get_running_loop().time()
         try:
             send = self._client.post(worker.url + path, content=payload, headers=headers)
             upstream = await _unless_client_gone(request, send)
@@ -288,7 +291,8 @@ class Router:
             return Response(status_code=499)
         except ConnectTimedOut as exc:
             self.counters["connect_retries"] += 1
-            if self.registry.answered_within(worker, self.config.connect_timeout_s):
+            if (self.registry.answered_within(worker, self.config.connect_timeout_s)
+                    or self.loop_lag.excuses(sent_loop_time, self.config.connect_timeout_s)):
                 self.counters["connect_timeouts_of_live_workers"] += 1  # busy, not gone: probes decide
             else:
                 self._fail(worker, f"cannot connect: {exc}")
@@ -393,47 +397,6 @@ def _error_response(status: int, exc: BaseException, *, type_name: str | None = 
     body = {"type": type_name or type(exc).__name__, "retryable": isinstance(exc, Retryable),
             "message": message or str(exc), **extra}
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-async def _unless_client_gone(request: Any, send: Awaitable[Reply]) -> Reply:
-    """Await ``send``; if the client disconnects first, cancel it (closing the upstream
-    connection, which makes the engine abort the request) and raise ``_ClientGone``.
-
-    ``send`` runs in the caller's task; one watcher task cancels that task if the client leaves while
-    ``send`` is still awaited (a second task and an ``asyncio.wait`` per request cost more)."""
-    task = asyncio.current_task()
-    state = {"sending": True, "gone": False}
-
-    async def watch() -> None:
-        await _client_disconnected(request)
-        if state["sending"]:  # the task is suspended inside ``send``: the cancel lands there
-            state["gone"] = True
-            task.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await send
-    except asyncio.CancelledError:
-        if not state["gone"]:
-            raise
-        task.uncancel()
-        raise _ClientGone() from None
-    finally:
-        state["sending"] = False
-        watcher.cancel()
-
-
-async def _client_disconnected(request: Any) -> None:
-    """Returns when the client is gone (the body was read, so ``receive`` waits for that).
-
-    Never returns if the server cannot tell: not watching is safer than a false abort.
-    """
-    try:
-        while (await request.receive())["type"] != "http.disconnect":
-            await asyncio.sleep(DISCONNECT_RECHECK_S)
-    except Exception:
-        log.exception("cannot watch for client disconnects")
-        await asyncio.Event().wait()
 
 
 # --------------------------------------------------------------------------- app

@@ -128,8 +128,9 @@ def test_bench_scale_prints_one_json_object_with_every_pool_size(tmp_path: Path)
         assert set(pool["router"]["cpu_cores"]) == {"router", "sim_engines", "load_client"}
         assert pool["fanout"]["sim_engines_cpu_s"] >= 0 and len(pool["router"]["throughput_vs_smallest_per_round"]) == 2
         assert pool["rollout"]["samples_per_s"] > 0 and pool["rollout"]["rollout_concurrency"] == 16
+        assert len(pool["rollout"]["samples_per_s_per_round"]) == 2 and pool["router"]["router_net_cpu_ms_per_request"] >= 0
     assert {"fanout_update_time_vs_smallest", "router_throughput_vs_smallest",
-            "router_throughput_vs_smallest_median_of_rounds",
+            "router_throughput_vs_smallest_median_of_rounds", "rollout_samples_per_s_vs_smallest_median_of_rounds",
             "rollout_samples_per_s_vs_smallest"} <= set(out["ratios"]["4_vs_2"])
     assert out["settings"]["rounds"] == 2
     assert out["ratios"]["fanout_loop_vs_threads_4"]["updater_cpu"] > 0

@@ -112,3 +112,53 @@ def test_refused_connections_still_take_the_worker_out_and_each_worker_is_tried_
     assert response.status_code == 503
     assert sorted(router._client.sent) == ["http://a:1/generate", "http://b:1/generate"]
     assert a.state is WorkerState.UNHEALTHY and b.state is WorkerState.READY
+
+
+def test_loop_lag_sees_a_blocked_loop_and_excuses_only_its_timeouts():
+    import time
+
+    from miles_disagg.router.loop_lag import LoopLag
+
+    async def main():
+        lag = LoopLag(period_s=0.02)
+        task = asyncio.ensure_future(lag.run_forever())
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(0.1)
+        calm = loop.time()
+        await asyncio.sleep(0.1)
+        calm_excuses = lag.excuses(calm, timeout_s=0.4)
+        blocked = loop.time()
+        time.sleep(0.3)  # the loop cannot run anything meanwhile
+        await asyncio.sleep(0.05)
+        task.cancel()
+        return calm_excuses, lag.worst_since(blocked), lag.excuses(blocked, timeout_s=0.4), lag.excuses(blocked, 2.0)
+
+    calm_excuses, worst, excused, long_timeout_excused = asyncio.run(main())
+    assert not calm_excuses and worst >= 0.25 and excused and not long_timeout_excused
+
+
+def test_connect_timeout_while_the_router_lagged_keeps_a_worker_that_never_answered():
+    router = Router(RouterConfig(connect_timeout_s=0.2))
+    a, b = ready(router.registry, "http://a:1"), ready(router.registry, "http://b:1")
+    router.registry.acquire(b)
+
+    class LaggingClient(FakeClient):
+        async def post(self, url: str, **kwargs):
+            if url.startswith("http://a:1"):
+                import time
+                time.sleep(0.3)  # the router's loop stalls while this connect is pending
+            return await super().post(url, **kwargs)
+
+    router._client = LaggingClient({"http://a:1": ConnectTimedOut("connecting timed out")})
+
+    async def main():
+        task = asyncio.ensure_future(router.loop_lag.run_forever())
+        await asyncio.sleep(0.05)
+        try:
+            return await router._route(Gone(), "/generate", {"input_ids": [1]}, ProxyRecord(ANY), 16)
+        finally:
+            task.cancel()
+
+    response = asyncio.run(main())
+    assert response.status_code == 200 and a.state is WorkerState.READY
+    assert router.counters["connect_timeouts_of_live_workers"] == 1
