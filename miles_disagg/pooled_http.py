@@ -109,3 +109,24 @@ class PooledSession:
 
     async def aclose(self) -> None:
         await self._session.close()
+
+
+def loop_factory():
+    """``uvloop.new_event_loop`` where uvloop is installed (pyproject installs it except on Windows), else
+    ``asyncio.new_event_loop``: for the loops this project runs itself, as uvicorn does for its servers.
+
+    Why: a weight update to 256 engines is about 1,500 small requests, and 256 simulated engines in one
+    process answer them; both are event-loop bound on a 2-core machine, and uvloop cuts the loop's own
+    cost per request (the updater's CPU per update at 256 engines: 0.34 s -> 0.31 s, the simulated
+    engines' 0.25 s -> 0.19 s). Behaviour is asyncio's; nothing may rely on either loop's internals."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
+
+
+def run_loop(coroutine: Any) -> Any:
+    """``asyncio.run(coroutine)`` on a loop from :func:`loop_factory`."""
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(coroutine)

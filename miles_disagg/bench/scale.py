@@ -1,23 +1,26 @@
 """``miles-disagg bench scale --engines 8,64,256``: the control plane against pools of simulated engines.
 
-For each pool size N (all sizes measured side by side in one run, so their ratios hold on a loaded
-machine), with N simulated engines (:mod:`miles_disagg.engines.simulated`, one process, one port each):
+For each pool size N, with N simulated engines (:mod:`miles_disagg.engines.simulated`, one process, one
+port each). Every size's fleet runs for the whole bench and the sizes take turns, update after update and
+load window after load window, so a change in the machine's load (it is shared) hits every size alike:
 
 * ``fanout``: the disk-delta updater (:class:`~miles_disagg.engines.updater.DiskDeltaUpdater`, the
   run's own) bringing all N engines to a new version, ``--updates`` times: the whole update, its
   prepare phase (``/pull_weights`` everywhere) and activate phase (pause, flush, load, continue,
-  verify, everywhere), the longest pause of one engine and the updater's CPU. Medians over the
-  updates. ``threads``: each update is followed by one done as before (a thread and a synchronous
+  verify, everywhere), the longest pause of one engine, the updater's CPU and the simulated engines'
+  (their headroom). Medians over the updates. ``threads``: each update is followed by one done as before (a thread and a synchronous
   client per engine), so the two are compared side by side.
 * ``router``: ``miles-disagg router`` over the N engines, ``--in-flight`` requests kept in flight for
-  ``--duration`` seconds from one asyncio client: requests/s, client latency p50/p99, the router's own
-  time per request (its ``/metrics`` ``routing_overhead_ms``: time in the router minus time waiting
-  for engines), its CPU per request and its peak memory; before the load, the share of a core it uses
-  idle (health checks of N workers alone).
+  ``--duration`` seconds from one asyncio client, ``--rounds`` windows: requests/s, client latency
+  p50/p99, the router's own time per request (its ``/metrics`` ``routing_overhead_ms``: time in the
+  router minus time waiting for engines), its CPU per request, the share of a core the router, the
+  simulated engines and the load client each used (which process was the limit), the router's peak
+  memory; before the load, the share of a core it uses idle (health checks of N workers alone).
 * ``rollout``: the rollout manager (:class:`~miles_disagg.rollout.manager.RolloutManager`, in this
   process, the built-in count-up task on a digits tokenizer) producing through the same router at
   ``--rollout-concurrency`` requests in flight whatever the pool size, the trainer's side taking
-  batches: samples/s, and this process's memory (it holds the manager).
+  batches for ``--duration`` seconds, ``--rounds`` times (sizes taking turns): samples/s, and this
+  process's memory (it holds the manager).
 
 ``ratios`` compares each size with the smallest. The simulated engines answer ``/generate`` after
 ``--per-request-ms``; ``/pull_weights`` takes ``--pull-ms``, ``/update_weights_from_disk``
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -37,6 +41,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from miles_disagg.bench.common import print_result, progress, work_dir
 from miles_disagg.config.commands import add_config_arguments, config_from_args
@@ -45,6 +50,7 @@ from miles_disagg.config.fields import flag
 _progress = progress("scale")
 SECTIONS = ("fanout", "router", "rollout")
 IDLE_MEASURE_S = 3.0
+MAX_WARMUP_S = 120.0
 GENERATE_BODY = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0},
                  "return_logprob": True}
 
@@ -57,7 +63,8 @@ class ScaleBench:
     engines: str = flag("8,64,256", "Pool sizes, comma-separated.", metavar="N,N,...")
     updates: int = flag(3, "Weight updates timed per pool size (medians reported).")
     in_flight: int = flag(1024, "Requests kept in flight against the router.")
-    duration: float = flag(8.0, "Seconds of measured load per pool size (after a 1 s warm-up).", metavar="S")
+    duration: float = flag(8.0, "Seconds of one measured router load window (after a 1 s warm-up).", metavar="S")
+    rounds: int = flag(3, "Router load windows per pool size, the sizes taking turns (medians reported).")
     per_request_ms: float = flag(20.0, "Simulated /generate time.", metavar="MS")
     pull_ms: float = flag(100.0, "Simulated /pull_weights time.", metavar="MS")
     load_ms: float = flag(50.0, "Simulated /update_weights_from_disk time.", metavar="MS")
@@ -66,6 +73,8 @@ class ScaleBench:
     work_dir: Path | None = flag(None, "Keep logs here (default: a temp dir).")
 
     def __post_init__(self) -> None:
+        if self.rounds < 1 or self.updates < 1:
+            raise ValueError(f"--rounds and --updates must be >= 1, got {self.rounds}, {self.updates}")
         if not self.pool_sizes() or min(self.pool_sizes()) < 1:
             raise ValueError(f"--engines must list positive pool sizes, got {self.engines!r}")
         unknown = set(self.section_names()) - set(SECTIONS)
@@ -92,35 +101,61 @@ def run(args: argparse.Namespace) -> int:
 
     os.environ.setdefault(ADMIN_API_KEY_ENV, new_key())  # every process of the bench shares one admin key
     with work_dir("scale", command.work_dir) as root:
-        per_size = {n: _one_pool(root, command, n) for n in command.pool_sizes()}
+        per_size = _all_pools(root, command)
     return print_result({"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
                          "settings": _settings(command), "pools": per_size,
                          "ratios": _ratios(per_size)})
 
 
 def _settings(command: ScaleBench) -> dict:
-    return {"in_flight": command.in_flight, "rollout_concurrency": command.rollout_concurrency, "duration_s": command.duration, "updates": command.updates,
+    return {"in_flight": command.in_flight, "rollout_concurrency": command.rollout_concurrency,
+            "duration_s": command.duration, "rounds": command.rounds, "updates": command.updates,
             "per_request_ms": command.per_request_ms, "pull_ms": command.pull_ms, "load_ms": command.load_ms}
 
 
-def _one_pool(root: Path, command: ScaleBench, num_engines: int) -> dict:
-    _progress(f"{num_engines} simulated engines")
-    fleet = SimFleetProcess.start(root / f"sim-{num_engines}.log", num_engines, command)
+def _all_pools(root: Path, command: ScaleBench) -> dict[int, dict]:
+    """Every pool size's fleet runs for the whole bench; fan-out updates and router load windows take
+    turns between the sizes (round after round), so a change of the machine's load hits every size."""
+    sizes = command.pool_sizes()
+    fleets: dict[int, SimFleetProcess] = {}
     try:
-        result: dict = {"num_engines": num_engines}
+        for size in sizes:
+            _progress(f"starting {size} simulated engines")
+            fleets[size] = SimFleetProcess.start(root / f"sim-{size}.log", size, command)
+        per_size: dict[int, dict] = {size: {"num_engines": size} for size in sizes}
         if "fanout" in command.section_names():
-            result["fanout"] = _fanout(root / f"fanout-{num_engines}", fleet.urls, command.updates)
-            _progress(f"  fan-out: {result['fanout']}")
-        if "router" in command.section_names():
-            result["router"] = _router_load(root, fleet.urls, command)
-            _progress(f"  router: {result['router']}")
-        if "rollout" in command.section_names():
-            result["rollout"] = _rollout(root, fleet.urls, command)
-            _progress(f"  rollout manager: {result['rollout']}")
-        result["sim_engines_rss_mb"] = rss_mb(fleet.proc.pid)
-        return result
+            for size, result in _fanout_all(root, fleets, command.updates).items():
+                per_size[size]["fanout"] = result
+        if {"router", "rollout"} & set(command.section_names()):
+            _router_sections(root, fleets, command, per_size)
+        for size in sizes:
+            per_size[size]["sim_engines_rss_mb"] = rss_mb(fleets[size].proc.pid)
+        return per_size
     finally:
-        fleet.stop()
+        for fleet in fleets.values():
+            fleet.stop()
+
+
+def _router_sections(root: Path, fleets: dict[int, SimFleetProcess], command: ScaleBench,
+                     per_size: dict[int, dict]) -> None:
+    """A router per pool size, all started first and kept for both sections."""
+    from miles_disagg.bench.scale_rollout import rollout_all
+
+    routers: dict[int, Any] = {}
+    try:
+        for size, fleet in fleets.items():
+            routers[size] = _start_router(root, fleet.urls, size)
+        for size, router in routers.items():
+            _wait_ready(router.url, size)
+        if "router" in command.section_names():
+            for size, result in _router_all(routers, fleets, command).items():
+                per_size[size]["router"] = result
+        if "rollout" in command.section_names():
+            for size, result in rollout_all(root, {size: r.url for size, r in routers.items()}, command).items():
+                per_size[size]["rollout"] = result
+    finally:
+        for router in routers.values():
+            router.stop()
 
 
 # --------------------------------------------------------------------------- processes
@@ -187,37 +222,55 @@ def cpu_s(pid: int) -> float:
 # --------------------------------------------------------------------------- fan-out
 
 
-def _fanout(root: Path, urls: list[str], updates: int) -> dict:
-    """``updates`` updates by the updater (one event loop), each followed by one the way it was done
-    before (a thread and a synchronous client per engine: its public per-engine steps), side by side."""
+def _fanout_all(root: Path, fleets: dict[int, SimFleetProcess], updates: int) -> dict[int, dict]:
+    """``updates`` rounds; in each, every pool size gets one update by the updater (one event loop) and
+    then one the way it was done before (a thread and a synchronous client per engine: its public
+    per-engine steps). ``sim_engines_cpu_s``: the simulated engines' CPU per update (their process is one
+    event loop: far less than one core over the update's seconds means they are not what it waits for)."""
     from miles_disagg.engines.updater import DiskDeltaUpdater
 
-    local_dirs = [str(root / f"engine-{i}") for i in range(len(urls))]
-    updater = DiskDeltaUpdater(urls, store_dir=str(root / "store"), local_dirs=local_dirs)
-    loop_runs, thread_runs = [], []
+    updaters = {size: DiskDeltaUpdater(fleet.urls, store_dir=str(root / f"store-{size}"),
+                                       local_dirs=[str(root / f"fanout-{size}" / f"engine-{i}")
+                                                   for i in range(size)])
+                for size, fleet in fleets.items()}
+    loop_runs: dict[int, list] = {size: [] for size in fleets}
+    thread_runs: dict[int, list] = {size: [] for size in fleets}
     try:
-        _loop_update(updater, 1)  # warm-up (imports, first connections): not measured
-        _threaded_update(updater, 2)
+        for updater in updaters.values():
+            _loop_update(updater, 1)  # warm-up (imports, first connections): not measured
+            _threaded_update(updater, 2)
         for version in range(3, 2 * updates + 3, 2):
-            loop_runs.append(_timed(lambda: _loop_update(updater, version)))
-            thread_runs.append(_timed(lambda: _threaded_update(updater, version + 1)))
+            for size, updater in updaters.items():
+                pid = fleets[size].proc.pid
+                loop_runs[size].append(_timed(lambda: _loop_update(updater, version), pid))
+                thread_runs[size].append(_timed(lambda: _threaded_update(updater, version + 1), pid))
     finally:
-        updater.close()
+        for updater in updaters.values():
+            updater.close()
+    results = {size: _fanout_summary(loop_runs[size], thread_runs[size]) for size in fleets}
+    for size, result in results.items():
+        _progress(f"  fan-out, {size} engines: {result}")
+    return results
+
+
+def _fanout_summary(loop_runs: list[dict], thread_runs: list[dict]) -> dict:
     med = lambda values: round(statistics.median(values), 4)  # noqa: E731
     return {"update_s": med([r["update_s"] for r in loop_runs]),
             "prepare_s": med([r["prepare_s"] for r in loop_runs]),
             "activate_s": med([r["activate_s"] for r in loop_runs]),
             "max_pause_s": med([r["max_pause_s"] for r in loop_runs]),
             "updater_cpu_s": med([r["cpu_s"] for r in loop_runs]),
+            "sim_engines_cpu_s": med([r["sim_cpu_s"] for r in loop_runs]),
             "threads": {"update_s": med([r["update_s"] for r in thread_runs]),
                         "max_pause_s": med([r["max_pause_s"] for r in thread_runs]),
                         "updater_cpu_s": med([r["cpu_s"] for r in thread_runs])}}
 
 
-def _timed(run) -> dict:
-    start, cpu_start = time.perf_counter(), time.process_time()
+def _timed(run, sim_pid: int) -> dict:
+    start, cpu_start, sim_start = time.perf_counter(), time.process_time(), cpu_s(sim_pid)
     prepare_s, activate_s, max_pause_s = run()
     return {"update_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu_start,
+            "sim_cpu_s": cpu_s(sim_pid) - sim_start,
             "prepare_s": prepare_s, "activate_s": activate_s, "max_pause_s": max_pause_s}
 
 
@@ -241,26 +294,66 @@ def _threaded_update(updater, version: int) -> tuple[float, float, float]:
 # --------------------------------------------------------------------------- router load
 
 
-def _router_load(root: Path, urls: list[str], command: ScaleBench) -> dict:
+def _router_all(routers: dict[int, Any], fleets: dict[int, SimFleetProcess], command: ScaleBench) -> dict[int, dict]:
+    """``--rounds`` rounds of one load window per size. Per size: medians over its windows;
+    ``throughput_vs_smallest_per_round`` compares windows of the same round. ``cpu_cores``: the share of
+    a core each process used in the window (the router, its simulated engines, this load client; each is
+    one event loop, so near 1.0 is that process's limit, and the machine's cores bound their sum): the
+    check that the figures are the router's, not the simulator's or the client's.
+    ``router_idle_cpu_fraction``: health checks of N workers alone, before any load."""
     import httpx
 
-    router = _start_router(root, urls, len(urls))
-    try:
-        _wait_ready(router.url, len(urls))
-        idle_cpu = cpu_s(router.proc.pid)
-        time.sleep(IDLE_MEASURE_S)  # no traffic: what health checking alone costs
-        idle_cpu = cpu_s(router.proc.pid) - idle_cpu
-        cpu_before = cpu_s(router.proc.pid)
-        load = asyncio.run(generate_load(router.url + "/generate", command.in_flight, command.duration))
-        cpu_used = cpu_s(router.proc.pid) - cpu_before
+    idle_before = {size: cpu_s(router.proc.pid) for size, router in routers.items()}
+    time.sleep(IDLE_MEASURE_S)  # no traffic anywhere: what health checking alone costs
+    idle = {size: (cpu_s(router.proc.pid) - idle_before[size]) / IDLE_MEASURE_S for size, router in routers.items()}
+    windows: dict[int, list[dict]] = {size: [] for size in routers}
+    for round_index in range(command.rounds):
+        for size, router in routers.items():
+            windows[size].append(_load_window(router, fleets[size], command, idle[size]))
+            _progress(f"  router, {size} engines, round {round_index + 1}: {windows[size][-1]}")
+    results = {}
+    for size, router in routers.items():
         metrics = httpx.get(router.url + "/metrics", timeout=30, trust_env=False).json()
-        served = load.pop("served_total")
-        return {**load, "router_cpu_ms_per_request": round(1e3 * cpu_used / max(1, served), 3),
-                "router_idle_cpu_fraction": round(idle_cpu / IDLE_MEASURE_S, 4),
-                "routing_overhead_ms": metrics.get("routing_overhead_ms"),
-                "router_rss_mb": rss_mb(router.proc.pid)}
-    finally:
-        router.stop()
+        results[size] = {**_router_summary(windows[size]), "router_idle_cpu_fraction": round(idle[size], 4),
+                         "routing_overhead_ms": metrics.get("routing_overhead_ms"),
+                         "router_rss_mb": rss_mb(router.proc.pid)}
+    base = min(routers)
+    for size in routers:
+        results[size]["throughput_vs_smallest_per_round"] = [
+            round(mine["requests_per_s"] / theirs["requests_per_s"], 3) if theirs["requests_per_s"] else None
+            for mine, theirs in zip(windows[size], windows[base])]
+    return results
+
+
+def _load_window(router: Any, fleet: SimFleetProcess, command: ScaleBench, idle_cores: float) -> dict:
+    """One load window. ``router_net_cpu_ms_per_request``: the router's CPU less what its health checks
+    take idle (``idle_cores``), per request: on a starved machine few requests are served and the
+    checks of 256 workers would otherwise read as routing cost."""
+    from miles_disagg.pooled_http import run_loop
+
+    pids = {"router": router.proc.pid, "sim_engines": fleet.proc.pid, "load_client": os.getpid()}
+    before, started = {name: cpu_s(pid) for name, pid in pids.items()}, time.perf_counter()
+    load = run_loop(generate_load(router.url + "/generate", command.in_flight, command.duration))
+    elapsed = time.perf_counter() - started
+    used = {name: cpu_s(pid) - before[name] for name, pid in pids.items()}
+    served = load.pop("served_total")
+    return {**load, "router_cpu_ms_per_request": round(1e3 * used["router"] / max(1, served), 3),
+            "router_net_cpu_ms_per_request": round(1e3 * max(0.0, used["router"] - idle_cores * elapsed) / max(1, served), 3),
+            "cpu_cores": {name: round(value / elapsed, 3) for name, value in used.items()},
+            "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def _router_summary(windows: list[dict]) -> dict:
+    med = lambda values: round(statistics.median(values), 3) if values else None  # noqa: E731
+    return {"requests_per_s": med([w["requests_per_s"] for w in windows]),
+            "served": sum(w["served"] for w in windows),
+            "errors": {k: sum(w["errors"].get(k, 0) for w in windows) for w in windows for k in w["errors"]},
+            "latency_ms": {q: med([w["latency_ms"][q] for w in windows if w["latency_ms"][q] is not None])
+                           for q in ("p50", "p99")},
+            "router_cpu_ms_per_request": med([w["router_cpu_ms_per_request"] for w in windows]),
+            "router_net_cpu_ms_per_request": med([w["router_net_cpu_ms_per_request"] for w in windows]),
+            "cpu_cores": {name: med([w["cpu_cores"][name] for w in windows]) for name in windows[0]["cpu_cores"]},
+            "windows": windows}
 
 
 def _wait_ready(url: str, num_engines: int, timeout_s: float = 120.0) -> None:
@@ -278,8 +371,11 @@ def _wait_ready(url: str, num_engines: int, timeout_s: float = 120.0) -> None:
 
 async def generate_load(url: str, in_flight: int, duration_s: float, warmup_s: float = 1.0,
                         body: dict | None = None) -> dict:
-    """``in_flight`` requests kept in flight for ``warmup_s + duration_s``. Throughput counts the answers
-    that arrived within the measured window (whenever they were sent); latencies are theirs."""
+    """``in_flight`` requests kept in flight. The measured window of ``duration_s`` opens once ``warmup_s``
+    has passed and ``in_flight`` answers have come back (every client turned over once), at the latest
+    :data:`MAX_WARMUP_S` later: with thousands in flight on a busy machine the first answers come late, and
+    a window opened before would measure the queue filling, not the router serving. Throughput counts the
+    answers that arrived within the window (whenever they were sent); latencies are theirs."""
     import aiohttp
 
     payload = json.dumps(body or GENERATE_BODY).encode()
@@ -288,12 +384,20 @@ async def generate_load(url: str, in_flight: int, duration_s: float, warmup_s: f
     errors: dict[str, int] = {}
     loop = asyncio.get_running_loop()
     begin = loop.time()
-    measure_from, stop_at = begin + warmup_s, begin + warmup_s + duration_s
+    window = {"from": None, "to": math.inf}
     served_total = 0
+
+    def measured(done: float) -> bool:
+        """Whether an answer at ``done`` is in the window (opening it when the warm-up is over)."""
+        if window["from"] is None:
+            if (served_total >= in_flight and done >= begin + warmup_s) or done >= begin + warmup_s + MAX_WARMUP_S:
+                window["from"], window["to"] = done, done + duration_s
+            return False
+        return done <= window["to"]
 
     async def client(session) -> None:
         nonlocal served_total
-        while loop.time() < stop_at:
+        while loop.time() < window["to"]:
             sent = loop.time()
             try:
                 async with session.post(url, data=payload, headers=headers) as response:
@@ -303,7 +407,7 @@ async def generate_load(url: str, in_flight: int, duration_s: float, warmup_s: f
                 status = type(exc).__name__
             done = loop.time()
             served_total += 1
-            if measure_from <= done <= stop_at:
+            if measured(done):
                 if status == 200:
                     latencies.append(done - sent)
                 else:
@@ -315,53 +419,8 @@ async def generate_load(url: str, in_flight: int, duration_s: float, warmup_s: f
     latencies.sort()
     at = lambda q: round(1e3 * latencies[min(len(latencies) - 1, int(q * len(latencies)))], 2) if latencies else None  # noqa: E731
     return {"requests_per_s": round(len(latencies) / duration_s, 1), "served": len(latencies), "errors": errors,
-            "latency_ms": {"p50": at(0.5), "p99": at(0.99)}, "served_total": served_total}
-
-
-# --------------------------------------------------------------------------- rollout manager
-
-
-def _rollout(root: Path, urls: list[str], command: ScaleBench) -> dict:
-    router = _start_router(root, urls, len(urls))
-    try:
-        _wait_ready(router.url, len(urls))
-        return asyncio.run(_drive_rollout_manager(_tokenizer_dir(root), router.url, command))
-    finally:
-        router.stop()
-
-
-def _tokenizer_dir(root: Path) -> Path:
-    from miles_disagg.models.tiny_qwen3 import DIGITS_CHARSET, build_tokenizer
-
-    path = root / "tokenizer"
-    if not path.exists():
-        build_tokenizer(DIGITS_CHARSET).save_pretrained(path)
-    return path
-
-
-async def _drive_rollout_manager(tokenizer_dir: Path, router_url: str, command: ScaleBench) -> dict:
-    """The manager produces continuously; batches of 64 groups are taken for ``--duration`` seconds."""
-    from miles_disagg.config.actors import RolloutManagerConfig
-    from miles_disagg.config.components import RolloutConfig
-    from miles_disagg.rollout.manager import RolloutManager
-
-    groups_per_batch, n_samples = 64, 4
-    config = RolloutConfig(rollout_batch_size=groups_per_batch, n_samples_per_prompt=n_samples,
-                           rollout_max_response_len=16, rollout_concurrency=command.rollout_concurrency,
-                           max_weight_staleness=4)
-    manager = RolloutManager(RolloutManagerConfig(rollout=config, router_url=router_url, hf_dir=str(tokenizer_dir)),
-                             capacity_groups=4 * groups_per_batch)
-    await manager.start()
-    try:
-        await manager.take(groups_per_batch, 0)  # warm-up
-        samples, started = 0, time.perf_counter()
-        while time.perf_counter() - started < command.duration:
-            samples += (await manager.take(groups_per_batch, 0)).num_samples
-        elapsed = time.perf_counter() - started
-    finally:
-        await manager.stop()
-    return {"samples_per_s": round(samples / elapsed, 1), "samples": samples,
-            "rollout_concurrency": command.rollout_concurrency, "manager_process_rss_mb": rss_mb(os.getpid())}
+            "latency_ms": {"p50": at(0.5), "p99": at(0.99)}, "warmup_s": round(window["from"] - begin, 2),
+            "served_total": served_total}
 
 
 # --------------------------------------------------------------------------- ratios
@@ -390,10 +449,20 @@ def _ratios(per_size: dict[int, dict]) -> dict:
         if "router" in result and base["router"]["requests_per_s"]:
             entry["router_throughput_vs_smallest"] = round(
                 result["router"]["requests_per_s"] / base["router"]["requests_per_s"], 3)
+            per_round = [r for r in result["router"]["throughput_vs_smallest_per_round"] if r is not None]
+            entry["router_throughput_vs_smallest_median_of_rounds"] = (
+                round(statistics.median(per_round), 3) if per_round else None)
             entry["router_cpu_per_request_vs_smallest"] = round(
                 result["router"]["router_cpu_ms_per_request"] / base["router"]["router_cpu_ms_per_request"], 3)
+            if base["router"].get("router_net_cpu_ms_per_request"):
+                entry["router_net_cpu_per_request_vs_smallest"] = round(
+                    result["router"]["router_net_cpu_ms_per_request"] / base["router"]["router_net_cpu_ms_per_request"], 3)
         if "rollout" in result and base["rollout"]["samples_per_s"]:
             entry["rollout_samples_per_s_vs_smallest"] = round(
                 result["rollout"]["samples_per_s"] / base["rollout"]["samples_per_s"], 3)
+            per_round = [mine / theirs for mine, theirs in zip(result["rollout"]["samples_per_s_per_round"],
+                                                               base["rollout"]["samples_per_s_per_round"]) if theirs]
+            entry["rollout_samples_per_s_vs_smallest_median_of_rounds"] = (
+                round(statistics.median(per_round), 3) if per_round else None)
         ratios[f"{size}_vs_{base_size}"] = entry
     return ratios

@@ -12,6 +12,7 @@ import asyncio
 import json
 from dataclasses import dataclass
 
+from miles_disagg.pooled_http import run_loop
 from miles_disagg.config.commands import ServerFlags, add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
 
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     command = config_from_args(SimEnginesCommand, args)
     command.configure_logging()
     try:
-        asyncio.run(_serve(command))
+        run_loop(_serve(command))
     except KeyboardInterrupt:
         pass
     return 0

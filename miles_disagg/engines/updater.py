@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
+from miles_disagg.pooled_http import run_loop
 from miles_disagg.engines.activation import activate, activate_async, prepare, prepare_async
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.types import MilesDisaggError, ReplaceReplica
@@ -226,7 +227,7 @@ def run_in_own_loop(coroutine: Awaitable[Any]) -> Any:
 
     def run() -> None:
         try:
-            outcome["value"] = asyncio.run(coroutine)
+            outcome["value"] = run_loop(coroutine)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             outcome["error"] = exc
 

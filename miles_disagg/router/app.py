@@ -21,7 +21,10 @@ Contracts:
   version does not satisfy the constraint (the router's view was stale) the answer is a 409
   instead of that sample; the version seen in every response updates the registry.
 * Failures: a refused connection (nothing was sent) marks the worker unhealthy and the
-  request is tried on another worker. Any later failure (connection lost, timeout, 5xx)
+  request is tried on another worker; so does a connect timeout, except that a worker which
+  answered a request within the connect timeout, or whose connect timed out while the router's own
+  loop lagged (:mod:`~miles_disagg.router.loop_lag`), stays in routing (its probes decide). A request
+  never tries the same worker twice. Any later failure (connection lost, timeout, 5xx)
   marks the worker unhealthy and answers 502 ``WorkerFailed`` (retryable). A request that
   may have started generating is never replayed, ``rid`` or not. 4xx answers pass through.
 * A client that disconnects has its upstream request closed, so the engine aborts it.
@@ -58,12 +61,15 @@ from fastapi.responses import JSONResponse, Response
 
 from miles_disagg.asgi_guard import ServerGuard, install_guard, server_app
 from miles_disagg.auth import ApiKeys, forward_headers
+from miles_disagg.router.client_gone import _ClientGone, _unless_client_gone
+from miles_disagg.router.fast_path import GenerationFastPath
 from miles_disagg.router.health import HealthChecker
+from miles_disagg.router.loop_lag import LoopLag
 from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, annotate_served_versions,
                                        constraint_json, request_constraint, violates)
 from miles_disagg.router.registry import (UnknownWorker, Worker, WorkerRegistry, WorkerState, normalize_url,
                                           parse_version)
-from miles_disagg.pooled_http import NotConnected, PooledSession, Reply, TransportFailed
+from miles_disagg.pooled_http import ConnectTimedOut, NotConnected, PooledSession, Reply, TransportFailed
 from miles_disagg.httpjson import dumps_async, parse_body, parse_json_async
 from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
 
@@ -71,7 +77,6 @@ log = logging.getLogger(__name__)
 
 GENERATE_PATH = "/generate"
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
-DISCONNECT_RECHECK_S = 1.0
 OVERHEAD_WINDOW = 100_000  # routing overheads kept for /metrics' percentiles (the most recent requests)
 
 
@@ -136,10 +141,6 @@ class WorkerVersionMismatch(Retryable):
                          "only from the worker itself")
 
 
-class _ClientGone(Exception):
-    pass
-
-
 @dataclass
 class ProxyRecord:
     """One proxied generation request, as observers see it."""
@@ -164,6 +165,8 @@ class Router:
         self._client: PooledSession | None = None
         self.health: HealthChecker | None = None
         self._health_task: asyncio.Task | None = None
+        self._lag_task: asyncio.Task | None = None
+        self.loop_lag = LoopLag()
         self.observers: list[Callable[[ProxyRecord], None]] = []
         self.overheads_s: collections.deque[float] = collections.deque(maxlen=OVERHEAD_WINDOW)
         self.server_id: str | None = None  # the app's (asgi_guard): a worker answering with it is this router
@@ -179,17 +182,20 @@ class Router:
         probe_client = PooledSession(max_connections=None, connect_timeout_s=timeout, read_timeout_s=timeout,
                                      total_timeout_s=timeout)
         self.health = HealthChecker(self.registry, probe_client, interval_s=self.config.health_check_interval_s,
-                                    keys=self.keys, own_server_id=self.server_id)
+                                    keys=self.keys, own_server_id=self.server_id, loop_lag=self.loop_lag,
+                                    timeout_s=timeout)
+        self._lag_task = asyncio.create_task(self.loop_lag.run_forever())
         for url in self.config.workers:
             self.registry.add(url)
         await self.health.check_all()
         self._health_task = asyncio.create_task(self.health.run_forever())
 
     async def stop(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+        for task in (self._health_task, self._lag_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for client in (self._client, self.health and self.health.client):
             if client is not None:
                 await client.aclose()
@@ -247,14 +253,16 @@ class Router:
         payload = await dumps_async(body, size)
         level = getattr(request.state, "auth_level", None)
         headers = {"content-type": "application/json", **forward_headers(self.keys, level, path)}
-        for _ in range(len(self.registry.workers()) + 1):
+        tried: set[Worker] = set()
+        for _ in range(len(self.registry) + 1):
             try:
-                worker = self.policy.choose(self.registry.workers(), constraint)
+                worker = self.policy.choose_in(self.registry, constraint, skip=tried)
             except (VersionNotReady, NoWorkerAvailable) as exc:
                 return self._not_ready(exc, constraint)
             response = await self._dispatch(worker, path, payload, headers, request, record)
             if response is not None:
                 return response
+            tried.add(worker)
         return self._not_ready(NoWorkerAvailable("every ready worker refused the connection"), constraint)
 
     def _notify(self, record: ProxyRecord) -> None:
@@ -271,7 +279,7 @@ class Router:
         record.worker = worker.url
         self.registry.acquire(worker)
         served = False
-        sent_at = time.perf_counter()
+        sent_at, sent_loop_time = time.perf_counter(), asyncio.get_running_loop().time()
         try:
             send = self._client.post(worker.url + path, content=payload, headers=headers)
             upstream = await _unless_client_gone(request, send)
@@ -281,6 +289,14 @@ class Router:
         except _ClientGone:
             self.counters["client_disconnected"] += 1
             return Response(status_code=499)
+        except ConnectTimedOut as exc:
+            self.counters["connect_retries"] += 1
+            if (self.registry.answered_within(worker, self.config.connect_timeout_s)
+                    or self.loop_lag.excuses(sent_loop_time, self.config.connect_timeout_s)):
+                self.counters["connect_timeouts_of_live_workers"] += 1  # busy, not gone: probes decide
+            else:
+                self._fail(worker, f"cannot connect: {exc}")
+            return None
         except NotConnected as exc:
             self._fail(worker, f"cannot connect: {exc}")
             self.counters["connect_retries"] += 1
@@ -341,7 +357,7 @@ class Router:
     def metrics(self) -> dict[str, Any]:
         return {**{k: self.counters.get(k, 0) for k in (
             "requests", "version_not_ready", "no_worker_available", "worker_failed", "connect_retries",
-            "stale_view", "client_disconnected")},
+            "connect_timeouts_of_live_workers", "stale_view", "client_disconnected")},
             "served_per_worker": {w.url: w.num_served for w in self.registry.workers()},
             "routing_overhead_ms": _percentiles_ms(self.overheads_s)}
 
@@ -383,37 +399,6 @@ def _error_response(status: int, exc: BaseException, *, type_name: str | None = 
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-async def _unless_client_gone(request: Any, send: Awaitable[Reply]) -> Reply:
-    """Await ``send``; if the client disconnects first, cancel it (closing the upstream
-    connection, which makes the engine abort the request) and raise ``_ClientGone``."""
-    sending = asyncio.ensure_future(send)
-    watching = asyncio.ensure_future(_client_disconnected(request))
-    try:
-        await asyncio.wait({sending, watching}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watching.cancel()
-        if not sending.done():
-            sending.cancel()
-            with contextlib.suppress(asyncio.CancelledError, TransportFailed):
-                await sending
-    if sending.cancelled():
-        raise _ClientGone()
-    return sending.result()
-
-
-async def _client_disconnected(request: Any) -> None:
-    """Returns when the client is gone (the body was read, so ``receive`` waits for that).
-
-    Never returns if the server cannot tell: not watching is safer than a false abort.
-    """
-    try:
-        while (await request.receive())["type"] != "http.disconnect":
-            await asyncio.sleep(DISCONNECT_RECHECK_S)
-    except Exception:
-        log.exception("cannot watch for client disconnects")
-        await asyncio.Event().wait()
-
-
 # --------------------------------------------------------------------------- app
 
 
@@ -434,13 +419,15 @@ def create_app(config: RouterConfig, registry: WorkerRegistry | None = None, gua
             await router.stop()
 
     app = server_app("miles-disagg router", lifespan=lifespan)
+    methods = {path: frozenset({"POST", "PUT"} if path == GENERATE_PATH else {"POST"})
+               for path in (GENERATE_PATH, *OPENAI_PATHS)}
+    app.add_middleware(GenerationFastPath, proxy=router.proxy, paths=methods)  # inside the guard (added next)
     install_guard(app, guard)
     router.server_id = app.state.server_id
     app.state.router = router
 
-    for path in (GENERATE_PATH, *OPENAI_PATHS):
-        app.add_api_route(path, _proxy_route(router, path), methods=["POST", "PUT"] if path == GENERATE_PATH
-                          else ["POST"])
+    for path, allowed in methods.items():  # served by GenerationFastPath; listed here for the schema and 405s
+        app.add_api_route(path, _proxy_route(router, path), methods=sorted(allowed))
 
     def admin(handler: Callable[[Request], Awaitable[dict]]):
         async def wrapped(request: Request):

@@ -22,6 +22,7 @@ import logging
 from miles_disagg.asgi_guard import SERVER_ID_HEADER
 from miles_disagg.auth import ApiKeys
 from miles_disagg.pooled_http import ConnectTimedOut, NotConnected, PooledSession, Reply, TimedOut, TransportFailed
+from miles_disagg.router.loop_lag import LoopLag
 from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, parse_version
 from miles_disagg.types import MilesDisaggError
 
@@ -41,9 +42,13 @@ class HealthChecker:
     """Periodic prober over a :class:`WorkerRegistry` (``client`` carries the probe timeout)."""
 
     def __init__(self, registry: WorkerRegistry, client: PooledSession, *, interval_s: float,
-                 keys: ApiKeys | None = None, own_server_id: str | None = None):
+                 keys: ApiKeys | None = None, own_server_id: str | None = None,
+                 loop_lag: LoopLag | None = None, timeout_s: float | None = None):
         """``own_server_id``: this router's (:data:`~miles_disagg.asgi_guard.SERVER_ID_HEADER`); a worker
-        answering with it is the router itself under another address, never routed to."""
+        answering with it is the router itself under another address, never routed to. ``loop_lag`` and
+        ``timeout_s`` (the probe timeout): a probe timeout while the loop lagged is not counted
+        (:mod:`miles_disagg.router.loop_lag`)."""
+        self.loop_lag, self.timeout_s = loop_lag, timeout_s
         self.own_server_id = own_server_id
         self.registry = registry
         self.client = client
@@ -80,16 +85,23 @@ class HealthChecker:
         """Probe one worker and record the outcome in the registry."""
         ticket = self.registry.ticket(worker)
         before = worker.state
+        started = asyncio.get_running_loop().time()
         try:
             version = await self.probe(worker.url)
         except ProbeFailed as exc:
-            self.registry.record_probe_failure(worker, str(exc), definite=exc.definite)
+            if not exc.definite and self._lagged_since(started):
+                log.info("worker %s: probe timed out while this router's loop lagged; not counted", worker.url)
+                return
+            self.registry.record_probe_failure(worker, str(exc), definite=exc.definite, ticket=ticket)
         else:
             self.registry.record_probe_ok(worker, version, ticket)
         if worker.state is not before:
             level = logging.WARNING if worker.state is WorkerState.UNHEALTHY else logging.INFO
             log.log(level, "worker %s: %s -> %s (version %s%s)", worker.url, before.value, worker.state.value,
                     worker.weight_version, f"; {worker.last_error}" if worker.last_error else "")
+
+    def _lagged_since(self, started: float) -> bool:
+        return self.loop_lag is not None and self.timeout_s is not None and self.loop_lag.excuses(started, self.timeout_s)
 
     async def probe(self, url: str) -> int | None:
         """The worker's version if ``/health`` answers 200; ``ProbeFailed`` otherwise."""

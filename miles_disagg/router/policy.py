@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict
-from typing import Mapping, Sequence
+from typing import AbstractSet, Mapping, Sequence
 
-from miles_disagg.router.registry import Worker, WorkerState, parse_version
+from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, parse_version
 from miles_disagg.types import InvalidInput, Retryable, VersionConstraint, VersionNotReady
 
 MIN_HEADER, EXACT_HEADER = "x-weight-version-min", "x-weight-version-exact"
@@ -81,6 +81,27 @@ class LeastOutstandingPolicy:
         chosen = tied[self._turn % len(tied)]
         self._turn += 1
         return chosen
+
+    def choose_in(self, registry: WorkerRegistry, constraint: VersionConstraint,
+                  skip: AbstractSet[Worker] = frozenset()) -> Worker:
+        """:meth:`choose` over ``registry``'s load index (what the router calls for every request).
+
+        The same rule, fewest outstanding among eligible workers with ties in turn, without a pass
+        over the pool: the first eligible worker in load order wins and goes behind its equals. The
+        pass is only made when workers that cannot take the request sit at the lowest loads (paused
+        or draining ones, other versions), and to explain a refusal. ``skip``: workers this request
+        already tried (``NoWorkerAvailable`` when only they are eligible)."""
+        for worker in registry.by_load():
+            if (worker.state is WorkerState.READY and worker not in skip
+                    and satisfies(worker.weight_version, constraint, worker.run_id)):
+                break
+        else:
+            chosen = self.choose(registry.workers(), constraint)  # raises NoWorkerAvailable / VersionNotReady
+            if chosen in skip:
+                raise NoWorkerAvailable(f"every eligible worker was tried ({len(skip)}) and none could be reached")
+            return chosen
+        registry.to_back(worker)
+        return worker
 
     @staticmethod
     def _refuse(workers: Sequence[Worker], constraint: VersionConstraint, any_ready: bool) -> None:

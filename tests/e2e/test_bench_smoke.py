@@ -30,7 +30,8 @@ TINY: dict[str, list[str]] = {
     "async": ["--steps", "3", "--warmup-steps", "1", "--hidden-size", "64", "--num-layers", "1", "--response-len", "4",
               "--", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
               "--micro-batch-size", "16"],
-    "scale": ["--engines", "2,4", "--updates", "1", "--in-flight", "16", "--duration", "1", "--rollout-concurrency", "8",
+    "scale": ["--engines", "2,4", "--updates", "1", "--in-flight", "16", "--duration", "1", "--rounds", "1",
+              "--rollout-concurrency", "8",
               "--per-request-ms", "2", "--pull-ms", "5", "--load-ms", "5"],
     "publish": ["--ranks", "1,2", "--size-mb", "2"],
 }

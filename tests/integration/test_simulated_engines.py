@@ -116,17 +116,23 @@ def test_a_pause_in_abort_mode_aborts_requests_in_flight(fleet) -> None:
 def test_bench_scale_prints_one_json_object_with_every_pool_size(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "miles_disagg.cli", "bench", "scale", "--engines", "2,4", "--updates", "1",
-         "--in-flight", "16", "--rollout-concurrency", "16", "--duration", "1", "--json", "--work-dir", str(tmp_path)],
+         "--in-flight", "16", "--rollout-concurrency", "16", "--duration", "1", "--rounds", "2", "--json",
+         "--work-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout)
     assert sorted(out["pools"]) == ["2", "4"]
     for pool in out["pools"].values():
         assert pool["fanout"]["update_s"] > 0 and pool["fanout"]["threads"]["update_s"] > 0 and pool["router"]["served"] > 0 and pool["router"]["errors"] == {}
-        assert pool["router"]["router_rss_mb"]["peak"] > 0
+        assert pool["router"]["router_rss_mb"]["peak"] > 0 and len(pool["router"]["windows"]) == 2
+        assert set(pool["router"]["cpu_cores"]) == {"router", "sim_engines", "load_client"}
+        assert pool["fanout"]["sim_engines_cpu_s"] >= 0 and len(pool["router"]["throughput_vs_smallest_per_round"]) == 2
         assert pool["rollout"]["samples_per_s"] > 0 and pool["rollout"]["rollout_concurrency"] == 16
+        assert len(pool["rollout"]["samples_per_s_per_round"]) == 2 and pool["router"]["router_net_cpu_ms_per_request"] >= 0
     assert {"fanout_update_time_vs_smallest", "router_throughput_vs_smallest",
+            "router_throughput_vs_smallest_median_of_rounds", "rollout_samples_per_s_vs_smallest_median_of_rounds",
             "rollout_samples_per_s_vs_smallest"} <= set(out["ratios"]["4_vs_2"])
+    assert out["settings"]["rounds"] == 2
     assert out["ratios"]["fanout_loop_vs_threads_4"]["updater_cpu"] > 0
 
 

@@ -1,0 +1,58 @@
+"""The proxy's watch for a client that leaves: its upstream request is then cancelled, which closes the
+connection to the engine, and the engine aborts the generation."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable
+
+from miles_disagg.pooled_http import Reply
+
+log = logging.getLogger(__name__)
+DISCONNECT_RECHECK_S = 1.0
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_client_gone(request: Any, send: Awaitable[Reply]) -> Reply:
+    """Await ``send``; if the client disconnects first, cancel it (closing the upstream
+    connection, which makes the engine abort the request) and raise ``_ClientGone``.
+
+    ``send`` runs in the caller's task; one watcher task cancels that task if the client leaves while
+    ``send`` is still awaited (a second task and an ``asyncio.wait`` per request cost more)."""
+    task = asyncio.current_task()
+    state = {"sending": True, "gone": False}
+
+    async def watch() -> None:
+        await _client_disconnected(request)
+        if state["sending"]:  # the task is suspended inside ``send``: the cancel lands there
+            state["gone"] = True
+            task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await send
+    except asyncio.CancelledError:
+        if not state["gone"]:
+            raise
+        task.uncancel()
+        raise _ClientGone() from None
+    finally:
+        state["sending"] = False
+        watcher.cancel()
+
+
+async def _client_disconnected(request: Any) -> None:
+    """Returns when the client is gone (the body was read, so ``receive`` waits for that).
+
+    Never returns if the server cannot tell: not watching is safer than a false abort.
+    """
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            await asyncio.sleep(DISCONNECT_RECHECK_S)
+    except Exception:
+        log.exception("cannot watch for client disconnects")
+        await asyncio.Event().wait()
