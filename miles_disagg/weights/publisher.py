@@ -25,7 +25,7 @@ from miles_disagg.types import ConfigError, InvalidInput, LayoutMismatch, Versio
 from miles_disagg.weights.apply import LocalTensor, apply_version
 from miles_disagg.weights.checksums import CHECKSUMS
 from miles_disagg.weights.codec import (
-    COMPRESSIONS, DEFAULT_CHUNK_BYTES, FILTERS, PUBLISH_ENCODINGS, CodecSpec, EncodedTensor, encode_tensors,
+    COMPRESSIONS, DEFAULT_CHUNK_BYTES, FILTERS, PUBLISH_ENCODINGS, CodecSpec, EncodedTensor, encode_tensors, publish_spec,
 )
 from miles_disagg.weights.format import INDEX_NAME, TensorLayout, VersionIndex
 from miles_disagg.weights.hooks import POST_WRITE_FLAG, load_hook
@@ -192,7 +192,7 @@ class DeltaPublisher:
         start = time.perf_counter()
         version = (self._latest.version if self._latest else 0) + 1
         anchor = force_full or (self.full_anchor_interval > 0 and version % self.full_anchor_interval == 0)
-        spec = CodecSpec("full" if anchor else self.encoding, self.filter, self.chunk_bytes)
+        spec = publish_spec(self.encoding, self.filter, self.chunk_bytes, anchor)
         new_bytes: dict[str, np.ndarray] = {}
         encoded: list[EncodedTensor] = []
         total = 0
@@ -250,7 +250,7 @@ class DeltaPublisher:
                 version=ref.version, base_version=ref.version - 1, run_id=ref.run_id,
                 delta_encoding=spec.encoding, compression_format=COMPRESSIONS[0], checksum_format=self.checksum,
                 filter=spec.filter, chunk_bytes=spec.chunk_bytes, weight_map=weight_map,
-                layouts={e.name: _tensor_layout(self._layouts[e.name]) for e in encoded},
+                layouts={e.name: _tensor_layout(self._layouts[e.name], e.encoding) for e in encoded},
                 extra={"changed_bytes": str(sum(e.changed_bytes for e in encoded)), "total_bytes": str(total),
                        "created_unix": f"{time.time():.3f}"},
             )
@@ -269,8 +269,8 @@ class DeltaPublisher:
         self._pool.shutdown(wait=True)
 
 
-def _tensor_layout(layout: LocalTensor) -> TensorLayout:
-    return TensorLayout(layout.dtype, layout.shape, layout.nbytes)
+def _tensor_layout(layout: LocalTensor, encoding: str = "") -> TensorLayout:
+    return TensorLayout(layout.dtype, layout.shape, layout.nbytes, encoding)
 
 
 def _shard(encoded: list[EncodedTensor], shard_bytes: int) -> list[list[EncodedTensor]]:
