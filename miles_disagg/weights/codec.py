@@ -1,4 +1,4 @@
-"""Per-tensor byte deltas: ``xor`` / ``overwrite`` / ``full``, optional byte planes, zstd.
+"""Per-tensor byte deltas: ``xor`` / ``overwrite`` / ``full`` / ``mixed``, optional byte planes, zstd.
 
 Wire format of one tensor's payload (a 1-D uint8 tensor in a payload file):
 
@@ -12,13 +12,17 @@ Wire format of one tensor's payload (a 1-D uint8 tensor in a payload file):
   compressed as its own zstd frame. Payload: ``[u32 num_frames][u32 frame sizes...]``
   then the frames, chunk-major. A size-0 frame means "no change in this plane".
   An ``xor``/``full`` plane of ``m`` bytes decompresses either to exactly ``m`` bytes
-  (dense) or, when fewer than half its bytes are non-zero, to fewer: a sparse plane,
+  (dense) or, when that is smaller, to fewer: a sparse plane,
   ``[bitmap of non-zero positions: ceil(m/8) bytes, MSB-first as numpy.packbits]
   [the non-zero bytes in position order]``; the size tells the two apart.
   The high byte of a bf16 (sign + exponent) almost never changes, so its plane
   compresses to nothing; the low plane's changed bytes are scattered, which zstd's
   match finder handles slowly and poorly, so coding them as bitmap + values is both
   smaller and several times faster.
+* ``mixed`` (byteplane only; what ``xor`` with byte planes publishes): each tensor takes
+  the smallest of ``xor`` (as above), ``overwrite`` (as above) and ``sparse`` (one frame
+  per chunk of gap-coded positions + XOR values, :mod:`miles_disagg.weights.sparse`),
+  named per tensor in the index (:mod:`miles_disagg.weights.mixed`).
 
 Encoding and decoding fan out over a thread pool at chunk granularity (numpy, zstd and
 the hashers release the GIL). Each worker thread owns one compressor, one decompressor
@@ -29,7 +33,6 @@ allocations page-fault on every chunk.
 from __future__ import annotations
 
 import struct
-import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +42,7 @@ import numpy as np
 
 from miles_disagg.types import ChecksumMismatch, FormatError, LayoutMismatch
 from miles_disagg.weights.checksums import checksum
+from miles_disagg.weights.planes import _compress_plane, _expand_plane, _local, _overwrite_payload, _planes, _Scratch
 from miles_disagg.weights.mixed import choose_encoding, encode_chunk_choices
 from miles_disagg.weights.sparse import apply_sparse, element_size, element_view, max_raw_bytes, parse_sparse, sparse_raw
 
@@ -48,7 +52,6 @@ PUBLISH_ENCODINGS = ("xor", "overwrite")
 FILTERS = ("byteplane", "none")
 COMPRESSIONS = ("zstd",)
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
-ZSTD_LEVEL = 1
 _U32 = struct.Struct("<I")
 
 
@@ -108,99 +111,6 @@ def publish_spec(encoding: str, filter: str, chunk_bytes: int = DEFAULT_CHUNK_BY
     return CodecSpec(encoding, filter, chunk_bytes)
 
 
-class _Scratch(threading.local):
-    """Per-thread zstd objects and reusable buffers (created lazily in each thread)."""
-
-    def __init__(self) -> None:
-        import zstandard
-
-        # byte-plane frames carry zstd's own frame checksum (corruption is reported at the
-        # frame); plain frames are written exactly as other producers write them
-        self.checked = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
-        self.plain = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-        self.decompressor = zstandard.ZstdDecompressor()
-        self.buffers: dict[str, np.ndarray] = {}
-
-    def compress(self, spec: "CodecSpec", data: np.ndarray | bytes) -> bytes:
-        return (self.checked if spec.filter == "byteplane" else self.plain).compress(data)
-
-    def get(self, key: str, nbytes: int) -> np.ndarray:
-        buf = self.buffers.get(key)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self.buffers[key] = np.empty(max(nbytes, 1), dtype=np.uint8)
-        return buf[:nbytes]
-
-
-_scratch: _Scratch | None = None
-
-
-def _local() -> _Scratch:
-    global _scratch
-    if _scratch is None:
-        _scratch = _Scratch()
-    return _scratch
-
-
-def _split_planes(data: np.ndarray, out_key: str, s: _Scratch) -> list[np.ndarray]:
-    """Low and high byte planes of a 2-byte-element buffer (contiguous copies in scratch)."""
-    m = data.nbytes // 2
-    words = data.view("<u2")
-    lo, hi = s.get(out_key + ".lo", m), s.get(out_key + ".hi", m)
-    np.copyto(lo, words, casting="unsafe")
-    shifted = s.get(out_key + ".sh", 2 * m).view("<u2")
-    np.right_shift(words, 8, out=shifted)
-    np.copyto(hi, shifted, casting="unsafe")
-    return [lo, hi]
-
-
-def _planes(data: np.ndarray, num_planes: int, key: str, s: _Scratch) -> list[np.ndarray]:
-    return [data] if num_planes == 1 else _split_planes(data, key, s)
-
-
-def _overwrite_payload(old: np.ndarray, new: np.ndarray) -> tuple[bytes, int]:
-    if new.size > 0xFFFFFFFF:
-        raise LayoutMismatch(f"overwrite positions are u32: a plane of {new.size} bytes is too large (use xor or byteplane)")
-    positions = np.flatnonzero(old != new).astype("<u4")
-    if positions.size == 0:
-        return b"", 0
-    return _U32.pack(positions.size) + positions.tobytes() + new[positions].tobytes(), int(positions.size)
-
-
-def _compress_plane(spec: CodecSpec, plane: np.ndarray, s: _Scratch, *, allow_empty: bool) -> bytes:
-    """One plane as a zstd frame: dense, or (byteplane filter only) sparse bitmap + values."""
-    nonzero = int(np.count_nonzero(plane))
-    if nonzero == 0 and allow_empty:
-        return b""
-    m = plane.size
-    bitmap_bytes = (m + 7) // 8
-    if spec.filter == "none" or bitmap_bytes + nonzero >= m:
-        return s.compress(spec, plane)
-    mask = s.get("mask", m).view(np.bool_)
-    np.not_equal(plane, 0, out=mask)
-    sparse = s.get("sparse", bitmap_bytes + nonzero)
-    sparse[:bitmap_bytes] = np.packbits(mask)
-    np.compress(mask, plane, out=sparse[bitmap_bytes:])
-    return s.compress(spec, sparse)
-
-
-def _expand_plane(raw: np.ndarray, m: int, key: str, s: _Scratch, name: str) -> np.ndarray:
-    """Inverse of the sparse form of :func:`_compress_plane`; a dense plane passes through."""
-    if raw.nbytes == m:
-        return raw
-    bitmap_bytes = (m + 7) // 8
-    if raw.nbytes > m:
-        raise LayoutMismatch(f"tensor {name!r}: a delta plane has {raw.nbytes} bytes, the local plane has {m}")
-    if raw.nbytes < bitmap_bytes:
-        raise FormatError(f"tensor {name!r}: sparse delta plane shorter than its bitmap")
-    positions = np.flatnonzero(np.unpackbits(raw[:bitmap_bytes], count=m).view(np.bool_))
-    if positions.size != raw.nbytes - bitmap_bytes:
-        raise FormatError(f"tensor {name!r}: sparse delta plane has {raw.nbytes - bitmap_bytes} values for {positions.size} positions")
-    plane = s.get(key, m)
-    plane.fill(0)
-    plane[positions] = raw[bitmap_bytes:]
-    return plane
-
-
 def encode_chunk(spec: CodecSpec, old: np.ndarray, new: np.ndarray, itemsize: int) -> tuple[list[bytes], int]:
     """Encode one chunk; returns (one compressed frame per plane, changed byte count).
 
@@ -214,7 +124,7 @@ def encode_chunk(spec: CodecSpec, old: np.ndarray, new: np.ndarray, itemsize: in
     if spec.encoding == "sparse":
         words = element_view(diff, itemsize)
         positions = np.flatnonzero(words)
-        return [s.checked.compress(sparse_raw(words, positions)) if positions.size else b""], changed
+        return [s.checked.compress(sparse_raw(words[positions], positions)) if positions.size else b""], changed
     if spec.encoding == "xor":
         if changed == 0:
             return [b""] * num_planes, 0

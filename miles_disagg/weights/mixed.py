@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from miles_disagg.weights.sparse import element_size, element_view, raw_bound, sparse_raw
+from miles_disagg.weights.planes import _compress_plane, _local, _planes
+from miles_disagg.weights.sparse import changed_elements, changed_elements_few, element_size, raw_bound, sparse_raw
 
-SPARSE_ONLY_BELOW = 0.12
-XOR_ONLY_ABOVE = 0.2
+SPARSE_ONLY_BELOW = 0.2
+XOR_ONLY_ABOVE = 0.3
 OVERWRITE_BELOW = 0.002
+FEW_WORDS_BELOW = 0.25  # fraction of 8-byte words changed under which only those words are expanded
 PREFERENCE = ("xor", "sparse", "overwrite")  # tie-break: the cheapest to decode first
 _U32_LIMIT = 0xFFFFFFFF
 
@@ -39,40 +41,66 @@ def encode_chunk_choices(spec, old: np.ndarray, new: np.ndarray, itemsize: int) 
 
     An unchanged chunk returns ``({}, 0)``: empty frames in whichever encoding the tensor takes.
     """
-    from miles_disagg.weights.codec import _compress_plane, _local, _planes
-
     s = _local()
-    diff = s.get("xor", new.nbytes)
-    np.bitwise_xor(old, new, out=diff)
-    words = element_view(diff, itemsize)
-    mask = s.get("elements", words.size).view(np.bool_)
-    np.not_equal(words, 0, out=mask)
-    count = int(np.count_nonzero(mask))
+    found = _changes(old, new, itemsize, s)
+    if found is None:  # too many changes for sparse to win: byte planes only
+        return _xor_choice(spec, old, new, itemsize, s)
+    positions, values = found
+    count = positions.size
     if count == 0:
         return {}, 0
-    density = count / words.size
+    density = count / (new.nbytes // values.itemsize)
     choices: ChunkChoices = {}
-    if density <= XOR_ONLY_ABOVE and new.nbytes <= _U32_LIMIT:
-        positions = np.flatnonzero(mask)
-        raw = sparse_raw(words, positions, s.get("sparse_raw", raw_bound(count, words.size, words.itemsize)))
-        changed_bytes = int(np.count_nonzero(raw[raw.nbytes - count * words.itemsize:]))  # the value planes
+    if density <= XOR_ONLY_ABOVE:
+        raw = sparse_raw(values, positions, s.get("sparse_raw", raw_bound(count, new.nbytes, values.itemsize)))
         choices["sparse"] = [s.checked.compress(raw)]
         if density <= OVERWRITE_BELOW:
-            choices["overwrite"] = _overwrite_frames(spec, diff, new, positions, itemsize, s)
-    else:
-        changed_bytes = int(np.count_nonzero(diff))
+            choices["overwrite"] = _overwrite_frames(spec, values, new, positions, itemsize, s)
+    changed_bytes = int(np.count_nonzero(values.view(np.uint8)))
     if density >= SPARSE_ONLY_BELOW or not choices:
-        xor_spec = spec.for_tensor("xor")
-        choices["xor"] = [_compress_plane(xor_spec, p, s, allow_empty=True)
-                          for p in _planes(diff, xor_spec.num_planes(itemsize), "x", s)]
+        choices["xor"] = _xor_choice(spec, old, new, itemsize, s)[0]["xor"]
     return choices, changed_bytes
 
 
-def _overwrite_frames(spec, diff: np.ndarray, new: np.ndarray, positions: np.ndarray, itemsize: int, s) -> list[bytes]:
-    """The ``overwrite`` frames of a chunk (one per byte plane) from its changed element positions."""
+def _changes(old: np.ndarray, new: np.ndarray, itemsize: int, s) -> tuple[np.ndarray, np.ndarray] | None:
+    """(positions, XOR values) of the changed elements; ``None`` when the chunk is too dense for sparse."""
     k = element_size(itemsize)
+    if new.nbytes > _U32_LIMIT:
+        return None
+    if k < 8 and new.nbytes % 8 == 0:
+        dense_words = 1 - (1 - XOR_ONLY_ABOVE) ** (8 // k)  # the fraction of changed words that density gives
+        hit_mask = s.get("words", new.nbytes // 8).view(np.bool_)
+        old_words, new_words = old.view("<u8"), new.view("<u8")
+        sample = min(hit_mask.size, max(4096, hit_mask.size // 16))  # a dense chunk skips the full pass
+        np.not_equal(old_words[:sample], new_words[:sample], out=hit_mask[:sample])
+        if sample < hit_mask.size and np.count_nonzero(hit_mask[:sample]) > 1.2 * dense_words * sample:
+            return None
+        np.not_equal(old_words[sample:], new_words[sample:], out=hit_mask[sample:])
+        hits = int(np.count_nonzero(hit_mask))
+        if hits > dense_words * hit_mask.size:
+            return None
+        if hits < FEW_WORDS_BELOW * hit_mask.size:
+            return changed_elements_few(old, new, itemsize, np.flatnonzero(hit_mask))
+    return changed_elements(old, new, itemsize, s.get("elements", new.nbytes // k).view(np.bool_))
+
+
+def _xor_choice(spec, old: np.ndarray, new: np.ndarray, itemsize: int, s) -> tuple[ChunkChoices, int]:
+    """The chunk as XOR byte planes (dense or bitmap planes): the only candidate of a dense chunk."""
+    diff = s.get("xor", new.nbytes)
+    np.bitwise_xor(old, new, out=diff)
+    changed_bytes = int(np.count_nonzero(diff))
+    if changed_bytes == 0:
+        return {}, 0
+    xor_spec = spec.for_tensor("xor")
+    return {"xor": [_compress_plane(xor_spec, p, s, allow_empty=True)
+                    for p in _planes(diff, xor_spec.num_planes(itemsize), "x", s)]}, changed_bytes
+
+
+def _overwrite_frames(spec, values: np.ndarray, new: np.ndarray, positions: np.ndarray, itemsize: int, s) -> list[bytes]:
+    """The ``overwrite`` frames of a chunk (one per byte plane) from its changed elements."""
+    k = values.itemsize
     num_planes = spec.for_tensor("overwrite").num_planes(itemsize)
-    changed = diff.reshape(-1, k)[positions] != 0  # (changes, k): which bytes of each element changed
+    changed = values.view(np.uint8).reshape(-1, k) != 0  # (changes, k): which bytes of each element changed
     if num_planes == 2:
         per_plane = [positions[changed[:, j]] for j in range(2)]
         values = [new.reshape(-1, 2)[p, j] for j, p in enumerate(per_plane)]

@@ -46,10 +46,10 @@ def element_view(data: np.ndarray, itemsize: int) -> np.ndarray:
     return data.view(WORD_DTYPES[element_size(itemsize)])
 
 
-def sparse_raw(words: np.ndarray, positions: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def sparse_raw(values: np.ndarray, positions: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """The uncompressed sparse form of one chunk (a uint8 array, in ``out`` when it is large enough):
-    ``words`` is the chunk's XOR as elements, ``positions`` the ascending indices of its non-zero ones."""
-    count, k = positions.size, words.itemsize
+    ``positions`` are the ascending indices of its changed elements, ``values`` their XOR (as elements)."""
+    count, k = positions.size, values.itemsize
     gaps = np.empty(count, dtype=np.int64)
     if count:
         gaps[0] = positions[0]
@@ -66,8 +66,36 @@ def sparse_raw(words: np.ndarray, positions: np.ndarray, out: np.ndarray | None 
     pos = _HEADER.size
     pos = _put_planes(raw, pos, gaps16, count, 2)
     raw[pos:pos + 4 * escapes.size] = escapes.view(np.uint8)
-    _put_planes(raw, pos + 4 * escapes.size, words[positions], count, k)
+    _put_planes(raw, pos + 4 * escapes.size, values, count, k)
     return raw
+
+
+def changed_elements(old: np.ndarray, new: np.ndarray, itemsize: int, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, XOR values) of the elements that differ between two chunks (uint8 arrays).
+
+    ``mask`` is bool scratch space of one entry per element. One compare pass and one scan of the
+    mask: no XOR of the whole chunk is materialized.
+    """
+    old_words, new_words = element_view(old, itemsize), element_view(new, itemsize)
+    np.not_equal(old_words, new_words, out=mask)
+    positions = np.flatnonzero(mask)
+    return positions, old_words[positions] ^ new_words[positions]
+
+
+def changed_elements_few(old: np.ndarray, new: np.ndarray, itemsize: int, hit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`changed_elements` for chunks where few 8-byte words changed (``hit``: their indices).
+
+    Only the changed words are expanded into their elements, so a chunk at a fraction of a percent
+    costs one compare pass at 8-byte granularity and little else.
+    """
+    k = element_size(itemsize)
+    lanes = 8 // k
+    changed = np.take(old.view("<u8"), hit)
+    changed ^= np.take(new.view("<u8"), hit)
+    flat = changed.view(WORD_DTYPES[k])  # each word's elements, in memory order
+    index = np.flatnonzero(flat != 0)
+    positions = hit[index // lanes] * lanes + index % lanes if lanes > 1 else hit[index]
+    return positions, flat[index]
 
 
 def _put_planes(raw: np.ndarray, pos: int, values: np.ndarray, count: int, k: int) -> int:
