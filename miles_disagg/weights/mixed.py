@@ -52,7 +52,7 @@ def encode_chunk_choices(spec, old: np.ndarray, new: np.ndarray, itemsize: int) 
     density = count / (new.nbytes // values.itemsize)
     choices: ChunkChoices = {}
     if density <= XOR_ONLY_ABOVE:
-        raw = sparse_raw(values, positions, s.get("sparse_raw", raw_bound(count, new.nbytes, values.itemsize)))
+        raw = sparse_raw(values, positions, s.get("sparse_raw", raw_bound(count, new.nbytes // values.itemsize, values.itemsize)))
         choices["sparse"] = [s.checked.compress(raw)]
         if density <= OVERWRITE_BELOW:
             choices["overwrite"] = _overwrite_frames(spec, values, new, positions, itemsize, s)
