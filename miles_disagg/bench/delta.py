@@ -7,7 +7,8 @@ gated MLP, norms, LM head), N(0, 0.02). Update: one AdamW step on an fp32 master
 
 Codecs, both over ``--workers`` threads:
 
-* ours: the default codec (XOR, byte planes, 4 MiB chunks, zstd-1, xxh3-128), decoding
+* ours: the default codec (``mixed``: per tensor the smallest of XOR byte planes, sparse
+  gap-coded positions + XOR values, and overwrite; 4 MiB chunks, zstd-1, xxh3-128), decoding
   into place;
 * reference: XOR + zstd level 1 per whole tensor, no filter (the plain disk-delta format),
   a thread pool over tensors.
@@ -15,6 +16,11 @@ Codecs, both over ``--workers`` threads:
 ``--moe``: the same measurements on a MoE-shaped model whose update leaves the experts that received
 no token bit-identical (:mod:`miles_disagg.bench.delta_moe`), printed as ``{"dense": ..., "moe": ...}``;
 the MoE figures add the fraction of tensors skipped (no payload) and the routing of the step.
+
+``--densities``: realistic AdamW deltas (:mod:`miles_disagg.bench.adamw_deltas`) at learning rates
+calibrated to ``--density-targets`` (percent of elements changed), with a third codec, the sparse
+positions+values format NeMo-RL and slime describe, and the order-0 entropy bound beside ours
+(:mod:`miles_disagg.bench.delta_densities`).
 
 Prints one JSON object on stdout; progress goes to stderr. GB/s are model bytes per second.
 """
@@ -52,12 +58,17 @@ class DeltaBench:
     num_experts: int = flag(64, "--moe: experts per layer.")
     experts_per_token: int = flag(8, "--moe: experts each token is routed to.")
     tokens_per_step: int = flag(64, "--moe: tokens routed in the simulated step (fewer: more experts untouched).")
+    densities: bool = flag(False, "Measure ours, the reference and a sparse positions+values codec on AdamW deltas "
+                                  "at each of --density-targets.")
+    density_targets: list[float] = flag([0.3, 1.0, 3.0, 10.0, 30.0], "--densities: percent of elements changed.")
 
     def __post_init__(self) -> None:
         if self.size_mb <= 0 or self.workers < 1 or self.lr < 0:
             raise ValueError("--size-mb must be > 0, --workers >= 1 and --lr >= 0")
         if not 1 <= self.experts_per_token <= self.num_experts or self.tokens_per_step < 0:
             raise ValueError("--experts-per-token must be in [1, --num-experts] and --tokens-per-step >= 0")
+        if not self.density_targets or not all(0 < t < 100 for t in self.density_targets):
+            raise ValueError("--density-targets must be percentages in (0, 100)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -195,10 +206,10 @@ class Ours(_Codec):
     """The default codec: XOR, byte planes (dense or sparse), 4 MiB chunks, zstd-1, xxh3-128."""
 
     def __init__(self, *args):
-        from miles_disagg.weights.codec import CodecSpec
+        from miles_disagg.weights.codec import publish_spec
 
         super().__init__(*args)
-        self.spec = CodecSpec("xor", "byteplane")
+        self.spec = publish_spec("xor", "byteplane")
         self.encoded: list = []
         self.targets = {n: np.empty_like(a) for n, a in self.old.items()}
 
@@ -217,7 +228,8 @@ class Ours(_Codec):
         from miles_disagg.weights.codec import decode_tensors
 
         items = ((e.name, self.targets[e.name], memoryview(e.payload), 2, e.checksum) for e in self.encoded)
-        for _ in decode_tensors(self.pool, self.spec, BENCH_CHECKSUM, items):
+        encodings = {e.name: e.encoding for e in self.encoded}
+        for _ in decode_tensors(self.pool, self.spec, BENCH_CHECKSUM, items, encodings=encodings):
             pass
 
     def exact(self) -> bool:
@@ -251,6 +263,12 @@ class Reference(_Codec):
 
 def run(args: argparse.Namespace) -> int:
     command = config_from_args(DeltaBench, args)
+    if command.densities:
+        from miles_disagg.bench.delta_densities import run_densities
+
+        result = run_densities(command)
+        print(json.dumps(result, indent=None if command.json else 2))
+        return 0 if result["round_trip_exact"] else 1
     _log(f"building a {command.size_mb:g} MiB bf16 model and one AdamW step (lr {command.lr:g})")
     result = measure(command, *make_model(command.size_mb, command.lr, command.seed))
     if command.moe:

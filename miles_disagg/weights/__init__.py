@@ -6,14 +6,17 @@ On-disk layout of a store (``--update-weight-disk-dir``)::
     weight_vNNNNNN/
       model.safetensors.index.json      {"metadata": {version, base_version, delta_encoding,
                                           compression_format, checksum_format, run_id, filter,
-                                          chunk_bytes, tensors: {name: dtype/shape/nbytes}, ...},
+                                          chunk_bytes, tensors: {name: dtype/shape/nbytes[/encoding]}, ...},
                                          "weight_map": {hf_name: payload file}}
       model-00000-of-0000K.safetensors  one 1-D uint8 payload per changed tensor; __metadata__
                                         maps each name to the checksum of its FULL new bytes
                                         (one or more files per writing trainer rank)
 
 Encodings: ``xor`` (default; applies exactly once onto its base), ``overwrite``
-(``[u32 count][u32 positions][new bytes]``; idempotent) and ``full`` (periodic anchors).
+(``[u32 count][u32 positions][new bytes]``; idempotent), ``full`` (periodic anchors) and
+``mixed`` (what ``xor`` with byte planes publishes: each tensor the smallest of ``xor``,
+``overwrite`` and ``sparse`` gap-coded positions + XOR values, named per tensor in
+``tensors``; see ``mixed`` and ``sparse``).
 Compression: zstd level 1. Filter ``byteplane`` (default) cuts tensors into 4 MiB
 chunks and splits 2-byte dtypes into low/high byte planes, each its own zstd frame
 (sparse planes as a bitmap of changed positions plus the changed bytes; see ``codec``);

@@ -105,4 +105,4 @@ def apply_version(pool: ThreadPoolExecutor, version_dir: Path, index: VersionInd
         (name, target_of(name), payloads[name].data, local[name].itemsize, payloads[name].checksum)
         for name in sorted(payloads)
     )
-    yield from decode_tensors(pool, index.codec, index.checksum_format, items)
+    yield from decode_tensors(pool, index.codec, index.checksum_format, items, encodings=index.encodings)

@@ -28,7 +28,7 @@ def _check_frames(index: VersionIndex, version_dir: Path, base_sizes: dict[str, 
     payloads = load_payloads(version_dir, index)
     for name, payload in payloads.items():
         nbytes, itemsize = _tensor_size(index, name, base_sizes)
-        check_frames(index.codec, payload.data, nbytes, itemsize, name)
+        check_frames(index.tensor_codec(name), payload.data, nbytes, itemsize, name)
     return len(payloads)
 
 

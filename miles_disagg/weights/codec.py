@@ -1,4 +1,4 @@
-"""Per-tensor byte deltas: ``xor`` / ``overwrite`` / ``full``, optional byte planes, zstd.
+"""Per-tensor byte deltas: ``xor`` / ``overwrite`` / ``full`` / ``mixed``, optional byte planes, zstd.
 
 Wire format of one tensor's payload (a 1-D uint8 tensor in a payload file):
 
@@ -12,13 +12,17 @@ Wire format of one tensor's payload (a 1-D uint8 tensor in a payload file):
   compressed as its own zstd frame. Payload: ``[u32 num_frames][u32 frame sizes...]``
   then the frames, chunk-major. A size-0 frame means "no change in this plane".
   An ``xor``/``full`` plane of ``m`` bytes decompresses either to exactly ``m`` bytes
-  (dense) or, when fewer than half its bytes are non-zero, to fewer: a sparse plane,
+  (dense) or, when that is smaller, to fewer: a sparse plane,
   ``[bitmap of non-zero positions: ceil(m/8) bytes, MSB-first as numpy.packbits]
   [the non-zero bytes in position order]``; the size tells the two apart.
   The high byte of a bf16 (sign + exponent) almost never changes, so its plane
   compresses to nothing; the low plane's changed bytes are scattered, which zstd's
   match finder handles slowly and poorly, so coding them as bitmap + values is both
   smaller and several times faster.
+* ``mixed`` (byteplane only; what ``xor`` with byte planes publishes): each tensor takes
+  the smallest of ``xor`` (as above), ``overwrite`` (as above) and ``sparse`` (one frame
+  per chunk of gap-coded positions + XOR values, :mod:`miles_disagg.weights.sparse`),
+  named per tensor in the index (:mod:`miles_disagg.weights.mixed`).
 
 Encoding and decoding fan out over a thread pool at chunk granularity (numpy, zstd and
 the hashers release the GIL). Each worker thread owns one compressor, one decompressor
@@ -29,23 +33,25 @@ allocations page-fault on every chunk.
 from __future__ import annotations
 
 import struct
-import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 
 from miles_disagg.types import ChecksumMismatch, FormatError, LayoutMismatch
 from miles_disagg.weights.checksums import checksum
+from miles_disagg.weights.planes import _compress_plane, _expand_plane, _local, _overwrite_payload, _planes, _Scratch
+from miles_disagg.weights.mixed import choose_encoding, encode_chunk_choices
+from miles_disagg.weights.sparse import apply_sparse, element_size, element_view, max_raw_bytes, parse_sparse, sparse_raw
 
-ENCODINGS = ("xor", "overwrite", "full")
+ENCODINGS = ("xor", "overwrite", "full", "mixed")  # a version's delta_encoding
+TENSOR_ENCODINGS = ("xor", "overwrite", "sparse")  # what one tensor of a ``mixed`` version may use
 PUBLISH_ENCODINGS = ("xor", "overwrite")
 FILTERS = ("byteplane", "none")
 COMPRESSIONS = ("zstd",)
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
-ZSTD_LEVEL = 1
 _U32 = struct.Struct("<I")
 
 
@@ -58,15 +64,33 @@ class CodecSpec:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     def __post_init__(self) -> None:
-        if self.encoding not in ENCODINGS:
+        if self.encoding not in ENCODINGS and self.encoding != "sparse":
             raise FormatError(f"unknown delta encoding {self.encoding!r} (known: {', '.join(ENCODINGS)})")
         if self.filter not in FILTERS:
             raise FormatError(f"unknown delta filter {self.filter!r} (known: {', '.join(FILTERS)})")
+        if self.encoding in ("mixed", "sparse") and self.filter != "byteplane":
+            raise FormatError(f"delta encoding {self.encoding!r} needs the byteplane filter, not {self.filter!r}")
         if self.chunk_bytes < 8:
             raise FormatError(f"chunk_bytes must be >= 8, got {self.chunk_bytes}")
 
+    def for_tensor(self, encoding: str) -> "CodecSpec":
+        """The spec one tensor's payload is read with: ``encoding`` is its per-tensor encoding
+        from the index ("" = the version's). A ``mixed`` version needs one for every tensor."""
+        if self.encoding != "mixed":
+            if encoding not in ("", self.encoding):
+                raise FormatError(f"a tensor's encoding {encoding!r} differs from the version's {self.encoding!r}")
+            return self
+        if encoding not in TENSOR_ENCODINGS:
+            raise FormatError(f"a mixed version's tensor needs an encoding of {', '.join(TENSOR_ENCODINGS)}, "
+                              f"got {encoding!r}")
+        return CodecSpec(encoding, self.filter, self.chunk_bytes)
+
     def num_planes(self, itemsize: int) -> int:
         return 2 if self.filter == "byteplane" and itemsize == 2 else 1
+
+    def frames_per_chunk(self, itemsize: int) -> int:
+        """Frames one chunk's payload holds: one per byte plane, one for a sparse chunk."""
+        return 1 if self.encoding == "sparse" else self.num_planes(itemsize)
 
     def chunks(self, nbytes: int, itemsize: int) -> list[tuple[int, int]]:
         """Byte ranges the tensor is cut into (one range without the filter)."""
@@ -76,97 +100,15 @@ class CodecSpec:
         return [(start, min(start + step, nbytes)) for start in range(0, max(nbytes, 1), step)]
 
 
-class _Scratch(threading.local):
-    """Per-thread zstd objects and reusable buffers (created lazily in each thread)."""
-
-    def __init__(self) -> None:
-        import zstandard
-
-        # byte-plane frames carry zstd's own frame checksum (corruption is reported at the
-        # frame); plain frames are written exactly as other producers write them
-        self.checked = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
-        self.plain = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-        self.decompressor = zstandard.ZstdDecompressor()
-        self.buffers: dict[str, np.ndarray] = {}
-
-    def compress(self, spec: "CodecSpec", data: np.ndarray | bytes) -> bytes:
-        return (self.checked if spec.filter == "byteplane" else self.plain).compress(data)
-
-    def get(self, key: str, nbytes: int) -> np.ndarray:
-        buf = self.buffers.get(key)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self.buffers[key] = np.empty(max(nbytes, 1), dtype=np.uint8)
-        return buf[:nbytes]
-
-
-_scratch: _Scratch | None = None
-
-
-def _local() -> _Scratch:
-    global _scratch
-    if _scratch is None:
-        _scratch = _Scratch()
-    return _scratch
-
-
-def _split_planes(data: np.ndarray, out_key: str, s: _Scratch) -> list[np.ndarray]:
-    """Low and high byte planes of a 2-byte-element buffer (contiguous copies in scratch)."""
-    m = data.nbytes // 2
-    words = data.view("<u2")
-    lo, hi = s.get(out_key + ".lo", m), s.get(out_key + ".hi", m)
-    np.copyto(lo, words, casting="unsafe")
-    shifted = s.get(out_key + ".sh", 2 * m).view("<u2")
-    np.right_shift(words, 8, out=shifted)
-    np.copyto(hi, shifted, casting="unsafe")
-    return [lo, hi]
-
-
-def _planes(data: np.ndarray, num_planes: int, key: str, s: _Scratch) -> list[np.ndarray]:
-    return [data] if num_planes == 1 else _split_planes(data, key, s)
-
-
-def _overwrite_payload(old: np.ndarray, new: np.ndarray) -> tuple[bytes, int]:
-    if new.size > 0xFFFFFFFF:
-        raise LayoutMismatch(f"overwrite positions are u32: a plane of {new.size} bytes is too large (use xor or byteplane)")
-    positions = np.flatnonzero(old != new).astype("<u4")
-    if positions.size == 0:
-        return b"", 0
-    return _U32.pack(positions.size) + positions.tobytes() + new[positions].tobytes(), int(positions.size)
-
-
-def _compress_plane(spec: CodecSpec, plane: np.ndarray, s: _Scratch, *, allow_empty: bool) -> bytes:
-    """One plane as a zstd frame: dense, or (byteplane filter only) sparse bitmap + values."""
-    nonzero = int(np.count_nonzero(plane))
-    if nonzero == 0 and allow_empty:
-        return b""
-    m = plane.size
-    bitmap_bytes = (m + 7) // 8
-    if spec.filter == "none" or nonzero > m // 2 or bitmap_bytes + nonzero >= m:
-        return s.compress(spec, plane)
-    mask = s.get("mask", m).view(np.bool_)
-    np.not_equal(plane, 0, out=mask)
-    sparse = s.get("sparse", bitmap_bytes + nonzero)
-    sparse[:bitmap_bytes] = np.packbits(mask)
-    np.compress(mask, plane, out=sparse[bitmap_bytes:])
-    return s.compress(spec, sparse)
-
-
-def _expand_plane(raw: np.ndarray, m: int, key: str, s: _Scratch, name: str) -> np.ndarray:
-    """Inverse of the sparse form of :func:`_compress_plane`; a dense plane passes through."""
-    if raw.nbytes == m:
-        return raw
-    bitmap_bytes = (m + 7) // 8
-    if raw.nbytes > m:
-        raise LayoutMismatch(f"tensor {name!r}: a delta plane has {raw.nbytes} bytes, the local plane has {m}")
-    if raw.nbytes < bitmap_bytes:
-        raise FormatError(f"tensor {name!r}: sparse delta plane shorter than its bitmap")
-    positions = np.flatnonzero(np.unpackbits(raw[:bitmap_bytes], count=m).view(np.bool_))
-    if positions.size != raw.nbytes - bitmap_bytes:
-        raise FormatError(f"tensor {name!r}: sparse delta plane has {raw.nbytes - bitmap_bytes} values for {positions.size} positions")
-    plane = s.get(key, m)
-    plane.fill(0)
-    plane[positions] = raw[bitmap_bytes:]
-    return plane
+def publish_spec(encoding: str, filter: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, anchor: bool = False) -> CodecSpec:
+    """The spec a version is published with: ``full`` for an anchor; ``mixed`` (each tensor the
+    smallest of xor/sparse/overwrite) for ``xor`` with byte planes; else ``encoding`` as asked
+    (``overwrite`` stays overwrite everywhere: it is the idempotent choice)."""
+    if anchor:
+        return CodecSpec("full", filter, chunk_bytes)
+    if encoding == "xor" and filter == "byteplane":
+        return CodecSpec("mixed", filter, chunk_bytes)
+    return CodecSpec(encoding, filter, chunk_bytes)
 
 
 def encode_chunk(spec: CodecSpec, old: np.ndarray, new: np.ndarray, itemsize: int) -> tuple[list[bytes], int]:
@@ -179,6 +121,10 @@ def encode_chunk(spec: CodecSpec, old: np.ndarray, new: np.ndarray, itemsize: in
     diff = s.get("xor", new.nbytes)
     np.bitwise_xor(old, new, out=diff)
     changed = int(np.count_nonzero(diff))
+    if spec.encoding == "sparse":
+        words = element_view(diff, itemsize)
+        positions = np.flatnonzero(words)
+        return [s.checked.compress(sparse_raw(words[positions], positions)) if positions.size else b""], changed
     if spec.encoding == "xor":
         if changed == 0:
             return [b""] * num_planes, 0
@@ -216,6 +162,14 @@ def _decompress(frame: memoryview, max_bytes: int, s: _Scratch, name: str) -> np
     return np.frombuffer(raw, dtype=np.uint8)
 
 
+def _sparse_raw_of(frame: memoryview, elements: int, itemsize: int, s: _Scratch, name: str) -> np.ndarray:
+    """A sparse chunk's raw form; a frame larger than any sparse form of the chunk is malformed."""
+    try:
+        return _decompress(frame, max_raw_bytes(elements, itemsize), s, name)
+    except LayoutMismatch as exc:
+        raise FormatError(f"malformed sparse payload: {exc}") from None
+
+
 def _read_bounded(s: _Scratch, frame: memoryview, limit: int) -> bytes:
     """Decompress a frame without a recorded size, stopping after ``limit`` bytes of output."""
     parts, total = [], 0
@@ -244,6 +198,11 @@ def _apply_overwrite(plane: np.ndarray, raw: np.ndarray, name: str) -> None:
 def decode_chunk(spec: CodecSpec, target: np.ndarray, frames: list[memoryview], itemsize: int, name: str) -> None:
     """Apply one chunk's frames onto ``target`` (a writable uint8 view of the chunk) in place."""
     s = _local()
+    if spec.encoding == "sparse":
+        if len(frames[0]):
+            apply_sparse(target, _sparse_raw_of(frames[0], element_view(target, itemsize).size, itemsize, s, name),
+                         itemsize, name)
+        return
     num_planes = spec.num_planes(itemsize)
     m = target.nbytes // num_planes
     lanes = target.reshape(m, num_planes)  # column i = plane i (a strided view)
@@ -297,6 +256,11 @@ def check_frames(spec: CodecSpec, payload: memoryview, nbytes: int, itemsize: in
     s = _local()
     planes = spec.num_planes(itemsize)
     for (a, b), frames in zip(spec.chunks(nbytes, itemsize), split_frames(spec, payload, nbytes, itemsize, name)):
+        if spec.encoding == "sparse":
+            if len(frames[0]):
+                elements = (b - a) // element_size(itemsize)
+                parse_sparse(_sparse_raw_of(frames[0], elements, itemsize, s, name), elements, itemsize, name)
+            continue
         m = (b - a) // planes
         for i, frame in enumerate(frames):
             if not len(frame):
@@ -324,7 +288,7 @@ def split_frames(spec: CodecSpec, payload: memoryview, nbytes: int, itemsize: in
     chunks = spec.chunks(nbytes, itemsize)
     if spec.filter == "none":
         return [[payload]]
-    num_planes = spec.num_planes(itemsize)
+    num_planes = spec.frames_per_chunk(itemsize)
     expected = len(chunks) * num_planes
     if len(payload) < 4 or _U32.unpack_from(payload, 0)[0] != expected or len(payload) < 4 + 4 * expected:
         raise FormatError(f"tensor {name!r}: payload header does not describe {expected} frames")
@@ -349,6 +313,7 @@ class EncodedTensor:
     changed_bytes: int
     nbytes: int
     checksum: str
+    encoding: str = ""  # the per-tensor encoding used (xor/overwrite/sparse/full); a mixed spec's choice
 
 
 @dataclass
@@ -357,6 +322,9 @@ class _PendingEncode:
     nbytes: int
     chunk_futures: list[Future]
     hash_future: Future
+    old: np.ndarray
+    new: np.ndarray
+    itemsize: int
 
 
 def encode_tensors(pool: ThreadPoolExecutor, spec: CodecSpec, checksum_format: str,
@@ -369,9 +337,10 @@ def encode_tensors(pool: ThreadPoolExecutor, spec: CodecSpec, checksum_format: s
     """
     pending: deque[_PendingEncode] = deque()
     inflight = 0
+    chunk_encoder = encode_chunk_choices if spec.encoding == "mixed" else encode_chunk
     for name, old, new, itemsize in items:
-        futures = [pool.submit(encode_chunk, spec, old[a:b], new[a:b], itemsize) for a, b in spec.chunks(new.nbytes, itemsize)]
-        pending.append(_PendingEncode(name, new.nbytes, futures, pool.submit(checksum, checksum_format, new)))
+        futures = [pool.submit(chunk_encoder, spec, old[a:b], new[a:b], itemsize) for a, b in spec.chunks(new.nbytes, itemsize)]
+        pending.append(_PendingEncode(name, new.nbytes, futures, pool.submit(checksum, checksum_format, new), old, new, itemsize))
         inflight += new.nbytes
         while pending and inflight > max_inflight_bytes:
             inflight -= pending[0].nbytes
@@ -381,6 +350,8 @@ def encode_tensors(pool: ThreadPoolExecutor, spec: CodecSpec, checksum_format: s
 
 
 def _finish_encode(spec: CodecSpec, item: _PendingEncode) -> EncodedTensor:
+    if spec.encoding == "mixed":
+        return _finish_mixed(spec, item)
     frames: list[bytes] = []
     changed = 0
     for future in item.chunk_futures:
@@ -389,14 +360,37 @@ def _finish_encode(spec: CodecSpec, item: _PendingEncode) -> EncodedTensor:
         changed += chunk_changed
     digest = item.hash_future.result()
     if changed == 0 and spec.encoding != "full":
-        return EncodedTensor(item.name, None, 0, item.nbytes, digest)
-    return EncodedTensor(item.name, join_frames(spec, frames), changed, item.nbytes, digest)
+        return EncodedTensor(item.name, None, 0, item.nbytes, digest, spec.encoding)
+    return EncodedTensor(item.name, join_frames(spec, frames), changed, item.nbytes, digest, spec.encoding)
+
+
+def _finish_mixed(spec: CodecSpec, item: _PendingEncode) -> EncodedTensor:
+    """Pick the tensor's encoding from its chunks' candidates and join that encoding's frames."""
+    chunks = [future.result() for future in item.chunk_futures]
+    digest = item.hash_future.result()
+    encoding = choose_encoding(chunks)
+    if encoding is None:
+        return EncodedTensor(item.name, None, 0, item.nbytes, digest, "xor")
+    if not encoding:  # dense and sparse chunks: xor byte planes for all (rare: one region changed)
+        encoding = "xor"
+        ranges = spec.chunks(item.nbytes, item.itemsize)
+        chunks = [c if not c[0] or "xor" in c[0]
+                  else ({"xor": encode_chunk(spec.for_tensor("xor"), item.old[a:b], item.new[a:b], item.itemsize)[0]}, c[1])
+                  for c, (a, b) in zip(chunks, ranges)]
+    tensor_spec = spec.for_tensor(encoding)
+    empty = [b""] * tensor_spec.frames_per_chunk(item.itemsize)
+    frames = [f for choices, _ in chunks for f in choices.get(encoding, empty)]
+    changed = sum(c for _, c in chunks)
+    return EncodedTensor(item.name, join_frames(tensor_spec, frames), changed, item.nbytes, digest, encoding)
 
 
 def decode_tensors(pool: ThreadPoolExecutor, spec: CodecSpec, checksum_format: str,
                    items: Iterable[tuple[str, np.ndarray, memoryview, int, str]],
-                   max_inflight_bytes: int = 256 * 1024 * 1024) -> Iterator[str]:
+                   max_inflight_bytes: int = 256 * 1024 * 1024,
+                   encodings: Mapping[str, str] | None = None) -> Iterator[str]:
     """Apply ``(name, target, payload, itemsize, expected_checksum)`` items in place; yield names.
+
+    ``encodings``: each tensor's encoding from the index (required for a ``mixed`` spec).
 
     Each target is verified against its final-state checksum before its name is
     yielded; a mismatch raises ``ChecksumMismatch`` (targets already yielded stay patched:
@@ -405,9 +399,10 @@ def decode_tensors(pool: ThreadPoolExecutor, spec: CodecSpec, checksum_format: s
     pending: deque[tuple[str, np.ndarray, str, list[Future]]] = deque()
     inflight = 0
     for name, target, payload, itemsize, expected in items:
-        frames = split_frames(spec, payload, target.nbytes, itemsize, name)
-        ranges = spec.chunks(target.nbytes, itemsize)
-        futures = [pool.submit(decode_chunk, spec, target[a:b], f, itemsize, name) for (a, b), f in zip(ranges, frames)]
+        tensor_spec = _tensor_spec(spec, encodings, name)
+        frames = split_frames(tensor_spec, payload, target.nbytes, itemsize, name)
+        ranges = tensor_spec.chunks(target.nbytes, itemsize)
+        futures = [pool.submit(decode_chunk, tensor_spec, target[a:b], f, itemsize, name) for (a, b), f in zip(ranges, frames)]
         pending.append((name, target, expected, futures))
         inflight += target.nbytes
         while pending and inflight > max_inflight_bytes:
@@ -415,6 +410,13 @@ def decode_tensors(pool: ThreadPoolExecutor, spec: CodecSpec, checksum_format: s
             yield _finish_decode(checksum_format, *pending.popleft())
     while pending:
         yield _finish_decode(checksum_format, *pending.popleft())
+
+
+def _tensor_spec(spec: CodecSpec, encodings: Mapping[str, str] | None, name: str) -> CodecSpec:
+    try:
+        return spec.for_tensor((encodings or {}).get(name, ""))
+    except FormatError as exc:
+        raise FormatError(f"tensor {name!r}: {exc}") from None
 
 
 def _finish_decode(checksum_format: str, name: str, target: np.ndarray, expected: str, futures: list[Future]) -> str:

@@ -4,13 +4,20 @@ Index metadata written by this project (strings where other producers write stri
 
     version            "000007"           (required)
     base_version       "000006"           (required)
-    delta_encoding     xor | overwrite | full
+    delta_encoding     xor | overwrite | full | mixed
     compression_format zstd
     checksum_format    xxh3-128 | blake3 | adler32
     run_id             this project's addition ("" / absent for foreign producers)
     filter             byteplane | none   (absent: none, the plain format)
     chunk_bytes        byte-plane chunk size
-    tensors            {name: {"dtype", "shape", "nbytes"}} for every changed tensor
+    tensors            {name: {"dtype", "shape", "nbytes"[, "encoding"]}} for every changed tensor;
+                       "encoding" (xor | overwrite | sparse) only where it is not the version's
+                       delta_encoding: every tensor of a ``mixed`` version has one
+
+``mixed`` (byteplane filter only) lets each tensor take the smallest of its encodings
+(:mod:`miles_disagg.weights.mixed`). A reader that predates it refuses the version: its
+``delta_encoding`` is not one it knows, so it fails with a ``FormatError`` instead of reading a
+sparse payload as XOR planes.
     changed_bytes, total_bytes, created_unix   (inspection only)
 
 A directory without the additions is read as the plain format (filter ``none``,
@@ -33,7 +40,7 @@ from typing import Any
 
 from miles_disagg.types import FormatError, VersionRef
 from miles_disagg.weights.checksums import CHECKSUMS
-from miles_disagg.weights.codec import COMPRESSIONS, DEFAULT_CHUNK_BYTES, CodecSpec, ENCODINGS, FILTERS
+from miles_disagg.weights.codec import COMPRESSIONS, DEFAULT_CHUNK_BYTES, CodecSpec, ENCODINGS, FILTERS, TENSOR_ENCODINGS
 from miles_disagg.weights.jsonio import load_json
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -44,6 +51,13 @@ class TensorLayout:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    encoding: str = ""  # "": the version's delta_encoding
+
+    def to_json(self, version_encoding: str) -> dict[str, Any]:
+        entry: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes}
+        if self.encoding and self.encoding != version_encoding:
+            entry["encoding"] = self.encoding
+        return entry
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,19 @@ class VersionIndex:
     def codec(self) -> CodecSpec:
         return CodecSpec(self.delta_encoding, self.filter, self.chunk_bytes)
 
+    @property
+    def encodings(self) -> dict[str, str]:
+        """Per-tensor encodings recorded in the index (those of a ``mixed`` version)."""
+        return {name: layout.encoding for name, layout in self.layouts.items() if layout.encoding}
+
+    def tensor_codec(self, name: str) -> CodecSpec:
+        """The spec tensor ``name``'s payload is read with (its own encoding in a ``mixed`` version)."""
+        layout = self.layouts.get(name)
+        try:
+            return self.codec.for_tensor(layout.encoding if layout is not None else "")
+        except FormatError as exc:
+            raise FormatError(f"version {self.version}: tensor {name!r}: {exc}") from None
+
     def files(self) -> list[str]:
         return sorted(set(self.weight_map.values()))
 
@@ -88,7 +115,7 @@ class VersionIndex:
             "run_id": self.run_id,
             "filter": self.filter,
             "chunk_bytes": str(self.chunk_bytes),
-            "tensors": {n: {"dtype": l.dtype, "shape": list(l.shape), "nbytes": l.nbytes} for n, l in self.layouts.items()},
+            "tensors": {n: l.to_json(self.delta_encoding) for n, l in self.layouts.items()},
         }
         metadata.update(self.extra)
         return {"metadata": metadata, "weight_map": dict(self.weight_map)}
@@ -130,7 +157,8 @@ def _layouts(raw: Any, where: str) -> dict[str, TensorLayout]:
     if raw is None:
         return {}
     try:
-        layouts = {str(n): TensorLayout(str(v["dtype"]), tuple(int(d) for d in v["shape"]), int(v["nbytes"]))
+        layouts = {str(n): TensorLayout(str(v["dtype"]), tuple(int(d) for d in v["shape"]), int(v["nbytes"]),
+                                        _tensor_encoding(v.get("encoding", ""), str(n), where))
                    for n, v in raw.items()}
     except (AttributeError, KeyError, TypeError, ValueError, OverflowError):
         raise FormatError(f"{where}: malformed per-tensor layout metadata") from None
@@ -138,6 +166,22 @@ def _layouts(raw: Any, where: str) -> dict[str, TensorLayout]:
     if bad is not None:
         raise FormatError(f"{where}: tensor {bad!r} has a negative size in its layout metadata")
     return layouts
+
+
+def _tensor_encoding(value: Any, name: str, where: str) -> str:
+    if value != "" and value not in TENSOR_ENCODINGS:
+        raise FormatError(f"{where}: tensor {name!r} has unknown encoding {value!r} (known: {', '.join(TENSOR_ENCODINGS)})")
+    return str(value)
+
+
+def _check_encodings(index: VersionIndex, where: str) -> None:
+    """Every changed tensor is readable: a ``mixed`` version names each one's encoding."""
+    try:
+        index.codec
+    except FormatError as exc:
+        raise FormatError(f"{where}: {exc}") from None
+    for name in index.weight_map:
+        index.tensor_codec(name)
 
 
 def parse_index(obj: Any, where: str) -> VersionIndex:
@@ -179,6 +223,7 @@ def parse_index(obj: Any, where: str) -> VersionIndex:
     )
     if index.chunk_bytes < 8:
         raise FormatError(f"{where}: chunk_bytes {index.chunk_bytes} is too small")
+    _check_encodings(index, where)
     return index
 
 

@@ -31,7 +31,7 @@ from miles_disagg.types import ConfigError, InvalidInput, LayoutMismatch, Versio
 from miles_disagg.weights.apply import LocalTensor, apply_version
 from miles_disagg.weights.checksums import CHECKSUMS
 from miles_disagg.weights.codec import (
-    DEFAULT_CHUNK_BYTES, FILTERS, PUBLISH_ENCODINGS, CodecSpec, EncodedTensor, encode_tensors,
+    DEFAULT_CHUNK_BYTES, FILTERS, PUBLISH_ENCODINGS, CodecSpec, EncodedTensor, encode_tensors, publish_spec,
 )
 from miles_disagg.weights.commit import Collective, ShareFailed, SingleRank, commit_shares
 from miles_disagg.weights.hooks import POST_WRITE_FLAG, load_hook
@@ -258,7 +258,7 @@ class DeltaPublisher:
         """Rank 0: the staging dir, ref and codec of the next version, and whether it is an anchor."""
         version = (self._latest.version if self._latest else 0) + 1
         anchor = force_full or (self.full_anchor_interval > 0 and version % self.full_anchor_interval == 0)
-        spec = CodecSpec("full" if anchor else self.encoding, self.filter, self.chunk_bytes)
+        spec = publish_spec(self.encoding, self.filter, self.chunk_bytes, anchor)
         return self.store.new_staging_dir(version), VersionRef(self.run_id or "", version), spec, anchor
 
     def _on_rank_0(self, fn: Callable[[], Any]) -> Any:

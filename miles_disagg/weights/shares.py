@@ -71,7 +71,7 @@ class ShareManifest:
 def index_layout(encoded: EncodedTensor, local: LocalTensor) -> TensorLayout:
     """The index's record of one encoded tensor (the ONE place index layouts are built from
     encoded tensors: per-tensor codec choices belong here)."""
-    return TensorLayout(local.dtype, local.shape, local.nbytes)
+    return TensorLayout(local.dtype, local.shape, local.nbytes, encoded.encoding)
 
 
 def share_file_name(rank: int, part: int) -> str:

@@ -89,7 +89,7 @@ def test_publish_apply_verify_inspect(published):
     summary = ok("inspect", "--store", str(store))
     assert summary["latest"] == {"run_id": "cli-run", "version": 2}
     assert [(v["version"], v["base_version"], v["delta_encoding"], v["filter"]) for v in summary["versions"]] == [
-        (1, 0, "xor", "byteplane"), (2, 1, "overwrite", "none")]
+        (1, 0, "mixed", "byteplane"), (2, 1, "overwrite", "none")]  # xor + byte planes publishes mixed
     assert all(0 < v["density"] < 1 and v["wire_bytes"] > 0 for v in summary["versions"])
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from miles_disagg.bench import delta
 
 
@@ -60,3 +62,24 @@ def test_moe_shapes_are_sized_and_named_as_on_disk():
     assert "model.layers.2.mlp.experts.31.down_proj.weight" in names and "model.layers.0.mlp.gate.weight" in names
     total = sum(2 * __import__("math").prod(s) for _, s in shapes)
     assert 0.75 < total / (64 * 1024 * 1024) < 1.3
+
+
+def test_bench_delta_densities_measures_every_codec_side_by_side(capsys):
+    parser = argparse.ArgumentParser()
+    delta.add_arguments(parser)
+    args = parser.parse_args(["--densities", "--density-targets", "0.5", "20", "--size-mb", "2", "--repeat", "1", "--json"])
+    assert delta.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["round_trip_exact"] is True and [r["target_percent"] for r in result["densities"]] == [0.5, 20]
+    assert set(result["targets_met"]) == {"wire_at_most_smaller_peer", "wire_at_most_0.85x_in_0.3_5_percent",
+                                          "encode_at_least_1.5x_reference"}
+    low, high = result["densities"]
+    assert 0.3 < low["density"] / 0.005 < 1.7 and 0.3 < high["density"] / 0.2 < 1.7
+    for row in (low, high):
+        for codec in ("ours", "reference", "sparse"):
+            assert row[codec]["wire_bytes"] > 0 and row[codec]["encode_gbps"] > 0 and row[codec]["decode_gbps"] > 0
+        assert 0 < row["entropy_bound_fraction"] < row["reference"]["wire_fraction"]
+        assert row["wire_vs_smaller_peer"] == pytest.approx(
+            row["ours"]["wire_bytes"] / min(row["reference"]["wire_bytes"], row["sparse"]["wire_bytes"]))
+        assert row["wire_vs_smaller_peer"] < 1  # ours is smaller than both peers on these deltas
+    assert "sparse" in low["ours_tensor_encodings"] and "xor" in high["ours_tensor_encodings"]
