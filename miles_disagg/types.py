@@ -136,6 +136,11 @@ class NodeLost(FailRun):
         super().__init__(message)
 
 
+class RolloutCapacityLost(FailRun):
+    """Fewer than ``--min-rollout-engines`` engines served for longer than its timeout (nodes
+    were lost and nothing replaced them in time)."""
+
+
 # --------------------------------------------------------------------------- versions
 
 

@@ -18,9 +18,12 @@ Faults: a monitor thread watches the engines. A managed engine whose process die
 out of the router at once, restarted, brought to the current version (base + chain through
 ``/pull_weights``) and only then registered again. An attached engine that stops answering
 is removed; when it answers again it is re-checked and brought to the current version
-before it is registered again. An engine whose actor is gone (its node left the cluster) is
-taken out and left out: the run's node watch ends the run, naming the node. Weight updates
-and restores never interleave (one lock).
+before it is registered again. An engine whose node left the cluster (Ray says so: no
+health-check timeout is waited for) or whose actor is gone is taken out at once and placed
+again on its bundle when the cluster offers the resources (:mod:`miles_disagg.engines.replace`),
+caught up and verified before it is routed to. Weight updates and restores never interleave
+(one lock). The monitor feeds the number of serving engines to the run's capacity policy
+(:mod:`miles_disagg.engines.capacity`: ``--min-rollout-engines``).
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from miles_disagg.config.actors import EngineManagerConfig
+from miles_disagg.engines.capacity import CapacityPolicy
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.engines.plan import local_checkpoint_root
+from miles_disagg.engines.replace import Replacements, dead_nodes
 from miles_disagg.engines.updater import BroadcastUpdater, DiskDeltaUpdater, UpdateFailed
 from miles_disagg.types import ConfigError, EngineUnrecoverable, MilesDisaggError
 
@@ -61,8 +66,11 @@ class EngineManager:
         self.events: list[dict] = []
         self._down: set[int] = set()  # engine indices out of the router until restored
         self._failures: dict[int, int] = {}  # consecutive failed health checks per engine
-        self._lost: set[int] = set()  # engines whose actor is gone (with its node): never restarted
+        self._lost: set[int] = set()  # engines whose actor is gone (with its node): placed again, not restarted
         self._broadcast: BroadcastUpdater | None = None
+        self._engine_nodes: list[str | None] = []  # node id of each managed engine (updated when placed again)
+        self._replacements = Replacements(self)
+        self._capacity = CapacityPolicy(self.rollout.min_rollout_engines, self.rollout.min_rollout_engines_timeout)
 
     # ------------------------------------------------------------------ start
 
@@ -88,6 +96,8 @@ class EngineManager:
         else:
             self._start_router([])
         self.engine_urls = self._attach() if self.rollout.rollout_external else self._launch(store_probe)
+        if self._actors and self.placement.node_ids:
+            self._engine_nodes = [self.placement.node_ids[bundles[0]] for bundles in self.placement.layout.engines]
         if self.router is None:
             self._start_router(self.engine_urls)
         local_root = local_checkpoint_root(self.config)
@@ -324,6 +334,9 @@ class EngineManager:
             down = set(self._down)
         out: list[str | None] = []
         for index, url in enumerate(self.engine_urls):
+            if index in down:  # not asked: a lost node's address may only time out
+                out.append(None)
+                continue
             try:
                 with EngineClient(url, timeout_s=10) as client:
                     out.append(None if index in down else client.weight_version())
@@ -360,19 +373,18 @@ class EngineManager:
 
     def _alive(self, index: int) -> bool:
         import ray
-        from ray.exceptions import ActorUnavailableError, RayActorError
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
         if self._actors:
             if index in self._lost:
                 return False
             try:
-                return bool(ray.get(self._actors[index].alive.remote()))
-            except ActorUnavailableError:  # unreachable for now (its node may be going): down, not lost
+                return bool(ray.get(self._actors[index].alive.remote(),
+                                    timeout=self.rollout.rollout_health_check_timeout))
+            except (ActorUnavailableError, GetTimeoutError):  # unreachable for now (its node may be going): down
                 return False
-            except RayActorError as exc:  # the actor is gone (with its node): no restart here
-                self._lost.add(index)
-                self.events.append({"engine": index, "event": "lost", "url": self.engine_urls[index],
-                                    "why": f"its actor is gone: {str(exc).splitlines()[0]}", "time": time.time()})
+            except RayActorError as exc:  # the actor is gone (with its node): placed again, not restarted
+                self._engine_gone(index, "actor_lost", why=f"its actor is gone: {str(exc).splitlines()[0]}")
                 return False
         with EngineClient(self.engine_urls[index], timeout_s=3) as client:
             return client.healthy()
@@ -401,6 +413,10 @@ class EngineManager:
         if self._stop.wait(self.rollout.rollout_health_check_first_wait):
             return
         while not self._stop.wait(self.rollout.rollout_health_check_interval):
+            try:
+                self._replacements.drop_lost_nodes()  # Ray says a node is gone: no health-check timeout to wait
+            except Exception:  # the GCS did not answer this time: the checks below still run
+                log.exception("asking Ray which nodes are alive")
             for index in range(len(self.engine_urls)):
                 if self._stop.is_set():
                     return
@@ -409,11 +425,26 @@ class EngineManager:
                 except Exception as exc:  # keep watching the others; record why
                     log.exception("engine %d: recovery failed", index)
                     self.events.append({"engine": index, "event": "recovery_failed", "error": str(exc)})
+            self._observe_capacity()
+
+    def _observe_capacity(self) -> None:
+        total = len(self.engine_urls)
+        self._capacity.observe(total - len(self._down), total)
+
+    def capacity(self) -> dict:
+        """How many engines serve, and ``verdict``: the line that ends the run once fewer than
+        ``--min-rollout-engines`` served for longer than its timeout (else None)."""
+        self._observe_capacity()
+        gone = {e["engine"]: e for e in self.events if e["event"] in ("node_lost", "actor_lost")}
+        why = "; ".join(f"engine {i}: {e['why']}" for i, e in sorted(gone.items()) if i in self._down)
+        return {**self._capacity.state(), "verdict": self._capacity.verdict(why)}
 
     def _check_engine(self, index: int) -> None:
         import ray
 
         managed = bool(self._actors)
+        if index in self._lost or self._replacements.busy(index):
+            return  # gone with its actor: being placed again (engines/replace.py)
         if index not in self._down:
             with self._lock:
                 if self._passes_health_check(index):
@@ -422,7 +453,7 @@ class EngineManager:
             if not managed:
                 return  # an attached engine: restored once it answers again (a later check)
         if self._broadcast is not None or index in self._lost:
-            return  # a broadcast group cannot take a new member, a lost actor has no bundle: it stays out
+            return  # a broadcast group cannot take a new member; a lost actor is placed again elsewhere
         if managed and not self.rollout.use_fault_tolerance:
             self._record_lost(index)
             return
@@ -475,10 +506,19 @@ class EngineManager:
                     updater.update(version)
                 finally:
                     updater.close()
+            self._verify_version(index, version)
             self.router_client.add_worker(self.engine_urls[index])
             self._down.discard(index)
             self.events.append({"engine": index, "event": "restored", "url": self.engine_urls[index],
                                 "version": version, "time": time.time()})
+
+    def _verify_version(self, index: int, version: int) -> None:
+        """The engine itself must report ``version`` before the router may use it."""
+        with EngineClient(self.engine_urls[index], timeout_s=30) as client:
+            served = client.weight_version()
+        if str(served) != str(version):
+            raise EngineUnrecoverable(f"engine {index} ({self.engine_urls[index]}) reports version {served!r} after "
+                                      f"its catch-up to version {version}; it stays out of the router")
 
     def kill_engine(self, index: int) -> int | None:
         """Tests and drills: SIGKILL one managed engine's process; returns its pid."""
@@ -498,6 +538,7 @@ class EngineManager:
         self._stop.set()
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=60)  # a restart in progress finishes before the engines stop
+        self._replacements.stop()
         for index, actor in enumerate(self._actors):
             if index in self._lost:
                 continue  # gone with its node, and its processes with it
