@@ -44,6 +44,13 @@ class CapacityPolicy:
                 f"{self.timeout_s:g}s")
         return f"{line}; {why}" if why else line
 
+    def report(self, events: list[dict], down: set[int]) -> dict:
+        """:meth:`state` plus ``verdict``, naming why the engines still out left (the engine
+        manager's ``node_lost`` / ``actor_lost`` events)."""
+        gone = {e["engine"]: e for e in events if e["event"] in ("node_lost", "actor_lost")}
+        why = "; ".join(f"engine {i}: {e['why']}" for i, e in sorted(gone.items()) if i in down)
+        return {**self.state(), "verdict": self.verdict(why)}
+
     def state(self) -> dict:
         return {"live": self.live, "total": self.total, "min_engines": self.min_engines,
                 "below_for_s": round(self.below_for(), 3)}

@@ -38,7 +38,7 @@ from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.engines.capacity import CapacityPolicy
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.engines.plan import local_checkpoint_root
-from miles_disagg.engines.replace import Replacements, dead_nodes
+from miles_disagg.engines.replace import Replacements, verify_served_version
 from miles_disagg.engines.updater import BroadcastUpdater, DiskDeltaUpdater, UpdateFailed
 from miles_disagg.types import ConfigError, EngineUnrecoverable, MilesDisaggError
 
@@ -399,6 +399,8 @@ class EngineManager:
         return False
 
     def _mark_down(self, index: int) -> None:
+        if index in self._down:
+            return  # already out (the monitor and an update may both find it gone)
         url = self.engine_urls[index]
         self._down.add(index)
         try:
@@ -428,16 +430,13 @@ class EngineManager:
             self._observe_capacity()
 
     def _observe_capacity(self) -> None:
-        total = len(self.engine_urls)
-        self._capacity.observe(total - len(self._down), total)
+        self._capacity.observe(len(self.engine_urls) - len(self._down), len(self.engine_urls))
 
     def capacity(self) -> dict:
         """How many engines serve, and ``verdict``: the line that ends the run once fewer than
         ``--min-rollout-engines`` served for longer than its timeout (else None)."""
         self._observe_capacity()
-        gone = {e["engine"]: e for e in self.events if e["event"] in ("node_lost", "actor_lost")}
-        why = "; ".join(f"engine {i}: {e['why']}" for i, e in sorted(gone.items()) if i in self._down)
-        return {**self._capacity.state(), "verdict": self._capacity.verdict(why)}
+        return self._capacity.report(self.events, set(self._down))
 
     def _check_engine(self, index: int) -> None:
         import ray
@@ -458,7 +457,12 @@ class EngineManager:
             self._record_lost(index)
             return
         if managed:
-            self.engine_urls[index] = ray.get(self._actors[index].restart.remote())
+            from ray.exceptions import ActorUnavailableError
+
+            try:
+                self.engine_urls[index] = ray.get(self._actors[index].restart.remote())
+            except ActorUnavailableError:  # its node may be going: the next check (or Ray's verdict) decides
+                return
         elif not self._answers_and_matches(index):
             return
         self._restore(index)
@@ -506,19 +510,11 @@ class EngineManager:
                     updater.update(version)
                 finally:
                     updater.close()
-            self._verify_version(index, version)
+            verify_served_version(self.engine_urls[index], index, version)
             self.router_client.add_worker(self.engine_urls[index])
             self._down.discard(index)
             self.events.append({"engine": index, "event": "restored", "url": self.engine_urls[index],
                                 "version": version, "time": time.time()})
-
-    def _verify_version(self, index: int, version: int) -> None:
-        """The engine itself must report ``version`` before the router may use it."""
-        with EngineClient(self.engine_urls[index], timeout_s=30) as client:
-            served = client.weight_version()
-        if str(served) != str(version):
-            raise EngineUnrecoverable(f"engine {index} ({self.engine_urls[index]}) reports version {served!r} after "
-                                      f"its catch-up to version {version}; it stays out of the router")
 
     def kill_engine(self, index: int) -> int | None:
         """Tests and drills: SIGKILL one managed engine's process; returns its pid."""

@@ -30,6 +30,19 @@ RETRY_AFTER_S = 5.0
 MAX_ATTEMPTS = 20
 
 
+def verify_served_version(url: str, index: int, version: int) -> None:
+    """The engine itself must report ``version`` before the router may use it (after a restart's
+    or a replacement's catch-up): ``EngineUnrecoverable`` otherwise, and it stays out."""
+    from miles_disagg.engines.client import EngineClient
+    from miles_disagg.types import EngineUnrecoverable
+
+    with EngineClient(url, timeout_s=30) as client:
+        served = client.weight_version()
+    if str(served) != str(version):
+        raise EngineUnrecoverable(f"engine {index} ({url}) reports version {served!r} after its catch-up to version "
+                                  f"{version}; it stays out of the router")
+
+
 def dead_nodes(node_ids: set[str]) -> set[str]:
     """Those of ``node_ids`` that Ray's GCS does not list as alive."""
     import ray

@@ -65,10 +65,13 @@ class Job:
     @classmethod
     def start(cls, config: RunConfig, *, with_trainer: bool = True, with_engines: bool = True,
               run_id: str | None = None, data_position: int = 0,
-              initial_checkpoint: tuple[str, str] | None = None) -> "Job":
+              initial_checkpoint: tuple[str, str] | None = None, on_trainer_node_lost=None) -> "Job":
         """``run_id``/``data_position``: a resumed run's version stream and prompts consumed;
-        ``initial_checkpoint``: the Megatron torch_dist checkpoint a fresh policy starts from."""
-        job = cls(config, run_id=run_id, initial_checkpoint=initial_checkpoint)
+        ``initial_checkpoint``: the Megatron torch_dist checkpoint a fresh policy starts from;
+        ``on_trainer_node_lost`` (:data:`miles_disagg.loop.cluster.TrainerNodeLost`): takes the loss
+        of a trainer node over instead of ending the run (trainer restarts)."""
+        job = cls(config, run_id=run_id, initial_checkpoint=initial_checkpoint,
+                  on_trainer_node_lost=on_trainer_node_lost)
         job._data_position = data_position
         try:
             job._start(with_trainer, with_engines)

@@ -1,27 +1,36 @@
 """The chaos run's reward (``--custom-rm-path chaos_hooks.reward``): the count-up task's own reward,
-with a gate that keeps the run from finishing before the chaos is over.
+behind a gate the test paces the run with.
 
-Once the rollout manager has scored ``MILES_DISAGG_CHAOS_GATE_AFTER`` samples, each further
-score waits while the file ``MILES_DISAGG_CHAOS_HOLD`` exists (the test removes it when its
-faults are done). Before that, and whenever the file is gone, it is only the task's reward: the
-faults happen while generation runs as usual.
+The file ``MILES_DISAGG_CHAOS_GATE`` holds how many samples may be scored so far; a score past
+that waits until the test raises the number or removes the file (no limit then). The tiny run
+takes well under a second per step on its own: without the gate it would finish before the
+test's faults are done, and with the gate generation still runs during each fault.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 
 from miles_disagg.rollout.tasks import count_up_reward
 
 _scored = 0
 
 
+def _budget(gate: str) -> float:
+    try:
+        return int(Path(gate).read_text())
+    except FileNotFoundError:
+        return float("inf")
+    except ValueError:  # read while the test rewrote it: ask again
+        return _scored
+
+
 async def reward(args, sample, **kwargs) -> float:
     global _scored
-    _scored += 1
-    hold = os.environ.get("MILES_DISAGG_CHAOS_HOLD")
-    gate_after = int(os.environ.get("MILES_DISAGG_CHAOS_GATE_AFTER", "0"))
-    while hold and _scored > gate_after and os.path.exists(hold):
+    gate = os.environ.get("MILES_DISAGG_CHAOS_GATE")
+    while gate and _scored >= _budget(gate):
         await asyncio.sleep(0.2)
+    _scored += 1
     return count_up_reward(sample.prompt, sample.response, sample.label, sample.metadata)
