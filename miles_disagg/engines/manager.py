@@ -457,11 +457,14 @@ class EngineManager:
             self._record_lost(index)
             return
         if managed:
-            from ray.exceptions import ActorUnavailableError
+            from ray.exceptions import ActorUnavailableError, RayActorError
 
             try:
                 self.engine_urls[index] = ray.get(self._actors[index].restart.remote())
             except ActorUnavailableError:  # its node may be going: the next check (or Ray's verdict) decides
+                return
+            except RayActorError as exc:  # gone with its node: placed again, not restarted
+                self._replacements.engine_gone(index, "actor_lost", why=f"its actor is gone: {str(exc).splitlines()[0]}")
                 return
         elif not self._answers_and_matches(index):
             return
