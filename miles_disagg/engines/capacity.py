@@ -14,6 +14,10 @@ import time
 from typing import Callable
 
 
+NOT_ANSWERING = "down (its process exited or it failed its health checks)"
+"""Why an engine is out when Ray has not (yet) said its node or actor is gone."""
+
+
 class CapacityPolicy:
     """Tracks since when fewer than ``min_engines`` engines serve."""
 
@@ -47,8 +51,8 @@ class CapacityPolicy:
     def report(self, events: list[dict], down: set[int]) -> dict:
         """:meth:`state` plus ``verdict``, naming why the engines still out left (the engine
         manager's ``node_lost`` / ``actor_lost`` events)."""
-        gone = {e["engine"]: e for e in events if e["event"] in ("node_lost", "actor_lost")}
-        why = "; ".join(f"engine {i}: {e['why']}" for i, e in sorted(gone.items()) if i in down)
+        gone = {e["engine"]: e["why"] for e in events if e["event"] in ("node_lost", "actor_lost")}
+        why = "; ".join(f"engine {i}: {gone.get(i, NOT_ANSWERING)}" for i in sorted(down))
         return {**self.state(), "verdict": self.verdict(why)}
 
     def state(self) -> dict:

@@ -141,3 +141,16 @@ def test_the_summary_says_what_the_engines_lost_and_got_back(tmp_path: Path, cap
     assert json.loads((tmp_path / "summary.json").read_text())["engine_faults"] == summary["engine_faults"]
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "engines: 1 node(s) lost (engines [1]), 2 engine outage(s); 1 placed again, 2 caught up and routed again")
+
+
+def test_the_verdict_names_why_each_engine_still_out_left() -> None:
+    clock = Clock()
+    policy = CapacityPolicy(min_engines=1, timeout_s=5, clock=clock)
+    policy.observe(0, 3)
+    clock.now += 6
+    events = [{"engine": 0, "event": "node_lost", "why": "its node (id n1) left the Ray cluster"},
+              {"engine": 2, "event": "actor_lost", "why": "its actor is gone: died"}]
+    report = policy.report(events, down={0, 1})  # engine 2 was placed again and serves
+    assert report["verdict"].endswith("; engine 0: its node (id n1) left the Ray cluster; engine 1: down (its process "
+                                      "exited or it failed its health checks)")
+    assert (report["live"], report["total"]) == (0, 3)
