@@ -372,20 +372,8 @@ class EngineManager:
     # ------------------------------------------------------------------ faults
 
     def _alive(self, index: int) -> bool:
-        import ray
-        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
-
         if self._actors:
-            if index in self._lost:
-                return False
-            try:
-                return bool(ray.get(self._actors[index].alive.remote(),
-                                    timeout=self.rollout.rollout_health_check_timeout))
-            except (ActorUnavailableError, GetTimeoutError):  # unreachable for now (its node may be going): down
-                return False
-            except RayActorError as exc:  # the actor is gone (with its node): placed again, not restarted
-                self._engine_gone(index, "actor_lost", why=f"its actor is gone: {str(exc).splitlines()[0]}")
-                return False
+            return index not in self._lost and bool(self._process_alive(index))
         with EngineClient(self.engine_urls[index], timeout_s=3) as client:
             return client.healthy()
 
@@ -454,7 +442,8 @@ class EngineManager:
         if self._broadcast is not None or index in self._lost:
             return  # a broadcast group cannot take a new member; a lost actor is placed again elsewhere
         if managed and not self.rollout.use_fault_tolerance:
-            self._record_lost(index)
+            if self._process_alive(index) is not None:  # its process failed (not its node: that is placed again)
+                self._record_lost(index)
             return
         if managed:
             from ray.exceptions import ActorUnavailableError, RayActorError
@@ -469,6 +458,20 @@ class EngineManager:
         elif not self._answers_and_matches(index):
             return
         self._restore(index)
+
+    def _process_alive(self, index: int) -> bool | None:
+        """Whether managed engine ``index``'s process runs, as its actor says; None when the actor
+        does not answer (unreachable: its node may be going) or is gone (then it is placed again)."""
+        import ray
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+        try:
+            return bool(ray.get(self._actors[index].alive.remote(), timeout=self.rollout.rollout_health_check_timeout))
+        except (ActorUnavailableError, GetTimeoutError):
+            return None
+        except RayActorError as exc:
+            self._replacements.engine_gone(index, "actor_lost", why=f"its actor is gone: {str(exc).splitlines()[0]}")
+            return None
 
     def _passes_health_check(self, index: int) -> bool:
         """A managed engine's process must be alive; every engine must answer ``/health`` within

@@ -60,6 +60,12 @@ class NodeLossManager(RecordingManager):
         self._engine_nodes = [f"{node[:40]}-engine-{i}" for i, node in enumerate(self._engine_nodes)]  # one node each
         return info
 
+    def kill_actor(self, index: int) -> None:
+        """The engine's Ray actor dies (not its node): what a crashed actor worker looks like."""
+        import ray
+
+        ray.kill(self._actors[index], no_restart=True)
+
     def declare_node_dead(self, index: int) -> str:
         node = self._engine_nodes[index]
         self._replacements.declared.add(node)
@@ -122,6 +128,19 @@ def test_a_lost_nodes_engine_leaves_at_once_and_returns_only_at_the_current_vers
             served = [a for a in answers if a.status == 200]
             assert served and {(a.body["meta_info"]["weight_version_start"], a.body["meta_info"]["weight_version_end"])
                                for a in served} == {(2, 2)}
+
+            # an actor that dies on a live node: placed again on its bundle too (not a failed run, even
+            # without --use-fault-tolerance), and restored at the current version
+            version = versions.publish_next(seed=3)
+            ray.get(manager.update_weights.remote(version), timeout=120)
+            ray.get(manager.kill_actor.remote(1))
+            wait_until(lambda: [e["event"] for e in ray.get(manager.info.remote())["events"] if e["engine"] == 1][-1:]
+                       == ["restored"], timeout=120, what="engine 1 placed again and restored")
+            events = [e for e in ray.get(manager.info.remote())["events"] if e["engine"] == 1]
+            assert [e["event"] for e in events] == ["down", "actor_lost", "replaced", "restored"], events
+            assert events[-1]["version"] == version
+            ray.get(manager.update_weights.remote(versions.publish_next(seed=4)), timeout=120)  # the run goes on
+            assert ray.get(manager.versions.remote()) == [str(version + 1)] * 2
         finally:
             versions.close()
             ray.get(manager.shutdown.remote(), timeout=60)
