@@ -146,6 +146,11 @@ class TrainerLost(FailRun):
         super().__init__(message)
 
 
+class RolloutCapacityLost(FailRun):
+    """Fewer than ``--min-rollout-engines`` engines served for longer than its timeout (nodes
+    were lost and nothing replaced them in time)."""
+
+
 # --------------------------------------------------------------------------- versions
 
 

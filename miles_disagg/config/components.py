@@ -89,6 +89,8 @@ class RolloutConfig:
     rollout_health_check_first_wait: float = flag(0.0, "Seconds after the engines started before the engine monitor's first check.")
     rollout_health_check_failure_threshold: int = flag(3, "Consecutive failed health checks before an engine counts as down (the router takes a worker out at once on a refused connection or an error status; a managed engine whose process exited is down at once).")
     use_fault_tolerance: bool = flag(False, "Restart a managed engine whose process died or failed its health checks, bring it to the current version, then route to it again (off: the run fails at the next weight update).")
+    min_rollout_engines: int = flag(1, "End the run when fewer rollout engines than this serve for longer than --min-rollout-engines-timeout (engines of a lost node leave the router and are placed again when the cluster offers their resources; the run goes on with the rest meanwhile).")
+    min_rollout_engines_timeout: float = flag(300.0, "Seconds a run may have fewer than --min-rollout-engines serving engines (a lost node coming back, or a new one, restores them) before it ends with one line.")
     use_miles_router: bool = flag(False, "miles' own router instead of sglang-router: here that is --router builtin (the version-aware router, the default).")
     sglang_router_port: int | None = flag(None, "Port the job's router listens on (default: a free port).")
     sglang_router_policy: str | None = flag(None, "sglang-router's routing policy (with --router sglang; e.g. round_robin, cache_aware).")
@@ -148,6 +150,8 @@ class RolloutConfig:
         _require(self.rollout_health_check_timeout > 0, "--rollout-health-check-timeout must be > 0")
         _require(self.rollout_health_check_first_wait >= 0, "--rollout-health-check-first-wait must be >= 0")
         _require(self.rollout_health_check_failure_threshold >= 1, "--rollout-health-check-failure-threshold must be >= 1")
+        _require(self.min_rollout_engines >= 1, "--min-rollout-engines must be >= 1")
+        _require(self.min_rollout_engines_timeout >= 0, "--min-rollout-engines-timeout must be >= 0")
         _require(self.num_epoch is None or self.num_epoch >= 1, "--num-epoch must be >= 1")
         _require(self.sglang_server_concurrency is None or self.sglang_server_concurrency >= 1,
                  "--sglang-server-concurrency must be >= 1")

@@ -20,7 +20,7 @@ def validate(config: RunConfig) -> None:
     for check in (_check_entry, _check_miles_rejections, _check_disk_delta, _check_topology, _check_batches,
                   _check_colocate, _check_debug, _check_save_and_eval, _check_megatron, _check_megatron_only_flags,
                   _check_routing, _check_ci, check_model_args, check_expert_layout, _check_miles_logging_and_data,
-                  _check_offload, _check_trainer_restarts):
+                  _check_offload, _check_trainer_restarts, _check_min_engines):
         check(config)
     check_routing_replay(config)  # MoE: the routing-replay flags need a MoE checkpoint
     launched = not (config.rollout.rollout_external or config.rollout.rollout_service_url)  # servers this job starts
@@ -154,6 +154,22 @@ def _check_topology(config: RunConfig) -> None:
             parse_host_port(addr)
         except ValueError as exc:
             raise ConfigError(f"--rollout-external-engine-addrs: {exc}", ("--rollout-external-engine-addrs",)) from None
+
+
+def _check_min_engines(config: RunConfig) -> None:
+    """``--min-rollout-engines`` cannot ask for more engines than the run has (it would end the run
+    after its timeout with every engine serving)."""
+    rollout, cluster = config.rollout, config.cluster
+    if rollout.rollout_service_url or rollout.debug_train_only:
+        return
+    if rollout.rollout_external:
+        engines, source = len(rollout.rollout_external_engine_addrs), "--rollout-external-engine-addrs"
+    else:
+        engines = (cluster.rollout_num_gpus or cluster.num_actor_gpus) // cluster.rollout_num_gpus_per_engine
+        source = "--rollout-num-gpus / --rollout-num-gpus-per-engine"
+    if rollout.min_rollout_engines > engines:
+        raise ConfigError(f"--min-rollout-engines {rollout.min_rollout_engines} is more than the {engines} engine(s) "
+                          f"this run has ({source})", ("--min-rollout-engines",))
 
 
 def _check_colocate(config: RunConfig) -> None:

@@ -64,6 +64,13 @@ class EngineProcess:
     def alive(self) -> bool:
         return self._running is not None and self._running.alive()
 
+    def site(self) -> dict:
+        """Where this actor runs: node id, node IP and the GPU ids of its bundle."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+
     def pid(self) -> int | None:
         return self._running.pid() if self._running is not None else None
 

@@ -104,5 +104,18 @@ class EngineManagerHandle:
         """Broadcast mode: the engines start receiving ``version`` (the trainer sends concurrently)."""
         return Pending([self._actor.broadcast_update.remote(version, meta)])
 
+    def capacity(self, timeout_s: float = 10.0) -> dict:
+        """The manager's capacity state (``{"live", "total", "min_engines", "below_for_s", "verdict"}``).
+        A plain ``ray.get``: the run's capacity watch calls it from inside the driver's waits."""
+        import ray
+
+        return ray.get(self._actor.capacity.remote(), timeout=timeout_s)
+
+    def events(self, timeout_s: float = 30.0) -> list[dict]:
+        """What happened to the engines (down, restored, node_lost, replaced, ...), oldest first."""
+        import ray
+
+        return list(ray.get(self._actor.info.remote(), timeout=timeout_s)["events"])
+
     def shutdown(self, timeout_s: float = 60.0) -> None:
         Pending([self._actor.shutdown.remote()]).result(timeout_s)

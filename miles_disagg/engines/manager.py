@@ -18,9 +18,12 @@ Faults: a monitor thread watches the engines. A managed engine whose process die
 out of the router at once, restarted, brought to the current version (base + chain through
 ``/pull_weights``) and only then registered again. An attached engine that stops answering
 is removed; when it answers again it is re-checked and brought to the current version
-before it is registered again. An engine whose actor is gone (its node left the cluster) is
-taken out and left out: the run's node watch ends the run, naming the node. Weight updates
-and restores never interleave (one lock).
+before it is registered again. An engine whose node left the cluster (Ray says so: no
+health-check timeout is waited for) or whose actor is gone is taken out at once and placed
+again on its bundle when the cluster offers the resources (:mod:`miles_disagg.engines.replace`),
+caught up and verified before it is routed to. Weight updates and restores never interleave
+(one lock). The monitor feeds the number of serving engines to the run's capacity policy
+(:mod:`miles_disagg.engines.capacity`: ``--min-rollout-engines``).
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from miles_disagg.config.actors import EngineManagerConfig
+from miles_disagg.engines.capacity import CapacityPolicy
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.engines.plan import local_checkpoint_root
+from miles_disagg.engines.replace import Replacements, verify_served_version
 from miles_disagg.engines.updater import BroadcastUpdater, DiskDeltaUpdater, UpdateFailed
 from miles_disagg.types import ConfigError, EngineUnrecoverable, MilesDisaggError
 
@@ -61,12 +66,15 @@ class EngineManager:
         self.events: list[dict] = []
         self._down: set[int] = set()  # engine indices out of the router until restored
         self._failures: dict[int, int] = {}  # consecutive failed health checks per engine
-        self._lost: set[int] = set()  # engines whose actor is gone (with its node): never restarted
+        self._lost: set[int] = set()  # engines whose actor is gone (with its node): placed again, not restarted
         self._broadcast: BroadcastUpdater | None = None
         from miles_disagg.engines.membership import Membership
 
         self.members = Membership(self)  # engines joining and leaving mid-run (engines add/remove)
         self._control = None  # the membership control endpoint (engines/control_server.py)
+        self._engine_nodes: list[str | None] = []  # node id of each managed engine (updated when placed again)
+        self._replacements = Replacements(self)
+        self._capacity = CapacityPolicy(self.rollout.min_rollout_engines, self.rollout.min_rollout_engines_timeout)
 
     # ------------------------------------------------------------------ start
 
@@ -92,6 +100,8 @@ class EngineManager:
         else:
             self._start_router([])
         self.engine_urls = self._attach() if self.rollout.rollout_external else self._launch(store_probe)
+        if self._actors and self.placement.node_ids:
+            self._engine_nodes = [self.placement.node_ids[bundles[0]] for bundles in self.placement.layout.engines]
         if self.router is None:
             self._start_router(self.engine_urls)
         local_root = local_checkpoint_root(self.config)
@@ -343,6 +353,9 @@ class EngineManager:
         for index, url in enumerate(self.engine_urls):
             if self.members.is_removed(index):
                 continue  # left the run (engines remove)
+            if index in down:  # not asked: a lost node's address may only time out
+                out.append(None)
+                continue
             try:
                 with EngineClient(url, timeout_s=10) as client:
                     out.append(None if index in down else client.weight_version())
@@ -378,21 +391,8 @@ class EngineManager:
     # ------------------------------------------------------------------ faults
 
     def _alive(self, index: int) -> bool:
-        import ray
-        from ray.exceptions import ActorUnavailableError, RayActorError
-
         if self._actors and self._actors[index] is not None:  # None: an attached engine of a managed run
-            if index in self._lost:
-                return False
-            try:
-                return bool(ray.get(self._actors[index].alive.remote()))
-            except ActorUnavailableError:  # unreachable for now (its node may be going): down, not lost
-                return False
-            except RayActorError as exc:  # the actor is gone (with its node): no restart here
-                self._lost.add(index)
-                self.events.append({"engine": index, "event": "lost", "url": self.engine_urls[index],
-                                    "why": f"its actor is gone: {str(exc).splitlines()[0]}", "time": time.time()})
-                return False
+            return index not in self._lost and bool(self._process_alive(index))
         with EngineClient(self.engine_urls[index], timeout_s=3) as client:
             return client.healthy()
 
@@ -406,6 +406,8 @@ class EngineManager:
         return False
 
     def _mark_down(self, index: int) -> None:
+        if index in self._down:
+            return  # already out (the monitor and an update may both find it gone)
         url = self.engine_urls[index]
         self._down.add(index)
         try:
@@ -420,6 +422,10 @@ class EngineManager:
         if self._stop.wait(self.rollout.rollout_health_check_first_wait):
             return
         while not self._stop.wait(self.rollout.rollout_health_check_interval):
+            try:
+                self._replacements.drop_lost_nodes()  # Ray says a node is gone: no health-check timeout to wait
+            except Exception:  # the GCS did not answer this time: the checks below still run
+                log.exception("asking Ray which nodes are alive")
             for index in range(len(self.engine_urls)):
                 if self._stop.is_set():
                     return
@@ -428,6 +434,16 @@ class EngineManager:
                 except Exception as exc:  # keep watching the others; record why
                     log.exception("engine %d: recovery failed", index)
                     self.events.append({"engine": index, "event": "recovery_failed", "error": str(exc)})
+            self._observe_capacity()
+
+    def _observe_capacity(self) -> None:
+        self._capacity.observe(len(self.engine_urls) - len(self._down), len(self.engine_urls))
+
+    def capacity(self) -> dict:
+        """How many engines serve, and ``verdict``: the line that ends the run once fewer than
+        ``--min-rollout-engines`` served for longer than its timeout (else None)."""
+        self._observe_capacity()
+        return self._capacity.report(self.events, set(self._down))
 
     def _check_engine(self, index: int) -> None:
         import ray
@@ -435,6 +451,8 @@ class EngineManager:
         if self.members.is_removed(index):
             return  # left the run (engines remove)
         managed = bool(self._actors) and self._actors[index] is not None
+        if index in self._lost or self._replacements.busy(index):
+            return  # gone with its actor: being placed again (engines/replace.py)
         if index not in self._down:
             with self._lock:
                 if self._passes_health_check(index):
@@ -443,15 +461,38 @@ class EngineManager:
             if not managed:
                 return  # an attached engine: restored once it answers again (a later check)
         if self._broadcast is not None or index in self._lost:
-            return  # a broadcast group cannot take a new member, a lost actor has no bundle: it stays out
+            return  # a broadcast group cannot take a new member; a lost actor is placed again elsewhere
         if managed and not self.rollout.use_fault_tolerance:
-            self._record_lost(index)
+            if self._process_alive(index) is not None:  # its process failed (not its node: that is placed again)
+                self._record_lost(index)
             return
         if managed:
-            self.engine_urls[index] = ray.get(self._actors[index].restart.remote())
+            from ray.exceptions import ActorUnavailableError, RayActorError
+
+            try:
+                self.engine_urls[index] = ray.get(self._actors[index].restart.remote())
+            except ActorUnavailableError:  # its node may be going: the next check (or Ray's verdict) decides
+                return
+            except RayActorError as exc:  # gone with its node: placed again, not restarted
+                self._replacements.engine_gone(index, "actor_lost", why=f"its actor is gone: {str(exc).splitlines()[0]}")
+                return
         elif not self._answers_and_matches(index):
             return
         self._restore(index)
+
+    def _process_alive(self, index: int) -> bool | None:
+        """Whether managed engine ``index``'s process runs, as its actor says; None when the actor
+        does not answer (unreachable: its node may be going) or is gone (then it is placed again)."""
+        import ray
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+        try:
+            return bool(ray.get(self._actors[index].alive.remote(), timeout=self.rollout.rollout_health_check_timeout))
+        except (ActorUnavailableError, GetTimeoutError):
+            return None
+        except RayActorError as exc:
+            self._replacements.engine_gone(index, "actor_lost", why=f"its actor is gone: {str(exc).splitlines()[0]}")
+            return None
 
     def _passes_health_check(self, index: int) -> bool:
         """A managed engine's process must be alive; every engine must answer ``/health`` within
@@ -498,6 +539,7 @@ class EngineManager:
                     updater.update(version)
                 finally:
                     updater.close()
+            verify_served_version(self.engine_urls[index], index, version)
             self.router_client.add_worker(self.engine_urls[index])
             self._down.discard(index)
             self.events.append({"engine": index, "event": "restored", "url": self.engine_urls[index],
@@ -523,6 +565,7 @@ class EngineManager:
             self._control.stop()
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=60)  # a restart in progress finishes before the engines stop
+        self._replacements.stop()
         for index, actor in enumerate(self._actors):
             if index in self._lost or actor is None:
                 continue  # gone with its node (and its processes with it), removed, or attached

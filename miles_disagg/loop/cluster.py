@@ -4,9 +4,15 @@
   for every trainer rank and engine its node id, node IP, GPU ids and address (plus the router
   and the driver), written once the run has started.
 * :class:`NodeWatch`: registered with :func:`miles_disagg.remote.add_watch` for the run's
-  lifetime; when a node the placement put work on leaves the cluster, every wait of the driver
-  ends with :class:`~miles_disagg.types.NodeLost` naming the node and what ran there (the
-  launcher turns it into one line and exit 1).
+  lifetime. A node that leaves the cluster with only rollout engines on it costs capacity, not
+  the run, when the engine manager places engines again (managed engines, disk-delta): the watch
+  says so in one status line and the engine manager takes the engines out and places them again
+  (:mod:`miles_disagg.engines.replace`; the run ends only under ``--min-rollout-engines``,
+  :mod:`miles_disagg.loop.capacity`). A node with a trainer rank on it (or any node, when engines
+  are not placed again: broadcast mode) ends every wait of the driver with
+  :class:`~miles_disagg.types.NodeLost` naming the node and what ran there (the launcher turns it
+  into one line and exit 1) - unless the run gave ``on_trainer_node_lost``, the seam a trainer
+  restart path uses to take the loss over instead.
 """
 
 from __future__ import annotations
@@ -16,13 +22,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from miles_disagg.types import NodeLost
+from miles_disagg.tracking import status
+from miles_disagg.types import MilesDisaggError, NodeLost
 
 if TYPE_CHECKING:
     from miles_disagg.loop.job import Job
     from miles_disagg.trainer.placement import Placement
 
 PLACEMENT_FILENAME = "placement.json"
+ENGINE_EVENTS_FILENAME = "engine_events.json"
 NODE_CHECK_INTERVAL_S = 2.0
 
 
@@ -43,22 +51,36 @@ def work_by_node(placement: Placement) -> dict[str, dict]:
     return nodes
 
 
+TrainerNodeLost = Callable[[NodeLost], None]
+"""Takes a trainer node's loss over (a trainer restart); raising ends the run with that error."""
+
+
 class NodeWatch:
-    """Raises :class:`NodeLost` once a node of the placement is no longer alive in the cluster
-    (asks the GCS at most every ``NODE_CHECK_INTERVAL_S``; after a loss, raises every time)."""
+    """Watches the placement's nodes (asks the GCS at most every ``NODE_CHECK_INTERVAL_S``).
+
+    A lost node with only engines on it is reported once and tolerated when ``engines_replaced``;
+    one with a trainer rank goes to ``on_trainer_node_lost`` when given; any other loss raises
+    :class:`NodeLost`, and after that every call raises it again."""
 
     def __init__(self, nodes: dict[str, dict], alive_nodes: Callable[[], set[str]] | None = None,
-                 interval_s: float = NODE_CHECK_INTERVAL_S):
+                 interval_s: float = NODE_CHECK_INTERVAL_S, *, engines_replaced: bool = False,
+                 on_trainer_node_lost: TrainerNodeLost | None = None):
         """``nodes``: :func:`work_by_node`'s map; ``alive_nodes``: the ids of the cluster's live
-        nodes (default: asked of Ray's GCS)."""
+        nodes (default: asked of Ray's GCS); ``engines_replaced``: the engine manager places a lost
+        node's engines again (the run goes on); ``on_trainer_node_lost``: the trainer path's handler."""
         self.nodes, self.interval_s = nodes, interval_s
+        self.engines_replaced, self.on_trainer_node_lost = engines_replaced, on_trainer_node_lost
         self._alive_nodes = alive_nodes or _alive_ray_nodes
         self._checked = -interval_s
-        self._lost: NodeLost | None = None
+        self._lost: MilesDisaggError | None = None
+        self.handled: list[str] = []
+        """Ids of the lost nodes the run went on without (rollout nodes, or taken over trainer nodes)."""
 
     @classmethod
-    def of(cls, placement: Placement) -> "NodeWatch":
-        return cls(work_by_node(placement) if placement.node_ids else {})
+    def of(cls, placement: Placement, *, engines_replaced: bool = False,
+           on_trainer_node_lost: TrainerNodeLost | None = None) -> "NodeWatch":
+        return cls(work_by_node(placement) if placement.node_ids else {}, engines_replaced=engines_replaced,
+                   on_trainer_node_lost=on_trainer_node_lost)
 
     def __call__(self) -> None:
         if self._lost is None and time.monotonic() - self._checked >= self.interval_s:
@@ -67,14 +89,35 @@ class NodeWatch:
         if self._lost is not None:
             raise self._lost
 
-    def _find_lost(self) -> NodeLost | None:
+    def _find_lost(self) -> MilesDisaggError | None:
         alive = self._alive_nodes()
         for node_id, site in self.nodes.items():
-            if node_id not in alive:
-                return NodeLost(f"node {site['node_ip']} (id {node_id}) left the Ray cluster; "
-                                f"{', '.join(site['work'])} ran there, so the run cannot go on",
-                                node_id=node_id, node_ip=site["node_ip"])
+            if node_id in alive or node_id in self.handled:
+                continue
+            lost = self._handle(node_id, site)
+            if lost is not None:
+                return lost
         return None
+
+    def _handle(self, node_id: str, site: dict) -> MilesDisaggError | None:
+        """What the loss of ``node_id`` does: None when the run goes on, else the error that ends it."""
+        where, work = f"node {site['node_ip']} (id {node_id}) left the Ray cluster", ", ".join(site["work"])
+        has_trainer = any(w.startswith("trainer") for w in site["work"])
+        if not has_trainer and self.engines_replaced:
+            status(f"{where}; {work} ran there: out of the router now, placed again when the cluster offers "
+                   "their resources (the run goes on with the other engines)")
+            self.handled.append(node_id)
+            return None
+        lost = NodeLost(f"{where}; {work} ran there, so the run cannot go on", node_id=node_id,
+                        node_ip=site["node_ip"])
+        if has_trainer and self.on_trainer_node_lost is not None:
+            try:
+                self.on_trainer_node_lost(lost)
+            except MilesDisaggError as exc:  # the handler could not take it over: the run ends with its error
+                return exc
+            self.handled.append(node_id)
+            return None
+        return lost
 
 
 def _alive_ray_nodes() -> set[str]:
@@ -125,4 +168,13 @@ def write_placement(run_dir: str | Path, record: dict) -> Path:
     path = Path(run_dir) / PLACEMENT_FILENAME
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def write_engine_events(run_dir: str | Path, events: list[dict]) -> Path:
+    """``engine_events.json``: what happened to the engines during the run (the engine manager's
+    events: ``down``, ``restored``, ``node_lost``, ``actor_lost``, ``replaced``, ...), oldest first."""
+    path = Path(run_dir) / ENGINE_EVENTS_FILENAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(events, indent=2) + "\n")
     return path

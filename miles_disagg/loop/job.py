@@ -11,8 +11,12 @@ nodes; a Ray cluster it starts keeps Ray's token authentication on.
 On a cluster (``RAY_ADDRESS``, or a driver started by ``ray job submit``) the placement may
 span nodes: the control actors (engine manager, router, rollout manager) stay on the driver's
 node, the version store is checked from every engine's node before training, the run
-directory gets ``placement.json``, and a node that leaves the cluster ends the run with
-``NodeLost`` (see :mod:`miles_disagg.loop.cluster`).
+directory gets ``placement.json``. A rollout node that leaves the cluster costs capacity: its
+engines are placed again when the cluster allows, and the run ends only when fewer than
+``--min-rollout-engines`` serve for longer than its timeout (:mod:`miles_disagg.loop.capacity`);
+a trainer node that leaves ends the run with ``NodeLost`` unless ``on_trainer_node_lost`` takes
+it over (see :mod:`miles_disagg.loop.cluster`). What happened to the engines goes to the run
+directory's ``engine_events.json`` when the run stops.
 """
 
 from __future__ import annotations
@@ -54,15 +58,20 @@ class Job:
     initial_checkpoint: tuple[str, str] | None = None  # (path, flag): a torch_dist checkpoint the policy starts from
     _owns_ray: bool = False
     _watch: object | None = None  # the NodeWatch registered for the job's lifetime
+    _capacity_watch: object | None = None  # the CapacityWatch, once the engines run
+    on_trainer_node_lost: object | None = None  # loop.cluster.TrainerNodeLost: the trainer-restart seam
     _data_position: int = 0
 
     @classmethod
     def start(cls, config: RunConfig, *, with_trainer: bool = True, with_engines: bool = True,
               run_id: str | None = None, data_position: int = 0,
-              initial_checkpoint: tuple[str, str] | None = None) -> "Job":
+              initial_checkpoint: tuple[str, str] | None = None, on_trainer_node_lost=None) -> "Job":
         """``run_id``/``data_position``: a resumed run's version stream and prompts consumed;
-        ``initial_checkpoint``: the Megatron torch_dist checkpoint a fresh policy starts from."""
-        job = cls(config, run_id=run_id, initial_checkpoint=initial_checkpoint)
+        ``initial_checkpoint``: the Megatron torch_dist checkpoint a fresh policy starts from;
+        ``on_trainer_node_lost`` (:data:`miles_disagg.loop.cluster.TrainerNodeLost`): takes the loss
+        of a trainer node over instead of ending the run (trainer restarts)."""
+        job = cls(config, run_id=run_id, initial_checkpoint=initial_checkpoint,
+                  on_trainer_node_lost=on_trainer_node_lost)
         job._data_position = data_position
         try:
             job._start(with_trainer, with_engines)
@@ -88,12 +97,18 @@ class Job:
         self.placement = create_placement(layout)
         if self.placement.spans_nodes:
             status(f"placement spans nodes: {_nodes_line(self.placement)}")
-        self._watch = NodeWatch.of(self.placement)
+        self._watch = NodeWatch.of(self.placement, engines_replaced=self._engines_replaced(with_engines),
+                                   on_trainer_node_lost=self.on_trainer_node_lost)
         add_watch(self._watch)
         if with_trainer:
             self._start_trainer()
         if with_engines:
             self._start_engines()
+        if self.engines is not None:
+            from miles_disagg.loop.capacity import CapacityWatch
+
+            self._capacity_watch = CapacityWatch(self.engines.capacity)
+            add_watch(self._capacity_watch)
         colocated = with_trainer and with_engines and cfg.cluster.colocate
         if colocated:  # weights go by reference (loop/colocate.py), not over a broadcast group
             from miles_disagg.loop import colocate
@@ -104,6 +119,13 @@ class Job:
         write_placement(cfg.tracking.run_dir, placement_record(self))
         if self.engines is not None:  # after placement.json, which membership changes rewrite
             self.engines.serve_membership()  # engines may join and leave from now on (miles-disagg engines)
+
+    def _engines_replaced(self, with_engines: bool) -> bool:
+        """Whether the engine manager places a lost node's engines again (managed engines updated
+        through the version store; a broadcast group cannot take a new member)."""
+        cfg = self.config
+        return (with_engines and not cfg.rollout.rollout_external and not cfg.rollout.rollout_service_url
+                and not cfg.cluster.colocate and cfg.weights.update_weight_transfer_mode == "disk-delta")
 
     def _delta_filter(self, attached: list | None = None):
         from miles_disagg.engines.plan import delta_filter_choice, resolve_backend
@@ -227,7 +249,8 @@ class Job:
 
         from miles_disagg.remote import remove_watch
 
-        remove_watch(self._watch)  # tearing down must not be cut short by the watch
+        remove_watch(self._watch)  # tearing down must not be cut short by the watches
+        remove_watch(self._capacity_watch)
         for step in (self._stop_rollout, self._stop_engines, self._stop_trainer):
             try:
                 step()
@@ -242,7 +265,12 @@ class Job:
 
     def _stop_engines(self) -> None:
         if self.engines is not None:
-            self.engines.shutdown(timeout_s=60)
+            from miles_disagg.loop.cluster import write_engine_events
+
+            try:
+                write_engine_events(self.config.tracking.run_dir, self.engines.events())
+            finally:
+                self.engines.shutdown(timeout_s=60)
 
     def _stop_trainer(self) -> None:
         if self.trainer is not None:

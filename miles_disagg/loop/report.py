@@ -76,6 +76,9 @@ def write_report(run_dir: str | Path) -> dict[str, Any]:
     restarts = trainer_restarts(run_dir)
     if restarts:
         summary["trainer_restarts"] = restarts
+    faults = engine_faults(run_dir)
+    if faults:
+        summary["engine_faults"] = faults
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if records:
         plot(records, run_dir / "report.png", title=report_title(run_dir))
@@ -122,7 +125,41 @@ def format_summary(s: dict[str, Any], run_dir: Path) -> str:
     for event in s.get("trainer_restarts", []):
         lines.append(f"trainer restart {event['restart']} of {event['max_restarts']} at step {event['failed_at_step']}: "
                      f"{event['failed']}; resumed from step {event['resumed_from_step']} at v{event['version']}")
+    if s.get("engine_faults"):
+        lines.append(faults_line(s["engine_faults"]))
     return "\n".join(lines)
+
+
+def engine_faults(run_dir: Path) -> dict[str, Any] | None:
+    """What the engines lost and got back (``engine_events.json``, written when the run stopped)."""
+    from miles_disagg.loop.cluster import ENGINE_EVENTS_FILENAME
+
+    path = run_dir / ENGINE_EVENTS_FILENAME
+    events = json.loads(path.read_text()) if path.exists() else []
+    if not events:
+        return None
+
+    def engines(kind: str) -> list[int]:
+        return sorted({e["engine"] for e in events if e["event"] == kind})
+
+    return {"nodes_lost": sorted({e["node_id"] for e in events if e["event"] == "node_lost" and e.get("node_id")}),
+            "engines_lost_with_node": engines("node_lost"), "engines_lost_with_actor": engines("actor_lost"),
+            "went_down": sum(e["event"] == "down" for e in events),
+            "replaced": sum(e["event"] == "replaced" for e in events),
+            "restored": sum(e["event"] == "restored" for e in events),
+            "failed_recoveries": sum(e["event"] in ("recovery_failed", "replace_failed") for e in events),
+            "not_restarted": engines("lost")}
+
+
+def faults_line(faults: dict[str, Any]) -> str:
+    """One line: engines lost (with their node, their actor, their process) and what came back."""
+    lost = [f"{len(faults['nodes_lost'])} node(s) lost (engines {faults['engines_lost_with_node']})"
+            if faults["nodes_lost"] else "", f"actors lost: engines {faults['engines_lost_with_actor']}"
+            if faults["engines_lost_with_actor"] else "", f"{faults['went_down']} engine outage(s)"]
+    back = f"{faults['replaced']} placed again, {faults['restored']} caught up and routed again"
+    tail = [f"{faults['failed_recoveries']} failed recovery attempt(s)" if faults["failed_recoveries"] else "",
+            f"not restarted: engines {faults['not_restarted']}" if faults["not_restarted"] else ""]
+    return "engines: " + ", ".join(p for p in lost if p) + "; " + "; ".join(p for p in [back, *tail] if p)
 
 
 def _handoff_line(s: dict[str, Any], f) -> str:
