@@ -8,11 +8,14 @@ one GPU and the ``rollout`` resource each, so each holds one engine) survives, i
    the node: out of the router, the run goes on with the other), then a new raylet with the
    ``rollout`` resource joins: Ray places the lost engine's bundle there, and the engine is
    started, caught up from the version store and routed to again;
-3. :func:`kill_a_trainer_rank`: NOT enabled yet - it needs trainer restarts (issue 30 item 3,
-   ``--max-trainer-restarts``); set ``TRAINER_RESTARTS = True`` once they are merged.
+3. :func:`kill_a_trainer_rank`: the trainer rank's process is SIGKILLed once a save exists;
+   ``--max-trainer-restarts 1`` restarts the trainer group from that save inside the run (a
+   ``full`` anchor with the next version number when the store moved past the save; the steps
+   after the save run again with their records replaced).
 
-Checked afterwards: exit 0; every step recorded once; versions published 1, 2, ... without reuse,
-each one verified whole by materializing it (checksums of every changed tensor); every consumed
+Checked afterwards: exit 0; every step recorded once; versions strictly increasing (none reused),
+each one verified whole by materializing it (those an anchor pruned from the store, from the copy
+taken before the trainer kill) (checksums of every changed tensor); every consumed
 sample served by one version recomputes to the logprobs the engine reported with that version
 (0 misattributed); ``summary.json`` and the summary line say what was lost and recovered.
 
@@ -48,7 +51,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 STEPS, BATCH, SAMPLES = 10, 4, 8
-TRAINER_RESTARTS = False  # issue 30 item 3: enable kill_a_trainer_rank once trainer restarts are merged
 WAIT_S = scaled(300)
 RUN_TIMEOUT_S = scaled(1200)
 
@@ -84,6 +86,24 @@ class ChaosRun:
     output: str = ""
     returncode: int | None = None
     notes: dict = field(default_factory=dict)
+
+    @property
+    def store_dir(self) -> Path:
+        return self.cluster.root / "shared" / "store"
+
+    @property
+    def store_copy(self) -> Path:
+        """The store as it was before the trainer kill (versions a later anchor pruned)."""
+        return self.cluster.root / "store-before-restart"
+
+    @property
+    def save_dir(self) -> Path:
+        return self.cluster.root / "shared" / "ckpt"
+
+    def store_holding(self, version: int) -> Path:
+        from miles_disagg.weights.store import VersionStore
+
+        return self.store_dir if version in VersionStore(self.store_dir).visible_versions() else self.store_copy
 
     def allow(self, steps: int) -> None:
         """Let about ``steps`` more steps' samples be scored."""
@@ -193,17 +213,31 @@ def _alive_offering(cluster: LocalRayCluster, resource: str) -> bool:
 
 
 def kill_a_trainer_rank(run: ChaosRun) -> None:
-    """SIGKILL the trainer rank's process; the run restarts the trainer group from its last save
-    (``--max-trainer-restarts 1``). Enabled by ``TRAINER_RESTARTS`` once issue 30 item 3 is merged."""
+    """Once a save exists, copy the store (an anchor published by the restart prunes the versions
+    before it; the attribution check still needs them), SIGKILL the trainer rank's process, and
+    wait for the restart's record and a step after it."""
+    from miles_disagg.trainer.checkpoint import find_latest
+
+    run.allow(2)
+    _wait_for(lambda: find_latest(run.save_dir) is not None, WAIT_S, "a save of the trainer")
+    shutil.copytree(run.store_dir, run.store_copy, ignore=shutil.ignore_patterns(".staging*", "*.partial"))
+    steps_before = run.steps_done()
     for proc in run.cluster.processes():
         if " ".join(proc.cmdline()).startswith("ray::TrainerRank"):
             proc.send_signal(signal.SIGKILL)
-            return
-    raise AssertionError("no trainer rank process found")
+            break
+    else:
+        raise AssertionError("no trainer rank process found")
+    killed = time.monotonic()
+    run.allow(3)
+    events = run.run_dir / "events.jsonl"
+    _wait_for(lambda: run.driver.poll() is not None or (events.exists() and events.read_text().strip()), WAIT_S,
+              "the trainer's restart record")
+    run.wait_steps(steps_before + 1)
+    run.notes["trainer_restart_s"] = round(time.monotonic() - killed, 1)
 
 
-CHAOS = [kill_an_engine_process, lose_a_rollout_node_and_add_another] + ([kill_a_trainer_rank] if TRAINER_RESTARTS
-                                                                         else [])
+CHAOS = [kill_an_engine_process, lose_a_rollout_node_and_add_another, kill_a_trainer_rank]
 
 
 @pytest.fixture(scope="module")
@@ -212,14 +246,13 @@ def chaos_run(cluster: LocalRayCluster, digits_base_model: Path) -> ChaosRun:
     place_base_model(digits_base_model, root / "shared")
     run = ChaosRun(cluster, root / "shared" / "run", Path(cluster.env["MILES_DISAGG_CHAOS_GATE"]))
     run.allow(2)
-    restarts = ["--max-trainer-restarts", "1", "--save-interval", "2", "--save", str(root / "shared" / "ckpt")] \
-        if TRAINER_RESTARTS else []
+    restarts = ["--max-trainer-restarts", "1", "--save-interval", "2", "--save", str(run.save_dir)]
     cmd = [str(Path(sys.executable).with_name("ray")), "job", "submit", "--address", cluster.dashboard_url,
            "--working-dir", str(REPO), "--", "python", "train_async.py", "--config", "configs/tiny_cpu.yaml",
            "--run-dir", str(run.run_dir), "--hf-checkpoint", str(root / "shared" / "base-model"),
            "--rollout-batch-size", str(BATCH), "--global-batch-size", "32", "--num-rollout", str(STEPS),
            "--rollout-num-gpus", "2", "--rollout-node-resource", "rollout", "--use-fault-tolerance",
-           "--update-weight-disk-dir", str(root / "shared" / "store"),
+           "--update-weight-disk-dir", str(run.store_dir),
            "--custom-rm-path", "chaos_hooks.reward",
            "--save-debug-rollout-data", str(run.run_dir / "consumed" / "{rollout_id}.jsonl"), *restarts]
     run.driver = subprocess.Popen(cmd, env=cluster.node_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -253,13 +286,14 @@ def test_versions_are_published_once_each_and_whole(chaos_run: ChaosRun, tmp_pat
     from miles_disagg.weights.materializer import Materializer
 
     updates = read_metrics(chaos_run.run_dir / "updates.jsonl")
-    assert [u["weights/version"] for u in updates] == list(range(1, STEPS + 1))  # no version reused or skipped
+    versions = [u["weights/version"] for u in updates]
+    assert versions == sorted(set(versions)) and len(versions) >= STEPS  # strictly increasing: none reused
     for update in updates:  # every engine that served reported the version just activated
         assert {v for v in update["weights/engine_versions"] if v is not None} <= {str(update["weights/version"])}
     host = Materializer(tmp_path / "local", base_dir=chaos_run.cluster.root / "shared" / "base-model")
     try:
-        for version in range(1, STEPS + 1):  # each verified: every changed tensor's checksum
-            assert host.prepare(chaos_run.cluster.root / "shared" / "store", version).ref.version == version
+        for version in versions:  # each verified: every changed tensor's checksum
+            assert host.prepare(chaos_run.store_holding(version), version).ref.version == version
     finally:
         host.close()
 
@@ -283,7 +317,7 @@ def test_no_sample_is_misattributed(chaos_run: ChaosRun, tmp_path: Path) -> None
     misattributed, checked = 0, 0
     try:
         for version in sorted(by_version):
-            path = host.prepare(chaos_run.cluster.root / "shared" / "store", version).path if version else \
+            path = host.prepare(chaos_run.store_holding(version), version).path if version else \
                 chaos_run.cluster.root / "shared" / "base-model"
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             for sample in by_version[version]:
@@ -311,3 +345,6 @@ def test_the_summary_says_what_was_lost_and_recovered(chaos_run: ChaosRun) -> No
     assert replaced[-1]["engine"] == lost and replaced[-1]["node_id"] == chaos_run.notes["new_node"]
     line = next(x for x in chaos_run.output.splitlines() if x.startswith("engines: "))
     assert line.startswith(f"engines: 1 node(s) lost (engines [{lost}]), "), line
+    [restart] = summary["trainer_restarts"]
+    assert restart["restart"] == 1 and restart["max_restarts"] == 1 and "trainer rank" in restart["failed"]
+    assert "trainer restart 1 of 1" in chaos_run.output

@@ -54,14 +54,19 @@ def ray_cluster(tmp_path_factory):
 
     hooks = tmp_path_factory.mktemp("hooks")
     (hooks / "sharded_kill_hook.py").write_text(HOOK_MODULE)
+    saved = dict(os.environ)  # restored after: later tests in this process see the environment they expect
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH")) if p)
     tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
              _system_config=LOCAL_RAY_SYSTEM_CONFIG)
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def samples(n: int = 8) -> list[Sample]:

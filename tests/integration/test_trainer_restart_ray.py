@@ -41,6 +41,7 @@ def job(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_dir):
     from miles_disagg.loop.preflight import prepare_run
 
     tmp = tmp_path_factory.mktemp("restart")
+    saved = dict(os.environ)  # Job.start takes the run's keys into the environment: restored after
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["MILES_DISAGG_RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     config, _ = load_config(["--config", "configs/tiny_cpu.yaml", "--run-dir", str(tmp / "run"),
@@ -51,8 +52,12 @@ def job(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_dir):
                             "train_async")
     prepare_run(config)
     started = Job.start(config, with_engines=False)
-    yield started
-    started.stop()
+    try:
+        yield started
+    finally:
+        started.stop()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def training_loop(kill_at_step: int, killed: list, seen: dict):
