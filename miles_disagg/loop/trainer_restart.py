@@ -205,14 +205,11 @@ def _node_to_unwatch(exc: Exception, job) -> str | None:
 
 def _stop_watching(job, lost_node: str) -> None:
     """The run's node watch stops watching ``lost_node`` (see ``_node_to_unwatch``); the other
-    nodes stay watched."""
-    from miles_disagg.loop.cluster import NodeWatch
-    from miles_disagg.remote import add_watch, remove_watch
-
-    old = job._watch
-    if old is None or not hasattr(old, "nodes"):
+    nodes stay watched, with everything else the watch knows (which lost rollout nodes the run
+    already went on without, whether engines are placed again, the trainer-node handler)."""
+    watch = job._watch
+    if watch is None or not hasattr(watch, "nodes"):
         return
-    remove_watch(old)
-    job._watch = NodeWatch({node: site for node, site in old.nodes.items() if node != lost_node},
-                           alive_nodes=getattr(old, "_alive_nodes", None), interval_s=old.interval_s)
-    add_watch(job._watch)
+    watch.nodes = {node: site for node, site in watch.nodes.items() if node != lost_node}
+    if getattr(getattr(watch, "_lost", None), "node_id", None) == lost_node:
+        watch._lost = None  # the loss it kept raising is taken over by the restart

@@ -186,6 +186,23 @@ def test_a_lost_trainer_node_is_restarted_and_no_longer_watched(monkeypatch) -> 
         remove_watch(job._watch)
 
 
+def test_unwatching_a_trainer_node_keeps_the_rollout_nodes_the_run_went_on_without() -> None:
+    """A rollout node lost earlier (its engines placed again) must not end the run once the trainer
+    restarts: the watch keeps what it knew (the chaos run: node lost, then a trainer rank killed)."""
+    from miles_disagg.loop import trainer_restart
+    from miles_disagg.loop.cluster import NodeWatch
+
+    nodes = {"node-t": {"node_ip": "10.0.0.1", "work": ["trainer rank 0"]},
+             "node-r": {"node_ip": "10.0.0.2", "work": ["engine 0"]}}
+    job = fake_job(limit=1)
+    job._watch = NodeWatch(nodes, alive_nodes=lambda: {"node-t"}, interval_s=0, engines_replaced=True)
+    job._watch()  # node-r lost: tolerated, its engines are placed again
+    assert job._watch.handled == ["node-r"]
+    trainer_restart._stop_watching(job, "node-t")
+    assert set(job._watch.nodes) == {"node-r"} and job._watch.engines_replaced
+    job._watch()  # still tolerated: not raised again as a lost node
+
+
 def test_a_dead_rank_on_a_trainer_only_node_unwatches_that_node_only() -> None:
     from miles_disagg.loop.cluster import NodeWatch
     from miles_disagg.loop.trainer_restart import _node_to_unwatch
