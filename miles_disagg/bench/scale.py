@@ -22,6 +22,11 @@ load window after load window, so a change in the machine's load (it is shared) 
   batches for ``--duration`` seconds, ``--rounds`` times (sizes taking turns): samples/s, and this
   process's memory (it holds the manager).
 
+* ``service`` (only when asked: ``--sections service``): the rollout service's gateway and
+  ``--service-replicas`` replicas (the service's own code, one simulated engine each): seconds from a
+  version's commit in the store until every replica serves it, the gateway's and replicas' CPU and
+  memory (:mod:`miles_disagg.bench.scale_service`); a top-level ``service`` key, apart from ``pools``.
+
 ``ratios`` compares each size with the smallest. The simulated engines answer ``/generate`` after
 ``--per-request-ms``; ``/pull_weights`` takes ``--pull-ms``, ``/update_weights_from_disk``
 ``--load-ms``. Prints one JSON object on stdout; progress goes to stderr.
@@ -48,7 +53,8 @@ from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
 
 _progress = progress("scale")
-SECTIONS = ("fanout", "router", "rollout")
+SECTIONS = ("fanout", "router", "rollout", "service")
+POOL_SECTIONS = ("fanout", "router", "rollout")
 IDLE_MEASURE_S = 3.0
 MAX_WARMUP_S = 120.0
 GENERATE_BODY = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0},
@@ -69,12 +75,20 @@ class ScaleBench:
     pull_ms: float = flag(100.0, "Simulated /pull_weights time.", metavar="MS")
     load_ms: float = flag(50.0, "Simulated /update_weights_from_disk time.", metavar="MS")
     rollout_concurrency: int = flag(256, "The rollout manager's --rollout-concurrency (equal for every pool).")
-    sections: str = flag("fanout,router,rollout", "What to measure, comma-separated: fanout, router, rollout.")
+    sections: str = flag("fanout,router,rollout", "What to measure, comma-separated: fanout, router, rollout, "
+                         "service (the rollout service's convergence with --service-replicas; not in the default set).")
+    service_replicas: int = flag(64, "service: replicas, each attached to its own simulated engine.", metavar="N")
+    service_versions: int = flag(3, "service: versions published one after another (p50/max reported).")
+    service_poll_interval: float = flag(0.5, "service: the replicas' store polling and heartbeat interval.",
+                                        metavar="S")
     work_dir: Path | None = flag(None, "Keep logs here (default: a temp dir).")
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.updates < 1:
             raise ValueError(f"--rounds and --updates must be >= 1, got {self.rounds}, {self.updates}")
+        if self.service_replicas < 1 or self.service_versions < 1 or not self.service_poll_interval > 0:
+            raise ValueError("--service-replicas and --service-versions must be >= 1 and --service-poll-interval > 0, "
+                             f"got {self.service_replicas}, {self.service_versions}, {self.service_poll_interval}")
         if not self.pool_sizes() or min(self.pool_sizes()) < 1:
             raise ValueError(f"--engines must list positive pool sizes, got {self.engines!r}")
         unknown = set(self.section_names()) - set(SECTIONS)
@@ -100,11 +114,17 @@ def run(args: argparse.Namespace) -> int:
     from miles_disagg.auth import ADMIN_API_KEY_ENV, new_key
 
     os.environ.setdefault(ADMIN_API_KEY_ENV, new_key())  # every process of the bench shares one admin key
+    result: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
+                              "settings": _settings(command)}
     with work_dir("scale", command.work_dir) as root:
-        per_size = _all_pools(root, command)
-    return print_result({"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
-                         "settings": _settings(command), "pools": per_size,
-                         "ratios": _ratios(per_size)})
+        if set(POOL_SECTIONS) & set(command.section_names()):
+            per_size = _all_pools(root, command)
+            result.update(pools=per_size, ratios=_ratios(per_size))
+        if "service" in command.section_names():
+            from miles_disagg.bench.scale_service import service_section
+
+            result["service"] = service_section(root, command)
+    return print_result(result)
 
 
 def _settings(command: ScaleBench) -> dict:
