@@ -147,7 +147,9 @@ def test_a_lost_nodes_engine_leaves_at_once_and_returns_only_at_the_current_vers
 
 
 class _Sightings:
-    """Polls the router's list; ``first[url]``: (version, state) when the url was first listed."""
+    """Polls the router's list; ``first[url]``: (version, state) when the url was first listed in a
+    state the router routes to (``ready``). ``add_worker`` registers a URL as ``starting`` (never
+    routed to) and probes it before it answers, so a poll may catch that instant; it does not count."""
 
     def __init__(self, router: RouterClient):
         self.first: dict[str, tuple] = {}
@@ -163,7 +165,8 @@ class _Sightings:
             except Exception:
                 continue
             for worker in workers:
-                self.first.setdefault(worker["url"], (worker["weight_version"], worker["state"]))
+                if worker["state"] != "starting":
+                    self.first.setdefault(worker["url"], (worker["weight_version"], worker["state"]))
 
     def stop(self) -> None:
         self._stop.set()
