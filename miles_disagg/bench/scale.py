@@ -194,16 +194,8 @@ class SimFleetProcess:
         argv = [sys.executable, "-m", "miles_disagg.cli", "sim-engines", "--num-engines", str(num_engines),
                 "--per-request-ms", str(command.per_request_ms), "--pull-ms", str(command.pull_ms),
                 "--load-ms", str(command.load_ms)]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log)
-        line: list[bytes] = []
-        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        if not line or not line[0]:
-            proc.kill()
-            raise RuntimeError(f"sim-engines did not start: {log_path.read_text(errors='replace')[-2000:]}")
-        return cls(proc, json.loads(line[0])["urls"])
+        proc, line = start_announcing(argv, log_path, timeout_s, "sim-engines")
+        return cls(proc, json.loads(line)["urls"])
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -488,3 +480,18 @@ def _ratios(per_size: dict[int, dict]) -> dict:
                 round(statistics.median(per_round), 3) if per_round else None)
         ratios[f"{size}_vs_{base_size}"] = entry
     return ratios
+
+
+def start_announcing(argv: list[str], log_path: Path, timeout_s: float, what: str) -> tuple[subprocess.Popen, bytes]:
+    """Start ``argv`` (stderr to ``log_path``) and wait up to ``timeout_s`` for the first line it
+    prints, which announces it is up; ``RuntimeError`` with the log's tail when none came."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log)
+    line: list[bytes] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if not line or not line[0]:
+        proc.kill()
+        raise RuntimeError(f"{what} did not start: {log_path.read_text(errors='replace')[-2000:]}")
+    return proc, line[0]

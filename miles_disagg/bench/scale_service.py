@@ -175,16 +175,9 @@ class ReplicaHost:
         argv = [sys.executable, "-m", "miles_disagg.bench.scale_service", "--gateway", gateway_url,
                 "--store", str(root / "store"), "--base-dir", str(root / "base"), "--work-dir", str(root / "replicas"),
                 "--poll-interval", str(command.service_poll_interval), *engine_urls]
-        log_path = root / "replicas.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log)
-        line: list[bytes] = []
-        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        if not line or not line[0]:
-            proc.kill()
-            raise RuntimeError(f"the replicas did not start: {log_path.read_text(errors='replace')[-2000:]}")
+        from miles_disagg.bench.scale import start_announcing
+
+        proc, _ = start_announcing(argv, root / "replicas.log", timeout_s, "the replicas")
         return cls(proc)
 
     def stop(self, timeout_s: float = 60.0) -> None:
