@@ -29,8 +29,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny-checkpoint": ("miles_disagg.models.cli", "write a random tiny Qwen3 HF checkpoint (no download)"),
     "bench": ("miles_disagg.bench.cli", "benchmarks that print one JSON object"),
     "report": ("miles_disagg.loop.report_cli", "rebuild summary.json and report.png of a run directory from its records"),
-    "engines": ("miles_disagg.engines.members_cli", "engines join and leave a running job: add, remove, list"),
-    "sim-engines": ("miles_disagg.engines.simulated_cli", "simulated engines for scale benchmarks (no model)"),
+    "engines": ("miles_disagg.fleet.members_cli", "engines join and leave a running job: add, remove, list"),
+    "sim-engines": ("miles_disagg.bench.sim.cli", "simulated engines for scale benchmarks (no model)"),
 }
 
 

@@ -115,7 +115,7 @@ fi
 # then find it compiled, instead of each compiling it at once (about 6 s here).
 env -u PYTHONDONTWRITEBYTECODE "$py" -c "
 import torch, ray
-import miles_disagg.cli, miles_disagg.engines.builtin.server, miles_disagg.engines.manager, miles_disagg.loop.job
+import miles_disagg.cli, miles_disagg.engines.builtin.server, miles_disagg.fleet.manager, miles_disagg.loop.job
 import miles_disagg.loop.train_loops, miles_disagg.rollout.manager, miles_disagg.router.app, miles_disagg.trainer.actor
 import miles_disagg.trainer.fsdp
 print(f'[setup] ready: torch {torch.__version__}')" >&2

@@ -107,7 +107,7 @@ def _megatron_step(model_dir: Path, groups: list) -> dict:
         return {"skipped": f"this tree's megatron backend builds {SUPPORTED_MODEL_TYPES}, not qwen3_moe"}
     from miles_disagg.config.components import TrainConfig
     from miles_disagg.distributed import init_distributed
-    from miles_disagg.process import free_port
+    from miles_disagg.net.process import free_port
     from miles_disagg.trainer.backend import make_backend
     from miles_disagg.trainer.sequence_advantages import assign_advantages
 

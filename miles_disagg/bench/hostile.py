@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bench(root: Path, command: HostileBench) -> dict:
-    from miles_disagg.asgi_guard import DEFAULT_MAX_REQUEST_BYTES
+    from miles_disagg.net.asgi_guard import DEFAULT_MAX_REQUEST_BYTES
     from miles_disagg.engines.launch import launch_engine
     from miles_disagg.models.tiny_qwen3 import make_tiny_qwen3
     from miles_disagg.router.launch import launch_router

@@ -20,7 +20,7 @@ from typing import Any
 from miles_disagg.bench.common import print_result, progress, work_dir
 from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
-from miles_disagg.process import free_port, start_http_process
+from miles_disagg.net.process import free_port, start_http_process
 
 say = progress("http")
 
@@ -80,7 +80,7 @@ def _measure(kind: str, url: str, args: HttpBench) -> dict[str, float]:
             limits = httpx.Limits(max_connections=args.concurrency + 8, keepalive_expiry=2.0)
             client = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=limits, trust_env=False)
         else:
-            from miles_disagg.pooled_http import PooledSession
+            from miles_disagg.net.pooled_http import PooledSession
 
             client = PooledSession(max_connections=args.concurrency + 8, connect_timeout_s=10.0, read_timeout_s=900.0)
         await _drive(client, url, args.requests, args.concurrency)

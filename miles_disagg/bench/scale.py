@@ -1,6 +1,6 @@
 """``miles-disagg bench scale --engines 8,64,256``: the control plane against pools of simulated engines.
 
-For each pool size N, with N simulated engines (:mod:`miles_disagg.engines.simulated`, one process, one
+For each pool size N, with N simulated engines (:mod:`miles_disagg.bench.sim.engines`, one process, one
 port each). Every size's fleet runs for the whole bench and the sizes take turns, update after update and
 load window after load window, so a change in the machine's load (it is shared) hits every size alike:
 
@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     command = config_from_args(ScaleBench, args)
-    from miles_disagg.auth import ADMIN_API_KEY_ENV, new_key
+    from miles_disagg.net.auth import ADMIN_API_KEY_ENV, new_key
 
     os.environ.setdefault(ADMIN_API_KEY_ENV, new_key())  # every process of the bench shares one admin key
     result: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
@@ -207,7 +207,7 @@ class SimFleetProcess:
 
 
 def _start_router(root: Path, urls: list[str], num_engines: int):
-    from miles_disagg.process import free_port, start_http_process
+    from miles_disagg.net.process import free_port, start_http_process
 
     port = free_port()
     argv = [sys.executable, "-m", "miles_disagg.cli", "router", "--port", str(port)]
@@ -343,7 +343,7 @@ def _load_window(router: Any, fleet: SimFleetProcess, command: ScaleBench, idle_
     """One load window. ``router_net_cpu_ms_per_request``: the router's CPU less what its health checks
     take idle (``idle_cores``), per request: on a starved machine few requests are served and the
     checks of 256 workers would otherwise read as routing cost."""
-    from miles_disagg.pooled_http import run_loop
+    from miles_disagg.net.pooled_http import run_loop
 
     pids = {"router": router.proc.pid, "sim_engines": fleet.proc.pid, "load_client": os.getpid()}
     before, started = {name: cpu_s(pid) for name, pid in pids.items()}, time.perf_counter()

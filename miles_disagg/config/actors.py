@@ -30,7 +30,7 @@ class EngineManagerConfig:
     """``--sglang-*`` passthrough for managed SGLang servers."""
     spans_nodes: bool = False
     """The job runs on more than one node: managed servers bind the node IP instead of loopback
-    (:func:`miles_disagg.netbind.bind_host`, the one place that decides)."""
+    (:func:`miles_disagg.net.netbind.bind_host`, the one place that decides)."""
     moe: bool = False
     """The checkpoint is a mixture-of-experts model (its config.json names experts)."""
     use_rollout_routing_replay: bool = False

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
 
-from miles_disagg.asgi_guard import DEFAULT_MAX_REQUEST_BYTES, MAX_REQUEST_BYTES_HELP
+from miles_disagg.net.asgi_guard import DEFAULT_MAX_REQUEST_BYTES, MAX_REQUEST_BYTES_HELP
 from miles_disagg.config.fields import add_flag, build_config, flag, flag_specs
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -88,8 +88,8 @@ class ServerFlags(LogFlags):
 
     def guard(self):
         """The keys (flags, else the environment) and request limit this server enforces."""
-        from miles_disagg.asgi_guard import ServerGuard
-        from miles_disagg.auth import ApiKeys
+        from miles_disagg.net.asgi_guard import ServerGuard
+        from miles_disagg.net.auth import ApiKeys
 
         return ServerGuard(ApiKeys.resolve(self.api_key, self.admin_api_key), self.max_request_bytes)
 

@@ -1,7 +1,7 @@
 """One managed engine, owned by a Ray actor placed in the engine's first GPU bundle.
 
 The actor only knows where it runs (the node's address, if the job spans nodes and the engine
-must bind it: :func:`miles_disagg.netbind.bind_host` decides; the GPUs Ray gave its bundle) and
+must bind it: :func:`miles_disagg.net.netbind.bind_host` decides; the GPUs Ray gave its bundle) and
 hands the rest to :func:`miles_disagg.engines.launch.start_engine`: the built-in engine, or
 SGLang behind ``miles-disagg agent``. Either way it returns one URL that speaks the engine
 API plus ``/pull_weights``.
@@ -50,7 +50,7 @@ class EngineProcess:
         import ray
 
         from miles_disagg.engines.sglang import sglang_device_view
-        from miles_disagg.netbind import resolve_host
+        from miles_disagg.net.netbind import resolve_host
 
         # SGLang picks its GPUs by --base-gpu-id, so it sees the node's devices (as restricted
         # there), not only the actor's one

@@ -1,6 +1,6 @@
 """The engine port on an event loop: :class:`AsyncEngineClient`, the lifecycle calls of
 :class:`~miles_disagg.engines.client.EngineClient` as coroutines over one shared
-:class:`~miles_disagg.pooled_http.PooledSession`.
+:class:`~miles_disagg.net.pooled_http.PooledSession`.
 
 Why: a weight update fans out to every engine at once. With a thread and an httpx client per engine,
 256 engines cost about 1,500 synchronous requests contending for the GIL (``miles-disagg bench scale``:
@@ -15,10 +15,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from miles_disagg.auth import ApiKeys
+from miles_disagg.net.auth import ApiKeys
 from miles_disagg.engines.client import CONTROL_TIMEOUT_S, PULL_TIMEOUT_S, error_for
-from miles_disagg.keyed_client import payload_message, response_payload
-from miles_disagg.pooled_http import PooledSession, TransportFailed
+from miles_disagg.net.keyed_client import payload_message, response_payload
+from miles_disagg.net.pooled_http import PooledSession, TransportFailed
 from miles_disagg.types import EngineUnreachable
 
 

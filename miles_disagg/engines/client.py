@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from miles_disagg.auth import ApiKeys
-from miles_disagg.keyed_client import KeyedHttpClient, payload_message, response_payload
+from miles_disagg.net.auth import ApiKeys
+from miles_disagg.net.keyed_client import KeyedHttpClient, payload_message, response_payload
 from miles_disagg.types import EngineUnreachable, EngineUnrecoverable, FailRun, InvalidInput, MilesDisaggError, Retryable
 
 CONTROL_TIMEOUT_S = 600.0

@@ -8,7 +8,7 @@
 * ``sglang``: ``python -m sglang.launch_server`` (``--weight-version 0``) fronted by
   ``miles-disagg agent`` on the same host, which adds ``/pull_weights``; the URL is the agent's.
 
-Every child is started by :func:`miles_disagg.process.start_http_process` (one health-poll
+Every child is started by :func:`miles_disagg.net.process.start_http_process` (one health-poll
 loop), dies with its owner (PDEATHSIG), and a start that fails stops what it started and
 raises ``EngineUnrecoverable`` with the log tail.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from miles_disagg.process import LaunchedProcess, free_port, start_http_process
+from miles_disagg.net.process import LaunchedProcess, free_port, start_http_process
 from miles_disagg.types import EngineUnrecoverable
 
 __all__ = ["EngineSpec", "LaunchedEngine", "PlannedProcess", "RunningEngine", "agent_command", "builtin_engine_command",
@@ -197,7 +197,7 @@ def _sglang_key_args(spec: EngineSpec) -> dict[str, str]:
     in front of it sends the same ones). SGLang reads keys only from its command line."""
     import os
 
-    from miles_disagg.auth import ApiKeys
+    from miles_disagg.net.auth import ApiKeys
 
     keys = ApiKeys.from_env(spec.sglang_env if spec.sglang_env is not None else os.environ)
     pairs = (("api-key", keys.api_key), ("admin-api-key", keys.admin_api_key))

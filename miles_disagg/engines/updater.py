@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
-from miles_disagg.pooled_http import run_loop
+from miles_disagg.net.pooled_http import run_loop
 from miles_disagg.engines.activation import activate, activate_async, prepare, prepare_async
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.types import MilesDisaggError, ReplaceReplica
@@ -110,7 +110,7 @@ class DiskDeltaUpdater(_Fleet):
 
     async def _update_async(self, version: int) -> UpdateReport:
         from miles_disagg.engines.async_client import AsyncEngineClient
-        from miles_disagg.pooled_http import PooledSession
+        from miles_disagg.net.pooled_http import PooledSession
 
         session = PooledSession(max_connections=None, connect_timeout_s=CONNECT_TIMEOUT_S, read_timeout_s=None)
         try:

@@ -1,7 +1,7 @@
 """The driver's side of ``--min-rollout-engines``: :class:`CapacityWatch`.
 
 Registered with :func:`miles_disagg.remote.add_watch` once the engines run; it asks the engine
-manager (whose monitor feeds :class:`~miles_disagg.engines.capacity.CapacityPolicy`) at most
+manager (whose monitor feeds :class:`~miles_disagg.fleet.capacity.CapacityPolicy`) at most
 every ``interval_s`` and raises :class:`~miles_disagg.types.RolloutCapacityLost` with the
 manager's line once too few engines served for too long: the launcher prints it and exits 1.
 """

@@ -7,7 +7,7 @@
   lifetime. A node that leaves the cluster with only rollout engines on it costs capacity, not
   the run, when the engine manager places engines again (managed engines, disk-delta): the watch
   says so in one status line and the engine manager takes the engines out and places them again
-  (:mod:`miles_disagg.engines.replace`; the run ends only under ``--min-rollout-engines``,
+  (:mod:`miles_disagg.fleet.replace`; the run ends only under ``--min-rollout-engines``,
   :mod:`miles_disagg.loop.capacity`). A node with a trainer rank on it (or any node, when engines
   are not placed again: broadcast mode) ends every wait of the driver with
   :class:`~miles_disagg.types.NodeLost` naming the node and what ran there (the launcher turns it

@@ -3,8 +3,8 @@
 The plan is one JSON-able object: the placement (which bundles the trainer ranks and each
 engine get), every process the run would start with its full argv (router, built-in engines,
 SGLang servers and their agents), and the delta filter. It is built with the functions the
-real launch uses (:mod:`miles_disagg.engines.plan`, :func:`~miles_disagg.engines.launch.engine_processes`,
-:class:`~miles_disagg.engines.plan.RouterPlan`), so the two cannot drift. Values only known on
+real launch uses (:mod:`miles_disagg.fleet.plan`, :func:`~miles_disagg.engines.launch.engine_processes`,
+:class:`~miles_disagg.fleet.plan.RouterPlan`), so the two cannot drift. Values only known on
 the engine's node at launch stay as placeholders (``{host}``, ``{port}``, ...).
 
 Nothing is started and nothing is written; attached engines are asked (briefly) which delta
@@ -35,7 +35,7 @@ ANNOUNCE_TIMEOUT_S = 5.0
 
 def plan_launch(config: RunConfig) -> dict[str, Any]:
     """The launch plan of ``config``; ``ConfigError`` for what would fail before training starts."""
-    from miles_disagg.engines.plan import resolve_backend, unused_sglang_args
+    from miles_disagg.fleet.plan import resolve_backend, unused_sglang_args
     from miles_disagg.loop.preflight import check_runnable
     from miles_disagg.trainer.placement import plan_layout
 
@@ -116,7 +116,7 @@ def _placement(config: RunConfig, layout) -> dict[str, Any]:
 
 
 def _router_process(config: EngineManagerConfig, layout) -> list[dict[str, Any]]:
-    from miles_disagg.engines.plan import router_plan
+    from miles_disagg.fleet.plan import router_plan
 
     plan = router_plan(config)
     workers = ["{engine_urls}"] if plan.kind == "sglang" else []  # the built-in router learns them by /add_worker
@@ -127,7 +127,7 @@ def _router_process(config: EngineManagerConfig, layout) -> list[dict[str, Any]]
 
 def _engine_processes(config: EngineManagerConfig, layout, backend: str) -> list[dict[str, Any]]:
     from miles_disagg.engines.launch import engine_processes
-    from miles_disagg.engines.plan import engine_specs
+    from miles_disagg.fleet.plan import engine_specs
 
     planned = []
     for index, spec in enumerate(engine_specs(config, layout.engines, backend)):
@@ -154,7 +154,7 @@ def _announcements(addrs: list[str], warnings: list[str]) -> list[list[str] | No
 
 
 def _delta_filter(config: RunConfig, backend: str | None, num_engines: int, attached) -> dict[str, Any]:
-    from miles_disagg.engines.plan import delta_filter_choice
+    from miles_disagg.fleet.plan import delta_filter_choice
 
     if config.weights.update_weight_transfer_mode != "disk-delta":
         return {"filter": None, "reason": "broadcast: nothing is published to a store"}

@@ -3,7 +3,7 @@
 ``Job.start(config)`` brings the pieces up in dependency order and ``Job.stop()`` tears them
 down in reverse; a failure while starting stops what was already started.
 
-Security (:mod:`miles_disagg.netbind`): before anything starts, the run takes its keys (job
+Security (:mod:`miles_disagg.net.netbind`): before anything starts, the run takes its keys (job
 flags or environment; a random admin key otherwise) into its environment, from which every
 process and actor it starts inherits them; its servers bind loopback unless the job spans
 nodes; a Ray cluster it starts keeps Ray's token authentication on.
@@ -35,7 +35,7 @@ from miles_disagg.tracking import status
 from miles_disagg.types import ConfigError
 
 if TYPE_CHECKING:
-    from miles_disagg.engines.handle import EngineManagerHandle
+    from miles_disagg.fleet.handle import EngineManagerHandle
     from miles_disagg.rollout.handle import RolloutManagerHandle
     from miles_disagg.trainer.group import TrainerGroup
     from miles_disagg.trainer.placement import Placement
@@ -85,7 +85,7 @@ class Job:
         from miles_disagg.remote import add_watch
         from miles_disagg.trainer.placement import create_placement, plan_layout
 
-        from miles_disagg.netbind import export_keys, run_keys
+        from miles_disagg.net.netbind import export_keys, run_keys
 
         cfg = self.config
         export_keys(run_keys(cfg.rollout.rollout_api_key, cfg.rollout.rollout_admin_api_key))
@@ -128,7 +128,7 @@ class Job:
                 and not cfg.cluster.colocate and cfg.weights.update_weight_transfer_mode == "disk-delta")
 
     def _delta_filter(self, attached: list | None = None):
-        from miles_disagg.engines.plan import delta_filter_choice, resolve_backend
+        from miles_disagg.fleet.plan import delta_filter_choice, resolve_backend
 
         cfg = self.config
         backend = None if cfg.rollout.rollout_external or cfg.rollout.rollout_service_url else \
@@ -168,13 +168,13 @@ class Job:
     def _start_engines(self) -> None:
         import dataclasses
 
-        from miles_disagg.engines.handle import EngineManagerHandle
-        from miles_disagg.netbind import job_spans_nodes
+        from miles_disagg.fleet.handle import EngineManagerHandle
+        from miles_disagg.net.netbind import job_spans_nodes
 
         if self.config.rollout.rollout_service_url:
             self._connect_service()
             return
-        from miles_disagg.engines.plan import resolve_backend, unused_sglang_args
+        from miles_disagg.fleet.plan import resolve_backend, unused_sglang_args
 
         spans_nodes = job_spans_nodes(self.placement.node_ids or ())
         manager_config = dataclasses.replace(EngineManagerConfig.from_run(self.config), spans_nodes=spans_nodes)
@@ -225,7 +225,7 @@ class Job:
         self._start_rollout()
 
     def _start_rollout(self) -> None:
-        from miles_disagg.engines.plan import managed_backend
+        from miles_disagg.fleet.plan import managed_backend
         from miles_disagg.rollout.handle import RolloutManagerHandle
 
         run_id = self.run_id if self.config.rollout.rollout_service_url else None  # a service names runs
@@ -292,7 +292,7 @@ def init_ray(num_bundles: int) -> bool:
     if ray.is_initialized():
         return False
     from miles_disagg.loop.interrupts import reclaim_sigterm
-    from miles_disagg.netbind import LOCAL_RAY_SYSTEM_CONFIG, inherit_into_local_ray, keep_ray_token_auth
+    from miles_disagg.net.netbind import LOCAL_RAY_SYSTEM_CONFIG, inherit_into_local_ray, keep_ray_token_auth
 
     if os.environ.get("RAY_ADDRESS"):  # an existing cluster (also how a `ray job submit` driver connects)
         # no runtime_env here: a submitted job's own (its working_dir) must stay; the actor handles

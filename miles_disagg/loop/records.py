@@ -48,7 +48,7 @@ class BusyMeter:
         self._last = self._read() if router_url else None
 
     def _read(self) -> tuple[float, float, int] | None:
-        from miles_disagg.auth import ApiKeys
+        from miles_disagg.net.auth import ApiKeys
 
         workers = self._client.get(f"{self.router_url}/list_workers",
                                    headers=ApiKeys.from_env().headers_for("/list_workers")).json().get("workers")

@@ -88,7 +88,7 @@ def wake_service(url: str) -> None:
     """Tell the service a version was published (best effort: replicas also poll the store)."""
     import httpx
 
-    from miles_disagg.auth import ApiKeys
+    from miles_disagg.net.auth import ApiKeys
 
     try:  # /wake needs the service's admin key (--rollout-admin-api-key); without it replicas poll
         httpx.post(f"{url.rstrip('/')}/wake", timeout=5, trust_env=False, headers=ApiKeys.from_env().headers_for("/wake"))

@@ -19,7 +19,7 @@ class RolloutManagerHandle:
 
         from miles_disagg.rollout.manager import RolloutManager
 
-        from miles_disagg.netbind import keys_runtime_env
+        from miles_disagg.net.netbind import keys_runtime_env
 
         self._actor = (ray.remote(RolloutManager)
                        .options(num_cpus=0, scheduling_strategy=scheduling_strategy, runtime_env=keys_runtime_env())

@@ -30,10 +30,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from miles_disagg.auth import ApiKeys
+from miles_disagg.net.auth import ApiKeys
 from miles_disagg.config.actors import RolloutManagerConfig
-from miles_disagg.keyed_client import pooled_limits
-from miles_disagg.pooled_http import PooledSession
+from miles_disagg.net.keyed_client import pooled_limits
+from miles_disagg.net.pooled_http import PooledSession
 from miles_disagg.rollout.attribution import AttributionProxy
 from miles_disagg.rollout.buffer import BufferClosed, BufferTimeout, GroupBuffer
 from miles_disagg.rollout.filters import apply_dynamic_filter, buffer_selector

@@ -28,7 +28,7 @@ Contracts:
   marks the worker unhealthy and answers 502 ``WorkerFailed`` (retryable). A request that
   may have started generating is never replayed, ``rid`` or not. 4xx answers pass through.
 * A client that disconnects has its upstream request closed, so the engine aborts it.
-* Keys and limits (:mod:`miles_disagg.asgi_guard`): ``--api-key``/``--admin-api-key`` guard the
+* Keys and limits (:mod:`miles_disagg.net.asgi_guard`): ``--api-key``/``--admin-api-key`` guard the
   router's own endpoints (the registry ones need the admin key); towards workers the router
   sends its own keys, never the client's, and never above the level the client proved. Big
   bodies are parsed and re-encoded off the event loop.
@@ -59,8 +59,8 @@ from typing import Any, Awaitable, Callable
 
 from fastapi.responses import JSONResponse, Response
 
-from miles_disagg.asgi_guard import ServerGuard, install_guard, server_app
-from miles_disagg.auth import ApiKeys, forward_headers
+from miles_disagg.net.asgi_guard import ServerGuard, install_guard, server_app
+from miles_disagg.net.auth import ApiKeys, forward_headers
 from miles_disagg.router.client_gone import _ClientGone, _unless_client_gone
 from miles_disagg.router.fast_path import GenerationFastPath
 from miles_disagg.router.health import HealthChecker
@@ -69,8 +69,8 @@ from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailabl
                                        constraint_json, request_constraint, violates)
 from miles_disagg.router.registry import (UnknownWorker, Worker, WorkerRegistry, WorkerState, normalize_url,
                                           parse_version)
-from miles_disagg.pooled_http import ConnectTimedOut, NotConnected, PooledSession, Reply, TransportFailed
-from miles_disagg.httpjson import dumps_async, parse_body, parse_json_async
+from miles_disagg.net.pooled_http import ConnectTimedOut, NotConnected, PooledSession, Reply, TransportFailed
+from miles_disagg.net.httpjson import dumps_async, parse_body, parse_json_async
 from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
 
 log = logging.getLogger(__name__)

@@ -65,6 +65,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _listen(host: str, port: int) -> socket.socket:
     """Bind and listen now, so a taken port fails fast with a clear message."""
-    from miles_disagg.process import listen_socket
+    from miles_disagg.net.process import listen_socket
 
     return listen_socket(host, port)

@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 
-from miles_disagg.auth import ApiKeys
-from miles_disagg.keyed_client import KeyedHttpClient
+from miles_disagg.net.auth import ApiKeys
+from miles_disagg.net.keyed_client import KeyedHttpClient
 from miles_disagg.router.registry import UnknownWorker, normalize_url
 from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
 

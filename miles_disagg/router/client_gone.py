@@ -7,7 +7,7 @@ import asyncio
 import logging
 from typing import Any, Awaitable
 
-from miles_disagg.pooled_http import Reply
+from miles_disagg.net.pooled_http import Reply
 
 log = logging.getLogger(__name__)
 DISCONNECT_RECHECK_S = 1.0

@@ -1,6 +1,6 @@
 """Generation requests straight to :meth:`Router.proxy <miles_disagg.router.app.Router.proxy>`, past FastAPI.
 
-A pure ASGI middleware the router installs inside :class:`~miles_disagg.asgi_guard.GuardMiddleware`
+A pure ASGI middleware the router installs inside :class:`~miles_disagg.net.asgi_guard.GuardMiddleware`
 (keys, size limit, slow bodies and the server-id header still apply to every request): a ``POST`` (or
 ``PUT /generate``) to a generation path is handed to the router's proxy with a Starlette ``Request``
 and its answer sent as is, which is what FastAPI's route did, minus its routing, exception and

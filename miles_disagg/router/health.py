@@ -7,9 +7,9 @@ towards the registry's failure threshold. A later successful probe brings it bac
 the version it reads. A server without ``/model_info`` (404) is healthy with an unknown
 version (it then serves only unconstrained requests). ``/model_info`` and not
 ``/get_weight_version``: SGLang 0.5.20 answers the latter 404 and later releases dropped it.
-Probes carry the router's key for each path (:meth:`~miles_disagg.auth.ApiKeys.headers_for`):
+Probes carry the router's key for each path (:meth:`~miles_disagg.net.auth.ApiKeys.headers_for`):
 the worker's own answer to an authenticated call is the only source of its version.
-Probes go through a :class:`~miles_disagg.pooled_http.PooledSession` (aiohttp): httpx's pool scans
+Probes go through a :class:`~miles_disagg.net.pooled_http.PooledSession` (aiohttp): httpx's pool scans
 every pooled connection per request, so a pass over N workers cost O(N^2); with 256 workers it
 took three fifths of the router's CPU (py-spy, ``miles-disagg bench scale``).
 """
@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from miles_disagg.asgi_guard import SERVER_ID_HEADER
-from miles_disagg.auth import ApiKeys
-from miles_disagg.pooled_http import ConnectTimedOut, NotConnected, PooledSession, Reply, TimedOut, TransportFailed
+from miles_disagg.net.asgi_guard import SERVER_ID_HEADER
+from miles_disagg.net.auth import ApiKeys
+from miles_disagg.net.pooled_http import ConnectTimedOut, NotConnected, PooledSession, Reply, TimedOut, TransportFailed
 from miles_disagg.router.loop_lag import LoopLag
 from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, parse_version
 from miles_disagg.types import MilesDisaggError
@@ -44,7 +44,7 @@ class HealthChecker:
     def __init__(self, registry: WorkerRegistry, client: PooledSession, *, interval_s: float,
                  keys: ApiKeys | None = None, own_server_id: str | None = None,
                  loop_lag: LoopLag | None = None, timeout_s: float | None = None):
-        """``own_server_id``: this router's (:data:`~miles_disagg.asgi_guard.SERVER_ID_HEADER`); a worker
+        """``own_server_id``: this router's (:data:`~miles_disagg.net.asgi_guard.SERVER_ID_HEADER`); a worker
         answering with it is the router itself under another address, never routed to. ``loop_lag`` and
         ``timeout_s`` (the probe timeout): a probe timeout while the loop lagged is not counted
         (:mod:`miles_disagg.router.loop_lag`)."""

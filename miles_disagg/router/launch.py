@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from miles_disagg.process import LaunchedProcess, free_port, start_http_process
+from miles_disagg.net.process import LaunchedProcess, free_port, start_http_process
 from miles_disagg.router.client import RouterClient
 from miles_disagg.types import ReplaceReplica
 

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import httpx
 
-from miles_disagg.process import free_port, start_http_process
+from miles_disagg.net.process import free_port, start_http_process
 from miles_disagg.router.launch import LaunchedRouter, RouterStartFailed
 from miles_disagg.types import ConfigError
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 
-from miles_disagg.auth import ApiKeys
-from miles_disagg.keyed_client import payload_message, pooled_limits, response_payload, shared_tls_context
+from miles_disagg.net.auth import ApiKeys
+from miles_disagg.net.keyed_client import payload_message, pooled_limits, response_payload, shared_tls_context
 from miles_disagg.service.protocol import ReplicaStatus, StoreHead
 from miles_disagg.types import InvalidInput, Retryable
 

@@ -12,8 +12,8 @@ from typing import Callable
 
 import httpx
 
-from miles_disagg.auth import ApiKeys
-from miles_disagg.keyed_client import KeyedHttpClient
+from miles_disagg.net.auth import ApiKeys
+from miles_disagg.net.keyed_client import KeyedHttpClient
 from miles_disagg.service.adapters import GatewayUnreachable
 from miles_disagg.types import VersionConstraint, VersionNotReady
 

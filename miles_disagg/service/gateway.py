@@ -24,7 +24,7 @@ Service additions:
   per-replica prepare/pause times, request counts and version lag, gateway overhead,
   and the load an autoscaler reads (``load.in_flight``, ``load.num_replicas``, ...).
 
-Keys (:mod:`miles_disagg.asgi_guard`): ``/heartbeat``, ``/deregister`` and ``/wake`` need the
+Keys (:mod:`miles_disagg.net.asgi_guard`): ``/heartbeat``, ``/deregister`` and ``/wake`` need the
 admin key (as the router's registry endpoints do); the gateway sends its keys to replicas and
 engines.
 
@@ -45,9 +45,9 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse
 
-from miles_disagg.asgi_guard import ServerGuard
-from miles_disagg.httpjson import error_json, parse_body, status_for
-from miles_disagg.keyed_client import shared_tls_context
+from miles_disagg.net.asgi_guard import ServerGuard
+from miles_disagg.net.httpjson import error_json, parse_body, status_for
+from miles_disagg.net.keyed_client import shared_tls_context
 from miles_disagg.router.app import ProxyRecord, Router, RouterConfig, create_app
 from miles_disagg.router.registry import UnknownWorker
 from miles_disagg.service.fleet import Fleet

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from miles_disagg.process import LaunchedProcess, NotHealthy, die_with_parent, free_port, start_http_process, wait_healthy
+from miles_disagg.net.process import LaunchedProcess, NotHealthy, die_with_parent, free_port, start_http_process, wait_healthy
 from miles_disagg.types import ReplaceReplica
 
 GATEWAY_STARTUP_TIMEOUT_S = 60.0

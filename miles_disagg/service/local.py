@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles_disagg.process import LaunchedProcess, free_port
+from miles_disagg.net.process import LaunchedProcess, free_port
 from miles_disagg.service.client import GatewayClient
 from miles_disagg.service.launch import (ReplicaOptions, ReplicaProcess, launch_gateway, replica_command,
                                          spawn_replica)

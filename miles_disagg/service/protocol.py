@@ -107,6 +107,6 @@ class ReplicaStatus:
     @classmethod
     def from_json(cls, body: bytes | Any) -> "ReplicaStatus":
         """Validate a heartbeat (raw bytes or decoded JSON) strictly; ``InvalidInput`` naming the field."""
-        from miles_disagg.httpjson import parse_body
+        from miles_disagg.net.httpjson import parse_body
 
         return parse_body(cls, body)

@@ -6,7 +6,7 @@ Each replica is a :class:`ReplicaActor` that owns one replica agent process (the
 ``python -m miles_disagg.service replica`` a local pool runs) on the actor's node,
 placed with ``num_gpus_per_replica`` GPUs (and, with ``replica_resource``, only on nodes
 offering that custom resource). The gateway runs beside the driver. On a cluster of more
-than one node, replicas bind their node's IP (:func:`miles_disagg.netbind.bind_host`) and the
+than one node, replicas bind their node's IP (:func:`miles_disagg.net.netbind.bind_host`) and the
 gateway must bind an address the other nodes reach (a loopback ``host`` is refused).
 
 Scaling (:meth:`RayReplicaPool.autoscale_once`): read the gateway's ``load``, ask the
@@ -54,7 +54,7 @@ class RayServiceConfig:
     replica: ReplicaOptions = field(default_factory=ReplicaOptions)
     replica_host: str | None = None
     """Address replicas and engines bind; None: decided at start (loopback on a one-node cluster,
-    else the actor node's IP: :func:`miles_disagg.netbind.bind_host`)."""
+    else the actor node's IP: :func:`miles_disagg.net.netbind.bind_host`)."""
     replica_resource: str | None = None
     """Place replicas only on nodes offering this Ray custom resource (None: anywhere)."""
     num_gpus_per_replica: float = 0.0
@@ -72,8 +72,8 @@ class ReplicaActor:
 
     def start(self) -> str:
         """Start the replica process; returns its control URL once it answers."""
-        from miles_disagg.netbind import NODE_IP, resolve_host
-        from miles_disagg.process import free_port
+        from miles_disagg.net.netbind import NODE_IP, resolve_host
+        from miles_disagg.net.process import free_port
 
         host = resolve_host(self.config.replica_host or NODE_IP)
         port = free_port(host)
@@ -108,7 +108,7 @@ class RayReplicaPool:
 
         self.config, self.gateway_url = config, gateway_url
         self.autoscaler = Autoscaler(config.scaling)
-        from miles_disagg.auth import ApiKeys
+        from miles_disagg.net.auth import ApiKeys
 
         keys_env = ApiKeys.from_env().env()  # the replicas enforce and send the service's keys
         resources = {config.replica_resource: REPLICA_RESOURCE_SHARE} if config.replica_resource else None
@@ -179,8 +179,8 @@ def _bind_replicas(config: RayServiceConfig) -> RayServiceConfig:
     replica inherit) when none was given."""
     import dataclasses
 
-    from miles_disagg.auth import ApiKeys
-    from miles_disagg.netbind import bind_host, export_keys, job_spans_nodes, run_keys
+    from miles_disagg.net.auth import ApiKeys
+    from miles_disagg.net.netbind import bind_host, export_keys, job_spans_nodes, run_keys
 
     if config.replica_host is not None:
         return config
@@ -197,11 +197,11 @@ def run_ray_service(config: RayServiceConfig, *, address: str | None, stop: thre
     autoscale every ``scale_interval_s`` until ``stop`` is set (SIGTERM/SIGINT set it when called on
     the main thread); everything is stopped on return. Without ``address`` a local Ray is started
     with token authentication on and no dashboard. Replica actors get this process's keys
-    (:data:`~miles_disagg.auth.ADMIN_API_KEY_ENV`, ...) through their runtime environment."""
+    (:data:`~miles_disagg.net.auth.ADMIN_API_KEY_ENV`, ...) through their runtime environment."""
     import ray
 
     if address is None:  # a cluster of our own: no dashboard (its jobs API runs code unauthenticated)
-        from miles_disagg.netbind import LOCAL_RAY_SYSTEM_CONFIG, keep_ray_token_auth
+        from miles_disagg.net.netbind import LOCAL_RAY_SYSTEM_CONFIG, keep_ray_token_auth
 
         keep_ray_token_auth()
         ray.init(include_dashboard=False, ignore_reinit_error=True, logging_level="WARNING",
@@ -237,7 +237,7 @@ def _check_cluster(config: RayServiceConfig) -> None:
     gateway, or no node offers ``replica_resource``."""
     import ray
 
-    from miles_disagg.netbind import LOOPBACK
+    from miles_disagg.net.netbind import LOOPBACK
     from miles_disagg.types import ConfigError
 
     nodes = [node for node in ray.nodes() if node["Alive"]]

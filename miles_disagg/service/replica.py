@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from miles_disagg.asgi_guard import ServerGuard, install_guard, server_app
+from miles_disagg.net.asgi_guard import ServerGuard, install_guard, server_app
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.engines.launch import EngineSpec, RunningEngine, start_engine
 from miles_disagg.service.adapters import GatewayLink, StoreView
@@ -263,7 +263,7 @@ class _NoEngine:
 
 def listen_socket(host: str, port: int, backlog: int = 128) -> socket.socket:
     """Bind and listen now, so a taken port fails fast (``ConfigError``); port 0 picks a free one."""
-    from miles_disagg.process import listen_socket as listen
+    from miles_disagg.net.process import listen_socket as listen
 
     return listen(host, port, backlog)
 

@@ -33,7 +33,7 @@ class TrainerRank:
     def address(self) -> tuple[str, int]:
         import ray
 
-        from miles_disagg.process import free_port
+        from miles_disagg.net.process import free_port
 
         return ray.util.get_node_ip_address(), free_port("0.0.0.0")
 

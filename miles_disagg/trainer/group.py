@@ -31,7 +31,7 @@ class TrainerGroup:
     def __init__(self, placement: Placement, config: TrainerGroupConfig):
         import ray
 
-        from miles_disagg.netbind import worker_runtime_env
+        from miles_disagg.net.netbind import worker_runtime_env
         from miles_disagg.trainer.actor import TrainerRank
 
         self.train_config = config.train

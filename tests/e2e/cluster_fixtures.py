@@ -22,7 +22,7 @@ from pathlib import Path
 
 from deadlines import scaled
 
-from miles_disagg.process import free_port
+from miles_disagg.net.process import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
 MARKER_ENV = "MILES_DISAGG_TEST_CLUSTER"

@@ -23,7 +23,7 @@ import pytest
 from deadlines import scaled
 
 from miles_disagg.loop.report import join_updates
-from miles_disagg.process import free_port
+from miles_disagg.net.process import free_port
 from miles_disagg.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]

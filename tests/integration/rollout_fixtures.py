@@ -22,9 +22,9 @@ from typing import Any, Iterator
 import httpx
 
 from miles_disagg.engines.client import EngineClient
-from miles_disagg.engines.manager import EngineManager
+from miles_disagg.fleet.manager import EngineManager
 from miles_disagg.engines.updater import DiskDeltaUpdater
-from miles_disagg.netbind import LOCAL_RAY_SYSTEM_CONFIG
+from miles_disagg.net.netbind import LOCAL_RAY_SYSTEM_CONFIG
 
 HERE = Path(__file__).resolve().parent
 RETRYABLE_STATUSES = (409, 502, 503)

@@ -18,7 +18,7 @@ from engine_fixtures import Background, free_port, start_engine, stop_engine
 
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.engines.updater import BroadcastUpdater, engine_ranks
-from miles_disagg.process import start_http_process
+from miles_disagg.net.process import start_http_process
 
 pytestmark = pytest.mark.timeout(240)
 GROUP = "miles_disagg_weight_update"

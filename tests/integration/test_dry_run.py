@@ -119,7 +119,7 @@ def test_unreachable_attached_engines_fail_at_once_each_named(capsys, tmp_path, 
     not answer is named (an answering one is not)."""
     import time
 
-    from miles_disagg.process import free_port
+    from miles_disagg.net.process import free_port
 
     closed = [f"127.0.0.1:{free_port('127.0.0.1')}" for _ in range(2)]
     for mode in (["--dry-run"], []):  # a real run asks them before Ray starts, as the dry run does

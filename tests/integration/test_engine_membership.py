@@ -24,11 +24,11 @@ from deadlines import scaled
 from engine_fixtures import start_engine, stop_engine, wait_until
 from rollout_fixtures import VersionSource, long_body
 
-from miles_disagg.auth import ADMIN_API_KEY_ENV, new_key
+from miles_disagg.net.auth import ADMIN_API_KEY_ENV, new_key
 from miles_disagg.cli import main
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.config.components import ClusterConfig, RolloutConfig, WeightUpdateConfig
-from miles_disagg.engines.manager import EngineManager
+from miles_disagg.fleet.manager import EngineManager
 from miles_disagg.router.client import RouterClient
 
 STORE_AND_LOCAL = ("--weight-store-dir", "--local-checkpoint-dir")

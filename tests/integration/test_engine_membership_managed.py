@@ -18,7 +18,7 @@ from rollout_fixtures import VersionSource, ray_session
 from miles_disagg.cli import main
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.config.components import ClusterConfig, RolloutConfig, WeightUpdateConfig
-from miles_disagg.engines.manager import EngineManager
+from miles_disagg.fleet.manager import EngineManager
 from miles_disagg.router.client import RouterClient
 
 

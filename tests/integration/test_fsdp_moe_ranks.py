@@ -18,7 +18,7 @@ import torch
 from moe_fixtures import tiny_qwen3_moe_dir  # noqa: F401  (fixture)
 
 from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig
-from miles_disagg.netbind import LOCAL_RAY_SYSTEM_CONFIG
+from miles_disagg.net.netbind import LOCAL_RAY_SYSTEM_CONFIG
 from miles_disagg.types import Sample
 
 pytestmark = pytest.mark.timeout(400)

@@ -18,7 +18,7 @@ def test_a_node_that_timed_out_is_started_again_and_its_leftovers_are_stopped(mo
     import ray
 
     from miles_disagg.loop import job
-    from miles_disagg.netbind import LOCAL_RAY_ENV, WORKER_ENV
+    from miles_disagg.net.netbind import LOCAL_RAY_ENV, WORKER_ENV
 
     for name in (LOCAL_RAY_ENV, *WORKER_ENV):  # whatever init_ray sets there is undone after the test
         monkeypatch.setenv(name, os.environ.get(name, ""))
@@ -59,7 +59,7 @@ def test_any_other_start_failure_is_not_retried(monkeypatch):
     import ray
 
     from miles_disagg.loop import job
-    from miles_disagg.netbind import LOCAL_RAY_ENV, WORKER_ENV
+    from miles_disagg.net.netbind import LOCAL_RAY_ENV, WORKER_ENV
 
     for name in (LOCAL_RAY_ENV, *WORKER_ENV):
         monkeypatch.setenv(name, os.environ.get(name, ""))

@@ -28,7 +28,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from checkpoint_reading import assert_same_state, read_state  # noqa: E402
 
 from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig  # noqa: E402
-from miles_disagg.netbind import LOCAL_RAY_SYSTEM_CONFIG  # noqa: E402
+from miles_disagg.net.netbind import LOCAL_RAY_SYSTEM_CONFIG  # noqa: E402
 from miles_disagg.types import Sample  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

@@ -34,7 +34,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'miles-disagg[megatron]')")
 
 from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig  # noqa: E402
-from miles_disagg.netbind import LOCAL_RAY_SYSTEM_CONFIG  # noqa: E402
+from miles_disagg.net.netbind import LOCAL_RAY_SYSTEM_CONFIG  # noqa: E402
 from miles_disagg.types import Sample  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)

@@ -25,7 +25,7 @@ from engine_fixtures import wait_until
 from rollout_fixtures import Load, RecordingManager, VersionSource, ray_session
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.config.components import ClusterConfig, RolloutConfig, WeightUpdateConfig
-from miles_disagg.engines.replace import Replacements
+from miles_disagg.fleet.replace import Replacements
 from miles_disagg.router.client import RouterClient
 from miles_disagg.trainer.placement import create_placement, plan_layout
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from miles_disagg.pooled_http import NotConnected, PooledSession, TransportFailed
-from miles_disagg.process import free_port
+from miles_disagg.net.pooled_http import NotConnected, PooledSession, TransportFailed
+from miles_disagg.net.process import free_port
 
 
 async def _serve(handler) -> tuple[asyncio.AbstractServer, str]:

@@ -21,7 +21,7 @@ from engine_fixtures import start_engine, stop_engine, wait_until
 from rollout_fixtures import checkpoint_copy, ray_session
 from miles_disagg.config.components import ClusterConfig, RolloutConfig, WeightUpdateConfig
 from miles_disagg.config.actors import EngineManagerConfig
-from miles_disagg.engines.manager import EngineManager
+from miles_disagg.fleet.manager import EngineManager
 from miles_disagg.router.client import RouterClient
 from miles_disagg.trainer.placement import create_placement, plan_layout
 from miles_disagg.types import ConfigError
@@ -98,7 +98,7 @@ def test_default_layout_gives_trainer_and_each_engine_their_own_gpus(placed):
 
 def test_a_one_node_job_binds_loopback(placed):
     """The bind decision reads the placement: one node, so every managed server binds 127.0.0.1."""
-    from miles_disagg.netbind import LOOPBACK, bind_host, job_spans_nodes
+    from miles_disagg.net.netbind import LOOPBACK, bind_host, job_spans_nodes
 
     placement = placed(ClusterConfig(actor_num_gpus_per_node=1, rollout_num_gpus=1))
     assert len(placement.node_ids) == placement.layout.num_bundles and len(set(placement.node_ids)) == 1

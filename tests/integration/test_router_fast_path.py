@@ -8,8 +8,8 @@ import contextlib
 
 import httpx
 
-from miles_disagg.asgi_guard import SERVER_ID_HEADER, ServerGuard
-from miles_disagg.auth import ApiKeys
+from miles_disagg.net.asgi_guard import SERVER_ID_HEADER, ServerGuard
+from miles_disagg.net.auth import ApiKeys
 from miles_disagg.router.app import RouterConfig, create_app
 from miles_disagg.router.fast_path import GenerationFastPath
 from router_fixtures import FakeWorker, fake_worker_app, serve_in_thread

@@ -22,8 +22,8 @@ from fastapi import Request  # module level: handlers' string annotations resolv
 
 from engine_fixtures import wait_until
 from router_fixtures import FakeWorker, fake_worker_app, generate_body, serve_in_thread
-from miles_disagg.asgi_guard import ServerGuard
-from miles_disagg.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys
+from miles_disagg.net.asgi_guard import ServerGuard
+from miles_disagg.net.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.engines.launch import launch_agent, launch_engine
 from miles_disagg.router.app import RouterConfig, create_app

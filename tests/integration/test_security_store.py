@@ -170,7 +170,7 @@ def _record_ray_init(monkeypatch) -> list[tuple[str | None, dict]]:
         calls.append((os.environ.get("RAY_AUTH_MODE"), {**kwargs, "environ": dict(os.environ)}))
         raise _Stop()
 
-    from miles_disagg.netbind import LOCAL_RAY_ENV, WORKER_ENV
+    from miles_disagg.net.netbind import LOCAL_RAY_ENV, WORKER_ENV
 
     for name in (LOCAL_RAY_ENV, *WORKER_ENV):  # whatever the launcher sets there is undone after the test
         monkeypatch.setenv(name, os.environ.get(name, ""))
@@ -180,7 +180,7 @@ def _record_ray_init(monkeypatch) -> list[tuple[str | None, dict]]:
 
 
 def test_the_launcher_keeps_ray_token_auth_on_and_hands_actors_the_run_keys(monkeypatch):
-    from miles_disagg.auth import ADMIN_API_KEY_ENV
+    from miles_disagg.net.auth import ADMIN_API_KEY_ENV
     from miles_disagg.loop.job import init_ray
 
     calls = _record_ray_init(monkeypatch)

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from service_fixtures import body, serve_until_ok
-from miles_disagg.process import free_port
+from miles_disagg.net.process import free_port
 from miles_disagg.service.client import GatewayClient
 
 pytestmark = pytest.mark.timeout(180)

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig
-from miles_disagg.netbind import LOCAL_RAY_SYSTEM_CONFIG
+from miles_disagg.net.netbind import LOCAL_RAY_SYSTEM_CONFIG
 from miles_disagg.types import Sample, VersionRef
 from miles_disagg.weights.checksums import checksum
 from miles_disagg.weights.materializer import Materializer

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_disagg.auth import ADMIN_API_KEY_ENV
+from miles_disagg.net.auth import ADMIN_API_KEY_ENV
 from miles_disagg.bench.scale import ScaleBench, SimFleetProcess, _start_router, _wait_ready
 from miles_disagg.engines.activation import ActivationFailed
 from miles_disagg.engines.updater import DiskDeltaUpdater

@@ -22,7 +22,7 @@ import torch
 from checkpoint_reading import assert_same_state, read_state
 
 from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig
-from miles_disagg.netbind import LOCAL_RAY_SYSTEM_CONFIG
+from miles_disagg.net.netbind import LOCAL_RAY_SYSTEM_CONFIG
 from miles_disagg.types import Sample
 
 pytestmark = pytest.mark.timeout(400)

@@ -30,7 +30,7 @@ def test_an_expert_parallel_engine_with_routing_replay_parses(sglang_loaded, tmp
     from miles_disagg.config import load_config
     from miles_disagg.config.actors import EngineManagerConfig
     from miles_disagg.engines.launch import engine_processes
-    from miles_disagg.engines.plan import engine_specs
+    from miles_disagg.fleet.plan import engine_specs
 
     model = tmp_path / "qwen3-30b-a3b"
     model.mkdir()
@@ -53,7 +53,7 @@ def test_without_replay_sglang_engines_do_not_capture_routing(sglang_loaded, tmp
     from miles_disagg.config import load_config
     from miles_disagg.config.actors import EngineManagerConfig
     from miles_disagg.engines.launch import engine_processes
-    from miles_disagg.engines.plan import engine_specs
+    from miles_disagg.fleet.plan import engine_specs
 
     model = tmp_path / "moe"
     model.mkdir()
@@ -205,7 +205,7 @@ def test_the_30b_a3b_scripts_engines_parse(sglang_loaded, tmp_path, monkeypatch)
     from miles_disagg.config import load_config
     from miles_disagg.config.actors import EngineManagerConfig
     from miles_disagg.engines.launch import engine_processes
-    from miles_disagg.engines.plan import engine_specs
+    from miles_disagg.fleet.plan import engine_specs
 
     monkeypatch.chdir(tmp_path)
     config, _ = load_config(_script_line(SCRIPT_30B, tmp_path), "train_async")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from miles_disagg.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys, AuthLevel, forward_headers, level_of
-from miles_disagg.netbind import LOOPBACK, NODE_IP, bind_host, run_keys
+from miles_disagg.net.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys, AuthLevel, forward_headers, level_of
+from miles_disagg.net.netbind import LOOPBACK, NODE_IP, bind_host, run_keys
 from miles_disagg.types import VersionConstraint
 
 BOTH = ApiKeys("user", "admin")

@@ -22,10 +22,10 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
     from miles_disagg.bench.http_client import HttpBench
     from miles_disagg.bench.scale import ScaleBench
     from miles_disagg.bench.publish import PublishBench
-    from miles_disagg.engines.simulated_cli import SimEnginesCommand
+    from miles_disagg.bench.sim.cli import SimEnginesCommand
     from miles_disagg.bench.service import ServiceBench
     from miles_disagg.engines.agent.cli import AgentCommand
-    from miles_disagg.engines.members_cli import ACTIONS as ENGINES_ACTIONS
+    from miles_disagg.fleet.members_cli import ACTIONS as ENGINES_ACTIONS
     from miles_disagg.loop.report_cli import ReportCommand
     from miles_disagg.models.cli import TinyCheckpointCommand
     from miles_disagg.router.cli import RouterCommand

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_disagg import process
+from miles_disagg.net import process
 
 
 def test_a_picked_port_is_below_the_ephemeral_range_and_bindable() -> None:

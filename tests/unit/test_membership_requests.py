@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from miles_disagg.engines.control_server import AddRequest, RemoveRequest
-from miles_disagg.engines.members_cli import ControlClient, _addresses, engines_table
-from miles_disagg.engines.membership import normalize
-from miles_disagg.httpjson import parse_body
+from miles_disagg.fleet.control_server import AddRequest, RemoveRequest
+from miles_disagg.fleet.members_cli import ControlClient, _addresses, engines_table
+from miles_disagg.fleet.membership import normalize
+from miles_disagg.net.httpjson import parse_body
 from miles_disagg.types import InvalidInput
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from miles_disagg.config.components import RolloutConfig, RunConfig, WeightUpdateConfig
-from miles_disagg.engines.plan import delta_filter_choice
+from miles_disagg.fleet.plan import delta_filter_choice
 from miles_disagg.engines.updater import plan_buckets
 from miles_disagg.loop.ci_gates import CIGateFailed, check_step
 from miles_disagg.rollout.generate import SamplingSettings

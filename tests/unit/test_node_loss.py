@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from miles_disagg.launcher import main
-from miles_disagg.engines.capacity import CapacityPolicy
+from miles_disagg.fleet.capacity import CapacityPolicy
 from miles_disagg.loop.capacity import CapacityWatch
 from miles_disagg.loop.cluster import NodeWatch, write_engine_events
 from miles_disagg.loop.report import write_report

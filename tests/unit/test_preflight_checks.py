@@ -167,7 +167,7 @@ def test_weight_and_rollout_hooks_that_do_not_import(capsys, tmp_path, tiny_qwen
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_rollout_service_that_does_not_answer(capsys, tmp_path, tiny_qwen3_dir, mode) -> None:
-    from miles_disagg.process import free_port
+    from miles_disagg.net.process import free_port
 
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     refused(capsys, args(tmp_path, tiny_qwen3_dir, "--rollout-service-url", url, "--update-weight-transfer-mode",

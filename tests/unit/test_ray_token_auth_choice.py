@@ -4,7 +4,7 @@ is not imported yet (it reads the mode at import: set later, the process would s
 
 from __future__ import annotations
 
-from miles_disagg.netbind import keep_ray_token_auth
+from miles_disagg.net.netbind import keep_ray_token_auth
 
 
 def _clean(monkeypatch, home) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from miles_disagg.netbind import RAY_TOKEN_LOGGER, keep_ray_token_auth, quiet_ray_token_notice
+from miles_disagg.net.netbind import RAY_TOKEN_LOGGER, keep_ray_token_auth, quiet_ray_token_notice
 
 
 def test_only_the_on_by_default_notice_is_dropped(caplog, monkeypatch) -> None:

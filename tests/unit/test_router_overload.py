@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from miles_disagg.pooled_http import ConnectTimedOut, NotConnected, Reply
+from miles_disagg.net.pooled_http import ConnectTimedOut, NotConnected, Reply
 from miles_disagg.router.app import ProxyRecord, Router, RouterConfig
 from miles_disagg.router.policy import LeastOutstandingPolicy, NoWorkerAvailable
 from miles_disagg.router.registry import WorkerRegistry, WorkerState

@@ -93,7 +93,7 @@ def test_a_dense_model_never_asks_for_routing(tmp_path):
 ])
 def test_managed_engines_start_with_the_routed_experts_flag(tmp_path, model, replay, backend, flagged):
     from miles_disagg.engines.launch import engine_processes
-    from miles_disagg.engines.plan import engine_specs
+    from miles_disagg.fleet.plan import engine_specs
 
     argv = ["--hf-checkpoint", str(checkpoint(tmp_path, model)), "--rollout-num-gpus-per-engine", "1"]
     if replay:

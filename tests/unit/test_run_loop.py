@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from miles_disagg.pooled_http import loop_factory, run_loop
+from miles_disagg.net.pooled_http import loop_factory, run_loop
 
 
 def test_returns_the_result_on_the_fast_loop():

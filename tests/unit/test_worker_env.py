@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from miles_disagg.auth import ADMIN_API_KEY_ENV
-from miles_disagg.netbind import (LOCAL_RAY_ENV, WORKER_ENV, inherit_into_local_ray, keys_runtime_env, on_local_ray,
+from miles_disagg.net.auth import ADMIN_API_KEY_ENV
+from miles_disagg.net.netbind import (LOCAL_RAY_ENV, WORKER_ENV, inherit_into_local_ray, keys_runtime_env, on_local_ray,
                                   worker_runtime_env)
 
 

@@ -18,7 +18,7 @@ Endpoints the agent answers itself (everything else is proxied unchanged):
   already serves: relabelling without a verified load would serve one policy under another's name.
 * ``GET /agent_info`` (state), ``GET /agent_health`` (the agent itself is up).
 
-Keys (:mod:`miles_disagg.auth`): the agent enforces its own ``--api-key``/``--admin-api-key``
+Keys (:mod:`miles_disagg.net.auth`): the agent enforces its own ``--api-key``/``--admin-api-key``
 and talks to the engine with the same keys, but a proxied request carries a key of at most
 the level its caller proved, so nobody borrows the agent's admin key. ``/pull_weights``
 reads only a ``--weight-store-dir`` and writes only the agent's local checkpoint (403 otherwise).
@@ -50,13 +50,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from miles_disagg.asgi_guard import ServerGuard, install_guard, server_app
-from miles_disagg.auth import forward_headers
+from miles_disagg.net.asgi_guard import ServerGuard, install_guard, server_app
+from miles_disagg.net.auth import forward_headers
 from miles_disagg.engines.builtin import protocol
 from miles_disagg.engines.roots import OutsideRoots, WeightRoots
-from miles_disagg.httpjson import error_json
-from miles_disagg.keyed_client import pooled_limits
-from miles_disagg.httpjson import status_for as _status_for
+from miles_disagg.net.httpjson import error_json
+from miles_disagg.net.keyed_client import pooled_limits
+from miles_disagg.net.httpjson import status_for as _status_for
 from miles_disagg.types import EngineUnreachable, Forbidden, InvalidInput, Retryable, VersionRef
 
 log = logging.getLogger(__name__)

@@ -107,7 +107,7 @@ def check_local_dir(path: Path) -> None:
 
 
 def wait_for_engine(engine_url: str, timeout_s: float) -> None:
-    from miles_disagg.process import NotHealthy, wait_healthy
+    from miles_disagg.net.process import NotHealthy, wait_healthy
 
     try:
         wait_healthy(engine_url, timeout_s=timeout_s, poll_s=0.5)

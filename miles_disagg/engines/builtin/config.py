@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_disagg.asgi_guard import DEFAULT_MAX_REQUEST_BYTES, MAX_REQUEST_BYTES_HELP
+from miles_disagg.net.asgi_guard import DEFAULT_MAX_REQUEST_BYTES, MAX_REQUEST_BYTES_HELP
 from miles_disagg.config.commands import ADMIN_API_KEY_HELP, API_KEY_HELP
 from miles_disagg.config.components import ENGINE_DTYPES  # weight dtypes the model runner loads
 from miles_disagg.config.fields import REQUIRED, flag
@@ -61,8 +61,8 @@ class EngineConfig:
 
     def guard(self):
         """The keys (flags, else the environment) and request limit the server enforces."""
-        from miles_disagg.asgi_guard import ServerGuard
-        from miles_disagg.auth import ApiKeys
+        from miles_disagg.net.asgi_guard import ServerGuard
+        from miles_disagg.net.auth import ApiKeys
 
         return ServerGuard(ApiKeys.resolve(self.api_key, self.admin_api_key), self.max_request_bytes)
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
 
-from miles_disagg.httpjson import parse_body, parse_json  # noqa: F401  (re-exported: protocol.parse_json)
+from miles_disagg.net.httpjson import parse_body, parse_json  # noqa: F401  (re-exported: protocol.parse_json)
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 MAX_PROMPT_TOKENS = "max_prompt_tokens"  # validation context key: the server's context length
@@ -181,7 +181,7 @@ PRECHECK_BYTES = 1 << 20
 
 
 def _precheck(body: bytes, max_prompt_tokens: int | None, max_total_tokens: int | None) -> None:
-    from miles_disagg.httpjson import parse_json
+    from miles_disagg.net.httpjson import parse_json
     from miles_disagg.types import InvalidInput
 
     if max_total_tokens is not None and b'"input_ids"' in body and body.count(b",") > max_total_tokens:

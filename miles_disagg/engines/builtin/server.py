@@ -11,7 +11,7 @@ that error event, then ``[DONE]``), as SGLang does; a plain abort is a 200 with 
 so far. ``/health`` is 503 with the reason while the scheduler is dead or its last step
 failed. Blocking engine calls (and parsing and tokenizing ``/generate`` bodies) run in
 worker threads, so the event loop always answers, and a weight pull never blocks generation.
-Every request first passes :mod:`miles_disagg.asgi_guard` (API keys, request-size limit). A client that disconnects mid-request has its
+Every request first passes :mod:`miles_disagg.net.asgi_guard` (API keys, request-size limit). A client that disconnects mid-request has its
 request aborted (its slot is freed at the next step boundary).
 
 Aliases of newer SGLang: ``/model_info``, ``/server_info``; ``/generate`` takes PUT too.
@@ -25,11 +25,11 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
-from miles_disagg.asgi_guard import ServerGuard, install_guard, server_app
+from miles_disagg.net.asgi_guard import ServerGuard, install_guard, server_app
 from miles_disagg.engines.builtin import protocol
 from miles_disagg.engines.builtin.runtime import Engine
 from miles_disagg.engines.builtin.scheduler import Sequence
-from miles_disagg.httpjson import error_json, status_for
+from miles_disagg.net.httpjson import error_json, status_for
 
 log = logging.getLogger(__name__)
 

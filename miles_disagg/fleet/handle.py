@@ -1,6 +1,6 @@
 """The engine manager as a run sees it: one Ray actor behind typed methods.
 
-:class:`EngineManagerHandle` creates the :class:`~miles_disagg.engines.manager.EngineManager`
+:class:`EngineManagerHandle` creates the :class:`~miles_disagg.fleet.manager.EngineManager`
 actor and forwards to it; nothing outside this module calls ``.remote`` on it.
 """
 
@@ -46,9 +46,9 @@ class EngineManagerHandle:
         """``placement``: the run's; the manager (and its router) go to its driver's node."""
         import ray
 
-        from miles_disagg.engines.manager import EngineManager
+        from miles_disagg.fleet.manager import EngineManager
 
-        from miles_disagg.netbind import keys_runtime_env
+        from miles_disagg.net.netbind import keys_runtime_env
 
         strategy = placement.control_strategy() if placement is not None else None
         self._actor = (ray.remote(EngineManager)

@@ -1,6 +1,6 @@
 """``miles-disagg sim-engines --num-engines N``: many simulated engines in one process, one port each.
 
-For scale benchmarks and tests (see :mod:`miles_disagg.engines.simulated`). Prints one line once every
+For scale benchmarks and tests (see :mod:`miles_disagg.bench.sim.engines`). Prints one line once every
 engine listens: ``{"urls": [...]}`` (JSON), then serves until interrupted. Binds 127.0.0.1 unless
 ``--host`` says otherwise; keys and the request limit as every server (``--api-key`` ...).
 """
@@ -12,7 +12,7 @@ import asyncio
 import json
 from dataclasses import dataclass
 
-from miles_disagg.pooled_http import run_loop
+from miles_disagg.net.pooled_http import run_loop
 from miles_disagg.config.commands import ServerFlags, add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
 
@@ -38,7 +38,7 @@ class SimEnginesCommand(ServerFlags):
             raise ValueError(f"--num-engines must be >= 1, got {self.num_engines}")
 
     def latency(self):
-        from miles_disagg.engines.simulated import LatencyModel
+        from miles_disagg.bench.sim.engines import LatencyModel
 
         return LatencyModel(per_request_s=self.per_request_ms / 1e3, per_token_s=self.per_token_ms / 1e3,
                             pull_s=self.pull_ms / 1e3, pause_s=self.pause_ms / 1e3, load_s=self.load_ms / 1e3)
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(command: SimEnginesCommand) -> None:
-    from miles_disagg.engines.simulated import SimulatedFleet
+    from miles_disagg.bench.sim.engines import SimulatedFleet
 
     fleet = SimulatedFleet(command.num_engines, command.latency(), host=command.host, guard=command.guard())
     urls = await fleet.start(command.port)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from miles_disagg.keyed_client import KEEPALIVE_EXPIRY_S
+from miles_disagg.net.keyed_client import KEEPALIVE_EXPIRY_S
 
 
 class TransportFailed(Exception):

@@ -2,7 +2,7 @@
 
 :func:`install_guard` wraps a FastAPI app (engine, agent, router, gateway, replica control API):
 
-1. **Keys** (:mod:`miles_disagg.auth`): the endpoint's level from its path; a caller without the
+1. **Keys** (:mod:`miles_disagg.net.auth`): the endpoint's level from its path; a caller without the
    key it needs gets ``401`` JSON before the app sees the request. The level the caller proved is
    left in ``scope["state"]["auth_level"]`` (``request.state.auth_level``) for proxies.
 2. **Size**: a ``Content-Length`` above ``max_request_bytes`` is ``413`` at once, before a byte
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from miles_disagg.auth import ApiKeys, level_of
+from miles_disagg.net.auth import ApiKeys, level_of
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 DRAIN_CAP_BYTES = 256 * 1024 * 1024  # an oversized body is read and dropped up to this, so the client sees its 413
@@ -81,7 +81,7 @@ class ServerGuard:
 
     @classmethod
     def from_env(cls) -> "ServerGuard":
-        """Keys from the environment (:data:`~miles_disagg.auth.API_KEY_ENV` ...), the default limit."""
+        """Keys from the environment (:data:`~miles_disagg.net.auth.API_KEY_ENV` ...), the default limit."""
         return cls(ApiKeys.from_env())
 
 

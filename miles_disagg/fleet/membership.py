@@ -38,7 +38,7 @@ from miles_disagg.engines.client import EngineClient
 from miles_disagg.types import ConfigError, InvalidInput, MilesDisaggError, ReplaceReplica
 
 if TYPE_CHECKING:
-    from miles_disagg.engines.manager import EngineManager
+    from miles_disagg.fleet.manager import EngineManager
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class Membership:
 
     def add_managed(self, count: int) -> list[dict]:
         """``count`` more managed engines on GPUs the cluster has free: placed, caught up, routed."""
-        from miles_disagg.engines.managed_join import start_managed_engines, stop_started
+        from miles_disagg.fleet.managed_join import start_managed_engines, stop_started
 
         if count < 1:
             raise InvalidInput(f"--managed must be at least 1, got {count}")
@@ -166,7 +166,7 @@ class Membership:
     def _check_new(self, urls: list[str]) -> None:
         """Every address answers and matches the job; ``InvalidInput`` naming each that does not
         (nothing is changed)."""
-        from miles_disagg.engines.manager import _wait_answering
+        from miles_disagg.fleet.manager import _wait_answering
 
         problems = []
         current = {self.manager.engine_urls[i] for i in self.members()}
@@ -191,7 +191,7 @@ class Membership:
 
     def _join(self, url: str, info: MemberInfo, *, why: str, actor: Any = None) -> dict:
         """Catch up outside the manager's lock, then (under it) to any newer version, then route."""
-        from miles_disagg.engines.plan import local_checkpoint_root
+        from miles_disagg.fleet.plan import local_checkpoint_root
 
         manager = self.manager
         index = len(manager.engine_urls)

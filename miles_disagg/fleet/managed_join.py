@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from miles_disagg.types import MilesDisaggError
 
 if TYPE_CHECKING:
-    from miles_disagg.engines.manager import EngineManager
+    from miles_disagg.fleet.manager import EngineManager
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def start_managed_engines(manager: "EngineManager", count: int, *, first_index: 
     """``[(actor, url, MemberInfo)]`` of ``count`` started engines (not yet caught up or routed)."""
     import ray
 
-    from miles_disagg.engines.membership import MembershipRefused
+    from miles_disagg.fleet.membership import MembershipRefused
 
     tp = manager.cluster.rollout_num_gpus_per_engine
     free = ray.available_resources().get("GPU", 0.0)
@@ -51,8 +51,8 @@ def _start_one(manager: "EngineManager", index: int, tp: int) -> tuple[Any, str,
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from miles_disagg.engines.actor import EngineProcess
-    from miles_disagg.engines.membership import MemberInfo, MembershipRefused
-    from miles_disagg.engines.plan import engine_specs, resolve_backend
+    from miles_disagg.fleet.membership import MemberInfo, MembershipRefused
+    from miles_disagg.fleet.plan import engine_specs, resolve_backend
 
     group = placement_group([{"GPU": 1, "CPU": 1}] * tp, strategy="STRICT_PACK")
     try:

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles_disagg.auth import ApiKeys, AuthLevel
+from miles_disagg.net.auth import ApiKeys, AuthLevel
 from miles_disagg.types import InvalidInput, MilesDisaggError
 
 if TYPE_CHECKING:
-    from miles_disagg.engines.membership import Membership
+    from miles_disagg.fleet.membership import Membership
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +85,9 @@ def control_app(membership: "Membership", keys: ApiKeys):
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
-    from miles_disagg.asgi_guard import ServerGuard, error_body, install_guard, server_app
-    from miles_disagg.engines.membership import MembershipRefused, UnknownEngine
-    from miles_disagg.httpjson import parse_body, status_for
+    from miles_disagg.net.asgi_guard import ServerGuard, error_body, install_guard, server_app
+    from miles_disagg.fleet.membership import MembershipRefused, UnknownEngine
+    from miles_disagg.net.httpjson import parse_body, status_for
 
     # (no `from __future__ import annotations` in this module: FastAPI reads `Request` from the handlers)
     app = server_app("miles-disagg engine membership")
@@ -150,7 +150,7 @@ class ControlServer:
     def __init__(self, membership: "Membership", run_dir: str | Path, host: str):
         import uvicorn
 
-        from miles_disagg.process import listen_socket
+        from miles_disagg.net.process import listen_socket
 
         self.run_dir = Path(run_dir)
         self.keys = ApiKeys.from_env()

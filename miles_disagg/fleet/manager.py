@@ -8,7 +8,7 @@ address must answer and match the job (architecture, tp size, context length, dt
 the version-aware router that this actor starts.
 
 Placement: the manager, and the router it starts, run on the driver's node. Every server binds
-the address :func:`miles_disagg.netbind.bind_host` gives: loopback while the job is on one node,
+the address :func:`miles_disagg.net.netbind.bind_host` gives: loopback while the job is on one node,
 the node's IP once it spans nodes. Before any engine starts, each engine's node reads the
 trainer's store probe back (:meth:`EngineManager.start` with ``store_probe``) and looks for the
 base checkpoint: a path an engine's node cannot read fails the run (``ConfigError``, exit 2)
@@ -20,10 +20,10 @@ out of the router at once, restarted, brought to the current version (base + cha
 is removed; when it answers again it is re-checked and brought to the current version
 before it is registered again. An engine whose node left the cluster (Ray says so: no
 health-check timeout is waited for) or whose actor is gone is taken out at once and placed
-again on its bundle when the cluster offers the resources (:mod:`miles_disagg.engines.replace`),
+again on its bundle when the cluster offers the resources (:mod:`miles_disagg.fleet.replace`),
 caught up and verified before it is routed to. Weight updates and restores never interleave
 (one lock). The monitor feeds the number of serving engines to the run's capacity policy
-(:mod:`miles_disagg.engines.capacity`: ``--min-rollout-engines``).
+(:mod:`miles_disagg.fleet.capacity`: ``--min-rollout-engines``).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from miles_disagg.config.actors import EngineManagerConfig
-from miles_disagg.engines.capacity import CapacityPolicy
+from miles_disagg.fleet.capacity import CapacityPolicy
 from miles_disagg.engines.client import EngineClient
-from miles_disagg.engines.plan import local_checkpoint_root
-from miles_disagg.engines.replace import Replacements, verify_served_version
+from miles_disagg.fleet.plan import local_checkpoint_root
+from miles_disagg.fleet.replace import Replacements, verify_served_version
 from miles_disagg.engines.updater import BroadcastUpdater, DiskDeltaUpdater, UpdateFailed
 from miles_disagg.types import ConfigError, EngineUnrecoverable, MilesDisaggError
 
@@ -68,10 +68,10 @@ class EngineManager:
         self._failures: dict[int, int] = {}  # consecutive failed health checks per engine
         self._lost: set[int] = set()  # engines whose actor is gone (with its node): placed again, not restarted
         self._broadcast: BroadcastUpdater | None = None
-        from miles_disagg.engines.membership import Membership
+        from miles_disagg.fleet.membership import Membership
 
         self.members = Membership(self)  # engines joining and leaving mid-run (engines add/remove)
-        self._control = None  # the membership control endpoint (engines/control_server.py)
+        self._control = None  # the membership control endpoint (fleet/control_server.py)
         self._engine_nodes: list[str | None] = []  # node id of each managed engine (updated when placed again)
         self._replacements = Replacements(self)
         self._capacity = CapacityPolicy(self.rollout.min_rollout_engines, self.rollout.min_rollout_engines_timeout)
@@ -119,10 +119,10 @@ class EngineManager:
                 "local_dirs": list(self.local_dirs)}
 
     def serve_membership(self) -> str:
-        """Open the endpoint ``miles-disagg engines add|remove|list`` reach (engines/membership.py);
+        """Open the endpoint ``miles-disagg engines add|remove|list`` reach (fleet/membership.py);
         the run calls it once its ``placement.json`` is written (changes rewrite that file). Returns its URL."""
-        from miles_disagg.engines.control_server import ControlServer
-        from miles_disagg.netbind import bind_host, resolve_host
+        from miles_disagg.fleet.control_server import ControlServer
+        from miles_disagg.net.netbind import bind_host, resolve_host
 
         if self._control is None:
             self.members.record_start()
@@ -137,8 +137,8 @@ class EngineManager:
             return client.announced_delta_filters()
 
     def _start_router(self, workers: list[str]) -> None:
-        from miles_disagg.engines.plan import ROUTER_RETRY_AFTER_S, router_plan
-        from miles_disagg.netbind import bind_host, resolve_host
+        from miles_disagg.fleet.plan import ROUTER_RETRY_AFTER_S, router_plan
+        from miles_disagg.net.netbind import bind_host, resolve_host
 
         log_path = self.run_dir / "logs" / "router.log"
         plan = router_plan(self.config)
@@ -161,7 +161,7 @@ class EngineManager:
         import ray
 
         from miles_disagg.engines.actor import EngineProcess
-        from miles_disagg.engines.plan import engine_specs, resolve_backend
+        from miles_disagg.fleet.plan import engine_specs, resolve_backend
 
         backend, _ = resolve_backend(self.rollout.rollout_backend)
         remote_cls = ray.remote(EngineProcess)
@@ -452,7 +452,7 @@ class EngineManager:
             return  # left the run (engines remove)
         managed = bool(self._actors) and self._actors[index] is not None
         if index in self._lost or self._replacements.busy(index):
-            return  # gone with its actor: being placed again (engines/replace.py)
+            return  # gone with its actor: being placed again (fleet/replace.py)
         if index not in self._down:
             with self._lock:
                 if self._passes_health_check(index):
@@ -579,7 +579,7 @@ class EngineManager:
 
 
 def _wait_answering(url: str, timeout_s: float) -> None:
-    from miles_disagg.process import NotHealthy, wait_healthy
+    from miles_disagg.net.process import NotHealthy, wait_healthy
 
     try:
         wait_healthy(url, timeout_s=timeout_s, poll_s=1.0)

@@ -1,7 +1,7 @@
 """``miles-disagg engines add|remove|list --run-dir DIR``: change the engine set of a running job.
 
 The running job's engine manager serves a control endpoint and writes its address to
-``DIR/control.json`` (:mod:`miles_disagg.engines.control_server`); these commands call it with
+``DIR/control.json`` (:mod:`miles_disagg.fleet.control_server`); these commands call it with
 the run's admin key (``--admin-api-key``, else ``$MILES_DISAGG_ADMIN_API_KEY``, else
 ``DIR/control.key``, which the run writes for its user). ``add`` returns once each engine serves
 the run's current version and the router routes to it; ``remove`` once each drained and left.
@@ -116,8 +116,8 @@ class ControlClient:
         """``InvalidInput`` (exit 2) when no job is running in ``run_dir``."""
         import os
 
-        from miles_disagg.auth import ADMIN_API_KEY_ENV
-        from miles_disagg.engines.control_server import CONTROL_FILENAME, KEY_FILENAME
+        from miles_disagg.net.auth import ADMIN_API_KEY_ENV
+        from miles_disagg.fleet.control_server import CONTROL_FILENAME, KEY_FILENAME
 
         control = run_dir / CONTROL_FILENAME
         try:
@@ -158,7 +158,7 @@ def _read_key(path: Path) -> str | None:
 
 
 def _message(response) -> str:
-    from miles_disagg.keyed_client import payload_message, response_payload
+    from miles_disagg.net.keyed_client import payload_message, response_payload
 
     return payload_message(response_payload(response))
 

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-from miles_disagg.auth import ApiKeys, new_key
+from miles_disagg.net.auth import ApiKeys, new_key
 
 LOOPBACK = "127.0.0.1"
 NODE_IP = "node-ip"

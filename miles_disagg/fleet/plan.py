@@ -1,6 +1,6 @@
 """What the engine manager will start, decided without starting anything.
 
-The manager (:mod:`miles_disagg.engines.manager`) and ``--dry-run``
+The manager (:mod:`miles_disagg.fleet.manager`) and ``--dry-run``
 (:mod:`miles_disagg.loop.dry_run`) both take their engine specs and router settings from
 here, so the plan a dry run prints is the launch a run performs.
 """
@@ -40,7 +40,7 @@ def local_checkpoint_root(config: EngineManagerConfig) -> Path:
 def engine_specs(config: EngineManagerConfig, engines: Sequence[Sequence[int]], backend: str) -> list[EngineSpec]:
     """One spec per managed engine (``engines``: each engine's bundle positions). The node's
     address (when the job spans nodes) and the base GPU id are filled in where the engine is placed."""
-    from miles_disagg.netbind import bind_host
+    from miles_disagg.net.netbind import bind_host
 
     root = local_checkpoint_root(config)
     store = config.weights.update_weight_disk_dir

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from miles_disagg.engines.manager import EngineManager
+    from miles_disagg.fleet.manager import EngineManager
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class Replacements:
         import ray
 
         from miles_disagg.engines.actor import EngineProcess
-        from miles_disagg.engines.plan import engine_specs, resolve_backend
+        from miles_disagg.fleet.plan import engine_specs, resolve_backend
 
         manager = self.manager
         backend, _ = resolve_backend(manager.rollout.rollout_backend)
@@ -222,7 +222,7 @@ class Replacements:
 
     def _adopt(self, index: int, actor, url: str, site: dict) -> None:
         """The placed engine takes index ``index``'s place; caught up and verified, then routed to."""
-        from miles_disagg.engines.plan import local_checkpoint_root
+        from miles_disagg.fleet.plan import local_checkpoint_root
 
         manager = self.manager
         with manager._lock:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from miles_disagg.auth import ApiKeys
+from miles_disagg.net.auth import ApiKeys
 
 KEEPALIVE_EXPIRY_S = 2.0
 """Idle pooled connections are dropped after this long: before the 5 s after which uvicorn (our

@@ -1,6 +1,6 @@
 """How few rollout engines a run may go on with, and for how long (``--min-rollout-engines``).
 
-A lost rollout node costs capacity, not the run (:mod:`miles_disagg.engines.replace`): its
+A lost rollout node costs capacity, not the run (:mod:`miles_disagg.fleet.replace`): its
 engines leave the router and the run goes on with the rest. :class:`CapacityPolicy` (pure) is
 fed the number of serving engines by the engine manager's monitor and says when the run must
 end: fewer than ``--min-rollout-engines`` served for longer than

@@ -16,7 +16,7 @@ built-in engine answers it:
   ``/get_weight_version``.
 
 Keys and the request-size limit are enforced as every server of this project enforces them
-(:class:`~miles_disagg.asgi_guard.ServerGuard`'s settings): 401 and 413 JSON. Wrong types are 400.
+(:class:`~miles_disagg.net.asgi_guard.ServerGuard`'s settings): 401 and 413 JSON. Wrong types are 400.
 Nothing in production code knows an engine is simulated.
 """
 
@@ -27,8 +27,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_disagg.asgi_guard import ServerGuard, error_body
-from miles_disagg.auth import level_of
+from miles_disagg.net.asgi_guard import ServerGuard, error_body
+from miles_disagg.net.auth import level_of
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MAX_NEW_TOKENS_LIMIT = 1 << 16
