@@ -27,6 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("miles_disagg.engines.agent.cli", "front a stock SGLang engine with /pull_weights (no fork needed)"),
     "serve": ("miles_disagg.service.cli", "the external rollout service: gateway, self-converging replicas, pools"),
     "make-tiny-checkpoint": ("miles_disagg.models.cli", "write a random tiny Qwen3 HF checkpoint (no download)"),
+    "convert-fp8": ("miles_disagg.weights.fp8_convert", "convert an HF checkpoint to blockwise FP8 (what SGLang serves)"),
     "bench": ("miles_disagg.bench.cli", "benchmarks that print one JSON object"),
     "report": ("miles_disagg.loop.report_cli", "rebuild summary.json and report.png of a run directory from its records"),
     "engines": ("miles_disagg.fleet.members_cli", "engines join and leave a running job: add, remove, list"),
