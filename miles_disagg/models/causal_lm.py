@@ -57,8 +57,12 @@ def load_causal_lm(model_dir: Path, *, dtype: torch.dtype | str = "auto", device
     ``runs_on``: the device it will compute on, if the caller moves it (default: ``device``)."""
     model_dir = Path(model_dir)
     dtype = checkpoint_dtype(model_dir) if dtype == "auto" else dtype
-    if implementation(model_dir, device if runs_on is None else runs_on)[0] == NATIVE:
+    choice, why = implementation(model_dir, device if runs_on is None else runs_on)
+    if choice == NATIVE:
         return load_native_qwen3(model_dir, dtype=dtype, device=device)
+    if "quantization_config" in read_config(model_dir):
+        raise InvalidInput(f"checkpoint {str(model_dir)!r} is quantized and the native model cannot serve it "
+                           f"({why}): serve quantized checkpoints with SGLang (--engine sglang)")
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
@@ -85,6 +89,7 @@ def load_native_qwen3(model_dir: Path, *, dtype: torch.dtype, device: torch.devi
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(file))
+    stored_as_is = _use_quantized_layers(model, config_json, tensors, dtype)
     expected = dict(model.named_parameters(remove_duplicate=False))
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     missing = sorted(set(expected) - set(tensors) - tied)
@@ -98,8 +103,27 @@ def load_native_qwen3(model_dir: Path, *, dtype: torch.dtype, device: torch.devi
             raise LayoutMismatch(f"tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies "
                                  f"{tuple(expected[name].shape)}")
     # copy: the result owns its memory (safetensors may hand out views of a file that is later rewritten)
-    tensors = {name: t.to(device=device, dtype=dtype, copy=True) for name, t in tensors.items() if name not in tied}
+    tensors = {name: t.to(device=device, dtype=None if name in stored_as_is else dtype, copy=True)
+               for name, t in tensors.items() if name not in tied}
     model.load_state_dict(tensors, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def _use_quantized_layers(model: torch.nn.Module, config_json: dict, tensors: dict[str, torch.Tensor],
+                          dtype: torch.dtype) -> set[str]:
+    """For a blockwise-FP8 checkpoint: its FP8 linear layers swapped in; the names of the tensors kept
+    in their stored dtype (FP8 weights and their scales). Nothing for an unquantized checkpoint."""
+    from miles_disagg.models.fp8 import scale_name, scheme_of
+    from miles_disagg.models.fp8_linear import use_fp8_linears
+
+    scheme = scheme_of(config_json)
+    if scheme is None:
+        return set()
+    fp8_weights = {name for name, t in tensors.items() if t.dtype == torch.float8_e4m3fn}
+    without_scale = sorted(name for name in fp8_weights if scale_name(name) not in tensors)
+    if without_scale:
+        raise LayoutMismatch(f"FP8 weights without their weight_scale_inv: {without_scale[:3]}")
+    use_fp8_linears(model, fp8_weights, scheme, dtype)
+    return fp8_weights | {scale_name(name) for name in fp8_weights}

@@ -63,6 +63,18 @@ def _rope(config: dict) -> dict:
     return config.get("rope_parameters") or config.get("rope_scaling") or {}
 
 
+def native_quantization(config: dict) -> bool:
+    """Whether the native model computes the checkpoint's quantization (none, or blockwise FP8)."""
+    from miles_disagg.models.fp8 import scheme_of
+    from miles_disagg.types import InvalidInput
+
+    try:
+        scheme_of(config)
+    except InvalidInput:
+        return False
+    return True
+
+
 def native_blocker(config: dict) -> str | None:
     """Why this module would not compute what transformers computes for ``config`` (None: it would)."""
     if config.get("architectures") != [ARCHITECTURE] or config.get("model_type") != "qwen3":
@@ -74,7 +86,7 @@ def native_blocker(config: dict) -> str | None:
         "hidden_act": config.get("hidden_act", "silu") == "silu",
         "use_sliding_window": not config.get("use_sliding_window", False),
         "layer_types": all(t == "full_attention" for t in config.get("layer_types") or ()),
-        "quantization_config": "quantization_config" not in config,
+        "quantization_config": native_quantization(config),
     }
     unsupported = [name for name, ok in checks.items() if not ok]
     return f"config.json sets {unsupported}" if unsupported else None
@@ -150,15 +162,15 @@ class Attention(nn.Module):
                 past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         rows, length, _ = x.shape
         shape, eps = (rows, length, -1, self.head_dim), self.q_norm.eps
-        q = rms_norm(F.linear(x, self.q_proj.weight).view(shape), self.q_norm.weight, eps).transpose(1, 2)
-        k = rms_norm(F.linear(x, self.k_proj.weight).view(shape), self.k_norm.weight, eps).transpose(1, 2)
-        v = F.linear(x, self.v_proj.weight).view(shape).transpose(1, 2)
+        q = rms_norm(self.q_proj(x).view(shape), self.q_norm.weight, eps).transpose(1, 2)
+        k = rms_norm(self.k_proj(x).view(shape), self.k_norm.weight, eps).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5,
                                              enable_gqa=self.heads != self.kv_heads)
-        return F.linear(out.transpose(1, 2).reshape(rows, length, -1), self.o_proj.weight), (k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(rows, length, -1)), (k, v)
 
 
 class MLP(nn.Module):
@@ -169,8 +181,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -1,6 +1,6 @@
 """``miles-disagg convert-fp8 --model-dir BF16 --save-dir FP8 [--block-size 128 128]``: a BF16 (or fp32)
 HF checkpoint converted to blockwise FP8 as SGLang loads it, with the rule every FP8 version of a run
-is published with (:mod:`miles_disagg.weights.fp8`), so a version an engine applies equals this
+is published with (:mod:`miles_disagg.models.fp8`), so a version an engine applies equals this
 command's output of the same weights, byte for byte.
 
 Every ``*.safetensors`` file is converted tensor by tensor into a file of the same name (each FP8
@@ -23,7 +23,7 @@ from typing import Any
 from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import REQUIRED, flag
 from miles_disagg.types import InvalidInput
-from miles_disagg.weights.fp8 import BlockFp8, is_quantized_weight, quantize_named, scheme_of
+from miles_disagg.models.fp8 import BlockFp8, is_quantized_weight, quantize_named, scheme_of
 
 INDEX_NAME = "model.safetensors.index.json"
 
