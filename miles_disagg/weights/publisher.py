@@ -36,6 +36,7 @@ from miles_disagg.weights.codec import (
 from miles_disagg.weights.commit import Collective, ShareFailed, SingleRank, commit_shares
 from miles_disagg.weights.hooks import POST_WRITE_FLAG, load_hook
 from miles_disagg.weights.safetensors_io import checkpoint_tensors, read_bytes
+from miles_disagg.weights.served_form import ServedForm
 from miles_disagg.weights.shares import ShareManifest, write_share
 from miles_disagg.weights.store import VersionStore
 
@@ -133,6 +134,7 @@ class DeltaPublisher:
         self._pool = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="publish")
         self._snapshot: dict[str, np.ndarray] | None = None
         self._layouts: dict[str, LocalTensor] = {}  # every tensor of the checkpoint (all shares)
+        self._served = ServedForm()  # what the engines serve: the trainer's tensors or their FP8 form
         self._latest: VersionRef | None = None
         self._publish_lock = threading.Lock()
 
@@ -172,7 +174,11 @@ class DeltaPublisher:
         publish nothing. Collective when sharded (rank 0 checks the store and names the run)."""
         latest, self.run_id = self._on_rank_0(lambda: (self._open_store(), self.run_id))
         snapshot, layouts = {}, {}
-        for name, (file_name, entry) in checkpoint_tensors(self.base_dir).items():
+        entries = checkpoint_tensors(self.base_dir)
+        self._served = ServedForm.of_checkpoint(self.base_dir, {n: e.dtype for n, (_, e) in entries.items()})
+        if self.share is not None:
+            self.share = self._served.share_with_scales(self.share)
+        for name, (file_name, entry) in entries.items():
             layouts[name] = LocalTensor(entry.dtype, entry.shape, entry.nbytes, entry.itemsize)
             if self.share is None or name in self.share:
                 snapshot[name] = np.frombuffer(read_bytes(self.base_dir / file_name, entry), dtype=np.uint8)
@@ -325,7 +331,7 @@ class DeltaPublisher:
 
         assert self._snapshot is not None
         seen: set[str] = set()
-        for name, tensor in named_tensors:
+        for name, tensor in self._served.served_tensors(named_tensors, self._snapshot.keys()):
             layout = self._layouts.get(name)
             if layout is None:
                 raise LayoutMismatch(f"tensor {name!r} is not in the baseline checkpoint {self.base_dir}")
