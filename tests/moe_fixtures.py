@@ -17,13 +17,3 @@ def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     return made_once(tmp_path_factory, "tiny_qwen3_moe",
                      functools.partial(make_tiny_qwen3, charset=DIGITS_CHARSET, **TINY_MOE))
-
-
-def decode_routed_experts(encoded: str, layers: int, top_k: int):
-    """SGLang's ``meta_info["routed_experts"]``: base64 little-endian int32 ``[rows, layers, top_k]``."""
-    import base64
-
-    import numpy as np
-
-    raw = base64.b64decode(encoded, validate=True)
-    return np.frombuffer(raw, dtype="<i4").reshape(-1, layers, top_k)

@@ -40,6 +40,7 @@ import numpy as np
 
 from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
+from miles_disagg.models.qwen3_tensors import qwen3_tensor_shapes
 
 BENCH_CHECKSUM = "xxh3-128"
 
@@ -80,25 +81,11 @@ def _log(message: str) -> None:
 
 
 def model_shapes(size_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
-    """LLM-like bf16 shapes (3 layers) whose total is close to ``size_bytes``."""
+    """Qwen3 bf16 shapes (3 layers, heads of 16, GQA 4:1) whose total is close to ``size_bytes``."""
     hidden = max(64, int(round(math.sqrt(size_bytes / 128.5) / 64)) * 64)
-    kv, inter, vocab = hidden // 4, int(hidden * 2.75) // 64 * 64, hidden * 16
-    shapes = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(3):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "input_layernorm.weight", (hidden,)),
-            (p + "self_attn.q_proj.weight", (hidden, hidden)),
-            (p + "self_attn.k_proj.weight", (kv, hidden)),
-            (p + "self_attn.v_proj.weight", (kv, hidden)),
-            (p + "self_attn.o_proj.weight", (hidden, hidden)),
-            (p + "post_attention_layernorm.weight", (hidden,)),
-            (p + "mlp.gate_proj.weight", (inter, hidden)),
-            (p + "mlp.up_proj.weight", (inter, hidden)),
-            (p + "mlp.down_proj.weight", (hidden, inter)),
-        ]
-    shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
-    return shapes
+    return qwen3_tensor_shapes({"vocab_size": hidden * 16, "hidden_size": hidden, "num_hidden_layers": 3,
+                                "intermediate_size": int(hidden * 2.75) // 64 * 64, "head_dim": 16,
+                                "num_attention_heads": hidden // 16, "num_key_value_heads": hidden // 64})
 
 
 def make_model(size_mb: float, lr: float, seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -67,7 +67,7 @@ class XorPlanes(Ours):
     """The previous default: XOR with byte planes (dense or bitmap) for every tensor."""
 
     def __init__(self, *args):
-        from miles_disagg.weights.codec import CodecSpec
+        from miles_disagg.weights.format import CodecSpec
 
         super().__init__(*args)
         self.spec = CodecSpec("xor", "byteplane")

@@ -18,33 +18,20 @@ import math
 
 import numpy as np
 
+from miles_disagg.models.qwen3_tensors import qwen3_tensor_shapes
+
 MOE_LAYERS = 3
 WIDTH_RATIO = 0.375  # moe_intermediate_size / hidden_size in Qwen3-30B-A3B (768 / 2048)
 
 
 def moe_shapes(size_bytes: int, experts: int) -> list[tuple[str, tuple[int, ...]]]:
-    """bf16 shapes of a 3-layer Qwen3-MoE whose total is close to ``size_bytes``."""
+    """bf16 shapes of a 3-layer Qwen3-MoE (heads of 16, GQA 4:1) whose total is close to ``size_bytes``."""
     per_h2 = 2 * (2 * 16 + MOE_LAYERS * (2.5 + 3 * WIDTH_RATIO * experts))  # bytes per hidden^2
     hidden = max(64, int(round(math.sqrt(size_bytes / per_h2) / 64)) * 64)
-    kv, width, vocab = hidden // 4, max(8, int(hidden * WIDTH_RATIO) // 8 * 8), hidden * 16
-    shapes = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(MOE_LAYERS):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "input_layernorm.weight", (hidden,)),
-            (p + "self_attn.q_proj.weight", (hidden, hidden)),
-            (p + "self_attn.k_proj.weight", (kv, hidden)),
-            (p + "self_attn.v_proj.weight", (kv, hidden)),
-            (p + "self_attn.o_proj.weight", (hidden, hidden)),
-            (p + "post_attention_layernorm.weight", (hidden,)),
-            (p + "mlp.gate.weight", (experts, hidden)),
-        ]
-        for e in range(experts):
-            q = f"{p}mlp.experts.{e}."
-            shapes += [(q + "gate_proj.weight", (width, hidden)), (q + "up_proj.weight", (width, hidden)),
-                       (q + "down_proj.weight", (hidden, width))]
-    shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
-    return shapes
+    width = max(8, int(hidden * WIDTH_RATIO) // 8 * 8)
+    return qwen3_tensor_shapes({"vocab_size": hidden * 16, "hidden_size": hidden, "num_hidden_layers": MOE_LAYERS,
+                                "head_dim": 16, "num_attention_heads": hidden // 16, "num_key_value_heads": hidden // 64,
+                                "num_experts": experts, "moe_intermediate_size": width})
 
 
 def experts_hit(experts: int, top_k: int, tokens: int, rng: np.random.Generator) -> set[int]:

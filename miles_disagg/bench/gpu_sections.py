@@ -279,7 +279,9 @@ def _qwen3_model(pool: ThreadPoolExecutor, shape: dict):
     one AdamW-like step later (lr 1e-5 along a random sign, weight decay 0.1); made in parallel."""
     import numpy as np
 
-    shapes = _qwen3_shapes(shape)
+    from miles_disagg.models.qwen3_tensors import qwen3_tensor_shapes
+
+    shapes = qwen3_tensor_shapes({**shape, "tie_word_embeddings": True})  # Qwen3-4B ties lm_head to the embedding
     old = {n: np.empty(int(np.prod(s)) * 2, dtype=np.uint8) for n, s in shapes}
     new = {n: np.empty_like(old[n]) for n, _ in shapes}
     tasks = [(i, n, lo, min(lo + CHUNK, int(np.prod(s)))) for i, (n, s) in enumerate(shapes)
@@ -299,21 +301,6 @@ def _fill(old, new, index: int, name: str, lo: int, hi: int) -> None:
     old[name][2 * lo:2 * hi] = master.bfloat16().view(torch.uint8).numpy()
     master.sub_(1e-5 * (sign + 0.1 * master))
     new[name][2 * lo:2 * hi] = master.bfloat16().view(torch.uint8).numpy()
-
-
-def _qwen3_shapes(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
-    h, inter, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
-    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
-    out = [("model.embed_tokens.weight", (shape["vocab_size"], h))]
-    for i in range(shape["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (q, h)),
-                (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.v_proj.weight", (kv, h)),
-                (p + "self_attn.o_proj.weight", (h, q)), (p + "self_attn.q_norm.weight", (d,)),
-                (p + "self_attn.k_norm.weight", (d,)), (p + "post_attention_layernorm.weight", (h,)),
-                (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-                (p + "mlp.down_proj.weight", (h, inter))]
-    return out + [("model.norm.weight", (h,))]  # Qwen3-4B ties lm_head to the embedding
 
 
 def section_moe(shapes: Shapes, work: Path) -> dict:

@@ -26,11 +26,35 @@ QWEN3_DEFAULTS: dict[str, Any] = {
 """transformers' ``Qwen3Config`` defaults (its ``rope_parameters`` default: theta 10000, default type)."""
 
 
+QWEN3_MOE_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "hidden_act": "silu", "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0, "decoder_sparse_step": 1,
+    "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False,
+    "router_aux_loss_coef": 0.001, "mlp_only_layers": [], "pad_token_id": None, "bos_token_id": None,
+    "eos_token_id": None,
+}
+"""transformers' ``Qwen3MoeConfig`` defaults (``head_dim`` absent: ``hidden_size // num_attention_heads``)."""
+
+
 def qwen3_values(config: dict[str, Any]) -> dict[str, Any]:
     """config.json of a Qwen3 over transformers' defaults (``num_key_value_heads`` null: one per head)."""
     values = {**QWEN3_DEFAULTS, **config}
     if values.get("num_key_value_heads") is None:
         values["num_key_value_heads"] = values["num_attention_heads"]
+    return values
+
+
+def qwen3_moe_values(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a Qwen3-MoE over transformers' defaults: ``num_local_experts`` (transformers 5's
+    alias) stands for ``num_experts``; ``num_key_value_heads`` null: one per head; ``head_dim``
+    absent or null: ``hidden_size // num_attention_heads``."""
+    values = {**QWEN3_MOE_DEFAULTS, **config}
+    if "num_experts" not in config and "num_local_experts" in config:
+        values["num_experts"] = config["num_local_experts"]
+    if values.get("num_key_value_heads") is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    values["head_dim"] = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
     return values
 
 

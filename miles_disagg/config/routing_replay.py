@@ -23,14 +23,11 @@ import json
 from pathlib import Path
 
 from miles_disagg.config.components import RunConfig
+from miles_disagg.config.hf_config import QWEN3_MOE_DEFAULTS
 from miles_disagg.types import ConfigError
 
 REPLAY_FLAGS = (("--use-rollout-routing-replay", "use_rollout_routing_replay"),
                 ("--use-routing-replay", "use_routing_replay"))
-
-QWEN3_MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 24}
-"""transformers' ``Qwen3MoeConfig`` defaults for keys a config.json leaves out."""
-
 
 def moe_routing_shape(hf_dir: str | Path | None) -> tuple[int, int] | None:
     """``(num_hidden_layers, num_experts_per_tok)`` of a MoE checkpoint; None for a dense one,

@@ -55,11 +55,13 @@ class Qwen3Config:
     def from_dict(cls, config: dict) -> "Qwen3Config":
         """From config.json; keys it leaves out take transformers' ``Qwen3Config`` defaults."""
         values = qwen3_values(config)
-        values["rope_theta"] = float(_rope(config).get("rope_theta", values["rope_theta"]))
+        values["rope_theta"] = float(rope_parameters(config).get("rope_theta", values["rope_theta"]))
         return cls(**{f.name: values[f.name] for f in fields(cls)})
 
 
-def _rope(config: dict) -> dict:
+def rope_parameters(config: dict) -> dict:
+    """config.json's RoPE settings: transformers 5's ``rope_parameters``, else 4's ``rope_scaling``
+    ({} when neither is set; ``rope_theta`` may then be a top-level key)."""
     return config.get("rope_parameters") or config.get("rope_scaling") or {}
 
 
@@ -80,7 +82,7 @@ def native_blocker(config: dict) -> str | None:
     if config.get("architectures") != [ARCHITECTURE] or config.get("model_type") != "qwen3":
         return f"architectures {config.get('architectures')} (model_type {config.get('model_type')!r})"
     checks = {
-        "rope_type": _rope(config).get("rope_type", "default") == "default",
+        "rope_type": rope_parameters(config).get("rope_type", "default") == "default",
         "rope_scaling": not config.get("rope_scaling") or config.get("rope_scaling", {}).get("rope_type") == "default",
         "attention_bias": not config.get("attention_bias", False),
         "hidden_act": config.get("hidden_act", "silu") == "silu",

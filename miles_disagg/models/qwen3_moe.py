@@ -21,49 +21,26 @@ returns ``routed_experts``: the experts each token went to, same shape, -1 on de
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from miles_disagg.config.hf_config import qwen3_moe_values
 from miles_disagg.models.qwen3 import (
-    MLP, Attention, CausalLMOutput, Embedding, LayerCache, Linear, Qwen3Model, RMSNorm, _rope,
-    attention_mask_4d, native_blocker as dense_blocker, rms_norm,
+    MLP, Attention, CausalLMOutput, Embedding, LayerCache, Linear, Qwen3Config, Qwen3Model, RMSNorm,
+    attention_mask_4d, native_blocker as dense_blocker, rms_norm, rope_parameters,
 )
+from miles_disagg.models.qwen3_tensors import is_sparse_layer
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 MODEL_TYPE = "qwen3_moe"
 
-QWEN3_MOE_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "hidden_act": "silu", "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0, "decoder_sparse_step": 1,
-    "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False,
-    "router_aux_loss_coef": 0.001, "mlp_only_layers": [], "pad_token_id": None, "bos_token_id": None,
-    "eos_token_id": None,
-}
-"""transformers' ``Qwen3MoeConfig`` defaults (``head_dim`` absent: ``hidden_size // num_attention_heads``)."""
-
 
 @dataclass(frozen=True)
-class Qwen3MoeConfig:
-    """The config.json fields the model uses (transformers' names)."""
+class Qwen3MoeConfig(Qwen3Config):
+    """The config.json fields the model uses (transformers' names): :class:`Qwen3Config`'s and the experts'."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    pad_token_id: int | None
-    bos_token_id: int | None
-    eos_token_id: Any
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
@@ -75,20 +52,14 @@ class Qwen3MoeConfig:
     @classmethod
     def from_dict(cls, config: dict) -> "Qwen3MoeConfig":
         """From config.json; keys it leaves out take transformers' ``Qwen3MoeConfig`` defaults."""
-        values = {**QWEN3_MOE_DEFAULTS, **config}
-        if "num_experts" not in config and "num_local_experts" in config:  # transformers 5 writes this alias
-            values["num_experts"] = config["num_local_experts"]
-        if values.get("num_key_value_heads") is None:
-            values["num_key_value_heads"] = values["num_attention_heads"]
-        values["head_dim"] = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
-        values["rope_theta"] = float(_rope(config).get("rope_theta", values["rope_theta"]))
+        values = qwen3_moe_values(config)
+        values["rope_theta"] = float(rope_parameters(config).get("rope_theta", values["rope_theta"]))
         values["mlp_only_layers"] = tuple(values.get("mlp_only_layers") or ())
         return cls(**{f.name: values[f.name] for f in fields(cls)})
 
     def is_sparse(self, layer: int) -> bool:
         """HF's rule for a layer with experts."""
-        return (layer not in self.mlp_only_layers and self.num_experts > 0
-                and (layer + 1) % self.decoder_sparse_step == 0)
+        return is_sparse_layer(layer, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers)
 
     @property
     def sparse_layers(self) -> list[int]:

@@ -14,7 +14,7 @@ returns (``dapo`` a dict ``{"score", "acc", "pred"}``: read it with ``--reward-k
 * ``random``   - 0 or 1 at random.
 * ``boxed_<type>`` - ``<type>`` scored on the response's last ``\\boxed{...}`` only.
 
-``math`` and ``deepscaler`` are this project's rule rewards (``rewards.py``). A sample's
+``math`` and ``deepscaler`` are this project's rule rewards (``answer_scoring.py``). A sample's
 ``metadata["rm_type"]`` picks its type, as in miles. ``remote_rm``, ``ocr``, ``pickscore`` and
 ``ifbench`` are refused with the reason (:data:`REFUSED_RM_TYPES`).
 """
@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from miles_disagg.rollout.generate import GenerationFailed
-from miles_disagg.rollout.rewards import answers_match, deepscaler_reward, label_answers, last_boxed, math_reward
+from miles_disagg.rollout.answer_scoring import answers_match, deepscaler_reward, label_answers, last_boxed, math_reward
 
 REFUSED_RM_TYPES = {
     "remote_rm": "it posts each sample to an external reward server (--rm-url), which this launcher does not "
@@ -188,7 +188,7 @@ MILES_RM_TYPES = ("dapo", "f1", "gpqa", "random", "math", "deepscaler")
 
 
 def is_miles_rm_type(rm_type: str | None) -> bool:
-    """``rm_type`` is scored here (miles' names, a ``boxed_`` prefix allowed) rather than by ``rewards.py``."""
+    """``rm_type`` is scored here (miles' names, a ``boxed_`` prefix allowed) rather than by the reward registry's own ``math`` / ``deepscaler``."""
     if not rm_type:
         return False
     base = rm_type[len("boxed_"):] if rm_type.startswith("boxed_") else rm_type

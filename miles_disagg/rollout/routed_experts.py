@@ -1,9 +1,9 @@
 """MoE routing replay, rollout side: ask the engines for the experts each token was routed to and
 keep them on the sample (``Sample.rollout_routed_experts``).
 
-The wire is SGLang 0.5.23's: a ``/generate`` body with ``"return_routed_experts": true`` and
-``"routed_experts_start_len": S`` is answered with ``meta_info["routed_experts"]``, the base64 of
-a little-endian int32 array ``[seqlen - 1 - S, num_hidden_layers, num_experts_per_tok]``
+The wire is SGLang 0.5.23's (:mod:`miles_disagg.models.routed_experts_wire`): a ``/generate`` body
+with ``"return_routed_experts": true`` and ``"routed_experts_start_len": S`` is answered with
+``meta_info["routed_experts"]``, int32 ``[seqlen - 1 - S, num_hidden_layers, num_experts_per_tok]``
 (``seqlen``: the call's prompt plus output tokens), row ``p`` being the routing of the token at
 absolute position ``S + p``; layers without experts hold -1.
 
@@ -21,16 +21,14 @@ the run stops rather than train a sample unreplayed.
 
 from __future__ import annotations
 
-import base64
-import binascii
 from dataclasses import dataclass
 from typing import Any
 
+from miles_disagg.models.routed_experts_wire import ROUTED_EXPERTS_FIELD, START_LEN_FIELD, RoutingWireError
+from miles_disagg.models.routed_experts_wire import decode_routed_experts as decode_payload
 from miles_disagg.rollout.generate import GenerationFailed
 from miles_disagg.types import Sample
 
-FIELD = "routed_experts"
-"""``meta_info`` key of the answer (SGLang's)."""
 ENGINE_FLAG = "--enable-return-routed-experts"
 """The server flag (SGLang's; the built-in engine takes the same)."""
 
@@ -61,7 +59,7 @@ def request_fields(sample_rows: int, prompt_len: int) -> dict[str, Any]:
     if not 0 <= sample_rows <= prompt_len:
         raise RoutedExpertsMissing(f"a sample holds routing for {sample_rows} positions but sends only {prompt_len} "
                                    "tokens: its tokens were cut after the engines routed them")
-    return {"return_routed_experts": True, "routed_experts_start_len": int(sample_rows)}
+    return {"return_routed_experts": True, START_LEN_FIELD: int(sample_rows)}
 
 
 def rows_held(sample: Sample) -> int:
@@ -70,26 +68,17 @@ def rows_held(sample: Sample) -> int:
     return 0 if routed is None else int(routed.shape[0])
 
 
-def decode_routed_experts(meta: dict, rows: int, shape: RoutingShape):
-    """``meta_info["routed_experts"]`` as a numpy int32 ``[rows, layers, top_k]`` array;
-    :class:`RoutedExpertsMissing` naming what is wrong otherwise."""
-    import numpy as np
-
-    encoded = meta.get(FIELD) if isinstance(meta, dict) else None
+def decode_routed_experts(meta: dict | None, rows: int | None, shape: RoutingShape):
+    """``meta_info["routed_experts"]`` as a numpy int32 ``[rows, layers, top_k]`` array (``rows``
+    None: as many as it holds); :class:`RoutedExpertsMissing` naming what is wrong otherwise."""
+    encoded = meta.get(ROUTED_EXPERTS_FIELD) if isinstance(meta, dict) else None
     if encoded is None:
         raise RoutedExpertsMissing(f"routing replay asked the engine for routed experts and its answer has no "
-                                   f"meta_info[{FIELD!r}]: start every engine with {ENGINE_FLAG}")
-    if not isinstance(encoded, str):
-        raise RoutedExpertsMissing(f"meta_info[{FIELD!r}] must be a base64 string, got {type(encoded).__name__}")
+                                   f"meta_info[{ROUTED_EXPERTS_FIELD!r}]: start every engine with {ENGINE_FLAG}")
     try:
-        raw = base64.b64decode(encoded, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise RoutedExpertsMissing(f"meta_info[{FIELD!r}] is not valid base64: {exc}") from None
-    expected = rows * shape.per_row * 4
-    if len(raw) != expected:
-        raise RoutedExpertsMissing(f"meta_info[{FIELD!r}] holds {len(raw)} bytes; {rows} positions x "
-                                   f"{shape.num_layers} layers x top-{shape.top_k} int32 need {expected}")
-    return np.frombuffer(raw, dtype="<i4").astype(np.int32).reshape(rows, shape.num_layers, shape.top_k)
+        return decode_payload(encoded, shape.num_layers, shape.top_k, rows)
+    except RoutingWireError as exc:
+        raise RoutedExpertsMissing(str(exc)) from None
 
 
 def append_call_routing(sample: Sample, meta: dict, *, start_len: int, seqlen: int, shape: RoutingShape) -> None:
@@ -108,14 +97,7 @@ def append_call_routing(sample: Sample, meta: dict, *, start_len: int, seqlen: i
 def decode_all_rows(meta: dict | None, shape: RoutingShape):
     """The routing of every position of a call asked with ``routed_experts_start_len`` 0, when the
     caller does not know the call's length (a hook's own router call): rows from the payload's size."""
-    encoded = meta.get(FIELD) if isinstance(meta, dict) else None
-    rows = 0
-    if isinstance(encoded, str):
-        try:
-            rows = len(base64.b64decode(encoded, validate=True)) // (shape.per_row * 4)
-        except (binascii.Error, ValueError):
-            rows = 0  # decode_routed_experts names the problem
-    return decode_routed_experts(meta or {}, rows, shape)
+    return decode_routed_experts(meta, None, shape)
 
 
 def extend_routing(sample: Sample, routed) -> None:

@@ -18,7 +18,8 @@ from miles_disagg.config.fields import REQUIRED, flag
 from miles_disagg.tracking import status
 from miles_disagg.types import FormatError, InvalidInput, LayoutMismatch
 from miles_disagg.weights.checksums import CHECKSUMS, DEFAULT_CHECKSUM
-from miles_disagg.weights.codec import FILTERS, PUBLISH_ENCODINGS
+from miles_disagg.weights.codec import PUBLISH_ENCODINGS
+from miles_disagg.weights.format import FILTERS
 
 BASE_DIR_HELP = "Version 0: the base HF checkpoint."
 WORKERS_HELP = "Worker threads reading and writing payloads."

@@ -42,62 +42,15 @@ import numpy as np
 
 from miles_disagg.types import ChecksumMismatch, FormatError, LayoutMismatch
 from miles_disagg.weights.checksums import checksum
-from miles_disagg.weights.planes import _compress_plane, _expand_plane, _local, _overwrite_payload, _planes, _Scratch
+from miles_disagg.weights.format import DEFAULT_CHUNK_BYTES, CodecSpec
+from miles_disagg.weights.planes import (
+    ThreadScratch, byte_planes, compress_plane, expand_plane, overwrite_payload, thread_scratch,
+)
 from miles_disagg.weights.mixed import choose_encoding, encode_chunk_choices
 from miles_disagg.weights.sparse import apply_sparse, element_size, element_view, max_raw_bytes, parse_sparse, sparse_raw
 
-ENCODINGS = ("xor", "overwrite", "full", "mixed")  # a version's delta_encoding
-TENSOR_ENCODINGS = ("xor", "overwrite", "sparse")  # what one tensor of a ``mixed`` version may use
-PUBLISH_ENCODINGS = ("xor", "overwrite")
-FILTERS = ("byteplane", "none")
-COMPRESSIONS = ("zstd",)
-DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+PUBLISH_ENCODINGS = ("xor", "overwrite")  # what a publisher may be asked for
 _U32 = struct.Struct("<I")
-
-
-@dataclass(frozen=True)
-class CodecSpec:
-    """How one version's payloads are encoded: delta encoding, filter and chunk size."""
-
-    encoding: str = "xor"
-    filter: str = "byteplane"
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-
-    def __post_init__(self) -> None:
-        if self.encoding not in ENCODINGS and self.encoding != "sparse":
-            raise FormatError(f"unknown delta encoding {self.encoding!r} (known: {', '.join(ENCODINGS)})")
-        if self.filter not in FILTERS:
-            raise FormatError(f"unknown delta filter {self.filter!r} (known: {', '.join(FILTERS)})")
-        if self.encoding in ("mixed", "sparse") and self.filter != "byteplane":
-            raise FormatError(f"delta encoding {self.encoding!r} needs the byteplane filter, not {self.filter!r}")
-        if self.chunk_bytes < 8:
-            raise FormatError(f"chunk_bytes must be >= 8, got {self.chunk_bytes}")
-
-    def for_tensor(self, encoding: str) -> "CodecSpec":
-        """The spec one tensor's payload is read with: ``encoding`` is its per-tensor encoding
-        from the index ("" = the version's). A ``mixed`` version needs one for every tensor."""
-        if self.encoding != "mixed":
-            if encoding not in ("", self.encoding):
-                raise FormatError(f"a tensor's encoding {encoding!r} differs from the version's {self.encoding!r}")
-            return self
-        if encoding not in TENSOR_ENCODINGS:
-            raise FormatError(f"a mixed version's tensor needs an encoding of {', '.join(TENSOR_ENCODINGS)}, "
-                              f"got {encoding!r}")
-        return CodecSpec(encoding, self.filter, self.chunk_bytes)
-
-    def num_planes(self, itemsize: int) -> int:
-        return 2 if self.filter == "byteplane" and itemsize == 2 else 1
-
-    def frames_per_chunk(self, itemsize: int) -> int:
-        """Frames one chunk's payload holds: one per byte plane, one for a sparse chunk."""
-        return 1 if self.encoding == "sparse" else self.num_planes(itemsize)
-
-    def chunks(self, nbytes: int, itemsize: int) -> list[tuple[int, int]]:
-        """Byte ranges the tensor is cut into (one range without the filter)."""
-        if self.filter == "none":
-            return [(0, nbytes)]
-        step = max(itemsize, self.chunk_bytes - self.chunk_bytes % itemsize)
-        return [(start, min(start + step, nbytes)) for start in range(0, max(nbytes, 1), step)]
 
 
 def publish_spec(encoding: str, filter: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, anchor: bool = False) -> CodecSpec:
@@ -116,7 +69,7 @@ def encode_chunk(spec: CodecSpec, old: np.ndarray, new: np.ndarray, itemsize: in
 
     ``xor``/``overwrite`` frames are ``b""`` where a plane did not change.
     """
-    s = _local()
+    s = thread_scratch()
     num_planes = spec.num_planes(itemsize)
     diff = s.get("xor", new.nbytes)
     np.bitwise_xor(old, new, out=diff)
@@ -128,22 +81,22 @@ def encode_chunk(spec: CodecSpec, old: np.ndarray, new: np.ndarray, itemsize: in
     if spec.encoding == "xor":
         if changed == 0:
             return [b""] * num_planes, 0
-        planes = _planes(diff, num_planes, "x", s)
-        return [_compress_plane(spec, p, s, allow_empty=True) for p in planes], changed
+        planes = byte_planes(diff, num_planes, "x", s)
+        return [compress_plane(spec, p, s, allow_empty=True) for p in planes], changed
     if spec.encoding == "full":
-        return [_compress_plane(spec, p, s, allow_empty=False) for p in _planes(new, num_planes, "n", s)], changed
+        return [compress_plane(spec, p, s, allow_empty=False) for p in byte_planes(new, num_planes, "n", s)], changed
     if changed == 0:
         return [b""] * num_planes, 0
-    old_planes = _planes(old, num_planes, "o", s)
-    new_planes = _planes(new, num_planes, "n", s)
+    old_planes = byte_planes(old, num_planes, "o", s)
+    new_planes = byte_planes(new, num_planes, "n", s)
     frames = []
     for old_p, new_p in zip(old_planes, new_planes):
-        raw, _ = _overwrite_payload(old_p, new_p)
+        raw, _ = overwrite_payload(old_p, new_p)
         frames.append(s.compress(spec, raw) if raw else b"")
     return frames, changed
 
 
-def _decompress(frame: memoryview, max_bytes: int, s: _Scratch, name: str) -> np.ndarray:
+def _decompress(frame: memoryview, max_bytes: int, s: ThreadScratch, name: str) -> np.ndarray:
     """Decompress one frame, refusing (before allocating) more than ``max_bytes`` of output."""
     import zstandard
 
@@ -162,7 +115,7 @@ def _decompress(frame: memoryview, max_bytes: int, s: _Scratch, name: str) -> np
     return np.frombuffer(raw, dtype=np.uint8)
 
 
-def _sparse_raw_of(frame: memoryview, elements: int, itemsize: int, s: _Scratch, name: str) -> np.ndarray:
+def _sparse_raw_of(frame: memoryview, elements: int, itemsize: int, s: ThreadScratch, name: str) -> np.ndarray:
     """A sparse chunk's raw form; a frame larger than any sparse form of the chunk is malformed."""
     try:
         return _decompress(frame, max_raw_bytes(elements, itemsize), s, name)
@@ -170,7 +123,7 @@ def _sparse_raw_of(frame: memoryview, elements: int, itemsize: int, s: _Scratch,
         raise FormatError(f"malformed sparse payload: {exc}") from None
 
 
-def _read_bounded(s: _Scratch, frame: memoryview, limit: int) -> bytes:
+def _read_bounded(s: ThreadScratch, frame: memoryview, limit: int) -> bytes:
     """Decompress a frame without a recorded size, stopping after ``limit`` bytes of output."""
     parts, total = [], 0
     with s.decompressor.stream_reader(frame) as reader:
@@ -197,7 +150,7 @@ def _apply_overwrite(plane: np.ndarray, raw: np.ndarray, name: str) -> None:
 
 def decode_chunk(spec: CodecSpec, target: np.ndarray, frames: list[memoryview], itemsize: int, name: str) -> None:
     """Apply one chunk's frames onto ``target`` (a writable uint8 view of the chunk) in place."""
-    s = _local()
+    s = thread_scratch()
     if spec.encoding == "sparse":
         if len(frames[0]):
             apply_sparse(target, _sparse_raw_of(frames[0], element_view(target, itemsize).size, itemsize, s, name),
@@ -213,7 +166,7 @@ def decode_chunk(spec: CodecSpec, target: np.ndarray, frames: list[memoryview], 
         if raw is not None and spec.encoding != "overwrite":
             if spec.filter == "none" and raw.nbytes != m:
                 raise LayoutMismatch(f"tensor {name!r}: the delta covers {raw.nbytes} bytes, the local tensor has {m}")
-            raw = _expand_plane(raw, m, f"plane{i}", s, name)
+            raw = expand_plane(raw, m, f"plane{i}", s, name)
         raws.append(raw)
     if spec.encoding == "overwrite":
         for i, raw in enumerate(raws):
@@ -253,7 +206,7 @@ def check_frames(spec: CodecSpec, payload: memoryview, nbytes: int, itemsize: in
     ``nbytes`` is the tensor's size (from the index's layout, or the base checkpoint's for a
     plain payload without one): no frame is decompressed beyond what that size allows.
     """
-    s = _local()
+    s = thread_scratch()
     planes = spec.num_planes(itemsize)
     for (a, b), frames in zip(spec.chunks(nbytes, itemsize), split_frames(spec, payload, nbytes, itemsize, name)):
         if spec.encoding == "sparse":
@@ -269,7 +222,7 @@ def check_frames(spec: CodecSpec, payload: memoryview, nbytes: int, itemsize: in
             if spec.encoding != "overwrite":
                 if spec.filter == "none" and raw.nbytes != m:
                     raise LayoutMismatch(f"tensor {name!r}: the delta covers {raw.nbytes} bytes, the tensor has {m}")
-                _expand_plane(raw, m, f"plane{i}", s, name)
+                expand_plane(raw, m, f"plane{i}", s, name)
 
 
 # ------------------------------------------------------------------ payload framing

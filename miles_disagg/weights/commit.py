@@ -26,8 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from miles_disagg.types import FailRun, VersionRef
-from miles_disagg.weights.codec import COMPRESSIONS, CodecSpec
-from miles_disagg.weights.format import INDEX_NAME, VersionIndex
+from miles_disagg.weights.format import COMPRESSIONS, INDEX_NAME, CodecSpec, VersionIndex
 from miles_disagg.weights.store import PostWriteHook, VersionStore
 from miles_disagg.weights.safetensors_io import fsync_dir
 from miles_disagg.weights.shares import ShareManifest

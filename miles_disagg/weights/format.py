@@ -40,10 +40,62 @@ from typing import Any
 
 from miles_disagg.types import FormatError, VersionRef
 from miles_disagg.weights.checksums import CHECKSUMS
-from miles_disagg.weights.codec import COMPRESSIONS, DEFAULT_CHUNK_BYTES, CodecSpec, ENCODINGS, FILTERS, TENSOR_ENCODINGS
 from miles_disagg.weights.jsonio import load_json
 
 INDEX_NAME = "model.safetensors.index.json"
+
+ENCODINGS = ("xor", "overwrite", "full", "mixed")  # a version's delta_encoding
+TENSOR_ENCODINGS = ("xor", "overwrite", "sparse")  # what one tensor of a ``mixed`` version may use
+FILTERS = ("byteplane", "none")
+COMPRESSIONS = ("zstd",)
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """How one version's payloads are encoded: delta encoding, filter and chunk size."""
+
+    encoding: str = "xor"
+    filter: str = "byteplane"
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    def __post_init__(self) -> None:
+        if self.encoding not in ENCODINGS and self.encoding != "sparse":
+            raise FormatError(f"unknown delta encoding {self.encoding!r} (known: {', '.join(ENCODINGS)})")
+        if self.filter not in FILTERS:
+            raise FormatError(f"unknown delta filter {self.filter!r} (known: {', '.join(FILTERS)})")
+        if self.encoding in ("mixed", "sparse") and self.filter != "byteplane":
+            raise FormatError(f"delta encoding {self.encoding!r} needs the byteplane filter, not {self.filter!r}")
+        if self.chunk_bytes < 8:
+            raise FormatError(f"chunk_bytes must be >= 8, got {self.chunk_bytes}")
+
+    def for_tensor(self, encoding: str) -> "CodecSpec":
+        """The spec one tensor's payload is read with: ``encoding`` is its per-tensor encoding
+        from the index ("" = the version's). A ``mixed`` version needs one for every tensor."""
+        if self.encoding != "mixed":
+            if encoding not in ("", self.encoding):
+                raise FormatError(f"a tensor's encoding {encoding!r} differs from the version's {self.encoding!r}")
+            return self
+        if encoding not in TENSOR_ENCODINGS:
+            raise FormatError(f"a mixed version's tensor needs an encoding of {', '.join(TENSOR_ENCODINGS)}, "
+                              f"got {encoding!r}")
+        return CodecSpec(encoding, self.filter, self.chunk_bytes)
+
+    def num_planes(self, itemsize: int) -> int:
+        """Byte planes a chunk of ``itemsize``-byte elements is cut into: 2 for a 2-byte dtype
+        under the byteplane filter, else 1."""
+        return 2 if self.filter == "byteplane" and itemsize == 2 else 1
+
+    def frames_per_chunk(self, itemsize: int) -> int:
+        """Frames one chunk's payload holds: one per byte plane, one for a sparse chunk."""
+        return 1 if self.encoding == "sparse" else self.num_planes(itemsize)
+
+    def chunks(self, nbytes: int, itemsize: int) -> list[tuple[int, int]]:
+        """Byte ranges the tensor is cut into (one range without the filter)."""
+        if self.filter == "none":
+            return [(0, nbytes)]
+        step = max(itemsize, self.chunk_bytes - self.chunk_bytes % itemsize)
+        return [(start, min(start + step, nbytes)) for start in range(0, max(nbytes, 1), step)]
 
 
 @dataclass(frozen=True)

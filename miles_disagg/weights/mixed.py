@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from miles_disagg.weights.planes import _compress_plane, _local, _planes
+from miles_disagg.weights.format import CodecSpec
+from miles_disagg.weights.planes import ThreadScratch, byte_planes, compress_plane, thread_scratch
 from miles_disagg.weights.sparse import changed_elements, changed_elements_few, element_size, raw_bound, sparse_raw
 
 # Sparse is smaller than byte planes up to ~25% of elements changed, by 3% at 15-20% (AdamW deltas),
@@ -39,12 +40,12 @@ _U32_LIMIT = 0xFFFFFFFF
 ChunkChoices = dict[str, list[bytes]]
 
 
-def encode_chunk_choices(spec, old: np.ndarray, new: np.ndarray, itemsize: int) -> tuple[ChunkChoices, int]:
+def encode_chunk_choices(spec: CodecSpec, old: np.ndarray, new: np.ndarray, itemsize: int) -> tuple[ChunkChoices, int]:
     """Candidate frames per encoding for one chunk of a ``mixed`` spec, and its changed byte count.
 
     An unchanged chunk returns ``({}, 0)``: empty frames in whichever encoding the tensor takes.
     """
-    s = _local()
+    s = thread_scratch()
     found = _changes(old, new, itemsize, s)
     if found is None:  # too many changes for sparse to win: byte planes only
         return _xor_choice(spec, old, new, itemsize, s)
@@ -65,7 +66,7 @@ def encode_chunk_choices(spec, old: np.ndarray, new: np.ndarray, itemsize: int) 
     return choices, changed_bytes
 
 
-def _changes(old: np.ndarray, new: np.ndarray, itemsize: int, s) -> tuple[np.ndarray, np.ndarray] | None:
+def _changes(old: np.ndarray, new: np.ndarray, itemsize: int, s: ThreadScratch) -> tuple[np.ndarray, np.ndarray] | None:
     """(positions, XOR values) of the changed elements; ``None`` when the chunk is too dense for sparse."""
     k = element_size(itemsize)
     if new.nbytes > _U32_LIMIT:
@@ -87,7 +88,7 @@ def _changes(old: np.ndarray, new: np.ndarray, itemsize: int, s) -> tuple[np.nda
     return changed_elements(old, new, itemsize, s.get("elements", new.nbytes // k).view(np.bool_))
 
 
-def _xor_choice(spec, old: np.ndarray, new: np.ndarray, itemsize: int, s) -> tuple[ChunkChoices, int]:
+def _xor_choice(spec: CodecSpec, old: np.ndarray, new: np.ndarray, itemsize: int, s: ThreadScratch) -> tuple[ChunkChoices, int]:
     """The chunk as XOR byte planes (dense or bitmap planes): the only candidate of a dense chunk."""
     diff = s.get("xor", new.nbytes)
     np.bitwise_xor(old, new, out=diff)
@@ -95,11 +96,12 @@ def _xor_choice(spec, old: np.ndarray, new: np.ndarray, itemsize: int, s) -> tup
     if changed_bytes == 0:
         return {}, 0
     xor_spec = spec.for_tensor("xor")
-    return {"xor": [_compress_plane(xor_spec, p, s, allow_empty=True)
-                    for p in _planes(diff, xor_spec.num_planes(itemsize), "x", s)]}, changed_bytes
+    return {"xor": [compress_plane(xor_spec, p, s, allow_empty=True)
+                    for p in byte_planes(diff, xor_spec.num_planes(itemsize), "x", s)]}, changed_bytes
 
 
-def _overwrite_frames(spec, values: np.ndarray, new: np.ndarray, positions: np.ndarray, itemsize: int, s) -> list[bytes]:
+def _overwrite_frames(spec: CodecSpec, values: np.ndarray, new: np.ndarray, positions: np.ndarray, itemsize: int,
+                      s: ThreadScratch) -> list[bytes]:
     """The ``overwrite`` frames of a chunk (one per byte plane) from its changed elements."""
     k = values.itemsize
     num_planes = spec.for_tensor("overwrite").num_planes(itemsize)

@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import struct
 import threading
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from miles_disagg.types import FormatError, LayoutMismatch
-
-if TYPE_CHECKING:
-    from miles_disagg.weights.codec import CodecSpec
+from miles_disagg.weights.format import CodecSpec
 
 ZSTD_LEVEL = 1
 _U32 = struct.Struct("<I")
 
 
-class _Scratch(threading.local):
-    """Per-thread zstd objects and reusable buffers (created lazily in each thread)."""
+class ThreadScratch(threading.local):
+    """Per-thread zstd objects and reusable buffers (created lazily in each thread).
+
+    ``checked`` compresses with zstd's frame checksum (byte-plane frames), ``plain`` without
+    (the plain format); ``decompressor`` reads either. :meth:`get` hands out a reusable buffer
+    per key: a caller owns it until it next asks for the same key in the same thread.
+    """
 
     def __init__(self) -> None:
         import zstandard
@@ -37,27 +38,30 @@ class _Scratch(threading.local):
         self.decompressor = zstandard.ZstdDecompressor()
         self.buffers: dict[str, np.ndarray] = {}
 
-    def compress(self, spec: "CodecSpec", data: np.ndarray | bytes) -> bytes:
+    def compress(self, spec: CodecSpec, data: np.ndarray | bytes) -> bytes:
+        """One zstd frame of ``data``: checksummed under the byteplane filter, plain otherwise."""
         return (self.checked if spec.filter == "byteplane" else self.plain).compress(data)
 
     def get(self, key: str, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of ``nbytes`` for ``key`` (contents undefined), grown when too small."""
         buf = self.buffers.get(key)
         if buf is None or buf.nbytes < nbytes:
             buf = self.buffers[key] = np.empty(max(nbytes, 1), dtype=np.uint8)
         return buf[:nbytes]
 
 
-_scratch: _Scratch | None = None
+_scratch: ThreadScratch | None = None
 
 
-def _local() -> _Scratch:
+def thread_scratch() -> ThreadScratch:
+    """The calling thread's :class:`ThreadScratch` (one ``threading.local`` shared by the codec)."""
     global _scratch
     if _scratch is None:
-        _scratch = _Scratch()
+        _scratch = ThreadScratch()
     return _scratch
 
 
-def _split_planes(data: np.ndarray, out_key: str, s: _Scratch) -> list[np.ndarray]:
+def _split_planes(data: np.ndarray, out_key: str, s: ThreadScratch) -> list[np.ndarray]:
     """Low and high byte planes of a 2-byte-element buffer (contiguous copies in scratch)."""
     m = data.nbytes // 2
     words = data.view("<u2")
@@ -69,11 +73,20 @@ def _split_planes(data: np.ndarray, out_key: str, s: _Scratch) -> list[np.ndarra
     return [lo, hi]
 
 
-def _planes(data: np.ndarray, num_planes: int, key: str, s: _Scratch) -> list[np.ndarray]:
+def byte_planes(data: np.ndarray, num_planes: int, key: str, s: ThreadScratch) -> list[np.ndarray]:
+    """``data`` (uint8) as ``num_planes`` planes: itself for 1, its low and high byte planes for 2.
+
+    The two planes live in ``s``'s buffers under ``key``: valid until the next call with that key.
+    """
     return [data] if num_planes == 1 else _split_planes(data, key, s)
 
 
-def _overwrite_payload(old: np.ndarray, new: np.ndarray) -> tuple[bytes, int]:
+def overwrite_payload(old: np.ndarray, new: np.ndarray) -> tuple[bytes, int]:
+    """The ``overwrite`` form of one plane and its number of changed bytes (``b"", 0`` unchanged).
+
+    ``[u32 count][u32 byte positions...][new bytes...]``, little-endian; ``LayoutMismatch`` for a
+    plane whose positions do not fit in u32.
+    """
     if new.size > 0xFFFFFFFF:
         raise LayoutMismatch(f"overwrite positions are u32: a plane of {new.size} bytes is too large (use xor or byteplane)")
     positions = np.flatnonzero(old != new).astype("<u4")
@@ -82,8 +95,9 @@ def _overwrite_payload(old: np.ndarray, new: np.ndarray) -> tuple[bytes, int]:
     return _U32.pack(positions.size) + positions.tobytes() + new[positions].tobytes(), int(positions.size)
 
 
-def _compress_plane(spec: CodecSpec, plane: np.ndarray, s: _Scratch, *, allow_empty: bool) -> bytes:
-    """One plane as a zstd frame: dense, or (byteplane filter only) sparse bitmap + values."""
+def compress_plane(spec: CodecSpec, plane: np.ndarray, s: ThreadScratch, *, allow_empty: bool) -> bytes:
+    """One plane as a zstd frame: dense, or (byteplane filter only) sparse bitmap + values,
+    whichever is smaller before compression. ``allow_empty``: an all-zero plane is ``b""``."""
     nonzero = int(np.count_nonzero(plane))
     if nonzero == 0 and allow_empty:
         return b""
@@ -99,8 +113,12 @@ def _compress_plane(spec: CodecSpec, plane: np.ndarray, s: _Scratch, *, allow_em
     return s.compress(spec, sparse)
 
 
-def _expand_plane(raw: np.ndarray, m: int, key: str, s: _Scratch, name: str) -> np.ndarray:
-    """Inverse of the sparse form of :func:`_compress_plane`; a dense plane passes through."""
+def expand_plane(raw: np.ndarray, m: int, key: str, s: ThreadScratch, name: str) -> np.ndarray:
+    """A decompressed plane of ``m`` bytes back in dense form: the inverse of the sparse form of
+    :func:`compress_plane` (written into ``s``'s buffer ``key``); a dense plane passes through.
+
+    ``LayoutMismatch`` when ``raw`` is larger than the plane; ``FormatError`` for a malformed sparse
+    plane (``name``: the tensor, for the message)."""
     if raw.nbytes == m:
         return raw
     bitmap_bytes = (m + 7) // 8

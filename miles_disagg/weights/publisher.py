@@ -30,10 +30,9 @@ import numpy as np
 from miles_disagg.types import ConfigError, InvalidInput, LayoutMismatch, VersionRef, same_run
 from miles_disagg.weights.apply import LocalTensor, apply_version
 from miles_disagg.weights.checksums import CHECKSUMS
-from miles_disagg.weights.codec import (
-    DEFAULT_CHUNK_BYTES, FILTERS, PUBLISH_ENCODINGS, CodecSpec, EncodedTensor, encode_tensors, publish_spec,
-)
+from miles_disagg.weights.codec import PUBLISH_ENCODINGS, EncodedTensor, encode_tensors, publish_spec
 from miles_disagg.weights.commit import Collective, ShareFailed, SingleRank, commit_shares
+from miles_disagg.weights.format import DEFAULT_CHUNK_BYTES, FILTERS, CodecSpec
 from miles_disagg.weights.hooks import POST_WRITE_FLAG, load_hook
 from miles_disagg.weights.safetensors_io import checkpoint_tensors, read_bytes
 from miles_disagg.weights.served_form import ServedForm

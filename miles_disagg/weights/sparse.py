@@ -1,6 +1,6 @@
 """The ``sparse`` per-tensor encoding: gap-coded positions of the changed elements + their XOR values.
 
-One chunk of a tensor (the byte-plane chunking of :class:`miles_disagg.weights.codec.CodecSpec`)
+One chunk of a tensor (the byte-plane chunking of :class:`miles_disagg.weights.format.CodecSpec`)
 becomes ONE zstd frame (level 1, with zstd's frame checksum) of::
 
     [u32 count][u32 escapes]

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from engine_fixtures import inprocess_engine
-from moe_fixtures import decode_routed_experts, tiny_qwen3_moe_dir  # noqa: F401  (fixture)
+from moe_fixtures import tiny_qwen3_moe_dir  # noqa: F401  (fixture)
+
+from miles_disagg.models.routed_experts_wire import decode_routed_experts
 
 pytestmark = pytest.mark.timeout(300)
 EXPERT = "model.layers.1.mlp.experts.2.up_proj.weight"

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from engine_fixtures import Background, inprocess_engine, start_engine, stop_engine, wait_in_flight
-from moe_fixtures import decode_routed_experts, tiny_qwen3_moe_dir  # noqa: F401  (fixture)
+from moe_fixtures import tiny_qwen3_moe_dir  # noqa: F401  (fixture)
+
+from miles_disagg.models.routed_experts_wire import decode_routed_experts
 
 pytestmark = pytest.mark.timeout(300)
 LAYERS, TOP_K = 2, 2

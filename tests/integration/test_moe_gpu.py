@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_fixtures import decode_routed_experts, tiny_qwen3_moe_dir  # noqa: F401  (fixture)
+from moe_fixtures import tiny_qwen3_moe_dir  # noqa: F401  (fixture)
 
 from miles_disagg.config.components import TrainConfig
+from miles_disagg.models.routed_experts_wire import decode_routed_experts
 from miles_disagg.types import Sample
 
 pytestmark = [

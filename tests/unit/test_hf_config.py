@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from miles_disagg.config.hf_config import read_hf_config
+from miles_disagg.config.hf_config import QWEN3_MOE_DEFAULTS, qwen3_moe_values, read_hf_config
 from miles_disagg.config.model_args import _EXPECTED
 from miles_disagg.trainer.megatron.convert import ModelShape
 
@@ -62,3 +62,17 @@ def test_a_broken_file_is_a_value_error(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{nope")
     with pytest.raises(ValueError):
         read_hf_config(tmp_path)
+
+
+def test_the_qwen3_moe_defaults_are_transformers() -> None:
+    from transformers import Qwen3MoeConfig
+
+    reference = Qwen3MoeConfig()
+    values = qwen3_moe_values({})
+    expected = {**{key: getattr(reference, key) for key in QWEN3_MOE_DEFAULTS if hasattr(reference, key)},
+                "num_experts": getattr(reference, "num_local_experts", None) or reference.num_experts,
+                "rope_theta": (reference.rope_parameters or {}).get("rope_theta", 10000.0)}
+    assert {key: values[key] for key in expected} == expected
+    assert values["head_dim"] == reference.hidden_size // reference.num_attention_heads
+    alias = qwen3_moe_values({"num_local_experts": 4, "num_key_value_heads": None, "hidden_size": 64})
+    assert (alias["num_experts"], alias["num_key_value_heads"], alias["head_dim"]) == (4, 32, 2)

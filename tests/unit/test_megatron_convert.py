@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from qwen3_shapes import hf_tensors
 
 from miles_disagg.trainer.megatron.batching import (
     cp_merge, cp_split, fixed_size_batches, make_micro_batch, token_budget_batches)
@@ -18,25 +19,6 @@ from miles_disagg.types import ConfigError, Sample
 SHAPE = ModelShape(num_layers=4, hidden_size=8, ffn_hidden_size=12, num_attention_heads=4, num_query_groups=2,
                    head_dim=3, vocab_size=10, max_position_embeddings=64, rope_theta=1e6, norm_eps=1e-6,
                    tied_embeddings=False)
-
-
-def hf_tensors(shape: ModelShape, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """Random HF-named tensors with Qwen3's shapes (distinct values, so a misplaced row shows)."""
-    generator = torch.Generator().manual_seed(0)
-    h, q, kv, f = shape.hidden_size, shape.num_attention_heads * shape.head_dim, \
-        shape.num_query_groups * shape.head_dim, shape.ffn_hidden_size
-    shapes = {"model.embed_tokens.weight": (shape.vocab_size, h), "model.norm.weight": (h,)}
-    if not shape.tied_embeddings:
-        shapes["lm_head.weight"] = (shape.vocab_size, h)
-    for i in range(shape.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "self_attn.q_norm.weight": (shape.head_dim,), p + "self_attn.k_norm.weight": (shape.head_dim,),
-                       p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                       p + "mlp.down_proj.weight": (h, f)})
-    return {name: torch.randn(s, generator=generator).to(dtype) for name, s in shapes.items()}
 
 
 def round_trip(hf: dict[str, torch.Tensor], shape: ModelShape, tp: int, pp: int) -> dict[str, torch.Tensor]:

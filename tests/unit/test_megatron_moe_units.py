@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from qwen3_shapes import hf_tensors
 
 from miles_disagg.config.loader import load_config
 from miles_disagg.trainer.megatron.convert import ModelShape, param_rules, to_hf, to_megatron
@@ -22,27 +23,7 @@ MOE = ModelShape(num_layers=3, hidden_size=8, ffn_hidden_size=12, num_attention_
 
 
 def moe_hf_tensors(shape: ModelShape) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    h, q, kv = shape.hidden_size, shape.num_attention_heads * shape.head_dim, shape.num_query_groups * shape.head_dim
-    shapes = {"model.embed_tokens.weight": (shape.vocab_size, h), "model.norm.weight": (h,),
-              "lm_head.weight": (shape.vocab_size, h)}
-    for i in range(shape.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "self_attn.q_norm.weight": (shape.head_dim,), p + "self_attn.k_norm.weight": (shape.head_dim,)})
-        if shape.is_sparse(i):
-            shapes[p + "mlp.gate.weight"] = (shape.num_experts, h)
-            for e in range(shape.num_experts):
-                f = shape.moe_ffn_hidden_size
-                shapes.update({f"{p}mlp.experts.{e}.gate_proj.weight": (f, h), f"{p}mlp.experts.{e}.up_proj.weight": (f, h),
-                               f"{p}mlp.experts.{e}.down_proj.weight": (h, f)})
-        else:
-            f = shape.ffn_hidden_size
-            shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                           p + "mlp.down_proj.weight": (h, f)})
-    return {name: torch.randn(s, generator=generator).to(torch.bfloat16) for name, s in shapes.items()}
+    return hf_tensors(shape, torch.bfloat16)
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4])

@@ -11,6 +11,7 @@ import torch
 
 from miles_disagg.models.causal_lm import NATIVE, TRANSFORMERS, implementation, load_causal_lm
 from miles_disagg.models.qwen3 import Qwen3ForCausalLM, native_blocker
+from miles_disagg.models.qwen3_tensors import qwen3_tensor_shapes
 from miles_disagg.types import LayoutMismatch
 
 TOLERANCE = 1e-5
@@ -53,6 +54,17 @@ def test_the_state_dicts_have_the_same_names_and_shapes(pair):
     native, reference = pair
     assert {k: tuple(v.shape) for k, v in native.state_dict().items()} == \
         {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_the_tensor_list_is_the_files(tmp_path, tie):
+    from safetensors.torch import load_file
+
+    path = _checkpoint(tmp_path, tie=tie)
+    on_disk = {k: tuple(v.shape) for k, v in load_file(path / "model.safetensors").items()}
+    listed = qwen3_tensor_shapes(json.loads((path / "config.json").read_text()))
+    assert dict(listed) == on_disk and len(listed) == len(on_disk)
+    assert listed[0][0] == "model.embed_tokens.weight" and ("lm_head.weight" in on_disk) == (not tie)
 
 
 def test_logits_of_a_padded_batch_match(pair):

@@ -4,6 +4,7 @@ transformers' fused in-memory expert tensors convert to exactly what save_pretra
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from miles_disagg.models.causal_lm import NATIVE, implementation, load_causal_lm
 from miles_disagg.models.moe_names import has_fused_experts, on_disk_tensors
 from miles_disagg.models.qwen3_moe import Qwen3MoeForCausalLM
+from miles_disagg.models.qwen3_tensors import qwen3_tensor_shapes
 
 TOLERANCE = 1e-5
 
@@ -66,6 +68,15 @@ def test_state_dict_names_are_the_files_names(pair):
     on_disk = load_file(path / "model.safetensors")
     assert {k: tuple(v.shape) for k, v in native.state_dict().items()} == {k: tuple(v.shape) for k, v in on_disk.items()}
     assert any(".mlp.experts.3.down_proj.weight" in k for k in on_disk)
+
+
+def test_the_tensor_list_is_the_files(pair):
+    from safetensors.torch import load_file
+
+    _, _, path = pair
+    on_disk = {k: tuple(v.shape) for k, v in load_file(path / "model.safetensors").items()}
+    listed = qwen3_tensor_shapes(json.loads((path / "config.json").read_text()))
+    assert dict(listed) == on_disk and len(listed) == len(on_disk)
 
 
 def test_fused_transformers_tensors_convert_to_the_saved_ones_exactly(pair):

@@ -8,18 +8,15 @@ import textwrap
 import pytest
 
 from miles_disagg.rollout import rewards
-from miles_disagg.rollout.rewards import (
-    RewardError,
+from miles_disagg.rollout.answer_scoring import (
     answers_match,
     extract_deepscaler_answer,
     extract_math_answer,
-    get_reward_fn,
-    known_rewards,
     label_answers,
     last_boxed,
     normalize_answer,
-    register_reward,
 )
+from miles_disagg.rollout.rewards import RewardError, get_reward_fn, known_rewards, register_reward
 from miles_disagg.types import ConfigError, InvalidInput
 
 # --------------------------------------------------------------------------- extraction

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from miles_disagg.types import ChecksumMismatch, FormatError, LayoutMismatch
 from miles_disagg.weights.checksums import CHECKSUMS, checksum
-from miles_disagg.weights.codec import CodecSpec, decode_tensors, encode_tensors
+from miles_disagg.weights.codec import decode_tensors, encode_tensors
+from miles_disagg.weights.format import CodecSpec
 
 POOL = ThreadPoolExecutor(2)
 

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from miles_disagg.types import FormatError
 from miles_disagg.weights.audit import verify_version
-from miles_disagg.weights.codec import CodecSpec, decode_tensors, encode_tensors, publish_spec
+from miles_disagg.weights.codec import decode_tensors, encode_tensors, publish_spec
+from miles_disagg.weights.format import CodecSpec
 from miles_disagg.weights.format import INDEX_NAME, TensorLayout, VersionIndex, parse_index
 from miles_disagg.weights.materializer import Materializer
 from miles_disagg.weights.publisher import DeltaPublisher

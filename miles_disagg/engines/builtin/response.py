@@ -13,9 +13,9 @@ Shape (SGLang's tokenizer manager, default options)::
 matched stop token (``output_ids`` keeps every token), unless ``no_stop_trim``.
 ``weight_version_start``/``weight_version_end`` and ``num_retractions`` are this project's
 additions. With ``return_routed_experts`` a finished sequence's ``meta_info["routed_experts"]`` is
-SGLang's: base64 of little-endian int32 ``[prompt + output - 1 - routed_experts_start_len,
-num_hidden_layers, top_k]``, row ``p`` the experts of the token at position ``start_len + p``
-(-1 on layers without experts). Streaming chunks use the same shape with cumulative ``text``/``output_ids``.
+SGLang's (:mod:`miles_disagg.models.routed_experts_wire`): base64 of little-endian int32 ``[prompt +
+output - 1 - routed_experts_start_len, num_hidden_layers, top_k]``, row ``p`` the experts of the token
+at position ``start_len + p`` (-1 on layers without experts). Streaming chunks use the same shape with cumulative ``text``/``output_ids``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 
 from miles_disagg.engines.builtin.scheduler import Sequence
+from miles_disagg.models.routed_experts_wire import ROUTED_EXPERTS_FIELD, START_LEN_FIELD, encode_routed_experts
 
 
 def result_json(seq: Sequence, tokenizer) -> dict:
@@ -47,23 +48,20 @@ def result_json(seq: Sequence, tokenizer) -> dict:
             meta["output_top_logprobs"] = [_triples(row, tokenizer, seq.item.return_text_in_logprobs)
                                            for row in seq.output_top_logprobs]
     if seq.item.return_routed_experts and seq.finish is not None:
-        meta["routed_experts"] = routed_experts_b64(seq)
-        meta["routed_experts_start_len"] = seq.item.routed_experts_start_len
+        meta[ROUTED_EXPERTS_FIELD] = routed_experts_payload(seq)
+        meta[START_LEN_FIELD] = seq.item.routed_experts_start_len
     text = _trimmed_text(seq, tokenizer, finish, params.no_stop_trim, params.skip_special_tokens)
     return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
 
 
-def routed_experts_b64(seq: Sequence) -> str:
-    """The recorded routing of positions ``start_len .. seqlen - 2`` (the last token was never fed)."""
-    import base64
-
-    import numpy as np
+def routed_experts_payload(seq: Sequence) -> str:
+    """The recorded routing of positions ``start_len .. seqlen - 2`` (the last token was never fed),
+    in SGLang's wire format (:mod:`miles_disagg.models.routed_experts_wire`)."""
     import torch
 
     fed = len(seq.all_ids) - 1
     rows = torch.cat(seq.routed)[:fed] if seq.routed else torch.zeros((0,), dtype=torch.int32)
-    array = np.ascontiguousarray(rows[seq.item.routed_experts_start_len:].numpy().astype("<i4", copy=False))
-    return base64.b64encode(array.tobytes()).decode("ascii")
+    return encode_routed_experts(rows.numpy(), seq.item.routed_experts_start_len)
 
 
 def _trimmed_text(seq: Sequence, tokenizer, finish: dict | None, no_stop_trim: bool, skip_special: bool) -> str:

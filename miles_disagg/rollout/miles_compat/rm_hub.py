@@ -1,7 +1,7 @@
 """``miles.rollout.rm_hub`` and the scorer modules miles' examples import from it
 (``math_dapo_utils.compute_score``, ``math_utils.extract_answer`` / ``grade_answer_verl``, ``f1``,
 ``gpqa``, ``deepscaler``), with miles' return values. Scoring is this project's own code
-(``rollout/miles_rm_types.py``, ``rollout/rewards.py``)."""
+(``rollout/miles_rm_types.py``, ``rollout/answer_scoring.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 from miles_disagg.rollout import miles_rm_types
 from miles_disagg.rollout.miles_rm_types import dapo_normalize as normalize_final_answer
 from miles_disagg.rollout.miles_rm_types import f1_score
-from miles_disagg.rollout.rewards import answers_match, deepscaler_reward, label_answers, last_boxed
+from miles_disagg.rollout.answer_scoring import answers_match, deepscaler_reward, label_answers, last_boxed
 
 
 async def async_rm(args: Any, sample: Any, **kwargs: Any) -> Any:
