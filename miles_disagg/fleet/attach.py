@@ -3,17 +3,24 @@
 An attached engine (``--rollout-external-engine-addrs`` at start, ``engines add`` mid-run, or one
 that answers again after it stopped) must answer ``/health`` and match the job: architecture, tp
 size, context length and dtype, and (disk-delta) pull from this job's version store. Every check
-here reads the engine over HTTP; none changes it.
+here reads the engine over HTTP; none changes it. Engines attached at start are then brought to
+the job's base (:func:`bring_to_base`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
+from typing import Callable
 
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.engines.client import EngineClient
+from miles_disagg.fleet.slots import EngineSlots
 from miles_disagg.types import ConfigError
+
+log = logging.getLogger(__name__)
 
 ATTACH_TIMEOUT_S = 120.0
 """How long an engine named at start has to answer ``/health``."""
@@ -42,6 +49,33 @@ def attached_urls(config: EngineManagerConfig) -> list[str]:
             raise ConfigError(f"--rollout-external-engine-addrs {url.removeprefix('http://')} does not match this "
                               f"job: {'; '.join(problems)}", ("--rollout-external-engine-addrs",))
     return urls
+
+
+def bring_to_base(config: EngineManagerConfig, slots: EngineSlots, updater: Callable) -> None:
+    """Attached engines may still serve an earlier job's version: bring each to this job's base
+    (version 0) before the router sees it (``updater(indices, registered=False)``: the engine
+    manager's). Broadcast mode cannot (no store): ``ConfigError``, exit 2."""
+    stale = {}
+    for index, url in enumerate(slots.urls()):
+        with EngineClient(url, timeout_s=10) as client:
+            reported = client.weight_version()
+        if reported != "0":
+            stale[index] = reported
+    if not stale:
+        return
+    described = ", ".join(f"{slots.url(i).removeprefix('http://')} serves weight version {v!r}"
+                          for i, v in stale.items())
+    if config.weights.update_weight_transfer_mode != "disk-delta":
+        raise ConfigError(f"--rollout-external-engine-addrs: {described}, not this job's base (version 0), "
+                          "and broadcast mode cannot reset an engine; restart it on --hf-checkpoint or use "
+                          "--update-weight-transfer-mode disk-delta", ("--rollout-external-engine-addrs",))
+    log.warning("%s: bringing them to this job's base (version 0)", described)
+    update = updater(list(stale), registered=False)
+    try:
+        update.update(0)
+    finally:
+        update.close()
+    slots.record({"event": "reset_to_base", "engines": list(stale), "time": time.time()})
 
 
 def mismatches(config: EngineManagerConfig, url: str) -> list[str]:

@@ -37,14 +37,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.engines.updater import BroadcastUpdater, DiskDeltaUpdater, UpdateFailed
-from miles_disagg.fleet.attach import announced_filters, attached_urls, engine_local_dir
+from miles_disagg.fleet.attach import announced_filters, attached_urls, bring_to_base, engine_local_dir
 from miles_disagg.fleet.membership import Membership
 from miles_disagg.fleet.monitor import EngineMonitor
 from miles_disagg.fleet.plan import local_checkpoint_root
@@ -132,7 +131,7 @@ class EngineManager:
         for index, url in enumerate(urls):
             self.slots.set_local_dir(index, engine_local_dir(url, local_root / f"engine-{index}"))
         if self.rollout.rollout_external:
-            self._bring_to_base()
+            bring_to_base(self.config, self.slots, self._updater)
         for url in urls:
             self.router_client.add_worker(url)
         for url in urls:
@@ -196,31 +195,6 @@ class EngineManager:
                               "storage mounted at the same path on the trainer's and every engine's node, and the "
                               "base checkpoint must be at the same path on every node",
                               ("--update-weight-disk-dir", "--hf-checkpoint"))
-
-    def _bring_to_base(self) -> None:
-        """Attached engines may still serve an earlier job's version: bring each to this job's
-        base (version 0) before the router sees it. Broadcast mode cannot (no store): exit 2."""
-        stale = {}
-        for index, url in enumerate(self.engine_urls):
-            with EngineClient(url, timeout_s=10) as client:
-                reported = client.weight_version()
-            if reported != "0":
-                stale[index] = reported
-        if not stale:
-            return
-        described = ", ".join(f"{self.slots.url(i).removeprefix('http://')} serves weight version {v!r}"
-                              for i, v in stale.items())
-        if self.weights.update_weight_transfer_mode != "disk-delta":
-            raise ConfigError(f"--rollout-external-engine-addrs: {described}, not this job's base (version 0), "
-                              "and broadcast mode cannot reset an engine; restart it on --hf-checkpoint or use "
-                              "--update-weight-transfer-mode disk-delta", ("--rollout-external-engine-addrs",))
-        log.warning("%s: bringing them to this job's base (version 0)", described)
-        updater = self._updater(list(stale), registered=False)
-        try:
-            updater.update(0)
-        finally:
-            updater.close()
-        self.slots.record({"event": "reset_to_base", "engines": list(stale), "time": time.time()})
 
     # ------------------------------------------------------------------ updates
 
