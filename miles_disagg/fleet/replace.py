@@ -4,10 +4,10 @@ When a node leaves the Ray cluster, Ray's GCS reschedules the placement-group bu
 on it as soon as some node offers their resources (a node coming back, or a new node with the
 rollout resource), keeping the other bundles where they are. An engine of such a bundle is
 started again by a new :class:`~miles_disagg.engines.actor.EngineProcess` actor asked for the
-same bundle: its creation waits (in a thread of its own, never holding the manager's lock)
+same bundle: its creation waits (in a thread of its own, never holding the engine set's lock)
 until Ray has placed the bundle. The new engine starts from the base checkpoint, is caught up
-from the version store (base + chain, :meth:`~miles_disagg.fleet.routing.EngineRouting.restore`), its version is read back
-and only then is it registered with the router.
+from the version store (base + chain: :meth:`~miles_disagg.fleet.routing.EngineRouting.restore`),
+its version is read back and only then is it registered with the router.
 
 :func:`dead_nodes` is how the engine manager learns that a node is gone without waiting for
 health-check timeouts: Ray already says so.
