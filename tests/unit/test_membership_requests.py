@@ -8,8 +8,8 @@ import json
 import pytest
 
 from miles_disagg.fleet.control_server import AddRequest, RemoveRequest
+from miles_disagg.fleet.members import normalize
 from miles_disagg.fleet.members_cli import ControlClient, _addresses, engines_table
-from miles_disagg.fleet.membership import normalize
 from miles_disagg.net.httpjson import parse_body
 from miles_disagg.types import InvalidInput
 
