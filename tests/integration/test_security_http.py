@@ -174,7 +174,8 @@ def test_the_agent_never_lends_its_admin_key_to_a_caller_without_it(world, tmp_p
     forwards for them carries no key, so no open path borrows the admin key upstream."""
     from fastapi import FastAPI
 
-    from miles_disagg.engines.agent.app import Agent, AgentConfig, create_app as agent_app
+    from miles_disagg.engines.agent.app import create_app as agent_app
+    from miles_disagg.engines.agent.state import Agent, AgentConfig
 
     seen: list[tuple[str, str | None]] = []
     upstream = FastAPI()
