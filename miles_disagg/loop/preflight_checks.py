@@ -21,6 +21,7 @@ from miles_disagg.tracking import status
 from miles_disagg.types import ConfigError
 
 MAX_LINE_BYTES = DATA_MAX_LINE_BYTES  # a longer "line" is not a prompt record (a binary file, a wrong path)
+ANNOUNCED_MIB = 256  # a data file this large gets a line saying why the start waits (reading it takes a while)
 TINY_INITS = {"tiny-qwen3": "full", "tiny-qwen3-digits": "digits",  # --hf-checkpoint-init -> charset
               "tiny-qwen3-moe": "full", "tiny-qwen3-moe-digits": "digits"}
 
@@ -89,6 +90,9 @@ def check_jsonl(path_text: str, config: RunConfig, *, flag: str, notes: list[str
     if not path.is_file():
         what = "does not exist" if not path.exists() else "is not a file"
         raise ConfigError(f"{flag} {path_text!r} {what}", (flag.split()[0],))
+    size_mib = path.stat().st_size / 2**20
+    if size_mib >= ANNOUNCED_MIB:
+        status(f"checking every record of {flag} {path_text} ({size_mib:.0f} MiB) before anything starts")
     vocabulary = _run_vocabulary(config)
     coverage = UnknownShare(vocabulary) if vocabulary is not None else None
     keys = RecordKeys(rollout.input_key, rollout.label_key, rollout.metadata_key)

@@ -127,3 +127,12 @@ def test_a_byte_level_or_full_tokenizer_reads_digits_and_english_alike(capsys, t
     out, err = capsys.readouterr()
     assert code == 0, err
     assert not [w for w in json.loads(out)["warnings"] if "prompt text" in w]
+
+
+def test_a_large_file_is_announced_while_it_is_read(capsys, tmp_path, tiny_qwen3_dir, monkeypatch) -> None:
+    from miles_disagg.loop import preflight_checks
+
+    monkeypatch.setattr(preflight_checks, "ANNOUNCED_MIB", 0)
+    data = write_records(tmp_path / "data.jsonl", [{"prompt": "1+1", "label": "2"}] * 10)
+    assert main("train_async", args(tmp_path, tiny_qwen3_dir, data, "--dry-run")) == 0
+    assert f"checking every record of --prompt-data {data} (0 MiB) before anything starts" in capsys.readouterr().err
