@@ -31,7 +31,7 @@ COLOCATE_KEY = "perf/colocate_offloaded_bytes"
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Reward of the first vs last steps (:func:`reward_windows`), staleness, update cost; counts
+    """Reward of the first vs last steps (:func:`reward_window_steps`), staleness, update cost; counts
     (steps, staleness, groups dropped, updates, bytes) as integers."""
     rewards = [r["rollout/raw_reward"] for r in records if r.get("rollout/raw_reward") is not None]
     updates = [r for r in records if "perf/update_weights_wire_bytes" in r]
@@ -40,7 +40,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         values = [v for v in values if v is not None]
         return sum(values) / len(values) if values else None
 
-    window = reward_windows(len(rewards))
+    window = reward_window_steps(len(rewards))
     return {
         "steps": len(records),
         "reward_first": mean(rewards[:window]) if window else None,
@@ -61,7 +61,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def reward_windows(num_steps: int) -> int:
+def reward_window_steps(num_steps: int) -> int:
     """Steps in each of the first and last reward windows: ``WINDOW``, or for a run shorter than two
     windows half its steps, so the two never share a step; 0 for a single step (too short for two)."""
     return min(WINDOW, num_steps // 2)
