@@ -66,6 +66,9 @@ def test_the_table_has_one_line_per_engine() -> None:
 
 def test_a_directory_without_a_running_job_is_named(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("MILES_DISAGG_ADMIN_API_KEY", raising=False)
+    with pytest.raises(InvalidInput, match="no running job in .*not a run directory"):
+        ControlClient.of_run(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
     with pytest.raises(InvalidInput, match="no running job in .*no control.json"):
         ControlClient.of_run(tmp_path)
     (tmp_path / "control.json").write_text("{not json")
