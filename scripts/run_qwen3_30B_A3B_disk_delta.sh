@@ -6,7 +6,8 @@
 # through train_async.py, with rollout routing replay (the engine returns each token's experts,
 # the trainer replays them). tests/e2e/megatron/test_qwen3_30B_A3B_disk_delta.py runs this script;
 # tests/e2e/test_miles_moe_launch_line.py dry-runs it on CPU. Extra arguments are appended (the
-# last value of a flag wins), e.g. --run-dir DIR or --dry-run.
+# last value of a flag wins, --sglang-* flags included; --sglang-expert-parallel-size replaces the
+# --sglang-ep-size below, as SGLang takes both names for one option), e.g. --run-dir DIR or --dry-run.
 #
 # Needs: 16 CUDA GPUs, sglang, megatron-core with Transformer Engine (sequence parallelism,
 # grouped-GEMM experts, fused permutation), and local copies of the model and the prompts:

@@ -3,7 +3,8 @@
 # parallelism x CP 2, full recomputation, dynamic batches) and two SGLang engines on GPUs 4-7
 # (TP 2 each), updated by --update-weight-transfer-mode disk-delta through train_async.py.
 # tests/e2e/megatron/test_qwen3_4B_disk_delta.py runs this script; extra arguments are
-# appended (the last value of a flag wins), e.g. --run-dir DIR.
+# appended (the last value of a flag wins, --sglang-* flags included), e.g. --run-dir DIR or
+# --sglang-mem-fraction-static 0.7.
 #
 # Needs: 8 CUDA GPUs, sglang, megatron-core with Transformer Engine (context parallelism),
 # and local copies of the model and the prompts:

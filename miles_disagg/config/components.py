@@ -93,7 +93,7 @@ class RolloutConfig:
     min_rollout_engines_timeout: float = flag(300.0, "Seconds a run may have fewer than --min-rollout-engines serving engines (a lost node coming back, or a new one, restores them) before it ends with one line.")
     use_miles_router: bool = flag(False, "miles' own router instead of sglang-router: here that is --router builtin (the version-aware router, the default).")
     sglang_router_port: int | None = flag(None, "Port the job's router listens on (default: a free port).")
-    sglang_router_policy: str | None = flag(None, "sglang-router's routing policy (with --router sglang; e.g. round_robin, cache_aware).")
+    sglang_router_policy: str | None = flag(None, "sglang-router's routing policy (with --router sglang; unset: round_robin; e.g. cache_aware).")
     sglang_server_concurrency: int | None = flag(None, "Generation requests in flight per engine (miles' flag; sets --rollout-concurrency to this x the number of engines).")
     fully_async: bool = flag(False, "miles' fully async rollout: what train_async.py always does here (refused by train.py).")
     engine_dtype: str = flag("auto", "Weight dtype of managed built-in engines.", choices=ENGINE_DTYPES)
@@ -225,7 +225,7 @@ class TrainConfig:
     num_steps_per_rollout: int | None = flag(None, "Optimizer steps per rollout: --global-batch-size = rollout samples // N.")
     use_rollout_logprobs: bool = flag(False, "Use the engines' logprobs (not the trainer's recomputed ones) as the PPO ratio's denominator.")
     use_rollout_routing_replay: bool = flag(False, "MoE: every engine call returns each token's routed experts (SGLang's return_routed_experts); the trainer replays them in forward and backward.")
-    use_routing_replay: bool = flag(False, "MoE: recompute and backward passes route each token as the trainer's forward pass did.")
+    use_routing_replay: bool = flag(False, "MoE: the trainer replays a routing it recorded itself. fsdp: the rollout's first forward (before any optimizer step) records it and every training pass replays it; megatron: recomputed layers route as their forward did (no effect without --recompute-granularity). With --use-rollout-routing-replay the engines' routing is replayed instead.")
     optimizer: str = flag("adam", "Optimizer.", choices=OPTIMIZERS)
     lr: float = flag(1e-6, "Learning rate.")
     lr_decay_style: str = flag("constant", "Learning-rate schedule.", choices=LR_DECAY_STYLES)
@@ -337,7 +337,7 @@ class ModelConfig:
 class CIConfig:
     """miles' CI gates: checks that fail the run (exit 1, one line naming the gate) instead of logging."""
 
-    ci_test: bool = flag(False, "Fail the run when the first optimizer step of a rollout has ppo_kl or pg_clipfrac above 0, when an engine does not serve the trainer's version after an update, or (with --check-weight-update-equal, which this turns on) when its weights differ from the published ones.")
+    ci_test: bool = flag(False, "miles' CI gates: fail the run (exit 1) when the first optimizer step of a rollout has |ppo_kl| >= 1e-8 or pg_clipfrac > 0, or when an engine does not serve the trainer's version after an update; also turns on --check-weight-update-equal (not in the debug modes nor with --rollout-service-url).")
     check_weight_update_equal: bool = flag(False, "After every weight update, compare each engine's per-tensor checksums with the trainer's published state; a difference fails the run.")
     ci_disable_kl_checker: bool = flag(False, "With --ci-test: skip the first-step ppo_kl / pg_clipfrac gate.")
     ci_disable_weight_update_checker: bool = flag(False, "With --ci-test: do not turn on --check-weight-update-equal.")
@@ -347,7 +347,7 @@ class CIConfig:
 class EvalConfig:
     """Evaluation on held-out prompts with the exact current policy version (never trained on)."""
 
-    eval_interval: int | None = flag(None, "Evaluate every N rollouts (and before the first).")
+    eval_interval: int | None = flag(None, "Evaluate every N rollout steps (after the N-th, the 2N-th, ...) and after the last step.")
     eval_prompt_data: list[str] = flag([], "name path [name path ...]: JSONL files (or task:NAME for a built-in task).")
     n_samples_per_eval_prompt: int = flag(1, "Samples per eval prompt.")
     eval_temperature: float | None = flag(None, "Eval sampling temperature (default: --rollout-temperature).")
@@ -371,7 +371,7 @@ class EvalConfig:
 class TrackingConfig:
     """Where metrics and progress go."""
 
-    run_dir: str | None = flag(None, "Run directory: metrics.jsonl, report.png, resolved config, logs (default: runs/<timestamp>).")
+    run_dir: str | None = flag(None, "Run directory: config.json (resolved), metrics.jsonl, summary.json, report.png, logs/; one run at a time (run.lock) (default: runs/<timestamp>-<random>).")
     use_tensorboard: bool = flag(False, "Also log metrics to TensorBoard (needs tensorboard installed).")
     use_wandb: bool = flag(False, "Also log metrics to Weights & Biases (needs wandb installed).")
     wandb_project: str | None = flag(None, "wandb project name.")

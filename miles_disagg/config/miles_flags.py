@@ -63,7 +63,7 @@ def unknown_flags_error(entry: str, tokens: list[str]) -> ConfigError:
     flags = [t.split("=", 1)[0] for t in tokens if t.startswith("-")] or tokens
     return ConfigError(
         f"{', '.join(flags)}: not a flag of {entry}.py; if it is a miles or Megatron flag, nothing in this launcher "
-        "implements it, so it cannot take effect here; remove it (README, \"Coming from miles\", lists the miles "
+        "implements it, so it cannot take effect here; remove it (docs/from-miles.md lists the miles "
         "flags that carry over and those refused with their reasons)", tuple(flags))
 
 

@@ -34,7 +34,10 @@ def split_sglang_passthrough(argv: Sequence[str], consumed: frozenset[str] = CON
     ``["V1", "V2"]`` (every following token up to the next ``--`` option; ``-1`` is a
     value); a bare ``--sglang-X`` gives ``True``. Flags in ``consumed`` (the job's own
     ``--sglang-*`` flags, e.g. miles' ``--sglang-router-port``) stay in the rest (the job
-    parses them). A flag given twice is a ``ConfigError``.
+    parses them). A flag given twice takes its last value, as every other flag of the job does
+    and as miles and SGLang's own parser do (arguments appended to a script override the
+    script's); so does an option given under two of its SGLang names (``--sglang-ep-size``, then
+    ``--sglang-ep``): the last one given is kept.
     """
     consumed = consumed | CONSUMED_SGLANG_FLAGS
     options: dict[str, PassthroughValue] = {}
@@ -48,8 +51,8 @@ def split_sglang_passthrough(argv: Sequence[str], consumed: frozenset[str] = CON
             i += 1
             continue
         name = sglang_flag_name(head)
-        if name in options:
-            raise ConfigError(f"{head} is given twice", flags=(head,))
+        for earlier in _same_option(name):
+            options.pop(earlier, None)  # the last value wins; the order kept is the order given
         if "=" in token:
             options[name] = token.split("=", 1)[1]
             i += 1
@@ -61,6 +64,11 @@ def split_sglang_passthrough(argv: Sequence[str], consumed: frozenset[str] = CON
             i += 1
         options[name] = True if not values else values[0] if len(values) == 1 else values
     return options, rest
+
+
+def _same_option(name: str) -> tuple[str, ...]:
+    """``name`` and SGLang's other names of the same option (the aliases this module knows)."""
+    return next((names for names in ALIASES if name in names), (name,))
 
 
 def parse_sglang_passthrough(argv: Sequence[str]) -> dict[str, PassthroughValue]:
@@ -82,6 +90,7 @@ EP_SIZE = ("ep-size", "expert-parallel-size", "ep")
 DP_SIZE = ("dp-size", "data-parallel-size")
 ATTN_DP_SIZE = ("attn-dp-size", "attention-data-parallel-size")
 ROUTED_EXPERTS_FLAG = "enable-return-routed-experts"
+ALIASES = (EP_SIZE, DP_SIZE, ATTN_DP_SIZE)  # names SGLang's parser takes for one option each
 
 
 def check_parallel_passthrough(options: dict[str, PassthroughValue], gpus_per_engine: int | None) -> None:

@@ -19,6 +19,24 @@ import os
 
 from miles_disagg.engines.launch import EngineSpec, RunningEngine, start_engine
 
+ACTOR_NUM_CPUS = 0.2
+ACTOR_NUM_GPUS = 0.2
+"""A share of its bundle's GPU: enough for Ray to give the actor that GPU's id (``ray.get_gpu_ids()``)
+and schedule it into the bundle, leaving the GPU itself to the engine process the actor starts."""
+ACTOR_MAX_CONCURRENCY = 4
+"""Probes (``alive``, ``pid``, ``site``) answer while a ``start`` or ``restart`` runs."""
+
+
+def create_engine_actor(spec: EngineSpec, scheduling_strategy):
+    """The one way an engine's actor is made: an :class:`EngineProcess` for ``spec``, scheduled by
+    ``scheduling_strategy`` (the engine's first GPU bundle). Returns the actor handle at once; Ray
+    creates it once the bundle is placed, and nothing is started until ``start`` is called."""
+    import ray
+
+    return ray.remote(EngineProcess).options(num_cpus=ACTOR_NUM_CPUS, num_gpus=ACTOR_NUM_GPUS,
+                                             max_concurrency=ACTOR_MAX_CONCURRENCY,
+                                             scheduling_strategy=scheduling_strategy).remote(spec)
+
 
 class EngineProcess:
     """Ray actor body: start, stop, restart and probe one engine. ``spec.base_gpu_id`` is

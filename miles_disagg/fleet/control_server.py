@@ -85,8 +85,8 @@ def control_app(membership: "Membership", keys: ApiKeys):
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
+    from miles_disagg.fleet.members import MembershipRefused, UnknownEngine
     from miles_disagg.net.asgi_guard import ServerGuard, error_body, install_guard, server_app
-    from miles_disagg.fleet.membership import MembershipRefused, UnknownEngine
     from miles_disagg.net.httpjson import parse_body, status_for
 
     # (no `from __future__ import annotations` in this module: FastAPI reads `Request` from the handlers)
@@ -111,7 +111,7 @@ def control_app(membership: "Membership", keys: ApiKeys):
 
     @app.get("/engines")
     def engines(request: Request):
-        return answer(request, None, lambda _body: {"version": membership.manager._version,
+        return answer(request, None, lambda _body: {"version": membership.slots.version,
                                                      "engines": membership.list()})
 
     @app.post("/engines/add")

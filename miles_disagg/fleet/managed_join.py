@@ -11,33 +11,32 @@ node found the base checkpoint. A failure stops whatever this call started.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from miles_disagg.config.actors import EngineManagerConfig
+from miles_disagg.fleet.members import MemberInfo, MembershipRefused
 from miles_disagg.types import MilesDisaggError
-
-if TYPE_CHECKING:
-    from miles_disagg.fleet.manager import EngineManager
 
 log = logging.getLogger(__name__)
 
 PLACE_TIMEOUT_S = 60.0
 
 
-def start_managed_engines(manager: "EngineManager", count: int, *, first_index: int) -> list[tuple[Any, str, Any]]:
-    """``[(actor, url, MemberInfo)]`` of ``count`` started engines (not yet caught up or routed)."""
+def start_managed_engines(config: EngineManagerConfig, count: int, *,
+                          first_index: int) -> list[tuple[Any, str, MemberInfo]]:
+    """``[(actor, url, MemberInfo)]`` of ``count`` started engines (not yet caught up or routed),
+    indices from ``first_index`` on."""
     import ray
 
-    from miles_disagg.fleet.membership import MembershipRefused
-
-    tp = manager.cluster.rollout_num_gpus_per_engine
+    tp = config.cluster.rollout_num_gpus_per_engine
     free = ray.available_resources().get("GPU", 0.0)
     if free < count * tp:
         raise MembershipRefused(f"the cluster has {free:g} GPU(s) free; {count} more engine(s) of "
                                 f"--rollout-num-gpus-per-engine {tp} need {count * tp}; nothing was started")
-    started: list[tuple[Any, str, Any]] = []
+    started: list[tuple[Any, str, MemberInfo]] = []
     try:
         for offset in range(count):
-            started.append(_start_one(manager, first_index + offset, tp))
+            started.append(_start_one(config, first_index + offset, tp))
     except BaseException:
         for actor, _url, info in started:
             stop_started(actor, info.placement_group)
@@ -45,14 +44,13 @@ def start_managed_engines(manager: "EngineManager", count: int, *, first_index: 
     return started
 
 
-def _start_one(manager: "EngineManager", index: int, tp: int) -> tuple[Any, str, Any]:
+def _start_one(config: EngineManagerConfig, index: int, tp: int) -> tuple[Any, str, MemberInfo]:
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from miles_disagg.engines.actor import EngineProcess
-    from miles_disagg.fleet.membership import MemberInfo, MembershipRefused
-    from miles_disagg.fleet.plan import engine_specs, resolve_backend
+    from miles_disagg.engines.actor import create_engine_actor
+    from miles_disagg.fleet.plan import launch_specs
 
     group = placement_group([{"GPU": 1, "CPU": 1}] * tp, strategy="STRICT_PACK")
     try:
@@ -61,12 +59,9 @@ def _start_one(manager: "EngineManager", index: int, tp: int) -> tuple[Any, str,
         stop_started(None, group)
         raise MembershipRefused(f"engine {index}: the cluster did not place {tp} GPU bundle(s) on one node within "
                                 f"{PLACE_TIMEOUT_S:g}s; nothing more was started") from None
-    backend, _ = resolve_backend(manager.rollout.rollout_backend)
-    spec = engine_specs(manager.config, [[0] * tp] * (index + 1), backend)[index]
-    actor = ray.remote(EngineProcess).options(
-        num_cpus=0.2, num_gpus=0.2, max_concurrency=4,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
-                                                             placement_group_bundle_index=0)).remote(spec)
+    spec = launch_specs(config, [[0] * tp] * (index + 1))[index]
+    actor = create_engine_actor(spec, PlacementGroupSchedulingStrategy(placement_group=group,
+                                                                       placement_group_bundle_index=0))
     try:
         problems = ray.get(actor.check_paths.remote(None))
         if problems:

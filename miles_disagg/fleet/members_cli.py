@@ -6,9 +6,11 @@ the run's admin key (``--admin-api-key``, else ``$MILES_DISAGG_ADMIN_API_KEY``, 
 ``DIR/control.key``, which the run writes for its user). ``add`` returns once each engine serves
 the run's current version and the router routes to it; ``remove`` once each drained and left.
 
-Errors are one line and exit 2, nothing changed: no running job in DIR, a wrong key, an engine
-that does not answer or does not match the job, an address that is not an engine of the run,
-removing the last engine (``--force`` removes it anyway).
+Errors are one line and exit 2, nothing changed: no running job in DIR (saying which case: no such
+directory, not a run directory, a run that has finished or whose control endpoint is gone), a
+key the run refuses (saying where it came from: the flag, the variable or ``control.key``), an
+engine that does not answer or does not match the job, an address that is not an engine of the
+run, removing the last engine (``--force`` removes it anyway).
 """
 
 from __future__ import annotations
@@ -108,27 +110,28 @@ def _addresses(urls: list[str]) -> list[str]:
 class ControlClient:
     """Calls the running job's control endpoint with the run's admin key."""
 
-    def __init__(self, url: str, key: str | None, run_dir: Path):
-        self.url, self.key, self.run_dir = url.rstrip("/"), key, run_dir
+    def __init__(self, url: str, key: str | None, run_dir: Path, key_source: str = "no key"):
+        """``key_source``: where ``key`` came from, for the message when the run refuses it."""
+        self.url, self.key, self.run_dir, self.key_source = url.rstrip("/"), key, run_dir, key_source
 
     @classmethod
     def of_run(cls, run_dir: Path, admin_api_key: str | None = None) -> "ControlClient":
-        """``InvalidInput`` (exit 2) when no job is running in ``run_dir``."""
-        import os
-
-        from miles_disagg.net.auth import ADMIN_API_KEY_ENV
-        from miles_disagg.fleet.control_server import CONTROL_FILENAME, KEY_FILENAME
+        """``InvalidInput`` (exit 2) when no job is running in ``run_dir``, saying which case it is:
+        no such directory, a directory that is not a run directory, a run that has ended (or has no
+        control endpoint yet)."""
+        from miles_disagg.fleet.control_server import CONTROL_FILENAME
 
         control = run_dir / CONTROL_FILENAME
         try:
             url = json.loads(control.read_text())["url"]
         except FileNotFoundError:
-            raise InvalidInput(f"no running job in {run_dir} (no {CONTROL_FILENAME}: the run has not started its "
-                               "engines, has ended, or runs elsewhere)") from None
+            raise InvalidInput(f"no running job in {run_dir}: {_why_no_control_file(run_dir)}") from None
         except (OSError, ValueError, KeyError, TypeError) as exc:
+            if not run_dir.is_dir():
+                raise InvalidInput(f"no running job in {run_dir}: {_why_no_control_file(run_dir)}") from None
             raise InvalidInput(f"no running job in {run_dir}: cannot read {control} ({exc})") from None
-        key = admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or _read_key(run_dir / KEY_FILENAME)
-        return cls(url, key, run_dir)
+        key, source = admin_key(run_dir, admin_api_key)
+        return cls(url, key, run_dir, source)
 
     def call(self, method: str, path: str, body: dict | None = None, *, timeout_s: float) -> Any:
         import httpx
@@ -138,16 +141,59 @@ class ControlClient:
             response = httpx.request(method, f"{self.url}{path}", json=body, headers=headers, timeout=timeout_s,
                                      trust_env=False)
         except httpx.ConnectError:
-            raise InvalidInput(f"no running job in {self.run_dir}: its control endpoint {self.url} does not answer "
-                               "(the run has ended)") from None
+            ended = "the run has finished (it wrote summary.json)" if (self.run_dir / SUMMARY_FILENAME).exists() \
+                else "the run has ended without removing it"
+            raise InvalidInput(f"no running job in {self.run_dir}: its control endpoint {self.url} (from "
+                               f"control.json) does not answer: {ended}") from None
         except httpx.HTTPError as exc:
             raise MilesDisaggError(f"{method} {self.url}{path}: {type(exc).__name__}: {exc}") from None
         if response.is_success:
             return response.json()
         message = _message(response)
         if response.status_code == 401:
-            raise InvalidInput(f"the run refused the key: {message}")
+            if self.key is None:
+                raise InvalidInput(f"the run needs its admin key and none was found ({self.key_source}): {message}")
+            raise InvalidInput(f"the run refused the key from {self.key_source}: {message}")
         raise InvalidInput(message)
+
+
+RUN_CONFIG_FILENAME = "config.json"  # what every run writes into its run directory first (loop/preflight.py)
+SUMMARY_FILENAME = "summary.json"  # what a run writes when it ends (loop/report.py)
+
+
+def _why_no_control_file(run_dir: Path) -> str:
+    """Why a directory has no control endpoint to call: one of the cases ``of_run`` names."""
+    if not run_dir.exists():
+        return "no such directory"
+    if not run_dir.is_dir():
+        return "not a directory"
+    if not (run_dir / RUN_CONFIG_FILENAME).is_file():
+        return (f"not a run directory (no {RUN_CONFIG_FILENAME}): give the --run-dir the run was started with")
+    if (run_dir / SUMMARY_FILENAME).is_file():
+        return f"the run there has finished (it wrote {SUMMARY_FILENAME}); engines join and leave a running job only"
+    return ("the run there has no control endpoint (no control.json): it has ended, has not started its engines "
+            "yet, or has none of its own (a rollout service's run, --debug-train-only)")
+
+
+def admin_key(run_dir: Path, given: str | None) -> tuple[str | None, str]:
+    """``(key, where it came from)``: ``--admin-api-key``, else ``$MILES_DISAGG_ADMIN_API_KEY``, else
+    ``RUN_DIR/control.key``; ``(None, what was looked at)`` when none holds one."""
+    import os
+
+    from miles_disagg.fleet.control_server import KEY_FILENAME
+    from miles_disagg.net.auth import ADMIN_API_KEY_ENV
+
+    key_file = run_dir / KEY_FILENAME
+    if given:
+        hint = f"; {key_file} holds the run's own" if _read_key(key_file) not in (None, given) else ""
+        return given, f"--admin-api-key{hint}"
+    if os.environ.get(ADMIN_API_KEY_ENV):
+        hint = f"; unset it to use {key_file}" if _read_key(key_file) not in (None, os.environ[ADMIN_API_KEY_ENV]) else ""
+        return os.environ[ADMIN_API_KEY_ENV], f"${ADMIN_API_KEY_ENV}{hint}"
+    key = _read_key(key_file)
+    if key is not None:
+        return key, str(key_file)
+    return None, f"no --admin-api-key, ${ADMIN_API_KEY_ENV} unset, no readable {key_file}"
 
 
 def _read_key(path: Path) -> str | None:

@@ -62,6 +62,11 @@ def engine_specs(config: EngineManagerConfig, engines: Sequence[Sequence[int]], 
             for index, bundles in enumerate(engines)]
 
 
+def launch_specs(config: EngineManagerConfig, engines: Sequence[Sequence[int]]) -> list[EngineSpec]:
+    """:func:`engine_specs` for the backend ``--rollout-backend`` resolves to on this machine."""
+    return engine_specs(config, engines, resolve_backend(config.rollout.rollout_backend)[0])
+
+
 def managed_backend(rollout: RolloutConfig) -> str | None:
     """The backend of the engines this job launches; None when it launches none (attached
     engines, a rollout service)."""

@@ -4,10 +4,10 @@ When a node leaves the Ray cluster, Ray's GCS reschedules the placement-group bu
 on it as soon as some node offers their resources (a node coming back, or a new node with the
 rollout resource), keeping the other bundles where they are. An engine of such a bundle is
 started again by a new :class:`~miles_disagg.engines.actor.EngineProcess` actor asked for the
-same bundle: its creation waits (in a thread of its own, never holding the manager's lock)
+same bundle: its creation waits (in a thread of its own, never holding the engine set's lock)
 until Ray has placed the bundle. The new engine starts from the base checkpoint, is caught up
-from the version store (base + chain, :meth:`EngineManager._restore`), its version is read back
-and only then is it registered with the router.
+from the version store (base + chain: :meth:`~miles_disagg.fleet.routing.EngineRouting.restore`),
+its version is read back and only then is it registered with the router.
 
 :func:`dead_nodes` is how the engine manager learns that a node is gone without waiting for
 health-check timeouts: Ray already says so.
@@ -18,29 +18,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from miles_disagg.fleet.manager import EngineManager
+from miles_disagg.config.actors import EngineManagerConfig
+from miles_disagg.fleet.routing import EngineRouting
+from miles_disagg.fleet.slots import EngineSlots
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 5.0
 """Pause before another attempt when a replacement failed to start (its new node went too, ...)."""
 MAX_ATTEMPTS = 20
-
-
-def verify_served_version(url: str, index: int, version: int) -> None:
-    """The engine itself must report ``version`` before the router may use it (after a restart's
-    or a replacement's catch-up): ``EngineUnrecoverable`` otherwise, and it stays out."""
-    from miles_disagg.engines.client import EngineClient
-    from miles_disagg.types import EngineUnrecoverable
-
-    with EngineClient(url, timeout_s=30) as client:
-        served = client.weight_version()
-    if str(served) != str(version):
-        raise EngineUnrecoverable(f"engine {index} ({url}) reports version {served!r} after its catch-up to version "
-                                  f"{version}; it stays out of the router")
 
 
 def dead_nodes(node_ids: set[str]) -> set[str]:
@@ -54,11 +42,13 @@ def dead_nodes(node_ids: set[str]) -> set[str]:
 
 
 class Replacements:
-    """One thread per managed engine being placed again; the manager asks :meth:`busy` before
-    it touches such an engine itself."""
+    """One thread per managed engine being placed again; the monitor asks :meth:`busy` before it
+    touches such an engine itself. ``stopping`` is set when the engine manager shuts down."""
 
-    def __init__(self, manager: "EngineManager"):
-        self.manager = manager
+    def __init__(self, config: EngineManagerConfig, placement: Any, slots: EngineSlots, routing: EngineRouting,
+                 stopping: threading.Event):
+        self.config, self.placement = config, placement
+        self.slots, self.routing, self.stopping = slots, routing, stopping
         self._threads: dict[int, threading.Thread] = {}
         self._pending: dict[int, Any] = {}  # index -> the actor being created (killed on stop)
         self._guard = threading.Lock()
@@ -67,13 +57,14 @@ class Replacements:
 
     def drop_lost_nodes(self) -> None:
         """Every managed engine on a node Ray no longer lists as alive leaves the router now."""
-        manager = self.manager
-        nodes = {n for i, n in enumerate(manager._engine_nodes) if n and i not in manager._lost}
+        slots = self.slots
+        nodes = {slots.node(i) for i in slots.indices() if slots.node(i) and not slots.is_lost(i)}
         if not nodes:
             return
         dead = self._dead(nodes)
-        for index, node in enumerate(manager._engine_nodes):
-            if node in dead and index not in manager._lost:
+        for index in slots.indices():
+            node = slots.node(index)
+            if node in dead and not slots.is_lost(index):
                 self.engine_gone(index, "node_lost", why=f"its node (id {node}) left the Ray cluster", node_id=node)
 
     def _dead(self, nodes: set[str]) -> set[str]:
@@ -83,19 +74,17 @@ class Replacements:
         """Engine ``index`` lost its actor (``event``: ``node_lost`` or ``actor_lost``): out of the
         router at once (its in-flight requests fail there and are retried elsewhere), recorded,
         and placed again."""
-        manager = self.manager
-        if index in manager._lost:
+        slots = self.slots
+        if slots.is_lost(index):
             return
-        node = node_id or (manager._engine_nodes[index] if index < len(manager._engine_nodes) else None)
+        node = node_id or slots.node(index)
         if event == "actor_lost" and node and self._dead({node}):  # name the cause when Ray knows it
             event, why = "node_lost", f"its node (id {node}) left the Ray cluster"
-        manager._lost.add(index)
-        if index not in manager._down:
-            manager._mark_down(index)
-        log.warning("engine %d (%s): %s; placing it again when the cluster allows", index,
-                    manager.engine_urls[index], why)
-        manager.events.append({"engine": index, "event": event, "url": manager.engine_urls[index], "why": why,
-                               "node_id": node, "time": time.time()})
+        slots.mark_lost(index)
+        self.routing.take_out(index)
+        url = slots.url(index)
+        log.warning("engine %d (%s): %s; placing it again when the cluster allows", index, url, why)
+        slots.record({"engine": index, "event": event, "url": url, "why": why, "node_id": node, "time": time.time()})
         self.start(index)
 
     def busy(self, index: int) -> bool:
@@ -106,10 +95,9 @@ class Replacements:
     def start(self, index: int) -> None:
         """Place engine ``index`` again (no-op while a replacement of it runs, or in broadcast
         mode, whose group cannot take a new member)."""
-        manager = self.manager
-        if manager._broadcast is not None or not manager._actors:
+        if self.slots.broadcast_group or not self.slots.has_actors:
             return
-        if manager.placement is None or index >= len(manager.placement.layout.engines):
+        if self.placement is None or index >= len(self.placement.layout.engines):
             return  # joined mid-run (`engines add --managed`): its own placement group went with it; it stays out
         with self._guard:
             running = self._threads.get(index)
@@ -120,7 +108,7 @@ class Replacements:
         thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """The manager is shutting down (its stop event is set): kill actors still being created."""
+        """The manager is shutting down (``stopping`` is set): kill actors still being created."""
         import ray
 
         with self._guard:
@@ -137,18 +125,17 @@ class Replacements:
     # ------------------------------------------------------------------ one replacement
 
     def _run(self, index: int) -> None:
-        manager = self.manager
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            if manager._stop.is_set():
+            if self.stopping.is_set():
                 return
             try:
                 placed = self._place(index)
             except Exception as exc:  # the new actor died or could not start: try again later
                 log.warning("engine %d: replacement attempt %d failed: %s", index, attempt, exc)
-                manager.events.append({"engine": index, "event": "replace_failed", "attempt": attempt,
-                                       "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                                       "time": time.time()})
-                if manager._stop.wait(RETRY_AFTER_S):
+                self.slots.record({"engine": index, "event": "replace_failed", "attempt": attempt,
+                                   "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                                   "time": time.time()})
+                if self.stopping.wait(RETRY_AFTER_S):
                     return
                 continue
             if placed is None:
@@ -157,18 +144,15 @@ class Replacements:
                 self._adopt(index, *placed)
             except Exception as exc:
                 log.exception("engine %d: restoring the replacement failed", index)
-                manager.events.append({"engine": index, "event": "recovery_failed", "error": str(exc),
-                                       "time": time.time()})
+                self.slots.record({"engine": index, "event": "recovery_failed", "error": str(exc), "time": time.time()})
             return
 
     def _place(self, index: int):
         """A new actor on the engine's bundle, started; None when the manager stopped first."""
         import ray
 
-        manager = self.manager
-        old = manager._actors[index]
         try:
-            ray.kill(old, no_restart=True)  # gone already with its node, or a broken actor: never two on one bundle
+            ray.kill(self.slots.actor(index), no_restart=True)  # gone with its node, or broken: never two on one bundle
         except Exception as exc:
             log.info("engine %d: old actor kill: %s", index, exc)
         actor = self._new_actor(index)
@@ -199,7 +183,7 @@ class Replacements:
         """``ray.get(ref)`` that gives up (None) when the manager stops."""
         import ray
 
-        while not self.manager._stop.is_set():
+        while not self.stopping.is_set():
             ready, _ = ray.wait([ref], timeout=1.0)
             if ready:
                 return ray.get(ref)
@@ -207,30 +191,19 @@ class Replacements:
 
     def _new_actor(self, index: int):
         """An ``EngineProcess`` actor for engine ``index`` on its bundle (as the manager's launch makes them)."""
-        import ray
+        from miles_disagg.engines.actor import create_engine_actor
+        from miles_disagg.fleet.plan import launch_specs
 
-        from miles_disagg.engines.actor import EngineProcess
-        from miles_disagg.fleet.plan import engine_specs, resolve_backend
-
-        manager = self.manager
-        backend, _ = resolve_backend(manager.rollout.rollout_backend)
-        engines = manager.placement.layout.engines
-        spec = engine_specs(manager.config, engines, backend)[index]
-        return ray.remote(EngineProcess).options(num_cpus=0.2, num_gpus=0.2, max_concurrency=4,
-                                                 scheduling_strategy=manager.placement.strategy(engines[index][0])
-                                                 ).remote(spec)
+        engines = self.placement.layout.engines
+        return create_engine_actor(launch_specs(self.config, engines)[index], self.placement.strategy(engines[index][0]))
 
     def _adopt(self, index: int, actor, url: str, site: dict) -> None:
         """The placed engine takes index ``index``'s place; caught up and verified, then routed to."""
+        from miles_disagg.fleet.attach import engine_local_dir
         from miles_disagg.fleet.plan import local_checkpoint_root
 
-        manager = self.manager
-        with manager._lock:
-            manager._actors[index] = actor
-            manager.engine_urls[index] = url
-            manager._engine_nodes[index] = site["node_id"]
-            manager.local_dirs[index] = manager._local_dir(url, local_checkpoint_root(manager.config) / f"engine-{index}")
-            manager._failures[index] = 0
-            manager._lost.discard(index)
-            manager.events.append({"engine": index, "event": "replaced", "url": url, **site, "time": time.time()})
-        manager._restore(index)
+        with self.slots.lock:
+            local_dir = engine_local_dir(url, local_checkpoint_root(self.config) / f"engine-{index}")
+            self.slots.replace(index, actor=actor, url=url, node=site["node_id"], local_dir=local_dir)
+            self.slots.record({"engine": index, "event": "replaced", "url": url, **site, "time": time.time()})
+        self.routing.restore(index)

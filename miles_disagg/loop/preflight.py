@@ -9,6 +9,7 @@ from pathlib import Path
 from miles_disagg.config import RunConfig, config_to_dict
 from miles_disagg.config.model_args import check_model_args
 from miles_disagg.config.routing_replay import check_routing_replay
+from miles_disagg.loop.preflight_checks import TINY_INITS, check_before_start
 from miles_disagg.tracking import status
 from miles_disagg.trainer.torch_dist import check_backend_reads_torch_dist
 from miles_disagg.types import ConfigError
@@ -62,13 +63,9 @@ def check_runnable(config: RunConfig, warnings: list[str] | None = None) -> None
         raise ConfigError(f"--global-batch-size {batch} does not divide over {ranks} trainer ranks "
                           "(--actor-num-nodes x --actor-num-gpus-per-node)",
                           ("--global-batch-size", "--actor-num-gpus-per-node"))
-    from miles_disagg.loop.preflight_checks import check_before_start
-
     check_before_start(config, warnings)  # data, reward, hooks, tracking, GPUs, --sglang-*, attached engines
 
 
-TINY_INITS = {"tiny-qwen3": "full", "tiny-qwen3-digits": "digits",  # --hf-checkpoint-init -> charset
-              "tiny-qwen3-moe": "full", "tiny-qwen3-moe-digits": "digits"}
 TINY_MOE_SHAPE = {"num_experts": 4, "num_experts_per_tok": 2}  # what the tiny-qwen3-moe inits add
 
 

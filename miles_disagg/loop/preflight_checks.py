@@ -1,10 +1,10 @@
 """Everything a run can check before Ray starts, in ``--dry-run`` and real runs alike.
 
 Each check raises ``ConfigError`` naming the flag (exit 2, no traceback) for what would
-otherwise fail later inside an actor: the prompt and eval data (exists, and its first lines
-parse with the configured keys; a built-in ``task:NAME`` exists), the reward and the weight
-hooks (import, right signature; the rollout hooks are checked by ``preflight.check_runnable``),
-the tracking backends asked for, the GPUs of this machine when a local Ray would run on them,
+otherwise fail later inside an actor: the prompt and eval data (exists, every record parses with
+the configured keys, most of its text is in the tokenizer's vocabulary; a built-in ``task:NAME``
+exists), the reward and the weight hooks (import, right signature; the rollout hooks are checked
+by ``preflight.check_runnable``), the tracking backends asked for, the GPUs of this machine when a local Ray would run on them,
 and the ``--sglang-*`` options (parsed by SGLang's own ``ServerArgs`` where SGLang is
 importable). Attached engines are asked all at once: see :mod:`miles_disagg.loop.engine_probe`.
 """
@@ -12,27 +12,31 @@ importable). Attached engines are asked all at once: see :mod:`miles_disagg.loop
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from pathlib import Path
 
 from miles_disagg.config.components import RunConfig
+from miles_disagg.rollout.data import MAX_LINE_BYTES as DATA_MAX_LINE_BYTES
+from miles_disagg.tracking import status
 from miles_disagg.types import ConfigError
 
-PREVIEW_LINES = 64  # records of a data file parsed before anything starts (the whole file is read later)
-MAX_LINE_BYTES = 16 * 1024 * 1024  # a longer "line" is not a prompt record (a binary file, a wrong path)
+MAX_LINE_BYTES = DATA_MAX_LINE_BYTES  # a longer "line" is not a prompt record (a binary file, a wrong path)
+ANNOUNCED_MIB = 256  # a data file this large gets a line saying why the start waits (reading it takes a while)
+TINY_INITS = {"tiny-qwen3": "full", "tiny-qwen3-digits": "digits",  # --hf-checkpoint-init -> charset
+              "tiny-qwen3-moe": "full", "tiny-qwen3-moe-digits": "digits"}
 
 
 def check_before_start(config: RunConfig, warnings: list[str] | None = None) -> None:
     """Every check of this module; the attached engines last (the only one that waits).
 
     ``warnings`` (``--dry-run``, which plans for a target machine): what this machine lacks but
-    the target may have (its GPUs) goes there instead of failing."""
+    the target may have (its GPUs) goes there instead of failing, and so do the notes a real run
+    prints as status lines (prompt text the tokenizer cannot encode)."""
     rollout = config.rollout
     if not rollout.debug_train_only:  # a run with engines reads them (its rollout manager does)
-        check_prompt_data(config)
+        check_prompt_data(config, warnings)
         check_reward(config)
-    check_eval_data(config)
+    check_eval_data(config, warnings)
     check_weight_hooks(config)
     check_tracking_backends(config)
     try:
@@ -54,13 +58,13 @@ def check_before_start(config: RunConfig, warnings: list[str] | None = None) -> 
         probe_engines(rollout.rollout_external_engine_addrs)
 
 
-def check_prompt_data(config: RunConfig) -> None:
+def check_prompt_data(config: RunConfig, notes: list[str] | None = None) -> None:
     rollout = config.rollout
     if rollout.prompt_data:
-        check_jsonl(rollout.prompt_data, config, flag="--prompt-data")
+        check_jsonl(rollout.prompt_data, config, flag="--prompt-data", notes=notes)
 
 
-def check_eval_data(config: RunConfig) -> None:
+def check_eval_data(config: RunConfig, notes: list[str] | None = None) -> None:
     for name, path in config.eval.datasets:
         if path.startswith("task:"):
             from miles_disagg.rollout.tasks import TASKS
@@ -69,58 +73,55 @@ def check_eval_data(config: RunConfig) -> None:
                 raise ConfigError(f"--eval-prompt-data {name} {path!r}: no such built-in task; built-in tasks: "
                                   f"{sorted(TASKS)}", ("--eval-prompt-data",))
         else:
-            check_jsonl(path, config, flag=f"--eval-prompt-data {name}")
+            check_jsonl(path, config, flag=f"--eval-prompt-data {name}", notes=notes)
 
 
-def check_jsonl(path_text: str, config: RunConfig, *, flag: str) -> None:
-    """The file exists and its first ``PREVIEW_LINES`` records are JSON objects holding the input
-    key (and the label key when one is configured)."""
+def check_jsonl(path_text: str, config: RunConfig, *, flag: str, notes: list[str] | None = None) -> None:
+    """Every record of the file, read as the rollout will read it (less the chat template's
+    rendering), one at a time: the first bad one is a ``ConfigError`` naming the file, the line and
+    what is wrong. Then the share of the prompt text the run's tokenizer cannot encode
+    (:mod:`miles_disagg.loop.prompt_coverage`): most of it refused, some of it a note (to ``notes``
+    where given, else a status line)."""
+    from miles_disagg.loop.prompt_coverage import UnknownShare
+    from miles_disagg.rollout.data import RecordKeys, prompt_records
+
     rollout = config.rollout
     path = Path(path_text)
     if not path.is_file():
         what = "does not exist" if not path.exists() else "is not a file"
         raise ConfigError(f"{flag} {path_text!r} {what}", (flag.split()[0],))
-    keys = [(rollout.input_key, "--input-key")] + ([(rollout.label_key, "--label-key")] if rollout.label_key else [])
-    seen = 0
+    size_mib = path.stat().st_size / 2**20
+    if size_mib >= ANNOUNCED_MIB:
+        status(f"checking every record of {flag} {path_text} ({size_mib:.0f} MiB) before anything starts")
+    vocabulary = _run_vocabulary(config)
+    coverage = UnknownShare(vocabulary) if vocabulary is not None else None
+    keys = RecordKeys(rollout.input_key, rollout.label_key, rollout.metadata_key)
+    num_records = 0
     try:
-        with path.open("rb") as lines:
-            line_number = 0
-            while seen < PREVIEW_LINES:
-                raw = lines.readline(MAX_LINE_BYTES + 1)  # bounded: a file without newlines is not read whole
-                line_number += 1
-                if not raw:
-                    break
-                if len(raw) > MAX_LINE_BYTES:
-                    raise _bad(flag, path, line_number, f"a line longer than {MAX_LINE_BYTES} bytes")
-                if raw.strip():
-                    _check_record(raw, keys, flag, path, line_number)
-                    seen += 1
+        for record in prompt_records(path, keys, apply_chat_template=rollout.apply_chat_template, flag=flag,
+                                     max_line_bytes=MAX_LINE_BYTES):
+            num_records += 1
+            if coverage is not None:
+                coverage.add(record.text())
     except OSError as exc:
         raise ConfigError(f"{flag} {path_text!r}: cannot read ({exc.strerror or exc})", (flag.split()[0],)) from None
-    if not seen:
+    if not num_records:
         raise ConfigError(f"{flag} {path_text!r} holds no records", (flag.split()[0],))
+    note = coverage.verdict(flag) if coverage is not None else None
+    if note is not None:
+        notes.append(note) if notes is not None else status(f"note: {note}")
 
 
-def _check_record(raw: bytes, keys: list[tuple[str, str]], flag: str, path: Path, line_number: int) -> None:
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise _bad(flag, path, line_number, "not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise _bad(flag, path, line_number, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-    except RecursionError:
-        raise _bad(flag, path, line_number, "JSON nested too deeply") from None
-    if not isinstance(record, dict):
-        raise _bad(flag, path, line_number, f"expected a JSON object, got {type(record).__name__}")
-    for key, key_flag in keys:
-        if key not in record:
-            present = sorted(record)[:20]
-            raise _bad(flag, path, line_number, f"missing key {key!r} ({key_flag}); keys present: {present}", key_flag)
+def _run_vocabulary(config: RunConfig):
+    from miles_disagg.loop.prompt_coverage import run_vocabulary
 
+    train = config.train
+    made = None
+    if train.hf_checkpoint_init in TINY_INITS:
+        from miles_disagg.models.tiny_qwen3 import CHARSETS
 
-def _bad(flag: str, path: Path, line_number: int, message: str, key_flag: str | None = None) -> ConfigError:
-    flags = (flag.split()[0],) + ((key_flag,) if key_flag else ())
-    return ConfigError(f"{flag}: {path}:{line_number}: {message}", flags)
+        made = (train.hf_checkpoint_init, CHARSETS[TINY_INITS[train.hf_checkpoint_init]])
+    return run_vocabulary(train.hf_checkpoint, made)
 
 
 def check_reward(config: RunConfig) -> None:

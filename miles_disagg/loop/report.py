@@ -31,7 +31,8 @@ COLOCATE_KEY = "perf/colocate_offloaded_bytes"
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Reward of the first vs last ``WINDOW`` steps, staleness, update cost."""
+    """Reward of the first vs last steps (:func:`reward_window_steps`), staleness, update cost; counts
+    (steps, staleness, groups dropped, updates, bytes) as integers."""
     rewards = [r["rollout/raw_reward"] for r in records if r.get("rollout/raw_reward") is not None]
     updates = [r for r in records if "perf/update_weights_wire_bytes" in r]
 
@@ -39,22 +40,36 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         values = [v for v in values if v is not None]
         return sum(values) / len(values) if values else None
 
+    window = reward_window_steps(len(rewards))
     return {
         "steps": len(records),
-        "reward_first": mean(rewards[:WINDOW]),
-        "reward_last": mean(rewards[-WINDOW:]),
-        "staleness_max": max((r.get("rollout/staleness_max", 0) or 0 for r in records), default=0),
-        "stale_groups_dropped": sum(r.get("rollout/stale_groups_dropped", 0) or 0 for r in records),
+        "reward_first": mean(rewards[:window]) if window else None,
+        "reward_last": mean(rewards[-window:]) if window else None,
+        "reward_window_steps": window,
+        "reward_mean": mean(rewards),
+        "staleness_max": _count(max((r.get("rollout/staleness_max", 0) or 0 for r in records), default=0)),
+        "stale_groups_dropped": _count(sum(r.get("rollout/stale_groups_dropped", 0) or 0 for r in records)),
         "updates": len(updates),
         "update_density_mean": mean(r.get("perf/update_weights_density") for r in updates),
         "wire_bytes_mean": mean(r.get("perf/update_weights_wire_bytes") for r in updates),
-        "total_bytes": updates[-1].get("perf/update_weights_total_bytes") if updates else None,
+        "total_bytes": _count(updates[-1].get("perf/update_weights_total_bytes")) if updates else None,
         "prepare_time_mean_s": mean(r.get("perf/update_weights_prepare_time") for r in updates),
         "pause_time_mean_s": mean(r.get("perf/update_weights_pause_time") for r in updates),
         "pause_time_max_s": max((r.get("perf/update_weights_pause_time", 0) or 0 for r in updates), default=None),
         "samples_per_s": mean(r.get("perf/samples_per_s") for r in records),
         **_handoff(records, mean),
     }
+
+
+def reward_window_steps(num_steps: int) -> int:
+    """Steps in each of the first and last reward windows: ``WINDOW``, or for a run shorter than two
+    windows half its steps, so the two never share a step; 0 for a single step (too short for two)."""
+    return min(WINDOW, num_steps // 2)
+
+
+def _count(value: Any) -> Any:
+    """A count recorded as a float (metrics are floats) as the integer it is."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _handoff(records: list[dict[str, Any]], mean) -> dict[str, Any]:
@@ -111,7 +126,7 @@ def format_summary(s: dict[str, Any], run_dir: Path) -> str:
 
     lines = [
         f"== run summary ({run_dir}) ==",
-        f"steps: {s['steps']}   reward first {WINDOW}: {f(s['reward_first'])}   last {WINDOW}: {f(s['reward_last'])}",
+        f"steps: {s['steps']}   {_reward_line(s, f)}",
         f"staleness max: {s['staleness_max']:.0f}   stale groups dropped: {s['stale_groups_dropped']:.0f}",
         f"updates: {s['updates']}   density: {f(s['update_density_mean'])}   wire: "
         f"{f(s['wire_bytes_mean'] and s['wire_bytes_mean'] / 1024, '{:.1f}')} KiB of "
@@ -128,6 +143,16 @@ def format_summary(s: dict[str, Any], run_dir: Path) -> str:
     if s.get("engine_faults"):
         lines.append(faults_line(s["engine_faults"]))
     return "\n".join(lines)
+
+
+def _reward_line(s: dict[str, Any], f) -> str:
+    """``reward first N: x   last N: y`` over windows that share no step (N: the steps in each)."""
+    window = s.get("reward_window_steps", WINDOW)
+    if window:
+        return f"reward first {window}: {f(s['reward_first'])}   last {window}: {f(s['reward_last'])}"
+    if s.get("reward_mean") is None:
+        return "reward: n/a"
+    return f"reward: {f(s['reward_mean'])} (one step: too short for a first and a last window)"
 
 
 def engine_faults(run_dir: Path) -> dict[str, Any] | None:

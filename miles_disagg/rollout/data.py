@@ -5,7 +5,9 @@ message list ``[{"role": ..., "content": ...}, ...]``; ``--label-key`` holds the
 (any JSON value); an optional metadata key holds a JSON object handed to the reward.
 With ``--apply-chat-template`` the prompt is rendered once, at load, with the
 tokenizer's chat template (a string prompt becomes one user message), so template
-problems surface before anything starts. Blank lines are skipped.
+problems surface before anything starts. Blank lines are skipped. :func:`prompt_records`
+streams the checked records of a file one at a time: the loader reads through it, and so does
+preflight (every record, before anything starts; ``loop/preflight_checks.py``).
 
 Order: epoch ``e`` visits every prompt once; with shuffling, in the order of a
 permutation seeded by ``(seed, e)``, so the order depends only on the seed and the
@@ -20,7 +22,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from miles_disagg.types import ConfigError, InvalidInput
 
@@ -78,8 +80,8 @@ class PromptDataset:
         path = Path(path)
         if apply_chat_template and tokenizer is None:
             raise ConfigError(f"{CHAT_TEMPLATE_FLAG} needs a tokenizer to render {path}", flags=(CHAT_TEMPLATE_FLAG,))
-        reader = _RecordReader(path, input_key, label_key, metadata_key, tokenizer if apply_chat_template else None)
-        return cls(reader.read_all(), shuffle=shuffle, seed=seed)
+        keys = RecordKeys(input_key, label_key, metadata_key)
+        return cls(_read_prompts(path, keys, tokenizer if apply_chat_template else None), shuffle=shuffle, seed=seed)
 
     def __len__(self) -> int:
         return len(self._prompts)
@@ -145,86 +147,140 @@ def _require_ints(state: dict[str, Any], keys: tuple[str, ...]) -> list[int]:
     return values
 
 
-class _RecordReader:
-    """Turns the lines of one JSONL file into prompts; every error names the file and line."""
+MAX_LINE_BYTES = 16 * 1024 * 1024
+"""A longer "line" is not a prompt record (a binary file, a wrong path); it is refused unread."""
 
-    def __init__(self, path: Path, input_key: str, label_key: str | None, metadata_key: str | None, tokenizer: Any):
-        self.path, self.input_key, self.label_key = path, input_key, label_key
-        self.metadata_key, self.tokenizer = metadata_key, tokenizer
 
-    def read_all(self) -> list[Prompt]:
-        if not self.path.is_file():
-            raise ConfigError(f"{PROMPT_DATA_FLAG} {str(self.path)!r} is not a file", flags=(PROMPT_DATA_FLAG,))
-        prompts: list[Prompt] = []
-        with self.path.open(encoding="utf-8") as lines:
-            for line_number, line in enumerate(lines, start=1):
-                if line.strip():
-                    prompts.append(self._prompt(len(prompts), line_number, line))
-        if not prompts:
-            raise ConfigError(f"{PROMPT_DATA_FLAG} {str(self.path)!r} holds no prompts", flags=(PROMPT_DATA_FLAG,))
-        return prompts
+@dataclass(frozen=True)
+class RecordKeys:
+    """Where a record keeps its parts: ``--input-key``, ``--label-key`` (None: no labels), the metadata key."""
 
-    def _fail(self, line_number: int, message: str, flag: str = PROMPT_DATA_FLAG) -> ConfigError:
-        flags = (PROMPT_DATA_FLAG,) if flag == PROMPT_DATA_FLAG else (PROMPT_DATA_FLAG, flag)
-        return ConfigError(f"{self.path}:{line_number}: {message}", flags=flags)
+    input_key: str
+    label_key: str | None = None
+    metadata_key: str | None = None
 
-    def _prompt(self, index: int, line_number: int, line: str) -> Prompt:
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One checked record: its line number (1-based), the prompt as written (text, or chat messages), label, metadata."""
+
+    line_number: int
+    prompt: str | list[dict[str, str]]
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def text(self) -> str:
+        """The prompt's own text (a chat list's contents, one after another), before any template."""
+        return self.prompt if isinstance(self.prompt, str) else "".join(m["content"] for m in self.prompt)
+
+
+def prompt_records(path: str | Path, keys: RecordKeys, *, apply_chat_template: bool, flag: str = PROMPT_DATA_FLAG,
+                   max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[PromptRecord]:
+    """Every non-blank line of ``path``, parsed and checked, one at a time (memory bounded by
+    ``max_line_bytes``; nothing is kept): what :meth:`PromptDataset.from_jsonl` reads, less the
+    chat template's rendering. ``ConfigError`` ``"{flag}: {path}:{line}: {what is wrong}"`` (naming
+    ``flag`` and the key's flag) for the first bad line: longer than ``max_line_bytes``, not UTF-8,
+    not a JSON object, a missing input or label key, an input that is neither text nor a well-formed
+    chat message list, a chat list without ``--apply-chat-template``, metadata that is not an object.
+    ``OSError`` when the file cannot be read (a missing file included)."""
+    checker = _RecordChecker(Path(path), keys, apply_chat_template, flag)
+    with Path(path).open("rb") as lines:
+        line_number = 0
+        while True:
+            raw = lines.readline(max_line_bytes + 1)  # bounded: a file without newlines is not read whole
+            line_number += 1
+            if not raw:
+                return
+            if len(raw) > max_line_bytes:
+                raise checker.fail(line_number, f"a line longer than {max_line_bytes} bytes")
+            if raw.strip():
+                yield checker.record(line_number, raw)
+
+
+class _RecordChecker:
+    """Turns one line into a :class:`PromptRecord`; every error names the flag, the file and the line."""
+
+    def __init__(self, path: Path, keys: RecordKeys, apply_chat_template: bool, flag: str):
+        self.path, self.keys, self.apply_chat_template, self.flag = path, keys, apply_chat_template, flag
+
+    def fail(self, line_number: int, message: str, key_flag: str | None = None) -> ConfigError:
+        flags = (self.flag.split()[0],) + ((key_flag,) if key_flag else ())
+        return ConfigError(f"{self.flag}: {self.path}:{line_number}: {message}", flags=flags)
+
+    def record(self, line_number: int, raw: bytes) -> PromptRecord:
         try:
-            record = json.loads(line)
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise self.fail(line_number, "not UTF-8 text") from None
         except json.JSONDecodeError as exc:
-            raise self._fail(line_number, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+            raise self.fail(line_number, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        except RecursionError:
+            raise self.fail(line_number, "JSON nested too deeply") from None
         if not isinstance(record, dict):
-            raise self._fail(line_number, f"expected a JSON object, got {type(record).__name__}")
-        raw_input = self._field(record, line_number, self.input_key, INPUT_KEY_FLAG)
-        label = None if self.label_key is None else self._field(record, line_number, self.label_key, LABEL_KEY_FLAG)
-        return Prompt(index=index, text=self._render(raw_input, line_number), label=label,
-                      metadata=self._metadata(record, line_number))
+            raise self.fail(line_number, f"expected a JSON object, got {type(record).__name__}")
+        keys = self.keys
+        prompt = self._prompt(self._field(record, line_number, keys.input_key, INPUT_KEY_FLAG), line_number)
+        label = None if keys.label_key is None else self._field(record, line_number, keys.label_key, LABEL_KEY_FLAG)
+        return PromptRecord(line_number, prompt, label, self._metadata(record, line_number))
 
-    def _field(self, record: dict, line_number: int, key: str, flag: str) -> Any:
+    def _field(self, record: dict, line_number: int, key: str, key_flag: str) -> Any:
         if key not in record:
-            raise self._fail(line_number, f"missing key {key!r} ({flag}); keys present: {sorted(record)}", flag)
+            present = sorted(record)[:20]
+            raise self.fail(line_number, f"missing key {key!r} ({key_flag}); keys present: {present}", key_flag)
         return record[key]
 
     def _metadata(self, record: dict, line_number: int) -> dict[str, Any]:
-        if self.metadata_key is None or record.get(self.metadata_key) is None:
+        key = self.keys.metadata_key
+        if key is None or record.get(key) is None:
             return {}
-        value = record[self.metadata_key]
+        value = record[key]
         if not isinstance(value, dict):
-            raise self._fail(line_number, f"metadata key {self.metadata_key!r} must hold a JSON object, "
-                                          f"got {type(value).__name__}")
+            raise self.fail(line_number, f"metadata key {key!r} must hold a JSON object, got {type(value).__name__}")
         return value
 
-    def _render(self, raw_input: Any, line_number: int) -> str:
-        if isinstance(raw_input, str):
-            messages = [{"role": "user", "content": raw_input}]
-        elif isinstance(raw_input, list):
-            messages = self._messages(raw_input, line_number)
-        else:
-            raise self._fail(line_number, f"key {self.input_key!r} must hold a string or a chat message list, "
-                                          f"got {type(raw_input).__name__}", INPUT_KEY_FLAG)
-        if self.tokenizer is None:
-            if isinstance(raw_input, str):
-                return raw_input
-            raise self._fail(line_number, f"key {self.input_key!r} holds chat messages; rendering them needs "
-                                          f"{CHAT_TEMPLATE_FLAG}", CHAT_TEMPLATE_FLAG)
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # tokenizers raise ValueError/TemplateError/...; all mean the same here
-            raise self._fail(line_number, f"the chat template failed: {exc}", CHAT_TEMPLATE_FLAG) from exc
-        if not isinstance(text, str):
-            raise self._fail(line_number, f"the chat template returned {type(text).__name__}, not text",
-                             CHAT_TEMPLATE_FLAG)
-        return text
-
-    def _messages(self, raw: list, line_number: int) -> list[dict[str, str]]:
+    def _prompt(self, raw: Any, line_number: int) -> str | list[dict[str, str]]:
+        key = self.keys.input_key
+        if isinstance(raw, str):
+            return raw
+        if not isinstance(raw, list):
+            raise self.fail(line_number, f"key {key!r} must hold a string or a chat message list, "
+                                         f"got {type(raw).__name__}", INPUT_KEY_FLAG)
         if not raw:
-            raise self._fail(line_number, f"key {self.input_key!r} holds an empty message list", INPUT_KEY_FLAG)
+            raise self.fail(line_number, f"key {key!r} holds an empty message list", INPUT_KEY_FLAG)
         for position, message in enumerate(raw):
             if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                     and isinstance(message.get("content"), str)):
-                raise self._fail(line_number, f"message {position} of {self.input_key!r} must be "
-                                              f"{{'role': str, 'content': str}}, got {message!r}", INPUT_KEY_FLAG)
+                raise self.fail(line_number, f"message {position} of {key!r} must be "
+                                             f"{{'role': str, 'content': str}}, got {message!r}", INPUT_KEY_FLAG)
+        if not self.apply_chat_template:
+            raise self.fail(line_number, f"key {key!r} holds chat messages; rendering them needs "
+                                         f"{CHAT_TEMPLATE_FLAG}", CHAT_TEMPLATE_FLAG)
         return raw
+
+
+def _read_prompts(path: Path, keys: RecordKeys, tokenizer: Any) -> list[Prompt]:
+    """Every record of ``path`` as a prompt, rendered with ``tokenizer``'s chat template when one is given."""
+    if not path.is_file():
+        raise ConfigError(f"{PROMPT_DATA_FLAG} {str(path)!r} is not a file", flags=(PROMPT_DATA_FLAG,))
+    prompts: list[Prompt] = []
+    for record in prompt_records(path, keys, apply_chat_template=tokenizer is not None):
+        text = record.prompt if tokenizer is None else _render(record, tokenizer, path)
+        prompts.append(Prompt(index=len(prompts), text=text, label=record.label, metadata=record.metadata))
+    if not prompts:
+        raise ConfigError(f"{PROMPT_DATA_FLAG} {str(path)!r} holds no prompts", flags=(PROMPT_DATA_FLAG,))
+    return prompts
+
+
+def _render(record: PromptRecord, tokenizer: Any, path: Path) -> str:
+    messages = [{"role": "user", "content": record.prompt}] if isinstance(record.prompt, str) else record.prompt
+    where, flags = f"{PROMPT_DATA_FLAG}: {path}:{record.line_number}", (PROMPT_DATA_FLAG, CHAT_TEMPLATE_FLAG)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # tokenizers raise ValueError/TemplateError/...; all mean the same here
+        raise ConfigError(f"{where}: the chat template failed: {exc}", flags=flags) from exc
+    if not isinstance(text, str):
+        raise ConfigError(f"{where}: the chat template returned {type(text).__name__}, not text", flags=flags)
+    return text
 
 
 def digit_run_prompts(num_prompts: int, digits: int, *, label: Any, seed: int) -> list[Prompt]:

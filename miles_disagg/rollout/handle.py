@@ -14,7 +14,8 @@ from miles_disagg.types import RolloutBatch
 class RolloutManagerHandle:
     def __init__(self, config: RolloutManagerConfig, *, data_position: int = 0, scheduling_strategy=None):
         """``data_position``: prompts a resumed run has already consumed; ``scheduling_strategy``:
-        where the actor goes (a run puts it on the driver's node, beside the router)."""
+        where the actor goes (a run puts it on the driver's node, beside the router). Returns once
+        the actor has read its prompts; ``ConfigError`` naming the file and line where they are bad."""
         import ray
 
         from miles_disagg.rollout.manager import RolloutManager
@@ -24,6 +25,11 @@ class RolloutManagerHandle:
         self._actor = (ray.remote(RolloutManager)
                        .options(num_cpus=0, scheduling_strategy=scheduling_strategy, runtime_env=keys_runtime_env())
                        .remote(config, data_position=data_position))
+        try:  # bad prompt data ends the run here with its ConfigError (exit 2), not as a dead actor later
+            Pending([self._actor.ready.remote()]).result()
+        except BaseException:
+            ray.kill(self._actor)
+            raise
 
     def start(self) -> None:
         """Begin continuous generation (train_async.py)."""

@@ -145,7 +145,7 @@ class RolloutArgs:
         if name.startswith("__"):
             raise AttributeError(name)
         raise AttributeError(f"args.{name}: miles' argument {name!r} is not given to hooks here (their args carry "
-                             "what README \"Porting your miles rollout code\" lists)")
+                             "what docs/rollout-extensions.md, \"What hooks receive\", lists)")
 
     def at_router(self, router_url: str) -> "RolloutArgs":
         """The same args naming another router address (a generate hook's own, see rollout/attribution.py)."""

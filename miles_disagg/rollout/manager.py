@@ -43,7 +43,7 @@ from miles_disagg.rollout.hook_args import EngineCaller, EvalSamples, PromptSamp
 from miles_disagg.rollout.hooks import load_rollout_hooks
 from miles_disagg.rollout.outputs import eval_metrics, groups_from_rollout_output, post_process_rewards
 from miles_disagg.rollout.routed_experts import RoutingShape, from_jsonable, to_jsonable
-from miles_disagg.types import Group, RolloutBatch
+from miles_disagg.types import ConfigError, Group, RolloutBatch
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,12 @@ class RolloutManager:
         self.routing = RoutingShape(*config.routed_experts) if config.routed_experts else None  # MoE routed experts
         config = config.rollout
         self.tokenizer = load_tokenizer(self.hf_dir)
-        self.prompts = make_prompt_source(config, self.tokenizer, seed)
+        self.setup_error: ConfigError | None = None
+        try:
+            self.prompts = make_prompt_source(config, self.tokenizer, seed)
+        except ConfigError as exc:  # for ready(): Ray keeps the type of a method's error, not of __init__'s
+            self.setup_error = exc
+            return
         self.drawn = data_position
         if data_position:
             n = len(self.prompts)
@@ -203,6 +208,12 @@ class RolloutManager:
             await self._proxy.close()
         if self._client is not None:
             await self._client.aclose()
+
+    def ready(self) -> None:
+        """Return once set up; else raise what the prompt data failed with (``ConfigError``, naming
+        the file and line: what preflight cannot see, such as a chat template failing on a record)."""
+        if self.setup_error is not None:
+            raise self.setup_error
 
     def data_position(self) -> int:
         """Prompts whose groups the trainer has or will have consumed: drawn minus those still

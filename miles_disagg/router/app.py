@@ -1,112 +1,38 @@
-"""The version-aware router: FastAPI app over a worker registry, a health checker and a proxy.
+"""The version-aware router's HTTP app: FastAPI over a :class:`~miles_disagg.router.proxy.Router`.
 
-Generation (each request proxied to one worker):
+Generation (each request proxied to one worker; contracts in :mod:`miles_disagg.router.proxy`):
 ``POST /generate`` (SGLang body; PUT too), ``POST /v1/completions``, ``POST /v1/chat/completions``.
-A version constraint comes from the body key ``"weight_version": {"min_version": N}`` or
-``{"exact_version": N}`` (removed before forwarding; the engine does not know it) or from
-the headers ``X-Weight-Version-Min`` / ``X-Weight-Version-Exact``; giving both, differently,
-is a 400. ``stream: true`` is refused with 400: the router does not relay SSE.
-
-Contracts:
-
-* Routing: only ``ready`` workers whose known version satisfies the constraint, fewest
-  outstanding requests first (:mod:`miles_disagg.router.policy`). None ready: 503
-  ``NoWorkerAvailable``; ready ones but none satisfying: 409 ``WeightVersionNotReady``
-  with ``required`` and ``available_versions``. Both carry ``Retry-After`` and
-  ``retryable: true``. An older policy than the constraint allows is never used.
-* Served versions: every 2xx ``/generate`` item gets ``meta_info.weight_version_start`` /
-  ``weight_version_end`` (ints, null if unknown) and ``meta_info.routed_worker``; the engine's
-  own start/end win, else start is the worker's version at dispatch and end the response's
-  ``weight_version``. OpenAI responses get the same keys in ``metadata``. If the served start
-  version does not satisfy the constraint (the router's view was stale) the answer is a 409
-  instead of that sample; the version seen in every response updates the registry.
-* Failures: a refused connection (nothing was sent) marks the worker unhealthy and the
-  request is tried on another worker; so does a connect timeout, except that a worker which
-  answered a request within the connect timeout, or whose connect timed out while the router's own
-  loop lagged (:mod:`~miles_disagg.router.loop_lag`), stays in routing (its probes decide). A request
-  never tries the same worker twice. Any later failure (connection lost, timeout, 5xx)
-  marks the worker unhealthy and answers 502 ``WorkerFailed`` (retryable). A request that
-  may have started generating is never replayed, ``rid`` or not. 4xx answers pass through.
-* A client that disconnects has its upstream request closed, so the engine aborts it.
-* Keys and limits (:mod:`miles_disagg.net.asgi_guard`): ``--api-key``/``--admin-api-key`` guard the
-  router's own endpoints (the registry ones need the admin key); towards workers the router
-  sends its own keys, never the client's, and never above the level the client proved. Big
-  bodies are parsed and re-encoded off the event loop.
+These are served by :class:`~miles_disagg.router.fast_path.GenerationFastPath`, past FastAPI's
+routing; their routes are listed here only for the schema and 405s.
 
 Registry: ``POST /add_worker`` and ``POST /remove_worker`` (``{"url"}`` or ``?url=``),
 ``GET /list_workers``, ``POST /set_worker_state`` ``{"url", "state": ready|paused|activating,
 "weight_version"?}``. A worker's version is learned only from the worker (probes and its
 answers): a ``weight_version`` given to ``/set_worker_state`` is checked against a probe of the
-worker and refused (409, nothing changed) when the worker reports another. ``GET /health`` (router alive), ``GET /metrics`` (JSON counters).
+worker and refused (409, nothing changed) when the worker reports another. Errors: 404 unknown
+worker, 400 bad input, 409 otherwise. ``GET /health`` (router alive), ``GET /metrics`` (JSON counters).
 
-Observers (``Router.observers``, used by the rollout service's gateway): each is called
-with a :class:`ProxyRecord` once per generation request that got past parsing, after its
-answer is decided, on the event loop; an observer that raises is logged and ignored.
+Keys and limits (:mod:`miles_disagg.net.asgi_guard`): ``--api-key``/``--admin-api-key`` guard the
+router's own endpoints (the registry ones need the admin key); towards workers the router
+sends its own keys, never the client's, and never above the level the client proved.
 """
 
 # no "from __future__ import annotations": FastAPI must see the real Request class
 
-import asyncio
-import collections
 import contextlib
-import json
-import logging
-import math
-import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from fastapi.responses import JSONResponse, Response
+from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from miles_disagg.net.asgi_guard import ServerGuard, install_guard, server_app
-from miles_disagg.net.auth import ApiKeys, forward_headers
-from miles_disagg.router.client_gone import _ClientGone, _unless_client_gone
+from miles_disagg.net.httpjson import parse_body
+from miles_disagg.router.config import RouterConfig
 from miles_disagg.router.fast_path import GenerationFastPath
-from miles_disagg.router.health import HealthChecker
-from miles_disagg.router.loop_lag import LoopLag
-from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, annotate_served_versions,
-                                       constraint_json, request_constraint, violates)
-from miles_disagg.router.registry import (UnknownWorker, Worker, WorkerRegistry, WorkerState, normalize_url,
-                                          parse_version)
-from miles_disagg.net.pooled_http import ConnectTimedOut, NotConnected, PooledSession, Reply, TransportFailed
-from miles_disagg.net.httpjson import dumps_async, parse_body, parse_json_async
-from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable, VersionConstraint, VersionNotReady
-
-log = logging.getLogger(__name__)
-
-GENERATE_PATH = "/generate"
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
-OVERHEAD_WINDOW = 100_000  # routing overheads kept for /metrics' percentiles (the most recent requests)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RouterConfig:
-    """Settings of one router process (the bind address is the server's, not here)."""
-
-    workers: tuple[str, ...] = ()
-    """Worker URLs registered at start; each is probed before it is routed to."""
-    health_check_interval_s: float = 1.0
-    """Seconds between health passes over all workers."""
-    health_check_timeout_s: float = 2.0
-    """Timeout of each probe request (``/health``, ``/model_info``)."""
-    health_failure_threshold: int = 2
-    """Probe timeouts in a row that take a worker out (refusals and error statuses: one)."""
-    retry_after_s: float = 1.0
-    """Advised wait sent with 409/503 answers (``Retry-After`` rounds it up to whole seconds)."""
-    request_timeout_s: float = 600.0
-    """Read timeout of a proxied request (generation can take long)."""
-    connect_timeout_s: float = 5.0
-    """Connect timeout of a proxied request (a refused connection fails at once)."""
-
-    def __post_init__(self) -> None:
-        for name in ("health_check_interval_s", "health_check_timeout_s", "request_timeout_s", "connect_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.retry_after_s < 0:
-            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s!r}")
-        if self.health_failure_threshold < 1:
-            raise ValueError(f"health_failure_threshold must be >= 1, got {self.health_failure_threshold!r}")
+from miles_disagg.router.proxy import GENERATE_PATH, OPENAI_PATHS, Router, WorkerVersionMismatch, error_response
+from miles_disagg.router.registry import UnknownWorker, WorkerRegistry, WorkerState, parse_version
+from miles_disagg.types import InvalidInput, MilesDisaggError
 
 
 @dataclass(frozen=True)
@@ -124,292 +50,64 @@ class WorkerRequest:
             raise ValueError(f"weight_version must be a non-negative integer, got {self.weight_version!r}")
 
 
-class WorkerFailed(Retryable):
-    """The worker failed while serving the request; it is out of routing, the request may be retried."""
+class RouterEndpoints:
+    """The router's own endpoints (registry and status), one method per route, over one :class:`Router`."""
 
-    def __init__(self, url: str, reason: str):
-        self.url = url
-        super().__init__(f"worker {url} failed: {reason}")
+    def __init__(self, router: Router):
+        self.router = router
 
+    async def add_worker(self, request: Request):
+        worker = await self.router.add_worker(_url_of(request, await _worker_request(request)))
+        return {"worker": worker.to_json()}
 
-class WorkerVersionMismatch(Retryable):
-    """A caller said a worker holds a version the worker itself does not report (409)."""
+    async def remove_worker(self, request: Request):
+        return {"worker": self.router.registry.remove(_url_of(request, await _worker_request(request))).to_json()}
 
-    def __init__(self, url: str, expected: int, actual: int | None):
-        self.url, self.expected, self.actual = url, expected, actual
-        super().__init__(f"worker {url} reports weight version {actual}, not {expected}; the router learns versions "
-                         "only from the worker itself")
+    async def set_worker_state(self, request: Request):
+        body = await _worker_request(request)
+        worker = await self.router.set_worker_state(_url_of(request, body), body.state,
+                                                    parse_version(body.weight_version))
+        return {"worker": worker.to_json()}
 
+    async def list_workers(self):
+        workers = self.router.registry.workers()
+        # "urls" is sglang-router's shape (miles/slime read it to reach every engine)
+        return {"workers": [w.to_json() for w in workers], "urls": [w.url for w in workers]}
 
-@dataclass
-class ProxyRecord:
-    """One proxied generation request, as observers see it."""
+    async def health(self):
+        workers = self.router.registry.workers()
+        ready = sum(w.state is WorkerState.READY for w in workers)
+        return JSONResponse({"status": "ok", "num_workers": len(workers), "num_ready": ready})
 
-    constraint: VersionConstraint
-    status: int = 0
-    served: list[tuple[int | None, int | None]] = field(default_factory=list)  # (start, end) per item
-    worker: str | None = None  # the worker that answered (the last one tried)
-    total_s: float = 0.0  # in the router, from the body read to the answer
-    upstream_s: float = 0.0  # waiting for workers (every try)
-
-
-class Router:
-    """Registry + policy + health checker + proxy; lives on one event loop."""
-
-    def __init__(self, config: RouterConfig, registry: WorkerRegistry | None = None, keys: ApiKeys | None = None):
-        self.config = config
-        self.keys = keys or ApiKeys()  # sent to workers (one key set per deployment)
-        self.registry = registry or WorkerRegistry(failure_threshold=config.health_failure_threshold)
-        self.policy = LeastOutstandingPolicy()
-        self.counters: Counter[str] = Counter()
-        self._client: PooledSession | None = None
-        self.health: HealthChecker | None = None
-        self._health_task: asyncio.Task | None = None
-        self._lag_task: asyncio.Task | None = None
-        self.loop_lag = LoopLag()
-        self.observers: list[Callable[[ProxyRecord], None]] = []
-        self.overheads_s: collections.deque[float] = collections.deque(maxlen=OVERHEAD_WINDOW)
-        self.server_id: str | None = None  # the app's (asgi_guard): a worker answering with it is this router
-
-    async def start(self) -> None:
-        """Open the HTTP clients, register ``config.workers``, run one health pass, start the loop."""
-        # Requests to workers and probes: pooled_http (its module and health.py say why). Idle connections are
-        # dropped before the engine side closes them (a closing connection would read as a worker
-        # failure); trust_env=False: worker traffic never goes through an env proxy.
-        self._client = PooledSession(max_connections=None, connect_timeout_s=self.config.connect_timeout_s,
-                                     read_timeout_s=self.config.request_timeout_s)
-        timeout = self.config.health_check_timeout_s
-        probe_client = PooledSession(max_connections=None, connect_timeout_s=timeout, read_timeout_s=timeout,
-                                     total_timeout_s=timeout)
-        self.health = HealthChecker(self.registry, probe_client, interval_s=self.config.health_check_interval_s,
-                                    keys=self.keys, own_server_id=self.server_id, loop_lag=self.loop_lag,
-                                    timeout_s=timeout)
-        self._lag_task = asyncio.create_task(self.loop_lag.run_forever())
-        for url in self.config.workers:
-            self.registry.add(url)
-        await self.health.check_all()
-        self._health_task = asyncio.create_task(self.health.run_forever())
-
-    async def stop(self) -> None:
-        for task in (self._health_task, self._lag_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        for client in (self._client, self.health and self.health.client):
-            if client is not None:
-                await client.aclose()
-
-    # ------------------------------------------------------------------ registry operations
-
-    async def add_worker(self, url: str) -> Worker:
-        """Register ``url`` and probe it at once, so a live engine is ``ready`` on return. ``InvalidInput``
-        (nothing registered) when ``url`` reaches this router itself (or its gateway): requests would loop."""
-        url = normalize_url(url)
-        if await self.health.is_self(url):
-            raise InvalidInput(f"{url} is this router itself (or an alias of its address); a router cannot be its "
-                               "own worker: requests would loop through it")
-        worker = self.registry.add(url)
-        await self.health.check(worker)
-        return worker
-
-    async def set_worker_state(self, url: str, state: str, weight_version: int | None) -> Worker:
-        """Set the admin state; marking ``ready`` re-reads the version from the worker first, so
-        requests are routed by the version the engine holds after its update. A ``weight_version``
-        is only an expectation: ``WorkerVersionMismatch`` (nothing changed) when the worker reports another."""
-        worker = self.registry.get(url)
-        if weight_version is not None:
-            await self.health.check(worker)
-            if worker.weight_version != weight_version:
-                raise WorkerVersionMismatch(worker.url, weight_version, worker.weight_version)
-        worker = self.registry.set_admin_state(url, state)
-        if worker.admin_state is WorkerState.READY and weight_version is None:
-            await self.health.check(worker)
-        return worker
-
-    # ------------------------------------------------------------------ proxy
-
-    async def proxy(self, request: Any, path: str) -> Any:
-        """Route one generation request (see the module docstring for the contract)."""
-        self.counters["requests"] += 1
-        try:
-            raw = await request.body()
-            body = await parse_json_async(raw)
-            constraint = request_constraint(body, request.headers)
-            if body.get("stream"):
-                raise InvalidInput("stream=true is not supported by the router; send stream=false")
-        except InvalidInput as exc:
-            return _error_response(400, exc)
-        record = ProxyRecord(constraint)
-        started = time.perf_counter()
-        response = await self._route(request, path, body, record, len(raw))
-        record.status, record.total_s = response.status_code, time.perf_counter() - started
-        self.overheads_s.append(record.total_s - record.upstream_s)
-        self._notify(record)
-        return response
-
-    async def _route(self, request: Any, path: str, body: dict, record: ProxyRecord, size: int) -> Any:
-        constraint = record.constraint
-        payload = await dumps_async(body, size)
-        level = getattr(request.state, "auth_level", None)
-        headers = {"content-type": "application/json", **forward_headers(self.keys, level, path)}
-        tried: set[Worker] = set()
-        for _ in range(len(self.registry) + 1):
-            try:
-                worker = self.policy.choose_in(self.registry, constraint, skip=tried)
-            except (VersionNotReady, NoWorkerAvailable) as exc:
-                return self._not_ready(exc, constraint)
-            response = await self._dispatch(worker, path, payload, headers, request, record)
-            if response is not None:
-                return response
-            tried.add(worker)
-        return self._not_ready(NoWorkerAvailable("every ready worker refused the connection"), constraint)
-
-    def _notify(self, record: ProxyRecord) -> None:
-        for observer in self.observers:
-            try:
-                observer(record)
-            except Exception:  # an observer must never break routing
-                log.exception("proxy observer failed")
-
-    async def _dispatch(self, worker: Worker, path: str, payload: bytes, headers: dict, request: Any,
-                        record: ProxyRecord) -> Any:
-        """Send to ``worker``; ``None`` if it could not be reached (nothing was sent)."""
-        dispatch_version = worker.weight_version
-        record.worker = worker.url
-        self.registry.acquire(worker)
-        served = False
-        sent_at, sent_loop_time = time.perf_counter(), asyncio.get_running_loop().time()
-        try:
-            send = self._client.post(worker.url + path, content=payload, headers=headers)
-            upstream = await _unless_client_gone(request, send)
-            if upstream.status_code >= 500:
-                raise WorkerFailed(worker.url, f"{path} answered {upstream.status_code}: {upstream.text[:500]}")
-            served = True
-        except _ClientGone:
-            self.counters["client_disconnected"] += 1
-            return Response(status_code=499)
-        except ConnectTimedOut as exc:
-            self.counters["connect_retries"] += 1
-            if (self.registry.answered_within(worker, self.config.connect_timeout_s)
-                    or self.loop_lag.excuses(sent_loop_time, self.config.connect_timeout_s)):
-                self.counters["connect_timeouts_of_live_workers"] += 1  # busy, not gone: probes decide
-            else:
-                self._fail(worker, f"cannot connect: {exc}")
-            return None
-        except NotConnected as exc:
-            self._fail(worker, f"cannot connect: {exc}")
-            self.counters["connect_retries"] += 1
-            return None
-        except (TransportFailed, WorkerFailed) as exc:
-            failure = exc if isinstance(exc, WorkerFailed) else WorkerFailed(worker.url, f"{type(exc).__name__}: {exc}")
-            self._fail(worker, str(failure))
-            self.counters["worker_failed"] += 1
-            return _error_response(502, failure, worker=worker.url)
-        finally:
-            record.upstream_s += time.perf_counter() - sent_at
-            self.registry.release(worker, served=served)
-        return self._relay(worker, path, upstream, dispatch_version, record)
-
-    def _fail(self, worker: Worker, reason: str) -> None:
-        log.warning("worker %s taken out of routing: %s", worker.url, reason)
-        self.registry.mark_failed(worker, reason)
-
-    def _relay(self, worker: Worker, path: str, upstream: Reply, dispatch_version: int | None,
-               record: ProxyRecord) -> Any:
-        """The worker's answer with served versions added (non-JSON or non-2xx: as is)."""
-        constraint = record.constraint
-        routed = {"X-Routed-Worker": worker.url}
-        content_type = upstream.headers.get("content-type", "")
-        obj = _json_or_none(upstream) if upstream.is_success and "json" in content_type else None
-        if obj is None:
-            return Response(upstream.content, status_code=upstream.status_code,
-                            media_type=content_type or None, headers=routed)
-        metas = _metas_of(obj, "meta_info" if path == GENERATE_PATH else "metadata")
-        for meta in metas:
-            self.registry.observe_version(worker, parse_version(meta.get("weight_version")))
-        for meta in metas:
-            annotate_served_versions(meta, dispatch_version, worker)
-        wrong = [m for m in metas
-                 if violates(m["weight_version_start"], m["weight_version_end"], constraint, worker.run_id)]
-        if wrong:
-            self.counters["stale_view"] += 1
-            served = (wrong[0]["weight_version_start"], wrong[0]["weight_version_end"])
-            message = (f"worker {worker.url} served versions {served} (start, end), which do not satisfy "
-                       f"{constraint.describe()} (the router's view of it was stale); retry")
-            available = [worker.weight_version] if worker.weight_version is not None else []
-            return self._not_ready(VersionNotReady(constraint, available), constraint, message=message)
-        record.served = [(m["weight_version_start"], m["weight_version_end"]) for m in metas]
-        return Response(json.dumps(obj).encode(), status_code=upstream.status_code,
-                        media_type="application/json", headers=routed)
-
-    def _not_ready(self, exc: Retryable, constraint: VersionConstraint, message: str | None = None) -> Any:
-        retry = {"Retry-After": str(max(1, math.ceil(self.config.retry_after_s)))}
-        extra: dict[str, Any] = {"retry_after_s": self.config.retry_after_s}
-        if isinstance(exc, VersionNotReady):
-            self.counters["version_not_ready"] += 1
-            extra.update(required=constraint_json(constraint), available_versions=exc.available)
-            return _error_response(409, exc, type_name="WeightVersionNotReady", headers=retry,
-                                   message=message, **extra)
-        self.counters["no_worker_available"] += 1
-        return _error_response(503, exc, headers=retry, worker_states=getattr(exc, "states", {}), **extra)
-
-    def metrics(self) -> dict[str, Any]:
-        return {**{k: self.counters.get(k, 0) for k in (
-            "requests", "version_not_ready", "no_worker_available", "worker_failed", "connect_retries",
-            "connect_timeouts_of_live_workers", "stale_view", "client_disconnected")},
-            "served_per_worker": {w.url: w.num_served for w in self.registry.workers()},
-            "routing_overhead_ms": _percentiles_ms(self.overheads_s)}
-
-
-def _percentiles_ms(values_s: collections.deque) -> dict[str, float | int | None]:
-    """p50/p99/max in milliseconds of the router's own time per request (its time minus the workers')."""
-    ordered = sorted(values_s)
-    if not ordered:
-        return {"count": 0, "p50": None, "p99": None, "max": None}
-    at = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 3)  # noqa: E731
-    return {"count": len(ordered), "p50": at(0.5), "p99": at(0.99), "max": round(ordered[-1] * 1e3, 3)}
-
-
-# --------------------------------------------------------------------------- request/response helpers
-
-
-def _json_or_none(response: Reply) -> Any:
-    try:
-        return response.json()
-    except ValueError:
-        return None
-
-
-def _metas_of(obj: Any, key: str) -> list[dict]:
-    """The per-item metadata dicts of a response (a batched ``/generate`` answers a list)."""
-    metas = []
-    for item in obj if isinstance(obj, list) else [obj]:
-        if isinstance(item, dict):
-            if not isinstance(item.get(key), dict):
-                item[key] = {}
-            metas.append(item[key])
-    return metas
-
-
-def _error_response(status: int, exc: BaseException, *, type_name: str | None = None,
-                    headers: dict | None = None, message: str | None = None, **extra: Any) -> JSONResponse:
-    body = {"type": type_name or type(exc).__name__, "retryable": isinstance(exc, Retryable),
-            "message": message or str(exc), **extra}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-# --------------------------------------------------------------------------- app
+    async def metrics(self):
+        return self.router.metrics()
 
 
 def create_app(config: RouterConfig, registry: WorkerRegistry | None = None, guard: ServerGuard | None = None):
     """The router as an ASGI app; its lifespan starts and stops the health checker. ``guard``: keys
-    and request limit (None: keys from the environment, the default limit)."""
-    from fastapi import Request
-
+    and request limit (None: keys from the environment, the default limit). ``app.state.router``: the Router."""
     guard = guard if guard is not None else ServerGuard.from_env()
     router = Router(config, registry, guard.keys)
+    app = server_app("miles-disagg router", lifespan=_lifespan(router))
+    methods = {path: frozenset({"POST", "PUT"} if path == GENERATE_PATH else {"POST"})
+               for path in (GENERATE_PATH, *OPENAI_PATHS)}
+    app.add_middleware(GenerationFastPath, proxy=router.proxy, paths=methods)  # inside the guard (added next)
+    install_guard(app, guard)
+    router.server_id = app.state.server_id
+    app.state.router = router
+    for path, allowed in methods.items():  # served by GenerationFastPath; listed here for the schema and 405s
+        app.add_api_route(path, _proxy_route(router, path), methods=sorted(allowed))
+    endpoints = RouterEndpoints(router)
+    for path, handler in (("/add_worker", endpoints.add_worker), ("/remove_worker", endpoints.remove_worker),
+                          ("/set_worker_state", endpoints.set_worker_state)):
+        app.add_api_route(path, _admin_errors(handler), methods=["POST"])
+    for path, handler in (("/list_workers", endpoints.list_workers), ("/health", endpoints.health),
+                          ("/metrics", endpoints.metrics)):
+        app.add_api_route(path, handler, methods=["GET"])
+    return app
 
+
+def _lifespan(router: Router):
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await router.start()
@@ -417,69 +115,25 @@ def create_app(config: RouterConfig, registry: WorkerRegistry | None = None, gua
             yield
         finally:
             await router.stop()
+    return lifespan
 
-    app = server_app("miles-disagg router", lifespan=lifespan)
-    methods = {path: frozenset({"POST", "PUT"} if path == GENERATE_PATH else {"POST"})
-               for path in (GENERATE_PATH, *OPENAI_PATHS)}
-    app.add_middleware(GenerationFastPath, proxy=router.proxy, paths=methods)  # inside the guard (added next)
-    install_guard(app, guard)
-    router.server_id = app.state.server_id
-    app.state.router = router
 
-    for path, allowed in methods.items():  # served by GenerationFastPath; listed here for the schema and 405s
-        app.add_api_route(path, _proxy_route(router, path), methods=sorted(allowed))
-
-    def admin(handler: Callable[[Request], Awaitable[dict]]):
-        async def wrapped(request: Request):
-            try:
-                return await handler(request)
-            except UnknownWorker as exc:
-                return _error_response(404, exc)
-            except WorkerVersionMismatch as exc:
-                return _error_response(409, exc, expected=exc.expected, actual=exc.actual)
-            except MilesDisaggError as exc:
-                return _error_response(400 if isinstance(exc, InvalidInput) else 409, exc)
-        return wrapped
-
-    @app.post("/add_worker")
-    @admin
-    async def add_worker(request: Request):
-        worker = await router.add_worker(_url_of(request, await _worker_request(request)))
-        return {"worker": worker.to_json()}
-
-    @app.post("/remove_worker")
-    @admin
-    async def remove_worker(request: Request):
-        return {"worker": router.registry.remove(_url_of(request, await _worker_request(request))).to_json()}
-
-    @app.post("/set_worker_state")
-    @admin
-    async def set_worker_state(request: Request):
-        body = await _worker_request(request)
-        worker = await router.set_worker_state(_url_of(request, body), body.state, parse_version(body.weight_version))
-        return {"worker": worker.to_json()}
-
-    @app.get("/list_workers")
-    async def list_workers():
-        workers = router.registry.workers()
-        # "urls" is sglang-router's shape (miles/slime read it to reach every engine)
-        return {"workers": [w.to_json() for w in workers], "urls": [w.url for w in workers]}
-
-    @app.get("/health")
-    async def health():
-        ready = sum(w.state is WorkerState.READY for w in router.registry.workers())
-        return JSONResponse({"status": "ok", "num_workers": len(router.registry.workers()), "num_ready": ready})
-
-    @app.get("/metrics")
-    async def metrics():
-        return router.metrics()
-
-    return app
+def _admin_errors(handler: Callable[[Request], Awaitable[dict]]):
+    """``handler`` with the registry's errors as JSON answers: 404 unknown worker, 409 version mismatch
+    (with ``expected``/``actual``), 400 bad input, 409 any other refusal."""
+    async def wrapped(request: Request):
+        try:
+            return await handler(request)
+        except UnknownWorker as exc:
+            return error_response(404, exc)
+        except WorkerVersionMismatch as exc:
+            return error_response(409, exc, expected=exc.expected, actual=exc.actual)
+        except MilesDisaggError as exc:
+            return error_response(400 if isinstance(exc, InvalidInput) else 409, exc)
+    return wrapped
 
 
 def _proxy_route(router: Router, path: str):
-    from fastapi import Request
-
     async def route(request: Request):
         return await router.proxy(request, path)
     route.__name__ = f"proxy_{path.strip('/').replace('/', '_')}"

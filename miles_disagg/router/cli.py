@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from miles_disagg.router.app import RouterConfig, create_app
+    from miles_disagg.router.app import create_app
+    from miles_disagg.router.config import RouterConfig
     from miles_disagg.router.registry import normalize_url
     from miles_disagg.types import ConfigError, InvalidInput
 

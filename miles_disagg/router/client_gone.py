@@ -13,13 +13,13 @@ log = logging.getLogger(__name__)
 DISCONNECT_RECHECK_S = 1.0
 
 
-class _ClientGone(Exception):
-    pass
+class ClientGone(Exception):
+    """The client disconnected before its upstream request was answered (the router answers 499)."""
 
 
-async def _unless_client_gone(request: Any, send: Awaitable[Reply]) -> Reply:
+async def unless_client_gone(request: Any, send: Awaitable[Reply]) -> Reply:
     """Await ``send``; if the client disconnects first, cancel it (closing the upstream
-    connection, which makes the engine abort the request) and raise ``_ClientGone``.
+    connection, which makes the engine abort the request) and raise ``ClientGone``.
 
     ``send`` runs in the caller's task; one watcher task cancels that task if the client leaves while
     ``send`` is still awaited (a second task and an ``asyncio.wait`` per request cost more)."""
@@ -39,7 +39,7 @@ async def _unless_client_gone(request: Any, send: Awaitable[Reply]) -> Reply:
         if not state["gone"]:
             raise
         task.uncancel()
-        raise _ClientGone() from None
+        raise ClientGone() from None
     finally:
         state["sending"] = False
         watcher.cancel()

@@ -1,4 +1,4 @@
-"""Generation requests straight to :meth:`Router.proxy <miles_disagg.router.app.Router.proxy>`, past FastAPI.
+"""Generation requests straight to :meth:`Router.proxy <miles_disagg.router.proxy.Router.proxy>`, past FastAPI.
 
 A pure ASGI middleware the router installs inside :class:`~miles_disagg.net.asgi_guard.GuardMiddleware`
 (keys, size limit, slow bodies and the server-id header still apply to every request): a ``POST`` (or

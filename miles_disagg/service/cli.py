@@ -153,7 +153,7 @@ def _check_base_dir(path: Path) -> None:
 def _run_gateway(command: GatewayCommand) -> int:
     import uvicorn
 
-    from miles_disagg.router.app import RouterConfig
+    from miles_disagg.router.config import RouterConfig
     from miles_disagg.service.gateway import GatewayConfig, create_gateway_app
     from miles_disagg.service.replica import listen_socket
 

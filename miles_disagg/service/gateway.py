@@ -48,7 +48,9 @@ from fastapi.responses import JSONResponse
 from miles_disagg.net.asgi_guard import ServerGuard
 from miles_disagg.net.httpjson import error_json, parse_body, status_for
 from miles_disagg.net.keyed_client import shared_tls_context
-from miles_disagg.router.app import ProxyRecord, Router, RouterConfig, create_app
+from miles_disagg.router.app import create_app
+from miles_disagg.router.config import RouterConfig
+from miles_disagg.router.proxy import ProxyRecord, Router
 from miles_disagg.router.registry import UnknownWorker
 from miles_disagg.service.fleet import Fleet
 from miles_disagg.service.metrics import DEFAULT_FRACTIONS, ConvergenceTracker, RequestStats, summary

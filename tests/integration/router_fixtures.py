@@ -20,7 +20,8 @@ from fastapi import Request  # module level: handlers' string annotations resolv
 
 from engine_fixtures import wait_until
 from miles_disagg.engines.launch import free_port
-from miles_disagg.router.app import RouterConfig, create_app
+from miles_disagg.router.app import create_app
+from miles_disagg.router.config import RouterConfig
 from miles_disagg.router.client import RouterClient
 
 

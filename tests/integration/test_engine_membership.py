@@ -97,7 +97,7 @@ def test_a_joining_engine_is_routed_to_only_once_it_serves_the_current_version(r
     add_worker = manager.router_client.add_worker
 
     def recording_add_worker(url: str) -> dict:
-        seen_at_registration.append((url, engine_b.version(), manager._version))
+        seen_at_registration.append((url, engine_b.version(), manager.slots.version))
         return add_worker(url)
 
     monkeypatch.setattr(manager.members, "catch_up", catch_up_and_publish_meanwhile)
@@ -214,10 +214,10 @@ def test_an_engine_behind_the_agent_joins_as_stock_sglang_would(run, capsys, tin
         code, out, err = cli(capsys, "add", "--run-dir", str(run["run_dir"]), "--json", agent.url)
         assert code == 0, err
         [joined] = json.loads(out)["joined"]
-        assert (joined["url"], joined["version"]) == (agent.url, manager._version)
-        assert engine.version() == str(manager._version)
+        assert (joined["url"], joined["version"]) == (agent.url, manager.slots.version)
+        assert engine.version() == str(manager.slots.version)
         manager.update_weights(versions.publish_next(seed=5))
-        assert manager.versions() == [str(manager._version)] * 2
+        assert manager.versions() == [str(manager.slots.version)] * 2
         assert manager.local_dirs[-1] == str(local)  # the agent's own checkpoint, as it reports it
     finally:
         agent.stop()

@@ -17,7 +17,8 @@ import pytest
 from router_fixtures import serve_in_thread
 from miles_disagg.net.asgi_guard import SERVER_ID_HEADER, ServerGuard
 from miles_disagg.engines.launch import launch_engine
-from miles_disagg.router.app import RouterConfig, create_app
+from miles_disagg.router.app import create_app
+from miles_disagg.router.config import RouterConfig
 from miles_disagg.service.gateway import GatewayConfig, create_gateway_app
 
 pytestmark = pytest.mark.timeout(300)

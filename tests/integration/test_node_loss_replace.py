@@ -38,8 +38,8 @@ CAPACITY_TIMEOUT_S = 0.5
 class DeclaredDead(Replacements):
     """Nodes are dead when the test says so, and come back when a bundle is asked of them again."""
 
-    def __init__(self, manager):
-        super().__init__(manager)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.declared: set[str] = set()
 
     def _dead(self, nodes: set[str]) -> set[str]:
@@ -51,24 +51,23 @@ class DeclaredDead(Replacements):
 
 
 class NodeLossManager(RecordingManager):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._replacements = DeclaredDead(self)
+    replacements_class = DeclaredDead
 
     def start(self, store_probe=None) -> dict:
         info = super().start(store_probe)
-        self._engine_nodes = [f"{node[:40]}-engine-{i}" for i, node in enumerate(self._engine_nodes)]  # one node each
+        for i in self.slots.indices():  # one node each
+            self.slots.set_node(i, f"{self.slots.node(i)[:40]}-engine-{i}")
         return info
 
     def kill_actor(self, index: int) -> None:
         """The engine's Ray actor dies (not its node): what a crashed actor worker looks like."""
         import ray
 
-        ray.kill(self._actors[index], no_restart=True)
+        ray.kill(self.slots.actor(index), no_restart=True)
 
     def declare_node_dead(self, index: int) -> str:
-        node = self._engine_nodes[index]
-        self._replacements.declared.add(node)
+        node = self.slots.node(index)
+        self.replacements.declared.add(node)
         return node
 
 

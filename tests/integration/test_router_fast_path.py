@@ -10,7 +10,8 @@ import httpx
 
 from miles_disagg.net.asgi_guard import SERVER_ID_HEADER, ServerGuard
 from miles_disagg.net.auth import ApiKeys
-from miles_disagg.router.app import RouterConfig, create_app
+from miles_disagg.router.app import create_app
+from miles_disagg.router.config import RouterConfig
 from miles_disagg.router.fast_path import GenerationFastPath
 from router_fixtures import FakeWorker, fake_worker_app, serve_in_thread
 

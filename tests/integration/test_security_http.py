@@ -26,7 +26,8 @@ from miles_disagg.net.asgi_guard import ServerGuard
 from miles_disagg.net.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.engines.launch import launch_agent, launch_engine
-from miles_disagg.router.app import RouterConfig, create_app
+from miles_disagg.router.app import create_app
+from miles_disagg.router.config import RouterConfig
 from miles_disagg.service.gateway import GatewayConfig, create_gateway_app
 from miles_disagg.service.protocol import ReplicaState, ReplicaStatus
 from miles_disagg.service.replica import control_app
@@ -173,7 +174,8 @@ def test_the_agent_never_lends_its_admin_key_to_a_caller_without_it(world, tmp_p
     forwards for them carries no key, so no open path borrows the admin key upstream."""
     from fastapi import FastAPI
 
-    from miles_disagg.engines.agent.app import Agent, AgentConfig, create_app as agent_app
+    from miles_disagg.engines.agent.app import create_app as agent_app
+    from miles_disagg.engines.agent.state import Agent, AgentConfig
 
     seen: list[tuple[str, str | None]] = []
     upstream = FastAPI()

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 
 from engine_fixtures import wait_until
 from router_fixtures import FakeWorker, fake_worker_app, generate_body, serve_in_thread
-from miles_disagg.router.app import RouterConfig
+from miles_disagg.router.config import RouterConfig
 from miles_disagg.service.gateway import GatewayConfig, create_gateway_app
 from miles_disagg.service.protocol import Activation, ReplicaState, ReplicaStatus, StoreHead
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from miles_disagg.fleet.control_server import AddRequest, RemoveRequest
+from miles_disagg.fleet.members import normalize
 from miles_disagg.fleet.members_cli import ControlClient, _addresses, engines_table
-from miles_disagg.fleet.membership import normalize
 from miles_disagg.net.httpjson import parse_body
 from miles_disagg.types import InvalidInput
 
@@ -66,6 +66,9 @@ def test_the_table_has_one_line_per_engine() -> None:
 
 def test_a_directory_without_a_running_job_is_named(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("MILES_DISAGG_ADMIN_API_KEY", raising=False)
+    with pytest.raises(InvalidInput, match="no running job in .*not a run directory"):
+        ControlClient.of_run(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
     with pytest.raises(InvalidInput, match="no running job in .*no control.json"):
         ControlClient.of_run(tmp_path)
     (tmp_path / "control.json").write_text("{not json")

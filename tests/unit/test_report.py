@@ -67,3 +67,40 @@ def test_every_panel_has_units_and_stale_drops_are_plotted() -> None:
     keys = [key for key, *_ in PLOTS]
     assert "rollout/stale_groups_dropped" in keys
     assert all(unit for _, _, unit, _ in PLOTS)
+
+
+def _rewards_run(tmp_path: Path, num_steps: int) -> Path:
+    return _run_dir(tmp_path, [{"step": i, "rollout/raw_reward": float(i), "rollout/staleness_max": 1.0,
+                                "rollout/stale_groups_dropped": 2.0, "perf/update_weights_wire_bytes": 10.0,
+                                "perf/update_weights_total_bytes": 40.0} for i in range(num_steps)])
+
+
+@pytest.mark.parametrize("num_steps, line", [
+    (12, "steps: 12   reward first 5: 2.000   last 5: 9.000"),
+    (5, "steps: 5   reward first 2: 0.500   last 2: 3.500"),  # an interrupted or short run: no shared step
+    (2, "steps: 2   reward first 1: 0.000   last 1: 1.000"),
+    (1, "steps: 1   reward: 0.000 (one step: too short for a first and a last window)"),
+])
+def test_a_short_runs_windows_share_no_step_and_say_their_size(tmp_path: Path, capsys, num_steps, line) -> None:
+    summary = write_report(_rewards_run(tmp_path, num_steps))
+    printed = capsys.readouterr().err.splitlines()
+    assert printed[1] == line
+    window = min(5, num_steps // 2)
+    assert summary["reward_window_steps"] == window and summary["reward_mean"] == (num_steps - 1) / 2
+    assert printed[2] == f"staleness max: 1   stale groups dropped: {2 * num_steps}"
+
+
+def test_counts_are_integers_in_summary_json(tmp_path: Path, capsys) -> None:
+    run = _rewards_run(tmp_path, 3)
+    write_report(run)
+    saved = json.loads((run / "summary.json").read_text())
+    for key, value in (("steps", 3), ("updates", 3), ("staleness_max", 1), ("stale_groups_dropped", 6),
+                       ("total_bytes", 40), ("reward_window_steps", 1)):
+        assert saved[key] == value and type(saved[key]) is int, (key, saved[key])
+    assert "wire: 0.0 KiB of 0.0 KiB" in capsys.readouterr().err  # means and sizes stay as they were
+
+
+def test_a_run_without_rewards_says_so(tmp_path: Path, capsys) -> None:
+    summary = write_report(_run_dir(tmp_path, [{"step": 0}]))
+    assert "steps: 1   reward: n/a" in capsys.readouterr().err
+    assert summary["reward_first"] is None and summary["reward_window_steps"] == 0

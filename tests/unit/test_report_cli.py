@@ -24,7 +24,8 @@ def test_the_report_is_rebuilt_from_the_records(tmp_path, capsys) -> None:
     assert main(["report", str(run_dir)]) == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 7 and summary["updates"] == 7
-    assert abs(summary["reward_last"] - sum(0.1 * s for s in range(2, 7)) / 5) < 1e-9
+    assert summary["reward_window_steps"] == 3  # 7 steps: two windows of 3 that share no step
+    assert abs(summary["reward_last"] - sum(0.1 * s for s in range(4, 7)) / 3) < 1e-9
     assert abs(summary["pause_time_mean_s"] - 0.01) < 1e-9  # the updates stream is joined in
     assert (run_dir / "report.png").stat().st_size > 1000
     assert "== run summary" in capsys.readouterr().err

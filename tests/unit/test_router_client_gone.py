@@ -1,5 +1,5 @@
-"""``_unless_client_gone``: the upstream send runs in the caller's task; a client that leaves first
-cancels it (``_ClientGone``), and a send that wins leaves no cancellation behind."""
+"""``unless_client_gone``: the upstream send runs in the caller's task; a client that leaves first
+cancels it (``ClientGone``), and a send that wins leaves no cancellation behind."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from miles_disagg.router.app import _ClientGone, _unless_client_gone
+from miles_disagg.router.client_gone import ClientGone, unless_client_gone
 
 
 class FakeRequest:
@@ -27,7 +27,7 @@ class FakeRequest:
 def test_a_send_that_wins_returns_and_leaves_the_task_uncancelled():
     async def main():
         request = FakeRequest()
-        result = await _unless_client_gone(request, asyncio.sleep(0.01, result="reply"))
+        result = await unless_client_gone(request, asyncio.sleep(0.01, result="reply"))
         request.leave()  # the client leaving afterwards changes nothing
         await asyncio.sleep(0.05)
         return result, asyncio.current_task().cancelling()
@@ -48,8 +48,8 @@ def test_a_client_that_leaves_first_cancels_the_send():
                 raise
 
         asyncio.get_running_loop().call_later(0.02, request.leave)
-        with pytest.raises(_ClientGone):
-            await _unless_client_gone(request, send())
+        with pytest.raises(ClientGone):
+            await unless_client_gone(request, send())
         await asyncio.sleep(0)  # the task goes on normally
         return cancelled.is_set(), asyncio.current_task().cancelling()
 
@@ -58,7 +58,7 @@ def test_a_client_that_leaves_first_cancels_the_send():
 
 def test_an_outside_cancel_still_cancels():
     async def main():
-        task = asyncio.ensure_future(_unless_client_gone(FakeRequest(), asyncio.sleep(30)))
+        task = asyncio.ensure_future(unless_client_gone(FakeRequest(), asyncio.sleep(30)))
         await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -72,4 +72,4 @@ def test_errors_of_the_send_pass_through():
         raise ValueError("upstream")
 
     with pytest.raises(ValueError, match="upstream"):
-        asyncio.run(_unless_client_gone(FakeRequest(), fail()))
+        asyncio.run(unless_client_gone(FakeRequest(), fail()))

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from miles_disagg.net.pooled_http import ConnectTimedOut, NotConnected, Reply
-from miles_disagg.router.app import ProxyRecord, Router, RouterConfig
+from miles_disagg.router.config import RouterConfig
+from miles_disagg.router.proxy import ProxyRecord, Router
 from miles_disagg.router.policy import LeastOutstandingPolicy, NoWorkerAvailable
 from miles_disagg.router.registry import WorkerRegistry, WorkerState
 from miles_disagg.types import VersionConstraint

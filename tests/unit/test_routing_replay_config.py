@@ -108,7 +108,6 @@ def test_managed_engines_start_with_the_routed_experts_flag(tmp_path, model, rep
     (["--sglang-ep-size", "4"], 2, "--sglang-ep-size 4 must divide --rollout-num-gpus-per-engine 2"),
     (["--sglang-expert-parallel-size", "3"], 4, "--sglang-expert-parallel-size 3 must divide"),
     (["--sglang-ep-size", "0"], 2, "must be a positive integer"),
-    (["--sglang-ep-size", "2", "--sglang-ep", "2"], 2, "are one SGLang option"),
     (["--sglang-dp-size", "2"], 2, "needs --sglang-enable-dp-attention"),
     (["--sglang-dp-size", "4", "--sglang-enable-dp-attention"], 2, "--sglang-dp-size 4 must divide"),
     (["--sglang-enable-return-routed-experts"], 1, "set by --use-rollout-routing-replay"),
@@ -116,6 +115,13 @@ def test_managed_engines_start_with_the_routed_experts_flag(tmp_path, model, rep
 def test_sglang_moe_passthrough_is_checked(passthrough, gpus, fragment):
     with pytest.raises(ConfigError, match=fragment):
         check_parallel_passthrough(parse_sglang_passthrough(passthrough), gpus)
+
+
+def test_two_names_of_one_sglang_option_are_refused_where_both_reach_the_check():
+    """The command line keeps the last one given (``parse_sglang_passthrough``); options built otherwise are checked."""
+    with pytest.raises(ConfigError, match="are one SGLang option"):
+        check_parallel_passthrough({"ep-size": "2", "ep": "2"}, 2)
+    check_parallel_passthrough(parse_sglang_passthrough(["--sglang-ep-size", "4", "--sglang-ep", "2"]), 2)
 
 
 def test_sglang_moe_passthrough_that_fits_is_kept():

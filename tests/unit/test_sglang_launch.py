@@ -89,9 +89,15 @@ def test_parsed_options_round_trip_into_the_command():
     assert argv[-3:] == ["--mem-fraction-static", "0.7", "--enable-metrics"]
 
 
-def test_a_passthrough_flag_given_twice_is_refused():
-    with pytest.raises(ConfigError, match="twice"):
-        parse_sglang_passthrough(["--sglang-port-x", "1", "--sglang-port_x", "2"])
+def test_a_passthrough_flag_given_twice_takes_its_last_value():
+    """As every other flag (argparse), as miles: a flag appended to a script overrides the script's."""
+    assert parse_sglang_passthrough(["--sglang-port-x", "1", "--sglang-a", "--sglang-port_x", "2"]) == \
+        {"a": True, "port-x": "2"}
+    assert parse_sglang_passthrough(["--sglang-cuda-graph-bs", "1", "2", "--sglang-cuda-graph-bs=8"]) == \
+        {"cuda-graph-bs": "8"}
+    # SGLang's other name of an option replaces it too (one option, the last value)
+    assert parse_sglang_passthrough(["--sglang-ep-size", "8", "--sglang-dp-size", "2", "--sglang-ep", "4"]) == \
+        {"dp-size": "2", "ep": "4"}
 
 
 @pytest.mark.parametrize("bad", ["--sglang-", "--sglang-sglang-x", "--sglang-a b"])

@@ -6,6 +6,7 @@ changed tensor verified, lineage enforced) while the engine keeps serving, point
 ``/update_weights_from_disk`` naming that version at the directory holding exactly it,
 and proxies every other request to the engine unchanged.
 
-Modules: ``app`` (the agent's state and its HTTP app), ``cli`` (flags), ``launch``
-(start one as a subprocess and wait for it). Nothing heavy is imported here.
+Modules: ``state`` (the agent's host state: held version, pulls, activations), ``app`` (its HTTP
+app), ``cli`` (flags); :func:`miles_disagg.engines.launch.launch_agent` starts one as a subprocess.
+Nothing heavy is imported here.
 """

@@ -23,41 +23,34 @@ and talks to the engine with the same keys, but a proxied request carries a key 
 the level its caller proved, so nobody borrows the agent's admin key. ``/pull_weights``
 reads only a ``--weight-store-dir`` and writes only the agent's local checkpoint (403 otherwise).
 
-Why the slot directory and not the ``local_checkpoint_dir`` symlink: the symlink flips at
-the end of every pull, so an engine reading through it could mix two versions. The slot
-that holds version N is only rewritten by the pull after next (the materializer writes the
-inactive slot), and the agent makes a pull wait while any activation still reads a slot
-other than the held one. So a slot never changes while the engine reads it.
-
-Ordering and failure contracts: one pull at a time; pulls run on worker threads, so the
-proxy keeps answering during a pull. Engine unreachable (connect/transport failure) is a
+The host state (held version, slots, pulls, activations in flight) and its ordering contracts are
+:class:`~miles_disagg.engines.agent.state.Agent`'s. Pulls run on worker threads, so the proxy keeps
+answering during a pull. Engine unreachable (connect/transport failure) is a
 502 JSON error. Errors are ``{"success": false, "message", "error": {message, type, code,
 retryable}}``: 400 bad input or a refused update (``InvalidInput``, ``FailRun``: lineage,
 checksum, layout, format), 409 retryable (``VersionNotReady``), 502 engine unreachable.
-The agent owns the local checkpoint directory: nothing else may write it.
 """
 
 # no "from __future__ import annotations": FastAPI must see the real Request class
 
 import asyncio
+import contextlib
 import json
 import logging
-import os
-import threading
-import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
-from miles_disagg.net.asgi_guard import ServerGuard, install_guard, server_app
-from miles_disagg.net.auth import forward_headers
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from miles_disagg.engines.agent.state import Agent
 from miles_disagg.engines.builtin import protocol
-from miles_disagg.engines.roots import OutsideRoots, WeightRoots
+from miles_disagg.net.asgi_guard import install_guard, server_app
+from miles_disagg.net.auth import ApiKeys, forward_headers
 from miles_disagg.net.httpjson import error_json
-from miles_disagg.net.keyed_client import pooled_limits
 from miles_disagg.net.httpjson import status_for as _status_for
-from miles_disagg.types import EngineUnreachable, Forbidden, InvalidInput, Retryable, VersionRef
+from miles_disagg.net.keyed_client import pooled_limits
+from miles_disagg.types import EngineUnreachable, Forbidden, VersionRef
 
 log = logging.getLogger(__name__)
 
@@ -67,231 +60,18 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
                         "transfer-encoding", "upgrade", "host"})
 SERVER_SET = frozenset({"date", "server"})  # the agent's own HTTP server adds these
 PROXY_METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
-DEFAULT_CONNECT_TIMEOUT_S = 10.0
-DEFAULT_READER_WAIT_S = 600.0
-
-
-class VersionNotPrepared(InvalidInput):
-    """An activation named a version the agent does not hold (requested vs held)."""
-
-    def __init__(self, requested: str, held: VersionRef | None):
-        self.requested, self.held = requested, held
-        holds = f"holds version {held.version} (run {held.run_id or '<none>'})" if held else "holds no version yet"
-        super().__init__(f"weight_version {requested} is not prepared on this host: the agent {holds}; "
-                         f"POST /pull_weights with target_version {requested} first")
-
-
-@dataclass(frozen=True, kw_only=True)
-class AgentConfig:
-    """Settings of one agent process."""
-
-    engine_url: str
-    """Base URL of the engine this agent fronts, e.g. ``http://127.0.0.1:30000``."""
-    local_checkpoint_dir: Path
-    """Host-local checkpoint the agent materializes into (a symlink to the held slot)."""
-    base_dir: Path | None = None
-    """Version 0 (the base checkpoint); default: the engine's ``model_path``, read at the first pull."""
-    pre_read_hook: str | Callable[..., Any] | None = None
-    """``module:function`` called as ``hook(source_dir, target_version)`` before a pull reads a version."""
-    store_dirs: tuple[Path, ...] = ()
-    """The version stores a pull may read (``--weight-store-dir``); none: every pull is refused."""
-    guard: ServerGuard = field(default_factory=ServerGuard)
-    """Keys the agent enforces (and sends to the engine) and its request-size limit."""
-    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
-    """How long a connection to the engine may take before the request fails with 502."""
-    reader_wait_s: float = DEFAULT_READER_WAIT_S
-    """How long a pull waits for activations still reading the slot it would rewrite (then 409)."""
-
-
-class Agent:
-    """The host state: what the local checkpoint holds, pulls, and activations reading slots."""
-
-    def __init__(self, config: AgentConfig):
-        from miles_disagg.weights.hooks import PRE_READ_FLAG, load_hook
-        from miles_disagg.weights.materializer import Materializer
-
-        self.config = config
-        self.engine_url = config.engine_url.rstrip("/")
-        self.local_dir = Path(os.path.abspath(config.local_checkpoint_dir))
-        self.base_dir = Path(config.base_dir) if config.base_dir is not None else None
-        self._hook = load_hook(config.pre_read_hook, PRE_READ_FLAG)  # ConfigError now, not at the first pull
-        view = Materializer(self.local_dir, base_dir=self.local_dir)  # reads state.json only; never prepares
-        held = view.held()
-        self._held: tuple[VersionRef, Path] | None = (held, view.held_path()) if held is not None else None
-        self._materializer: Any = None
-        self._cond = threading.Condition()
-        self._reading: Counter[Path] = Counter()  # slot path -> activations reading it now
-        self._pull_lock = threading.Lock()
-        self.pulling: int | None = None
-        self.last_pull: dict | None = None
-        self.last_activation: dict | None = None
-        self.last_error: str | None = None
-
-    # ---------------------------------------------------------------- pulls
-
-    def held(self) -> tuple[VersionRef, Path] | None:
-        with self._cond:
-            return self._held
-
-    def pull(self, req: protocol.PullWeights) -> dict:
-        """Materialize + verify ``req.target_version`` (blocking; run off the event loop).
-
-        Waits (up to ``reader_wait_s``, then ``Retryable``) while an activation reads a slot
-        other than the held one, since the pull may rewrite it. Raises the materializer's
-        typed errors; on any error the held version stays held and loadable.
-        """
-        self._check_local_dir(req.local_checkpoint_dir)
-        source = self.roots().source(req.source_dir)
-        with self._pull_lock:
-            self._wait_for_stale_readers()
-            self.pulling = req.target_version
-            start = time.perf_counter()
-            try:
-                prepared = self._get_materializer().prepare(source, req.target_version)
-            except OSError as exc:  # the paths named are unusable; nothing was activated
-                unusable = InvalidInput(f"pull of version {req.target_version} failed: {type(exc).__name__}: {exc}")
-                raise self._failed(req, unusable) from exc
-            except Exception as exc:
-                raise self._failed(req, exc)
-            finally:
-                self.pulling = None
-            with self._cond:
-                self._held = (prepared.ref, Path(prepared.path))
-        self.last_pull = {
-            "version": prepared.ref.version, "run_id": prepared.ref.run_id, "path": str(prepared.path),
-            "previous_version": prepared.previous.version if prepared.previous else None,
-            "num_changed_tensors": len(prepared.changed),
-            "prepare_ms": round((time.perf_counter() - start) * 1e3, 3),
-        }
-        log.info("prepared %s at %s in %.1f ms", prepared.ref, prepared.path, self.last_pull["prepare_ms"])
-        return {"success": True, "target_version": prepared.ref.version, **self.last_pull,
-                "message": f"Prepared version {prepared.ref.version} at {prepared.path}; "
-                           f"activate it with update_weights_from_disk weight_version={prepared.ref.version}"}
-
-    def _failed(self, req: protocol.PullWeights, exc: Exception) -> Exception:
-        failed = f"pull of version {req.target_version} failed: "
-        self.last_error = str(exc) if str(exc).startswith(failed) else f"{failed}{type(exc).__name__}: {exc}"
-        log.warning("%s", self.last_error)
-        return exc
-
-    def roots(self) -> WeightRoots:
-        return WeightRoots.of(self.base_dir, self.config.store_dirs, self.local_dir)
-
-    def _check_local_dir(self, given: str | None) -> None:
-        if given and Path(os.path.abspath(given)) != self.local_dir:
-            raise OutsideRoots(f"local_checkpoint_dir {given!r} is not this agent's ({str(self.local_dir)!r}); "
-                               "the agent materializes only into the directory it was started with")
-
-    def _wait_for_stale_readers(self) -> None:
-        with self._cond:
-            held_path = self._held[1] if self._held else None
-            idle = self._cond.wait_for(
-                lambda: all(p == held_path for p, n in self._reading.items() if n > 0), self.config.reader_wait_s)
-            if not idle:
-                busy = sorted(str(p) for p, n in self._reading.items() if n > 0 and p != held_path)
-                raise Retryable(f"activations still read {busy}, which this pull would rewrite; retry the pull")
-
-    def _get_materializer(self):
-        from miles_disagg.weights.materializer import Materializer
-
-        if self._materializer is None:
-            if self.base_dir is None:
-                raise InvalidInput("the base checkpoint is unknown (pass --base-dir)")
-            self._materializer = Materializer(self.local_dir, base_dir=self.base_dir, pre_read_hook=self._hook)
-        return self._materializer
-
-    def set_base_dir(self, model_path: str) -> None:
-        """Use the engine's ``model_path`` as version 0; ``InvalidInput`` unless it is a local checkpoint."""
-        path = Path(model_path)
-        if not (path / "config.json").is_file():
-            raise InvalidInput(f"the engine's model_path {model_path!r} is not a local checkpoint directory "
-                               "on this host; start the agent with --base-dir")
-        self.base_dir = path
-
-    # ---------------------------------------------------------------- activations
-
-    def begin_activation(self, weight_version: str | None) -> tuple[Path, VersionRef]:
-        """The held slot for an activation of ``weight_version`` (None: of whatever is held),
-        registered as being read until :meth:`end_activation`; ``VersionNotPrepared`` otherwise."""
-        with self._cond:
-            held = self._held
-            if held is None or (weight_version is not None and int(weight_version) != held[0].version):
-                raise VersionNotPrepared(weight_version if weight_version is not None else "<none>",
-                                         held[0] if held else None)
-            self._reading[held[1]] += 1
-            return held[1], held[0]
-
-    def end_activation(self, path: Path, ref: VersionRef, status_code: int | None, error: str | None) -> None:
-        with self._cond:
-            self._reading[path] -= 1
-            if self._reading[path] <= 0:
-                del self._reading[path]
-            self._cond.notify_all()
-        self.last_activation = {"version": ref.version, "run_id": ref.run_id, "path": str(path),
-                                "engine_status": status_code, "error": error}
-        if error:
-            self.last_error = f"activation of version {ref.version} failed: {error}"
-
-    def check_label(self, wanted: str | None, held: VersionRef) -> str:
-        """The label an activation of ``held`` is forwarded with; ``Forbidden`` for any other."""
-        if wanted is not None and wanted != str(held.version):
-            raise Forbidden(f"the checkpoint loaded holds verified version {held.version}, not weight_version "
-                            f"{wanted!r}; version labels come only from verified weights")
-        return str(held.version)
-
-    def names_local_checkpoint(self, model_path: str) -> bool:
-        """True for the local checkpoint symlink or one of its slots (reads must go through the held slot)."""
-        path = Path(os.path.abspath(model_path))
-        slots = self.local_dir.parent / (self.local_dir.name + ".slots")
-        return path == self.local_dir or path.parent == slots
-
-    def info(self) -> dict:
-        held = self.held()
-        with self._cond:
-            reading = sum(self._reading.values())
-        return {
-            "engine_url": self.engine_url,
-            "local_checkpoint_dir": str(self.local_dir),
-            "base_dir": str(self.base_dir) if self.base_dir else None,
-            "held": {"run_id": held[0].run_id, "version": held[0].version, "path": str(held[1])} if held else None,
-            "pulling": self.pulling,
-            "num_activations_in_flight": reading,
-            "last_pull": self.last_pull,
-            "last_activation": self.last_activation,
-            "last_error": self.last_error,
-            "delta_filters": ["byteplane", "none"],  # what /pull_weights reads: a job may publish byte planes
-        }
-
-    def checkpoint_checksums(self, algorithm: str) -> dict:
-        """Checksums of the held local checkpoint's tensors: what this host handed its engine at
-        the last activation (stock SGLang exposes no checksums of its live weights)."""
-        from miles_disagg.weights.checksums import CHECKSUMS, checksum
-        from miles_disagg.weights.safetensors_io import checkpoint_tensors, read_bytes
-
-        if algorithm not in CHECKSUMS:
-            raise InvalidInput(f"unknown checksum {algorithm!r} (known: {', '.join(CHECKSUMS)})")
-        last = self.last_activation
-        if last is not None and not last.get("error"):
-            version, path = str(last["version"]), Path(last["path"])
-        elif last is None and self.base_dir is not None:
-            version, path = "0", Path(self.base_dir)  # never activated: the engine serves its base
-        else:
-            raise InvalidInput(f"the engine's weights are unknown: {self.last_error or 'no base directory known'}")
-        sums = {name: checksum(algorithm, read_bytes(path / file, entry))
-                for name, (file, entry) in checkpoint_tensors(path).items()}
-        return {"weight_version": version, "algorithm": algorithm, "source": "local_checkpoint", "checksums": sums}
 
 
 # --------------------------------------------------------------------------- errors
 
 
 def status_for(exc: BaseException) -> int:
+    """The HTTP status of an agent error: as every server's, and 502 for an unreachable engine."""
     return _status_for(exc, {EngineUnreachable: 502})
 
 
 def error_response(exc: BaseException):
-    from fastapi.responses import JSONResponse
-
+    """The agent's JSON error answer: ``{"success": false, "message", "error": {...}}``."""
     status = status_for(exc)
     body = error_json(exc, status)
     return JSONResponse({"success": False, "message": body["error"]["message"], **body}, status_code=status)
@@ -304,13 +84,130 @@ def _unreachable(engine_url: str, exc: Exception) -> EngineUnreachable:
 # --------------------------------------------------------------------------- HTTP app
 
 
+class AgentEndpoints:
+    """The agent's endpoints over one :class:`Agent`, one method per route; ``client`` reaches the engine,
+    ``keys`` are the agent's (enforced by its guard, sent to the engine at the level a caller proved)."""
+
+    def __init__(self, agent: Agent, client: httpx.AsyncClient, keys: ApiKeys):
+        self.agent, self.client, self.keys = agent, client, keys
+
+    async def agent_health(self):
+        return {"status": "ok"}
+
+    async def agent_info(self):
+        return self.agent.info()
+
+    async def weight_checksums(self, algorithm: str = "xxh3-128"):
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(None, self.agent.checkpoint_checksums, algorithm)
+        except Exception as exc:
+            return error_response(exc)
+        return JSONResponse(result)
+
+    async def pull_weights(self, request: Request):
+        agent = self.agent
+        try:
+            body = protocol.parse_json(await request.body())
+            req = protocol.PullWeights.from_json({"local_checkpoint_dir": str(agent.local_dir), **body})
+            await self._ensure_base_dir()
+            result = await asyncio.get_running_loop().run_in_executor(None, agent.pull, req)
+        except Exception as exc:
+            return error_response(exc)
+        return JSONResponse(result)
+
+    async def update_weights_from_disk(self, request: Request):
+        agent = self.agent
+        try:
+            body = protocol.parse_json(await request.body())
+            req = protocol.UpdateFromDisk.from_json(body)
+            by_version = req.weight_version is not None and _is_version_number(req.weight_version)
+            if req.weight_version is not None and not by_version:
+                raise Forbidden(f"weight_version {req.weight_version!r} is not a version number; labels come only "
+                                "from verified weights (the version the loaded checkpoint holds)")
+            if not agent.names_local_checkpoint(req.model_path):
+                await self._ensure_base_dir()
+                agent.roots().loadable(req.model_path)  # OutsideRoots (403) unless it is the base checkpoint
+                if not by_version or req.weight_version == "0":
+                    label = agent.check_label(req.weight_version, VersionRef("", 0))
+                    return await self._forward(request, json.dumps({**body, "weight_version": label}).encode())
+            path, ref = agent.begin_activation(req.weight_version if by_version else None)
+        except Exception as exc:
+            return error_response(exc)
+        return await self._activate(request, {**body, "model_path": str(path), "weight_version": str(ref.version)},
+                                    path, ref)
+
+    async def update_weight_version(self, request: Request):
+        raw = await request.body()
+        try:
+            req = protocol.UpdateWeightVersion.from_json(raw)
+            serving = str((await self._engine_json("/get_weight_version")).get("weight_version"))
+            if req.new_version != serving:
+                raise Forbidden(f"relabelling the engine's weights (version {serving}) as {req.new_version!r} without "
+                                "loading them is refused: version labels come only from verified weights")
+        except Exception as exc:
+            return error_response(exc)
+        return await self._forward(request, raw)
+
+    async def proxy(self, request: Request, path: str):
+        return await self._forward(request, await request.body())
+
+    # ---------------------------------------------------------------- towards the engine
+
+    def _upstream_headers(self, request: Request, path: str) -> list[tuple[str, str]]:
+        """The caller's headers without its key, plus ours at no more than the level it proved."""
+        level = getattr(request.state, "auth_level", None)
+        return _request_headers(request) + list(forward_headers(self.keys, level, path).items())
+
+    async def _engine_json(self, path: str) -> dict:
+        try:
+            response = await self.client.get(path, headers=self.keys.headers_for(path))
+        except httpx.TransportError as exc:
+            raise _unreachable(self.agent.engine_url, exc) from exc
+        if response.status_code != 200:
+            raise EngineUnreachable(f"engine GET {path} answered {response.status_code}: {response.text[:200]}")
+        return response.json()
+
+    async def _ensure_base_dir(self) -> None:
+        if self.agent.base_dir is None:
+            info = await self._engine_json("/model_info")
+            if not info.get("model_path"):
+                info = await self._engine_json("/server_info")
+            self.agent.set_base_dir(str(info.get("model_path") or ""))
+
+    async def _activate(self, request: Request, body: dict, path: Path, ref: VersionRef):
+        """Forward the rewritten activation; the slot counts as being read until the engine answers."""
+        status, error = None, "cancelled"
+        try:
+            response = await self.client.post("/update_weights_from_disk", json=body,
+                                              headers=self._upstream_headers(request, "/update_weights_from_disk"))
+            status = response.status_code
+            error = None if status == 200 else f"engine answered {status}: {response.text[:500]}"
+        except httpx.TransportError as exc:
+            failure = _unreachable(self.agent.engine_url, exc)
+            error = str(failure)
+            return error_response(failure)
+        finally:
+            self.agent.end_activation(path, ref, status, error)
+        return _relay_with_path(response, path)
+
+    async def _forward(self, request: Request, body: bytes):
+        """``request`` with ``body`` to the engine, its answer relayed as it arrives (hop-by-hop headers dropped)."""
+        client = self.client
+        url = httpx.URL(path=request.url.path, query=request.url.query.encode())
+        upstream_request = client.build_request(request.method, url,
+                                                headers=self._upstream_headers(request, request.url.path), content=body)
+        try:
+            upstream = await client.send(upstream_request, stream=True)
+        except httpx.TransportError as exc:
+            return error_response(_unreachable(self.agent.engine_url, exc))
+        response = StreamingResponse(_relay(upstream), status_code=upstream.status_code)
+        response.raw_headers = [(k, v) for k, v in upstream.headers.raw
+                                if k.decode("latin-1").lower() not in HOP_BY_HOP | SERVER_SET]
+        return response
+
+
 def create_app(agent: Agent):
-    import contextlib
-
-    import httpx
-    from fastapi import Request
-    from fastapi.responses import JSONResponse, StreamingResponse
-
+    """The agent's ASGI app (its guard from ``agent.config.guard``); its lifespan closes the engine client."""
     timeout = httpx.Timeout(None, connect=agent.config.connect_timeout_s)  # generations may run for minutes
     client = httpx.AsyncClient(base_url=agent.engine_url, timeout=timeout, limits=pooled_limits())
 
@@ -320,122 +217,17 @@ def create_app(agent: Agent):
         await client.aclose()
 
     app = server_app("miles-disagg agent", lifespan=lifespan)
-    keys = install_guard(app, agent.config.guard).keys
-
-    def upstream_headers(request: Request, path: str) -> list[tuple[str, str]]:
-        """The caller's headers without its key, plus ours at no more than the level it proved."""
-        level = getattr(request.state, "auth_level", None)
-        return _request_headers(request) + list(forward_headers(keys, level, path).items())
-
-    async def engine_json(path: str) -> dict:
-        try:
-            response = await client.get(path, headers=keys.headers_for(path))
-        except httpx.TransportError as exc:
-            raise _unreachable(agent.engine_url, exc) from exc
-        if response.status_code != 200:
-            raise EngineUnreachable(f"engine GET {path} answered {response.status_code}: {response.text[:200]}")
-        return response.json()
-
-    async def ensure_base_dir() -> None:
-        if agent.base_dir is None:
-            info = await engine_json("/model_info")
-            if not info.get("model_path"):
-                info = await engine_json("/server_info")
-            agent.set_base_dir(str(info.get("model_path") or ""))
-
-    @app.get("/agent_health")
-    async def agent_health():
-        return {"status": "ok"}
-
-    @app.get("/agent_info")
-    async def agent_info():
-        return agent.info()
-
-    @app.get("/weight_checksums")
-    async def weight_checksums(algorithm: str = "xxh3-128"):
-        try:
-            result = await asyncio.get_running_loop().run_in_executor(None, agent.checkpoint_checksums, algorithm)
-        except Exception as exc:
-            return error_response(exc)
-        return JSONResponse(result)
-
-    @app.post("/pull_weights")
-    async def pull_weights(request: Request):
-        try:
-            body = protocol.parse_json(await request.body())
-            req = protocol.PullWeights.from_json({"local_checkpoint_dir": str(agent.local_dir), **body})
-            await ensure_base_dir()
-            result = await asyncio.get_running_loop().run_in_executor(None, agent.pull, req)
-        except Exception as exc:
-            return error_response(exc)
-        return JSONResponse(result)
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request):
-        try:
-            body = protocol.parse_json(await request.body())
-            req = protocol.UpdateFromDisk.from_json(body)
-            by_version = req.weight_version is not None and _is_version_number(req.weight_version)
-            if req.weight_version is not None and not by_version:
-                raise Forbidden(f"weight_version {req.weight_version!r} is not a version number; labels come only "
-                                "from verified weights (the version the loaded checkpoint holds)")
-            if not agent.names_local_checkpoint(req.model_path):
-                await ensure_base_dir()
-                agent.roots().loadable(req.model_path)  # OutsideRoots (403) unless it is the base checkpoint
-                if not by_version or req.weight_version == "0":
-                    label = agent.check_label(req.weight_version, VersionRef("", 0))
-                    return await forward(request, json.dumps({**body, "weight_version": label}).encode())
-            path, ref = agent.begin_activation(req.weight_version if by_version else None)
-        except Exception as exc:
-            return error_response(exc)
-        return await activate(request, {**body, "model_path": str(path), "weight_version": str(ref.version)}, path, ref)
-
-    @app.post("/update_weight_version")
-    async def update_weight_version(request: Request):
-        raw = await request.body()
-        try:
-            req = protocol.UpdateWeightVersion.from_json(raw)
-            serving = str((await engine_json("/get_weight_version")).get("weight_version"))
-            if req.new_version != serving:
-                raise Forbidden(f"relabelling the engine's weights (version {serving}) as {req.new_version!r} without "
-                                "loading them is refused: version labels come only from verified weights")
-        except Exception as exc:
-            return error_response(exc)
-        return await forward(request, raw)
-
-    async def activate(request: Request, body: dict, path: Path, ref: VersionRef):
-        """Forward the rewritten activation; the slot counts as being read until the engine answers."""
-        status, error = None, "cancelled"
-        try:
-            response = await client.post("/update_weights_from_disk", json=body,
-                                         headers=upstream_headers(request, "/update_weights_from_disk"))
-            status = response.status_code
-            error = None if status == 200 else f"engine answered {status}: {response.text[:500]}"
-        except httpx.TransportError as exc:
-            failure = _unreachable(agent.engine_url, exc)
-            error = str(failure)
-            return error_response(failure)
-        finally:
-            agent.end_activation(path, ref, status, error)
-        return _relay_with_path(response, path)
-
-    @app.api_route("/{path:path}", methods=PROXY_METHODS)
-    async def proxy(request: Request, path: str):
-        return await forward(request, await request.body())
-
-    async def forward(request: Request, body: bytes):
-        url = httpx.URL(path=request.url.path, query=request.url.query.encode())
-        upstream_request = client.build_request(request.method, url, headers=upstream_headers(request, request.url.path),
-                                                content=body)
-        try:
-            upstream = await client.send(upstream_request, stream=True)
-        except httpx.TransportError as exc:
-            return error_response(_unreachable(agent.engine_url, exc))
-        response = StreamingResponse(_relay(upstream), status_code=upstream.status_code)
-        response.raw_headers = [(k, v) for k, v in upstream.headers.raw
-                                if k.decode("latin-1").lower() not in HOP_BY_HOP | SERVER_SET]
-        return response
-
+    api = AgentEndpoints(agent, client, install_guard(app, agent.config.guard).keys)
+    for path, endpoint, methods in (
+        ("/agent_health", api.agent_health, ["GET"]),
+        ("/agent_info", api.agent_info, ["GET"]),
+        ("/weight_checksums", api.weight_checksums, ["GET"]),
+        ("/pull_weights", api.pull_weights, ["POST"]),
+        ("/update_weights_from_disk", api.update_weights_from_disk, ["POST"]),
+        ("/update_weight_version", api.update_weight_version, ["POST"]),
+        ("/{path:path}", api.proxy, PROXY_METHODS),  # last: everything else goes to the engine
+    ):
+        app.add_api_route(path, endpoint, methods=methods)
     return app
 
 
@@ -461,8 +253,6 @@ async def _relay(upstream):
 
 def _relay_with_path(response, path: Path):
     """The engine's activation answer; a JSON object gains ``loaded_path`` (the slot it read)."""
-    from fastapi.responses import JSONResponse, Response
-
     try:
         body = response.json()
     except ValueError:

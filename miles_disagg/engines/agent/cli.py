@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from miles_disagg.engines.agent.app import Agent, AgentConfig, create_app
+    from miles_disagg.engines.agent.app import create_app
+    from miles_disagg.engines.agent.state import Agent, AgentConfig
 
     command = config_from_args(AgentCommand, args)
     command.configure_logging()

@@ -25,6 +25,9 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
 from miles_disagg.net.asgi_guard import ServerGuard, install_guard, server_app
 from miles_disagg.engines.builtin import protocol
 from miles_disagg.engines.builtin.runtime import Engine
@@ -39,8 +42,8 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
 def error_response(exc: BaseException, *, weight_endpoint: bool = False):
-    from fastapi.responses import JSONResponse
-
+    """The JSON error answer for ``exc`` (status by :func:`~miles_disagg.net.httpjson.status_for`); a weight
+    endpoint's also carries SGLang's ``success: false`` and ``message``."""
     status = status_for(exc)
     body: dict[str, Any] = error_json(exc, status)
     if weight_endpoint:
@@ -72,40 +75,29 @@ class _HttpSink:
             self.chunks.put_nowait(None)
 
 
-def create_app(engine: Engine, guard: ServerGuard | None = None):
-    """The app; ``guard``: keys and request limit (None: the engine config's, keys from the environment)."""
-    from fastapi import Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+class EngineEndpoints:
+    """SGLang's endpoints over one :class:`Engine`, one method per route (the module docstring states
+    the contracts). Blocking engine calls run on ``executor``, this server's own pool: long blocking
+    calls (a pull, a group rendezvous) must not starve short ones."""
 
-    app = server_app("miles-disagg built-in engine")
-    install_guard(app, guard if guard is not None else engine.config.guard())
+    def __init__(self, engine: Engine, executor: ThreadPoolExecutor):
+        self.engine, self.executor = engine, executor
 
-    # Own pool: long blocking calls (a pull, a group rendezvous) must not starve short ones.
-    executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="engine-http")
+    async def blocking(self, fn: Callable, *args) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    async def blocking(fn: Callable, *args) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
-
-    async def inline(fn: Callable, *args) -> Any:
+    async def inline(self, fn: Callable, *args) -> Any:
         return fn(*args)
-
-    def weight_endpoint(handler: Callable[[bytes], Awaitable[dict]]):
-        async def wrapped(request: Request):
-            try:
-                return JSONResponse(await handler(await request.body()))
-            except Exception as exc:
-                return error_response(exc, weight_endpoint=True)
-        return wrapped
 
     # ------------------------------------------------------------------ generation
 
-    @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(request: Request):
+    async def generate(self, request: Request):
+        engine = self.engine
         try:
             body = await request.body()
             # a small body is parsed and tokenized here: two trips through the pool cost more CPU
             # than the work (most rollout requests); a large one must not hold up the loop
-            run = inline if len(body) <= INLINE_BODY_BYTES else blocking
+            run = self.inline if len(body) <= INLINE_BODY_BYTES else self.blocking
             req = await run(protocol.parse_generate, body, engine.runner.max_context, engine.max_request_tokens)
             loop = asyncio.get_running_loop()
             sinks = [_HttpSink(loop, engine, req.stream) for _ in req.items]  # made on the loop
@@ -116,8 +108,8 @@ def create_app(engine: Engine, guard: ServerGuard | None = None):
         for seq in seqs:
             engine.submit(seq)
         if req.stream:
-            return StreamingResponse(_stream(request, seqs[0], sinks[0]), media_type="text/event-stream")
-        results = await _wait_or_abort(request, seqs, sinks)
+            return StreamingResponse(self._stream(seqs[0], sinks[0]), media_type="text/event-stream")
+        results = await self._wait_or_abort(request, seqs, sinks)
         if results is None:
             return Response(status_code=499)
         fault = next((f for f in map(_fault_of, results) if f is not None), None)
@@ -125,7 +117,8 @@ def create_app(engine: Engine, guard: ServerGuard | None = None):
             return JSONResponse({"error": fault}, status_code=fault["code"])
         return JSONResponse(results if req.batched else results[0])
 
-    async def _wait_or_abort(request: Request, seqs: list[Sequence], sinks: list[_HttpSink]):
+    async def _wait_or_abort(self, request: Request, seqs: list[Sequence], sinks: list[_HttpSink]):
+        """Every result, or None once the client disconnected (its sequences are then aborted)."""
         everything = asyncio.gather(*(s.done for s in sinks))
         while True:
             done, _ = await asyncio.wait({everything}, timeout=DISCONNECT_POLL_S)
@@ -133,10 +126,11 @@ def create_app(engine: Engine, guard: ServerGuard | None = None):
                 return everything.result()
             if await request.is_disconnected():
                 for seq in seqs:
-                    engine.abort_async(seq.rid)
+                    self.engine.abort_async(seq.rid)
                 return None
 
-    async def _stream(request: Request, seq: Sequence, sink: _HttpSink):
+    async def _stream(self, seq: Sequence, sink: _HttpSink):
+        """SSE events of one sequence, then ``[DONE]``; a stream dropped before the end aborts it."""
         finished = False
         try:
             while True:
@@ -151,83 +145,110 @@ def create_app(engine: Engine, guard: ServerGuard | None = None):
                 yield f"data: {json.dumps(chunk)}\n\n"
         finally:
             if not finished:
-                engine.abort_async(seq.rid)
+                self.engine.abort_async(seq.rid)
 
     # ------------------------------------------------------------------ weights
 
-    # Each weight endpoint validates its SGLang request type, then runs the blocking engine call.
-    for path, parse, call in (
-        ("/update_weights_from_disk", protocol.UpdateFromDisk.from_json, engine.update_from_disk),
-        ("/pull_weights", protocol.PullWeights.from_json, engine.pull_weights),
-        ("/init_weights_update_group", protocol.InitGroup.from_json, engine.init_weights_update_group),
-        ("/update_weights_from_distributed", protocol.DistributedUpdate.from_json, engine.update_from_distributed),
-        ("/update_weights_from_tensor", protocol.UpdateFromTensor.from_json, engine.update_from_tensor),
-    ):
-        app.post(path)(weight_endpoint(_parse_then_call(blocking, parse, call)))
-
-    # colocation: SGLang takes GET or POST, the body (tags) optional
-    for path, call in (("/release_memory_occupation", engine.release_memory),
-                       ("/resume_memory_occupation", engine.resume_memory)):
-        app.api_route(path, methods=["GET", "POST"])(weight_endpoint(_memory_call(blocking, call)))
-
-    @app.get("/get_weight_version")
-    async def get_weight_version():
-        return {"weight_version": engine.version}
-
-    @app.get("/weight_checksums")
-    async def weight_checksums(algorithm: str = "xxh3-128"):
+    async def weight_call(self, request: Request, handler: Callable[[bytes], Awaitable[dict]]):
+        """A weight endpoint's answer: ``handler``'s dict for the request body, or its error (SGLang's shape)."""
         try:
-            return JSONResponse(await blocking(engine.weight_checksums, algorithm))
+            return JSONResponse(await handler(await request.body()))
+        except Exception as exc:
+            return error_response(exc, weight_endpoint=True)
+
+    async def parse_then_call(self, request: Request, parse: Callable[[bytes], Any], call: Callable[[Any], dict]):
+        """Validate the body as ``parse``'s SGLang request type, then run the blocking ``call`` with it."""
+        async def handler(body: bytes) -> dict:
+            return await self.blocking(call, parse(body))
+        return await self.weight_call(request, handler)
+
+    async def update_weights_from_disk(self, request: Request):
+        return await self.parse_then_call(request, protocol.UpdateFromDisk.from_json,
+                                          self.engine.updates.update_from_disk)
+
+    async def pull_weights(self, request: Request):
+        return await self.parse_then_call(request, protocol.PullWeights.from_json, self.engine.updates.pull_weights)
+
+    async def init_weights_update_group(self, request: Request):
+        return await self.parse_then_call(request, protocol.InitGroup.from_json,
+                                          self.engine.updates.init_weights_update_group)
+
+    async def update_weights_from_distributed(self, request: Request):
+        return await self.parse_then_call(request, protocol.DistributedUpdate.from_json,
+                                          self.engine.updates.update_from_distributed)
+
+    async def update_weights_from_tensor(self, request: Request):
+        return await self.parse_then_call(request, protocol.UpdateFromTensor.from_json,
+                                          self.engine.updates.update_from_tensor)
+
+    async def destroy_weights_update_group(self, request: Request):
+        async def handler(body: bytes) -> dict:
+            req = protocol.DestroyGroup.from_json(body)
+            return await self.blocking(self.engine.updates.destroy_weights_update_group, req.group_name)
+        return await self.weight_call(request, handler)
+
+    async def update_weight_version(self, request: Request):
+        async def handler(body: bytes) -> dict:
+            req = protocol.UpdateWeightVersion.from_json(body)
+            await self.blocking(self.engine.updates.set_version, req.new_version, req.abort_all_requests)
+            return {"success": True, "message": f"Weight version updated to {req.new_version}",
+                    "new_version": req.new_version}
+        return await self.weight_call(request, handler)
+
+    # miles brackets broadcast updates with these two (a packed/quantized engine restores and re-packs
+    # its weights); this engine loads unpacked tensors, so both only acknowledge.
+    async def begin_weight_update(self, request: Request):
+        return await self.weight_call(request, _acknowledge("/begin_weight_update"))
+
+    async def end_weight_update(self, request: Request):
+        return await self.weight_call(request, _acknowledge("/end_weight_update"))
+
+    async def get_weight_version(self):
+        return {"weight_version": self.engine.version}
+
+    async def weight_checksums(self, algorithm: str = "xxh3-128"):
+        try:
+            return JSONResponse(await self.blocking(self.engine.weight_checksums, algorithm))
         except Exception as exc:
             return error_response(exc)
 
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(request: Request):
-        async def handler(body: bytes) -> dict:
-            req = protocol.DestroyGroup.from_json(body)
-            return await blocking(engine.destroy_weights_update_group, req.group_name)
-        return await weight_endpoint(handler)(request)
+    # ------------------------------------------------------------------ colocation (GET or POST, the tags optional)
 
-    # miles brackets broadcast updates with these (a packed/quantized engine restores and
-    # re-packs its weights); this engine loads unpacked tensors, so both only acknowledge.
-    for path in ("/begin_weight_update", "/end_weight_update"):
-        app.post(path)(weight_endpoint(_acknowledge(path)))
+    async def release_memory_occupation(self, request: Request):
+        return await self.weight_call(request, self._memory_call(self.engine.release_memory))
 
-    @app.post("/update_weight_version")
-    async def update_weight_version(request: Request):
+    async def resume_memory_occupation(self, request: Request):
+        return await self.weight_call(request, self._memory_call(self.engine.resume_memory))
+
+    def _memory_call(self, call: Callable[[Any], dict]):
         async def handler(body: bytes) -> dict:
-            req = protocol.UpdateWeightVersion.from_json(body)
-            await blocking(engine.set_version, req.new_version, req.abort_all_requests)
-            return {"success": True, "message": f"Weight version updated to {req.new_version}",
-                    "new_version": req.new_version}
-        return await weight_endpoint(handler)(request)
+            tags = protocol.MemoryOccupation.from_json(body or b"{}").tags
+            return await self.blocking(call, list(tags) if tags is not None else None)
+        return handler
 
     # ------------------------------------------------------------------ pause / cache / abort
 
-    @app.post("/pause_generation")
-    async def pause_generation(request: Request):
+    async def pause_generation(self, request: Request):
         try:
             mode = protocol.PauseGeneration.from_json(await request.body()).mode
-            count = await blocking(engine.pause, mode)
+            count = await self.blocking(self.engine.pause, mode)
         except Exception as exc:
             return error_response(exc)
         return {"message": "Generation paused successfully.", "status": "ok", "mode": mode,
                 "num_paused_requests": count}
 
-    @app.post("/continue_generation")
-    async def continue_generation(request: Request):
+    async def continue_generation(self, request: Request):
         try:
             protocol.parse_json(await request.body())  # a JSON object (SGLang's takes no fields)
-            await blocking(engine.resume)
+            await self.blocking(self.engine.resume)
         except Exception as exc:
             return error_response(exc)
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
+    async def flush_cache(self):
         """SGLang: 200 when idle (there is nothing to flush here), 400 while requests run."""
         try:
-            ok = await blocking(engine.flush_cache)
+            ok = await self.blocking(self.engine.flush_cache)
         except Exception as exc:
             return error_response(exc)
         if ok:
@@ -236,40 +257,31 @@ def create_app(engine: Engine, guard: ServerGuard | None = None):
                                  "(When there are running or waiting requests, the operation will not be performed.)\n",
                                  status_code=400)
 
-    @app.post("/abort_request")
-    async def abort_request(request: Request):
+    async def abort_request(self, request: Request):
         try:
             req = protocol.AbortReq.from_json(await request.body())
-            await blocking(engine.abort, req.rid, req.abort_all)
+            await self.blocking(self.engine.abort, req.rid, req.abort_all)
         except Exception as exc:
             return error_response(exc)
         return Response(status_code=200)
 
-    # ------------------------------------------------------------------ info / health
+    # ------------------------------------------------------------------ health
 
-    # Newer SGLang also serves these as /model_info and /server_info (miles tries /model_info first).
-    for path in ("/get_model_info", "/model_info"):
-        app.get(path)(engine.model_info)
-    for path in ("/get_server_info", "/server_info"):
-        app.get(path)(engine.server_info)
-
-    @app.api_route("/health", methods=["GET", "POST"])
-    async def health():
-        problem = engine.health()
+    async def health(self):
+        problem = self.engine.health()
         if problem is not None:  # a dead scheduler thread or a failing step is never silent
             return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
         return Response(status_code=200)
 
-    @app.api_route("/health_generate", methods=["GET", "POST"])
-    async def health_generate(request: Request):
+    async def health_generate(self, request: Request):
+        engine = self.engine
         if engine.scheduler.dead:
             return JSONResponse({"status": "unhealthy", "error": engine.scheduler.dead}, status_code=503)
         if engine.scheduler.paused_mode is not None:
             return Response(status_code=200)  # paused is healthy; a probe must not wait for continue
         try:
             req = protocol.parse_generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1}})
-            loop = asyncio.get_running_loop()
-            sink = _HttpSink(loop, engine, False)
+            sink = _HttpSink(asyncio.get_running_loop(), engine, False)
             seq = engine.make_sequences(req, lambda _item: sink)[0]
             engine.submit(seq)
             result = await asyncio.wait_for(asyncio.shield(sink.done), timeout=HEALTH_GENERATE_TIMEOUT_S)
@@ -278,6 +290,42 @@ def create_app(engine: Engine, guard: ServerGuard | None = None):
         fault = _fault_of(result)
         return Response(status_code=200) if fault is None else JSONResponse({"error": fault}, status_code=503)
 
+
+def create_app(engine: Engine, guard: ServerGuard | None = None):
+    """The app; ``guard``: keys and request limit (None: the engine config's, keys from the environment)."""
+    app = server_app("miles-disagg built-in engine")
+    install_guard(app, guard if guard is not None else engine.config.guard())
+    api = EngineEndpoints(engine, ThreadPoolExecutor(max_workers=32, thread_name_prefix="engine-http"))
+    get, post, get_post = ["GET"], ["POST"], ["GET", "POST"]
+    routes = [
+        ("/generate", api.generate, ["POST", "PUT"]),
+        ("/update_weights_from_disk", api.update_weights_from_disk, post),
+        ("/pull_weights", api.pull_weights, post),
+        ("/init_weights_update_group", api.init_weights_update_group, post),
+        ("/update_weights_from_distributed", api.update_weights_from_distributed, post),
+        ("/update_weights_from_tensor", api.update_weights_from_tensor, post),
+        ("/release_memory_occupation", api.release_memory_occupation, get_post),
+        ("/resume_memory_occupation", api.resume_memory_occupation, get_post),
+        ("/get_weight_version", api.get_weight_version, get),
+        ("/weight_checksums", api.weight_checksums, get),
+        ("/destroy_weights_update_group", api.destroy_weights_update_group, post),
+        ("/begin_weight_update", api.begin_weight_update, post),
+        ("/end_weight_update", api.end_weight_update, post),
+        ("/update_weight_version", api.update_weight_version, post),
+        ("/pause_generation", api.pause_generation, post),
+        ("/continue_generation", api.continue_generation, post),
+        ("/flush_cache", api.flush_cache, get_post),
+        ("/abort_request", api.abort_request, post),
+        # newer SGLang also serves these as /model_info and /server_info (miles tries /model_info first)
+        ("/get_model_info", engine.model_info, get),
+        ("/model_info", engine.model_info, get),
+        ("/get_server_info", engine.server_info, get),
+        ("/server_info", engine.server_info, get),
+        ("/health", api.health, get_post),
+        ("/health_generate", api.health_generate, get_post),
+    ]
+    for path, endpoint, methods in routes:
+        app.add_api_route(path, endpoint, methods=methods)
     return app
 
 
@@ -294,17 +342,4 @@ def _acknowledge(path: str):
     async def handler(body: bytes) -> dict:
         protocol.parse_json(body)
         return {"success": True, "message": f"{path.strip('/')}: nothing to do for unpacked weights"}
-    return handler
-
-
-def _memory_call(blocking: Callable, call: Callable[[Any], dict]):
-    async def handler(body: bytes) -> dict:
-        tags = protocol.MemoryOccupation.from_json(body or b"{}").tags
-        return await blocking(call, list(tags) if tags is not None else None)
-    return handler
-
-
-def _parse_then_call(blocking: Callable, parse: Callable[[bytes], Any], call: Callable[[Any], dict]):
-    async def handler(body: bytes) -> dict:
-        return await blocking(call, parse(body))
     return handler

@@ -64,7 +64,7 @@ class MilesImportFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if fullname not in FACADES:
             raise ModuleNotFoundError(
                 f"{fullname} is a miles module that miles-disagg does not serve (miles is not installed; served: "
-                f"{', '.join(sorted(n for n in FACADES if not FACADES[n][2] or FACADES[n][1]))}); README, "
+                f"{', '.join(sorted(n for n in FACADES if not FACADES[n][2] or FACADES[n][1]))}); docs/from-miles.md, "
                 "\"Porting your miles rollout code\", says what to use instead", name=fullname)
         return importlib.machinery.ModuleSpec(fullname, self, is_package=FACADES[fullname][2])
 
@@ -92,7 +92,7 @@ def facade(name: str) -> types.ModuleType:
         if attr.startswith("__"):
             raise AttributeError(attr)
         raise AttributeError(f"{name}.{attr} is a miles name that miles-disagg does not serve (here {name} has "
-                             f"{', '.join(names) or 'no names'}); see README, \"Porting your miles rollout code\"")
+                             f"{', '.join(names) or 'no names'}); see docs/from-miles.md, \"Porting your miles rollout code\"")
 
     module.__getattr__ = __getattr__
     return module
