@@ -84,6 +84,12 @@ class ModelRunner:
         self.last_routed: torch.Tensor | None = None
 
     @property
+    def quantization(self) -> str | None:
+        """``fp8`` for a blockwise-FP8 checkpoint (SGLang's name for it), else None."""
+        quant = self.config_json.get("quantization_config")
+        return quant.get("quant_method") if isinstance(quant, dict) else None
+
+    @property
     def is_moe(self) -> bool:
         return self.routing is not None
 

@@ -263,6 +263,8 @@ class Engine:
             "has_audio_understanding": False,
             "model_type": self.runner.config_json.get("model_type"),
             "architectures": list(self.runner.config_json.get("architectures") or []),
+            "quantization": self.runner.quantization,
+            "quantization_config": self.runner.config_json.get("quantization_config"),
         }
 
     def weight_checksums(self, algorithm: str) -> dict:
@@ -297,6 +299,7 @@ class Engine:
             "port": self.config.port,
             "device": self.config.device,
             "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "quantization": self.runner.quantization,  # SGLang's server arg (None: unquantized)
             "max_running_requests": self.config.max_running_requests,
             "random_seed": self.config.random_seed,
             "enable_return_routed_experts": self.config.enable_return_routed_experts,  # SGLang's server arg
