@@ -1,8 +1,9 @@
 """``miles-disagg`` command line: one subcommand per component.
 
 Each subcommand lives in its component's own module, which exposes
-``add_arguments(parser)`` and ``run(args) -> int``. Modules are imported only when
-their subcommand runs, so ``miles-disagg --help`` stays fast (no torch/ray import).
+``add_arguments(parser)`` and ``run(args) -> int`` (the parsed namespace carries it as
+``run_command``). Modules are imported only when their subcommand runs, so
+``miles-disagg --help`` stays fast (no torch/ray import).
 
 Each subcommand's flags are fields of its config dataclass (``config/commands.py``).
 Exit codes: 0 success, 2 bad input or a refused operation (one line on stderr, no
@@ -74,7 +75,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         if name == wanted:  # import only the module that will run
             module = importlib.import_module(module_name)
             module.add_arguments(sub)
-            sub.set_defaults(_run=module.run)
+            sub.set_defaults(run_command=module.run)
     return parser
 
 
@@ -86,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     try:
-        return int(args._run(args) or 0)
+        return int(args.run_command(args) or 0)
     except MilesDisaggError as exc:
         print(f"miles-disagg {args.command}: error: {exc}", file=sys.stderr)
         return 2

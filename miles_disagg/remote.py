@@ -58,12 +58,14 @@ def wait_for(refs: list, timeout_s: float | None = None) -> list:
     try:
         return ray.get(refs, timeout=0 if pending else None)
     except Exception as exc:
-        if _is_actor_death(exc):
+        if is_actor_death(exc):
             _give_watches_time()
         raise
 
 
-def _is_actor_death(exc: BaseException) -> bool:
+def is_actor_death(exc: BaseException) -> bool:
+    """Whether ``exc`` (what ``ray.get`` raised) says an actor died: the called one
+    (``RayActorError``), or one the called task itself was waiting on (a ``RayTaskError`` caused by it)."""
     from ray.exceptions import RayActorError, RayTaskError
 
     cause = exc.cause if isinstance(exc, RayTaskError) else exc

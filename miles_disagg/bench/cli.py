@@ -1,7 +1,7 @@
 """``miles-disagg bench {delta,engine,async,service,hostile,colocate,http,scale,publish}``: dispatch to the benchmark modules.
 
-Each benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and
-prints one JSON object on stdout.
+Each benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int`` (the parsed
+namespace carries it as ``run_benchmark``) and prints one JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
         module = importlib.import_module(module_name)
         module.add_arguments(sub)
-        sub.set_defaults(_bench_run=module.run)
+        sub.set_defaults(run_benchmark=module.run)
 
 
 def run(args: argparse.Namespace) -> int:
-    return int(args._bench_run(args) or 0)
+    return int(args.run_benchmark(args) or 0)

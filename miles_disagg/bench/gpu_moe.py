@@ -108,7 +108,7 @@ def _megatron_step(model_dir: Path, groups: list) -> dict:
     from miles_disagg.config.components import TrainConfig
     from miles_disagg.distributed import init_distributed
     from miles_disagg.net.process import free_port
-    from miles_disagg.trainer.backend import make_backend
+    from miles_disagg.trainer.backends import make_backend
     from miles_disagg.trainer.sequence_advantages import assign_advantages
 
     config = TrainConfig(train_backend="megatron", lr=1e-6, micro_batch_size=4, global_batch_size=8, seed=1,

@@ -200,7 +200,7 @@ def _train_one_step(backend_name: str, model_dir: Path, groups) -> dict:
     from miles_disagg.distributed import init_distributed
     from miles_disagg.net.process import free_port
     from miles_disagg.trainer.sequence_advantages import assign_advantages
-    from miles_disagg.trainer.backend import make_backend
+    from miles_disagg.trainer.backends import make_backend
 
     config = TrainConfig(train_backend=backend_name, lr=1e-6, micro_batch_size=4, global_batch_size=8, seed=1)
     start = time.perf_counter()

@@ -22,15 +22,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from miles_disagg.loop.run_files import ENGINE_EVENTS_FILENAME, PLACEMENT_FILENAME
 from miles_disagg.tracking import status
 from miles_disagg.types import MilesDisaggError, NodeLost
 
 if TYPE_CHECKING:
-    from miles_disagg.loop.job import Job
+    from miles_disagg.fleet.handle import EngineManagerHandle
     from miles_disagg.trainer.placement import Placement
 
-PLACEMENT_FILENAME = "placement.json"
-ENGINE_EVENTS_FILENAME = "engine_events.json"
 NODE_CHECK_INTERVAL_S = 2.0
 
 
@@ -89,6 +88,15 @@ class NodeWatch:
         if self._lost is not None:
             raise self._lost
 
+    def unwatch(self, node_id: str) -> None:
+        """Stop watching ``node_id`` (a trainer restart took its loss over). The other nodes stay
+        watched with everything the watch knows (the lost rollout nodes the run already went on
+        without, whether engines are placed again, the trainer-node handler); a loss of ``node_id``
+        the watch kept raising is forgotten, so later calls raise only for another node."""
+        self.nodes = {node: site for node, site in self.nodes.items() if node != node_id}
+        if getattr(self._lost, "node_id", None) == node_id:
+            self._lost = None
+
     def _find_lost(self) -> MilesDisaggError | None:
         alive = self._alive_nodes()
         for node_id, site in self.nodes.items():
@@ -126,31 +134,33 @@ def _alive_ray_nodes() -> set[str]:
     return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
 
 
-def placement_record(job: Job) -> dict:
-    """What ``placement.json`` holds for a started job."""
+def placement_record(placement: Placement, *, trainer_address: str | None, engines: EngineManagerHandle | None,
+                     router_url: str | None, engines_attached: bool) -> dict:
+    """What ``placement.json`` holds for a started run. ``trainer_address``: the trainer group's
+    rendezvous address (rank 0's entry; None: the run has no trainer); ``engines``: the engine set
+    (None: no engines, or the rollout service at ``router_url``); ``engines_attached``: the engines
+    were attached (``--rollout-external``), so no bundle of the placement is theirs."""
     import ray
 
-    placement = job.placement
     record: dict = {"driver": {"node_id": ray.get_runtime_context().get_node_id(),
                                "node_ip": ray.util.get_node_ip_address()},
                     "spans_nodes": placement.spans_nodes, "trainer": [], "engines": [], "router": None}
-    if job.trainer is not None:
+    if trainer_address is not None:
         for rank, position in enumerate(placement.layout.trainer):
             site = placement.site(position)
             record["trainer"].append({"rank": rank, "node_id": site["node_id"], "node_ip": site["node_ip"],
                                       "gpu_ids": [site["gpu_id"]],
-                                      "address": job.trainer.dist_address if rank == 0 else site["node_ip"]})
-    if job.engines is not None:
-        record["engines"] = _engine_records(job)
-        record["router"] = {"address": job.engines.router_url, **record["driver"]}
-    elif job.router_url:
-        record["rollout_service"] = {"address": job.router_url}
+                                      "address": trainer_address if rank == 0 else site["node_ip"]})
+    if engines is not None:
+        record["engines"] = _engine_records(placement, engines, engines_attached)
+        record["router"] = {"address": engines.router_url, **record["driver"]}
+    elif router_url:
+        record["rollout_service"] = {"address": router_url}
     return record
 
 
-def _engine_records(job: Job) -> list[dict]:
-    placement, engines = job.placement, job.engines
-    managed = bool(placement.layout.engines) and not job.config.rollout.rollout_external
+def _engine_records(placement: Placement, engines: EngineManagerHandle, engines_attached: bool) -> list[dict]:
+    managed = bool(placement.layout.engines) and not engines_attached
     records = []
     for index, url in enumerate(engines.engine_urls):
         entry = {"engine": index, "node_id": None, "node_ip": None, "gpu_ids": [], "address": url,

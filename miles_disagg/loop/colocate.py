@@ -18,35 +18,38 @@ broadcast mode. A failure anywhere fails the step (the run stops naming it).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from miles_disagg.loop.job import Job
+if TYPE_CHECKING:
+    from miles_disagg.fleet.handle import EngineManagerHandle
+    from miles_disagg.trainer.group import TrainerGroup
 
 KV_TAGS = ["kv_cache", "cuda_graph"]
 
 
-def start(job: Job) -> dict[str, int]:
+def start(trainer: TrainerGroup) -> dict[str, int]:
     """At job start both sides hold their weights: the trainer steps aside for the first rollout."""
-    return job.trainer.offload()
+    return trainer.offload()
 
 
-def to_trainer(job: Job) -> dict[str, float]:
+def to_trainer(trainer: TrainerGroup, engines: EngineManagerHandle) -> dict[str, float]:
+    """The engines release their memory, the trainer onloads; the handoff's timings."""
     start_s = time.perf_counter()
-    job.engines.release_memory(None)
+    engines.release_memory(None)
     released = time.perf_counter()
-    job.trainer.onload()
+    trainer.onload()
     return {"perf/colocate_engine_release_time": released - start_s,
             "perf/colocate_trainer_onload_time": time.perf_counter() - released}
 
 
-def to_engines(job: Job, version: int) -> tuple[int, dict[str, Any]]:
+def to_engines(trainer: TrainerGroup, engines: EngineManagerHandle, version: int) -> tuple[int, dict[str, Any]]:
     """Hand the trained policy to the engines as ``version``; the step's update metrics."""
     start_s = time.perf_counter()
-    offloaded = job.trainer.offload(params=False)  # optimizer state first: the engines need the room
-    job.engines.resume_memory(["weights"])
-    pushed = job.trainer.push_weights(job.engines.engine_urls, version)
-    offloaded_params = job.trainer.offload(optimizer=False)
-    job.engines.resume_memory(KV_TAGS)
+    offloaded = trainer.offload(params=False)  # optimizer state first: the engines need the room
+    engines.resume_memory(["weights"])
+    pushed = trainer.push_weights(engines.engine_urls, version)
+    offloaded_params = trainer.offload(optimizer=False)
+    engines.resume_memory(KV_TAGS)
     return version, {
         "perf/update_weights_time": time.perf_counter() - start_s,
         "perf/update_weights_push_time": pushed.get("seconds", 0.0),
@@ -55,5 +58,5 @@ def to_engines(job: Job, version: int) -> tuple[int, dict[str, Any]]:
         "perf/update_weights_density": 1.0,
         "perf/colocate_offloaded_bytes": offloaded["optimizer"] + offloaded["grads"] + offloaded_params["params"],
         "weights/version": version,
-        "weights/engine_versions": job.engines.versions(),
+        "weights/engine_versions": engines.versions(),
     }

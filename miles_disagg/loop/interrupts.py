@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from miles_disagg.config.components import RunConfig
+from miles_disagg.loop.run_files import REPORT_FILENAME, SUMMARY_FILENAME
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -106,7 +107,7 @@ def report_interruption(config: RunConfig, exc: KeyboardInterrupt) -> str:
         try:
             with contextlib.redirect_stderr(io.StringIO()):  # the summary block: one line is what is asked
                 write_report(run_dir)
-            line += f"; summary.json and report.png of steps before {step} in {run_dir}"
+            line += f"; {SUMMARY_FILENAME} and {REPORT_FILENAME} of steps before {step} in {run_dir}"
         except Exception as error:  # noqa: BLE001 - the run is over either way: say why there is no report
             line += f"; no report ({type(error).__name__}: {error}; see miles-disagg report {run_dir})"
     resume = _resume_from(config)

@@ -30,6 +30,9 @@ from typing import TYPE_CHECKING
 
 from miles_disagg.config.actors import EngineManagerConfig, RolloutManagerConfig, TrainerGroupConfig
 from miles_disagg.config.components import RunConfig
+from miles_disagg.loop import colocate
+from miles_disagg.loop.cluster import (NodeWatch, TrainerNodeLost, placement_record, work_by_node,
+                                       write_engine_events, write_placement)
 from miles_disagg.loop.waiting import still
 from miles_disagg.tracking import status
 from miles_disagg.types import ConfigError
@@ -56,23 +59,23 @@ class Job:
     run_id: str | None = None
     tensor_meta: dict | None = None  # broadcast mode: what the engines receive
     initial_checkpoint: tuple[str, str] | None = None  # (path, flag): a torch_dist checkpoint the policy starts from
+    data_position: int = 0  # the prompts a resumed run consumed before it started
+    node_watch: NodeWatch | None = None  # registered for the job's lifetime (a trainer restart unwatches a node)
+    on_trainer_node_lost: TrainerNodeLost | None = None  # the trainer-restart seam
     _owns_ray: bool = False
-    _watch: object | None = None  # the NodeWatch registered for the job's lifetime
     _capacity_watch: object | None = None  # the CapacityWatch, once the engines run
-    on_trainer_node_lost: object | None = None  # loop.cluster.TrainerNodeLost: the trainer-restart seam
-    _data_position: int = 0
 
     @classmethod
     def start(cls, config: RunConfig, *, with_trainer: bool = True, with_engines: bool = True,
               run_id: str | None = None, data_position: int = 0,
-              initial_checkpoint: tuple[str, str] | None = None, on_trainer_node_lost=None) -> "Job":
+              initial_checkpoint: tuple[str, str] | None = None,
+              on_trainer_node_lost: TrainerNodeLost | None = None) -> "Job":
         """``run_id``/``data_position``: a resumed run's version stream and prompts consumed;
         ``initial_checkpoint``: the Megatron torch_dist checkpoint a fresh policy starts from;
         ``on_trainer_node_lost`` (:data:`miles_disagg.loop.cluster.TrainerNodeLost`): takes the loss
         of a trainer node over instead of ending the run (trainer restarts)."""
-        job = cls(config, run_id=run_id, initial_checkpoint=initial_checkpoint,
+        job = cls(config, run_id=run_id, data_position=data_position, initial_checkpoint=initial_checkpoint,
                   on_trainer_node_lost=on_trainer_node_lost)
-        job._data_position = data_position
         try:
             job._start(with_trainer, with_engines)
         except BaseException:
@@ -81,7 +84,6 @@ class Job:
         return job
 
     def _start(self, with_trainer: bool, with_engines: bool) -> None:
-        from miles_disagg.loop.cluster import NodeWatch, placement_record, write_placement
         from miles_disagg.remote import add_watch
         from miles_disagg.trainer.placement import create_placement, plan_layout
 
@@ -97,9 +99,9 @@ class Job:
         self.placement = create_placement(layout)
         if self.placement.spans_nodes:
             status(f"placement spans nodes: {_nodes_line(self.placement)}")
-        self._watch = NodeWatch.of(self.placement, engines_replaced=self._engines_replaced(with_engines),
-                                   on_trainer_node_lost=self.on_trainer_node_lost)
-        add_watch(self._watch)
+        self.node_watch = NodeWatch.of(self.placement, engines_replaced=self._engines_replaced(with_engines),
+                                       on_trainer_node_lost=self.on_trainer_node_lost)
+        add_watch(self.node_watch)
         if with_trainer:
             self._start_trainer()
         if with_engines:
@@ -111,12 +113,12 @@ class Job:
             add_watch(self._capacity_watch)
         colocated = with_trainer and with_engines and cfg.cluster.colocate
         if colocated:  # weights go by reference (loop/colocate.py), not over a broadcast group
-            from miles_disagg.loop import colocate
-
-            colocate.start(self)
+            colocate.start(self.trainer)
         elif with_trainer and with_engines and cfg.weights.update_weight_transfer_mode == "broadcast":
             self._join_broadcast_group()
-        write_placement(cfg.tracking.run_dir, placement_record(self))
+        write_placement(cfg.tracking.run_dir, placement_record(
+            self.placement, trainer_address=self.trainer.dist_address if self.trainer is not None else None,
+            engines=self.engines, router_url=self.router_url, engines_attached=cfg.rollout.rollout_external))
         if self.engines is not None:  # after placement.json, which membership changes rewrite
             self.engines.serve_membership()  # engines may join and leave from now on (miles-disagg engines)
 
@@ -232,7 +234,7 @@ class Job:
         backend = managed_backend(self.config.rollout)  # decides whether calls ask for MoE routing
         self.rollout = RolloutManagerHandle(RolloutManagerConfig.from_run(self.config, self.router_url, run_id,
                                                                           backend=backend),
-                                            data_position=self._data_position,
+                                            data_position=self.data_position,
                                             scheduling_strategy=self.placement.control_strategy())
 
     def _join_broadcast_group(self) -> None:
@@ -249,7 +251,7 @@ class Job:
 
         from miles_disagg.remote import remove_watch
 
-        remove_watch(self._watch)  # tearing down must not be cut short by the watches
+        remove_watch(self.node_watch)  # tearing down must not be cut short by the watches
         remove_watch(self._capacity_watch)
         for step in (self._stop_rollout, self._stop_engines, self._stop_trainer):
             try:
@@ -265,8 +267,6 @@ class Job:
 
     def _stop_engines(self) -> None:
         if self.engines is not None:
-            from miles_disagg.loop.cluster import write_engine_events
-
             try:
                 write_engine_events(self.config.tracking.run_dir, self.engines.events())
             finally:
@@ -277,9 +277,7 @@ class Job:
             self.trainer.shutdown()
 
 
-def _nodes_line(placement) -> str:
-    from miles_disagg.loop.cluster import work_by_node
-
+def _nodes_line(placement: Placement) -> str:
     return "; ".join(f"{site['node_ip']} ({node_id[:8]}): {', '.join(site['work'])}"
                      for node_id, site in work_by_node(placement).items())
 

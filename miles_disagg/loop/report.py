@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from miles_disagg.loop.run_files import (CONFIG_FILENAME, ENGINE_EVENTS_FILENAME, EVENTS_STREAM, REPORT_FILENAME,
+                                         SUMMARY_FILENAME)
 from miles_disagg.tracking import METRICS_FILENAME, UPDATES_STREAM, read_metrics
 
 WINDOW = 5
@@ -94,9 +96,9 @@ def write_report(run_dir: str | Path) -> dict[str, Any]:
     faults = engine_faults(run_dir)
     if faults:
         summary["engine_faults"] = faults
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / SUMMARY_FILENAME).write_text(json.dumps(summary, indent=2) + "\n")
     if records:
-        plot(records, run_dir / "report.png", title=report_title(run_dir))
+        plot(records, run_dir / REPORT_FILENAME, title=report_title(run_dir))
     print(format_summary(summary, run_dir), file=sys.stderr)
     return summary
 
@@ -105,8 +107,8 @@ def trainer_restarts(run_dir: Path) -> list[dict[str, Any]]:
     """The run's trainer restarts (``events.jsonl``, ``loop/trainer_restart.py``), in order."""
     from miles_disagg.tracking import read_records
 
-    return [{k: v for k, v in e.items() if k not in ("step", "wall_time", "event")} for e in read_records(run_dir / "events.jsonl")
-            if e.get("event") == "trainer_restart"]
+    return [{k: v for k, v in e.items() if k not in ("step", "wall_time", "event")}
+            for e in read_records(run_dir / f"{EVENTS_STREAM}.jsonl") if e.get("event") == "trainer_restart"]
 
 
 def join_updates(records: list[dict[str, Any]], updates: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -157,8 +159,6 @@ def _reward_line(s: dict[str, Any], f) -> str:
 
 def engine_faults(run_dir: Path) -> dict[str, Any] | None:
     """What the engines lost and got back (``engine_events.json``, written when the run stopped)."""
-    from miles_disagg.loop.cluster import ENGINE_EVENTS_FILENAME
-
     path = run_dir / ENGINE_EVENTS_FILENAME
     events = json.loads(path.read_text()) if path.exists() else []
     if not events:
@@ -200,7 +200,7 @@ def _handoff_line(s: dict[str, Any], f) -> str:
 def report_title(run_dir: Path) -> str:
     """The run directory and the key settings of its command (from its ``config.json``)."""
     try:
-        config = json.loads((run_dir / "config.json").read_text())
+        config = json.loads((run_dir / CONFIG_FILENAME).read_text())
         return f"{run_dir}\n{key_settings(config)}"
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return str(run_dir)

@@ -143,7 +143,7 @@ def _colocated_handoff(job: Job) -> dict:
         return {}
     from miles_disagg.loop.colocate import to_trainer
 
-    return to_trainer(job)
+    return to_trainer(job.trainer, job.engines)
 
 
 def _rollout_batch(job: Job, step: int, version: int) -> RolloutBatch:

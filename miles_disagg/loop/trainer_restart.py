@@ -37,12 +37,11 @@ from pathlib import Path
 from typing import Callable
 
 from miles_disagg.loop.resume import LoopState
+from miles_disagg.loop.run_files import EVENTS_STREAM
 from miles_disagg.tracking import UPDATES_STREAM, MetricsTracker, status
 from miles_disagg.trainer.checkpoint import SaveMeta, find_latest
 from miles_disagg.types import NodeLost, TrainerLost
 
-EVENTS_STREAM = "events"
-"""``<run_dir>/events.jsonl``: one record per trainer restart (never rewound)."""
 FLAG = "--max-trainer-restarts"
 PLACE_TIMEOUT_S = 900.0
 """How long a restarted rank may wait for its bundle (after a node loss, Ray places the bundles
@@ -197,7 +196,7 @@ def _node_to_unwatch(exc: Exception, job) -> str | None:
     if isinstance(exc, NodeLost):
         return exc.node_id
     node = getattr(exc, "node_id", "")
-    site = getattr(getattr(job, "_watch", None), "nodes", {}).get(node)
+    site = job.node_watch.nodes.get(node) if job.node_watch is not None else None
     if site and all(work.startswith("trainer rank") for work in site["work"]):
         return node
     return None
@@ -207,9 +206,5 @@ def _stop_watching(job, lost_node: str) -> None:
     """The run's node watch stops watching ``lost_node`` (see ``_node_to_unwatch``); the other
     nodes stay watched, with everything else the watch knows (which lost rollout nodes the run
     already went on without, whether engines are placed again, the trainer-node handler)."""
-    watch = job._watch
-    if watch is None or not hasattr(watch, "nodes"):
-        return
-    watch.nodes = {node: site for node, site in watch.nodes.items() if node != lost_node}
-    if getattr(getattr(watch, "_lost", None), "node_id", None) == lost_node:
-        watch._lost = None  # the loss it kept raising is taken over by the restart
+    if job.node_watch is not None:
+        job.node_watch.unwatch(lost_node)  # the loss it kept raising is taken over by the restart

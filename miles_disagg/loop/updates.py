@@ -51,7 +51,7 @@ def publish_and_update(job: Job, version_before: int) -> tuple[int, dict[str, An
     if job.config.cluster.colocate:
         from miles_disagg.loop.colocate import to_engines
 
-        return to_engines(job, version_before + 1)
+        return to_engines(job.trainer, job.engines, version_before + 1)
     if job.config.weights.update_weight_transfer_mode == "broadcast":
         return broadcast_update(job, version_before + 1)
     version, metrics = publish(job, version_before)

@@ -40,7 +40,7 @@ class TrainerRank:
     def setup(self, master_addr: str, master_port: int, run_id: str | None, delta_filter: str = "none") -> dict:
         import torch
 
-        from miles_disagg.trainer.backend import make_backend
+        from miles_disagg.trainer.backends import make_backend
         from miles_disagg.distributed import init_distributed
 
         torch.set_num_threads(1)

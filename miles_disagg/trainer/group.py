@@ -183,10 +183,10 @@ class TrainerGroup:
 
     def _failure(self, exc: Exception, call_index: int) -> Exception:
         """``TrainerLost`` naming the dead rank when ``exc`` came from (or after) a rank's death."""
-        from miles_disagg.remote import _is_actor_death
+        from miles_disagg.remote import is_actor_death
 
         dead = self.dead_ranks()
-        if not dead and _is_actor_death(exc):
+        if not dead and is_actor_death(exc):
             dead = [call_index]  # the call itself reports its actor's death
         if not dead:
             return exc

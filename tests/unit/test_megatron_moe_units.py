@@ -176,7 +176,7 @@ def test_tap_replays_the_recorded_forward_in_recomputation() -> None:
 
 
 def test_routing_targets_shape_and_trained_positions() -> None:
-    from miles_disagg.trainer.megatron.moe import routing_targets
+    from miles_disagg.trainer.megatron.batching import routing_targets
 
     sample = Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5], response_logprobs=[0.0, 0.0], loss_mask=[1, 0])
     sample.rollout_routed_experts = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2)

@@ -43,7 +43,7 @@ def test_the_flag_defaults_to_no_restart_and_takes_a_count(tmp_path: Path) -> No
 
 def fake_job(limit: int = 1, trainer_nodes=("node-t",)):
     config = SimpleNamespace(train=SimpleNamespace(max_trainer_restarts=limit, save=None))
-    return SimpleNamespace(config=config, trainer=SimpleNamespace(node_ids=list(trainer_nodes)))
+    return SimpleNamespace(config=config, trainer=SimpleNamespace(node_ids=list(trainer_nodes)), node_watch=None)
 
 
 def test_trainer_failures_are_a_lost_rank_or_a_lost_trainer_node() -> None:
@@ -165,8 +165,8 @@ def test_a_lost_trainer_node_is_restarted_and_no_longer_watched(monkeypatch) -> 
     nodes = {"node-t": {"node_ip": "10.0.0.1", "work": ["trainer rank 0"]},
              "node-r": {"node_ip": "10.0.0.2", "work": ["engine 0"]}}
     job = fake_job(limit=1)
-    job._watch = NodeWatch(nodes, alive_nodes=lambda: {"node-r"}, interval_s=0)
-    add_watch(job._watch)
+    job.node_watch = NodeWatch(nodes, alive_nodes=lambda: {"node-r"}, interval_s=0)
+    add_watch(job.node_watch)
     try:
         with pytest.raises(NodeLost) as lost:
             run_watches()
@@ -180,10 +180,10 @@ def test_a_lost_trainer_node_is_restarted_and_no_longer_watched(monkeypatch) -> 
 
         monkeypatch.setattr(restarts, "_restart", restart)
         assert restarts._recover(lost.value, trainer_restart.LoopProgress()) == LoopState()
-        assert seen == ["node-t"] and set(job._watch.nodes) == {"node-r"}
+        assert seen == ["node-t"] and set(job.node_watch.nodes) == {"node-r"}
         run_watches()  # the lost trainer node no longer ends every wait
     finally:
-        remove_watch(job._watch)
+        remove_watch(job.node_watch)
 
 
 def test_unwatching_a_trainer_node_keeps_the_rollout_nodes_the_run_went_on_without() -> None:
@@ -195,12 +195,12 @@ def test_unwatching_a_trainer_node_keeps_the_rollout_nodes_the_run_went_on_witho
     nodes = {"node-t": {"node_ip": "10.0.0.1", "work": ["trainer rank 0"]},
              "node-r": {"node_ip": "10.0.0.2", "work": ["engine 0"]}}
     job = fake_job(limit=1)
-    job._watch = NodeWatch(nodes, alive_nodes=lambda: {"node-t"}, interval_s=0, engines_replaced=True)
-    job._watch()  # node-r lost: tolerated, its engines are placed again
-    assert job._watch.handled == ["node-r"]
+    job.node_watch = NodeWatch(nodes, alive_nodes=lambda: {"node-t"}, interval_s=0, engines_replaced=True)
+    job.node_watch()  # node-r lost: tolerated, its engines are placed again
+    assert job.node_watch.handled == ["node-r"]
     trainer_restart._stop_watching(job, "node-t")
-    assert set(job._watch.nodes) == {"node-r"} and job._watch.engines_replaced
-    job._watch()  # still tolerated: not raised again as a lost node
+    assert set(job.node_watch.nodes) == {"node-r"} and job.node_watch.engines_replaced
+    job.node_watch()  # still tolerated: not raised again as a lost node
 
 
 def test_a_dead_rank_on_a_trainer_only_node_unwatches_that_node_only() -> None:
@@ -208,7 +208,7 @@ def test_a_dead_rank_on_a_trainer_only_node_unwatches_that_node_only() -> None:
     from miles_disagg.loop.trainer_restart import _node_to_unwatch
 
     job = fake_job()
-    job._watch = NodeWatch({"node-t": {"node_ip": "10.0.0.1", "work": ["trainer rank 0", "trainer rank 1"]},
+    job.node_watch = NodeWatch({"node-t": {"node_ip": "10.0.0.1", "work": ["trainer rank 0", "trainer rank 1"]},
                             "node-x": {"node_ip": "10.0.0.2", "work": ["trainer rank 2", "engine 0"]}},
                            alive_nodes=lambda: {"node-t", "node-x"})
     assert _node_to_unwatch(TrainerLost("rank 1 died", rank=1, node_id="node-t"), job) == "node-t"

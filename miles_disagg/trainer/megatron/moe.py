@@ -27,12 +27,12 @@ from __future__ import annotations
 import contextlib
 import re
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
 
 from miles_disagg.config.components import TrainConfig
-from miles_disagg.types import Sample
+from miles_disagg.trainer.megatron.batching import cp_split
 
 _ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.router$")
 
@@ -66,49 +66,6 @@ def default_dispatcher(ep_size: int) -> str:
     alltoall with it (allgather needs equal token counts on every EP rank, which RL
     micro-batches of different lengths do not have)."""
     return "alltoall" if ep_size > 1 else "allgather"
-
-
-def routing_targets(samples: Sequence[Sample], seq_len: int, num_layers: int, topk: int,
-                    num_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``([batch, seq, layers, topk]`` engine experts, -1 where there are none; ``[batch, seq]``
-    trained positions) of a micro-batch, or None when no sample carries routed experts.
-    ``ValueError`` naming the sample when its array has the wrong shape or (given
-    ``num_experts``) a row that is neither all -1 nor ``topk`` distinct experts in range."""
-    if not any(s.rollout_routed_experts is not None for s in samples):
-        return None
-    import numpy as np
-
-    experts = torch.full((len(samples), seq_len, num_layers, topk), -1, dtype=torch.long)
-    counted = torch.zeros((len(samples), seq_len), dtype=torch.bool)
-    for i, sample in enumerate(samples):
-        routed = sample.rollout_routed_experts
-        if routed is None:
-            continue
-        routed = np.asarray(routed)
-        positions = len(sample.prompt_ids) + len(sample.response_ids) - 1
-        if routed.shape != (positions, num_layers, topk):
-            raise ValueError(f"sample {i} of the micro-batch: rollout_routed_experts has shape {tuple(routed.shape)}, expected "
-                             f"({positions}, {num_layers}, {topk}) (positions, layers, top-k)")
-        rows = torch.from_numpy(routed.astype(np.int64))
-        if num_experts is not None:
-            _check_rows(rows, num_experts, i)
-        experts[i, :positions] = rows
-        start = len(sample.prompt_ids) - 1
-        mask = torch.tensor(sample.trained_mask(), dtype=torch.bool)
-        counted[i, start:start + len(mask)] = mask
-    return experts, counted
-
-
-def _check_rows(rows: torch.Tensor, num_experts: int, index: int) -> None:
-    free = (rows == -1).all(dim=-1)
-    valid = ((rows >= 0) & (rows < num_experts)).all(dim=-1)
-    distinct = (rows.sort(dim=-1).values.diff(dim=-1) != 0).all(dim=-1)
-    bad = ~(free | (valid & distinct))
-    if bad.any():
-        position, layer = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(f"sample {index} of the micro-batch: rollout_routed_experts[{position}, {layer}] = "
-                         f"{rows[position, layer].tolist()} is neither all -1 nor distinct experts in "
-                         f"[0, {num_experts})")
 
 
 @dataclass
@@ -220,8 +177,6 @@ class RoutingControl:
     def _router_rows(self, targets: tuple[torch.Tensor, torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's token order: megatron flattens ``[seq, batch]`` (this rank's part of the
         sequence under context / sequence parallelism)."""
-        from miles_disagg.trainer.megatron.batching import cp_split
-
         experts, counted = targets[0][:, :, layer], targets[1]
         experts, counted = cp_split(experts, self.cp_size, self.cp_rank), cp_split(counted, self.cp_size, self.cp_rank)
         experts, counted = experts.transpose(0, 1), counted.transpose(0, 1)  # [seq, batch, ...]
