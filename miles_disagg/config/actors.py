@@ -60,7 +60,9 @@ class TrainerGroupConfig:
     train: TrainConfig
     weights: WeightUpdateConfig
     hf_dir: str
-    """The base checkpoint (version 0)."""
+    """The base checkpoint (version 0): what the engines serve, and the form every version takes."""
+    train_dir: str = ""
+    """The checkpoint the trainer's weights start from (``--train-hf-checkpoint``; default ``hf_dir``)."""
     colocated: bool = False
     """The ranks share GPUs with the engines (``--colocate``)."""
     temperature: float = 1.0
@@ -76,6 +78,7 @@ class TrainerGroupConfig:
         from miles_disagg.config.loader import config_to_namespace
 
         return cls(train=config.train, weights=config.weights, hf_dir=str(config.train.hf_checkpoint),
+                   train_dir=str(config.train.train_hf_checkpoint or config.train.hf_checkpoint),
                    colocated=config.cluster.colocate, temperature=config.rollout.rollout_temperature,
                    miles_args=config_to_namespace(config), initial_checkpoint=initial_checkpoint)
 

@@ -192,6 +192,8 @@ class TrainConfig:
     """The policy trainer: model, batch, optimizer and loss."""
 
     hf_checkpoint: str | None = flag(None, "HF checkpoint directory of the base policy (version 0).")
+    train_hf_checkpoint: str | None = flag(None, "Full-precision HF checkpoint the trainer starts from when --hf-checkpoint is blockwise FP8 (what the engines serve; every version is published in its FP8 form). Default: --hf-checkpoint.")
+    train_from_dequantized_checkpoint: bool = flag(False, "With a blockwise-FP8 --hf-checkpoint and no --train-hf-checkpoint: start the trainer from the FP8 weights dequantized (fsdp only).")
     hf_checkpoint_init: str = flag("none", "Create a random model at --hf-checkpoint when the directory is missing (tiny-qwen3: for CPU demos and tests; tiny-qwen3-moe: 4 experts, top 2).", choices=CHECKPOINT_INITS)
     train_backend: str = flag("megatron", "Training backend: megatron (as in miles) or fsdp (FSDP2 on GPU, data parallel over gloo on CPU).", choices=TRAIN_BACKENDS)
     loss_type: str = flag("policy_loss", "miles' loss: policy_loss (the policy-gradient loss of --advantage-estimator, the only one here; sft_loss and custom_loss are refused).", choices=LOSS_TYPES)

@@ -10,6 +10,7 @@ from miles_disagg.config import RunConfig, config_to_dict
 from miles_disagg.config.model_args import check_model_args
 from miles_disagg.config.routing_replay import check_routing_replay
 from miles_disagg.loop.preflight_checks import TINY_INITS, check_before_start
+from miles_disagg.loop.quantized_base import check_quantized_base
 from miles_disagg.tracking import status
 from miles_disagg.trainer.torch_dist import check_backend_reads_torch_dist
 from miles_disagg.types import ConfigError
@@ -24,11 +25,14 @@ def prepare_run(config: RunConfig) -> None:
     (output_dir / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
     status(f"run directory: {output_dir}")
     ensure_base_checkpoint(config)
+    fp8_line = check_quantized_base(config)
+    if fp8_line:
+        status(fp8_line)
     check_model_args(config)  # again: the checkpoint may have just been created
     check_routing_replay(config)  # likewise: is it a MoE?
 
 
-PATH_FIELDS = {"tracking": ("run_dir",), "train": ("hf_checkpoint", "load", "save", "ref_load"),
+PATH_FIELDS = {"tracking": ("run_dir",), "train": ("hf_checkpoint", "train_hf_checkpoint", "load", "save", "ref_load"),
                "weights": ("update_weight_disk_dir", "update_weight_local_checkpoint_dir")}
 
 

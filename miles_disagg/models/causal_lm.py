@@ -52,11 +52,15 @@ def implementation(model_dir: Path, device: torch.device | str = "cpu") -> tuple
 
 
 def load_causal_lm(model_dir: Path, *, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
-                   runs_on: torch.device | str | None = None) -> torch.nn.Module:
+                   runs_on: torch.device | str | None = None, dequantize: bool = False) -> torch.nn.Module:
     """The checkpoint's model in ``dtype`` (``auto``: the checkpoint's) on ``device``, in eval mode;
-    ``runs_on``: the device it will compute on, if the caller moves it (default: ``device``)."""
+    ``runs_on``: the device it will compute on, if the caller moves it (default: ``device``).
+    ``dequantize``: a blockwise-FP8 checkpoint becomes the unquantized model of its dequantized
+    weights (a trainer's starting point); without it such a checkpoint keeps its FP8 layers."""
     model_dir = Path(model_dir)
     dtype = checkpoint_dtype(model_dir) if dtype == "auto" else dtype
+    if dequantize and "quantization_config" in read_config(model_dir):
+        return load_dequantized(model_dir, dtype=dtype, device=device)
     choice, why = implementation(model_dir, device if runs_on is None else runs_on)
     if choice == NATIVE:
         return load_native_qwen3(model_dir, dtype=dtype, device=device)
@@ -127,3 +131,31 @@ def _use_quantized_layers(model: torch.nn.Module, config_json: dict, tensors: di
         raise LayoutMismatch(f"FP8 weights without their weight_scale_inv: {without_scale[:3]}")
     use_fp8_linears(model, fp8_weights, scheme, dtype)
     return fp8_weights | {scale_name(name) for name in fp8_weights}
+
+
+def load_dequantized(model_dir: Path, *, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The unquantized model holding the dequantized weights of a blockwise-FP8 checkpoint: they are
+    written as a plain checkpoint into a temporary directory and loaded like any other (so every
+    architecture and tensor-name convention is handled as for an unquantized checkpoint)."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    from miles_disagg.models.fp8 import dequantize_state, scheme_of
+
+    config_json = read_config(model_dir)
+    scheme = scheme_of(config_json, source=str(Path(model_dir) / "config.json"))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(file))
+    with tempfile.TemporaryDirectory(prefix="dequantized-") as scratch:
+        plain = Path(scratch)
+        for path in Path(model_dir).iterdir():
+            if path.is_file() and path.suffix != ".safetensors" and not path.name.endswith(".index.json"):
+                shutil.copy2(path, plain / path.name)
+        (plain / "config.json").write_text(json.dumps({k: v for k, v in config_json.items()
+                                                       if k != "quantization_config"}))
+        save_file(dequantize_state(tensors, scheme, dtype), plain / "model.safetensors", metadata={"format": "pt"})
+        del tensors
+        return load_causal_lm(plain, dtype=dtype, device=device)

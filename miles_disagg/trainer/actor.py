@@ -22,6 +22,7 @@ class TrainerRank:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.rank, self.world_size = rank, world_size
         self.train_config, self.weights_config, self.hf_dir = config.train, config.weights, config.hf_dir
+        self.train_dir = config.train_dir or config.hf_dir  # full precision: what the backend trains
         self.temperature = config.temperature
         self.miles_args = config.miles_args
         self.initial_checkpoint = config.initial_checkpoint
@@ -46,7 +47,7 @@ class TrainerRank:
         torch.set_num_threads(1)
         start = time.perf_counter()
         backend = init_distributed(self.rank, self.world_size, master_addr, master_port)
-        self.backend = make_backend(self.train_config, self.hf_dir, rank=self.rank, world_size=self.world_size,
+        self.backend = make_backend(self.train_config, self.train_dir, rank=self.rank, world_size=self.world_size,
                                     temperature=self.temperature, initial_checkpoint=self.initial_checkpoint)
         if self.weights_config.update_weight_transfer_mode == "disk-delta":
             self.publisher = self._make_publisher(run_id, delta_filter)
@@ -125,9 +126,9 @@ class TrainerRank:
             return
         os.makedirs(directory, exist_ok=True)
         save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-        for name in os.listdir(self.hf_dir):
+        for name in os.listdir(self.train_dir):  # the full-precision config (an FP8 base's declares FP8)
             if not name.endswith((".safetensors", ".index.json")) and name != INIT_RECORD_FILENAME:
-                source = os.path.join(self.hf_dir, name)
+                source = os.path.join(self.train_dir, name)
                 if os.path.isfile(source):
                     shutil.copy2(source, os.path.join(directory, name))
 

@@ -47,7 +47,8 @@ class FSDPBackend(TrainerBackend):
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         torch.manual_seed(config.seed + rank)
-        model = load_causal_lm(hf_dir, dtype="auto", runs_on=self.device)  # loaded on the CPU, moved below
+        model = load_causal_lm(hf_dir, dtype="auto", runs_on=self.device,  # loaded on the CPU, moved below
+                               dequantize=config.train_from_dequantized_checkpoint)
         self.export_dtypes = {name: t.dtype for name, t in model.state_dict().items()}
         self.pad_id = model.config.pad_token_id or 0
         self.module = model.float().to(self.device)  # float32 master weights
@@ -97,7 +98,8 @@ class FSDPBackend(TrainerBackend):
     def _load_reference(self, hf_dir: str) -> torch.nn.Module:
         from miles_disagg.models.causal_lm import load_causal_lm
 
-        ref = load_causal_lm(self.config.ref_load or hf_dir, dtype=torch.float32, device=self.device)
+        ref = load_causal_lm(self.config.ref_load or hf_dir, dtype=torch.float32, device=self.device,
+                             dequantize=self.config.train_from_dequantized_checkpoint and not self.config.ref_load)
         return ref.eval().requires_grad_(False)
 
     # ------------------------------------------------------------------ training

@@ -1,0 +1,99 @@
+"""FP8 rollout fed by a full-precision trainer, as miles runs it: a tiny BF16 Qwen3 converted with
+``miles-disagg convert-fp8``; ``train_async.py`` with the FP8 ``--hf-checkpoint`` (what the engines
+serve) and ``--train-hf-checkpoint`` (the BF16 weights the trainer starts from), ``--use-tis``, and
+``--check-weight-update-equal`` (after every update each engine's bytes equal the published state).
+
+One whole run carries every check: the policy learns count-up; every version verifies; the newest
+version applied by a host equals ``convert-fp8`` of the trainer's final BF16 weights byte for byte;
+the mismatch metrics (step-0 train-vs-rollout logprob difference, TIS weights) and the update's
+density and wire are recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from deadlines import scaled
+
+from miles_disagg.tracking import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 16
+BLOCK = ["32", "32"]
+
+
+def cli(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "miles_disagg.cli", *argv], capture_output=True, text=True,
+                          timeout=scaled(timeout))
+
+
+@pytest.fixture(scope="module")
+def fp8_run(tmp_path_factory) -> tuple[Path, Path, Path]:
+    tmp = tmp_path_factory.mktemp("fp8_run")
+    bf16, fp8, run_dir = tmp / "bf16", tmp / "fp8", tmp / "run"
+    made = cli("make-tiny-checkpoint", "--out", str(bf16), "--charset", "digits", "--dtype", "bfloat16", "--seed", "1234")
+    assert made.returncode == 0, made.stderr
+    converted = cli("convert-fp8", "--model-dir", str(bf16), "--save-dir", str(fp8), "--block-size", *BLOCK)
+    assert converted.returncode == 0, converted.stderr
+    env = {**os.environ, "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+           "RAY_AUTH_MODE": "disabled"}
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train_async.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
+         "--run-dir", str(run_dir), "--hf-checkpoint", str(fp8), "--hf-checkpoint-init", "none",
+         "--train-hf-checkpoint", str(bf16), "--use-tis", "--check-weight-update-equal",
+         "--num-rollout", str(STEPS), "--save", str(run_dir / "saves"), "--save-interval", str(STEPS)],
+        cwd=tmp, capture_output=True, text=True, timeout=scaled(300), env=env)
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert "FP8 rollout: engines serve" in result.stderr
+    return tmp, fp8, run_dir
+
+
+def test_the_policy_learns_with_fp8_engines(fp8_run) -> None:
+    _, _, run_dir = fp8_run
+    rewards = [r["rollout/raw_reward"] for r in read_metrics(run_dir / "metrics.jsonl")]
+    assert len(rewards) == STEPS
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last >= first + 0.1, rewards
+
+
+def test_the_mismatch_and_the_update_cost_are_recorded(fp8_run) -> None:
+    _, _, run_dir = fp8_run
+    records = read_metrics(run_dir / "metrics.jsonl")
+    first = records[0]
+    assert 0 < first["train/train_rollout_logprob_abs_diff"] < 1.0  # FP8 engines: a slightly different policy
+    assert 0 < first["train/tis_weight_mean"] <= 2.0
+    assert all(0 < r["perf/update_weights_density"] <= 1 and r["perf/update_weights_wire_bytes"] > 0 for r in records)
+    updates = read_metrics(run_dir / "updates.jsonl")
+    assert len(updates) == STEPS and all(u["ci/weights_equal_engines"] for u in updates)
+
+
+def test_every_fp8_version_verifies_and_equals_convert_fp8_of_the_trainers_weights(fp8_run) -> None:
+    tmp, fp8, run_dir = fp8_run
+    store = next(p.parent for p in run_dir.rglob("LATEST"))
+    latest = json.loads((store / "LATEST").read_text())["version"]
+    assert latest == STEPS
+    verified = cli("weights", "verify", "--store", str(store), "--base-dir", str(fp8))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    local = tmp / "host"
+    applied = cli("weights", "apply", "--store", str(store), "--base-dir", str(fp8), "--local-dir", str(local))
+    assert applied.returncode == 0, applied.stderr
+    trained_bf16 = next(run_dir.glob("saves/iter_*/hf"))
+    expected = tmp / "expected-fp8"
+    converted = cli("convert-fp8", "--model-dir", str(trained_bf16), "--save-dir", str(expected), "--block-size", *BLOCK)
+    assert converted.returncode == 0, converted.stderr
+    assert tensor_bytes(local) == tensor_bytes(expected)
+
+
+def tensor_bytes(directory: Path) -> dict[str, bytes]:
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in directory.glob("*.safetensors"):
+        tensors.update(load_file(path))
+    return {n: t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for n, t in tensors.items()}
