@@ -1,4 +1,5 @@
-"""FP8 rollout fed by a full-precision trainer, as miles runs it: a tiny BF16 Qwen3 converted with
+"""FP8 rollout fed by a full-precision trainer, as miles runs it: a tiny BF16 Qwen3-MoE (attention, experts
+and a router gate kept in BF16; the dense model is covered by the FP8 engine and version tests) converted with
 ``miles-disagg convert-fp8``; ``train_async.py`` with the FP8 ``--hf-checkpoint`` (what the engines
 serve) and ``--train-hf-checkpoint`` (the BF16 weights the trainer starts from), ``--use-tis``, and
 ``--check-weight-update-equal`` (after every update each engine's bytes equal the published state).
@@ -36,7 +37,8 @@ def cli(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def fp8_run(tmp_path_factory) -> tuple[Path, Path, Path]:
     tmp = tmp_path_factory.mktemp("fp8_run")
     bf16, fp8, run_dir = tmp / "bf16", tmp / "fp8", tmp / "run"
-    made = cli("make-tiny-checkpoint", "--out", str(bf16), "--charset", "digits", "--dtype", "bfloat16", "--seed", "1234")
+    made = cli("make-tiny-checkpoint", "--out", str(bf16), "--charset", "digits", "--dtype", "bfloat16", "--seed", "1234",
+               "--num-experts", "4", "--num-experts-per-tok", "2")
     assert made.returncode == 0, made.stderr
     converted = cli("convert-fp8", "--model-dir", str(bf16), "--save-dir", str(fp8), "--block-size", *BLOCK)
     assert converted.returncode == 0, converted.stderr
