@@ -4,6 +4,7 @@ from 1 or 2 publishing ranks; hosts apply and verify them through ``miles-disagg
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,56 @@ def test_an_applied_fp8_version_equals_convert_fp8_of_the_trainers_weights(check
     assert served_files(local) == served_files(expected)
     verify = cli("weights", "verify", "--store", str(store), "--base-dir", str(fp8))
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def _truncate_tensor(version_dir: Path, name: str, cut: int) -> None:
+    """Rewrite the version's payload file with ``cut`` bytes fewer of ``name``'s payload."""
+    import struct
+
+    path = next(p for p in version_dir.glob("*.safetensors"))
+    raw = path.read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header, body = json.loads(raw[8:8 + size]), raw[8 + size:]
+    start, end = header[name]["data_offsets"]
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        a, b = entry["data_offsets"]
+        if key == name:
+            entry["data_offsets"], entry["shape"] = [a, b - cut], [b - cut - a]
+        elif a >= end:
+            entry["data_offsets"] = [a - cut, b - cut]
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + body[:start] + body[start:end - cut] + body[end:])
+
+
+def _relabel_dtype(version_dir: Path, name: str) -> None:
+    index_path = version_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    entry = index["metadata"]["tensors"][name]
+    entry["dtype"], entry["nbytes"] = "F8_E4M3", entry["nbytes"] // 4
+    index_path.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("corrupt", [_truncate_tensor, _relabel_dtype], ids=["scale-truncated", "scale-dtype-relabelled"])
+def test_a_corrupted_fp8_version_is_refused_and_nothing_is_written(checkpoints, tmp_path, corrupt):
+    from miles_disagg.weights.publisher import DeltaPublisher
+
+    _, bf16, fp8 = checkpoints
+    store = tmp_path / "store"
+    publisher = DeltaPublisher(store, base_dir=fp8, encoding="overwrite")  # every changed scale has a payload
+    publisher.capture_baseline()
+    publisher.publish(trained(load_file(bf16 / "model.safetensors"), 1).items())
+    publisher.close()
+    scale = next(n for n in json.loads((store / "weight_v000001" / "model.safetensors.index.json").read_text())
+                 ["metadata"]["tensors"] if n.endswith("weight_scale_inv"))
+    args = (scale, 8) if corrupt is _truncate_tensor else (scale,)
+    corrupt(store / "weight_v000001", *args)
+    local = tmp_path / "host"
+    result = cli("weights", "apply", "--store", str(store), "--base-dir", str(fp8), "--local-dir", str(local))
+    assert result.returncode == 2, result.stderr
+    assert "weight_scale_inv" in result.stderr and result.stderr.count("\n") <= 2
+    assert not local.exists()
+    verify = cli("weights", "verify", "--store", str(store), "--base-dir", str(fp8))
+    assert verify.returncode == 2, verify.stdout + verify.stderr
