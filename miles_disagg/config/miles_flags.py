@@ -51,6 +51,13 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {f.flag: f for f in (
     RefusedFlag("--sglang-router-request-timeout-secs",
                 "it sets sglang-router's per-request timeout, which the job's router does not take",
                 "drop it"),
+    *(RefusedFlag(flag,
+                  "it configures Megatron / Transformer Engine FP8 training, and the trainer here trains in full "
+                  "precision (low precision is a property of what the engines serve)",
+                  "for FP8 rollout convert the checkpoint with miles-disagg convert-fp8, pass it as --hf-checkpoint and "
+                  "the BF16 one as --train-hf-checkpoint (docs/low-precision.md)")
+      for flag in ("--fp8-format", "--fp8-recipe", "--fp8-param-gather", "--fp8-amax-history-len",
+                   "--fp8-amax-compute-algo")),
     RefusedFlag("--partial-rollout",
                 "it recycles unfinished samples into the next rollout; here every group is generated whole",
                 "drop it (--max-weight-staleness bounds how old a consumed sample may be)"),

@@ -156,3 +156,41 @@ def test_convert_fp8_refuses_bad_input_with_one_line_and_writes_nothing(tmp_path
     assert bad_block.returncode == 2 and "--block-size" in bad_block.stderr
     for result in (missing, already, refused, bad_block):
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flag", ["--fp8-format", "--fp8-recipe", "--fp8-param-gather"])
+def test_megatron_fp8_training_flags_are_refused_with_one_line_naming_the_fp8_rollout_path(flag):
+    from miles_disagg.config import load_config
+
+    with pytest.raises(ConfigError) as refused:
+        load_config(["--hf-checkpoint", "/x", flag, "e4m3"], "train_async")
+    message = str(refused.value)
+    assert message.startswith(f"{flag} is a miles flag") and "convert-fp8" in message and "\n" not in message
+
+
+def test_an_fp8_base_needs_a_full_precision_trainer_source_and_the_disk_delta_path(tmp_path):
+    from miles_disagg.config import load_config
+    from miles_disagg.loop.quantized_base import check_quantized_base
+
+    base = tmp_path / "fp8"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps({"quantization_config": BlockFp8().quantization_config()}))
+
+    def check(*extra: str, backend: str = "fsdp", mode: str = "disk-delta"):
+        config, _ = load_config(["--hf-checkpoint", str(base), "--train-backend", backend,
+                                 "--update-weight-transfer-mode", mode, *extra], "train_async")
+        return check_quantized_base(config)
+
+    with pytest.raises(ConfigError, match="--train-hf-checkpoint BF16_DIR"):
+        check()
+    with pytest.raises(ConfigError, match="broadcast"):
+        check("--train-from-dequantized-checkpoint", mode="broadcast")
+    assert "FP8 rollout" in check("--train-from-dequantized-checkpoint")
+    with pytest.raises(ConfigError, match="fsdp"):
+        check("--train-from-dequantized-checkpoint", backend="megatron")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text("{}")
+    config, _ = load_config(["--hf-checkpoint", str(plain), "--train-hf-checkpoint", str(base)], "train_async")
+    with pytest.raises(ConfigError, match="applies only to a quantized"):
+        check_quantized_base(config)
