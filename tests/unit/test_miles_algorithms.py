@@ -16,7 +16,8 @@ import torch
 from miles_disagg.config import load_config
 from miles_disagg.config.components import TrainConfig
 from miles_disagg.trainer.batches import pack
-from miles_disagg.trainer.losses import kl_penalty, policy_loss, rl_loss, tis_weights
+from miles_disagg.trainer.losses import kl_penalty, policy_loss, tis_weights
+from miles_disagg.trainer.policy_gradient import rl_loss
 from miles_disagg.trainer.reduction import global_sample_mean
 from miles_disagg.trainer.sequence_advantages import assign_advantages
 from miles_disagg.types import ConfigError, Group, Sample
