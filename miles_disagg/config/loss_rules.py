@@ -53,8 +53,8 @@ def _check_loss_type(train) -> None:
         raise ConfigError("--disable-compute-advantages-and-returns leaves the policy loss without advantages: use it "
                           "with --loss-type sft_loss or custom_loss", ("--disable-compute-advantages-and-returns",
                                                                        "--loss-type"))
-    if train.custom_pg_loss_reducer_function_path and loss_type != "policy_loss":
-        raise ConfigError(f"--custom-pg-loss-reducer-function-path reduces the policy loss, and --loss-type {loss_type} "
+    if train.custom_pg_loss_reducer_function_path and loss_type == "sft_loss":
+        raise ConfigError("--custom-pg-loss-reducer-function-path reduces the policy loss, and --loss-type sft_loss "
                           "has none: drop it", ("--custom-pg-loss-reducer-function-path", "--loss-type"))
 
 

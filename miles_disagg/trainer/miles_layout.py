@@ -71,10 +71,12 @@ def sample_mean_reducer(lengths: Sequence[int], loss_masks: Sequence[torch.Tenso
 
 
 def thd_logits(logits: torch.Tensor, batch) -> torch.Tensor:
-    """``[batch, seq, vocab]`` right-padded logits -> miles' ``[1, T, vocab]`` float32 (each sample's
-    prompt-plus-response positions laid end to end); gradients flow back to ``logits``."""
+    """``[batch, seq, vocab]`` right-padded logits -> miles' ``[1, T, vocab]`` in float32 (float64
+    stays float64; each sample's prompt-plus-response positions laid end to end); gradients flow
+    back to ``logits``."""
     lengths = total_lengths(batch)
-    return torch.cat([logits[i, :n] for i, n in enumerate(lengths)], dim=0).float().unsqueeze(0)
+    thd = torch.cat([logits[i, :n] for i, n in enumerate(lengths)], dim=0)
+    return (thd if thd.dtype == torch.float64 else thd.float()).unsqueeze(0)
 
 
 def unconcat_tokens(batch) -> list[torch.Tensor]:

@@ -143,8 +143,8 @@ def policy_loss_function(args, batch: dict, logits: torch.Tensor, sum_of_sample_
     loss, metrics = rl_loss(args, packed, padded(out["log_probs"], width), padded(out["entropy"], width), old,
                             wide("ref_log_probs"), wide("advantages"), device, recomputed=recomputed,
                             hooks=load_hooks(args))
-    named = {MILES_METRIC_NAMES.get(key.removeprefix("train/"), key.removeprefix("train/")): torch.tensor(value)
-             for key, value in metrics.items()}
+    named = {MILES_METRIC_NAMES.get(key.removeprefix("train/"), key.removeprefix("train/")):
+             torch.tensor(value, dtype=torch.float64) for key, value in metrics.items()}
     return loss, named
 
 

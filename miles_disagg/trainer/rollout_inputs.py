@@ -6,7 +6,7 @@ logprobs the ratio divides by (the engines' with ``--use-rollout-logprobs``, as 
 per-token advantages (none with ``--disable-compute-advantages-and-returns``), each step's global
 denominator, and the rollout's mismatch metric ``train/train_rollout_logprob_abs_diff``: the
 behaviour logprobs against the engines', a per-sample mean (a token mean with
-``--calculate-per-token-loss``), so exactly 0 with ``--use-rollout-logprobs``.
+``--calculate-per-token-loss``, over the loss's token count), so exactly 0 with ``--use-rollout-logprobs``.
 
 Collective over ``group`` (whitening, denominators, the metric): every data-parallel rank calls it.
 """
@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from miles_disagg.trainer.advantages import rollout_advantages
-from miles_disagg.trainer.reduction import global_sample_mean, global_token_mean, step_denominators
+from miles_disagg.trainer.reduction import global_sample_mean, step_denominators, sum_over_ranks
 
 ABS_DIFF = "train/train_rollout_logprob_abs_diff"
 
@@ -57,8 +57,10 @@ def prepare_rollout(config, steps: Sequence[Sequence], recomputed: list, ref: li
     metrics = {}
     if all(o is not None for o in old):
         pairs = [((o - b.rollout_logprobs.to(o.device)).abs(), b.loss_mask) for o, b in zip(old, flat)]
-        mean = global_token_mean if config.calculate_per_token_loss else global_sample_mean
-        metrics[ABS_DIFF] = mean(pairs, group, device)
+        if config.calculate_per_token_loss:
+            metrics[ABS_DIFF] = token_mean(pairs, flat, group, device)
+        else:
+            metrics[ABS_DIFF] = global_sample_mean(pairs, group, device)
     if config.disable_compute_advantages_and_returns:
         advantages: list = [None] * len(flat)
     else:
@@ -66,3 +68,12 @@ def prepare_rollout(config, steps: Sequence[Sequence], recomputed: list, ref: li
     denominators = step_denominators(steps, per_token=config.calculate_per_token_loss, group=group, device=device)
     micro = [FrozenInputs(o, r, f, a) for o, r, f, a in zip(old, recomputed, ref, advantages, strict=True)]
     return RolloutInputs(micro, denominators, metrics)
+
+
+def token_mean(pairs: Sequence, batches: Sequence, group=None, device: torch.device | str = "cpu") -> float:
+    """The sum of ``values`` over the trained tokens of every pair (all ranks of ``group``), divided
+    as the per-token loss is: by the trained tokens, each sample's count clamped at 1 (miles)."""
+    total = sum(float((values * mask.to(values.device)).sum()) for values, mask in pairs)
+    count = float(sum(batch.num_tokens for batch in batches))
+    total, count = sum_over_ranks([total, count], group, device)
+    return total / count if count else 0.0
