@@ -1,4 +1,5 @@
-"""The PPO-style policy loss, KL estimators, TIS weights, and how per-token values become a loss.
+"""The PPO-style policy loss (token or GSPO's sequence ratio), KL estimators, TIS weights, and how
+per-token values become a loss; ``policy_gradient.rl_loss`` assembles one micro-batch's loss from them.
 
 All per-token tensors are ``[batch, response_len]``. ``loss_mask`` (``PackedBatch.loss_mask``)
 is 1 on the tokens that are trained: real response tokens the policy generated (0 on padding
