@@ -51,6 +51,11 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {f.flag: f for f in (
     RefusedFlag("--sglang-router-request-timeout-secs",
                 "it sets sglang-router's per-request timeout, which the job's router does not take",
                 "drop it"),
+    RefusedFlag("--use-rollout-entropy",
+                "it computes each token's entropy in the pass that recomputes the behaviour logprobs, for a custom "
+                "loss mask over rollout data; that pass keeps only logprobs here",
+                "compute the entropy from the logits in a --custom-loss-function-path (train/entropy is the "
+                "training pass's, logged every step)"),
     RefusedFlag("--partial-rollout",
                 "it recycles unfinished samples into the next rollout; here every group is generated whole",
                 "drop it (--max-weight-staleness bounds how old a consumed sample may be)"),
