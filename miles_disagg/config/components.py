@@ -31,7 +31,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 KL_LOSS_TYPES = ("low_var_kl", "k1", "k2", "k3")
 OPTIMIZERS = ("adam",)
 LR_DECAY_STYLES = ("constant",)
-ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 CHECKPOINT_INITS = ("none", "tiny-qwen3", "tiny-qwen3-digits", "tiny-qwen3-moe", "tiny-qwen3-moe-digits")
 ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # what the built-in engine (and SGLang) accept
 WANDB_MODES = ("online", "offline", "disabled")
@@ -196,7 +196,10 @@ class TrainConfig:
     train_from_dequantized_checkpoint: bool = flag(False, "With a blockwise-FP8 --hf-checkpoint and no --train-hf-checkpoint: start the trainer from the FP8 weights dequantized (fsdp only).")
     hf_checkpoint_init: str = flag("none", "Create a random model at --hf-checkpoint when the directory is missing (tiny-qwen3: for CPU demos and tests; tiny-qwen3-moe: 4 experts, top 2).", choices=CHECKPOINT_INITS)
     train_backend: str = flag("megatron", "Training backend: megatron (as in miles) or fsdp (FSDP2 on GPU, data parallel over gloo on CPU).", choices=TRAIN_BACKENDS)
-    loss_type: str = flag("policy_loss", "miles' loss: policy_loss (the policy-gradient loss of --advantage-estimator, the only one here; sft_loss and custom_loss are refused).", choices=LOSS_TYPES)
+    loss_type: str = flag("policy_loss", "miles' loss: policy_loss (the policy-gradient loss of --advantage-estimator), sft_loss (negative log-likelihood of the trained tokens) or custom_loss (--custom-loss-function-path).", choices=LOSS_TYPES)
+    custom_loss_function_path: str | None = flag(None, "miles: pkg.module.function with --loss-type custom_loss: fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics), in miles' layout.")
+    custom_tis_function_path: str | None = flag(None, "miles: pkg.module.function replacing truncated IS (with --use-tis or --get-mismatch-metrics): fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs) -> (pg_loss, loss_masks, metrics).")
+    custom_pg_loss_reducer_function_path: str | None = flag(None, "miles: pkg.module.function(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer of the policy term only (e.g. Dr.GRPO's constant divisor).")
     global_batch_size: int | None = flag(None, "Samples per optimizer step.")
     micro_batch_size: int = flag(1, "Samples per forward/backward pass.")
     use_dynamic_batch_size: bool = flag(False, "megatron: micro-batches by token budget (--max-tokens-per-gpu) instead of --micro-batch-size.")
@@ -237,7 +240,7 @@ class TrainConfig:
     adam_eps: float = flag(1e-8, "Adam epsilon.")
     clip_grad: float = flag(1.0, "Clip the global gradient norm to this (0: off).")
     seed: int = flag(1234, "Random seed.")
-    advantage_estimator: str = flag("grpo", "Advantage estimator: grpo, reinforce_plus_plus (discounted per-token returns), reinforce_plus_plus_baseline (group baseline); ppo is refused (no critic).", choices=ADVANTAGE_ESTIMATORS)
+    advantage_estimator: str = flag("grpo", "Advantage estimator: grpo, gspo (GRPO's advantages with GSPO's sequence-level ratio: the geometric mean of the token ratios, clipped per sequence), reinforce_plus_plus (discounted per-token returns), reinforce_plus_plus_baseline (group baseline); ppo is refused (no critic).", choices=ADVANTAGE_ESTIMATORS)
     normalize_advantages_by_std: bool | None = flag(None, "Renamed: refused with a pointer to miles' --disable-grpo-std-normalization.")
     disable_grpo_std_normalization: bool = flag(False, "miles: GRPO advantages are reward minus the group's mean, not divided by the group's std (Dr. GRPO).")
     disable_rewards_normalization: bool = flag(False, "miles: no group normalization of the rewards at all (grpo, reinforce_plus_plus_baseline: the raw reward is the signal).")
@@ -252,11 +255,18 @@ class TrainConfig:
     eps_clip_high: float | None = flag(None, "PPO clip range (high side; default: --eps-clip).")
     use_kl_loss: bool = flag(False, "Load the reference policy (the base checkpoint or --ref-load) and log train/kl_loss; add it to the loss with --kl-loss-coef.")
     kl_loss_coef: float = flag(0.0, "Weight of the KL loss (0: KL is logged, not trained on).")
-    kl_loss_type: str = flag("low_var_kl", "KL estimator: low_var_kl (k3 clamped to [-10, 10]), k3, k1 or k2.", choices=KL_LOSS_TYPES)
+    kl_loss_type: str = flag("k1", "KL estimator (miles' default k1): k1, k2, k3, or low_var_kl (k3 of the log-ratio clamped to [-20, 20], clamped to [-10, 10]).", choices=KL_LOSS_TYPES)
     entropy_coef: float = flag(0.0, "Weight of the entropy bonus.")
     ref_load: str | None = flag(None, "Reference model checkpoint (default: --hf-checkpoint).")
     use_tis: bool = flag(False, "Truncated importance sampling against the rollout policy's logprobs.")
     tis_clip: float = flag(2.0, "Upper clip of the TIS ratio.")
+    get_mismatch_metrics: bool = flag(False, "miles: report the trainer-vs-engine mismatch metrics of --custom-tis-function-path (which it needs; its correction applies too) and train/ois.")
+    use_opsm: bool = flag(False, "miles: Off-Policy Sequence Masking: drop a negative-advantage sample's tokens when its mean old-minus-new logprob exceeds --opsm-delta.")
+    opsm_delta: float = flag(1e-4, "miles: the --use-opsm threshold.")
+    observe_training_entropy: bool = flag(False, "miles: log the training entropy with --entropy-coef 0 (train/entropy is always logged here).")
+    disable_compute_advantages_and_returns: bool = flag(False, "miles: compute no advantages (for --loss-type sft_loss or custom_loss, whose batch then has none).")
+    reset_optimizer_states: bool = flag(False, "miles: clear the optimizer's moments and step count after each rollout's training.")
+    skip_actor_forward_only: bool = flag(False, "miles: skip the pass that recomputes the behaviour logprobs: the ratio's denominator is the engines' logprobs with --use-rollout-logprobs, else the training pass's own, detached (ratio exactly 1); needs one optimizer step per rollout.")
     lora_rank: int = flag(0, "LoRA rank (0: full fine-tuning; LoRA is not supported with disk-delta).")
     load: str | None = flag(None, "Resume from the newest complete save in this directory (none there: start from --hf-checkpoint).")
     save: str | None = flag(None, "Save training checkpoints here (atomically: a half-written save is never loaded).")
@@ -281,7 +291,7 @@ class TrainConfig:
                  "divides by the group's reward std by default, --disable-grpo-std-normalization turns it off")
         _require(self.eps_clip_c is None or self.eps_clip_c > 1, "--eps-clip-c (dual clip) must be > 1")
         _require(0 <= self.tis_clip_low <= self.tis_clip, "--tis-clip-low must be in [0, --tis-clip]")
-        _require(self.kl_coef == 0 or self.advantage_estimator != "grpo",
+        _require(self.kl_coef == 0 or self.advantage_estimator not in ("grpo", "gspo"),
                  "--kl-coef shapes the reward of reinforce_plus_plus(_baseline) only (miles' GRPO ignores it); "
                  "for GRPO use --use-kl-loss --kl-loss-coef")
         for dropout_flag, value in (("--attention-dropout", self.attention_dropout),
@@ -289,6 +299,11 @@ class TrainConfig:
             _require(value is None or 0 <= value < 1, f"{dropout_flag} must be in [0, 1)")
         _require(self.num_steps_per_rollout is None or self.num_steps_per_rollout >= 1,
                  "--num-steps-per-rollout must be >= 1")
+        for hook_flag, value in (("--custom-loss-function-path", self.custom_loss_function_path),
+                                 ("--custom-tis-function-path", self.custom_tis_function_path),
+                                 ("--custom-pg-loss-reducer-function-path", self.custom_pg_loss_reducer_function_path)):
+            _require(value is None or _is_hook_path(value),
+                     f"{hook_flag} must look like module.path.function or module.path:function, got {value!r}")
 
     @property
     def needs_reference(self) -> bool:

@@ -58,6 +58,11 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {f.flag: f for f in (
                   "the BF16 one as --train-hf-checkpoint (docs/low-precision.md)")
       for flag in ("--fp8-format", "--fp8-recipe", "--fp8-param-gather", "--fp8-amax-history-len",
                    "--fp8-amax-compute-algo")),
+    RefusedFlag("--use-rollout-entropy",
+                "it computes each token's entropy in the pass that recomputes the behaviour logprobs, for a custom "
+                "loss mask over rollout data; that pass keeps only logprobs here",
+                "compute the entropy from the logits in a --custom-loss-function-path (train/entropy is the "
+                "training pass's, logged every step)"),
     RefusedFlag("--partial-rollout",
                 "it recycles unfinished samples into the next rollout; here every group is generated whole",
                 "drop it (--max-weight-staleness bounds how old a consumed sample may be)"),

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from miles_disagg.config.components import RunConfig
+from miles_disagg.config.loss_rules import check_loss_rules
 from miles_disagg.config.routing_replay import check_routing_replay
 from miles_disagg.config.sglang_args import check_parallel_passthrough
 from miles_disagg.config.miles_flags import miles_refusal
@@ -17,7 +18,7 @@ _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,
 
 def validate(config: RunConfig) -> None:
     """Raise ``ConfigError`` (naming the offending flags) for the first invalid combination."""
-    for check in (_check_entry, _check_miles_rejections, _check_disk_delta, _check_topology, _check_batches,
+    for check in (_check_entry, _check_miles_rejections, check_loss_rules, _check_disk_delta, _check_topology, _check_batches,
                   _check_colocate, _check_debug, _check_save_and_eval, _check_megatron, _check_megatron_only_flags,
                   _check_routing, _check_ci, check_model_args, check_expert_layout, _check_miles_logging_and_data,
                   _check_offload, _check_trainer_restarts, _check_min_engines):
@@ -370,12 +371,7 @@ def _check_ci(config: RunConfig) -> None:
 
 
 def _check_miles_logging_and_data(config: RunConfig) -> None:
-    """miles' --loss-type and --disable-rollout-global-dataset where their meaning does not apply here."""
-    if config.train.loss_type != "policy_loss":
-        raise ConfigError(miles_refusal(f"--loss-type {config.train.loss_type}",
-                                        "the trainer here computes only the policy-gradient loss of "
-                                        "--advantage-estimator (no supervised or custom loss function)",
-                                        "use --loss-type policy_loss (the default)"), ("--loss-type",))
+    """miles' --disable-rollout-global-dataset where its meaning does not apply here."""
     rollout = config.rollout
     if rollout.disable_rollout_global_dataset and not rollout.rollout_function_path:
         raise ConfigError("--disable-rollout-global-dataset leaves the rollout without prompts unless a "

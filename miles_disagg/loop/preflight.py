@@ -60,6 +60,10 @@ def check_runnable(config: RunConfig, warnings: list[str] | None = None) -> None
     from miles_disagg.rollout.hooks import load_rollout_hooks
 
     load_rollout_hooks(rollout)  # imported and signature-checked before anything starts
+    if train.custom_loss_function_path or train.custom_tis_function_path or train.custom_pg_loss_reducer_function_path:
+        from miles_disagg.trainer.miles_loss_api import load_hooks
+
+        load_hooks(train)  # likewise the loss hooks (imports torch, only when one is given)
     check_backend_reads_torch_dist(train.train_backend, train.load, train.ref_load)
     ranks = config.cluster.num_actor_gpus
     batch = train.global_batch_size or rollout.rollout_batch_size * rollout.n_samples_per_prompt

@@ -146,8 +146,14 @@ class TrainerRank:
         return {"run_id": self.publisher.latest.run_id, "version": self.publisher.latest.version}
 
     def train(self, steps: list[list[Sample]]):
-        """This rank's share of each optimizer step -> the rollout's ``TrainResult``."""
-        return self.backend.train(steps)
+        """This rank's share of each optimizer step -> the rollout's ``TrainResult`` (with
+        ``--reset-optimizer-states`` the optimizer's history is cleared afterwards, as miles does)."""
+        result = self.backend.train(steps)
+        if self.train_config.reset_optimizer_states:
+            from miles_disagg.trainer.optimizer_reset import reset_optimizer_states
+
+            reset_optimizer_states(self.backend)
+        return result
 
     def publish(self, full: bool = False):
         """Publish the current policy as the next version, every rank its share (collective; rank 0

@@ -3,15 +3,16 @@
 Driver side, before the batch is dealt to the ranks (miles' reward post-processing):
 ``sequence_advantages.assign_advantages`` (torch-free, as the driver is) sets each sample's
 sequence-level signal ``Sample.advantage`` from its group's rewards:
-- ``grpo``: reward minus the group's mean, divided by the group's std + 1e-6 (a group of one
-  gets 0; miles' ``--disable-grpo-std-normalization``: not divided; ``--disable-rewards-normalization``:
-  the raw reward, for reinforce_plus_plus_baseline too);
+- ``grpo`` and ``gspo``: reward minus the group's mean, divided by the group's std + 1e-6 (a group
+  of one, or of equal rewards, gets 0; miles' ``--disable-grpo-std-normalization``: not divided;
+  ``--disable-rewards-normalization``: the raw reward, for reinforce_plus_plus_baseline too);
 - ``reinforce_plus_plus_baseline``: reward minus the group's mean (the group baseline);
 - ``reinforce_plus_plus``: the raw reward.
 
 Trainer side, once the behaviour (``old``) and reference logprobs are known:
 ``token_advantages`` turns it into per-token advantages ``[batch, response]``:
-- ``grpo``: the signal on every response token;
+- ``grpo`` and ``gspo``: the signal on every response token (GSPO differs in the loss's ratio:
+  ``losses.sequence_ppo_kl``);
 - ``reinforce_plus_plus``: discounted returns ``G_t = r_t + gamma * G_{t+1}`` of the token
   rewards ``r_t = -kl_coef * KL_t``, with the sample's reward added at its LAST TRAINED token
   (``--gamma``, ``--kl-coef``; ``KL_t`` is the ``--kl-loss-type`` estimate of old vs reference);
@@ -33,13 +34,20 @@ from miles_disagg.trainer.reduction import all_reduce_sum
 WHITEN_EPS = 1e-8
 
 
-def token_advantages(config, batch, old: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
-    """Per-token advantages ``[batch, response]`` of one ``PackedBatch`` (before whitening; 0 on padding)."""
-    response = batch.response_mask.to(old.device)
-    signal = batch.advantages.to(old.device).unsqueeze(-1)
+def token_advantages(config, batch, old: torch.Tensor | None, ref: torch.Tensor | None,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+    """Per-token advantages ``[batch, response]`` of one ``PackedBatch`` (before whitening; 0 on padding).
+
+    ``old`` may be None (``--skip-actor-forward-only``) when no KL shapes the reward; ``device``:
+    where the result lives (default ``old``'s device)."""
+    device = old.device if old is not None else device or "cpu"
+    response = batch.response_mask.to(device)
+    signal = batch.advantages.to(device).unsqueeze(-1)
     estimator = config.advantage_estimator
-    if estimator == "grpo":
+    if estimator in ("grpo", "gspo"):
         return signal * response
+    if old is None:
+        old = torch.zeros_like(response)
     kl = _reward_kl(config, old, ref) * response
     if estimator == "reinforce_plus_plus_baseline":
         return (signal - config.kl_coef * kl) * response
@@ -96,10 +104,11 @@ def whiten(advantages: list[torch.Tensor], masks: list[torch.Tensor], group=None
     return [(adv - mean) * scale for adv in advantages]
 
 
-def rollout_advantages(config, batches: list, old: list[torch.Tensor], ref: list, group=None) -> list[torch.Tensor]:
+def rollout_advantages(config, batches: list, old: list, ref: list, group=None,
+                       device: torch.device | str | None = None) -> list[torch.Tensor]:
     """Per-token advantages of every micro-batch of one rollout on this rank, whitened over the
     whole rollout (all ranks of ``group``; collective) when ``--normalize-advantages``."""
-    advantages = [token_advantages(config, b, o, r) for b, o, r in zip(batches, old, ref, strict=True)]
+    advantages = [token_advantages(config, b, o, r, device) for b, o, r in zip(batches, old, ref, strict=True)]
     if config.normalize_advantages:
         advantages = whiten(advantages, [b.loss_mask for b in batches], group)
     return advantages

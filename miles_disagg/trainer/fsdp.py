@@ -22,7 +22,6 @@ from typing import Callable, Iterator
 import torch
 
 from miles_disagg.config.components import TrainConfig
-from miles_disagg.trainer.advantages import rollout_advantages
 from miles_disagg.trainer.backend import TrainerBackend
 from miles_disagg.trainer.results import TrainResult
 from miles_disagg.trainer.batches import PackedBatch, pack, response_logits
@@ -30,8 +29,10 @@ from miles_disagg.trainer.fsdp_routing import (
     RouterReplay, RoutingCounts, RoutingShape, pack_engine_routing, require_engine_routing,
 )
 from miles_disagg.trainer.shares import micro_batches
-from miles_disagg.trainer.losses import rl_loss, token_logprobs_and_entropy
-from miles_disagg.trainer.reduction import StepMetrics, global_sample_mean, step_denominators
+from miles_disagg.trainer.losses import token_logprobs_and_entropy
+from miles_disagg.trainer.objective import TrainObjective
+from miles_disagg.trainer.reduction import StepMetrics
+from miles_disagg.trainer.rollout_inputs import FrozenInputs, prepare_rollout
 from miles_disagg.types import Sample
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class FSDPBackend(TrainerBackend):
         self.model = self._wrap(self.module)
         self.ref_model = self._load_reference(hf_dir) if config.needs_reference else None
         self.ref_replay = self._router_replay(self.ref_model) if self.ref_model is not None else None
+        self.objective = TrainObjective(config, self.temperature)  # --loss-type; its hooks checked here
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps, weight_decay=config.weight_decay)
@@ -146,26 +148,22 @@ class FSDPBackend(TrainerBackend):
         ref_replay = replay  # the reference replays the engines' routing too; its own forward routes freely
         if self.config.use_routing_replay and not self.config.use_rollout_routing_replay:
             replay = self._recorded_routes(flat)
-        old = self._frozen_logprobs(self.model, flat, replay)
+        recomputed = (self._frozen_logprobs(self.model, flat, replay) if not self.config.skip_actor_forward_only
+                      else [None] * len(flat))
         ref = (self._frozen_logprobs(self.ref_model, flat, ref_replay) if self.ref_model is not None
                else [None] * len(flat))
-        diff = global_sample_mean([((o - b.rollout_logprobs.to(self.device)).abs(), b.loss_mask)
-                                   for o, b in zip(old, flat)], device=self.device)
-        if self.config.use_rollout_logprobs:  # the engines' logprobs are the behaviour policy's (miles' meaning)
-            old = [b.rollout_logprobs.to(self.device) for b in flat]
-        advantages = rollout_advantages(self.config, flat, old, ref)
-        denominators = step_denominators(packed, per_token=self.config.calculate_per_token_loss, device=self.device)
-        result = TrainResult(rollout={"train/train_rollout_logprob_abs_diff": diff})
+        inputs = prepare_rollout(self.config, packed, recomputed, ref, device=self.device)
+        result = TrainResult(rollout=inputs.metrics)
         cursor = 0
-        for step, denominator in zip(packed, denominators):
+        for step, denominator in zip(packed, inputs.denominators):
             window = slice(cursor, cursor + len(step))
             cursor += len(step)
-            result.steps.append(self._optimizer_step(step, old[window], ref[window], advantages[window], denominator,
-                                                     replay[window], engine[window]))
+            result.steps.append(self._optimizer_step(step, inputs.micro[window], denominator, replay[window],
+                                                     engine[window]))
         return result
 
-    def _optimizer_step(self, batches: list[PackedBatch], old: list, ref: list, advantages: list,
-                        denominator: float, replay: list, engine: list) -> dict[str, float]:
+    def _optimizer_step(self, batches: list[PackedBatch], frozen: list[FrozenInputs], denominator: float,
+                        replay: list, engine: list) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches; ``denominator`` is the step's global
         sample (or token) count. Ranks average gradients, so each backpropagates
         ``world_size / denominator`` times its sum: the mean over the global batch."""
@@ -178,8 +176,7 @@ class FSDPBackend(TrainerBackend):
                 if self.routing_shape is not None:
                     routing.add(batch, self.routing_shape, engine[i], out.routed_experts, out.router_choice,
                                 replaying_engine=self.config.use_rollout_routing_replay)
-                loss, metrics = rl_loss(self.config, batch, logprobs, entropy, old[i], ref[i], advantages[i],
-                                        self.device)
+                loss, metrics = self.objective(batch, frozen[i], logprobs, entropy, out.logits, self.device)
                 (loss * scale).backward()
             sums.add(metrics)
         grad_norm = self._clip_and_step()

@@ -242,6 +242,9 @@ def train_variants(model_dir: str, save_dir: str) -> dict:
         "dynamic": dict(use_dynamic_batch_size=True, max_tokens_per_gpu=10),
         "kl": dict(use_kl_loss=True, kl_loss_coef=0.5),
         "kl_watched": dict(use_kl_loss=True, kl_loss_coef=0.0),
+        "gspo": dict(advantage_estimator="gspo", use_tis=True, use_opsm=True),
+        "custom": dict(loss_type="custom_loss",  # miles' own policy loss, named as a miles line may name it
+                       custom_loss_function_path="miles.backends.megatron_utils.loss.policy_loss_function"),
     }
     results = {}
     for name, flags in variants.items():
@@ -293,6 +296,14 @@ def test_recompute_dynamic_batches_kl_and_resume(ray_cluster, tiny_qwen3_dir: Pa
     assert watched["steps"][0]["train/kl_loss"] == 0.0 and watched["steps"][1]["train/kl_loss"] > 0
     assert all(torch.equal(watched["weights"][n], w) for n, w in plain["weights"].items())
     assert results["resume"] == [True]
+    # GSPO (with TIS and OPSM) trains through the same loss: on-policy first step, another update
+    gspo, custom = results["gspo"], results["custom"]
+    assert gspo["steps"][0]["train/ppo_kl"] == 0.0 and gspo["steps"][0]["train/pg_clipfrac"] == 0.0
+    assert gspo["steps"][1]["train/grad_norm"] > 0 and "train/opsm_clipfrac" in gspo["steps"][0]
+    assert any(not torch.allclose(gspo["weights"][n], w, atol=1e-6) for n, w in plain["weights"].items())
+    # --loss-type custom_loss with miles' policy_loss_function: the built-in loss's update
+    assert custom["steps"][0]["train/pg_loss"] == pytest.approx(plain["steps"][0]["train/pg_loss"], abs=1e-6)
+    assert all(torch.allclose(custom["weights"][n], w, atol=1e-6) for n, w in plain["weights"].items())
     assert isinstance(results["pp_on_cpu"], ConfigError) and "--pipeline-model-parallel-size" in str(results["pp_on_cpu"])
 
 

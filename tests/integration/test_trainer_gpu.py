@@ -148,7 +148,7 @@ def test_loss_modes_masks_estimators_and_kl_watch_on_one_gpu(tiny_qwen3_dir) -> 
     from miles_disagg.trainer.batches import pack
     from miles_disagg.distributed import init_distributed
     from miles_disagg.trainer.fsdp import FSDPBackend
-    from miles_disagg.trainer.losses import rl_loss
+    from miles_disagg.trainer.policy_gradient import rl_loss
 
     batch = pack(ragged_masked_samples()[:2])
     logprobs = torch.full(batch.loss_mask.shape, -1.0, device="cuda", requires_grad=True)

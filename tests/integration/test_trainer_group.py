@@ -146,6 +146,31 @@ def test_the_two_modes_differ_and_kl_is_logged_at_coefficient_zero(trained) -> N
     assert rpp.steps[0]["train/ppo_kl"] == 0.0 and rpp.steps[1]["train/grad_norm"] > 0
 
 
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
+def test_gspo_with_tis_and_opsm_two_ranks_match_one_rank(trained, tiny_qwen3_dir: Path, per_token: bool) -> None:
+    """--advantage-estimator gspo: the sequence-level ratio's loss is normalised over the global batch too."""
+    from safetensors.torch import load_file
+
+    base = load_file(str(next(tiny_qwen3_dir.glob("*.safetensors"))))
+    flags = dict(advantage_estimator="gspo", use_tis=True, use_opsm=True, calculate_per_token_loss=per_token)
+    one, two = trained(1, **flags), trained(2, **flags)
+    assert_same_training(one, two, base)
+    assert one[0].steps[0]["train/ppo_kl"] == 0.0 and "train/tis" in one[0].steps[0]
+    assert one[1] != trained(1, calculate_per_token_loss=per_token)[1]  # not GRPO's update
+
+
+def test_miles_policy_loss_function_as_a_custom_loss_trains_as_the_built_in_loss(trained) -> None:
+    built_in, built_in_bytes = trained(1, calculate_per_token_loss=False)
+    custom, custom_bytes = trained(1, loss_type="custom_loss",
+                                   custom_loss_function_path="miles.backends.megatron_utils.loss.policy_loss_function")
+    for a, b in zip(built_in.steps, custom.steps):
+        assert b["train/pg_loss"] == pytest.approx(a["train/pg_loss"], abs=1e-6)
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)
+    for name, raw in built_in_bytes.items():
+        assert torch.allclose(torch.frombuffer(bytearray(custom_bytes[name]), dtype=torch.float32),
+                              torch.frombuffer(bytearray(raw), dtype=torch.float32), atol=1e-6), name
+
+
 def flat(state: dict) -> dict:
     """``model.<fqn>``, ``optimizer.state.<fqn>.<moment>``, ``optimizer.param_groups.<fqn>.<name>``."""
     return {f"{part}.{key}": value for part, entries in state.items() for key, value in entries.items()}

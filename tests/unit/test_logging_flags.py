@@ -37,12 +37,10 @@ def test_dump_details_dumps_each_steps_groups_unless_a_path_is_given(tmp_path: P
     assert config.rollout.save_debug_rollout_data == given
 
 
-@pytest.mark.parametrize("value", ["sft_loss", "custom_loss"])
-def test_loss_types_this_trainer_does_not_have_are_refused_as_miles_flags(value: str) -> None:
-    with pytest.raises(ConfigError) as info:
-        load_config(["--loss-type", value], "train_async")
-    assert str(info.value).startswith(f"--loss-type {value} is a miles flag that does not apply here: ")
-    assert "use --loss-type policy_loss" in str(info.value)
+def test_miles_loss_types_load_and_a_custom_loss_needs_its_function() -> None:
+    assert load_config(["--loss-type", "sft_loss"], "train_async")[0].train.loss_type == "sft_loss"
+    with pytest.raises(ConfigError, match="^--loss-type custom_loss needs --custom-loss-function-path"):
+        load_config(["--loss-type", "custom_loss"], "train_async")
 
 
 def test_disable_rollout_global_dataset_needs_a_rollout_function() -> None:

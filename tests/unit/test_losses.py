@@ -11,8 +11,9 @@ import torch
 from miles_disagg.config.components import TrainConfig
 from miles_disagg.trainer.batches import pack
 from miles_disagg.trainer.losses import (
-    kl_penalty, masked_mean, masked_sum, policy_loss, rl_loss, tis_weights, token_logprobs_and_entropy,
+    kl_penalty, masked_mean, masked_sum, policy_loss, tis_weights, token_logprobs_and_entropy,
 )
+from miles_disagg.trainer.policy_gradient import rl_loss
 from miles_disagg.types import Sample
 
 

@@ -21,11 +21,12 @@ import types
 
 _HERE = "miles_disagg.rollout.miles_compat"
 
-FACADES: dict[str, tuple[str | None, tuple[str, ...], bool]] = {
-    # miles module: (our module, its names served, is a package)
+FACADES: dict[str, tuple[str | types.ModuleType | None, tuple[str, ...], bool]] = {
+    # miles module: (our module, or its name; its names served; is a package). The trainer adds
+    # miles' loss API (:func:`serve_modules`) where it loads loss hooks.
     "miles": (None, (), True),
     "miles.utils": (None, (), True),
-    "miles.utils.types": (f"{_HERE}.utils_types", ("Sample",), False),
+    "miles.utils.types": (f"{_HERE}.utils_types", ("Sample", "RolloutBatch"), False),
     "miles.utils.http_utils": (f"{_HERE}.http_utils", ("post", "get"), False),
     "miles.utils.misc": (f"{_HERE}.http_utils", ("load_function",), False),
     "miles.rollout": (None, (), True),
@@ -83,7 +84,7 @@ def facade(name: str) -> types.ModuleType:
     if is_package:
         module.__path__ = []
     if source:
-        ours = importlib.import_module(source)
+        ours = source if isinstance(source, types.ModuleType) else importlib.import_module(source)
         for attr in names:
             setattr(module, attr, getattr(ours, attr))
     module.__all__ = list(names)
@@ -96,6 +97,14 @@ def facade(name: str) -> types.ModuleType:
 
     module.__getattr__ = __getattr__
     return module
+
+
+def serve_modules(entries: dict[str, tuple[types.ModuleType | None, tuple[str, ...], bool]]) -> None:
+    """Serve more of miles' modules (``FACADES`` entries; a source given as a module object, so the
+    room that owns it names it): a package that serves them registers them before user code
+    imports them. An entry already served is left as it is."""
+    for name, entry in entries.items():
+        FACADES.setdefault(name, entry)
 
 
 def install_miles_imports() -> None:

@@ -5,4 +5,8 @@ from __future__ import annotations
 
 from miles_disagg.types import Sample
 
-__all__ = ["Sample"]
+RolloutBatch = dict
+"""miles' training batch type: a dict of per-sample lists (``loss_masks``, ``log_probs`` ...); see
+``miles_disagg.trainer.objective.miles_batch``."""
+
+__all__ = ["Sample", "RolloutBatch"]

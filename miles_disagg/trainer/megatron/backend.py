@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from miles_disagg.config.components import TrainConfig
-from miles_disagg.trainer.advantages import rollout_advantages
 from miles_disagg.trainer.backend import TrainerBackend
 from miles_disagg.trainer.results import TrainResult
 from miles_disagg.trainer.megatron.batching import (
@@ -34,7 +33,9 @@ from miles_disagg.trainer.megatron.optim import make_optimizer
 from miles_disagg.trainer.torch_dist import load_torch_dist, torch_dist_dir
 from miles_disagg.trainer.megatron.step import (
     PassContext, StepInputs, logprob_loss_fn, policy_loss_fn, run_micro_batches)
-from miles_disagg.trainer.reduction import StepMetrics, global_sample_mean, step_denominators
+from miles_disagg.trainer.objective import TrainObjective
+from miles_disagg.trainer.reduction import StepMetrics
+from miles_disagg.trainer.rollout_inputs import prepare_rollout
 from miles_disagg.types import Sample
 
 
@@ -72,6 +73,7 @@ class MegatronBackend(TrainerBackend):
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.ctx = PassContext(self.layout, device, temperature if temperature > 0 else 1.0,
                                explicit_mask=not uses_te_spec())
+        self.objective = TrainObjective(config, self.ctx.temperature)  # --loss-type; its hooks checked here
 
     def _reference(self, ref_dir: str) -> torch.nn.Module:
         ref = build_gpt(self.shape, self.tconfig, self.layout)
@@ -97,28 +99,22 @@ class MegatronBackend(TrainerBackend):
         micro = [[make_micro_batch(mb, self.pad_id, self._seq_multiple(), moe) for mb in self._split(step)]
                  for step in steps]
         flat = [mb for step in micro for mb in step]
-        old = self._frozen_logprobs(self.optim.model, flat)
+        recomputed = (self._frozen_logprobs(self.optim.model, flat) if not self.config.skip_actor_forward_only
+                      else [None] * len(flat))
         ref = self._frozen_logprobs(self.ref, flat) if self.ref is not None else [None] * len(flat)
         if not self.layout.is_last_stage:  # the loss, advantages and metrics live on the last stage
             for step in micro:
-                none = [None] * len(step)
-                self._optimizer_step(StepInputs(step, none, none, none, denominator=1.0))
+                self._optimizer_step(StepInputs(step, [None] * len(step), denominator=1.0))
             return self._from_last_stage(TrainResult())
         group, device = self._dp_group(), self.ctx.device
-        diff = global_sample_mean([((o - mb.packed.rollout_logprobs.to(device)).abs(), mb.packed.loss_mask)
-                                   for o, mb in zip(old, flat)], group, device)
-        if self.config.use_rollout_logprobs:  # the engines' logprobs are the behaviour policy's (miles' meaning)
-            old = [mb.packed.rollout_logprobs.to(device) for mb in flat]
-        advantages = rollout_advantages(self.config, [mb.packed for mb in flat], old, ref, group)
-        denominators = step_denominators([[mb.packed for mb in step] for step in micro],
-                                         per_token=self.config.calculate_per_token_loss, group=group, device=device)
-        result = TrainResult(rollout={"train/train_rollout_logprob_abs_diff": diff})
+        prepared = prepare_rollout(self.config, [[mb.packed for mb in step] for step in micro], recomputed, ref,
+                                   group, device)
+        result = TrainResult(rollout=prepared.metrics)
         cursor = 0
-        for step, denominator in zip(micro, denominators):
+        for step, denominator in zip(micro, prepared.denominators):
             window = slice(cursor, cursor + len(step))
             cursor += len(step)
-            inputs = StepInputs(step, old[window], ref[window], advantages[window], denominator)
-            result.steps.append(self._optimizer_step(inputs, group))
+            result.steps.append(self._optimizer_step(StepInputs(step, prepared.micro[window], denominator), group))
         return self._from_last_stage(result)
 
     def _dp_group(self):
@@ -162,7 +158,7 @@ class MegatronBackend(TrainerBackend):
         """One optimizer step (collective over all ranks); the step's global metrics on the last stage."""
         self.optim.zero_grad()
         outputs = run_micro_batches(self.optim.model, inputs.micro_batches, self.ctx,
-                                    policy_loss_fn(inputs, self.config, self.ctx), forward_only=False,
+                                    policy_loss_fn(inputs, self.objective, self.ctx), forward_only=False,
                                     no_sync=self.optim.no_sync, routing=self.routing.get(id(self.gpt)),
                                     count_routing=True)
         grad_norm = self.optim.step()

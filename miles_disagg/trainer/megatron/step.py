@@ -26,10 +26,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from miles_disagg.config.components import TrainConfig
-from miles_disagg.trainer.losses import rl_loss, token_logprobs_and_entropy
+from miles_disagg.trainer.losses import token_logprobs_and_entropy
 from miles_disagg.trainer.megatron.batching import MicroBatch, causal_mask, cp_merge, cp_split
 from miles_disagg.trainer.megatron.model import ParallelLayout
+from miles_disagg.trainer.objective import TrainObjective
+from miles_disagg.trainer.rollout_inputs import FrozenInputs
 
 LossFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict]]
 
@@ -135,27 +136,27 @@ def logprob_loss_fn(micro_batches: Sequence[MicroBatch], ctx: PassContext) -> Lo
 
 @dataclass
 class StepInputs:
-    """One optimizer step's micro-batches with their frozen logprobs and per-token advantages
-    (None off the last stage), and the step's global denominator (samples or trained tokens)."""
+    """One optimizer step's micro-batches with their frozen inputs (behaviour, recomputed and
+    reference logprobs, per-token advantages: ``rollout_inputs.FrozenInputs``; None off the last
+    stage), and the step's global denominator (samples or trained tokens)."""
 
     micro_batches: list[MicroBatch]
-    old_logprobs: list[torch.Tensor | None]
-    ref_logprobs: list[torch.Tensor | None]
-    advantages: list[torch.Tensor | None]
+    frozen: list[FrozenInputs | None]
     denominator: float
 
 
-def policy_loss_fn(step: StepInputs, config: TrainConfig, ctx: PassContext) -> LossFn:
-    """The RL loss of one micro-batch (PPO clip, optional TIS, entropy bonus, KL to the reference),
-    scaled as the module docstring says; metrics are this micro-batch's sums (``losses.rl_loss``)."""
+def policy_loss_fn(step: StepInputs, objective: TrainObjective, ctx: PassContext) -> LossFn:
+    """The ``--loss-type`` loss of one micro-batch (``objective.TrainObjective``), scaled as the module
+    docstring says; metrics are this micro-batch's sums."""
     num_microbatches = len(step.micro_batches)
     scale = ctx.layout.dp_size / step.denominator * num_microbatches / ctx.layout.cp_size
 
     def loss_fn(index: int, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
         mb = step.micro_batches[index]
-        logprobs, entropy = response_logprobs(output, mb, ctx, with_entropy=True)
-        loss, metrics = rl_loss(config, mb.packed, logprobs, entropy, step.old_logprobs[index],
-                                step.ref_logprobs[index], step.advantages[index], ctx.device)
+        logprobs = entropy = None
+        if not objective.needs_logits:
+            logprobs, entropy = response_logprobs(output, mb, ctx, with_entropy=True)
+        loss, metrics = objective(mb.packed, step.frozen[index], logprobs, entropy, output, ctx.device)
         return loss * scale, metrics
 
     return loss_fn
