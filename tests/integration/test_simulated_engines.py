@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from miles_disagg.net.auth import ADMIN_API_KEY_ENV
-from miles_disagg.bench.scale import ScaleBench, SimFleetProcess, _start_router, _wait_ready
+from miles_disagg.bench.processes import SimFleetProcess, start_router, wait_router_ready
+from miles_disagg.bench.scale import ScaleBench
 from miles_disagg.engines.activation import ActivationFailed
 from miles_disagg.engines.updater import DiskDeltaUpdater
 
@@ -45,9 +46,9 @@ def test_the_updater_brings_every_engine_to_the_version_and_the_router_routes_by
         updater.close()
     assert len(report.per_engine_pause_s) == 3 and report.prepare_time_s > 0
     assert [httpx.get(u + "/model_info").json()["weight_version"] for u in sim.urls] == ["1", "1", "1"]
-    router = _start_router(root, sim.urls, 3)
+    router = start_router(root, sim.urls, 3)
     try:
-        _wait_ready(router.url, 3)
+        wait_router_ready(router.url, 3)
         answer = httpx.post(router.url + "/generate", json={**GENERATE, "weight_version": {"min_version": 1}},
                             timeout=30)
         assert answer.status_code == 200, answer.text
