@@ -75,6 +75,8 @@ class ScaleBench:
     service_versions: int = flag(3, "service: versions published one after another (p50/max reported).")
     service_poll_interval: float = flag(0.5, "service: the replicas' store polling and heartbeat interval.",
                                         metavar="S")
+    idle_measure: float = flag(3.0, "Seconds of each idle measurement (the routers' health checks alone; the service's "
+                               "heartbeats and health checks alone).", metavar="S")
     work_dir: Path | None = flag(None, "Keep logs here (default: a temp dir).")
 
     def __post_init__(self) -> None:
@@ -83,6 +85,8 @@ class ScaleBench:
         if self.service_replicas < 1 or self.service_versions < 1 or not self.service_poll_interval > 0:
             raise ValueError("--service-replicas and --service-versions must be >= 1 and --service-poll-interval > 0, "
                              f"got {self.service_replicas}, {self.service_versions}, {self.service_poll_interval}")
+        if not self.idle_measure > 0:
+            raise ValueError(f"--idle-measure must be > 0, got {self.idle_measure}")
         if not self.pool_sizes() or min(self.pool_sizes()) < 1:
             raise ValueError(f"--engines must list positive pool sizes, got {self.engines!r}")
         unknown = set(self.section_names()) - set(SECTIONS)

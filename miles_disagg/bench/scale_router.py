@@ -5,7 +5,7 @@
 machine's load hits every size alike): requests/s, client latency p50/p99, the router's own time per
 request (its ``/metrics`` ``routing_overhead_ms``), its CPU per request, the share of a core the router,
 the simulated engines and the load client each used, the router's peak memory; before the load, the
-share of a core the router uses idle (health checks of N workers alone).
+share of a core the router uses idle (health checks of N workers alone, over ``--idle-measure`` seconds).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from miles_disagg.bench.common import progress
 from miles_disagg.bench.processes import SimFleetProcess, cpu_s, rss_mb
 
 _progress = progress("scale")
-IDLE_MEASURE_S = 3.0
 MAX_WARMUP_S = 120.0
 GENERATE_BODY = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0},
                  "return_logprob": True}
@@ -38,8 +37,9 @@ def router_all(routers: dict[int, Any], fleets: dict[int, SimFleetProcess], comm
     import httpx
 
     idle_before = {size: cpu_s(router.proc.pid) for size, router in routers.items()}
-    time.sleep(IDLE_MEASURE_S)  # no traffic anywhere: what health checking alone costs
-    idle = {size: (cpu_s(router.proc.pid) - idle_before[size]) / IDLE_MEASURE_S for size, router in routers.items()}
+    time.sleep(command.idle_measure)  # no traffic anywhere: what health checking alone costs
+    idle = {size: (cpu_s(router.proc.pid) - idle_before[size]) / command.idle_measure
+            for size, router in routers.items()}
     windows: dict[int, list[dict]] = {size: [] for size in routers}
     for round_index in range(command.rounds):
         for size, router in routers.items():

@@ -13,7 +13,8 @@ Reported: per version, the gateway's convergence (seconds from the version's com
 index time - until 50% / 100% of the replicas advertise it) and the client's view (the publish call
 returned -> the gateway lists every replica ready at it); p50/max over versions; the time from launch
 until every replica was ready; the share of a core and the memory of the gateway, the replicas' process
-and the simulated engines, idle (heartbeats and health checks only) and while versions roll out.
+and the simulated engines, idle (heartbeats and health checks only, ``--idle-measure`` seconds) and while
+versions roll out.
 
 Run as ``python -m miles_disagg.bench.scale_service``, this module is that replicas' process.
 """
@@ -36,7 +37,6 @@ from miles_disagg.bench.common import progress
 from miles_disagg.bench.processes import SimFleetProcess, cpu_s, rss_mb, start_announcing, stop_process
 
 _progress = progress("scale")
-IDLE_MEASURE_S = 3.0
 HEARTBEAT_TIMEOUT_S = 10.0
 STARTUP_TIMEOUT_S = 300.0
 CONVERGE_TIMEOUT_S = 120.0
@@ -64,7 +64,7 @@ def service_section(root: Path, command: Any) -> dict:
         client.wait_converged(1, num_replicas=size, timeout_s=STARTUP_TIMEOUT_S)
         startup_s = time.monotonic() - started
         pids = {"gateway": gateway.proc.pid, "replicas": host.proc.pid, "sim_engines": fleet.proc.pid}
-        idle = _cores_used(pids, lambda: time.sleep(IDLE_MEASURE_S))
+        idle = _cores_used(pids, lambda: time.sleep(command.idle_measure))
         client_s: dict[str, float] = {}
 
         def roll_out() -> None:

@@ -117,8 +117,8 @@ def test_a_pause_in_abort_mode_aborts_requests_in_flight(fleet) -> None:
 def test_bench_scale_prints_one_json_object_with_every_pool_size(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "miles_disagg.cli", "bench", "scale", "--engines", "2,4", "--updates", "1",
-         "--in-flight", "16", "--rollout-concurrency", "16", "--duration", "1", "--rounds", "2", "--json",
-         "--work-dir", str(tmp_path)],
+         "--in-flight", "16", "--rollout-concurrency", "16", "--duration", "0.5", "--rounds", "2",
+         "--idle-measure", "0.5", "--json", "--work-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout)
