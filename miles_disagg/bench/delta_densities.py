@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from miles_disagg.bench.adamw_deltas import density, lr_for_density, make_adamw_model
+from miles_disagg.bench.codecs import BENCH_CHECKSUM, Codec, Ours, Reference, entropy_bound_bytes
 from miles_disagg.bench.common import progress
-from miles_disagg.bench.delta import BENCH_CHECKSUM, Ours, Reference, _Codec, entropy_bound_bytes
 
 _log = progress("delta")
 REAL_RUN_BAND = (0.003, 0.05)  # densities real runs produce (NeMo-RL, Stitch): where 0.85x is the target
@@ -73,7 +73,7 @@ class XorPlanes(Ours):
         self.spec = CodecSpec("xor", "byteplane")
 
 
-class SparsePeer(_Codec):
+class SparsePeer(Codec):
     """Gap-coded int32 positions + new bf16 values + zstd-1 per whole tensor; a pool over tensors."""
 
     def __init__(self, *args):
@@ -98,7 +98,7 @@ class SparsePeer(_Codec):
         return all(np.array_equal(self.results.get(n, self.old[n]), self.new[n]) for n in self.new)
 
 
-def _figures(codec: _Codec, total: int) -> dict[str, float]:
+def _figures(codec: Codec, total: int) -> dict[str, float]:
     report = codec.report()
     return {**report, "wire_fraction": report["wire_bytes"] / total}
 

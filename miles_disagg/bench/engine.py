@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from miles_disagg.bench.common import print_result, progress, qwen3_shape, work_dir
+from miles_disagg.bench.http_engine import engine_throughput
 from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
-
 
 
 @dataclass(kw_only=True)
@@ -67,8 +66,8 @@ def _bench(root: Path, command: EngineBench) -> dict:
     num_params, sequential = _sequential_generate(model_dir, prompts, command.max_new_tokens)
     engine = _Engine(model_dir, root)
     try:
-        c1 = _engine_throughput(engine, prompts[:4], command.max_new_tokens, concurrency=1)
-        c16 = _engine_throughput(engine, prompts, command.max_new_tokens, concurrency=command.concurrency)
+        c1 = engine_throughput(engine, prompts[:4], command.max_new_tokens, concurrency=1)
+        c16 = engine_throughput(engine, prompts, command.max_new_tokens, concurrency=command.concurrency)
         staged, disk, prepare = _activation_pauses(engine, model_dir, root, command.rounds)
     finally:
         engine.stop()
@@ -130,20 +129,6 @@ class _Engine:
     def stop(self) -> None:
         self.client.close()
         self.launched.stop()
-
-
-def _engine_throughput(engine, prompts: list[list[int]], max_new: int, concurrency: int) -> float:
-    params = {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}
-    engine.generate({"input_ids": prompts[0], "sampling_params": {**params, "max_new_tokens": 4}})
-    _progress(f"engine: {len(prompts)} x {max_new} tokens at concurrency {concurrency}")
-
-    def one(prompt: list[int]) -> int:
-        return engine.generate({"input_ids": prompt, "sampling_params": params})["meta_info"]["completion_tokens"]
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        tokens = sum(pool.map(one, prompts))
-    return tokens / (time.perf_counter() - start)
 
 
 def _activation_pauses(engine, model_dir: Path, root: Path, rounds: int):

@@ -20,6 +20,8 @@ import inspect
 import time
 from pathlib import Path
 
+from miles_disagg.bench.http_engine import HttpEngine, engine_throughput
+
 MOE_GPU = dict(hidden_size=1024, num_hidden_layers=8, intermediate_size=3072, num_attention_heads=16,
                num_key_value_heads=8, head_dim=64, vocab_size=32000, num_experts=16, num_experts_per_tok=4,
                moe_intermediate_size=512)
@@ -47,19 +49,17 @@ def section_moe(shapes, work: Path) -> dict:
 
 def _serve(model_dir: Path, work: Path, shapes, shape: dict) -> tuple[dict, list]:
     """The built-in engine on the MoE: throughput, then samples whose routing is checked."""
-    from miles_disagg.bench.engine import _engine_throughput
-    from miles_disagg.bench.gpu_sections import _HttpEngine
     from miles_disagg.engines.launch import launch_engine
 
     launched = launch_engine(model_dir, log_path=work / "engine-moe.log", startup_timeout_s=180,
                              extra_args=["--device", shapes.device, "--dtype", shapes.engine_dtype,
                                          "--enable-return-routed-experts", "--weight-store-dir", str(work / "store"),
                                          "--local-checkpoint-dir", str(work / "local-moe" / "ckpt")])
-    engine = _HttpEngine(launched)
+    engine = HttpEngine(launched)
     try:
         prompts = [[(7 * i + j) % 90 + 3 for j in range(16)] for i in range(shapes.concurrency)]
-        c1 = _engine_throughput(engine, prompts[:2], shapes.max_new_tokens, 1)
-        cn = _engine_throughput(engine, prompts, shapes.max_new_tokens, shapes.concurrency)
+        c1 = engine_throughput(engine, prompts[:2], shapes.max_new_tokens, 1)
+        cn = engine_throughput(engine, prompts, shapes.max_new_tokens, shapes.concurrency)
         answers = engine.generate({"input_ids": [prompts[0]] * 8, "return_logprob": True,
                                    "return_routed_experts": True, "sampling_params": {
                                        "max_new_tokens": shapes.max_new_tokens, "temperature": 1.0,

@@ -26,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_disagg.bench.http_engine import HttpEngine, engine_throughput
+
 QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, vocab_size=151936)
 QWEN3_4B = dict(hidden_size=2560, num_hidden_layers=36, intermediate_size=9728, num_attention_heads=32,
@@ -82,17 +84,15 @@ def _start_engine(model_dir: Path, work: Path, shapes: Shapes):
 
 
 def section_engine(shapes: Shapes, work: Path) -> dict:
-    from miles_disagg.bench.engine import _engine_throughput
-
     start = time.perf_counter()
     model_dir = _model_dir(work, shapes)
     made_s = time.perf_counter() - start
     launched = _start_engine(model_dir, work, shapes)
-    engine = _HttpEngine(launched)
+    engine = HttpEngine(launched)
     try:
         prompts = [[(7 * i + j) % 90 + 3 for j in range(16)] for i in range(shapes.concurrency)]  # < any vocab here
-        c1 = _engine_throughput(engine, prompts[:2], shapes.max_new_tokens, 1)
-        c16 = _engine_throughput(engine, prompts, shapes.max_new_tokens, shapes.concurrency)
+        c1 = engine_throughput(engine, prompts[:2], shapes.max_new_tokens, 1)
+        c16 = engine_throughput(engine, prompts, shapes.max_new_tokens, shapes.concurrency)
         pauses = _staged_activation(engine, model_dir, work)
         info = engine.get("/server_info")
     finally:
@@ -103,7 +103,7 @@ def section_engine(shapes: Shapes, work: Path) -> dict:
             **pauses}
 
 
-def _staged_activation(engine: "_HttpEngine", model_dir: Path, work: Path) -> dict:
+def _staged_activation(engine: "HttpEngine", model_dir: Path, work: Path) -> dict:
     """Publish a version changing every tensor, pull it while serving, activate it (staged), then
     reload the same from disk: the engine's own pause measurements (``pause_ms``)."""
     import torch
@@ -136,35 +136,6 @@ def _staged_activation(engine: "_HttpEngine", model_dir: Path, work: Path) -> di
             "staged_activation": staged["activation"], "disk_reload_pause_ms": disk["pause_ms"]}
 
 
-class _HttpEngine:
-    """What bench.engine's helpers call: ``post``, ``generate``, ``stop`` (and ``get`` here)."""
-
-    def __init__(self, launched):
-        import httpx
-
-        self.launched = launched
-        self.client = httpx.Client(base_url=launched.url, timeout=600, trust_env=False)
-
-    def post(self, path: str, body: dict):
-        return self.client.post(path, json=body)
-
-    def get(self, path: str) -> dict:
-        return self.client.get(path).json()
-
-    def generate(self, body: dict) -> dict:
-        return self.check(self.post("/generate", body))
-
-    @staticmethod
-    def check(response) -> dict:
-        if response.status_code != 200:
-            raise RuntimeError(f"{response.request.url.path}: {response.status_code} {response.text[:300]}")
-        return response.json()
-
-    def stop(self) -> None:
-        self.client.close()
-        self.launched.stop()
-
-
 def _num_params(shape: dict) -> int:
     h, layers, inter = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
     q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
@@ -181,7 +152,7 @@ def _samples_from_engine(model_dir: Path, work: Path, shapes: Shapes, count: int
 
     from miles_disagg.types import Group, Sample
 
-    engine = _HttpEngine(_start_engine(model_dir, work, shapes))
+    engine = HttpEngine(_start_engine(model_dir, work, shapes))
     rng = random.Random(0)
     try:
         prompt = [rng.randrange(3, 93) for _ in range(16)]
@@ -252,7 +223,7 @@ def section_megatron(shapes: Shapes, work: Path) -> dict:
 def section_delta(shapes: Shapes, work: Path) -> dict:
     import numpy as np
 
-    from miles_disagg.bench.delta import Ours
+    from miles_disagg.bench.codecs import Ours
 
     workers = os.cpu_count() or 1
     start = time.perf_counter()

@@ -1,8 +1,8 @@
 """``miles-disagg bench hostile``: what oversized and hostile bodies cost a built-in engine and a router.
 
-Makes a tiny Qwen3 in a temp dir, starts the built-in engine (default ``--max-request-bytes``)
-and a router in front of it, and while a probe thread asks ``/health`` every ``--probe-interval``
-seconds, sends:
+Makes a tiny Qwen3 in a temp dir, starts the built-in engine and a router in front of it (both with
+``--max-request-bytes`` of ``--max-request-mb`` MiB; default: the servers' own default, 32 MiB), and
+while a probe thread asks ``/health`` every ``--probe-interval`` seconds, sends:
 
 * ``declared``: a ``--body-mb`` MB ``/generate`` body with its ``Content-Length`` (413 expected);
 * ``chunked``: the same size streamed without a length (413 expected);
@@ -28,6 +28,7 @@ from typing import Callable, Iterator
 from miles_disagg.bench.common import print_result, progress, work_dir
 from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
+from miles_disagg.net.asgi_guard import DEFAULT_MAX_REQUEST_BYTES
 
 MB = 1 << 20
 
@@ -39,7 +40,14 @@ class HostileBench:
     json: bool = flag(False, "Print the result as JSON (always on; kept for scripts).")
     body_mb: int = flag(50, "Size of the oversized bodies, in MiB.")
     probe_interval: float = flag(0.05, "Seconds between /health probes while a body is sent.", metavar="S")
+    max_request_mb: int = flag(DEFAULT_MAX_REQUEST_BYTES // MB, "The engine's and the router's --max-request-bytes, "
+                               "in MiB (the under-limit bodies are 1 MiB less).", metavar="MB")
     work_dir: Path | None = flag(None, "Keep the model and logs here (default: a temp dir).")
+
+    def __post_init__(self) -> None:
+        if self.max_request_mb < 2 or self.body_mb < 1:
+            raise ValueError(f"--max-request-mb must be >= 2 and --body-mb >= 1, got {self.max_request_mb}, "
+                             f"{self.body_mb}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,16 +65,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bench(root: Path, command: HostileBench) -> dict:
-    from miles_disagg.net.asgi_guard import DEFAULT_MAX_REQUEST_BYTES
     from miles_disagg.engines.launch import launch_engine
     from miles_disagg.models.tiny_qwen3 import make_tiny_qwen3
     from miles_disagg.router.launch import launch_router
 
     model = make_tiny_qwen3(root / "model")
     _progress("starting the built-in engine and a router")
-    engine = launch_engine(model, log_path=root / "engine.log")
-    router = launch_router(log_path=root / "router.log", workers=[engine.url])
-    size, under = command.body_mb * MB, DEFAULT_MAX_REQUEST_BYTES - MB
+    limit = command.max_request_mb * MB
+    engine = launch_engine(model, log_path=root / "engine.log", extra_args=["--max-request-bytes", str(limit)])
+    router = launch_router(log_path=root / "router.log", workers=[engine.url],
+                           extra_args=["--max-request-bytes", str(limit)])
+    size, under = command.body_mb * MB, limit - MB
     cases: dict[str, Callable[[], tuple[str, object]]] = {
         "declared": lambda: (engine.url, b" " * size),
         "chunked": lambda: (engine.url, _chunks(size)),
@@ -79,7 +88,7 @@ def _bench(root: Path, command: HostileBench) -> dict:
     finally:
         router.stop()
         engine.stop()
-    return {"body_mb": command.body_mb, "max_request_bytes": DEFAULT_MAX_REQUEST_BYTES, "cases": results}
+    return {"body_mb": command.body_mb, "max_request_bytes": limit, "cases": results}
 
 
 def _chunks(total: int, size: int = MB) -> Iterator[bytes]:

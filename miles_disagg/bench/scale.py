@@ -37,30 +37,22 @@ load window after load window, so a change in the machine's load (it is shared) 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import math
 import os
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from miles_disagg.bench.common import print_result, progress, work_dir
+from miles_disagg.bench.processes import SimFleetProcess, cpu_s, rss_mb, start_router, wait_router_ready
+from miles_disagg.bench.scale_router import router_all
 from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
 
 _progress = progress("scale")
 SECTIONS = ("fanout", "router", "rollout", "service")
 POOL_SECTIONS = ("fanout", "router", "rollout")
-IDLE_MEASURE_S = 3.0
-MAX_WARMUP_S = 120.0
-GENERATE_BODY = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0},
-                 "return_logprob": True}
 
 
 @dataclass(kw_only=True)
@@ -83,6 +75,8 @@ class ScaleBench:
     service_versions: int = flag(3, "service: versions published one after another (p50/max reported).")
     service_poll_interval: float = flag(0.5, "service: the replicas' store polling and heartbeat interval.",
                                         metavar="S")
+    idle_measure: float = flag(3.0, "Seconds of each idle measurement (the routers' health checks alone; the service's "
+                               "heartbeats and health checks alone).", metavar="S")
     work_dir: Path | None = flag(None, "Keep logs here (default: a temp dir).")
 
     def __post_init__(self) -> None:
@@ -91,6 +85,8 @@ class ScaleBench:
         if self.service_replicas < 1 or self.service_versions < 1 or not self.service_poll_interval > 0:
             raise ValueError("--service-replicas and --service-versions must be >= 1 and --service-poll-interval > 0, "
                              f"got {self.service_replicas}, {self.service_versions}, {self.service_poll_interval}")
+        if not self.idle_measure > 0:
+            raise ValueError(f"--idle-measure must be > 0, got {self.idle_measure}")
         if not self.pool_sizes() or min(self.pool_sizes()) < 1:
             raise ValueError(f"--engines must list positive pool sizes, got {self.engines!r}")
         unknown = set(self.section_names()) - set(SECTIONS)
@@ -166,11 +162,11 @@ def _router_sections(root: Path, fleets: dict[int, SimFleetProcess], command: Sc
     routers: dict[int, Any] = {}
     try:
         for size, fleet in fleets.items():
-            routers[size] = _start_router(root, fleet.urls, size)
+            routers[size] = start_router(root, fleet.urls, size)
         for size, router in routers.items():
-            _wait_ready(router.url, size)
+            wait_router_ready(router.url, size)
         if "router" in command.section_names():
-            for size, result in _router_all(routers, fleets, command).items():
+            for size, result in router_all(routers, fleets, command).items():
                 per_size[size]["router"] = result
         if "rollout" in command.section_names():
             for size, result in rollout_all(root, {size: r.url for size, r in routers.items()}, command).items():
@@ -178,59 +174,6 @@ def _router_sections(root: Path, fleets: dict[int, SimFleetProcess], command: Sc
     finally:
         for router in routers.values():
             router.stop()
-
-
-# --------------------------------------------------------------------------- processes
-
-
-@dataclass
-class SimFleetProcess:
-    proc: subprocess.Popen
-    urls: list[str]
-
-    @classmethod
-    def start(cls, log_path: Path, num_engines: int, command: ScaleBench, timeout_s: float = 120.0):
-        """``miles-disagg sim-engines`` in a child process; returns once it printed its URLs."""
-        argv = [sys.executable, "-m", "miles_disagg.cli", "sim-engines", "--num-engines", str(num_engines),
-                "--per-request-ms", str(command.per_request_ms), "--pull-ms", str(command.pull_ms),
-                "--load-ms", str(command.load_ms)]
-        proc, line = start_announcing(argv, log_path, timeout_s, "sim-engines")
-        return cls(proc, json.loads(line)["urls"])
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(15)
-
-
-def _start_router(root: Path, urls: list[str], num_engines: int):
-    from miles_disagg.net.process import free_port, start_http_process
-
-    port = free_port()
-    argv = [sys.executable, "-m", "miles_disagg.cli", "router", "--port", str(port)]
-    for url in urls:
-        argv += ["--worker", url]
-    return start_http_process(argv, url=f"http://127.0.0.1:{port}", log_path=root / f"router-{num_engines}.log",
-                              health_path="/health", what="router", error=RuntimeError, startup_timeout_s=120)
-
-
-def rss_mb(pid: int) -> dict[str, float]:
-    """Resident and peak resident memory of ``pid`` in MiB (Linux ``/proc``)."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            fields[key] = round(int(value.split()[0]) / 1024, 1)
-    return {"rss": fields.get("VmRSS"), "peak": fields.get("VmHWM")}
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far."""
-    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # --------------------------------------------------------------------------- fan-out
@@ -305,138 +248,6 @@ def _threaded_update(updater, version: int) -> tuple[float, float, float]:
     return prepared - start, time.perf_counter() - prepared, max(pauses)
 
 
-# --------------------------------------------------------------------------- router load
-
-
-def _router_all(routers: dict[int, Any], fleets: dict[int, SimFleetProcess], command: ScaleBench) -> dict[int, dict]:
-    """``--rounds`` rounds of one load window per size. Per size: medians over its windows;
-    ``throughput_vs_smallest_per_round`` compares windows of the same round. ``cpu_cores``: the share of
-    a core each process used in the window (the router, its simulated engines, this load client; each is
-    one event loop, so near 1.0 is that process's limit, and the machine's cores bound their sum): the
-    check that the figures are the router's, not the simulator's or the client's.
-    ``router_idle_cpu_fraction``: health checks of N workers alone, before any load."""
-    import httpx
-
-    idle_before = {size: cpu_s(router.proc.pid) for size, router in routers.items()}
-    time.sleep(IDLE_MEASURE_S)  # no traffic anywhere: what health checking alone costs
-    idle = {size: (cpu_s(router.proc.pid) - idle_before[size]) / IDLE_MEASURE_S for size, router in routers.items()}
-    windows: dict[int, list[dict]] = {size: [] for size in routers}
-    for round_index in range(command.rounds):
-        for size, router in routers.items():
-            windows[size].append(_load_window(router, fleets[size], command, idle[size]))
-            _progress(f"  router, {size} engines, round {round_index + 1}: {windows[size][-1]}")
-    results = {}
-    for size, router in routers.items():
-        metrics = httpx.get(router.url + "/metrics", timeout=30, trust_env=False).json()
-        results[size] = {**_router_summary(windows[size]), "router_idle_cpu_fraction": round(idle[size], 4),
-                         "routing_overhead_ms": metrics.get("routing_overhead_ms"),
-                         "router_rss_mb": rss_mb(router.proc.pid)}
-    base = min(routers)
-    for size in routers:
-        results[size]["throughput_vs_smallest_per_round"] = [
-            round(mine["requests_per_s"] / theirs["requests_per_s"], 3) if theirs["requests_per_s"] else None
-            for mine, theirs in zip(windows[size], windows[base])]
-    return results
-
-
-def _load_window(router: Any, fleet: SimFleetProcess, command: ScaleBench, idle_cores: float) -> dict:
-    """One load window. ``router_net_cpu_ms_per_request``: the router's CPU less what its health checks
-    take idle (``idle_cores``), per request: on a starved machine few requests are served and the
-    checks of 256 workers would otherwise read as routing cost."""
-    from miles_disagg.net.pooled_http import run_loop
-
-    pids = {"router": router.proc.pid, "sim_engines": fleet.proc.pid, "load_client": os.getpid()}
-    before, started = {name: cpu_s(pid) for name, pid in pids.items()}, time.perf_counter()
-    load = run_loop(generate_load(router.url + "/generate", command.in_flight, command.duration))
-    elapsed = time.perf_counter() - started
-    used = {name: cpu_s(pid) - before[name] for name, pid in pids.items()}
-    served = load.pop("served_total")
-    return {**load, "router_cpu_ms_per_request": round(1e3 * used["router"] / max(1, served), 3),
-            "router_net_cpu_ms_per_request": round(1e3 * max(0.0, used["router"] - idle_cores * elapsed) / max(1, served), 3),
-            "cpu_cores": {name: round(value / elapsed, 3) for name, value in used.items()},
-            "load_avg_1m": round(os.getloadavg()[0], 2)}
-
-
-def _router_summary(windows: list[dict]) -> dict:
-    med = lambda values: round(statistics.median(values), 3) if values else None  # noqa: E731
-    return {"requests_per_s": med([w["requests_per_s"] for w in windows]),
-            "served": sum(w["served"] for w in windows),
-            "errors": {k: sum(w["errors"].get(k, 0) for w in windows) for w in windows for k in w["errors"]},
-            "latency_ms": {q: med([w["latency_ms"][q] for w in windows if w["latency_ms"][q] is not None])
-                           for q in ("p50", "p99")},
-            "router_cpu_ms_per_request": med([w["router_cpu_ms_per_request"] for w in windows]),
-            "router_net_cpu_ms_per_request": med([w["router_net_cpu_ms_per_request"] for w in windows]),
-            "cpu_cores": {name: med([w["cpu_cores"][name] for w in windows]) for name in windows[0]["cpu_cores"]},
-            "windows": windows}
-
-
-def _wait_ready(url: str, num_engines: int, timeout_s: float = 120.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        health = httpx.get(url + "/health", timeout=10, trust_env=False).json()
-        if health.get("num_ready") == num_engines:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the router sees {health} after {timeout_s}s, expected {num_engines} ready")
-        time.sleep(0.2)
-
-
-async def generate_load(url: str, in_flight: int, duration_s: float, warmup_s: float = 1.0,
-                        body: dict | None = None) -> dict:
-    """``in_flight`` requests kept in flight. The measured window of ``duration_s`` opens once ``warmup_s``
-    has passed and ``in_flight`` answers have come back (every client turned over once), at the latest
-    :data:`MAX_WARMUP_S` later: with thousands in flight on a busy machine the first answers come late, and
-    a window opened before would measure the queue filling, not the router serving. Throughput counts the
-    answers that arrived within the window (whenever they were sent); latencies are theirs."""
-    import aiohttp
-
-    payload = json.dumps(body or GENERATE_BODY).encode()
-    headers = {"Content-Type": "application/json"}
-    latencies: list[float] = []
-    errors: dict[str, int] = {}
-    loop = asyncio.get_running_loop()
-    begin = loop.time()
-    window = {"from": None, "to": math.inf}
-    served_total = 0
-
-    def measured(done: float) -> bool:
-        """Whether an answer at ``done`` is in the window (opening it when the warm-up is over)."""
-        if window["from"] is None:
-            if (served_total >= in_flight and done >= begin + warmup_s) or done >= begin + warmup_s + MAX_WARMUP_S:
-                window["from"], window["to"] = done, done + duration_s
-            return False
-        return done <= window["to"]
-
-    async def client(session) -> None:
-        nonlocal served_total
-        while loop.time() < window["to"]:
-            sent = loop.time()
-            try:
-                async with session.post(url, data=payload, headers=headers) as response:
-                    await response.read()
-                    status = response.status
-            except aiohttp.ClientError as exc:
-                status = type(exc).__name__
-            done = loop.time()
-            served_total += 1
-            if measured(done):
-                if status == 200:
-                    latencies.append(done - sent)
-                else:
-                    errors[str(status)] = errors.get(str(status), 0) + 1
-
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
-        await asyncio.gather(*(client(session) for _ in range(in_flight)))
-    latencies.sort()
-    at = lambda q: round(1e3 * latencies[min(len(latencies) - 1, int(q * len(latencies)))], 2) if latencies else None  # noqa: E731
-    return {"requests_per_s": round(len(latencies) / duration_s, 1), "served": len(latencies), "errors": errors,
-            "latency_ms": {"p50": at(0.5), "p99": at(0.99)}, "warmup_s": round(window["from"] - begin, 2),
-            "served_total": served_total}
-
-
 # --------------------------------------------------------------------------- ratios
 
 
@@ -480,18 +291,3 @@ def _ratios(per_size: dict[int, dict]) -> dict:
                 round(statistics.median(per_round), 3) if per_round else None)
         ratios[f"{size}_vs_{base_size}"] = entry
     return ratios
-
-
-def start_announcing(argv: list[str], log_path: Path, timeout_s: float, what: str) -> tuple[subprocess.Popen, bytes]:
-    """Start ``argv`` (stderr to ``log_path``) and wait up to ``timeout_s`` for the first line it
-    prints, which announces it is up; ``RuntimeError`` with the log's tail when none came."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log)
-    line: list[bytes] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    if not line or not line[0]:
-        proc.kill()
-        raise RuntimeError(f"{what} did not start: {log_path.read_text(errors='replace')[-2000:]}")
-    return proc, line[0]

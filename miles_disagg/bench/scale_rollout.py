@@ -15,13 +15,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from miles_disagg.bench.common import progress
+from miles_disagg.bench.processes import rss_mb
+
+_progress = progress("scale")
 GROUPS_PER_BATCH, SAMPLES_PER_PROMPT = 64, 4
 
 
 def rollout_all(root: Path, router_urls: dict[int, str], command: Any) -> dict[int, dict]:
     """Per pool size: median samples/s over its windows, each window's, and this process's memory."""
-    from miles_disagg.bench.scale import _progress, rss_mb
-
     tokenizer = tokenizer_dir(root)
     runs: dict[int, list[float]] = {size: [] for size in router_urls}
     samples: dict[int, int] = {size: 0 for size in router_urls}

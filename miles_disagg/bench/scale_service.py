@@ -13,7 +13,8 @@ Reported: per version, the gateway's convergence (seconds from the version's com
 index time - until 50% / 100% of the replicas advertise it) and the client's view (the publish call
 returned -> the gateway lists every replica ready at it); p50/max over versions; the time from launch
 until every replica was ready; the share of a core and the memory of the gateway, the replicas' process
-and the simulated engines, idle (heartbeats and health checks only) and while versions roll out.
+and the simulated engines, idle (heartbeats and health checks only, ``--idle-measure`` seconds) and while
+versions roll out.
 
 Run as ``python -m miles_disagg.bench.scale_service``, this module is that replicas' process.
 """
@@ -32,7 +33,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-IDLE_MEASURE_S = 3.0
+from miles_disagg.bench.common import progress
+from miles_disagg.bench.processes import SimFleetProcess, cpu_s, rss_mb, start_announcing, stop_process
+
+_progress = progress("scale")
 HEARTBEAT_TIMEOUT_S = 10.0
 STARTUP_TIMEOUT_S = 300.0
 CONVERGE_TIMEOUT_S = 120.0
@@ -40,7 +44,6 @@ CONVERGE_TIMEOUT_S = 120.0
 
 def service_section(root: Path, command: Any) -> dict:
     """Start the simulated engines, a store, the gateway and the replicas; publish; measure; stop."""
-    from miles_disagg.bench.scale import SimFleetProcess, _progress
     from miles_disagg.service.client import GatewayClient
     from miles_disagg.service.launch import launch_gateway
 
@@ -61,7 +64,7 @@ def service_section(root: Path, command: Any) -> dict:
         client.wait_converged(1, num_replicas=size, timeout_s=STARTUP_TIMEOUT_S)
         startup_s = time.monotonic() - started
         pids = {"gateway": gateway.proc.pid, "replicas": host.proc.pid, "sim_engines": fleet.proc.pid}
-        idle = _cores_used(pids, lambda: time.sleep(IDLE_MEASURE_S))
+        idle = _cores_used(pids, lambda: time.sleep(command.idle_measure))
         client_s: dict[str, float] = {}
 
         def roll_out() -> None:
@@ -74,7 +77,7 @@ def service_section(root: Path, command: Any) -> dict:
 
         rolling = _cores_used(pids, roll_out)
         metrics, replicas = client.metrics(), client.replicas()
-        memory = {name: _rss(pid) for name, pid in pids.items()}
+        memory = {name: rss_mb(pid) for name, pid in pids.items()}
     finally:
         if client is not None:
             client.close()
@@ -119,18 +122,10 @@ def _report(command: Any, versions: list[int], metrics: dict, replicas: list[dic
 
 def _cores_used(pids: dict[str, int], work) -> dict[str, float]:
     """Run ``work``; the share of a core each process used meanwhile (CPU seconds / wall seconds)."""
-    from miles_disagg.bench.scale import cpu_s
-
     before, start = {name: cpu_s(pid) for name, pid in pids.items()}, time.perf_counter()
     work()
     wall = time.perf_counter() - start
     return {name: round((cpu_s(pid) - before[name]) / wall, 3) for name, pid in pids.items()} | {"wall_s": round(wall, 3)}
-
-
-def _rss(pid: int) -> dict[str, float]:
-    from miles_disagg.bench.scale import rss_mb
-
-    return rss_mb(pid)
 
 
 def _round(value: float | None, digits: int = 4) -> float | None:
@@ -175,19 +170,12 @@ class ReplicaHost:
         argv = [sys.executable, "-m", "miles_disagg.bench.scale_service", "--gateway", gateway_url,
                 "--store", str(root / "store"), "--base-dir", str(root / "base"), "--work-dir", str(root / "replicas"),
                 "--poll-interval", str(command.service_poll_interval), *engine_urls]
-        from miles_disagg.bench.scale import start_announcing
-
         proc, _ = start_announcing(argv, root / "replicas.log", timeout_s, "the replicas")
         return cls(proc)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM: every replica drains and deregisters, as ``serve replica`` does."""
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(15)
+        stop_process(self.proc, timeout_s)
 
 
 # --------------------------------------------------------------------------- the replicas' process

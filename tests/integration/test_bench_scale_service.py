@@ -12,6 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(180)
 PULL_MS, LOAD_MS = 60, 30
+REPLICAS = 2  # "every replica", and 50% of them before all of them
 
 
 def _bench(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
@@ -20,14 +21,15 @@ def _bench(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
 
 
 def test_every_replica_converges_on_every_version_and_the_figures_are_printed(tmp_path: Path) -> None:
-    result = _bench("--sections", "service", "--service-replicas", "4", "--service-versions", "2",
-                    "--pull-ms", str(PULL_MS), "--load-ms", str(LOAD_MS), "--work-dir", str(tmp_path))
+    result = _bench("--sections", "service", "--service-replicas", str(REPLICAS), "--service-versions", "2",
+                    "--service-poll-interval", "0.2", "--idle-measure", "0.5", "--pull-ms", str(PULL_MS),
+                    "--load-ms", str(LOAD_MS), "--work-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout)
     assert "pools" not in out  # only the section asked for ran
     service = out["service"]
-    assert service["num_replicas"] == 4 and service["replicas_registered"] == 4
-    assert service["replicas_converged"] == 4 and service["versions"] == [2, 3]
+    assert service["num_replicas"] == REPLICAS and service["replicas_registered"] == REPLICAS
+    assert service["replicas_converged"] == REPLICAS and service["versions"] == [2, 3]
     for version in ("2", "3"):
         converged = service["convergence_s"][version]
         # staging and activating take the simulated pull and load at least, after the commit

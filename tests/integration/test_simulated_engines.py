@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from miles_disagg.net.auth import ADMIN_API_KEY_ENV
-from miles_disagg.bench.scale import ScaleBench, SimFleetProcess, _start_router, _wait_ready
+from miles_disagg.bench.processes import SimFleetProcess, start_router, wait_router_ready
+from miles_disagg.bench.scale import ScaleBench
 from miles_disagg.engines.activation import ActivationFailed
 from miles_disagg.engines.updater import DiskDeltaUpdater
 
@@ -45,9 +46,9 @@ def test_the_updater_brings_every_engine_to_the_version_and_the_router_routes_by
         updater.close()
     assert len(report.per_engine_pause_s) == 3 and report.prepare_time_s > 0
     assert [httpx.get(u + "/model_info").json()["weight_version"] for u in sim.urls] == ["1", "1", "1"]
-    router = _start_router(root, sim.urls, 3)
+    router = start_router(root, sim.urls, 3)
     try:
-        _wait_ready(router.url, 3)
+        wait_router_ready(router.url, 3)
         answer = httpx.post(router.url + "/generate", json={**GENERATE, "weight_version": {"min_version": 1}},
                             timeout=30)
         assert answer.status_code == 200, answer.text
@@ -116,8 +117,8 @@ def test_a_pause_in_abort_mode_aborts_requests_in_flight(fleet) -> None:
 def test_bench_scale_prints_one_json_object_with_every_pool_size(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "miles_disagg.cli", "bench", "scale", "--engines", "2,4", "--updates", "1",
-         "--in-flight", "16", "--rollout-concurrency", "16", "--duration", "1", "--rounds", "2", "--json",
-         "--work-dir", str(tmp_path)],
+         "--in-flight", "16", "--rollout-concurrency", "16", "--duration", "0.5", "--rounds", "2",
+         "--idle-measure", "0.5", "--json", "--work-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout)
