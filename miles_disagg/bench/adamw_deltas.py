@@ -108,19 +108,26 @@ def _trajectory(draws: _Draws, lr: float, run: AdamWRun) -> tuple[np.ndarray, np
     return old, new
 
 
-def _tensors(size_mb: float, seed: int, run: AdamWRun) -> Iterator[tuple[str, tuple[int, ...], int, bool]]:
+Shapes = list[tuple[str, tuple[int, ...]]]
+
+
+def _tensors(size_mb: float, seed: int, run: AdamWRun,
+             shapes: Shapes | None = None) -> Iterator[tuple[str, tuple[int, ...], int, bool]]:
     rng = np.random.default_rng(seed)
+    shapes = shapes or moe_shapes(int(size_mb * 1024 * 1024), run.num_experts)
+    layers = 1 + max((int(n.split(".")[2]) for n, _ in shapes if n.startswith("model.layers.")), default=MOE_LAYERS - 1)
     hit = {layer: experts_hit(run.num_experts, run.experts_per_token, run.tokens_per_step, rng)
-           for layer in range(MOE_LAYERS)}
-    for index, (name, shape) in enumerate(moe_shapes(int(size_mb * 1024 * 1024), run.num_experts)):
+           for layer in range(layers)} if run.num_experts else {}
+    for index, (name, shape) in enumerate(shapes):
         yield name, shape, index, _no_gradient(name, run, hit)
 
 
-def make_adamw_model(size_mb: float, lr: float, seed: int = 0, run: AdamWRun = AdamWRun()
-                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """(old, new) bf16 byte arrays per tensor (uint8, flat): the last of ``run.steps`` AdamW steps."""
+def make_adamw_model(size_mb: float, lr: float, seed: int = 0, run: AdamWRun = AdamWRun(),
+                     shapes: Shapes | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(old, new) bf16 byte arrays per tensor (uint8, flat): the last of ``run.steps`` AdamW steps.
+    ``shapes``: the model's ``(name, shape)`` list (default: :func:`moe_shapes` of ``size_mb``)."""
     old, new = {}, {}
-    for name, shape, index, frozen in _tensors(size_mb, seed, run):
+    for name, shape, index, frozen in _tensors(size_mb, seed, run, shapes):
         old[name], new[name] = _trajectory(_draws(name, shape, index, seed, run, frozen), lr, run)
     return old, new
 

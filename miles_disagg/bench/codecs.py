@@ -78,10 +78,12 @@ class Codec:
 class Ours(Codec):
     """The default codec: XOR, byte planes (dense or sparse), 4 MiB chunks, zstd-1, xxh3-128."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, itemsizes: dict[str, int] | None = None):
+        """``itemsizes``: bytes per element of each tensor (default 2: bf16 everywhere)."""
         from miles_disagg.weights.codec import publish_spec
 
         super().__init__(*args)
+        self.itemsizes = itemsizes or {}
         self.spec = publish_spec("xor", "byteplane")
         self.encoded: list = []
         self.targets = {n: np.empty_like(a) for n, a in self.old.items()}
@@ -89,7 +91,7 @@ class Ours(Codec):
     def encode(self) -> None:
         from miles_disagg.weights.codec import encode_tensors
 
-        items = ((n, self.old[n], self.new[n], 2) for n in self.new)
+        items = ((n, self.old[n], self.new[n], self.itemsizes.get(n, 2)) for n in self.new)
         self.encoded = [e for e in encode_tensors(self.pool, self.spec, BENCH_CHECKSUM, items) if e.payload is not None]
         self.wire_bytes = sum(len(e.payload) for e in self.encoded)
 
@@ -100,7 +102,8 @@ class Ours(Codec):
     def decode(self) -> None:
         from miles_disagg.weights.codec import decode_tensors
 
-        items = ((e.name, self.targets[e.name], memoryview(e.payload), 2, e.checksum) for e in self.encoded)
+        items = ((e.name, self.targets[e.name], memoryview(e.payload), self.itemsizes.get(e.name, 2), e.checksum)
+                 for e in self.encoded)
         encodings = {e.name: e.encoding for e in self.encoded}
         for _ in decode_tensors(self.pool, self.spec, BENCH_CHECKSUM, items, encodings=encodings):
             pass

@@ -17,6 +17,9 @@ Codecs, both over ``--workers`` threads:
 no token bit-identical (:mod:`miles_disagg.bench.delta_moe`), printed as ``{"dense": ..., "moe": ...}``;
 the MoE figures add the fraction of tensors skipped (no payload) and the routing of the step.
 
+``--fp8``: the same AdamW updates published as BF16 and as blockwise-FP8 versions across learning rates,
+dense and MoE (:mod:`miles_disagg.bench.delta_fp8`).
+
 ``--densities``: realistic AdamW deltas (:mod:`miles_disagg.bench.adamw_deltas`) at learning rates
 calibrated to ``--density-targets`` (percent of elements changed), with a third codec, the sparse
 positions+values format NeMo-RL and slime describe, and the order-0 entropy bound beside ours
@@ -61,6 +64,9 @@ class DeltaBench:
     densities: bool = flag(False, "Measure ours, the reference and a sparse positions+values codec on AdamW deltas "
                                   "at each of --density-targets.")
     density_targets: list[float] = flag([0.3, 1.0, 3.0, 10.0, 30.0], "--densities: percent of elements changed.")
+    fp8: bool = flag(False, "Publish the same AdamW updates as BF16 and as blockwise-FP8 versions across "
+                            "--fp8-learning-rates (dense and MoE shapes): changed values and blocks, wire, speed.")
+    fp8_learning_rates: list[float] = flag([1e-7, 3e-7, 1e-6, 3e-6, 1e-5], "--fp8: the learning rates.")
 
     def __post_init__(self) -> None:
         if self.size_mb <= 0 or self.workers < 1 or self.lr < 0:
@@ -69,6 +75,8 @@ class DeltaBench:
             raise ValueError("--experts-per-token must be in [1, --num-experts] and --tokens-per-step >= 0")
         if not self.density_targets or not all(0 < t < 100 for t in self.density_targets):
             raise ValueError("--density-targets must be percentages in (0, 100)")
+        if not self.fp8_learning_rates or not all(lr > 0 for lr in self.fp8_learning_rates):
+            raise ValueError("--fp8-learning-rates must be positive")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +117,12 @@ def memcpy_gbps(pool: ThreadPoolExecutor, new: dict[str, np.ndarray], repeat: in
 
 def run(args: argparse.Namespace) -> int:
     command = config_from_args(DeltaBench, args)
+    if command.fp8:
+        from miles_disagg.bench.delta_fp8 import run_fp8
+
+        result = run_fp8(command)
+        print(json.dumps(result, indent=None if command.json else 2))
+        return 0 if result["round_trip_exact"] else 1
     if command.densities:
         from miles_disagg.bench.delta_densities import run_densities
 

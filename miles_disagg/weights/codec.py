@@ -47,7 +47,9 @@ from miles_disagg.weights.planes import (
     ThreadScratch, byte_planes, compress_plane, expand_plane, overwrite_payload, thread_scratch,
 )
 from miles_disagg.weights.mixed import choose_encoding, encode_chunk_choices
-from miles_disagg.weights.sparse import apply_sparse, element_size, element_view, max_raw_bytes, parse_sparse, sparse_raw
+from miles_disagg.weights.sparse import (
+    apply_sparse, element_size, element_view, max_raw_bytes, parse_sparse, sparse_raw, sparse_sections,
+)
 
 PUBLISH_ENCODINGS = ("xor", "overwrite")  # what a publisher may be asked for
 _U32 = struct.Struct("<I")
@@ -77,7 +79,9 @@ def encode_chunk(spec: CodecSpec, old: np.ndarray, new: np.ndarray, itemsize: in
     if spec.encoding == "sparse":
         words = element_view(diff, itemsize)
         positions = np.flatnonzero(words)
-        return [s.checked.compress(sparse_raw(words[positions], positions)) if positions.size else b""], changed
+        if not positions.size:
+            return [b""], changed
+        return [s.compress_sections(sparse_sections(sparse_raw(words[positions], positions)))], changed
     if spec.encoding == "xor":
         if changed == 0:
             return [b""] * num_planes, 0

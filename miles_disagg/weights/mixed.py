@@ -26,7 +26,9 @@ import numpy as np
 
 from miles_disagg.weights.format import CodecSpec
 from miles_disagg.weights.planes import ThreadScratch, byte_planes, compress_plane, thread_scratch
-from miles_disagg.weights.sparse import changed_elements, changed_elements_few, element_size, raw_bound, sparse_raw
+from miles_disagg.weights.sparse import (
+    changed_elements, changed_elements_few, element_size, raw_bound, sparse_raw, sparse_sections,
+)
 
 # Sparse is smaller than byte planes up to ~25% of elements changed, by 3% at 15-20% (AdamW deltas),
 # but slower to encode above ~10%: above that, the few percent of wire are not worth the time.
@@ -57,7 +59,7 @@ def encode_chunk_choices(spec: CodecSpec, old: np.ndarray, new: np.ndarray, item
     choices: ChunkChoices = {}
     if density <= XOR_ONLY_ABOVE:
         raw = sparse_raw(values, positions, s.get("sparse_raw", raw_bound(count, new.nbytes // values.itemsize, values.itemsize)))
-        choices["sparse"] = [s.checked.compress(raw)]
+        choices["sparse"] = [s.compress_sections(sparse_sections(raw))]
         if density <= OVERWRITE_BELOW:
             choices["overwrite"] = _overwrite_frames(spec, values, new, positions, itemsize, s)
     changed_bytes = int(np.count_nonzero(values.view(np.uint8)))

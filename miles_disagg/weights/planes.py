@@ -42,6 +42,18 @@ class ThreadScratch(threading.local):
         """One zstd frame of ``data``: checksummed under the byteplane filter, plain otherwise."""
         return (self.checked if spec.filter == "byteplane" else self.plain).compress(data)
 
+    def compress_sections(self, sections: list) -> bytes:
+        """One checksummed zstd frame of the concatenated ``sections``, each in zstd blocks of its own:
+        every block has its own entropy tables, so a uniform section (a gap's low bytes) does not
+        spoil the coding of a skewed one (its high bytes, XOR values). Any zstd decoder reads it."""
+        import zstandard
+
+        total = sum(memoryview(part).nbytes for part in sections)
+        stream = self.checked.compressobj(size=total)
+        out = [stream.compress(part) + stream.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK) for part in sections[:-1]]
+        out.append(stream.compress(sections[-1]) + stream.flush())
+        return b"".join(out)
+
     def get(self, key: str, nbytes: int) -> np.ndarray:
         """A uint8 buffer of ``nbytes`` for ``key`` (contents undefined), grown when too small."""
         buf = self.buffers.get(key)

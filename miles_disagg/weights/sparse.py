@@ -12,6 +12,9 @@ all little-endian. Positions are element indices within the chunk (``k`` = the d
 for 1/2/4/8-byte dtypes, else 1: bytes); gap = position - previous position - 1 (the first gap is
 the first position). An unchanged chunk is an empty frame (size 0), as for byte planes.
 
+The frame is compressed in sections (:func:`sparse_sections`), each in zstd blocks of its own (one
+standard frame: any zstd decoder reads it).
+
 Why: below a few percent of elements changed, a bitmap of the changed positions costs one bit per
 element whatever the density, while a gap costs about ``log2(1/density) + 1.4`` bits per CHANGED
 element. Gaps as two byte planes let zstd's entropy coder reach close to that at every density
@@ -68,6 +71,18 @@ def sparse_raw(values: np.ndarray, positions: np.ndarray, out: np.ndarray | None
     raw[pos:pos + 4 * escapes.size] = escapes.view(np.uint8)
     _put_planes(raw, pos + 4 * escapes.size, values, count, k)
     return raw
+
+
+def sparse_sections(raw: np.ndarray) -> list[np.ndarray]:
+    """The raw sparse form split where its statistics change: header and gap low bytes, gap high bytes,
+    escaped gaps and each value plane (compressed each in blocks of its own)."""
+    count, escapes = _HEADER.unpack_from(raw, 0)
+    if count == 0:
+        return [raw]
+    k = (raw.nbytes - _HEADER.size - 4 * escapes) // count - 2
+    bounds = [_HEADER.size + count, _HEADER.size + 2 * count + 4 * escapes]
+    bounds += [bounds[-1] + j * count for j in range(1, k)]
+    return [raw[a:b] for a, b in zip([0, *bounds], [*bounds, raw.nbytes]) if b > a]
 
 
 def changed_elements(old: np.ndarray, new: np.ndarray, itemsize: int, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -92,3 +92,19 @@ def test_every_benchmark_refuses_a_bad_flag_with_exit_2(capsys: pytest.CaptureFi
     for name in BENCHMARKS:
         assert main(["bench", name, "--json", "--no-such-flag"]) == 2, (name, capsys.readouterr().err[-2000:])
         assert "Traceback" not in capsys.readouterr().err
+
+
+def test_bench_delta_fp8_runs_with_json(tmp_path: Path) -> None:
+    """``bench delta --fp8 --json`` at a tiny size: every learning rate, dense and MoE, both versions."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    result = subprocess.run([sys.executable, "-m", "miles_disagg.cli", "bench", "delta", "--fp8", "--json",
+                             "--size-mb", "2", "--repeat", "1", "--workers", "1", "--fp8-learning-rates", "1e-6", "1e-5"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    answer = json.loads(result.stdout)
+    assert [(r["kind"], r["lr"]) for r in answer["rows"]] == [("dense", 1e-6), ("dense", 1e-5), ("moe", 1e-6), ("moe", 1e-5)]
+    assert answer["round_trip_exact"] and set(answer["targets_met"]) == {
+        "wire_vs_bf16_at_lr_1e-6", "wire_not_above_reference", "wire_vs_reference_under_1pct",
+        "speed_per_byte_not_below_bf16"}
+    for row in answer["rows"]:
+        assert row["fp8_bytes"] < row["bf16_bytes"] and row["fp8"]["ours"]["wire_bytes"] > 0
