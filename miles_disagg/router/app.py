@@ -288,7 +288,9 @@ class Router:
         try:
             send = self._client.post(worker.url + path, content=payload, headers=headers)
             upstream = await _unless_client_gone(request, send)
-            if upstream.status_code >= 500:
+            if upstream.status_code == LOOP_DETECTED:  # a router of a loop: out of routing, its 508 relayed
+                self._fail(worker, "it is a router in a routing loop (it answered 508 Loop Detected)")
+            elif upstream.status_code >= 500:
                 raise WorkerFailed(worker.url, f"{path} answered {upstream.status_code}: {upstream.text[:500]}")
             served = True
         except _ClientGone:

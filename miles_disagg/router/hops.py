@@ -4,8 +4,9 @@ A router never registers itself as its worker (its own server id), but two route
 other (or a longer ring, or a router behind an agent) would bounce one request between them until
 something times out. Each router forwards a request with :data:`HOPS_HEADER` one higher than it
 received it (absent: 0); a request that arrives having already crossed :data:`MAX_HOPS` routers is
-answered ``508 Loop Detected`` (a JSON error naming the count) and goes no further. A header that
-is not a small non-negative integer is ``400``. Engines and agents ignore the header (an agent
+answered ``508 Loop Detected`` (a JSON error naming the count) and goes no further; each router on
+the way back takes the worker that answered 508 out of routing (its health probes bring it back) and
+relays the 508 as it is. A header that is not a small non-negative integer is ``400``. Engines and agents ignore the header (an agent
 forwards it unchanged), so a request through router -> agent -> engine counts one hop.
 
 Pure: the router's forwarding point calls :func:`hops_of` and :func:`forwarded_hops`.
