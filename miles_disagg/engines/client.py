@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from miles_disagg.net.auth import ApiKeys
+from miles_disagg.net.auth import ApiKeys, level_of
 from miles_disagg.net.keyed_client import KeyedHttpClient, payload_message, response_payload
 from miles_disagg.types import EngineUnreachable, EngineUnrecoverable, FailRun, InvalidInput, MilesDisaggError, Retryable
 
@@ -169,6 +169,14 @@ class EngineClient(KeyedHttpClient):
         return self.call("POST", "/generate", body, timeout_s=timeout_s, whole=True)
 
     # ------------------------------------------------------------------ transport
+
+    def request(self, method: str, path: str, **kwargs: Any):
+        """The raw ``httpx.Response``, with the key ``path`` needs and no other: the admin key only to
+        admin paths, the API key (when the run has one) to the others, nothing to open ones. Never
+        the admin key in place of a missing API key: an engine leaves its other paths open when it
+        has no API key, and an address that is not an engine must not receive the admin key."""
+        level = level_of(path.split("?", 1)[0])
+        return self._http.request(method, path, headers=self.keys.header_for_level(level, strict=True), **kwargs)
 
     def get(self, path: str, *, timeout_s: float | None = None) -> dict[str, Any]:
         return self.call("GET", path, timeout_s=timeout_s)

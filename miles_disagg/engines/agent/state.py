@@ -223,6 +223,8 @@ class Agent:
             "last_activation": self.last_activation,
             "last_error": self.last_error,
             "delta_filters": ["byteplane", "none"],  # what /pull_weights reads: a job may publish byte planes
+            # the stores /pull_weights reads: a job attaching this agent must publish to one of them
+            "weight_store_dirs": [str(d) for d in self.config.store_dirs],
         }
 
     def checkpoint_checksums(self, algorithm: str) -> dict:
