@@ -89,7 +89,7 @@ class WeightUpdates:
                 s.version = label
             return {"num_paused_requests": num_paused, "pause_ms": round((time.perf_counter() - start) * 1e3, 3)}
 
-        result = self._between_steps(activate)
+        result = between_steps(self.scheduler, activate)
         log.info("activated weights (%s) version=%s pause=%.1f ms", how[0], self.scheduler.version, result["pause_ms"])
         return {
             "success": True,
@@ -173,7 +173,7 @@ class WeightUpdates:
             self.stager.set_live(None)  # broadcast weights are of no published version we can vouch for
             return (time.perf_counter() - start) * 1e3
 
-        pause_ms = self._between_steps(activate)
+        pause_ms = between_steps(self.scheduler, activate)
         return {"success": True, "message": "Succeeded to update parameter online.", "pause_ms": round(pause_ms, 3)}
 
     def update_from_tensor(self, req: UpdateFromTensor) -> dict:
@@ -192,7 +192,7 @@ class WeightUpdates:
             if req.weight_version is not None:
                 s.version = req.weight_version
 
-        self._between_steps(activate)
+        between_steps(self.scheduler, activate)
         return {"success": True, "message": f"Succeeded to update {len(tensors)} tensors."}
 
     def _converted_copy(self, name: str, tensor, weights: dict):
@@ -206,19 +206,6 @@ class WeightUpdates:
             raise LayoutMismatch(f"tensor {name!r} has shape {tuple(tensor.shape)}, the live model {shape}")
         return tensor.to(device=self.runner.device, dtype=live.dtype, copy=True).contiguous()
 
-    def _between_steps(self, activate: Callable[[Scheduler, list], T]) -> T:
-        """``activate(scheduler, displaced)`` on the scheduler thread between two steps; its result.
-
-        ``activate`` swaps with :meth:`_swap`, which puts the tensors the swap displaced in
-        ``displaced``; they are freed here, on the calling thread, once the scheduler moved on:
-        giving hundreds of megabytes back to the OS took 10-140 ms of the pause when it happened
-        inside the swap (``bench engine``'s staged pause)."""
-        displaced: list = []
-        try:
-            return self.scheduler.call(lambda s: activate(s, displaced)).result()
-        finally:
-            displaced.clear()  # the scheduler may still hold the closure; the tensors go now, here
-
     def _swap(self, tensors: dict, displaced: list) -> None:
         """On the scheduler thread: make ``tensors`` live (nothing else happens in the pause but this
         and the bookkeeping of what is live); the displaced tensors go to ``displaced``."""
@@ -230,6 +217,20 @@ class WeightUpdates:
         if WEIGHTS in self.memory.released:
             raise MemoryReleased("the weights are released; POST /resume_memory_occupation with tags "
                                  "[\"weights\"] before loading weights")
+
+
+def between_steps(scheduler: Scheduler, activate: Callable[[Scheduler, list], T]) -> T:
+    """``activate(scheduler, displaced)`` on the scheduler thread between two steps; its result.
+
+    ``activate`` swaps with :meth:`WeightUpdates._swap`, which puts the tensors the swap displaced in
+    ``displaced``; they are released here, on the calling thread, once the scheduler moved on: giving
+    hundreds of megabytes back to the OS took 10-330 ms of the pause when it happened inside the swap
+    (``bench engine``'s staged pause on the 104M model, the first activations after start)."""
+    displaced: list = []
+    try:
+        return scheduler.call(lambda s: activate(s, displaced)).result()
+    finally:
+        displaced.clear()  # the scheduler thread may still hold the command; the tensors go now, here
 
 
 def _label_of(ref: VersionRef | None) -> str | None:
