@@ -55,13 +55,25 @@ class EngineClient(KeyedHttpClient):
         self.store_dir = os.path.abspath(store_dir) if store_dir is not None else None
         # not resolve(): the local checkpoint is a symlink the materializer flips
         self.local_dir = os.path.abspath(local_checkpoint_dir) if local_checkpoint_dir is not None else None
+        self.one_call_activation = False  # the last pull's answer announced /activate_weights
 
     # ------------------------------------------------------------------ weights lifecycle
 
     def pull(self, version: int) -> dict[str, Any]:
         """Materialize and verify ``version`` on the engine's host while it keeps serving."""
-        return self.post("/pull_weights", {"target_version": version, "source_dir": self._need("store_dir"),
-                                           "local_checkpoint_dir": self._need("local_dir")}, timeout_s=PULL_TIMEOUT_S)
+        from miles_disagg.engines.activation import offers_one_call
+
+        answer = self.post("/pull_weights", {"target_version": version, "source_dir": self._need("store_dir"),
+                                             "local_checkpoint_dir": self._need("local_dir")}, timeout_s=PULL_TIMEOUT_S)
+        self.one_call_activation = offers_one_call(answer)
+        return answer
+
+    def activate_in_one_call(self, version: int, pause_mode: str, flush: bool) -> dict[str, Any]:
+        """``/activate_weights``: the engine pauses, loads the prepared ``version``, continues and checks."""
+        from miles_disagg.engines.activation import ACTIVATE_PATH
+
+        return self.post(ACTIVATE_PATH, {"model_path": self._need("local_dir"), "weight_version": str(version),
+                                         "pause_mode": pause_mode, "flush_cache": flush})
 
     def pause(self, mode: str) -> None:
         self.post("/pause_generation", {"mode": mode})
