@@ -17,6 +17,17 @@ activation is made once.
 The engine is anything with the port's methods (``pull``, ``pause``, ``flush``, ``load``,
 ``resume``, ``version``): :class:`~miles_disagg.engines.client.EngineClient`, or a fake; the
 ``*_async`` forms also take coroutine methods (:class:`~miles_disagg.engines.async_client.AsyncEngineClient`).
+
+**One-call activation.** An engine whose ``/pull_weights`` answer announces it (``miles_disagg``:
+``{"activate_weights": true}``, see :func:`offers_one_call`; the built-in engine and
+``miles-disagg agent`` do) takes step 2 as one admin request, ``POST /activate_weights``
+(:data:`ACTIVATE_PATH`): the engine runs this same lifecycle itself (pause, flush, load, continue,
+version check) and answers with its own pause. Its pause then holds no round trip to the caller, so it
+does not grow with the number of engines one caller updates at once. The failure rules are the same:
+any fault of the call is :class:`ActivationFailed` (the engine continued itself whatever happened;
+when it did not answer at all, the caller attempts ``/continue_generation`` too, as step 2 would).
+A port opts in with ``one_call_activation = True`` and an ``activate_in_one_call(version, pause_mode,
+flush)`` method returning the engine's answer; a custom ``load`` or ``on_paused`` needs the steps.
 """
 
 from __future__ import annotations
@@ -25,7 +36,14 @@ import inspect
 import time
 from typing import Any, Callable, Protocol
 
-from miles_disagg.types import EngineUnrecoverable
+from miles_disagg.types import EngineUnreachable, EngineUnrecoverable
+
+ACTIVATE_PATH = "/activate_weights"
+"""The one-call activation endpoint (an admin path) of the built-in engine and the agent."""
+
+ONE_CALL_ANNOUNCEMENT = {"activate_weights": True}
+"""What an engine puts under ``miles_disagg`` (in its ``/pull_weights`` answer and its server info)
+when it takes :data:`ACTIVATE_PATH`."""
 
 
 class ActivationFailed(EngineUnrecoverable):
@@ -77,6 +95,8 @@ async def activate_async(engine: EnginePort, version: int, *, pause_mode: str, f
                          timer: Callable[[], float] = time.perf_counter) -> float:
     """:func:`activate` for a synchronous or an asynchronous port (and ``load``/``on_paused``)."""
     flush = pause_mode != "in_place" if flush is None else flush
+    if load is None and on_paused is None and getattr(engine, "one_call_activation", False) is True:
+        return await _activate_in_one_call(engine, version, pause_mode, flush)
     errors: list[str] = []
     start = timer()
     try:
@@ -96,6 +116,38 @@ async def activate_async(engine: EnginePort, version: int, *, pause_mode: str, f
     if errors:
         raise ActivationFailed(f"activation of v{version} failed: {'; '.join(errors)}")
     return pause_s
+
+
+async def _activate_in_one_call(engine: Any, version: int, pause_mode: str, flush: bool) -> float:
+    """Step 2 as one request (see the module docstring); the engine's own pause, in seconds."""
+    try:
+        answer = await _call(engine.activate_in_one_call, version, pause_mode, flush)
+    except Exception as exc:  # noqa: BLE001 - the engine may have paused: every fault fails the activation
+        errors = [f"{type(exc).__name__}: {exc}"]
+        if isinstance(exc, EngineUnreachable):  # no answer: the engine may be paused still
+            errors += await _attempt(engine.resume, "continue_generation")
+        raise ActivationFailed(f"activation of v{version} failed: {'; '.join(errors)}") from exc
+    reported = answer.get("weight_version") if isinstance(answer, dict) else None
+    pause_ms = answer.get("pause_ms") if isinstance(answer, dict) else None
+    if reported != str(version):
+        raise ActivationFailed(f"activation of v{version} failed: the engine reports version {reported} "
+                               f"after activating v{version}")
+    if not isinstance(pause_ms, (int, float)) or isinstance(pause_ms, bool) or pause_ms < 0:
+        raise ActivationFailed(f"activation of v{version} failed: the engine's answer has no pause_ms ({answer!r:.200})")
+    return pause_ms / 1e3
+
+
+def offers_one_call(pull_answer: Any) -> bool:
+    """Whether a ``/pull_weights`` answer (or a server info) announces :data:`ACTIVATE_PATH`."""
+    announced = pull_answer.get("miles_disagg") if isinstance(pull_answer, dict) else None
+    return isinstance(announced, dict) and announced.get("activate_weights") is True
+
+
+def one_call_answer(version: int, pause_s: float) -> dict:
+    """The engine's answer to :data:`ACTIVATE_PATH` once :func:`activate` (over its own port, which must
+    not itself take the one call) returned ``pause_s``: ``weight_version`` and ``pause_ms``."""
+    return {"success": True, "weight_version": str(version), "pause_ms": round(pause_s * 1e3, 3),
+            "message": f"Activated version {version} in one call (pause {pause_s * 1e3:.1f} ms)."}
 
 
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:

@@ -15,10 +15,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from miles_disagg.engines.activation import ACTIVATE_PATH, offers_one_call
 from miles_disagg.net.auth import ApiKeys
 from miles_disagg.engines.client import CONTROL_TIMEOUT_S, PULL_TIMEOUT_S, error_for
 from miles_disagg.net.keyed_client import payload_message, response_payload
-from miles_disagg.net.pooled_http import PooledSession, TransportFailed
+from miles_disagg.net.pooled_http import PooledSession, Reply, TransportFailed
 from miles_disagg.types import EngineUnreachable
 
 
@@ -32,11 +33,20 @@ class AsyncEngineClient:
         self.keys = keys if keys is not None else ApiKeys.from_env()
         self.store_dir = os.path.abspath(store_dir) if store_dir is not None else None
         self.local_dir = os.path.abspath(local_checkpoint_dir) if local_checkpoint_dir is not None else None
+        self.one_call_activation = False  # the last pull's answer announced /activate_weights
 
     async def pull(self, version: int) -> dict[str, Any]:
         body = {"target_version": version, "source_dir": self._need("store_dir"),
                 "local_checkpoint_dir": self._need("local_dir")}
-        return await self.call("POST", "/pull_weights", body, timeout_s=PULL_TIMEOUT_S)
+        answer = await self.call("POST", "/pull_weights", body, timeout_s=PULL_TIMEOUT_S)
+        self.one_call_activation = offers_one_call(answer)
+        return answer
+
+    async def activate_in_one_call(self, version: int, pause_mode: str, flush: bool) -> dict[str, Any]:
+        """``/activate_weights``: the engine pauses, loads the prepared ``version``, continues and checks."""
+        return await self.call("POST", ACTIVATE_PATH, {"model_path": self._need("local_dir"),
+                                                       "weight_version": str(version), "pause_mode": pause_mode,
+                                                       "flush_cache": flush})
 
     async def pause(self, mode: str) -> None:
         await self.call("POST", "/pause_generation", {"mode": mode})
@@ -59,14 +69,21 @@ class AsyncEngineClient:
     async def call(self, method: str, path: str, body: dict | None = None, *,
                    timeout_s: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
         """One request; the JSON answer (a dict) or the typed error EngineClient raises for it."""
+        return self.checked(await self.send(method, path, body, timeout_s=timeout_s), path)
+
+    async def send(self, method: str, path: str, body: dict | None = None, *,
+                   timeout_s: float = CONTROL_TIMEOUT_S) -> Reply:
+        """One request, its answer whatever the status; ``EngineUnreachable`` when none came."""
         headers = self.keys.headers_for(path)
         try:
             if method == "GET":
-                reply = await self.session.get(self.url + path, headers=headers, timeout_s=timeout_s)
-            else:
-                reply = await self.session.post(self.url + path, json=body, headers=headers, timeout_s=timeout_s)
+                return await self.session.get(self.url + path, headers=headers, timeout_s=timeout_s)
+            return await self.session.post(self.url + path, json=body, headers=headers, timeout_s=timeout_s)
         except TransportFailed as exc:
             raise EngineUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+
+    def checked(self, reply: Reply, path: str) -> dict[str, Any]:
+        """``reply``'s JSON answer (a dict) when it is a success, else the typed error EngineClient raises."""
         payload = response_payload(reply)
         if reply.status_code == 200 and not (isinstance(payload, dict) and payload.get("success") is False):
             return payload if isinstance(payload, dict) else {"result": payload}

@@ -23,8 +23,10 @@ What is compared, and how:
   reporting ``context_length: null`` (SGLang without ``--context-length``) uses its
   checkpoint's own value, taken to be the job checkpoint's.
 
-A field the engine does not report at all is not compared (nothing to compare with);
-:func:`unreported_fields` names them so the caller can log that.
+Every compared field must be reported, with a value of the right JSON type: a field that is
+absent, or wrongly typed (``tp_size: "two"``, ``architectures: 5``, ``/server_info`` answering a
+list), is a problem naming the field and what was found, never a silent pass. So a server that
+answers ``{}`` to everything matches nothing. :func:`unreported_fields` names the absent ones.
 """
 
 from __future__ import annotations
@@ -81,8 +83,14 @@ class EngineExpectation:
         )
 
 
-def check_engine_matches(expected: EngineExpectation, server_info: dict, model_info: dict) -> list[str]:
-    """One message per mismatch, naming the field and both values; ``[]`` when the engine fits."""
+def check_engine_matches(expected: EngineExpectation, server_info: Any, model_info: Any) -> list[str]:
+    """One message per mismatch, naming the field and both values (an absent or wrongly typed field
+    is one too); ``[]`` when the engine fits. ``server_info`` / ``model_info``: the engine's JSON
+    answers as decoded (anything but an object is a problem of its own)."""
+    shapes = [f"{path} answered {_json_kind(answer)}, not a JSON object" for path, answer
+              in (("/server_info", server_info), ("/model_info", model_info)) if not isinstance(answer, dict)]
+    if shapes:
+        return shapes
     problems = [
         _check_architecture(expected, model_info),
         _check_tp_size(expected, server_info),
@@ -122,22 +130,33 @@ def sglang_auto_dtype(checkpoint_dtype: str) -> str:
 
 def _check_architecture(expected: EngineExpectation, model_info: dict) -> str | None:
     served = model_info.get("architectures")
-    if served:
-        if isinstance(served, str):
-            served = [served]
+    if isinstance(served, str):
+        served = [served]
+    if served is not None and not (isinstance(served, list) and all(isinstance(a, str) for a in served)):
+        return f"architectures: the engine reports {_shown(served)} in /model_info, not a list of names"
+    if served and expected.architectures:
         if list(served) != list(expected.architectures):
             return (f"architectures: the engine serves {list(served)}, "
                     f"the job's checkpoint has {list(expected.architectures)}")
         return None
     served_type = model_info.get("model_type")
-    if served_type and expected.model_type and served_type != expected.model_type:
-        return f"model_type: the engine serves {served_type!r}, the job's checkpoint has {expected.model_type!r}"
-    return None
+    if served_type is not None and not isinstance(served_type, str):
+        return f"model_type: the engine reports {_shown(served_type)} in /model_info, not a name"
+    if served_type and expected.model_type:
+        if served_type != expected.model_type:
+            return f"model_type: the engine serves {served_type!r}, the job's checkpoint has {expected.model_type!r}"
+        return None
+    return ("architectures: the engine reports neither architectures nor model_type in /model_info, so the "
+            "model it serves cannot be compared with the job's checkpoint")
 
 
 def _check_tp_size(expected: EngineExpectation, server_info: dict) -> str | None:
-    served = server_info.get("tp_size")
-    if served is None or int(served) == expected.tp_size:
+    if "tp_size" not in server_info:
+        return f"tp_size: the engine does not report it in /server_info ({NUM_GPUS_FLAG} is {expected.tp_size})"
+    served = server_info["tp_size"]
+    if not _is_count(served):
+        return f"tp_size: the engine reports {_shown(served)} in /server_info, not a number"
+    if served == expected.tp_size:
         return None
     return f"tp_size: the engine runs tp_size={served}, {NUM_GPUS_FLAG} is {expected.tp_size}"
 
@@ -145,7 +164,9 @@ def _check_tp_size(expected: EngineExpectation, server_info: dict) -> str | None
 def _check_dtype(expected: EngineExpectation, server_info: dict) -> str | None:
     reported = server_info.get("dtype")
     if reported is None:
-        return None
+        return f"dtype: the engine does not report it in /server_info (the job expects {expected.dtype})"
+    if not isinstance(reported, str):
+        return f"dtype: the engine reports {_shown(reported)} in /server_info, not a dtype name"
     served = normalize_dtype(reported)
     if served == "auto":
         if expected.checkpoint_dtype is None:
@@ -159,17 +180,37 @@ def _check_dtype(expected: EngineExpectation, server_info: dict) -> str | None:
 
 
 def _check_context_length(expected: EngineExpectation, server_info: dict) -> str | None:
-    if expected.context_length is None or "context_length" not in server_info:
+    if expected.context_length is None:
         return None
+    if "context_length" not in server_info:
+        return (f"context_length: the engine does not report it in /server_info (the job needs "
+                f"{expected.context_length} tokens)")
     served = server_info["context_length"]
     if served is None:  # SGLang without --context-length: its checkpoint's own value
         served = expected.checkpoint_context_length
         if served is None:
             return None
-    if int(served) >= expected.context_length:
+    elif not _is_count(served):
+        return f"context_length: the engine reports {_shown(served)} in /server_info, not a number"
+    if served >= expected.context_length:
         return None
     return (f"context_length: the engine accepts {served} tokens, "
             f"the job needs {expected.context_length}")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    """A reported value for a message (bounded: the engine chose it)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _json_kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
 
 
 # --------------------------------------------------------------------------- config.json

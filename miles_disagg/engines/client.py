@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from miles_disagg.net.auth import ApiKeys
+from miles_disagg.net.auth import ApiKeys, level_of
 from miles_disagg.net.keyed_client import KeyedHttpClient, payload_message, response_payload
 from miles_disagg.types import EngineUnreachable, EngineUnrecoverable, FailRun, InvalidInput, MilesDisaggError, Retryable
 
@@ -55,13 +55,25 @@ class EngineClient(KeyedHttpClient):
         self.store_dir = os.path.abspath(store_dir) if store_dir is not None else None
         # not resolve(): the local checkpoint is a symlink the materializer flips
         self.local_dir = os.path.abspath(local_checkpoint_dir) if local_checkpoint_dir is not None else None
+        self.one_call_activation = False  # the last pull's answer announced /activate_weights
 
     # ------------------------------------------------------------------ weights lifecycle
 
     def pull(self, version: int) -> dict[str, Any]:
         """Materialize and verify ``version`` on the engine's host while it keeps serving."""
-        return self.post("/pull_weights", {"target_version": version, "source_dir": self._need("store_dir"),
-                                           "local_checkpoint_dir": self._need("local_dir")}, timeout_s=PULL_TIMEOUT_S)
+        from miles_disagg.engines.activation import offers_one_call
+
+        answer = self.post("/pull_weights", {"target_version": version, "source_dir": self._need("store_dir"),
+                                             "local_checkpoint_dir": self._need("local_dir")}, timeout_s=PULL_TIMEOUT_S)
+        self.one_call_activation = offers_one_call(answer)
+        return answer
+
+    def activate_in_one_call(self, version: int, pause_mode: str, flush: bool) -> dict[str, Any]:
+        """``/activate_weights``: the engine pauses, loads the prepared ``version``, continues and checks."""
+        from miles_disagg.engines.activation import ACTIVATE_PATH
+
+        return self.post(ACTIVATE_PATH, {"model_path": self._need("local_dir"), "weight_version": str(version),
+                                         "pause_mode": pause_mode, "flush_cache": flush})
 
     def pause(self, mode: str) -> None:
         self.post("/pause_generation", {"mode": mode})
@@ -169,6 +181,14 @@ class EngineClient(KeyedHttpClient):
         return self.call("POST", "/generate", body, timeout_s=timeout_s, whole=True)
 
     # ------------------------------------------------------------------ transport
+
+    def request(self, method: str, path: str, **kwargs: Any):
+        """The raw ``httpx.Response``, with the key ``path`` needs and no other: the admin key only to
+        admin paths, the API key (when the run has one) to the others, nothing to open ones. Never
+        the admin key in place of a missing API key: an engine leaves its other paths open when it
+        has no API key, and an address that is not an engine must not receive the admin key."""
+        level = level_of(path.split("?", 1)[0])
+        return self._http.request(method, path, headers=self.keys.header_for_level(level, strict=True), **kwargs)
 
     def get(self, path: str, *, timeout_s: float | None = None) -> dict[str, Any]:
         return self.call("GET", path, timeout_s=timeout_s)

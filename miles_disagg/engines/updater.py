@@ -8,7 +8,10 @@ committed ``version``, with the per-engine steps of :mod:`miles_disagg.engines.a
    failure fails the update here, and no engine has been paused.
 2. Per engine, in parallel: the router stops sending it requests, then
    :func:`~miles_disagg.engines.activation.activate` (pause, flush, load, continue, verify),
-   and the router routes to it again by the version it really serves.
+   and the router routes to it again by the version it really serves. An engine whose pull
+   answer announced it (the built-in engine, ``miles-disagg agent``) does all of that itself in
+   one request (``/activate_weights``), so its pause holds no round trip to this process and does
+   not grow with the number of engines updated at once; a stock SGLang gets the five requests.
 
 Both phases run on one event loop (a private thread's, so a caller inside a loop is fine) with
 :class:`~miles_disagg.engines.async_client.AsyncEngineClient`: with a thread and a synchronous
@@ -46,7 +49,7 @@ class UpdateFailed(ReplaceReplica):
 class UpdateReport:
     version: int
     prepare_time_s: float  # slowest engine's /pull_weights, overlapping generation
-    pause_time_s: float  # longest time any engine could not generate
+    pause_time_s: float  # longest time any engine could not generate (one call: as the engine measured it)
     activate_time_s: float  # whole step 2 (all engines, in parallel)
     per_engine_pause_s: list[float] = field(default_factory=list)
 

@@ -2,9 +2,10 @@
 
 An attached engine (``--rollout-external-engine-addrs`` at start, ``engines add`` mid-run, or one
 that answers again after it stopped) must answer ``/health`` and match the job: architecture, tp
-size, context length and dtype, and (disk-delta) pull from this job's version store. Every check
-here reads the engine over HTTP; none changes it. Engines attached at start are then brought to
-the job's base (:func:`bring_to_base`).
+size, context length and dtype, and (disk-delta) pull from this job's version store, all shown
+before any key is sent to it (:mod:`miles_disagg.fleet.vetting`). Every check here reads the
+engine over HTTP; none changes it. Engines attached at start are then brought to the job's base
+(:func:`bring_to_base`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Callable
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.fleet.slots import EngineSlots
-from miles_disagg.types import ConfigError
+from miles_disagg.fleet.vetting import Vetting, check_engine_url, vet
+from miles_disagg.types import ConfigError, InvalidInput
 
 log = logging.getLogger(__name__)
 
@@ -26,29 +28,27 @@ ATTACH_TIMEOUT_S = 120.0
 """How long an engine named at start has to answer ``/health``."""
 
 
-def wait_answering(url: str, timeout_s: float) -> None:
-    """Until the engine at ``url`` answers ``/health``; ``ConfigError`` naming
-    ``--rollout-external-engine-addrs`` when it does not within ``timeout_s``."""
-    from miles_disagg.net.process import NotHealthy, wait_healthy
-
-    try:
-        wait_healthy(url, timeout_s=timeout_s, poll_s=1.0)
-    except NotHealthy as exc:
-        raise ConfigError(f"--rollout-external-engine-addrs: {url} did not answer /health: {exc.reason}",
-                          ("--rollout-external-engine-addrs",)) from None
-
-
-def attached_urls(config: EngineManagerConfig) -> list[str]:
-    """The engines named by ``--rollout-external-engine-addrs``, each answering and matching the job;
-    else ``ConfigError`` naming the first that does not."""
-    urls = [f"http://{addr}" for addr in config.rollout.rollout_external_engine_addrs]
-    for url in urls:
-        wait_answering(url, ATTACH_TIMEOUT_S)
-        problems = mismatches(config, url)
-        if problems:
-            raise ConfigError(f"--rollout-external-engine-addrs {url.removeprefix('http://')} does not match this "
-                              f"job: {'; '.join(problems)}", ("--rollout-external-engine-addrs",))
-    return urls
+def attached_engines(config: EngineManagerConfig) -> list[Vetting]:
+    """The engines named by ``--rollout-external-engine-addrs``, each answering and matching the job
+    (:func:`~miles_disagg.fleet.vetting.vet`: no key is sent before it passed) and each a server of
+    its own; else ``ConfigError`` naming the first that is not."""
+    flag = "--rollout-external-engine-addrs"
+    passed: list[Vetting] = []
+    for addr in config.rollout.rollout_external_engine_addrs:
+        try:
+            vetting = vet(config, check_engine_url(f"http://{addr}"), answer_timeout_s=ATTACH_TIMEOUT_S)
+        except InvalidInput as exc:
+            raise ConfigError(f"{flag}: {exc}", (flag,)) from None
+        if not vetting.answered:
+            raise ConfigError(f"{flag}: {vetting.url} did not answer /health: {vetting.not_answering}", (flag,))
+        if vetting.refusal is not None:
+            raise ConfigError(f"{flag} {addr} {vetting.refusal}", (flag,))
+        same = next((p for p in passed if p.server_ids & vetting.server_ids), None)
+        if same is not None:
+            raise ConfigError(f"{flag}: {addr} is {same.url.removeprefix('http://')} under another address (the same "
+                              "server answers both); name each engine once", (flag,))
+        passed.append(vetting)
+    return passed
 
 
 def bring_to_base(config: EngineManagerConfig, slots: EngineSlots, updater: Callable) -> None:
@@ -78,38 +78,13 @@ def bring_to_base(config: EngineManagerConfig, slots: EngineSlots, updater: Call
     slots.record({"event": "reset_to_base", "engines": list(stale), "time": time.time()})
 
 
-def mismatches(config: EngineManagerConfig, url: str) -> list[str]:
-    """Why the engine at ``url`` cannot serve this job (architecture, tp size, context, dtype, store);
-    empty when it can."""
-    from miles_disagg.engines.check import EngineExpectation, check_engine_matches
-
-    expected = EngineExpectation.from_hf_checkpoint(config.model_path, config.cluster.rollout_num_gpus_per_engine,
-                                                    config.rollout.engine_dtype)
-    with EngineClient(url, timeout_s=10) as client:
-        server_info = client.server_info()
-        return check_engine_matches(expected, server_info, client.model_info()) + _store_mismatch(config, server_info)
-
-
-def _store_mismatch(config: EngineManagerConfig, server_info: dict) -> list[str]:
-    """Disk-delta: a built-in engine pulls only from its ``--weight-store-dir``s (an agent says
-    nothing here and refuses a wrong store at the first pull, naming its roots)."""
-    weights = config.weights
-    stores = server_info.get("weight_store_dirs")
-    ours = weights.update_weight_disk_dir
-    if weights.update_weight_transfer_mode != "disk-delta" or stores is None or not ours:
-        return []
-    if any(os.path.realpath(s) == os.path.realpath(ours) for s in stores):
-        return []
-    return [f"weight store: the engine pulls only from {stores or 'no store (no --weight-store-dir)'}, "
-            f"this job publishes to {ours!r}; start it with --weight-store-dir {ours}"]
-
-
 def engine_local_dir(url: str, default: Path) -> str:
     """The engine host's own local checkpoint (an agent's, or a built-in engine's
     ``--local-checkpoint-dir``), else ``default``: a server writes only the one it was started with."""
     with EngineClient(url, timeout_s=5) as client:
         info = client.agent_info() or client.server_info()
-    return str(info.get("local_checkpoint_dir") or default)
+    said = info.get("local_checkpoint_dir")
+    return said if isinstance(said, str) and os.path.isabs(said) else str(default)
 
 
 def announced_filters(url: str) -> list[str] | None:

@@ -48,11 +48,13 @@ class CapacityPolicy:
                 f"{self.timeout_s:g}s")
         return f"{line}; {why}" if why else line
 
-    def report(self, events: list[dict], down: set[int]) -> dict:
+    def report(self, events: list[dict], down: set[int], removed: int = 0) -> dict:
         """:meth:`state` plus ``verdict``, naming why the engines still out left (the engine
-        manager's ``node_lost`` / ``actor_lost`` events)."""
+        manager's ``node_lost`` / ``actor_lost`` events; ``removed``: how many left by ``engines remove``)."""
         gone = {e["engine"]: e["why"] for e in events if e["event"] in ("node_lost", "actor_lost")}
         why = "; ".join(f"engine {i}: {gone.get(i, NOT_ANSWERING)}" for i in sorted(down))
+        if removed and not down:
+            why = f"{removed} engine(s) left by engines remove and no engine has joined since (engines add)"
         return {**self.state(), "verdict": self.verdict(why)}
 
     def state(self) -> dict:

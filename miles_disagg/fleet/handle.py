@@ -68,6 +68,13 @@ class EngineManagerHandle:
         self.delta_filters = list(info.get("delta_filters") or [])
         self.local_dirs = list(info["local_dirs"])
 
+    def refresh_engine_urls(self) -> bool:
+        """Read the current members' URLs again into :attr:`engine_urls` (engines join, leave and are
+        placed again mid-run); True when they changed since the last read (or the start)."""
+        urls = list(Pending([self._actor.member_urls.remote()]).result())
+        changed, self.engine_urls = urls != self.engine_urls, urls
+        return changed
+
     def serve_membership(self) -> str:
         """Open the membership control endpoint (``miles-disagg engines``); its URL."""
         return Pending([self._actor.serve_membership.remote()]).result()

@@ -43,7 +43,7 @@ from typing import Any
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.engines.client import EngineClient
 from miles_disagg.engines.updater import BroadcastUpdater, DiskDeltaUpdater, UpdateFailed
-from miles_disagg.fleet.attach import announced_filters, attached_urls, bring_to_base, engine_local_dir
+from miles_disagg.fleet.attach import announced_filters, attached_engines, bring_to_base, engine_local_dir
 from miles_disagg.fleet.membership import Membership
 from miles_disagg.fleet.monitor import EngineMonitor
 from miles_disagg.fleet.plan import local_checkpoint_root
@@ -71,6 +71,7 @@ class EngineManager:
         self.replacements = self.replacements_class(config, placement, self.slots, self.routing, self.stopping)
         self.monitor = EngineMonitor(config, self.slots, self.routing, self.replacements, self.stopping)
         self.members = Membership(config, self.slots, self.routing, placement)  # engines add/remove mid-run
+        self.monitor.on_moved = self.replacements.on_moved = self.members.engine_moved  # placement.json follows
         self._broadcast: BroadcastUpdater | None = None
         self._control = None  # the membership control endpoint (fleet/control_server.py)
 
@@ -78,6 +79,11 @@ class EngineManager:
     def engine_urls(self) -> list[str]:
         """Every engine's URL by index (a copy; removed engines included)."""
         return self.slots.urls()
+
+    def member_urls(self) -> list[str]:
+        """The current members' URLs in index order: joins, removals and re-placements included
+        (what miles' post-write hooks get as ``rollout_engines``)."""
+        return [self.slots.url(i) for i in self.slots.members()]
 
     @property
     def local_dirs(self) -> list[str]:
@@ -120,8 +126,8 @@ class EngineManager:
         else:
             self.routing.start([])
         if self.rollout.rollout_external:
-            for url in attached_urls(self.config):
-                self.slots.add(url, local_dir="")  # its own, asked below
+            for engine in attached_engines(self.config):
+                self.slots.add(engine.url, local_dir="", server_ids=engine.server_ids)  # its local dir: asked below
         else:
             self._launch(store_probe)
         urls = self.engine_urls

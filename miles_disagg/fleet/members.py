@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from miles_disagg.fleet.slots import EngineSlots
+from miles_disagg.fleet.vetting import check_engine_url
 from miles_disagg.types import InvalidInput, ReplaceReplica
 
 MEMBERSHIP_FILENAME = "membership.jsonl"
@@ -53,9 +54,10 @@ class MemberInfo:
 
 
 def normalize(url: str) -> str:
-    """``host:port`` or ``http://host:port/`` -> ``http://host:port``."""
+    """``host:port`` or ``http://host:port/`` -> ``http://host:port``; ``InvalidInput`` for anything
+    that is not an engine address (credentials, a path, no port: :func:`~miles_disagg.fleet.vetting.check_engine_url`)."""
     url = url.strip().rstrip("/")
-    return url if "://" in url else f"http://{url}"
+    return check_engine_url(url if "://" in url else f"http://{url}")
 
 
 class MemberRecords:
@@ -67,6 +69,8 @@ class MemberRecords:
         self.slots = slots
         self.placement = placement
         self.info: dict[int, MemberInfo] = {}
+        self.started = False
+        """True once :meth:`record_start` wrote the stream's first lines (changes are recorded from then)."""
 
     def info_of(self, index: int) -> MemberInfo:
         return self.info.get(index) or self._initial_info(index)
@@ -86,6 +90,7 @@ class MemberRecords:
         for index in self.slots.members():
             self.info.setdefault(index, self._initial_info(index))
             self.record("start", index, why="engine the run started with")
+        self.started = True
 
     def record(self, action: str, index: int, *, why: str, version: int | None = None, **extra: Any) -> None:
         """One line of ``membership.jsonl`` (``version``: the set's current one unless given)."""

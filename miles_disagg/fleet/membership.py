@@ -37,7 +37,7 @@ from miles_disagg.fleet.members import (MemberInfo, MemberRecords, MembershipRef
                                         normalize)
 from miles_disagg.fleet.routing import EngineRouting
 from miles_disagg.fleet.slots import EngineSlots
-from miles_disagg.types import ConfigError, InvalidInput, MilesDisaggError
+from miles_disagg.types import InvalidInput, MilesDisaggError
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,19 @@ class Membership:
         self.records.record_start()
         self.records.write_placement()
 
+    def engine_moved(self, index: int, site: dict | None) -> None:
+        """Engine ``index`` serves at a new address: restarted by its actor (``site`` None: same
+        bundle), or placed again after its node or actor was lost (``site``: where now). Recorded in
+        ``membership.jsonl`` (``moved``) and ``placement.json`` (once the run started recording)."""
+        if site is not None:
+            self.records.info[index] = MemberInfo("managed", site.get("node_ip"), site.get("node_id"),
+                                                  [str(g) for g in site.get("gpu_ids") or []],
+                                                  joined=self.records.info_of(index).joined)
+        if self.records.started:
+            why = "placed again (its node or actor was lost)" if site is not None else "restarted by its actor"
+            self.records.record("moved", index, why=why)
+            self.records.write_placement()
+
     # ------------------------------------------------------------------ join
 
     def add_attached(self, urls: list[str]) -> list[dict]:
@@ -69,11 +82,12 @@ class Membership:
         with self._changing:
             self._refuse_unless_disk_delta()
             urls = [normalize(u) for u in urls]
-            self._check_new(urls)
+            server_ids = self._check_new(urls)
             joined: list[dict] = []
             for url in urls:
                 try:
-                    joined.append(self._join(url, MemberInfo("attached", urlsplit(url).hostname), why="engines add"))
+                    joined.append(self._join(url, MemberInfo("attached", urlsplit(url).hostname), why="engines add",
+                                             server_ids=server_ids[url]))
                 except MilesDisaggError as exc:
                     raise join_failed(url, exc, joined) from exc
             return joined
@@ -107,33 +121,62 @@ class Membership:
             raise MembershipRefused("this run is colocated (engines share the trainer's GPUs): its engine set "
                                     "is fixed")
 
-    def _check_new(self, urls: list[str]) -> None:
-        """Every address answers and matches the job; ``InvalidInput`` naming each that does not
-        (nothing is changed)."""
-        from miles_disagg.fleet.attach import mismatches, wait_answering
+    def _check_new(self, urls: list[str]) -> dict[str, frozenset[str]]:
+        """Every address answers, matches the job and is a server of its own (not a member, nor
+        another address named, under another address); ``InvalidInput`` naming each that is not
+        (nothing is changed, and no key was sent to any of them). Returns each one's server ids."""
+        from miles_disagg.fleet.vetting import vet
 
-        problems = []
-        current = {self.slots.url(i) for i in self.slots.members()}
+        problems, passed = [], {}
+        current = {self.slots.url(i): i for i in self.slots.members()}
+        known = self._member_ids(urls)
         for url in urls:
             if url in current or urls.count(url) > 1:
-                problems.append(f"{url} is already an engine of this run" if url in current else
-                                f"{url} is named twice")
+                problems.append(f"{url} is already an engine of this run (engine {current[url]})" if url in current
+                                else f"{url} is named twice")
                 continue
-            try:
-                wait_answering(url, ANSWER_TIMEOUT_S)
-            except ConfigError:
-                problems.append(f"{url} does not answer /health (engine unreachable)")
+            vetting = vet(self.config, url, answer_timeout_s=ANSWER_TIMEOUT_S)
+            if vetting.refusal is not None:
+                problems.append(f"{url} {vetting.refusal}")
                 continue
-            try:
-                found = mismatches(self.config, url)
-            except MilesDisaggError as exc:
-                found = [f"cannot read its server and model info ({exc})"]
-            if found:
-                problems.append(f"{url} does not match this job: {'; '.join(found)}")
+            member = next((i for i, ids in known.items() if ids & vetting.server_ids), None)
+            named = next((other for other, ids in passed.items() if ids & vetting.server_ids), None)
+            if member is not None:
+                problems.append(f"{url} is already an engine of this run: engine {member} "
+                                f"({self.slots.url(member)}) answers there too (one server, two addresses)")
+            elif named is not None:
+                problems.append(f"{url} and {named} are one server under two addresses; name it once")
+            else:
+                passed[url] = vetting.server_ids
         if problems:
             raise InvalidInput("nothing was added: " + "; ".join(problems))
+        return passed
 
-    def _join(self, url: str, info: MemberInfo, *, why: str, actor: Any = None) -> dict:
+    def _member_ids(self, urls: list[str]) -> dict[int, frozenset[str]]:
+        """Each member's server ids; asked again (no key: ``/health``) where not known yet or where
+        the member listens on the port of one of ``urls`` (an alias has its port; the member may
+        have restarted since it was asked)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from miles_disagg.fleet.vetting import NotAnswering, health_identity
+
+        ports = {urlsplit(u).port for u in urls}
+        ask = [i for i in self.slots.members()
+               if not self.slots.server_ids(i) or urlsplit(self.slots.url(i)).port in ports]
+
+        def asked(index: int) -> None:
+            try:
+                self.slots.set_server_ids(index, health_identity(self.slots.url(index), 0))
+            except NotAnswering:
+                pass  # down: what it said before stands (an alias of it cannot answer either)
+
+        if ask:
+            with ThreadPoolExecutor(min(16, len(ask))) as pool:
+                list(pool.map(asked, ask))
+        return {i: self.slots.server_ids(i) for i in self.slots.members()}
+
+    def _join(self, url: str, info: MemberInfo, *, why: str, actor: Any = None,
+              server_ids: frozenset[str] = frozenset()) -> dict:
         """Catch up outside the set's lock, then (under it) to any newer version, then register and route."""
         from miles_disagg.fleet.attach import engine_local_dir
         from miles_disagg.fleet.plan import local_checkpoint_root
@@ -145,7 +188,7 @@ class Membership:
         with slots.lock:
             while reached != slots.version:  # a version was activated while this one caught up
                 reached = self.catch_up(url, local_dir, slots.version)
-            index = slots.add(url, local_dir, actor=actor)  # later updates cover it
+            index = slots.add(url, local_dir, actor=actor, server_ids=server_ids)  # later updates cover it
             self.records.info[index] = info
             try:
                 router.add_worker(url)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Callable
 
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.engines.client import EngineClient
@@ -39,6 +40,9 @@ class EngineMonitor:
         self.slots, self.routing, self.replacements, self.stopping = slots, routing, replacements, stopping
         self.capacity_policy = CapacityPolicy(self.rollout.min_rollout_engines, self.rollout.min_rollout_engines_timeout)
         self._thread: threading.Thread | None = None
+        self.on_moved: Callable[[int, dict | None], None] = lambda index, site: None
+        """Called with an engine's index once its actor restarted it at a new address (site: None,
+        it stays on its bundle): the engine manager records it (``placement.json``)."""
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._watch, name="engine-monitor", daemon=True)
@@ -70,13 +74,18 @@ class EngineMonitor:
     # ------------------------------------------------------------------ capacity
 
     def observe_capacity(self) -> None:
-        self.capacity_policy.observe(self.slots.serving(), len(self.slots))
+        """Members that serve, of all members: an engine removed by ``engines remove`` counts as
+        neither (with ``--force``, the last one leaves the run none: rollout waits for a join, at
+        most ``--min-rollout-engines-timeout``)."""
+        self.capacity_policy.observe(self.slots.serving(), len(self.slots.members()))
 
     def capacity(self) -> dict:
         """How many engines serve, and ``verdict``: the line that ends the run once fewer than
         ``--min-rollout-engines`` served for longer than its timeout (else None)."""
         self.observe_capacity()
-        return self.capacity_policy.report(self.slots.events, self.slots.down())
+        members = set(self.slots.members())
+        return self.capacity_policy.report(self.slots.events, self.slots.down() & members,
+                                           removed=len(self.slots) - len(members))
 
     # ------------------------------------------------------------------ one engine
 
@@ -135,6 +144,7 @@ class EngineMonitor:
         except RayActorError as exc:  # gone with its node: placed again, not restarted
             self.replacements.engine_gone(index, "actor_lost", why=f"its actor is gone: {str(exc).splitlines()[0]}")
             return False
+        self.on_moved(index, None)
         return True
 
     def process_alive(self, index: int) -> bool | None:
@@ -171,17 +181,18 @@ class EngineMonitor:
                            "time": time.time()})
 
     def _answers_and_matches(self, index: int) -> bool:
-        """An attached engine that answers again is re-checked against the job before it is restored."""
-        from miles_disagg.fleet.attach import mismatches
+        """An attached engine that answers again is re-checked against the job (no key sent before
+        it passed: :mod:`miles_disagg.fleet.vetting`) before it is restored."""
+        from miles_disagg.fleet.vetting import vet
 
         url = self.slots.url(index)
-        with EngineClient(url, timeout_s=3) as client:
-            if not client.healthy():
-                return False
-        problems = mismatches(self.config, url)
-        if problems:
-            if not any(e["event"] == "mismatch" and e["engine"] == index for e in self.slots.events[-5:]):
-                self.slots.record({"engine": index, "event": "mismatch", "url": url, "problems": problems,
-                                   "time": time.time()})
+        vetting = vet(self.config, url, answer_timeout_s=0)
+        if not vetting.answered:
             return False
+        if vetting.refusal is not None:
+            if not any(e["event"] == "mismatch" and e["engine"] == index for e in self.slots.events[-5:]):
+                self.slots.record({"engine": index, "event": "mismatch", "url": url,
+                                   "problems": list(vetting.problems) or [vetting.refusal], "time": time.time()})
+            return False
+        self.slots.set_server_ids(index, vetting.server_ids)  # it may be another process than before
         return True

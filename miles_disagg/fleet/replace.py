@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.fleet.routing import EngineRouting
@@ -52,6 +52,9 @@ class Replacements:
         self._threads: dict[int, threading.Thread] = {}
         self._pending: dict[int, Any] = {}  # index -> the actor being created (killed on stop)
         self._guard = threading.Lock()
+        self.on_moved: Callable[[int, dict | None], None] = lambda index, site: None
+        """Called with an engine's index and its new site once it was placed again (its new address
+        is in ``slots``): the engine manager records it (``placement.json``)."""
 
     # ------------------------------------------------------------------ losses
 
@@ -206,4 +209,5 @@ class Replacements:
             local_dir = engine_local_dir(url, local_checkpoint_root(self.config) / f"engine-{index}")
             self.slots.replace(index, actor=actor, url=url, node=site["node_id"], local_dir=local_dir)
             self.slots.record({"engine": index, "event": "replaced", "url": url, **site, "time": time.time()})
+        self.on_moved(index, site)
         self.routing.restore(index)

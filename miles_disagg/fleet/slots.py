@@ -36,6 +36,9 @@ class EngineSlot:
     removed: bool = False
     failures: int = 0
     """Consecutive failed health checks."""
+    server_ids: frozenset[str] = frozenset()
+    """Who answers at ``url`` (:mod:`miles_disagg.fleet.vetting`); empty: not asked since the
+    engine (re)started. Two addresses of one server share an id."""
 
 
 class EngineSlots:
@@ -62,9 +65,10 @@ class EngineSlots:
         """Every slot's index, removed ones included (in order)."""
         return range(len(self._slots))
 
-    def add(self, url: str, local_dir: str, *, actor: Any = None, node: str | None = None) -> int:
+    def add(self, url: str, local_dir: str, *, actor: Any = None, node: str | None = None,
+            server_ids: frozenset[str] = frozenset()) -> int:
         """A new engine in the next slot; returns its index. Joins call it holding ``lock``."""
-        self._slots.append(EngineSlot(url, local_dir, actor, node))
+        self._slots.append(EngineSlot(url, local_dir, actor, node, server_ids=frozenset(server_ids)))
         self._had_actor = self._had_actor or actor is not None
         return len(self._slots) - 1
 
@@ -77,8 +81,8 @@ class EngineSlots:
         self.events.append(event)
 
     def serving(self) -> int:
-        """Slots not down (removed ones count as the capacity policy counts them: as serving)."""
-        return sum(not slot.down for slot in self._slots)
+        """Members (engines that have not left the run) not down: what the capacity policy counts."""
+        return sum(not slot.down and not slot.removed for slot in self._slots)
 
     # ------------------------------------------------------------------ one engine
 
@@ -90,8 +94,16 @@ class EngineSlots:
         return [slot.url for slot in self._slots]
 
     def set_url(self, index: int, url: str) -> None:
-        """A restarted engine's new address."""
-        self._slots[index].url = url
+        """A restarted engine's new address (who answers there is asked again)."""
+        slot = self._slots[index]
+        slot.url, slot.server_ids = url, frozenset()
+
+    def server_ids(self, index: int) -> frozenset[str]:
+        """Who answered at the engine's address when last asked (empty: not asked since it (re)started)."""
+        return self._slots[index].server_ids
+
+    def set_server_ids(self, index: int, server_ids: frozenset[str]) -> None:
+        self._slots[index].server_ids = frozenset(server_ids)
 
     def local_dir(self, index: int) -> str:
         return self._slots[index].local_dir
@@ -137,7 +149,7 @@ class EngineSlots:
         lost, no failed health checks (still down: it is restored next)."""
         slot = self._slots[index]
         slot.actor, slot.url, slot.node, slot.local_dir = actor, url, node, local_dir
-        slot.failures, slot.lost = 0, False
+        slot.failures, slot.lost, slot.server_ids = 0, False, frozenset()
         self._had_actor = True
 
     # ------------------------------------------------------------------ where it stands

@@ -12,7 +12,10 @@ from miles_disagg.loop.job import Job
 
 
 def publish(job: Job, version_before: int) -> tuple[int, dict[str, Any]]:
-    """The trainer commits its policy as version ``version_before + 1`` (disk-delta)."""
+    """The trainer commits its policy as version ``version_before + 1`` (disk-delta). Its post-write
+    hook gets the engines that are members now (joined, left or placed again since the last step)."""
+    if job.engines is not None and job.engines.refresh_engine_urls():
+        job.trainer.set_rollout_engines(job.engines.engine_urls)
     published = job.trainer.publish()
     version = published.ref.version
     if version != version_before + 1:

@@ -48,6 +48,7 @@ ADMIN_PATHS = frozenset({
     "/update_weights_from_tensor", "/update_weights_from_ipc", "/init_weights_send_group_for_remote_instance",
     "/send_weights_to_remote_instance", "/load_lora_adapter", "/unload_lora_adapter",
     "/release_memory_occupation", "/resume_memory_occupation", "/set_internal_state",
+    "/activate_weights",  # this project's one-call activation (pause, flush, load, continue, check)
     # pausing and aborting other clients' requests
     "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request", "/start_profile", "/stop_profile",
     # router and gateway registry, replica control

@@ -104,14 +104,20 @@ async def generate_one(client, url: str, body: dict, counters: dict[str, int], *
 
     A 409/429/503 was never dispatched and is always retried. A 502 (the worker failed
     after the request reached it) is retried only with ``replay_after_dispatch``; otherwise
-    ``RequestLost`` is raised (the service topology: nothing is replayed).
+    ``RequestLost`` is raised (the service topology: nothing is replayed). At most
+    :data:`MAX_ATTEMPTS` refusals, not counting the router's 503 ``NoWorkerAvailable``: no engine
+    serves now (all are down, or the last one was removed), and rollout waits until one joins or
+    comes back; the run's ``--min-rollout-engines-timeout`` bounds that wait (its capacity watch
+    ends the run), not this loop.
     """
-    for attempt in range(MAX_ATTEMPTS):
+    attempts, last = 0, ""
+    while attempts < MAX_ATTEMPTS:
         try:
             response = await client.post(f"{url}/generate", json=body)
         except Exception as exc:  # router unreachable for a moment: treat as retryable
             counters["retried"] = counters.get("retried", 0) + 1
-            await asyncio.sleep(min(2.0, 0.1 * (attempt + 1)))
+            attempts += 1
+            await asyncio.sleep(min(2.0, 0.1 * attempts))
             last = f"{type(exc).__name__}: {exc}"
             continue
         if response.status_code == 200:
@@ -124,9 +130,22 @@ async def generate_one(client, url: str, body: dict, counters: dict[str, int], *
         counters["retried"] = counters.get("retried", 0) + 1
         if response.status_code == 409:
             counters["version_not_ready"] = counters.get("version_not_ready", 0) + 1
+        if not _no_worker(response):
+            attempts += 1
         await asyncio.sleep(_retry_after(response) * (0.5 + random.random()))
         last = response.text[:300]
     raise GenerationFailed(f"/generate failed {MAX_ATTEMPTS} times; last: {last}")
+
+
+def _no_worker(response) -> bool:
+    """The router's 503 ``NoWorkerAvailable``: no engine serves at all (none is ready)."""
+    if response.status_code != 503:
+        return False
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("type") == "NoWorkerAvailable"
 
 
 def _retry_after(response) -> float:

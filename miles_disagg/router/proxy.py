@@ -62,6 +62,7 @@ from miles_disagg.net.pooled_http import ConnectTimedOut, NotConnected, PooledSe
 from miles_disagg.router.client_gone import ClientGone, unless_client_gone
 from miles_disagg.router.config import RouterConfig
 from miles_disagg.router.health import HealthChecker
+from miles_disagg.router.hops import LOOP_DETECTED, RouterLoop, forwarded_hops, hops_of
 from miles_disagg.router.loop_lag import LoopLag
 from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, annotate_served_versions,
                                        constraint_json, request_constraint, violates)
@@ -184,26 +185,30 @@ class Router:
         """Route one generation request (see the module docstring for the contract)."""
         self.counters["requests"] += 1
         try:
+            hops = hops_of(request.headers)  # routers it went through: a loop of routers ends here
             raw = await request.body()
             body = await parse_json_async(raw)
             constraint = request_constraint(body, request.headers)
             if body.get("stream"):
                 raise InvalidInput("stream=true is not supported by the router; send stream=false")
+        except RouterLoop as exc:
+            return error_response(LOOP_DETECTED, exc, hops=exc.hops, limit=exc.limit)
         except InvalidInput as exc:
             return error_response(400, exc)
         record = ProxyRecord(constraint)
         started = time.perf_counter()
-        response = await self._route(request, path, body, record, len(raw))
+        response = await self._route(request, path, body, record, len(raw), hops)
         record.status, record.total_s = response.status_code, time.perf_counter() - started
         self.overheads_s.append(record.total_s - record.upstream_s)
         self._notify(record)
         return response
 
-    async def _route(self, request: Any, path: str, body: dict, record: ProxyRecord, size: int) -> Any:
+    async def _route(self, request: Any, path: str, body: dict, record: ProxyRecord, size: int, hops: int = 0) -> Any:
         constraint = record.constraint
         payload = await dumps_async(body, size)
         level = getattr(request.state, "auth_level", None)
-        headers = {"content-type": "application/json", **forward_headers(self.keys, level, path)}
+        headers = {"content-type": "application/json", **forward_headers(self.keys, level, path),
+                   **forwarded_hops(hops)}
         tried: set[Worker] = set()
         for _ in range(len(self.registry) + 1):
             try:
@@ -234,7 +239,9 @@ class Router:
         try:
             send = self._client.post(worker.url + path, content=payload, headers=headers)
             upstream = await unless_client_gone(request, send)
-            if upstream.status_code >= 500:
+            if upstream.status_code == LOOP_DETECTED:  # a router of a loop: out of routing, its 508 relayed
+                self._fail(worker, "it is a router in a routing loop (it answered 508 Loop Detected)")
+            elif upstream.status_code >= 500:
                 raise WorkerFailed(worker.url, f"{path} answered {upstream.status_code}: {upstream.text[:500]}")
             served = True
         except ClientGone:

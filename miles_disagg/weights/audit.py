@@ -1,9 +1,12 @@
 """Read-only checks and summaries of a store: ``verify`` and ``inspect``.
 
-``verify_version`` without a base checks structure: the index, the lineage back to the
-base or an anchor, every payload file (present, not truncated, consistent with the
-index) and every zstd frame (decompresses, right size). With ``base_dir`` it also
-replays the chain in memory and checks every changed tensor's final-state checksum.
+``verify_version`` without a base checks what ``apply`` checks short of the final bytes: the
+index, the lineage back to the base or an anchor, every payload file (present, not truncated,
+consistent with the index) and every payload decoded as ``apply`` decodes it (every zstd frame
+decompresses to the right size, every count and position of an ``overwrite`` or ``sparse``
+payload fits its tensor: a payload labelled with another encoding than it was written in is
+refused, as ``apply`` refuses it). With ``base_dir`` it also replays the chain in memory and
+checks every changed tensor's final-state checksum.
 """
 
 from __future__ import annotations
@@ -16,19 +19,24 @@ import numpy as np
 
 from miles_disagg.types import FormatError, LayoutMismatch
 from miles_disagg.weights.apply import LocalTensor, apply_version, load_payloads
-from miles_disagg.weights.codec import check_frames
+from miles_disagg.weights.codec import decode_chunk, split_frames
 from miles_disagg.weights.format import VersionIndex
 from miles_disagg.weights.safetensors_io import DTYPE_ITEMSIZE, checkpoint_tensors, read_bytes
 from miles_disagg.weights.store import VersionStore
 
 
-def _check_frames(index: VersionIndex, version_dir: Path, base_sizes: dict[str, tuple[int, int]] | None) -> int:
-    """Decompress every frame of a version, each bounded by its tensor's size; return the number
-    of tensors checked."""
+def _check_payloads(index: VersionIndex, version_dir: Path, base_sizes: dict[str, tuple[int, int]] | None) -> int:
+    """Decode every payload of a version as ``apply`` does, chunk by chunk onto zeroed scratch of the
+    chunk's size (so every frame, count, position and size ``apply`` checks is checked here, each
+    frame bounded by its tensor's size); return the number of tensors checked. Only the final
+    checksums need the base: :func:`verify_version` checks them with ``base_dir``."""
     payloads = load_payloads(version_dir, index)
     for name, payload in payloads.items():
         nbytes, itemsize = _tensor_size(index, name, base_sizes)
-        check_frames(index.tensor_codec(name), payload.data, nbytes, itemsize, name)
+        spec = index.tensor_codec(name)
+        frames = split_frames(spec, payload.data, nbytes, itemsize, name)
+        for (start, end), chunk_frames in zip(spec.chunks(nbytes, itemsize), frames):
+            decode_chunk(spec, np.zeros(end - start, dtype=np.uint8), chunk_frames, itemsize, name)
     return len(payloads)
 
 
@@ -57,7 +65,7 @@ def verify_version(store: VersionStore, version: int | None = None, base_dir: st
         version = latest.version
     plan = store.plan_chain(version, None)
     base_sizes = _base_sizes(Path(base_dir)) if base_dir is not None else None
-    checked = {index.version: _check_frames(index, store.version_dir(index.version), base_sizes)
+    checked = {index.version: _check_payloads(index, store.version_dir(index.version), base_sizes)
                for index in plan.versions}
     report: dict[str, Any] = {"version": version, "run_id": plan.versions[-1].run_id, "start": plan.start,
                               "chain": [i.version for i in plan.versions], "tensors_checked": checked,

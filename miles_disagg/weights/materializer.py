@@ -10,8 +10,8 @@ Layout (``local_dir`` is always a loadable HF checkpoint)::
 ``prepare`` rebuilds the inactive slot (hard links for files without changed tensors,
 fresh copies for files it patches, so the held slot is never written), applies the
 chain, verifies every changed tensor's final checksum, and only then writes the state
-file and swaps the symlink (``os.replace``). Any failure raises a typed error and leaves
-the held version held and loadable. One prepare at a time per local dir (thread lock +
+file and swaps the symlink (``os.replace``). Any failure raises a typed error, removes the
+scratch slot it was writing and leaves the held version held and loadable. One prepare at a time per local dir (thread lock +
 ``flock``); readers of the held version are never disturbed by a prepare.
 """
 
@@ -165,10 +165,14 @@ class Materializer:
         if missing:
             raise LayoutMismatch(f"the store changes tensors the local checkpoint does not have: {missing[:5]}")
         dest = self.slots_dir / slot
-        _populate(source, dest, {tensors[n][0] for n in touched})
-        for index in plan.versions:
-            self._apply_to_files(store.version_dir(index.version), index, dest, tensors)
-        fsync_dir(dest)
+        try:
+            _populate(source, dest, {tensors[n][0] for n in touched})
+            for index in plan.versions:
+                self._apply_to_files(store.version_dir(index.version), index, dest, tensors)
+            fsync_dir(dest)
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)  # half a version is never left behind as a slot
+            raise
         self._switch(slot, target)
         fresh = held is None or plan.start != "held"
         changed = tuple(sorted(tensors)) if fresh else tuple(sorted(touched))

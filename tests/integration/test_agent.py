@@ -2,7 +2,8 @@
 
 Versions are published with ``DeltaPublisher``; the agent materializes them on the host,
 ``/update_weights_from_disk`` through the agent loads the slot holding exactly that
-version, and everything else is proxied to the engine unchanged. The engine is the
+version (or ``/activate_weights`` does the whole activation on the agent's side), and
+everything else is proxied to the engine unchanged. The engine is the
 built-in one (launched as a subprocess) so tests can also read its internal state.
 """
 
@@ -175,6 +176,69 @@ def test_the_next_version_lands_in_the_other_slot(world):
     assert world.version() == "2"
 
 
+def test_one_call_activation_through_the_agent(world):
+    """``/activate_weights``: the agent pauses its engine, flushes, loads the held slot, continues and
+    checks the version itself, and records the load as a proxied one."""
+    version = world.publish(["model.layers.0.self_attn.o_proj.weight"], seed=4)
+    pulled = world.pull(version)
+    assert pulled.status_code == 200 and pulled.json()["miles_disagg"] == {"activate_weights": True}, pulled.text
+    assert world.info()["activate_weights"] is True
+    slot = Path(pulled.json()["path"])
+    answer = world.agent.post("/activate_weights", json={"weight_version": str(version), "pause_mode": "retract"})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["success"] is True and body["weight_version"] == str(version) and body["loaded_path"] == str(slot)
+    assert body["load"]["activation"] == "disk" and body["pause_ms"] >= 0
+    assert world.version() == str(version)
+    state = world.engine.internal_state()
+    assert state["paused_mode"] is None and state["weights_path"] == str(slot)
+    info = world.info()
+    assert info["last_activation"]["version"] == version and info["last_activation"]["path"] == str(slot)
+    assert info["last_activation"]["engine_status"] == 200 and info["last_activation"]["error"] is None
+    assert info["num_activations_in_flight"] == 0
+    assert world.greedy() == greedy_reference(world.model_dir, world.tensors, PROMPT, GREEDY["max_new_tokens"])
+
+
+@pytest.mark.parametrize("body, status, kind", [
+    ({"weight_version": "99"}, 400, "VersionNotPrepared"),
+    ({"weight_version": "x"}, 400, "InvalidInput"),
+    ({"weight_version": "1", "pause_mode": "sideways"}, 400, "InvalidInput"),
+    ({"weight_version": "3", "model_path": "/elsewhere"}, 403, "OutsideRoots"),
+])
+def test_a_one_call_activation_the_agent_cannot_serve_is_refused_before_any_pause(world, body, status, kind):
+    output, version = world.greedy(), world.version()
+    refused = world.agent.post("/activate_weights", json=body)
+    assert refused.status_code == status and refused.json()["error"]["type"] == kind, refused.text
+    assert world.version() == version and world.greedy() == output
+    assert world.engine.internal_state()["paused_mode"] is None
+
+
+def test_a_load_the_engine_refuses_fails_the_one_call_and_the_engine_is_continued(world):
+    """The held slot's payload cut short: the engine refuses the load after the pause began (503, as the
+    per-step sequence's ActivationFailed); the engine is continued and keeps its version."""
+    output, version = world.greedy(), world.version()
+    held = world.info()["held"]
+    payload = sorted(Path(held["path"]).glob("*.safetensors"))[0]
+    kept = payload.with_name(payload.name + ".kept")
+    payload.rename(kept)  # a new file in its place: a hard link elsewhere keeps the real bytes
+    try:
+        payload.write_bytes(kept.read_bytes()[:64])
+        failed = world.agent.post("/activate_weights", json={"weight_version": str(held["version"])})
+    finally:
+        payload.unlink()
+        kept.rename(payload)
+    assert failed.status_code == 503, failed.text
+    body = failed.json()
+    assert body["success"] is False and body["error"]["type"] == "ActivationFailed"
+    assert body["message"].startswith(f"activation of v{held['version']} failed: EngineRefused: ")
+    assert "/update_weights_from_disk answered 400" in body["message"]
+    assert world.engine.internal_state()["paused_mode"] is None
+    assert world.version() == version and world.greedy() == output
+    info = world.info()
+    assert info["last_activation"]["engine_status"] == 400 and "activation of version" in info["last_error"]
+    assert info["num_activations_in_flight"] == 0
+
+
 def _flip_a_payload_byte(version_dir: Path) -> None:
     """Flip one byte in the middle of the first tensor's compressed payload."""
     payload = sorted(version_dir.glob("*.safetensors"))[0]
@@ -188,6 +252,7 @@ def _flip_a_payload_byte(version_dir: Path) -> None:
 
 def test_a_corrupted_delta_fails_the_pull_and_changes_nothing(world):
     output, version = world.greedy(), world.version()
+    held = world.info()["held"]["version"]
     good = dict(world.tensors)
     bad = world.publish(["model.layers.1.self_attn.q_proj.weight"], seed=3)
     _flip_a_payload_byte(world.store / version_dirname(bad))
@@ -198,7 +263,7 @@ def test_a_corrupted_delta_fails_the_pull_and_changes_nothing(world):
     assert "model.layers.1.self_attn.q_proj.weight" in error["message"]
     assert world.version() == version and world.greedy() == output
     info = world.info()
-    assert info["held"]["version"] == 2 and f"pull of version {bad} failed" in info["last_error"]
+    assert info["held"]["version"] == held and f"pull of version {bad} failed" in info["last_error"]
     refused = world.activate(bad)
     assert refused.status_code == 400 and world.version() == version
     world.tensors = good

@@ -232,6 +232,30 @@ def test_pause_update_continue_spans_activation(engine, mode):
         _assert_spans(meta, old, new)
 
 
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_one_call_activation_spans_requests_in_flight(engine, mode):
+    """``/activate_weights`` does pause, flush, load, continue and the version check itself: requests in
+    flight see the same activation as with the per-step sequence above, and nothing is left paused."""
+    if not engine.builtin:
+        pytest.skip("/activate_weights is this project's endpoint")
+    old, new = engine.version(), _fresh_version()
+    requests = [long_request(engine, f"one-call-{mode}-{i}") for i in range(2)]
+    wait_in_flight(engine, requests)
+    answer = engine.post("/activate_weights", {"model_path": _model_path(engine), "weight_version": new,
+                                               "pause_mode": mode})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["success"] is True and body["weight_version"] == new and body["activation"] == "disk"
+    assert body["num_paused_requests"] == 2 and body["pause_ms"] >= body["load"]["pause_ms"] > 0
+    assert engine.internal_state()["paused_mode"] is None and engine.version() == new
+    for request in requests:
+        meta = request.result()["meta_info"]
+        assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == LONG_TOKENS
+        assert (meta["weight_version_start"], meta["weight_version_end"]) == (old, new)
+        assert (meta["num_retractions"] >= 1) == (mode == "retract")
+        _assert_spans(meta, old, new)
+
+
 def test_update_while_requests_run(engine):
     old = engine.version()
     new = _fresh_version()
@@ -299,7 +323,7 @@ def test_bad_pause_mode_is_4xx(engine):
 
 POST_ENDPOINTS = ["/generate", "/update_weights_from_disk", "/pause_generation", "/continue_generation",
                   "/abort_request", "/update_weight_version", "/init_weights_update_group",
-                  "/update_weights_from_distributed", "/destroy_weights_update_group"]
+                  "/update_weights_from_distributed", "/destroy_weights_update_group", "/activate_weights"]
 
 
 @pytest.mark.parametrize("path", POST_ENDPOINTS)
@@ -316,12 +340,17 @@ def test_malformed_json_on_every_post_endpoint_is_4xx(engine, path):
     ("/update_weight_version", {}), ("/update_weight_version", {"new_version": [1]}),
     ("/pause_generation", {"mode": 3}), ("/destroy_weights_update_group", {"group_name": 7}),
     ("/update_weights_from_disk", {"model_path": "x", "abort_all_requests": "no"}),
+    ("/activate_weights", {}), ("/activate_weights", {"weight_version": "v7"}),
+    ("/activate_weights", {"weight_version": "7", "pause_mode": "sideways"}),
+    ("/activate_weights", {"weight_version": "7", "flush_cache": "no"}),
 ])
 def test_wrong_typed_control_fields_are_4xx(engine, path, body):
     before = engine.version()
     response = engine.post(path, body)
     assert 400 <= response.status_code < 500, (path, response.status_code, response.text)
     assert engine.version() == before
+    if engine.builtin:
+        assert engine.internal_state()["paused_mode"] is None  # refused before anything paused
 
 
 def _assert_rejected_update(engine, body: dict) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import recording_server as recording
 from deadlines import scaled
 from engine_fixtures import start_engine, stop_engine, wait_until
 from rollout_fixtures import VersionSource, long_body
@@ -28,6 +29,7 @@ from miles_disagg.net.auth import ADMIN_API_KEY_ENV, new_key
 from miles_disagg.cli import main
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.config.components import ClusterConfig, RolloutConfig, WeightUpdateConfig
+from miles_disagg.fleet import membership
 from miles_disagg.fleet.manager import EngineManager
 from miles_disagg.router.client import RouterClient
 
@@ -150,6 +152,55 @@ def test_refusals_are_one_line_exit_2_and_change_nothing(run, capsys, tmp_path):
     assert code == 2 and "does not answer (the run has ended)" in err
 
 
+def test_an_alias_of_a_member_is_refused_naming_the_member_it_duplicates(run, capsys):
+    """Addresses are compared by who answers there (the server's id), not as strings."""
+    engine_a = run["a"]
+    alias_a = engine_a.url.replace("127.0.0.1", "localhost")
+    assert alias_a != engine_a.url
+    before = run["manager"].members.list()
+    code, out, err = cli(capsys, "add", "--run-dir", str(run["run_dir"]), alias_a)
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
+    assert f"{alias_a} is already an engine of this run: engine 0 ({engine_a.url}) answers there too" in err
+    assert run["manager"].members.list() == before
+
+
+@pytest.mark.parametrize("answer, hang_s, expected", [
+    (recording.not_found, 0.0, "does not answer /health (engine unreachable: not healthy after 1s (/health answered 404))"),
+    (recording.empty_objects, 0.0, "does not match this job: architectures: the engine reports neither"),
+    (recording.empty_objects, 5.0, "does not answer /health (engine unreachable: not healthy after 1s (ReadTimeout"),
+    (recording.wrongly_typed, 0.0, "tp_size: the engine reports 'one' in /server_info, not a number"),
+], ids=["404", "empty-objects", "hung", "wrongly-typed"])
+def test_an_address_that_is_not_an_engine_of_this_job_gets_400_and_never_a_key(run, monkeypatch, answer, hang_s,
+                                                                              expected):
+    """Through the control endpoint (the run's admin key in the environment, no API key: the
+    client used to fall back to the admin key): the server records every Authorization it got."""
+    monkeypatch.setattr(membership, "ANSWER_TIMEOUT_S", 1.0)
+    control = json.loads((run["run_dir"] / "control.json").read_text())["url"]
+    admin = {"Authorization": f"Bearer {os.environ[ADMIN_API_KEY_ENV]}"}
+    before = run["manager"].members.list()
+    with recording.recording_server(answer, hang_s=hang_s) as server:
+        refused = httpx.post(f"{control}/engines/add", json={"urls": [server.url]}, headers=admin, timeout=60,
+                             trust_env=False)
+        assert refused.status_code == 400, refused.text
+        assert expected in refused.json()["message"], refused.json()["message"]
+        assert server.requests and server.authorizations == [], server.requests
+    if answer is recording.wrongly_typed:
+        for field in ("dtype: the engine reports 5", "context_length: the engine reports []",
+                      "architectures: the engine reports 5", "weight_store_dirs is not a list of paths"):
+            assert field in refused.json()["message"], field
+    assert run["manager"].members.list() == before
+
+
+def test_an_address_with_credentials_gets_400_and_nothing_is_sent(run):
+    control = json.loads((run["run_dir"] / "control.json").read_text())["url"]
+    admin = {"Authorization": f"Bearer {os.environ[ADMIN_API_KEY_ENV]}"}
+    with recording.recording_server(recording.empty_objects) as server:
+        address = server.url.replace("http://", "http://user:secret@")
+        refused = httpx.post(f"{control}/engines/add", json={"urls": [address]}, headers=admin, trust_env=False)
+        assert refused.status_code == 400 and "carries no user or password" in refused.json()["message"]
+        assert "secret" not in refused.text and server.requests == []
+
+
 def test_the_control_endpoint_takes_only_the_admin_key_and_bounded_bodies(run):
     control = json.loads((run["run_dir"] / "control.json").read_text())["url"]
     assert oct((run["run_dir"] / "control.key").stat().st_mode & 0o777) == "0o600"
@@ -222,3 +273,44 @@ def test_an_engine_behind_the_agent_joins_as_stock_sglang_would(run, capsys, tin
     finally:
         agent.stop()
         stop_engine(engine)
+
+
+def test_removing_the_last_engine_makes_rollout_wait_until_one_joins(run, capsys, monkeypatch):
+    """``engines remove --force`` of every engine: a rollout request waits (the router's 503
+    NoWorkerAvailable is not one of the refusals a request may use up: with 3 allowed it would have
+    failed long before), the capacity policy counts the time with no engine (so
+    ``--min-rollout-engines-timeout`` bounds the wait: it ends the run, the rollout does not), and
+    the request is served once an engine joins; the post-write hooks' engine list follows."""
+    import asyncio
+
+    from engine_fixtures import Background
+
+    from miles_disagg.rollout import generate
+
+    manager, engine_b = run["manager"], run["b"]
+    monkeypatch.setattr(generate, "MAX_ATTEMPTS", 3)
+    members = manager.member_urls()
+    code, out, err = cli(capsys, "remove", "--run-dir", str(run["run_dir"]), "--force", *members)
+    assert code == 0, err
+    assert manager.member_urls() == []
+
+    async def one_request() -> dict:
+        async with httpx.AsyncClient(timeout=scaled(120), trust_env=False) as client:
+            return await generate.generate_one(client, run["router_url"], long_body(4, seed=11), {})
+
+    request = Background(lambda: asyncio.run(one_request()))
+    with RouterClient(run["router_url"]) as router:
+        wait_until(lambda: router.metrics()["no_worker_available"] >= 6, timeout=scaled(60),
+                   what="the request refused more often than it may be refused otherwise")
+    assert not request.done(), "the rollout request gave up while no engine served"
+    capacity = manager.capacity()
+    assert (capacity["live"], capacity["total"], capacity["verdict"]) == (0, 0, None) and capacity["below_for_s"] > 0
+
+    alias_b = engine_b.url.replace("127.0.0.1", "localhost")  # one server named twice in one request
+    code, _, err = cli(capsys, "add", "--run-dir", str(run["run_dir"]), engine_b.url, alias_b)
+    assert code == 2 and f"{alias_b} and {engine_b.url} are one server under two addresses" in err, err
+    code, out, err = cli(capsys, "add", "--run-dir", str(run["run_dir"]), engine_b.url)
+    assert code == 0, err
+    answer = request.result(timeout=scaled(120))
+    assert answer["meta_info"]["weight_version"] == str(manager.slots.version)
+    assert manager.member_urls() == [engine_b.url] and manager.capacity()["live"] == 1

@@ -130,6 +130,34 @@ def test_a_version_label_never_vouches_for_the_weights(world):
     assert world.greedy() == _greedy_reference(world.model_dir, world.tensors)
 
 
+def test_pull_announces_one_call_activation_and_it_activates_the_staged_version(world):
+    info = world.engine.get("/get_server_info").json()
+    assert info["miles_disagg"]["activate_weights"] is True
+    version = world.publish(["model.layers.1.mlp.gate_proj.weight"], seed=7)
+    pulled = world.pull(version)
+    assert pulled.status_code == 200 and pulled.json()["miles_disagg"] == {"activate_weights": True}, pulled.text
+    answer = world.engine.post("/activate_weights", {"weight_version": str(version)})  # model_path: its own
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["success"] is True and body["weight_version"] == str(version) and body["activation"] == "staged"
+    assert body["pause_ms"] >= body["load"]["pause_ms"] >= 0
+    assert world.engine.version() == str(version) and world.engine.internal_state()["paused_mode"] is None
+    assert world.greedy() == _greedy_reference(world.model_dir, world.tensors)
+
+
+def test_a_failing_one_call_activation_continues_the_engine_and_changes_nothing(world):
+    held, output = world.engine.version(), world.greedy()
+    answer = world.engine.post("/activate_weights", {"weight_version": "4242", "pause_mode": "retract"})
+    assert answer.status_code == 503, answer.text  # the pause had begun: the engine's weights need checking
+    body = answer.json()
+    assert body["success"] is False and body["error"]["type"] == "ActivationFailed"
+    assert body["message"].startswith("activation of v4242 failed: ") and "not weight_version '4242'" in body["message"]
+    assert world.engine.internal_state()["paused_mode"] is None  # continued whatever happened
+    assert world.engine.version() == held and world.greedy() == output
+    refused = world.engine.post("/activate_weights", {"weight_version": "3", "model_path": str(world.model_dir) + "x"})
+    assert refused.status_code == 403, refused.text  # outside the roots: refused before anything paused
+
+
 def _corrupt_a_checksum(version_dir: Path) -> None:
     """Flip one hex digit of a published final-state checksum (header length unchanged)."""
     payload = sorted(version_dir.glob("*.safetensors"))[0]

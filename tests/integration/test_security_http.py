@@ -39,7 +39,8 @@ KEYS = ApiKeys(USER, ADMIN)
 AS_USER, AS_ADMIN = {"Authorization": f"Bearer {USER}"}, {"Authorization": f"Bearer {ADMIN}"}
 SMALL_LIMIT = 1 << 20  # the in-process servers' --max-request-bytes
 ADMIN_POSTS = ["/update_weights_from_disk", "/pull_weights", "/update_weight_version", "/pause_generation",
-               "/continue_generation", "/abort_request", "/init_weights_update_group", "/flush_cache"]
+               "/continue_generation", "/abort_request", "/init_weights_update_group", "/flush_cache",
+               "/activate_weights"]
 
 
 def snapshot(root: Path) -> dict[str, int]:

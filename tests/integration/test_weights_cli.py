@@ -157,3 +157,37 @@ def test_a_store_in_the_plain_format_of_another_producer(published, tmp_path):
     refused("apply", "--store", str(foreign), "--base-dir", str(base), "--local-dir", str(local), "--to-version", "1",
             match="never applied twice")
     assert fingerprint(local, foreign) == before
+
+
+def test_verify_without_a_base_checks_what_apply_checks_and_a_failed_apply_leaves_no_slot(published, tmp_path):
+    """A sparse payload relabelled ``overwrite`` in the index: ``apply`` refuses it, and so must
+    ``verify`` without ``--base-dir`` (it decodes every payload as apply does); the refused apply
+    leaves no scratch slot behind and the held version held."""
+    root, base, store, _, (t1, t2) = published
+    t3 = tmp_path / "t3"
+    shutil.copytree(t2, t3)
+    tensors = load_file(str(t2 / "model.safetensors"))
+    name = next(k for k in sorted(tensors) if ".mlp." in k)
+    changed = tensors[name].clone()
+    changed.view(-1)[:3] += 1.0  # three elements of one tensor: published sparse
+    save_file({**tensors, name: changed}, str(t3 / "model.safetensors"), metadata={"format": "pt"})
+    relabelled = tmp_path / "store"
+    shutil.copytree(store, relabelled)
+    ok("publish", "--base-dir", str(base), "--target-dir", str(t3), "--store", str(relabelled))
+    vdir = relabelled / "weight_v000003"
+    index = json.loads((vdir / "model.safetensors.index.json").read_text())
+    entry = index["metadata"]["tensors"][name]
+    assert entry["encoding"] == "sparse", entry
+    entry["encoding"] = "overwrite"
+    (vdir / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    local = tmp_path / "host"
+    ok("apply", "--store", str(relabelled), "--base-dir", str(base), "--local-dir", str(local), "--to-version", "2")
+    before = fingerprint(local, relabelled)
+    refused("apply", "--store", str(relabelled), "--base-dir", str(base), "--local-dir", str(local),
+            match="overwrite")
+    assert sorted(p.name for p in (tmp_path / "host.slots").iterdir() if not p.name.startswith(".")) == [
+        "a", "state.json"], "the refused apply left its scratch slot"
+    assert fingerprint(local, relabelled) == before
+    refused("verify", "--store", str(relabelled), match="overwrite")
+    refused("verify", "--store", str(relabelled), "--base-dir", str(base), match="overwrite")

@@ -128,3 +128,32 @@ def test_dtype_spellings(name, canonical):
 
 def test_sglang_auto_rule():
     assert sglang_auto_dtype("float32") == "float16" and sglang_auto_dtype("bfloat16") == "bfloat16"
+
+
+def test_a_server_answering_empty_objects_matches_nothing(tmp_path):
+    """``{}`` to everything: every compared field is absent, and absent means refused."""
+    expected = EngineExpectation.from_hf_checkpoint(_checkpoint(tmp_path), tp_size=1)
+    problems = check_engine_matches(expected, {}, {})
+    assert [p.split(":")[0] for p in problems] == ["architectures", "tp_size", "dtype", "context_length"], problems
+    assert "neither architectures nor model_type" in problems[0]
+    assert all("does not report it" in p for p in problems[1:]), problems
+
+
+@pytest.mark.parametrize("server, model, expected", [
+    ({"tp_size": "one"}, {}, "tp_size: the engine reports 'one' in /server_info, not a number"),
+    ({"tp_size": True}, {}, "tp_size: the engine reports True in /server_info, not a number"),
+    ({"dtype": 5}, {}, "dtype: the engine reports 5 in /server_info, not a dtype name"),
+    ({"context_length": "long"}, {}, "context_length: the engine reports 'long' in /server_info, not a number"),
+    ({}, {"architectures": 5}, "architectures: the engine reports 5 in /model_info, not a list of names"),
+    ({}, {"architectures": None, "model_type": ["qwen3"]}, "model_type: the engine reports ['qwen3'] in /model_info"),
+], ids=["tp-text", "tp-bool", "dtype-number", "context-text", "architectures-number", "model-type-list"])
+def test_wrongly_typed_answers_are_problems_naming_the_field(tmp_path, server, model, expected):
+    matches = EngineExpectation.from_hf_checkpoint(_checkpoint(tmp_path), tp_size=1)
+    problems = check_engine_matches(matches, _sglang_server_info(**server), _sglang_model_info(**model))
+    assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+def test_answers_that_are_not_objects_are_named(tmp_path):
+    expected = EngineExpectation.from_hf_checkpoint(_checkpoint(tmp_path), tp_size=1)
+    assert check_engine_matches(expected, [], "x") == ["/server_info answered a list, not a JSON object",
+                                                       "/model_info answered a string, not a JSON object"]

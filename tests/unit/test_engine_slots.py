@@ -106,3 +106,34 @@ def test_engines_on_a_node_ray_lists_as_gone_leave_the_router_once_and_are_recor
 
     replacements.engine_gone(0, "actor_lost", why="its actor is gone: died")  # its node lives: the actor's loss
     assert [e["event"] for e in slots.events if e["engine"] == 0] == ["down", "actor_lost"]
+
+
+def test_an_engine_placed_again_is_recorded_and_placement_json_rewritten(tmp_path, monkeypatch) -> None:
+    """Through the engine manager's wiring: ``Replacements._adopt`` (a lost engine's new actor, address
+    and node) reaches ``Membership.engine_moved``; ``placement.json`` and ``membership.jsonl`` follow."""
+    import dataclasses
+    import json
+
+    import miles_disagg.fleet.attach as attach
+    from miles_disagg.fleet.manager import EngineManager
+
+    manager = EngineManager(dataclasses.replace(CONFIG, run_dir=str(tmp_path)))
+    manager.slots.add("http://a:1", "/l/0", actor="actor-0", node="n0")
+    manager.slots.add("http://b:1", "/l/1", actor="actor-1", node="n1")
+    manager.members.record_start()
+    monkeypatch.setattr(attach, "engine_local_dir", lambda url, default: "/l/1-again")
+    restored = []
+    monkeypatch.setattr(manager.routing, "restore", restored.append)
+    site = {"node_id": "n7", "node_ip": "10.0.0.7", "gpu_ids": ["3"]}
+    manager.replacements._adopt(1, "actor-1b", "http://c:2", site)
+    assert restored == [1] and manager.member_urls() == ["http://a:1", "http://c:2"]
+    engines = json.loads((tmp_path / "placement.json").read_text())["engines"]
+    assert [(e["address"], e["node_ip"], e["node_id"], e["gpu_ids"], e["local_checkpoint_dir"]) for e in engines] == [
+        ("http://a:1", "a", None, [], "/l/0"), ("http://c:2", "10.0.0.7", "n7", ["3"], "/l/1-again")]
+    lines = [json.loads(line) for line in (tmp_path / "membership.jsonl").read_text().splitlines()]
+    assert [(r["action"], r["url"]) for r in lines] == [("start", "http://a:1"), ("start", "http://b:1"),
+                                                        ("moved", "http://c:2")]
+    assert lines[-1]["node"] == "10.0.0.7" and "placed again" in lines[-1]["why"]
+    manager.monitor.on_moved(0, None)  # a restart by its actor (same bundle): the same wiring
+    last = json.loads((tmp_path / "membership.jsonl").read_text().splitlines()[-1])
+    assert (last["action"], last["engine"], last["why"]) == ("moved", 0, "restarted by its actor")

@@ -79,3 +79,18 @@ def test_a_directory_without_a_running_job_is_named(tmp_path, monkeypatch) -> No
     client = ControlClient.of_run(tmp_path)
     assert (client.url, client.key) == ("http://127.0.0.1:5", "the-runs-key")
     assert ControlClient.of_run(tmp_path, "given").key == "given"
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("http://user:secret@127.0.0.1:5", "carries no user or password"),
+    ("user@127.0.0.1:5", "carries no user or password"),
+    ("ftp://127.0.0.1:5", "http://host:port"),
+    ("127.0.0.1", "give host:port"),
+    ("127.0.0.1:99999", "not an engine address"),
+    ("127.0.0.1:5/generate", "no path or query"),
+    ("127.0.0.1:5?x=1", "no path or query"),
+])
+def test_an_address_that_is_not_host_port_is_refused_before_anything_is_sent(url: str, expected: str) -> None:
+    with pytest.raises(InvalidInput, match=expected) as refused:
+        normalize(url)
+    assert "secret" not in str(refused.value)  # a password is never echoed back

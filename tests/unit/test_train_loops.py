@@ -66,6 +66,9 @@ class FakeEngines:
         self.metrics_path = metrics_path
         self.seen_at_finish: dict[int, list[int]] = {}
 
+    def refresh_engine_urls(self) -> bool:
+        return False  # the same engines all run long
+
     def start_update(self, version):
         def finish():
             self.seen_at_finish[version] = [r["step"] for r in read_metrics(self.metrics_path)]

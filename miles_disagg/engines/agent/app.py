@@ -14,6 +14,10 @@ Endpoints the agent answers itself (everything else is proxied unchanged):
   403 naming the allowed roots, and a label that is not the version the loaded checkpoint
   holds is 403 (version labels come only from verified weights; the label forwarded is always
   that version).
+* ``POST /activate_weights`` ``{weight_version, pause_mode?, flush_cache?, model_path?}``: activate
+  the held version in one call: the agent pauses its engine, flushes, loads the held slot, continues
+  and checks the served version (:mod:`miles_disagg.engines.agent.one_call`); 400 before anything
+  paused for a version the agent does not hold, 503 naming each fault once the pause began.
 * ``POST /update_weight_version``: refused (403) unless it names the version the engine
   already serves: relabelling without a verified load would serve one policy under another's name.
 * ``GET /agent_info`` (state), ``GET /agent_health`` (the agent itself is up).
@@ -43,13 +47,18 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from miles_disagg.engines.activation import ACTIVATE_PATH
+from miles_disagg.engines.agent.one_call import activate_through, check_request
 from miles_disagg.engines.agent.state import Agent
+from miles_disagg.engines.async_client import AsyncEngineClient
 from miles_disagg.engines.builtin import protocol
+from miles_disagg.engines.builtin.one_call import ActivateWeights
 from miles_disagg.net.asgi_guard import install_guard, server_app
 from miles_disagg.net.auth import ApiKeys, forward_headers
 from miles_disagg.net.httpjson import error_json
 from miles_disagg.net.httpjson import status_for as _status_for
 from miles_disagg.net.keyed_client import pooled_limits
+from miles_disagg.net.pooled_http import PooledSession
 from miles_disagg.types import EngineUnreachable, Forbidden, VersionRef
 
 log = logging.getLogger(__name__)
@@ -90,6 +99,7 @@ class AgentEndpoints:
 
     def __init__(self, agent: Agent, client: httpx.AsyncClient, keys: ApiKeys):
         self.agent, self.client, self.keys = agent, client, keys
+        self.control_session: PooledSession | None = None
 
     async def agent_health(self):
         return {"status": "ok"}
@@ -135,6 +145,27 @@ class AgentEndpoints:
             return error_response(exc)
         return await self._activate(request, {**body, "model_path": str(path), "weight_version": str(ref.version)},
                                     path, ref)
+
+    async def activate_weights(self, request: Request):
+        try:
+            req = ActivateWeights.from_json(await request.body())
+            check_request(self.agent, req)  # nothing pauses for a version the agent does not hold
+            engine = AsyncEngineClient(self.agent.engine_url, await self._control_session(), keys=self.keys)
+            return JSONResponse(await activate_through(self.agent, engine, req))
+        except Exception as exc:
+            return error_response(exc)
+
+    async def _control_session(self) -> PooledSession:
+        """The session of the activation's requests to the engine (made on the app's loop, at first use)."""
+        if self.control_session is None:
+            self.control_session = PooledSession(max_connections=None, read_timeout_s=None,
+                                                 connect_timeout_s=self.agent.config.connect_timeout_s)
+        return self.control_session
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+        if self.control_session is not None:
+            await self.control_session.aclose()
 
     async def update_weight_version(self, request: Request):
         raw = await request.body()
@@ -207,14 +238,14 @@ class AgentEndpoints:
 
 
 def create_app(agent: Agent):
-    """The agent's ASGI app (its guard from ``agent.config.guard``); its lifespan closes the engine client."""
+    """The agent's ASGI app (its guard from ``agent.config.guard``); its lifespan closes the engine clients."""
     timeout = httpx.Timeout(None, connect=agent.config.connect_timeout_s)  # generations may run for minutes
     client = httpx.AsyncClient(base_url=agent.engine_url, timeout=timeout, limits=pooled_limits())
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
-        await client.aclose()
+        await api.aclose()
 
     app = server_app("miles-disagg agent", lifespan=lifespan)
     api = AgentEndpoints(agent, client, install_guard(app, agent.config.guard).keys)
@@ -224,6 +255,7 @@ def create_app(agent: Agent):
         ("/weight_checksums", api.weight_checksums, ["GET"]),
         ("/pull_weights", api.pull_weights, ["POST"]),
         ("/update_weights_from_disk", api.update_weights_from_disk, ["POST"]),
+        (ACTIVATE_PATH, api.activate_weights, ["POST"]),
         ("/update_weight_version", api.update_weight_version, ["POST"]),
         ("/{path:path}", api.proxy, PROXY_METHODS),  # last: everything else goes to the engine
     ):

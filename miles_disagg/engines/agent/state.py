@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from miles_disagg.engines.activation import ONE_CALL_ANNOUNCEMENT
 from miles_disagg.engines.builtin import protocol
 from miles_disagg.engines.roots import OutsideRoots, WeightRoots
 from miles_disagg.net.asgi_guard import ServerGuard
@@ -128,8 +129,9 @@ class Agent:
         }
         log.info("prepared %s at %s in %.1f ms", prepared.ref, prepared.path, self.last_pull["prepare_ms"])
         return {"success": True, "target_version": prepared.ref.version, **self.last_pull,
-                "message": f"Prepared version {prepared.ref.version} at {prepared.path}; "
-                           f"activate it with update_weights_from_disk weight_version={prepared.ref.version}"}
+                "message": f"Prepared version {prepared.ref.version} at {prepared.path}; activate it with "
+                           f"/activate_weights (or update_weights_from_disk) weight_version={prepared.ref.version}",
+                "miles_disagg": ONE_CALL_ANNOUNCEMENT}  # the caller may activate it in one call
 
     def _failed(self, req: protocol.PullWeights, exc: Exception) -> Exception:
         failed = f"pull of version {req.target_version} failed: "
@@ -172,6 +174,14 @@ class Agent:
         self.base_dir = path
 
     # ---------------------------------------------------------------- activations
+
+    def check_prepared(self, version: int) -> VersionRef:
+        """The held version when it is ``version``; ``VersionNotPrepared`` otherwise (nothing is registered:
+        a one-call activation checks this before it pauses the engine, then loads with :meth:`begin_activation`)."""
+        held = self.held()
+        if held is None or held[0].version != version:
+            raise VersionNotPrepared(str(version), held[0] if held else None)
+        return held[0]
 
     def begin_activation(self, weight_version: str | None) -> tuple[Path, VersionRef]:
         """The held slot for an activation of ``weight_version`` (None: of whatever is held),
@@ -223,6 +233,9 @@ class Agent:
             "last_activation": self.last_activation,
             "last_error": self.last_error,
             "delta_filters": ["byteplane", "none"],  # what /pull_weights reads: a job may publish byte planes
+            # the stores /pull_weights reads: a job attaching this agent must publish to one of them
+            "weight_store_dirs": [str(d) for d in self.config.store_dirs],
+            **ONE_CALL_ANNOUNCEMENT,  # /activate_weights: pause, flush, load, continue, check in one call
         }
 
     def checkpoint_checksums(self, algorithm: str) -> dict:

@@ -10,7 +10,8 @@ model runner (the native model already has the on-disk names: its layout is empt
 * :meth:`named_weights`: on-disk name -> tensor (a parameter, or a view into a fused one);
 * :meth:`swap_in`: new tensors by on-disk name made live. A fused parameter is rebuilt as a new
   tensor (the live one copied, the given experts written) and then swapped in by pointer, so the
-  live weights are never written into and every fused parameter is built before any swap.
+  live weights are never written into and every fused parameter is built before any swap. The
+  tensors it displaces are returned, so the caller frees them where it chooses (not in the pause).
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ class ExpertLayout:
             out[name] = data[s.expert, s.rows] if data.numel() else torch.empty(s.shape, dtype=s.dtype, device="meta")
         return out
 
-    def swap_in(self, params: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor]) -> None:
-        """Make ``tensors`` (by on-disk name) live; see the module docstring."""
+    def swap_in(self, params: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Make ``tensors`` (by on-disk name) live; returns the tensors they displaced (see the module docstring)."""
         parts: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
         plain = {}
         for name, tensor in tensors.items():
@@ -73,8 +74,11 @@ class ExpertLayout:
             else:
                 plain[name] = tensor
         rebuilt = {fused: self._rebuilt(params[fused].data, given) for fused, given in parts.items()}
+        displaced = []
         for name, tensor in {**plain, **rebuilt}.items():
+            displaced.append(params[name].data)
             params[name].data = tensor
+        return displaced
 
     def _rebuilt(self, live: torch.Tensor, given: dict[str, torch.Tensor]) -> torch.Tensor:
         new = live.clone()

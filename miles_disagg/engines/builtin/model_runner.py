@@ -249,10 +249,14 @@ class ModelRunner:
         """The parameters an update of ``names`` (checkpoint names) fills in full."""
         return self.experts.live_names(names)
 
-    def swap_in(self, tensors: dict[str, torch.Tensor]) -> None:
+    def swap_in(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """Make ``tensors`` (by checkpoint name) live by pointer swap (``param.data = t``): O(1) per
-        tensor; a fused expert parameter is rebuilt first (:mod:`.fused_experts`)."""
-        self.experts.swap_in(self.params, tensors)
+        tensor; a fused expert parameter is rebuilt first (:mod:`.fused_experts`).
+
+        Returns the tensors they displaced, still allocated: freeing hundreds of megabytes (returning
+        the pages to the OS) takes tens of milliseconds, so the caller drops them after the swap,
+        off the scheduler thread, where it costs no pause."""
+        return self.experts.swap_in(self.params, tensors)
 
 
 def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:

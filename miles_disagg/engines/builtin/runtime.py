@@ -46,6 +46,7 @@ import logging
 import threading
 from typing import Callable
 
+from miles_disagg.engines.activation import ONE_CALL_ANNOUNCEMENT
 from miles_disagg.engines.builtin.config import EngineConfig
 from miles_disagg.engines.builtin.memory import MemoryState
 from miles_disagg.engines.builtin.model_runner import ModelRunner
@@ -61,9 +62,11 @@ ENGINE_VERSION = "miles-disagg-builtin-0.1.0"
 
 # SGLang ``server_args`` keys a client may compare (miles checks an external engine's layout):
 # this engine is one process on one device.
-ANNOUNCEMENT = {"pull_weights": True, "delta_filters": ["byteplane", "none"], "weight_checksums": True}
+ANNOUNCEMENT = {"pull_weights": True, "delta_filters": ["byteplane", "none"], "weight_checksums": True,
+                **ONE_CALL_ANNOUNCEMENT}
 """What ``/get_server_info`` announces under ``miles_disagg``: this engine reads byte-plane
-deltas (so a job may publish them) and serves ``/weight_checksums``."""
+deltas (so a job may publish them), serves ``/weight_checksums`` and activates a prepared version
+in one call (``/activate_weights``; its ``/pull_weights`` answer says so too)."""
 
 _SINGLE_PROCESS_SERVER_ARGS = {"tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "nnodes": 1, "node_rank": 0}
 

@@ -15,6 +15,9 @@ Every request first passes :mod:`miles_disagg.net.asgi_guard` (API keys, request
 request aborted (its slot is freed at the next step boundary).
 
 Aliases of newer SGLang: ``/model_info``, ``/server_info``; ``/generate`` takes PUT too.
+This project's own: ``/pull_weights`` (stage a published version while serving),
+``/activate_weights`` (activate it in one call: :mod:`miles_disagg.engines.builtin.one_call`),
+``/weight_checksums``.
 """
 
 # no "from __future__ import annotations": FastAPI must see the real Request class
@@ -29,7 +32,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from miles_disagg.net.asgi_guard import ServerGuard, install_guard, server_app
-from miles_disagg.engines.builtin import protocol
+from miles_disagg.engines.activation import ACTIVATE_PATH
+from miles_disagg.engines.builtin import one_call, protocol
 from miles_disagg.engines.builtin.runtime import Engine
 from miles_disagg.engines.builtin.scheduler import Sequence
 from miles_disagg.net.httpjson import error_json, status_for
@@ -166,6 +170,12 @@ class EngineEndpoints:
         return await self.parse_then_call(request, protocol.UpdateFromDisk.from_json,
                                           self.engine.updates.update_from_disk)
 
+    async def activate_weights(self, request: Request):
+        """This project's one-call activation (:mod:`miles_disagg.engines.builtin.one_call`): 503 with
+        ``success: false`` naming each fault once the pause began; 400/403 before anything paused."""
+        return await self.parse_then_call(request, one_call.ActivateWeights.from_json,
+                                          lambda req: one_call.activate_here(self.engine, req))
+
     async def pull_weights(self, request: Request):
         return await self.parse_then_call(request, protocol.PullWeights.from_json, self.engine.updates.pull_weights)
 
@@ -301,6 +311,7 @@ def create_app(engine: Engine, guard: ServerGuard | None = None):
         ("/generate", api.generate, ["POST", "PUT"]),
         ("/update_weights_from_disk", api.update_weights_from_disk, post),
         ("/pull_weights", api.pull_weights, post),
+        (ACTIVATE_PATH, api.activate_weights, post),
         ("/init_weights_update_group", api.init_weights_update_group, post),
         ("/update_weights_from_distributed", api.update_weights_from_distributed, post),
         ("/update_weights_from_tensor", api.update_weights_from_tensor, post),
