@@ -28,6 +28,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
     from miles_disagg.fleet.members_cli import ACTIONS as ENGINES_ACTIONS
     from miles_disagg.loop.report_cli import ReportCommand
     from miles_disagg.models.cli import TinyCheckpointCommand
+    from miles_disagg.weights.fp8_convert import ConvertFp8Command
     from miles_disagg.router.cli import RouterCommand
     from miles_disagg.service.cli import ROLES
     from miles_disagg.weights.cli import ACTIONS
@@ -37,6 +38,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
         ("agent",): (AgentCommand,),
         ("router",): (RouterCommand,),
         ("make-tiny-checkpoint",): (TinyCheckpointCommand,),
+        ("convert-fp8",): (ConvertFp8Command,),
         ("report",): (ReportCommand,),
         **{("serve", role): (cls,) for role, cls in ROLES.items()},
         **{("weights", action): (cls,) for action, cls in ACTIONS.items()},
