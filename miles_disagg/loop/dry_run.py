@@ -113,6 +113,7 @@ def _placement(config: RunConfig, layout) -> dict[str, Any]:
         "num_bundles": layout.num_bundles,
         "order": "bundles sorted by (node, GPU id); node/gpu assume nodes of --num-gpus-per-node GPUs filled in order",
         "trainer": [{"rank": rank, **where(p)} for rank, p in enumerate(layout.trainer)],
+        **({"critic": [{"rank": rank, **where(p)} for rank, p in enumerate(layout.critic)]} if layout.critic else {}),
         "engines": [{"engine": i, "bundles": [where(p) for p in bundles]} for i, bundles in enumerate(layout.engines)],
     }
 
