@@ -84,6 +84,30 @@ class TrainerGroupConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CriticGroupConfig:
+    """What every rank of a PPO critic needs (``--advantage-estimator ppo``): the policy's base
+    model (which gets a value head), the policy's batch and optimizer flags, and its own lr and loss."""
+
+    train: TrainConfig
+    """The policy's: batch sizes, Adam, gradient clip, seed, --gamma/--lambd, per-token loss."""
+    hf_dir: str
+    """The base checkpoint the critic's model starts from (a new value head replaces its LM head)."""
+    lr: float
+    """``--critic-lr`` (default ``--lr``)."""
+    lr_warmup_iters: int = 0
+    """``--critic-lr-warmup-iters``."""
+    value_clip: float = 0.2
+    """``--value-clip``."""
+
+    @classmethod
+    def from_run(cls, config: RunConfig) -> "CriticGroupConfig":
+        from miles_disagg.config.critic_rules import critic_lr
+
+        return cls(train=config.train, hf_dir=str(config.train.hf_checkpoint), lr=critic_lr(config),
+                   lr_warmup_iters=config.critic.critic_lr_warmup_iters, value_clip=config.critic.value_clip)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RolloutManagerConfig:
     """What the rollout manager needs: prompts, sampling, rewards, staleness and the endpoint."""
 

@@ -57,9 +57,14 @@ class ClusterConfig:
     offload_rollout: bool | None = flag(None, "miles': the engines release weights and KV cache while the trainer trains; always on with --colocate; needs --colocate.")
     num_gpus_per_node: int | None = flag(None, "GPUs per node (miles' flag): when given, --dry-run shows each bundle's node and a rollout engine may not span two nodes.")
     rollout_node_resource: str | None = flag(None, "Place engines only on nodes offering this Ray custom resource (e.g. one a rollout host was started with: ray start --resources '{\"rollout\": 8}'); each engine GPU asks for a share of it.", metavar="NAME")
+    critic_num_nodes: int | None = flag(None, "miles: nodes of the critic (--advantage-estimator ppo; default: --actor-num-nodes).")
+    critic_num_gpus_per_node: int | None = flag(None, "miles: GPUs per node of the critic (--advantage-estimator ppo; default: --actor-num-gpus-per-node); its bundles come after the trainer's.")
 
     def __post_init__(self) -> None:
         _require(self.actor_num_nodes >= 1, "--actor-num-nodes must be >= 1")
+        _require(self.critic_num_nodes is None or self.critic_num_nodes >= 1, "--critic-num-nodes must be >= 1")
+        _require(self.critic_num_gpus_per_node is None or self.critic_num_gpus_per_node >= 1,
+                 "--critic-num-gpus-per-node must be >= 1")
         _require(self.num_gpus_per_node is None or self.num_gpus_per_node >= 1, "--num-gpus-per-node must be >= 1")
         _require(self.actor_num_gpus_per_node >= 1, "--actor-num-gpus-per-node must be >= 1")
         _require(self.rollout_num_gpus_per_engine >= 1, "--rollout-num-gpus-per-engine must be >= 1")
@@ -70,6 +75,13 @@ class ClusterConfig:
     @property
     def num_actor_gpus(self) -> int:
         return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def num_critic_gpus(self) -> int:
+        """The critic's GPUs when the run has one (miles' defaults: the actor's counts)."""
+        nodes = self.actor_num_nodes if self.critic_num_nodes is None else self.critic_num_nodes
+        per_node = self.actor_num_gpus_per_node if self.critic_num_gpus_per_node is None else self.critic_num_gpus_per_node
+        return nodes * per_node
 
 
 @dataclass(kw_only=True)
@@ -240,7 +252,7 @@ class TrainConfig:
     adam_eps: float = flag(1e-8, "Adam epsilon.")
     clip_grad: float = flag(1.0, "Clip the global gradient norm to this (0: off).")
     seed: int = flag(1234, "Random seed.")
-    advantage_estimator: str = flag("grpo", "Advantage estimator: grpo, gspo (GRPO's advantages with GSPO's sequence-level ratio: the geometric mean of the token ratios, clipped per sequence), reinforce_plus_plus (discounted per-token returns), reinforce_plus_plus_baseline (group baseline); ppo is refused (no critic).", choices=ADVANTAGE_ESTIMATORS)
+    advantage_estimator: str = flag("grpo", "Advantage estimator: grpo, gspo (GRPO's advantages with GSPO's sequence-level ratio: the geometric mean of the token ratios, clipped per sequence), reinforce_plus_plus (discounted per-token returns), reinforce_plus_plus_baseline (group baseline), ppo (GAE over a critic's values; the critic trains in its own group, --critic-*).", choices=ADVANTAGE_ESTIMATORS)
     normalize_advantages_by_std: bool | None = flag(None, "Renamed: refused with a pointer to miles' --disable-grpo-std-normalization.")
     disable_grpo_std_normalization: bool = flag(False, "miles: GRPO advantages are reward minus the group's mean, not divided by the group's std (Dr. GRPO).")
     disable_rewards_normalization: bool = flag(False, "miles: no group normalization of the rewards at all (grpo, reinforce_plus_plus_baseline: the raw reward is the signal).")
@@ -249,7 +261,8 @@ class TrainConfig:
     use_unbiased_kl: bool = flag(False, "miles: multiply the KL loss by the importance ratio exp(logprob - old logprob) (DeepSeek-V3.2's unbiased estimate).")
     normalize_advantages: bool = flag(False, "Whiten the per-token advantages over the rollout's trained tokens (all data-parallel ranks).")
     kl_coef: float = flag(0.0, "reinforce_plus_plus(_baseline): KL-to-reference penalty in the per-token reward (loads the reference).")
-    gamma: float = flag(1.0, "reinforce_plus_plus: discount of the per-token returns.")
+    gamma: float = flag(1.0, "reinforce_plus_plus: discount of the per-token returns; ppo: GAE's discount.")
+    lambd: float = flag(1.0, "miles: ppo: GAE's lambda (1: the discounted return minus the value; 0: one-step TD).")
     calculate_per_token_loss: bool = flag(False, "Loss = mean over the optimizer step's trained tokens (default: mean over samples of each sample's token mean).")
     eps_clip: float = flag(0.2, "PPO clip range (low side).")
     eps_clip_high: float | None = flag(None, "PPO clip range (high side; default: --eps-clip).")
@@ -282,10 +295,8 @@ class TrainConfig:
         _require(self.eps_clip > 0, "--eps-clip must be > 0")
         _require(self.clip_grad >= 0, "--clip-grad must be >= 0")
         _require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "--adam-beta1/--adam-beta2 must be in [0, 1)")
-        _require(self.advantage_estimator != "ppo",
-                 "--advantage-estimator ppo needs a critic (value model with GAE), which miles-disagg does not "
-                 "train; use grpo, reinforce_plus_plus or reinforce_plus_plus_baseline")
         _require(0 <= self.gamma <= 1, "--gamma must be in [0, 1]")
+        _require(0 <= self.lambd <= 1, "--lambd must be in [0, 1]")
         _require(self.normalize_advantages_by_std is None,
                  "--(no-)normalize-advantages-by-std was this project's name; miles' names are used now: GRPO "
                  "divides by the group's reward std by default, --disable-grpo-std-normalization turns it off")
@@ -309,6 +320,26 @@ class TrainConfig:
     def needs_reference(self) -> bool:
         """The reference model is loaded for the KL loss (whatever its coefficient) or the KL reward."""
         return self.use_kl_loss or self.kl_coef != 0
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    """PPO's critic (``--advantage-estimator ppo``): a value model (the policy's base model with a
+    scalar value head) trained in its own trainer group; the batch and optimizer flags are the
+    policy's (--global-batch-size, --micro-batch-size, --adam-*, --clip-grad), except its lr."""
+
+    num_critic_only_steps: int = flag(0, "miles: the first N rollout steps train only the critic (value-function warmup); the policy stays as it is.")
+    critic_load: str | None = flag(None, "miles: resume the critic from the newest save in this directory (default: --load with '_critic' appended); none there: a new value head on --hf-checkpoint.")
+    critic_save: str | None = flag(None, "miles: save the critic here, whenever the policy is saved (default: --save with '_critic' appended).")
+    critic_lr: float | None = flag(None, "miles: the critic's learning rate (default: --lr).")
+    critic_lr_warmup_iters: int = flag(0, "miles: linear warmup of the critic's learning rate over its first N optimizer steps (Megatron's: step k trains with lr * k / N).")
+    value_clip: float = flag(0.2, "miles: clip of the value loss: each new value may move at most this far from the value the rollout was scored with.")
+
+    def __post_init__(self) -> None:
+        _require(self.num_critic_only_steps >= 0, "--num-critic-only-steps must be >= 0")
+        _require(self.critic_lr is None or self.critic_lr > 0, "--critic-lr must be > 0")
+        _require(self.critic_lr_warmup_iters >= 0, "--critic-lr-warmup-iters must be >= 0")
+        _require(self.value_clip > 0, "--value-clip must be > 0")
 
 
 @dataclass(kw_only=True)
@@ -415,6 +446,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     weights: WeightUpdateConfig = field(default_factory=WeightUpdateConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -432,6 +464,7 @@ SECTIONS: dict[str, type] = {
     "rollout": RolloutConfig,
     "weights": WeightUpdateConfig,
     "train": TrainConfig,
+    "critic": CriticConfig,
     "eval": EvalConfig,
     "tracking": TrackingConfig,
     "model": ModelConfig,

@@ -21,6 +21,7 @@ from typing import Any
 
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.config.components import RunConfig
+from miles_disagg.config.critic_rules import uses_critic
 from miles_disagg.types import ConfigError, MilesDisaggError
 
 PLACEHOLDERS = {
@@ -44,7 +45,8 @@ def plan_launch(config: RunConfig) -> dict[str, Any]:
     rollout = config.rollout
     topology = "service" if rollout.rollout_service_url else "attached" if rollout.rollout_external else "managed"
     with_engines = not rollout.debug_train_only
-    layout = plan_layout(config.cluster, external_rollout=topology != "managed" or not with_engines)
+    layout = plan_layout(config.cluster, external_rollout=topology != "managed" or not with_engines,
+                         critic=uses_critic(config))
     warnings += _check_model(config)
     backend, backend_reason = resolve_backend(rollout.rollout_backend) if topology == "managed" else (None, topology)
     manager_config = EngineManagerConfig.from_run(config)
@@ -111,6 +113,7 @@ def _placement(config: RunConfig, layout) -> dict[str, Any]:
         "num_bundles": layout.num_bundles,
         "order": "bundles sorted by (node, GPU id); node/gpu assume nodes of --num-gpus-per-node GPUs filled in order",
         "trainer": [{"rank": rank, **where(p)} for rank, p in enumerate(layout.trainer)],
+        **({"critic": [{"rank": rank, **where(p)} for rank, p in enumerate(layout.critic)]} if layout.critic else {}),
         "engines": [{"engine": i, "bundles": [where(p) for p in bundles]} for i, bundles in enumerate(layout.engines)],
     }
 

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from miles_disagg.config.actors import EngineManagerConfig, RolloutManagerConfig, TrainerGroupConfig
+from miles_disagg.config.actors import CriticGroupConfig, EngineManagerConfig, RolloutManagerConfig, TrainerGroupConfig
 from miles_disagg.config.components import RunConfig
+from miles_disagg.config.critic_rules import uses_critic
 from miles_disagg.loop import colocate
 from miles_disagg.loop.cluster import (NodeWatch, TrainerNodeLost, placement_record, work_by_node,
                                        write_engine_events, write_placement)
@@ -40,6 +41,7 @@ from miles_disagg.types import ConfigError
 if TYPE_CHECKING:
     from miles_disagg.fleet.handle import EngineManagerHandle
     from miles_disagg.rollout.handle import RolloutManagerHandle
+    from miles_disagg.trainer.critic_group import CriticGroup
     from miles_disagg.trainer.group import TrainerGroup
     from miles_disagg.trainer.placement import Placement
 
@@ -53,6 +55,7 @@ class Job:
     config: RunConfig
     placement: Placement | None = None
     trainer: TrainerGroup | None = None
+    critic: CriticGroup | None = None  # PPO's critic (--advantage-estimator ppo), its own trainer group
     engines: EngineManagerHandle | None = None  # managed or attached engines (not the service topology)
     rollout: RolloutManagerHandle | None = None
     router_url: str | None = None  # the router, or the rollout service's endpoint
@@ -92,10 +95,12 @@ class Job:
         cfg = self.config
         export_keys(run_keys(cfg.rollout.rollout_api_key, cfg.rollout.rollout_admin_api_key))
         external = cfg.rollout.rollout_external or bool(cfg.rollout.rollout_service_url) or not with_engines
-        layout = plan_layout(cfg.cluster, external_rollout=external)
+        critic = with_trainer and uses_critic(cfg)
+        layout = plan_layout(cfg.cluster, external_rollout=external, critic=critic)
         self._owns_ray = init_ray(layout.num_bundles)
         status(f"placement: {layout.num_bundles} GPU bundles (trainer {list(layout.trainer)}, "
-               f"engines {[list(e) for e in layout.engines] or 'attached'})")
+               + (f"critic {list(layout.critic)}, " if critic else "")
+               + f"engines {[list(e) for e in layout.engines] or 'attached'})")
         self.placement = create_placement(layout)
         if self.placement.spans_nodes:
             status(f"placement spans nodes: {_nodes_line(self.placement)}")
@@ -104,6 +109,8 @@ class Job:
         add_watch(self.node_watch)
         if with_trainer:
             self._start_trainer()
+        if critic:
+            self._start_critic()
         if with_engines:
             self._start_engines()
         if self.engines is not None:
@@ -150,6 +157,15 @@ class Job:
         status(f"trainer: {self.trainer.world_size} rank(s), {info['backend']}, ready in {info['setup_s']:.1f}s")
         if self._publishes() and not self.config.rollout.rollout_external:
             status(f"weights: delta filter {choice.filter} ({choice.reason})")
+
+    def _start_critic(self) -> None:
+        from miles_disagg.trainer.critic_group import CriticGroup
+
+        status(f"starting the critic: {len(self.placement.layout.critic)} rank(s)")
+        with still("starting the critic"):
+            self.critic = CriticGroup(self.placement, CriticGroupConfig.from_run(self.config))
+            info = self.critic.setup()
+        status(f"critic: {self.critic.world_size} rank(s), {info['backend']}, ready in {info['setup_s']:.1f}s")
 
     def restart_trainer(self, place_timeout_s: float | None = None) -> None:
         """Replace the trainer group after a rank died (``loop/trainer_restart.py``): the old
@@ -253,7 +269,7 @@ class Job:
 
         remove_watch(self.node_watch)  # tearing down must not be cut short by the watches
         remove_watch(self._capacity_watch)
-        for step in (self._stop_rollout, self._stop_engines, self._stop_trainer):
+        for step in (self._stop_rollout, self._stop_engines, self._stop_trainer, self._stop_critic):
             try:
                 step()
             except Exception as exc:  # keep tearing down the rest
@@ -275,6 +291,10 @@ class Job:
     def _stop_trainer(self) -> None:
         if self.trainer is not None:
             self.trainer.shutdown()
+
+    def _stop_critic(self) -> None:
+        if self.critic is not None:
+            self.critic.shutdown()
 
 
 def _nodes_line(placement: Placement) -> str:

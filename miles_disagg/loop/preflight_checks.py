@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from miles_disagg.config.components import RunConfig
+from miles_disagg.config.critic_rules import uses_critic
 from miles_disagg.rollout.data import MAX_LINE_BYTES as DATA_MAX_LINE_BYTES
 from miles_disagg.tracking import status
 from miles_disagg.types import ConfigError
@@ -161,7 +162,7 @@ def check_local_gpus(config: RunConfig) -> None:
     from miles_disagg.loop.job import cuda_device_count, local_ray_num_cpus
     from miles_disagg.trainer.placement import plan_layout
 
-    layout = plan_layout(config.cluster, external_rollout=_external(config))
+    layout = plan_layout(config.cluster, external_rollout=_external(config), critic=uses_critic(config))
     asked = (f"this run asks for {layout.num_bundles} bundles of 1 GPU + 1 CPU (trainer {len(layout.trainer)}: "
              "--actor-num-nodes x --actor-num-gpus-per-node; rollout "
              f"{layout.num_bundles - len(layout.trainer)}: --rollout-num-gpus)")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles_disagg.config.components import RunConfig
+from miles_disagg.loop.critic import restore_critic, save_critic
 from miles_disagg.tracking import status
 from miles_disagg.trainer.checkpoint import (
     STATE_FORMATS, SaveMeta, check_state_format, check_world_size, find_latest, write_save)
@@ -50,7 +51,9 @@ def restore(job, found: tuple[Path, SaveMeta] | None) -> LoopState:
     """Load the saved trainer state and reconcile it with the version store and the engines.
 
     A fresh run whose policy starts from a torch_dist checkpoint (not the engines' base) first
-    publishes it as version 1 and brings the engines to it: no sample comes from another policy."""
+    publishes it as version 1 and brings the engines to it: no sample comes from another policy.
+    A PPO critic loads its save of the same step (``loop/critic.py``)."""
+    restore_critic(job, found[1].step if found else None)
     if found is None:
         return _publish_initial(job) if job.initial_checkpoint and job.trainer is not None else LoopState()
     path, meta = found
@@ -101,5 +104,6 @@ def maybe_save(job, state: LoopState, *, last: bool) -> None:
     meta = SaveMeta(step=state.step, version=state.version, run_id=job.run_id,
                     world_size=job.trainer.world_size, data_position=position,
                     state_format=STATE_FORMATS[train.train_backend])
+    save_critic(job, meta)  # before the policy's save, which commits the step
     path = write_save(train.save, meta, lambda partial: job.trainer.save(str(partial), with_hf=hf_due))
     status(f"saved {path} (step {state.step}, v{state.version}{', with HF export' if hf_due else ''})")

@@ -13,6 +13,7 @@ import time
 
 from miles_disagg.config.components import RunConfig
 from miles_disagg.loop.ci_gates import check_step
+from miles_disagg.loop.critic import train_with_critic
 from miles_disagg.loop.evaluation import maybe_evaluate
 from miles_disagg.loop.job import Job
 from miles_disagg.loop.records import BusyMeter, open_tracker, step_record
@@ -96,8 +97,9 @@ def _log_activation(tracker: MetricsTracker, config: RunConfig, activating) -> s
 def _train(job: Job, tracker: MetricsTracker, step: int, batch: RolloutBatch) -> dict:
     """Train on the batch; each optimizer step goes to the ``train_steps`` stream at once
     (``step`` = global optimizer step ``rollout_step * steps_per_rollout + k``); returns the
-    rollout's summary for its record."""
-    result = job.trainer.train(_advantages(batch, job.config.train))
+    rollout's summary for its record. With a critic (PPO) both groups train (``loop/critic.py``)."""
+    samples = _advantages(batch, job.config.train)
+    result = train_with_critic(job, step, samples) if job.critic is not None else job.trainer.train(samples)
     for k, metrics in enumerate(result.steps):
         tracker.log_stream(TRAIN_STEPS_STREAM, step * len(result.steps) + k,
                            {"rollout_step": step, "step_in_rollout": k, **metrics})

@@ -17,17 +17,19 @@ Trainer side, once the behaviour (``old``) and reference logprobs are known:
   rewards ``r_t = -kl_coef * KL_t``, with the sample's reward added at its LAST TRAINED token
   (``--gamma``, ``--kl-coef``; ``KL_t`` is the ``--kl-loss-type`` estimate of old vs reference);
 - ``reinforce_plus_plus_baseline``: ``signal - kl_coef * KL_t`` on every token.
+- ``ppo``: GAE over the critic's values (``PackedBatch.values``) with ``--gamma``/``--lambd``, the
+  reward at the LAST RESPONSE token (``trainer.gae``; the critic computes the same returns).
 As in miles, the KL shaping runs over every response token (trained or not), and a sample
 without trained tokens gets no reward placed (it receives no gradient either way).
 ``--normalize-advantages`` then whitens them over the trained tokens of the whole rollout,
 across data-parallel ranks (``whiten``): ``(A - mean) / sqrt(var + 1e-8)``, unbiased variance.
-``ppo`` (a critic with GAE) is refused by the config.
 """
 
 from __future__ import annotations
 
 import torch
 
+from miles_disagg.trainer.gae import ppo_advantages_and_returns
 from miles_disagg.trainer.losses import kl_penalty
 from miles_disagg.trainer.reduction import all_reduce_sum
 
@@ -46,6 +48,8 @@ def token_advantages(config, batch, old: torch.Tensor | None, ref: torch.Tensor 
     estimator = config.advantage_estimator
     if estimator in ("grpo", "gspo"):
         return signal * response
+    if estimator == "ppo":
+        return _ppo_advantages(config, batch, device)
     if old is None:
         old = torch.zeros_like(response)
     kl = _reward_kl(config, old, ref) * response
@@ -58,6 +62,12 @@ def token_advantages(config, batch, old: torch.Tensor | None, ref: torch.Tensor 
         token_rewards[rows, last[rows]] += signal[rows, 0]
         return discounted_returns(token_rewards, config.gamma) * response
     raise ValueError(f"unsupported --advantage-estimator {estimator!r}")
+
+
+def _ppo_advantages(config, batch, device) -> torch.Tensor:
+    if batch.values is None:
+        raise ValueError("--advantage-estimator ppo: the batch carries no critic values (trainer.critic_values)")
+    return ppo_advantages_and_returns(batch, batch.values, config.gamma, config.lambd, device)[0]
 
 
 def _reward_kl(config, old: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 
+from miles_disagg.trainer.critic_values import values_of
 from miles_disagg.types import Sample
 
 
@@ -28,6 +29,9 @@ class PackedBatch:
     response_start: torch.Tensor  # index of each sample's first response token in input_ids
     rollout_logprobs: torch.Tensor
     advantages: torch.Tensor  # [batch]: each sample's sequence-level signal (Sample.advantage)
+    values: torch.Tensor | None = None
+    """PPO: ``[batch, response]`` the critic's value of each response token (0 on padding);
+    None unless every sample carries them (``trainer.critic_values``)."""
 
     @property
     def num_samples(self) -> int:
@@ -70,7 +74,18 @@ def pack(samples: Sequence[Sample], pad_id: int = 0) -> PackedBatch:
         input_ids=input_ids, attention_mask=attention, response_ids=response_ids, response_mask=response_mask,
         loss_mask=loss_mask, response_start=torch.tensor([len(s.prompt_ids) for s in samples]),
         rollout_logprobs=rollout_lp, advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        values=_packed_values(samples, resp_len),
     )
+
+
+def _packed_values(samples: Sequence[Sample], resp_len: int) -> torch.Tensor | None:
+    rows = [values_of(s) for s in samples]
+    if any(row is None for row in rows):
+        return None
+    values = torch.zeros((len(samples), resp_len), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        values[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+    return values
 
 
 def _checked_loss_mask(sample: Sample, index: int) -> list[int]:

@@ -38,7 +38,7 @@ def miles_train_args(config, temperature: float = 1.0) -> argparse.Namespace:
     args.compute_advantages_and_returns = not config.disable_compute_advantages_and_returns
     args.grpo_std_normalization = not config.disable_grpo_std_normalization
     args.rewards_normalization = not config.disable_rewards_normalization
-    args.use_critic = False
+    args.use_critic = config.advantage_estimator == "ppo"
     args.recompute_loss_function = False
     return args
 

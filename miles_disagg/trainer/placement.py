@@ -1,4 +1,4 @@
-"""One placement group for the job: trainer bundles first, then rollout engines.
+"""One placement group for the job: trainer bundles first, then the critic's (PPO), then rollout engines.
 
 Bundles are ``{"GPU": 1, "CPU": 1}`` (logical GPUs on a CPU machine); with
 ``--rollout-node-resource NAME`` each engine bundle also asks for a share of the custom
@@ -7,7 +7,8 @@ rollout hosts so). After the group is ready each bundle's (node, IP, GPU id) is 
 probe actor and the bundles are sorted by node and GPU id, so a rank or engine index always
 maps to the same physical GPU order (with a rollout resource, trainer and engine bundles are
 sorted each among their own kind, since they are not interchangeable). The trainer gets the
-first ``actor_num_nodes * actor_num_gpus_per_node`` positions, rollout the next
+first ``actor_num_nodes * actor_num_gpus_per_node`` positions, a PPO critic the next
+``critic_num_nodes * critic_num_gpus_per_node`` (its own trainer group), rollout the next
 ``rollout_num_gpus``, split into engines of ``rollout_num_gpus_per_engine`` (each engine on
 one node). With ``--colocate`` rollout shares the trainer's bundles.
 
@@ -36,10 +37,12 @@ class Layout:
     engines: tuple[tuple[int, ...], ...]
     rollout_node_resource: str | None = None
     """Engine bundles ask for a share of this custom resource (None: any node with a free GPU)."""
+    critic: tuple[int, ...] = ()
+    """Bundle indices of the critic's ranks (PPO; after the trainer's, before the engines')."""
 
     def is_engine_bundle(self, position: int) -> bool:
-        """Whether the bundle requested at ``position`` is an engine's (trainer bundles come first)."""
-        return position >= len(self.trainer)
+        """Whether the bundle requested at ``position`` is an engine's (trainer and critic bundles come first)."""
+        return position >= len(self.trainer) + len(self.critic)
 
     def bundle_resources(self, position: int) -> dict[str, float]:
         """What the bundle requested at ``position`` asks of its node."""
@@ -49,16 +52,19 @@ class Layout:
         return bundle
 
 
-def plan_layout(cluster: ClusterConfig, *, external_rollout: bool = False) -> Layout:
-    """Pure: which sorted bundle each trainer rank and each engine uses.
+def plan_layout(cluster: ClusterConfig, *, external_rollout: bool = False, critic: bool = False) -> Layout:
+    """Pure: which sorted bundle each trainer rank, each critic rank (``critic``: the run trains a
+    PPO critic, ``cluster.num_critic_gpus`` of them) and each engine uses.
 
-    External or service rollout launches no engine, so only trainer bundles are reserved.
+    External or service rollout launches no engine, so only trainer (and critic) bundles are reserved.
     ``ConfigError`` when the rollout GPUs do not split into whole engines, or when colocated
     engines (which share the trainer's bundles) are asked to go to rollout nodes.
     """
     trainer = tuple(range(cluster.num_actor_gpus))
+    critics = tuple(range(len(trainer), len(trainer) + (cluster.num_critic_gpus if critic else 0)))
+    training = len(trainer) + len(critics)
     if external_rollout:
-        return Layout(len(trainer), trainer, ())
+        return Layout(training, trainer, (), critic=critics)
     rollout_gpus = cluster.rollout_num_gpus or cluster.num_actor_gpus
     per_engine = cluster.rollout_num_gpus_per_engine
     if rollout_gpus % per_engine:
@@ -72,12 +78,12 @@ def plan_layout(cluster: ClusterConfig, *, external_rollout: bool = False) -> La
             raise ConfigError("--rollout-node-resource places engines on their own nodes; --colocate puts them on "
                               "the trainer's GPUs: give one", ("--rollout-node-resource", "--colocate"))
         first = 0
-        total = len(trainer)
+        total = training
     else:
-        first = len(trainer)
-        total = len(trainer) + rollout_gpus
+        first = training
+        total = training + rollout_gpus
     engines = tuple(tuple(range(first + i, first + i + per_engine)) for i in range(0, rollout_gpus, per_engine))
-    layout = Layout(total, trainer, engines, cluster.rollout_node_resource)
+    layout = Layout(total, trainer, engines, cluster.rollout_node_resource, critic=critics)
     if cluster.num_gpus_per_node is not None:
         _check_engines_within_nodes(layout, cluster.num_gpus_per_node)
     return layout
@@ -110,8 +116,8 @@ class BundleSite:
 def order_bundles(layout: Layout, sites: list[BundleSite]) -> list[int]:
     """Pure: the Ray bundle index for each sorted position (``sites[i]`` = where bundle ``i`` is).
 
-    Sorted by (node, GPU id); with a rollout resource, trainer bundles keep the trainer's
-    positions and engine bundles the engines' (each sorted among its own kind). ``ConfigError``
+    Sorted by (node, GPU id); with a rollout resource, trainer (and critic) bundles keep the
+    training positions and engine bundles the engines' (each sorted among its own kind). ``ConfigError``
     when an engine's GPUs end up on more than one node (an engine runs on one node)."""
     def kind(index: int) -> int:
         return int(bool(layout.rollout_node_resource) and layout.is_engine_bundle(index))
@@ -226,7 +232,7 @@ def _not_reserved(layout: Layout) -> ConfigError:
     flags = ("--actor-num-gpus-per-node", "--rollout-num-gpus")
     asked = f"could not reserve {layout.num_bundles} GPU bundles within {PLACEMENT_TIMEOUT_S:.0f}s"
     if layout.rollout_node_resource:
-        asked += (f" ({layout.num_bundles - len(layout.trainer)} of them on nodes offering "
+        asked += (f" ({layout.num_bundles - len(layout.trainer) - len(layout.critic)} of them on nodes offering "
                   f"--rollout-node-resource {layout.rollout_node_resource!r})")
         flags += ("--rollout-node-resource",)
     return ConfigError(asked, flags)

@@ -43,7 +43,7 @@ def assign_advantages(groups: list, config) -> list:
       ``--disable-grpo-std-normalization``: not divided; a group of equal rewards: 0, see
       :func:`grpo_advantages`);
     - ``reinforce_plus_plus_baseline``: reward minus the group's mean (the group baseline);
-    - ``reinforce_plus_plus``: the raw reward.
+    - ``reinforce_plus_plus`` and ``ppo`` (whose critic is the baseline): the raw reward.
     miles' ``--disable-rewards-normalization``: grpo, gspo and reinforce_plus_plus_baseline take the
     raw reward too (no group mean subtracted, no std division).
     """
@@ -57,7 +57,7 @@ def assign_advantages(groups: list, config) -> list:
             signal = grpo_advantages(rewards, normalize_by_std=not config.disable_grpo_std_normalization)
         elif estimator == "reinforce_plus_plus_baseline":
             signal = grpo_advantages(rewards, normalize_by_std=False)
-        elif estimator == "reinforce_plus_plus":
+        elif estimator in ("reinforce_plus_plus", "ppo"):
             signal = rewards
         else:
             raise ValueError(f"unsupported --advantage-estimator {estimator!r}")

@@ -1,6 +1,7 @@
 """Advantage estimators against hand-computed values: GRPO, REINFORCE++ (discounted per-token
 returns, KL in the reward, reward at the last trained token), REINFORCE++-baseline (group
-baseline), whitening over trained tokens; ``ppo`` and a GRPO ``--kl-coef`` are refused."""
+baseline), whitening over trained tokens; a GRPO ``--kl-coef`` is refused, and ``ppo`` (a critic,
+``tests/unit/test_critic_gae.py``) on Megatron."""
 
 from __future__ import annotations
 
@@ -116,8 +117,8 @@ def test_helpers() -> None:
 
 
 def test_ppo_and_grpo_kl_coef_are_refused_at_config_time(tmp_path) -> None:
-    with pytest.raises(ConfigError, match="--advantage-estimator ppo needs a critic.*use grpo, reinforce_plus_plus"):
-        load_config(["--advantage-estimator", "ppo"], "train_async")
+    with pytest.raises(ConfigError, match="--advantage-estimator ppo: the critic trains on --train-backend fsdp only"):
+        load_config(["--advantage-estimator", "ppo"], "train_async")  # megatron, the default backend
     with pytest.raises(ConfigError, match="--kl-coef .*--use-kl-loss --kl-loss-coef"):
         load_config(["--kl-coef", "0.1"], "train_async")
     config, _ = load_config(["--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.1", "--gamma", "0.9",

@@ -1,0 +1,131 @@
+"""PPO's critic as its own trainer group on real Ray (logical GPUs, gloo): placed in the critic's
+bundles, two ranks train exactly as one (the value loss normalised over the global batch), and a
+save written by two ranks loads into one with the same value head, values and lr schedule.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_disagg.config.actors import CriticGroupConfig
+from miles_disagg.config.components import ClusterConfig, TrainConfig
+from miles_disagg.net.netbind import LOCAL_RAY_SYSTEM_CONFIG
+from miles_disagg.trainer.critic_values import values_of
+from miles_disagg.types import Sample
+
+pytestmark = pytest.mark.timeout(500)
+
+LR, WARMUP = 0.05, 4
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    ray.init(num_cpus=8, num_gpus=3, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
+             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
+    yield
+    ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def samples(n: int = 8) -> list[Sample]:
+    """Ragged responses (2 to 7 tokens), tool tokens in every third sample, rewards in [-1, 1]."""
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(3, 60, (3 + i % 3,), generator=generator).tolist()
+        length = 2 + (5 * i) % 6
+        response = torch.randint(3, 60, (length,), generator=generator).tolist()
+        mask = [0 if (i % 3 == 0 and 0 < t < length - 1) else 1 for t in range(length)]
+        out.append(Sample(prompt_ids=prompt, response_ids=response, response_logprobs=[-4.0] * length,
+                          advantage=float(i % 2) - 0.5 + 0.1 * i, loss_mask=mask))
+    return out
+
+
+def critic_group(world_size: int, model_dir: Path):
+    """(a set-up CriticGroup of ``world_size`` ranks in the critic's bundles, its placement group)."""
+    from miles_disagg.trainer.critic_group import CriticGroup
+    from miles_disagg.trainer.placement import create_placement, plan_layout
+
+    cluster = ClusterConfig(actor_num_gpus_per_node=1, critic_num_gpus_per_node=world_size)
+    placement = create_placement(plan_layout(cluster, external_rollout=True, critic=True))
+    train = TrainConfig(train_backend="fsdp", global_batch_size=4, micro_batch_size=2, seed=0, clip_grad=0.0,
+                        adam_eps=1.0, gamma=0.9, lambd=0.95)
+    group = CriticGroup(placement, CriticGroupConfig(train=train, hf_dir=str(model_dir), lr=LR, lr_warmup_iters=WARMUP,
+                                                     value_clip=0.2))
+    assert group.setup()["backend"] == "gloo"
+    return group, placement
+
+
+def run(world_size: int, model_dir: Path, save_to: Path | None = None) -> dict:
+    """Score 8 samples, train two steps on them, score again (and save)."""
+    from ray.util.placement_group import remove_placement_group
+
+    group, placement = critic_group(world_size, model_dir)
+    try:
+        batch = samples()
+        group.score(batch)
+        before = [values_of(s) for s in batch]
+        result = group.train(batch).result()
+        after = samples()
+        group.score(after)
+        if save_to is not None:
+            group.save(str(save_to))
+        return {"before": before, "after": [values_of(s) for s in after], "result": result,
+                "head": group.value_head_state()}
+    finally:
+        group.shutdown()
+        remove_placement_group(placement.group)
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    save = tmp_path_factory.mktemp("critic_save") / "iter"
+    return {"one": run(1, tiny_qwen3_dir), "two": run(2, tiny_qwen3_dir, save_to=save), "save": save}
+
+
+def test_two_ranks_train_the_critic_as_one(runs) -> None:
+    one, two = runs["one"], runs["two"]
+    for a, b in zip(one["before"], two["before"]):
+        assert b == pytest.approx(a, abs=1e-6)  # the same value head (--seed) and model on every rank
+    steps_one, steps_two = one["result"].steps, two["result"].steps
+    assert len(steps_one) == len(steps_two) == 2  # 8 samples, global batch 4
+    for a, b in zip(steps_one, steps_two):
+        for key in ("critic/value_loss", "critic/value_clipfrac", "critic/lr"):
+            assert b[key] == pytest.approx(a[key], abs=1e-6), key
+        assert b["critic/grad_norm"] == pytest.approx(a["critic/grad_norm"], rel=1e-5)
+    assert [s["critic/lr"] for s in steps_one] == pytest.approx([0.0, LR / WARMUP])  # Megatron's linear warmup
+    for key in ("critic/explained_variance", "critic/values_mean", "critic/returns_mean"):
+        assert two["result"].rollout[key] == pytest.approx(one["result"].rollout[key], abs=1e-6), key
+    for name, tensor in one["head"].items():
+        assert torch.allclose(tensor, two["head"][name], rtol=1e-4, atol=1e-7), name
+    moved = [abs(x - y) for a, b in zip(one["before"], one["after"]) for x, y in zip(a, b)]
+    assert max(moved) > 1e-3  # the second step (lr > 0) moved the values
+
+
+def test_a_save_of_two_ranks_loads_into_one(runs, tiny_qwen3_dir: Path) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    group, placement = critic_group(1, tiny_qwen3_dir)
+    try:
+        group.load(str(runs["save"]))
+        for name, tensor in runs["two"]["head"].items():
+            assert torch.equal(group.value_head_state()[name], tensor), name
+        again = samples()
+        group.score(again)
+        for a, b in zip(runs["two"]["after"], (values_of(s) for s in again)):
+            assert b == pytest.approx(a, abs=1e-6)
+        resumed = group.train(again).result()
+        assert resumed.steps[0]["critic/lr"] == pytest.approx(2 * LR / WARMUP)  # the schedule's clock came back
+    finally:
+        group.shutdown()
+        remove_placement_group(placement.group)

@@ -1,0 +1,78 @@
+"""The critic's saves beside the policy's (``loop/critic.py``): written before the policy's (which
+commits the step), in ``--critic-save`` (default ``--save`` + ``_critic``); on resume the critic loads
+its save of the policy's step from ``--critic-load`` (default ``--load`` + ``_critic``), starts a new
+value head when there are no critic saves, and refuses critic saves of other steps only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from miles_disagg.config import load_config
+from miles_disagg.loop.critic import CRITIC_STATE_FORMAT, restore_critic, save_critic
+from miles_disagg.loop.resume import LoopState, maybe_save
+from miles_disagg.trainer.checkpoint import SaveMeta, read_complete
+from miles_disagg.types import ConfigError
+
+
+class FakeGroup:
+    """Writes and reads one marker file per save, as the ranks write state/ (order recorded)."""
+
+    def __init__(self, name: str, order: list, world_size: int = 1):
+        self.name, self.order, self.world_size, self.loaded = name, order, world_size, None
+
+    def save(self, directory: str, with_hf: bool = False) -> None:
+        self.order.append(self.name)
+        (Path(directory) / "state").mkdir()
+        (Path(directory) / "state" / "marker").write_text(self.name)
+
+    def load(self, directory: str) -> None:
+        self.loaded = Path(directory).name
+
+
+class FakeJob:
+    def __init__(self, config, order):
+        self.config, self.run_id, self.rollout = config, "run-1", None
+        self.trainer, self.critic = FakeGroup("policy", order), FakeGroup("critic", order, world_size=2)
+
+
+def job_for(tmp_path: Path, *extra: str) -> FakeJob:
+    config, _ = load_config(["--advantage-estimator", "ppo", "--train-backend", "fsdp", "--save",
+                             str(tmp_path / "save"), "--load", str(tmp_path / "save"), *extra], "train_async")
+    return FakeJob(config, [])
+
+
+def test_the_critic_is_saved_first_beside_the_policy(tmp_path: Path) -> None:
+    job = job_for(tmp_path)
+    maybe_save(job, LoopState(step=3, version=3), last=True)
+    assert job.trainer.order == ["critic", "policy"]  # the policy's save commits the step
+    meta = read_complete(tmp_path / "save_critic" / "iter_0000003")
+    assert meta is not None and (meta.step, meta.version, meta.world_size) == (3, 3, 2)
+    assert meta.state_format == CRITIC_STATE_FORMAT
+    assert read_complete(tmp_path / "save" / "iter_0000003") is not None
+
+
+def test_resume_loads_the_critic_save_of_the_policy_step(tmp_path: Path) -> None:
+    job = job_for(tmp_path)
+    for step in (2, 4):
+        save_critic(job, SaveMeta(step=step, version=step, run_id="run-1", world_size=1, data_position=0))
+    restore_critic(job, 2)
+    assert job.critic.loaded == "iter_0000002"  # not the newest: the policy's step
+    restore_critic(job, None)
+    assert job.critic.loaded == "iter_0000004"  # a fresh policy takes the newest there is
+    with pytest.raises(ConfigError, match="resumes at step 3, but .* no complete critic save of that step"):
+        restore_critic(job, 3)
+
+
+def test_without_critic_saves_the_critic_starts_fresh(tmp_path: Path) -> None:
+    job = job_for(tmp_path, "--critic-load", str(tmp_path / "elsewhere"))
+    restore_critic(job, 5)
+    assert job.critic.loaded is None
+    (tmp_path / "elsewhere").mkdir()
+    policy_like = SaveMeta(step=5, version=5, run_id="r", world_size=1, data_position=0, state_format="fsdp/x")
+    from miles_disagg.trainer.checkpoint import write_save
+
+    write_save(tmp_path / "elsewhere", policy_like, lambda d: None)
+    with pytest.raises(ConfigError, match="not a critic save"):
+        restore_critic(job, 5)
