@@ -73,16 +73,21 @@ def _check_teacher(config) -> None:
         raise ConfigError("--rm-url and --opd-teacher-hf-checkpoint each name the teacher; give one", TEACHER_FLAGS)
     if rollout.rm_url:
         parts = urlsplit(rollout.rm_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        path = parts.path.rstrip("/")
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment or \
+                (path and not path.endswith("/generate")):
             raise ConfigError(f"--rm-url {rollout.rm_url!r}: expected the teacher's http://HOST:PORT/generate",
                               ("--rm-url",))
         return
-    _check_teacher_checkpoint(rollout.opd_teacher_hf_checkpoint, config.train.hf_checkpoint)
+    _check_teacher_checkpoint(rollout.opd_teacher_hf_checkpoint, config.train)
 
 
-def _check_teacher_checkpoint(teacher: str, student: str | None) -> None:
-    """The job's teacher must be a checkpoint with the student's vocabulary (it scores the student's ids)."""
-    flag = "--opd-teacher-hf-checkpoint"
+def _check_teacher_checkpoint(teacher: str, train) -> None:
+    """The job's teacher must be a checkpoint with the student's vocabulary (it scores the student's ids);
+    the student's own base (``--hf-checkpoint``, maybe made on the spot by ``--hf-checkpoint-init``) is one."""
+    flag, student = "--opd-teacher-hf-checkpoint", train.hf_checkpoint
+    if student and Path(teacher).resolve() == Path(student).resolve():
+        return
     path = Path(teacher) / "config.json"
     try:
         vocab = json.loads(path.read_text()).get("vocab_size")

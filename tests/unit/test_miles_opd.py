@@ -216,6 +216,7 @@ def test_miles_defaults_and_names() -> None:
     (["--use-opd", "--opd-type", "sglang", "--rm-url", "http://t:1/generate", "--opd-teacher-hf-checkpoint", "/t"],
      "give one"),
     (["--use-opd", "--opd-type", "sglang", "--rm-url", "t:1"], "expected the teacher's"),
+    (["--use-opd", "--opd-type", "sglang", "--rm-url", "http://t:1/score"], "expected the teacher's"),
     (["--use-opd", "--opd-type", "sglang", "--opd-teacher-hf-checkpoint", "/nonexistent"], "not a readable"),
     (["--opd-teacher-hf-checkpoint", "/t"], "add --use-opd"),
     (["--use-opd", "--opd-type", "sglang", "--rm-url", "http://t:1/generate", "--skip-actor-forward-only"],
