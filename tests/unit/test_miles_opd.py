@@ -242,3 +242,29 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path) -> None:
     (teacher / "config.json").write_text(json.dumps({"vocab_size": 64}))
     config, _ = load_config([*BASE[:2], "--hf-checkpoint", str(student), *BASE[4:], *flags], entry="train")
     assert config.rollout.opd_teacher_hf_checkpoint == str(teacher)
+
+
+def test_a_miles_opd_line_runs_miles_recipe_unchanged() -> None:
+    """miles' SGLang-teacher recipe (its reward function and post-process by their miles paths): the
+    rollout asks the teacher itself, the reward is 0 and the post-process gives miles' zeros, so only
+    the OPD term trains (pure distillation, as in miles)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from miles_disagg.rollout.generate import GenerationFailed
+    from miles_disagg.rollout.hooks import load_rollout_hooks
+    from miles_disagg.rollout.sample_rewards import load_sample_reward
+
+    recipe = "miles.rollout.on_policy_distillation"
+    config = config_of("--use-opd", "--opd-type", "sglang", "--opd-kl-coef", "1.0", "--rm-url", "http://t:1/generate",
+                       "--custom-rm-path", f"{recipe}.reward_func",
+                       "--custom-reward-post-process-path", f"{recipe}.post_process_rewards")
+    reward, hooks = load_sample_reward(config.rollout), load_rollout_hooks(config.rollout)
+    samples = [Sample(prompt_ids=[1], response_ids=[2, 3], response_logprobs=[-1.0, -1.0], reward=None,
+                      teacher_logprobs=[-0.5, -0.5]) for _ in range(2)]
+    asyncio.run(reward.score(SimpleNamespace(evaluation=False), samples))
+    assert [s.reward for s in samples] == [0.0, 0.0]
+    assert hooks.reward_post_process(SimpleNamespace(), samples) == ([0.0, 0.0], [0.0, 0.0])
+    samples[1].teacher_logprobs = None
+    with pytest.raises(GenerationFailed, match="no teacher logprobs"):
+        hooks.reward_post_process(SimpleNamespace(), samples)
