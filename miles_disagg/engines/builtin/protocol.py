@@ -128,8 +128,9 @@ class SamplingParams(Body):
 class GenerateReqInput(Body):
     """SGLang's ``GenerateReqInput``: exactly one of ``text``/``input_ids``, each one prompt or a
     batch. ``sampling_params``, ``return_logprob``, ``top_logprobs_num``, ``logprob_start_len``
-    (-1: no input logprobs) and ``rid`` are one value shared by the batch or a list with one entry per item (a string ``rid`` for a batch is a
-    prefix: ``rid_0``, ``rid_1``, ...); they are validated split per item."""
+    (-1: no input logprobs) and ``rid`` are one value shared by the batch or a list with one entry
+    per item (a string ``rid`` for a batch is a prefix: ``rid_0``, ``rid_1``, ...); they are
+    validated split per item."""
 
     text: tuple[str, ...] | None = None
     input_ids: tuple[Annotated[Ints, Field(min_length=1)], ...] | None = None
