@@ -334,6 +334,11 @@ class Sample:
     (dense MLP) hold -1. In a multi-turn sample row ``p`` comes from the engine call that first ran
     position ``p`` through the model, so each token replays the routing of the version that served it.
     None unless ``--use-rollout-routing-replay``."""
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation (``--use-opd``): the teacher's logprob of each response token given the
+    prompt and the response before it (miles' ``teacher_log_probs``); None: not scored by a teacher."""
+    teacher_version: str | None = None
+    """The ``weight_version`` the teacher reported for the call that scored ``teacher_logprobs``."""
 
     def trained_mask(self) -> list[int]:
         """The loss mask, all ones when none was given."""
@@ -378,6 +383,15 @@ class Sample:
         self.response_logprobs = [] if value is None else [float(x) for x in value]
 
     @property
+    def teacher_log_probs(self) -> list[float] | None:
+        """miles' name of ``teacher_logprobs`` (a miles hook may set a tensor or a list)."""
+        return self.teacher_logprobs
+
+    @teacher_log_probs.setter
+    def teacher_log_probs(self, value) -> None:
+        self.teacher_logprobs = None if value is None else [float(x) for x in value]
+
+    @property
     def weight_versions(self) -> list[str]:
         """The version that finished each engine call, as strings (miles' ``weight_versions``)."""
         calls = self.call_versions or [[self.weight_version_start, self.weight_version_end]]
@@ -412,11 +426,13 @@ class Sample:
         self.weight_version_end = end
 
     def check_consistent(self) -> None:
-        """``InvalidInput`` unless the per-token fields line up (one logprob and one mask entry per
-        response token) and the start/end versions are the first and last calls' versions."""
+        """``InvalidInput`` unless the per-token fields line up (one logprob, one mask entry and any
+        teacher logprob per response token) and the start/end versions are the first and last calls' versions."""
         n = len(self.response_ids)
         if len(self.response_logprobs) != n:
             raise InvalidInput(f"{n} response tokens but {len(self.response_logprobs)} rollout logprobs")
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise InvalidInput(f"{n} response tokens but {len(self.teacher_logprobs)} teacher logprobs")
         if self.loss_mask is not None and (len(self.loss_mask) != n or set(self.loss_mask) - {0, 1}):
             raise InvalidInput(f"loss_mask must hold one 0/1 per response token ({n}), got {self.loss_mask!r}")
         if self.call_versions and [self.weight_version_start, self.weight_version_end] != \

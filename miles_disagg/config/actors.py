@@ -123,12 +123,19 @@ class RolloutManagerConfig:
     routed_experts: tuple[int, int] | None = None
     """MoE: ``(num_hidden_layers, num_experts_per_tok)`` of the routing every engine call asks for
     (``return_routed_experts``) and every sample keeps; None: none asked for."""
+    opd_teacher_url: str | None = None
+    """``--use-opd``: the teacher's ``/generate`` URL every training sample is scored at (None: no teacher)."""
+    opd_teacher_run_keys: bool = False
+    """The teacher is one the job started: it holds the run's keys, which the requests then carry."""
 
     @classmethod
     def from_run(cls, config: RunConfig, router_url: str, run_id: str | None = None,
-                 backend: str | None = None) -> "RolloutManagerConfig":
-        """``backend``: the managed engines' (``builtin``/``sglang``); None for attached engines or a service."""
+                 backend: str | None = None, job_teacher_url: str | None = None) -> "RolloutManagerConfig":
+        """``backend``: the managed engines' (``builtin``/``sglang``); None for attached engines or a service.
+        ``job_teacher_url``: the ``/generate`` URL of the OPD teacher the job started (else ``--rm-url``'s)."""
         from miles_disagg.config.routing_replay import rollout_routing_shape
 
+        teacher = (job_teacher_url or config.rollout.rm_url) if config.train.use_opd else None
         return cls(rollout=config.rollout, router_url=router_url, hf_dir=str(config.train.hf_checkpoint),
-                   seed=config.train.seed, run_id=run_id, routed_experts=rollout_routing_shape(config, backend))
+                   seed=config.train.seed, run_id=run_id, routed_experts=rollout_routing_shape(config, backend),
+                   opd_teacher_url=teacher, opd_teacher_run_keys=job_teacher_url is not None)

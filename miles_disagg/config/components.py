@@ -36,6 +36,7 @@ CHECKPOINT_INITS = ("none", "tiny-qwen3", "tiny-qwen3-digits", "tiny-qwen3-moe",
 ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # what the built-in engine (and SGLang) accept
 WANDB_MODES = ("online", "offline", "disabled")
 LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")  # miles' --loss-type values
+OPD_TYPES = ("sglang", "megatron")  # miles' --opd-type values
 
 
 def _require(condition: bool, message: str) -> None:
@@ -141,6 +142,8 @@ class RolloutConfig:
     dynamic_sampling_filter_path: str | None = flag(None, "pkg.module.function: filter(args, samples) -> FilterOutput | bool, per completed group; a dropped group is replaced by a new one (miles_disagg.rollout.filters.check_reward_nonzero_std: DAPO's zero-variance filter).")
     over_sampling_batch_size: int | None = flag(None, "Groups drawn at a time while a batch is short of kept groups (train.py); groups in flight or buffered beyond one batch (train_async.py). Default: --rollout-batch-size.")
     buffer_filter_path: str | None = flag(None, "pkg.module.function: buffer_filter(args, rollout_id, buffer, num_samples) -> the groups to train on next (default: the oldest admissible).")
+    rm_url: str | None = flag(None, "miles: with --use-opd --opd-type sglang, the teacher's /generate URL (http://HOST:PORT/generate; an SGLang server or a built-in engine with the student's vocabulary): each sample's tokens are scored there.", metavar="URL")
+    opd_teacher_hf_checkpoint: str | None = flag(None, "With --use-opd --opd-type sglang instead of --rm-url: an HF checkpoint (the student's vocabulary) the job serves as the teacher, a built-in engine on the driver's host at version 0 (small teachers; start a large one as an SGLang server and give --rm-url).", metavar="DIR")
     custom_reward_post_process_path: str | None = flag(None, "pkg.module.function: post_process(args, samples) -> (raw_rewards, rewards); the rewards become the samples' advantages (no further normalization).")
     debug_rollout_only: bool = flag(False, "Generate and score without training (no weight updates).")
     debug_train_only: bool = flag(False, "Train on --load-debug-rollout-data without engines.")
@@ -273,6 +276,11 @@ class TrainConfig:
     ref_load: str | None = flag(None, "Reference model checkpoint (default: --hf-checkpoint).")
     use_tis: bool = flag(False, "Truncated importance sampling against the rollout policy's logprobs.")
     tis_clip: float = flag(2.0, "Upper clip of the TIS ratio.")
+    use_opd: bool = flag(False, "miles: on-policy distillation: a teacher engine scores every sample's tokens (--opd-type sglang) and each token's advantage loses --opd-kl-coef x (student logprob - teacher logprob), before --normalize-advantages.")
+    opd_type: str | None = flag(None, "miles: where the --use-opd teacher runs: sglang (an engine answering SGLang's /generate: --rm-url, or --opd-teacher-hf-checkpoint served by the job); megatron (inside the trainer) is refused.", choices=OPD_TYPES)
+    opd_kl_coef: float = flag(1.0, "miles: weight of the --use-opd reverse KL subtracted from the advantages.")
+    opd_teacher_load: str | None = flag(None, "miles: the teacher's Megatron checkpoint (--opd-type megatron, refused here).")
+    opd_teacher_ckpt_step: int | None = flag(None, "miles: the step of --opd-teacher-load (--opd-type megatron, refused here).")
     get_mismatch_metrics: bool = flag(False, "miles: report the trainer-vs-engine mismatch metrics of --custom-tis-function-path (which it needs; its correction applies too) and train/ois.")
     use_opsm: bool = flag(False, "miles: Off-Policy Sequence Masking: drop a negative-advantage sample's tokens when its mean old-minus-new logprob exceeds --opsm-delta.")
     opsm_delta: float = flag(1e-4, "miles: the --use-opsm threshold.")

@@ -8,6 +8,7 @@ from pathlib import Path
 from miles_disagg.config.components import RunConfig
 from miles_disagg.config.critic_rules import check_critic_rules
 from miles_disagg.config.loss_rules import check_loss_rules
+from miles_disagg.config.opd_rules import check_opd_rules
 from miles_disagg.config.routing_replay import check_routing_replay
 from miles_disagg.config.sglang_args import check_parallel_passthrough
 from miles_disagg.config.miles_flags import miles_refusal
@@ -19,10 +20,11 @@ _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,
 
 def validate(config: RunConfig) -> None:
     """Raise ``ConfigError`` (naming the offending flags) for the first invalid combination."""
-    for check in (_check_entry, _check_miles_rejections, check_loss_rules, _check_disk_delta, _check_topology, _check_batches,
-                  _check_colocate, _check_debug, _check_save_and_eval, _check_megatron, _check_megatron_only_flags,
-                  _check_routing, _check_ci, check_model_args, check_expert_layout, _check_miles_logging_and_data,
-                  _check_offload, _check_trainer_restarts, _check_min_engines, check_critic_rules):
+    for check in (_check_entry, _check_miles_rejections, check_loss_rules, check_opd_rules, _check_disk_delta,
+                  _check_topology, _check_batches, _check_colocate, _check_debug, _check_save_and_eval, _check_megatron,
+                  _check_megatron_only_flags, _check_routing, _check_ci, check_model_args, check_expert_layout,
+                  _check_miles_logging_and_data, _check_offload, _check_trainer_restarts, _check_min_engines,
+                  check_critic_rules):
         check(config)
     check_routing_replay(config)  # MoE: the routing-replay flags need a MoE checkpoint
     launched = not (config.rollout.rollout_external or config.rollout.rollout_service_url)  # servers this job starts

@@ -65,6 +65,7 @@ class Job:
     data_position: int = 0  # the prompts a resumed run consumed before it started
     node_watch: NodeWatch | None = None  # registered for the job's lifetime (a trainer restart unwatches a node)
     on_trainer_node_lost: TrainerNodeLost | None = None  # the trainer-restart seam
+    opd_teacher: object | None = None  # the --use-opd teacher engine the job serves (--opd-teacher-hf-checkpoint)
     _owns_ray: bool = False
     _capacity_watch: object | None = None  # the CapacityWatch, once the engines run
 
@@ -245,11 +246,13 @@ class Job:
     def _start_rollout(self) -> None:
         from miles_disagg.fleet.plan import managed_backend
         from miles_disagg.rollout.handle import RolloutManagerHandle
+        from miles_disagg.rollout.teacher import job_teacher
 
         run_id = self.run_id if self.config.rollout.rollout_service_url else None  # a service names runs
         backend = managed_backend(self.config.rollout)  # decides whether calls ask for MoE routing
+        self.opd_teacher, teacher_url = job_teacher(self.config)
         self.rollout = RolloutManagerHandle(RolloutManagerConfig.from_run(self.config, self.router_url, run_id,
-                                                                          backend=backend),
+                                                                          backend=backend, job_teacher_url=teacher_url),
                                             data_position=self.data_position,
                                             scheduling_strategy=self.placement.control_strategy())
 
@@ -269,7 +272,7 @@ class Job:
 
         remove_watch(self.node_watch)  # tearing down must not be cut short by the watches
         remove_watch(self._capacity_watch)
-        for step in (self._stop_rollout, self._stop_engines, self._stop_trainer, self._stop_critic):
+        for step in (self._stop_rollout, self._stop_teacher, self._stop_engines, self._stop_trainer, self._stop_critic):
             try:
                 step()
             except Exception as exc:  # keep tearing down the rest
@@ -280,6 +283,10 @@ class Job:
     def _stop_rollout(self) -> None:
         if self.rollout is not None:
             self.rollout.stop(timeout_s=30)
+
+    def _stop_teacher(self) -> None:
+        if self.opd_teacher is not None:
+            self.opd_teacher.stop()
 
     def _stop_engines(self) -> None:
         if self.engines is not None:

@@ -12,7 +12,8 @@ Two ways to generate, chosen by ``--custom-generate-function-path``:
 
 Either way each sample leaves here with its served versions (start of its first engine call, end
 of its last), consistent per-token fields, a status and a reward (the generate function's if it
-set one, else ``--custom-rm-path`` / ``--rm-type`` / the task's: ``rollout/sample_rewards.py``).
+set one, else ``--custom-rm-path`` / ``--rm-type`` / the task's: ``rollout/sample_rewards.py``), and
+with ``--use-opd`` its teacher logprobs (``rollout/teacher.py``; not during evaluation).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from miles_disagg.rollout.generate import GenerationFailed, generate_one, reques
 from miles_disagg.rollout.hook_args import RolloutArgs
 from miles_disagg.rollout.routed_experts import RoutingShape, append_call_routing, check_covers_tokens, request_fields
 from miles_disagg.rollout.sample_rewards import SampleReward
+from miles_disagg.rollout.teacher import Teacher
 from miles_disagg.types import Group, InvalidInput, Sample, SampleStatus
 
 VersionBound = Callable[[], "tuple[int | None, int | None]"]
@@ -35,12 +37,15 @@ class GroupGenerator:
 
     def __init__(self, *, client, router_url: str, counters: dict[str, int], tokenizer, reward: SampleReward,
                  custom_generate: Callable | None, replay_after_dispatch: bool, run_id: str | None = None,
-                 routing: RoutingShape | None = None, proxy: AttributionProxy | None = None):
+                 routing: RoutingShape | None = None, proxy: AttributionProxy | None = None,
+                 teacher: Teacher | None = None):
         """``routing``: MoE routed experts every call asks for and every sample must carry (None: none);
-        ``proxy``: the generate hook's router addresses (one per sample being generated)."""
+        ``proxy``: the generate hook's router addresses (one per sample being generated); ``teacher``:
+        the ``--use-opd`` teacher every training sample is scored by (None: none)."""
         self._client, self._url, self._counters = client, router_url, counters
         self.tokenizer, self._reward, self._custom = tokenizer, reward, custom_generate
         self._replay, self._run_id, self._routing, self._proxy = replay_after_dispatch, run_id, routing, proxy
+        self._teacher = teacher
 
     # ------------------------------------------------------------------ pending samples
 
@@ -70,8 +75,12 @@ class GroupGenerator:
         return samples
 
     async def score(self, samples: list[Sample], args: RolloutArgs) -> None:
-        """The run's reward on checked samples (one call for them all with ``--group-rm``)."""
-        await self._reward.score(args, samples)
+        """The run's reward on checked samples (one call for them all with ``--group-rm``) and, for
+        training, the ``--use-opd`` teacher's logprobs of their tokens (both at once)."""
+        if self._teacher is None or args.evaluation:
+            await self._reward.score(args, samples)
+            return
+        await asyncio.gather(self._reward.score(args, samples), self._teacher.score(samples))
 
     async def _one(self, sample: Sample, args: RolloutArgs) -> Sample:
         if self._custom is None:

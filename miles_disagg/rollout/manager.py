@@ -43,6 +43,7 @@ from miles_disagg.rollout.hook_args import EngineCaller, EvalSamples, PromptSamp
 from miles_disagg.rollout.hooks import load_rollout_hooks
 from miles_disagg.rollout.outputs import eval_metrics, groups_from_rollout_output, post_process_rewards
 from miles_disagg.rollout.routed_experts import RoutingShape, from_jsonable, to_jsonable
+from miles_disagg.rollout.teacher import Teacher
 from miles_disagg.types import ConfigError, Group, RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class RolloutManager:
         self.hf_dir, seed = config.hf_dir, config.seed
         self.config, self.router_url = config.rollout, config.router_url.rstrip("/")
         self.run_id = config.run_id
+        self.teacher_url, self.teacher_run_keys = config.opd_teacher_url, config.opd_teacher_run_keys
+        self._teacher: Teacher | None = None
         self.routing = RoutingShape(*config.routed_experts) if config.routed_experts else None  # MoE routed experts
         config = config.rollout
         self.tokenizer = load_tokenizer(self.hf_dir)
@@ -115,10 +118,12 @@ class RolloutManager:
             hook = f"--custom-generate-function-path {self.config.custom_generate_function_path}"
             self._proxy = AttributionProxy(self._client, self.router_url, self.counters, self._training_bound, hook,
                                            replay_after_dispatch=replay, run_id=self.run_id, routing=self.routing)
+        self._teacher = self._make_teacher()
         self.generator = GroupGenerator(client=self._client, router_url=self.router_url, counters=self.counters,
                                      tokenizer=self.tokenizer, reward=self.reward,
                                      custom_generate=self.hooks.custom_generate, replay_after_dispatch=replay,
-                                     run_id=self.run_id, routing=self.routing, proxy=self._proxy)
+                                     run_id=self.run_id, routing=self.routing, proxy=self._proxy,
+                                     teacher=self._teacher)
         engine = EngineCaller(self._client, self.router_url, self.counters, self._training_bound, self.tokenizer,
                               self.sampling.max_new_tokens, replay_after_dispatch=replay, run_id=self.run_id,
                               routing=self.routing)
@@ -131,6 +136,13 @@ class RolloutManager:
             rollout_concurrency=self.config.rollout_concurrency, rm_type=self.config.rm_type,
             custom_rm_path=self.config.custom_rm_path, reward_key=self.config.reward_key,
             eval_reward_key=self.config.eval_reward_key, group_rm=self.config.group_rm)
+
+    def _make_teacher(self) -> Teacher | None:
+        """The ``--use-opd`` teacher's client: the run's keys only to a teacher the job started."""
+        if self.teacher_url is None:
+            return None
+        headers = ApiKeys.from_env().headers_for("/generate") if self.teacher_run_keys else {}
+        return Teacher(self._router_client(headers), self.teacher_url)
 
     def _router_client(self, headers: dict[str, str]):
         max_connections = self.config.rollout_concurrency + 8
@@ -206,6 +218,8 @@ class RolloutManager:
         self.buffer.close()
         if self._proxy is not None:
             await self._proxy.close()
+        if self._teacher is not None:
+            await self._teacher.aclose()
         if self._client is not None:
             await self._client.aclose()
 

@@ -21,7 +21,8 @@ Trainer side, once the behaviour (``old``) and reference logprobs are known:
   reward at the LAST RESPONSE token (``trainer.gae``; the critic computes the same returns).
 As in miles, the KL shaping runs over every response token (trained or not), and a sample
 without trained tokens gets no reward placed (it receives no gradient either way).
-``--normalize-advantages`` then whitens them over the trained tokens of the whole rollout,
+On-policy distillation (``--use-opd``) then subtracts its reverse-KL term token by token
+(:mod:`miles_disagg.trainer.opd`), and ``--normalize-advantages`` whitens them over the trained tokens of the whole rollout,
 across data-parallel ranks (``whiten``): ``(A - mean) / sqrt(var + 1e-8)``, unbiased variance.
 """
 
@@ -31,6 +32,7 @@ import torch
 
 from miles_disagg.trainer.gae import ppo_advantages_and_returns
 from miles_disagg.trainer.losses import kl_penalty
+from miles_disagg.trainer.opd import apply_to_advantages
 from miles_disagg.trainer.reduction import all_reduce_sum
 
 WHITEN_EPS = 1e-8
@@ -115,10 +117,14 @@ def whiten(advantages: list[torch.Tensor], masks: list[torch.Tensor], group=None
 
 
 def rollout_advantages(config, batches: list, old: list, ref: list, group=None,
-                       device: torch.device | str | None = None) -> list[torch.Tensor]:
-    """Per-token advantages of every micro-batch of one rollout on this rank, whitened over the
-    whole rollout (all ranks of ``group``; collective) when ``--normalize-advantages``."""
+                       device: torch.device | str | None = None,
+                       opd_reverse_kls: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Per-token advantages of every micro-batch of one rollout on this rank, less the on-policy
+    distillation term (``--use-opd``: ``opd_reverse_kls``, :mod:`miles_disagg.trainer.opd`), whitened
+    over the whole rollout (all ranks of ``group``; collective) when ``--normalize-advantages``."""
     advantages = [token_advantages(config, b, o, r, device) for b, o, r in zip(batches, old, ref, strict=True)]
+    if opd_reverse_kls is not None:
+        advantages = apply_to_advantages(advantages, opd_reverse_kls, config.opd_kl_coef)
     if config.normalize_advantages:
         advantages = whiten(advantages, [b.loss_mask for b in batches], group)
     return advantages

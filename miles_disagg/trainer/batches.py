@@ -32,6 +32,8 @@ class PackedBatch:
     values: torch.Tensor | None = None
     """PPO: ``[batch, response]`` the critic's value of each response token (0 on padding);
     None unless every sample carries them (``trainer.critic_values``)."""
+    teacher_logprobs: torch.Tensor | None = None
+    """``--use-opd``: the teacher's logprob of each response token (0 on padding); None when no sample has them."""
 
     @property
     def num_samples(self) -> int:
@@ -75,6 +77,7 @@ def pack(samples: Sequence[Sample], pad_id: int = 0) -> PackedBatch:
         loss_mask=loss_mask, response_start=torch.tensor([len(s.prompt_ids) for s in samples]),
         rollout_logprobs=rollout_lp, advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         values=_packed_values(samples, resp_len),
+        teacher_logprobs=_teacher_logprobs(samples, resp_len),
     )
 
 
@@ -85,6 +88,20 @@ def _packed_values(samples: Sequence[Sample], resp_len: int) -> torch.Tensor | N
     values = torch.zeros((len(samples), resp_len), dtype=torch.float32)
     for i, row in enumerate(rows):
         values[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+    return values
+
+
+def _teacher_logprobs(samples: Sequence[Sample], resp_len: int) -> torch.Tensor | None:
+    """``[batch, response]`` teacher logprobs when any sample has them (then every sample must, one per
+    response token: ``ValueError`` otherwise)."""
+    if all(s.teacher_logprobs is None for s in samples):
+        return None
+    values = torch.zeros((len(samples), resp_len), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        if s.teacher_logprobs is None or len(s.teacher_logprobs) != len(s.response_ids):
+            got = "none" if s.teacher_logprobs is None else len(s.teacher_logprobs)
+            raise ValueError(f"sample {i}: {got} teacher logprobs for {len(s.response_ids)} response tokens")
+        values[i, :len(s.response_ids)] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
     return values
 
 

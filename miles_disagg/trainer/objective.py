@@ -1,6 +1,7 @@
 """What one micro-batch's loss is (miles' ``--loss-type``), for every backend.
 
-- ``policy_loss``: the policy-gradient loss (:func:`miles_disagg.trainer.policy_gradient.rl_loss`);
+- ``policy_loss``: the policy-gradient loss (:func:`miles_disagg.trainer.policy_gradient.rl_loss`; with
+  ``--use-opd`` the teacher's term is in the advantages, and ``train/opd_reverse_kl`` is logged);
 - ``sft_loss``: miles' supervised loss, minus the mean logprob of the trained tokens
   (per sample, or per token with ``--calculate-per-token-loss``);
 - ``custom_loss``: ``--custom-loss-function-path``'s function, called as miles calls it with
@@ -18,6 +19,7 @@ import dataclasses
 
 import torch
 
+from miles_disagg.trainer import opd
 from miles_disagg.trainer.losses import masked_sum
 from miles_disagg.trainer.miles_layout import (
     ParallelState, per_sample, response_lengths, sample_mean_reducer, thd_logits, total_lengths, unconcat_tokens,
@@ -62,8 +64,9 @@ class TrainObjective:
         ``[batch, seq, vocab]``, needed for a custom loss only."""
         loss_type = self.config.loss_type
         if loss_type == "policy_loss":
-            return rl_loss(self.args, batch, logprobs, entropy, frozen.old, frozen.ref, frozen.advantages, device,
-                           recomputed=frozen.recomputed, hooks=self.hooks)
+            loss, metrics = rl_loss(self.args, batch, logprobs, entropy, frozen.old, frozen.ref, frozen.advantages,
+                                    device, recomputed=frozen.recomputed, hooks=self.hooks)
+            return loss, {**metrics, **opd.metrics(self.config, batch, frozen.opd_reverse_kl, device)}
         if loss_type == "sft_loss":
             loss = -masked_sum(logprobs, batch.loss_mask.to(device), per_token=self.config.calculate_per_token_loss)
             return loss, as_floats({"train/loss": loss})
@@ -96,7 +99,8 @@ def miles_batch(batch, frozen: FrozenInputs, device: torch.device) -> dict:
     response (``loss_masks``, ``advantages``, ``returns``, ``log_probs`` (the trainer's recomputed;
     absent when that pass is skipped), ``ref_log_probs`` (with a reference), ``rollout_log_probs``),
     ``unconcat_tokens``, ``total_lengths``, ``response_lengths``, ``rewards`` (each sample's
-    post-processed reward, its sequence-level signal) and ``max_seq_lens`` None (thd layout)."""
+    post-processed reward, its sequence-level signal), ``teacher_log_probs`` and ``opd_reverse_kl``
+    (``--use-opd``) and ``max_seq_lens`` None (thd layout)."""
     lengths = response_lengths(batch)
     data = {
         "unconcat_tokens": [t.to(device) for t in unconcat_tokens(batch)],
@@ -108,7 +112,8 @@ def miles_batch(batch, frozen: FrozenInputs, device: torch.device) -> dict:
         "max_seq_lens": None,
     }
     optional = {"log_probs": frozen.recomputed, "ref_log_probs": frozen.ref, "advantages": frozen.advantages,
-                "returns": frozen.advantages}
+                "returns": frozen.advantages, "teacher_log_probs": batch.teacher_logprobs,
+                "opd_reverse_kl": frozen.opd_reverse_kl}
     for key, values in optional.items():
         if values is not None:
             data[key] = per_sample(values.to(device), lengths)

@@ -245,6 +245,8 @@ def train_variants(model_dir: str, save_dir: str) -> dict:
         "gspo": dict(advantage_estimator="gspo", use_tis=True, use_opsm=True),
         "custom": dict(loss_type="custom_loss",  # miles' own policy loss, named as a miles line may name it
                        custom_loss_function_path="miles.backends.megatron_utils.loss.policy_loss_function"),
+        # the engines' logprobs (-4.0) are the student's: a teacher at -3.5 gives a reverse KL of -0.5
+        "opd": dict(use_opd=True, opd_type="sglang", opd_kl_coef=0.5, use_rollout_logprobs=True),
     }
     results = {}
     for name, flags in variants.items():
@@ -253,6 +255,8 @@ def train_variants(model_dir: str, save_dir: str) -> dict:
         calls = []
         backend.gpt.decoder.layers[0].register_forward_hook(lambda *args: calls.append(1))
         batch = samples()
+        for sample in batch if config.use_opd else []:
+            sample.teacher_logprobs = [-3.5] * len(sample.response_ids)
         result = backend.train([batch[:4], batch[4:]])
         results[name] = {"metrics": result.summary(), "steps": result.steps, "layer_calls": len(calls),
                          "weights": {n: t.clone() for n, t in backend.named_tensors()}}
@@ -304,6 +308,9 @@ def test_recompute_dynamic_batches_kl_and_resume(ray_cluster, tiny_qwen3_dir: Pa
     # --loss-type custom_loss with miles' policy_loss_function: the built-in loss's update
     assert custom["steps"][0]["train/pg_loss"] == pytest.approx(plain["steps"][0]["train/pg_loss"], abs=1e-6)
     assert all(torch.allclose(custom["weights"][n], w, atol=1e-6) for n, w in plain["weights"].items())
+    # --use-opd: the teacher's logprobs reach megatron's micro-batches, its term the advantages
+    assert [step["train/opd_reverse_kl"] for step in results["opd"]["steps"]] == pytest.approx([-0.5, -0.5], abs=1e-6)
+    assert "train/opd_reverse_kl" not in plain["metrics"]
     assert isinstance(results["pp_on_cpu"], ConfigError) and "--pipeline-model-parallel-size" in str(results["pp_on_cpu"])
 
 

@@ -82,8 +82,11 @@ def train_with(world_size: int, model_dir: Path, **flags):
     # scale and direction (with the default eps Adam's first step is ~ lr * sign(g), blind to scale).
     train = TrainConfig(lr=1.0, adam_eps=1.0, global_batch_size=4, micro_batch_size=1, seed=0, clip_grad=0.0,
                         **flags)
+    batch = samples()
+    for sample in batch if train.use_opd else []:  # a teacher that disagrees token by token
+        sample.teacher_logprobs = [-3.0 - 0.2 * t for t in range(len(sample.response_ids))]
     with trainer_group(world_size, model_dir, train) as group:
-        result = group.train(samples())
+        result = group.train(batch)
         return result, group.tensor_bytes()
 
 
@@ -157,6 +160,20 @@ def test_gspo_with_tis_and_opsm_two_ranks_match_one_rank(trained, tiny_qwen3_dir
     assert_same_training(one, two, base)
     assert one[0].steps[0]["train/ppo_kl"] == 0.0 and "train/tis" in one[0].steps[0]
     assert one[1] != trained(1, calculate_per_token_loss=per_token)[1]  # not GRPO's update
+
+
+def test_opd_whitened_over_two_ranks_matches_one_rank(trained, tiny_qwen3_dir: Path) -> None:
+    """--use-opd with --normalize-advantages: the teacher's term enters the advantages before they are
+    whitened over the whole rollout (both ranks), so two ranks train exactly as one."""
+    from safetensors.torch import load_file
+
+    base = load_file(str(next(tiny_qwen3_dir.glob("*.safetensors"))))
+    flags = dict(use_opd=True, opd_type="sglang", opd_kl_coef=0.5, normalize_advantages=True)
+    one, two = trained(1, **flags), trained(2, **flags)
+    assert_same_training(one, two, base)
+    for a, b in zip(one[0].steps, two[0].steps):
+        assert b["train/opd_reverse_kl"] == pytest.approx(a["train/opd_reverse_kl"], abs=1e-6)
+    assert one[1] != trained(1, calculate_per_token_loss=False)[1]  # not GRPO's update
 
 
 def test_miles_policy_loss_function_as_a_custom_loss_trains_as_the_built_in_loss(trained) -> None:

@@ -80,11 +80,22 @@ class FakeTokenizerManager:
                     "completion_tokens": n, "weight_version": self.version}
             if (obj.return_logprob[i] if batch else obj.return_logprob):
                 meta["output_token_logprobs"] = [(-0.5, t, None) for t in ids]
+                prompt = obj.input_ids[i] if batch else obj.input_ids
+                meta["input_token_logprobs"] = self._input_logprobs(
+                    prompt, obj.logprob_start_len[i] if batch else obj.logprob_start_len)
             if obj.return_routed_experts and self.routing is not None:
                 prompt = obj.input_ids[i] if batch else obj.input_ids
                 meta["routed_experts"] = self._routed_experts(len(prompt) + n, obj.routed_experts_start_len)
             outputs.append({"text": "x" * n, "output_ids": ids, "meta_info": meta})
         yield outputs if batch else outputs[0]
+
+    @staticmethod
+    def _input_logprobs(prompt: list[int], start: int) -> list[tuple]:
+        """SGLang's input logprobs of ``prompt`` from ``start`` on (none for -1), as its tokenizer manager
+        answers them: the first entry's logprob None; here the token at position p gets ``-p / 100``."""
+        if start < 0:
+            return []
+        return [(None if p == start else -p / 100, prompt[p], None) for p in range(start, len(prompt))]
 
     def _routed_experts(self, seqlen: int, start_len: int) -> str:
         """Routing of positions ``[start_len, seqlen - 1)`` (value: ``position * 100 + layer * 10 + k``),

@@ -126,3 +126,58 @@ def test_a_session_error_does_not_hide_the_load_error(sglang, manager):
         with pytest.raises(RuntimeError, match="load failed"):
             in_weight_update_session(client, lambda: (_ for _ in ()).throw(RuntimeError("load failed")))
     assert [type(o).__name__ for o in manager.received] == ["BeginWeightUpdateReqInput", "EndWeightUpdateReqInput"]
+
+
+def test_the_opd_teacher_scoring_call_and_its_answer(sglang, manager, io_struct):
+    """The ``--use-opd`` teacher's request (miles' body) parses into SGLang's ``GenerateReqInput`` as a
+    scoring call (every input token from position 0, nothing generated), and SGLang's answer (input
+    logprobs from ``logprob_start_len``, the first one null) gives each response token its teacher
+    logprob and the sample its teacher's version."""
+    import asyncio
+
+    import httpx
+
+    from miles_disagg.rollout.teacher import Teacher, probe_teacher
+    from miles_disagg.types import Sample
+
+    manager.version = "5"
+    sample = Sample(prompt_ids=[3, 4, 5], response_ids=[6, 7], response_logprobs=[-1.0, -1.0])
+
+    async def score() -> None:
+        teacher = Teacher(httpx.AsyncClient(timeout=60), f"{sglang.url}/generate")
+        try:
+            await teacher.score([sample])
+        finally:
+            await teacher.aclose()
+
+    asyncio.run(score())
+    (req,) = manager.of_type("GenerateReqInput")
+    assert isinstance(req, io_struct.GenerateReqInput)
+    assert req.input_ids == [3, 4, 5, 6, 7] and req.return_logprob is True and req.logprob_start_len == 0
+    assert req.sampling_params == {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False}
+    assert sample.teacher_logprobs == [-0.03, -0.04] and sample.teacher_version == "5"
+    assert probe_teacher(f"{sglang.url}/generate", "--rm-url") == "5"
+    manager.version = "0"
+
+
+@pytest.mark.parametrize("body", [
+    {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 0},
+    {"input_ids": [1, 2, 3], "return_logprob": True},
+    {"input_ids": [1, 2, 3], "logprob_start_len": 1},
+    {"input_ids": [[1, 2, 3], [4, 5]], "return_logprob": True, "logprob_start_len": [2, 0]},
+    {"input_ids": [[1, 2, 3], [4, 5]], "return_logprob": [True, False], "logprob_start_len": 1},
+])
+def test_the_engine_reads_logprob_start_len_as_sglang_does(io_struct, body):
+    """Our engine's parse of a body against SGLang's own normalization of it: the same start per item,
+    taken only with return_logprob (SGLang's scheduler resets it to -1 otherwise)."""
+    import copy
+
+    from miles_disagg.engines.builtin.protocol import parse_generate
+
+    req = io_struct.GenerateReqInput(**copy.deepcopy(body))
+    req.normalize_batch_and_arguments()
+    batched = not req.is_single
+    starts = req.logprob_start_len if batched else [req.logprob_start_len]
+    wants = req.return_logprob if batched else [req.return_logprob]
+    expected = [start if want else -1 for start, want in zip(starts, wants)]
+    assert [item.logprob_start_len for item in parse_generate(copy.deepcopy(body)).items] == expected

@@ -126,10 +126,10 @@ def test_return_text_in_logprobs_and_group_name():
         protocol.DestroyGroup.from_json({"group_name": 3})
 
 
-@pytest.mark.parametrize("field", [{"logprob_start_len": 0}, {"top_logprobs_num": -1}, {"token_ids_logprob": [1]},
+@pytest.mark.parametrize("field", [{"logprob_start_len": -2}, {"top_logprobs_num": -1}, {"token_ids_logprob": [1]},
                                    {"return_hidden_states": True}, {"lora_path": "a"}, {"image_data": "x.png"},
-                                   {"logprob_start_len": [-1, 0]}])
-def test_unimplemented_generate_fields_are_refused(field):
+                                   {"logprob_start_len": [-1, 0, 1]}, {"logprob_start_len": 1.5}])
+def test_unimplemented_or_malformed_generate_fields_are_refused(field):
     with pytest.raises(InvalidInput, match=next(iter(field))):
         protocol.parse_generate({"input_ids": [[1], [2]], **field})
 
@@ -138,6 +138,22 @@ def test_no_op_generate_fields_are_accepted():
     body = {"input_ids": [[1], [2]], "logprob_start_len": -1, "top_logprobs_num": [0, 0], "return_hidden_states": False,
             "return_routed_experts": False, "return_indexer_topk": False, "lora_path": None, "image_data": None}
     assert len(protocol.parse_generate(body).items) == 2
+
+
+def test_logprob_start_len_is_per_item_and_kept_only_with_return_logprob():
+    """SGLang's input logprobs: one start per item (or one for the batch); without ``return_logprob``
+    SGLang ignores the field, and so does the parsed item."""
+    req = protocol.parse_generate({"input_ids": [[1, 2], [3]], "return_logprob": [True, False],
+                                   "logprob_start_len": [1, 0]})
+    assert [i.logprob_start_len for i in req.items] == [1, -1]
+    assert [i.wants_input_logprobs for i in req.items] == [True, False]
+    shared = protocol.parse_generate({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 0})
+    assert shared.items[0].logprob_start_len == 0 and shared.items[0].wants_input_logprobs
+    assert protocol.parse_generate({"input_ids": [1], "return_logprob": True}).items[0].logprob_start_len == -1
+    protocol.check_logprob_start_len(shared.items[0], 3)
+    late = protocol.parse_generate({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 3}).items[0]
+    with pytest.raises(InvalidInput, match="logprob_start_len=3"):
+        protocol.check_logprob_start_len(late, 2)
 
 
 def test_a_nul_byte_in_a_path_field_is_invalid_input():

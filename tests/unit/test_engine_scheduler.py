@@ -171,3 +171,52 @@ def test_a_dead_scheduler_fails_in_flight_queued_and_later_work(runner):
     assert later.sink.done.is_set() and later.finish.status_code == 503
     with pytest.raises(Exception, match="loop bug"):
         scheduler.call(lambda s: None).result(5)
+
+
+def test_a_batched_prefill_scores_each_rows_own_tokens(runner):
+    """Rows of different lengths, left-padded in one prefill, each scored from its own start: the
+    input logprobs of one unbatched pass (raw logits), the first entry None, the last logits unchanged."""
+    from miles_disagg.engines.builtin.model_runner import InputScoring
+
+    rows = [[5, 6, 7, 8, 9, 10], [20, 21], [30, 31, 32]]
+    scoring = [InputScoring(0, top_k=3), None, InputScoring(1)]
+    plain, _ = runner.prefill(rows)
+    assert runner.last_input_scores is None
+    logits, _ = runner.prefill(rows, scoring=scoring)
+    assert torch.allclose(logits, plain, atol=1e-5)
+    first, unscored, third = runner.last_input_scores
+    assert unscored is None
+    for tokens, scores, start in ((rows[0], first, 0), (rows[2], third, 1)):
+        full = runner.full_logprobs(tokens)
+        expected = [float(full[pos - 1, tokens[pos]]) for pos in range(start + 1, len(tokens))]
+        assert scores.token_logprobs[0] is None and len(scores.token_logprobs) == len(tokens) - start
+        assert scores.token_logprobs[1:] == pytest.approx(expected, abs=1e-5)
+    assert first.top_logprobs[0] is None and all(len(row) == 3 for row in first.top_logprobs[1:])
+    assert third.top_logprobs is None
+
+
+def test_scoring_calls_finish_after_their_prefill_and_keep_their_scores_across_a_retraction(runner):
+    """``max_new_tokens`` 0 with ``logprob_start_len``: done after the prefill (``length`` 0, no token),
+    beside a generating request in the same batch; a retracted request is scored once, not again."""
+    with running_scheduler(runner, version="3") as scheduler:
+        def scored(rid, max_new):
+            params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+            item = GenerateItem(rid=rid, input_ids=(5, 6, 7), text=None, sampling=params, return_logprob=True,
+                                logprob_start_len=0)
+            return Sequence(item=item, prompt_ids=[5, 6, 7], generator=scheduler.new_generator(0), sink=_Sink(),
+                            stop_ids=frozenset())
+
+        generating, scoring = scored("gen", 60), scored("score", 0)
+        scheduler.submit(generating)
+        scheduler.submit(scoring)
+        assert scoring.sink.done.wait(60)
+        assert scoring.output_ids == [] and scoring.finish.to_json() == {"type": "length", "length": 0}
+        assert scoring.version_start == scoring.version_end == "3"
+        assert len(scoring.input_scores.token_logprobs) == 3
+        while len(generating.output_ids) < 5:
+            threading.Event().wait(0.001)
+        before = generating.input_scores
+        scheduler.call(lambda s: s.pause("retract")).result(10)
+        scheduler.call(lambda s: s.resume()).result(10)
+        assert generating.sink.done.wait(60) and generating.num_retractions == 1
+        assert generating.input_scores is before and generating.input_scores == scoring.input_scores

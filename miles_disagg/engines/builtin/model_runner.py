@@ -11,7 +11,9 @@ Prefill builds a new ``KVBatch`` for the joining rows; :meth:`ModelRunner.merge`
 Mixture-of-experts models: every forward pass leaves the experts each new token was routed to in
 :attr:`ModelRunner.last_routed` (int32 ``[rows, new_tokens, num_hidden_layers, top_k]``, -1 on
 layers without experts; None for a dense model or a pass called with ``record_routing=False``),
-read by the scheduler right after the call.
+read by the scheduler right after the call. A prefill asked to score rows' own tokens (SGLang's
+input logprobs, ``logprob_start_len``) keeps the logits of those positions in the same pass and
+leaves each row's :class:`InputScores` in :attr:`ModelRunner.last_input_scores` the same way.
 
 Concurrency: a ``ModelRunner`` is used by exactly one thread (the scheduler's); weight
 swaps happen on that thread between steps, so a forward pass never sees half-new weights.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
@@ -57,6 +59,44 @@ class KVBatch:
         return self.layers
 
 
+@dataclass(frozen=True)
+class InputScoring:
+    """What one row's prefill scores of its own tokens (SGLang's input logprobs)."""
+
+    start: int
+    """The first position reported (SGLang's ``logprob_start_len``, at most the row's length)."""
+    top_k: int = 0
+    """Also the ``top_k`` most likely tokens at each position (SGLang's ``top_logprobs_num``)."""
+
+
+@dataclass(frozen=True)
+class InputScores:
+    """SGLang's input logprobs of one row, one entry per token from ``start`` on, under
+    ``log_softmax(logits)`` (no temperature: SGLang scores input tokens with the raw logits). The
+    first entry is None (SGLang never reports the token at ``start``, even past position 0)."""
+
+    token_logprobs: list[float | None]
+    top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    """With ``top_k``: ``(logprob, token_id)`` pairs, most likely first (the first entry None)."""
+
+
+def input_scores(row_logits: torch.Tensor, tokens: list[int], scoring: InputScoring) -> InputScores:
+    """One row's :class:`InputScores` from its last ``K`` positions' logits ``[K, vocab]`` (``K``
+    at least ``len(tokens) - start``): the logits at position ``p`` score the token at ``p + 1``."""
+    n, start = len(tokens), scoring.start
+    if start >= n:
+        return InputScores([], [] if scoring.top_k else None)
+    first = row_logits.shape[0] - n + start  # the kept index of position ``start``
+    logprobs = torch.log_softmax(row_logits[first:row_logits.shape[0] - 1].float(), dim=-1)  # positions start..n-2
+    targets = torch.tensor(tokens[start + 1:], dtype=torch.long, device=logprobs.device)
+    values = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    top = None
+    if scoring.top_k:
+        best, ids = torch.topk(logprobs, min(scoring.top_k, logprobs.shape[-1]), dim=-1)
+        top = [None] + [list(zip(v, i)) for v, i in zip(best.tolist(), ids.tolist())]
+    return InputScores([None] + values, top)
+
+
 def resolve_dtype(name: str, model_dir: Path) -> torch.dtype:
     """``auto`` takes the checkpoint's ``torch_dtype``/``dtype`` (float32 when absent)."""
     if name != "auto":
@@ -82,6 +122,7 @@ class ModelRunner:
         self.experts = ExpertLayout(self.params)  # transformers' fused experts under their on-disk names
         self.routing = routing_capture(self.model, self.config_json, self.implementation)
         self.last_routed: torch.Tensor | None = None
+        self.last_input_scores: list[InputScores | None] | None = None
 
     @property
     def quantization(self) -> str | None:
@@ -106,8 +147,12 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward passes
 
     @torch.inference_mode()
-    def prefill(self, token_lists: list[list[int]], record_routing: bool = False) -> tuple[torch.Tensor, KVBatch]:
-        """Run the rows' tokens from scratch; return last-position float32 logits and their KV."""
+    def prefill(self, token_lists: list[list[int]], record_routing: bool = False,
+                scoring: Sequence[InputScoring | None] | None = None) -> tuple[torch.Tensor, KVBatch]:
+        """Run the rows' tokens from scratch; return last-position float32 logits and their KV.
+
+        ``scoring``: per row, the prompt positions to score (None: none); the same pass keeps those
+        positions' logits and leaves each row's :class:`InputScores` in :attr:`last_input_scores`."""
         length = max(len(t) for t in token_lists)
         ids = torch.zeros((len(token_lists), length), dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -115,8 +160,13 @@ class ModelRunner:
             ids[row, length - len(tokens):] = torch.tensor(tokens, dtype=torch.long)
             mask[row, length - len(tokens):] = 1
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        keep = max([len(t) - s.start for t, s in zip(token_lists, scoring or []) if s is not None] + [1])
         logits, layers = self._routed_forward(ids.to(self.device), mask.to(self.device),
-                                              position_ids.to(self.device), None, 1, record_routing)
+                                              position_ids.to(self.device), None, keep, record_routing)
+        self.last_input_scores = None
+        if scoring is not None:
+            self.last_input_scores = [None if s is None else input_scores(logits[row], tokens, s)
+                                      for row, (tokens, s) in enumerate(zip(token_lists, scoring, strict=True))]
         positions = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
         return logits[:, -1, :].float(), KVBatch(layers=layers, mask=mask, positions=positions)
 

@@ -39,7 +39,7 @@ UNSUPPORTED_SAMPLING = {
 # Top-level ``/generate`` fields of SGLang this engine does not implement, with their no-op
 # values (a list of no-op values, one per batch item, is accepted too).
 UNSUPPORTED_GENERATE = {
-    "logprob_start_len": (-1,), "token_ids_logprob": (), "return_hidden_states": (False,),
+    "token_ids_logprob": (), "return_hidden_states": (False,),
     "return_indexer_topk": (False,), "return_sampling_mask": (False,),
     "lora_path": (), "input_embeds": (), "image_data": (), "video_data": (), "audio_data": (),
 }
@@ -127,9 +127,10 @@ class SamplingParams(Body):
 
 class GenerateReqInput(Body):
     """SGLang's ``GenerateReqInput``: exactly one of ``text``/``input_ids``, each one prompt or a
-    batch. ``sampling_params``, ``return_logprob``, ``top_logprobs_num`` and ``rid`` are one value
-    shared by the batch or a list with one entry per item (a string ``rid`` for a batch is a
-    prefix: ``rid_0``, ``rid_1``, ...); they are validated split per item."""
+    batch. ``sampling_params``, ``return_logprob``, ``top_logprobs_num``, ``logprob_start_len``
+    (-1: no input logprobs) and ``rid`` are one value shared by the batch or a list with one entry
+    per item (a string ``rid`` for a batch is a prefix: ``rid_0``, ``rid_1``, ...); they are
+    validated split per item."""
 
     text: tuple[str, ...] | None = None
     input_ids: tuple[Annotated[Ints, Field(min_length=1)], ...] | None = None
@@ -137,6 +138,7 @@ class GenerateReqInput(Body):
     sampling_params: tuple[SamplingParams, ...] = ()
     return_logprob: tuple[bool, ...] = ()
     top_logprobs_num: tuple[Annotated[int, Field(ge=0)], ...] = ()
+    logprob_start_len: tuple[Annotated[int, Field(ge=-1)], ...] = ()
     rid: tuple[str, ...] = ()  # "": none given (a fresh one is made)
     return_routed_experts: bool = False
     routed_experts_start_len: tuple[Annotated[int, Field(ge=0)], ...] = ()
@@ -161,6 +163,7 @@ class GenerateReqInput(Body):
             "sampling_params": _per_item(obj.get("sampling_params"), count, "sampling_params", {}),
             "return_logprob": _per_item(obj.get("return_logprob"), count, "return_logprob", False),
             "top_logprobs_num": _per_item(obj.get("top_logprobs_num"), count, "top_logprobs_num", 0),
+            "logprob_start_len": _per_item(obj.get("logprob_start_len"), count, "logprob_start_len", -1),
             "routed_experts_start_len": _per_item(obj.get("routed_experts_start_len"), count,
                                                   "routed_experts_start_len", 0),
             "rid": (tuple(f"{rid}_{i}" for i in range(count)) if batched and isinstance(rid, str)
@@ -253,6 +256,25 @@ class GenerateItem:
     top_logprobs_num: int = 0
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    logprob_start_len: int = -1
+    """SGLang's: the first prompt position whose token gets an input logprob (-1: none); kept only
+    with ``return_logprob`` (SGLang ignores it otherwise)."""
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Whether the prompt's tokens from ``logprob_start_len`` on are scored (a prefill that keeps
+        those positions' logits; with ``max_new_tokens`` 0 a pure scoring call)."""
+        return self.return_logprob and self.logprob_start_len >= 0
+
+
+def check_logprob_start_len(item: GenerateItem, prompt_len: int) -> None:
+    """SGLang refuses a ``logprob_start_len`` past the prompt's end (the tokenized prompt, so a
+    ``text`` prompt is checked after tokenizing): ``InvalidInput`` naming both."""
+    from miles_disagg.types import InvalidInput
+
+    if item.wants_input_logprobs and item.logprob_start_len > prompt_len:
+        raise InvalidInput(f"logprob_start_len={item.logprob_start_len} is higher than the number of input tokens "
+                           f"{prompt_len}; use a smaller logprob_start_len")
 
 
 @dataclass(frozen=True)
@@ -287,6 +309,7 @@ def parse_generate(body: bytes | Any, max_prompt_tokens: int | None = None,
             top_logprobs_num=req.top_logprobs_num[i],
             return_routed_experts=req.return_routed_experts,
             routed_experts_start_len=req.routed_experts_start_len[i],
+            logprob_start_len=req.logprob_start_len[i] if req.return_logprob[i] else -1,
         )
         for i, prompt in enumerate(prompts)
     )

@@ -7,7 +7,13 @@ Shape (SGLang's tokenizer manager, default options)::
                    "completion_tokens", "cached_tokens", "weight_version",
                    "weight_versions": [{"version", "start", "end"}],  # spans of output tokens
                    "e2e_latency", "output_token_logprobs": [[logprob, token_id, text|null]],
-                   "output_top_logprobs": [[[logprob, token_id, text|null] x top_logprobs_num]]}}
+                   "output_top_logprobs": [[[logprob, token_id, text|null] x top_logprobs_num]],
+                   "input_token_logprobs": [[logprob|null, token_id, text|null]],  # with return_logprob
+                   "input_top_logprobs": [null | [[logprob, token_id, text|null] x top_logprobs_num]]}}
+
+Input logprobs (``logprob_start_len`` >= 0, with ``return_logprob``) score the prompt's tokens from
+that position on with the raw logits (SGLang applies no temperature to them); the first entry's
+logprob is null, as in SGLang. With ``max_new_tokens`` 0 the request is a pure scoring call.
 
 ``text`` follows SGLang's stop trimming: a matched stop string is cut off and so is a
 matched stop token (``output_ids`` keeps every token), unless ``no_stop_trim``.
@@ -43,6 +49,7 @@ def result_json(seq: Sequence, tokenizer) -> dict:
         "e2e_latency": round(time.monotonic() - seq.created_s, 6),
     }
     if seq.item.return_logprob:
+        meta.update(input_logprobs(seq, tokenizer))
         meta["output_token_logprobs"] = _logprob_triples(seq, tokenizer)
         if seq.item.top_logprobs_num:
             meta["output_top_logprobs"] = [_triples(row, tokenizer, seq.item.return_text_in_logprobs)
@@ -52,6 +59,23 @@ def result_json(seq: Sequence, tokenizer) -> dict:
         meta[START_LEN_FIELD] = seq.item.routed_experts_start_len
     text = _trimmed_text(seq, tokenizer, finish, params.no_stop_trim, params.skip_special_tokens)
     return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
+
+
+def input_logprobs(seq: Sequence, tokenizer) -> dict:
+    """SGLang's ``input_token_logprobs`` (and ``input_top_logprobs`` with ``top_logprobs_num``): one
+    entry per prompt token from ``logprob_start_len`` on, the first ``[null, token_id, text|null]``;
+    empty without ``logprob_start_len`` (SGLang's default -1)."""
+    scores, with_text = seq.input_scores, seq.item.return_text_in_logprobs
+    start = seq.item.logprob_start_len
+    if scores is None:
+        fields = {"input_token_logprobs": []}
+        return {**fields, "input_top_logprobs": []} if seq.item.top_logprobs_num else fields
+    tokens = seq.prompt_ids[start:]
+    fields = {"input_token_logprobs": _triples(list(zip(scores.token_logprobs, tokens)), tokenizer, with_text)}
+    if seq.item.top_logprobs_num:
+        fields["input_top_logprobs"] = [None if row is None else _triples(row, tokenizer, with_text)
+                                        for row in scores.top_logprobs]
+    return fields
 
 
 def routed_experts_payload(seq: Sequence) -> str:

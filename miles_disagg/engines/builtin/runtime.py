@@ -50,7 +50,7 @@ from miles_disagg.engines.activation import ONE_CALL_ANNOUNCEMENT
 from miles_disagg.engines.builtin.config import EngineConfig
 from miles_disagg.engines.builtin.memory import MemoryState
 from miles_disagg.engines.builtin.model_runner import ModelRunner
-from miles_disagg.engines.builtin.protocol import FinishReason, GenerateItem, GenerateRequest
+from miles_disagg.engines.builtin.protocol import FinishReason, GenerateItem, GenerateRequest, check_logprob_start_len
 from miles_disagg.engines.builtin.response import result_json
 from miles_disagg.engines.builtin.scheduler import Scheduler, Sequence, Sink
 from miles_disagg.engines.builtin.weight_updates import WeightUpdates
@@ -144,6 +144,7 @@ class Engine:
         prompts = [self._prompt_ids(item) for item in request.items]
         for item, prompt in zip(request.items, prompts):
             self._check_routed_experts(item, len(prompt))
+            check_logprob_start_len(item, len(prompt))
         self._claim_rids([item.rid for item in request.items])
         return [
             Sequence(
@@ -165,7 +166,7 @@ class Engine:
             self._live_rids.discard(rid)
 
     def submit(self, seq: Sequence) -> None:
-        if seq.item.sampling.max_new_tokens == 0:
+        if seq.item.sampling.max_new_tokens == 0 and not seq.item.wants_input_logprobs:  # scoring needs a prefill
             seq.version_start = seq.version_end = self.version
             seq.finish = FinishReason("length", {"length": 0})  # SGLang answers at once too
             seq.sink.on_finish(seq)

@@ -44,7 +44,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from miles_disagg.engines.builtin.model_runner import KVBatch, ModelRunner
+from miles_disagg.engines.builtin.model_runner import InputScores, InputScoring, KVBatch, ModelRunner
 from miles_disagg.engines.builtin.protocol import FinishReason, GenerateItem
 from miles_disagg.engines.builtin.sampling import make_generator, sample_token, top_logprobs
 from miles_disagg.types import EngineUnrecoverable
@@ -82,6 +82,9 @@ class Sequence:
     routed: list[torch.Tensor] = field(default_factory=list)
     """``return_routed_experts``: int32 ``[positions, layers, top_k]`` chunks, one per forward pass
     that fed this sequence tokens, in position order (a re-prefill after a retraction starts over)."""
+    input_scores: InputScores | None = None
+    """SGLang's input logprobs (``logprob_start_len``), from the first prefill (a re-prefill after a
+    retraction keeps them, as SGLang does)."""
 
     @property
     def rid(self) -> str:
@@ -321,8 +324,10 @@ class Scheduler:
         for seq in joining:
             if seq.version_start is None:
                 seq.version_start = self.version
+        scoring = [_scoring(seq) for seq in joining]
         try:
-            logits, kv = self.runner.prefill([seq.all_ids for seq in joining], _wants_routing(joining))
+            logits, kv = self.runner.prefill([seq.all_ids for seq in joining], _wants_routing(joining),
+                                             scoring if any(s is not None for s in scoring) else None)
         except Exception as exc:  # they are in neither queue now: answer them before re-raising
             message = f"internal engine error: {type(exc).__name__}: {exc}"
             for seq in joining:
@@ -331,6 +336,8 @@ class Scheduler:
         for offset, seq in enumerate(joining):
             if seq.item.return_routed_experts and self.runner.last_routed is not None:
                 seq.routed = [self.runner.last_routed[offset, -len(seq.all_ids):]]
+            if scoring[offset] is not None:
+                seq.input_scores = self.runner.last_input_scores[offset]
         self.running.extend(joining)
         self.kv = self.runner.merge(self.kv, kv)
         self._sample_rows(logits, first_row=len(self.running) - len(joining))
@@ -354,6 +361,10 @@ class Scheduler:
         for offset in range(logits.shape[0]):
             row = first_row + offset
             seq = self.running[row]
+            if seq.item.sampling.max_new_tokens == 0:  # a scoring call is done after its prefill
+                seq.finish = FinishReason("length", {"length": 0})
+                finished.append(row)
+                continue
             token, logprob = sample_token(logits[offset], seq.item.sampling, seq.generator)
             if seq.item.top_logprobs_num:
                 seq.output_top_logprobs.append(top_logprobs(logits[offset], seq.item.sampling,
@@ -402,6 +413,13 @@ class Scheduler:
             seq.sink.on_finish(seq)
         except Exception:  # a broken sink must not take the loop down
             log.error("result sink failed:\n%s", traceback.format_exc())
+
+
+def _scoring(seq: Sequence) -> InputScoring | None:
+    """What this sequence's prefill scores of its prompt (None: nothing, or already scored)."""
+    if not seq.item.wants_input_logprobs or seq.input_scores is not None:
+        return None
+    return InputScoring(seq.item.logprob_start_len, seq.item.top_logprobs_num)
 
 
 def _wants_routing(rows: list[Sequence]) -> bool:

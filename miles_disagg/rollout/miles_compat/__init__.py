@@ -32,6 +32,8 @@ FACADES: dict[str, tuple[str | types.ModuleType | None, tuple[str, ...], bool]] 
     "miles.rollout": (None, (), True),
     "miles.rollout.sglang_rollout": (f"{_HERE}.sglang_rollout",
                                      ("GenerateState", "generate", "generate_and_rm", "generate_and_rm_group"), False),
+    "miles.rollout.on_policy_distillation": (f"{_HERE}.on_policy_distillation",
+                                             ("reward_func", "post_process_rewards"), False),
     "miles.rollout.base_types": (f"{_HERE}.base_types",
                                  ("RolloutFnConstructorInput", "RolloutFnBaseInput", "RolloutFnTrainInput",
                                   "RolloutFnEvalInput", "RolloutFnTrainOutput", "RolloutFnEvalOutput",

@@ -1,0 +1,102 @@
+"""Rules over the on-policy distillation flags (miles' ``--use-opd`` group), miles' own first.
+
+A teacher here is an engine answering SGLang's ``/generate`` (``--opd-type sglang``): one the user
+started (``--rm-url``, miles' flag) or one the job serves (``--opd-teacher-hf-checkpoint``). Each
+failure is one ``ConfigError`` line naming the flags, what is wrong and what to give instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from miles_disagg.config.miles_flags import miles_refusal
+from miles_disagg.types import ConfigError
+
+TEACHER_FLAGS = ("--rm-url", "--opd-teacher-hf-checkpoint")
+
+
+def check_opd_rules(config) -> None:
+    """``ConfigError`` for the first invalid combination of a ``RunConfig``'s OPD flags."""
+    train, rollout = config.train, config.rollout
+    if not train.use_opd:
+        if rollout.opd_teacher_hf_checkpoint:
+            raise ConfigError("--opd-teacher-hf-checkpoint serves the teacher of on-policy distillation: add --use-opd "
+                              "--opd-type sglang, or drop it", ("--opd-teacher-hf-checkpoint", "--use-opd"))
+        return
+    _check_type(train)
+    _check_student_logprobs(train)
+    if rollout.debug_train_only:  # the saved samples carry their teacher logprobs; no teacher is asked
+        return
+    _check_teacher(config)
+
+
+def _check_type(train) -> None:
+    if train.opd_type is None:
+        raise ConfigError("--opd-type must be given with --use-opd (miles' rule): --opd-type sglang (a teacher engine)",
+                          ("--use-opd", "--opd-type"))
+    if train.opd_type == "megatron":
+        raise ConfigError(miles_refusal(
+            "--opd-type megatron", "it loads the teacher into the trainer's Megatron process and runs it in the "
+            "training step, and the trainer here holds only the policy (and the reference)",
+            "serve the teacher as an engine: --opd-type sglang with --rm-url http://HOST:PORT/generate, or "
+            "--opd-teacher-hf-checkpoint DIR"), ("--opd-type",))
+    for name, value in (("--opd-teacher-load", train.opd_teacher_load),
+                        ("--opd-teacher-ckpt-step", train.opd_teacher_ckpt_step)):
+        if value is not None:
+            raise ConfigError(f"{name} is the Megatron teacher of --opd-type megatron and must not be set with "
+                              "--opd-type sglang (miles' rule): drop it", (name, "--opd-type"))
+
+
+def _check_student_logprobs(train) -> None:
+    """The OPD term is computed from the student's logprobs of the sampled tokens and lives in the
+    advantages: both must exist before training (miles would silently skip it otherwise)."""
+    if train.disable_compute_advantages_and_returns:
+        raise ConfigError("--use-opd subtracts its reverse KL from the advantages, and "
+                          "--disable-compute-advantages-and-returns computes none: drop one of them",
+                          ("--use-opd", "--disable-compute-advantages-and-returns"))
+    if train.skip_actor_forward_only and not train.use_rollout_logprobs:
+        raise ConfigError("--use-opd needs the student's logprobs of the sampled tokens before training, which "
+                          "--skip-actor-forward-only skips: add --use-rollout-logprobs (the engines' logprobs) or drop "
+                          "--skip-actor-forward-only", ("--use-opd", "--skip-actor-forward-only"))
+
+
+def _check_teacher(config) -> None:
+    rollout = config.rollout
+    given = [name for name, value in zip(TEACHER_FLAGS, (rollout.rm_url, rollout.opd_teacher_hf_checkpoint)) if value]
+    if not given:
+        raise ConfigError("--use-opd --opd-type sglang needs its teacher: --rm-url http://HOST:PORT/generate (an engine "
+                          "you started) or --opd-teacher-hf-checkpoint DIR (one the job serves)",
+                          ("--use-opd", *TEACHER_FLAGS))
+    if len(given) > 1:
+        raise ConfigError("--rm-url and --opd-teacher-hf-checkpoint each name the teacher; give one", TEACHER_FLAGS)
+    if rollout.rm_url:
+        parts = urlsplit(rollout.rm_url)
+        path = parts.path.rstrip("/")
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment or \
+                (path and not path.endswith("/generate")):
+            raise ConfigError(f"--rm-url {rollout.rm_url!r}: expected the teacher's http://HOST:PORT/generate",
+                              ("--rm-url",))
+        return
+    _check_teacher_checkpoint(rollout.opd_teacher_hf_checkpoint, config.train)
+
+
+def _check_teacher_checkpoint(teacher: str, train) -> None:
+    """The job's teacher must be a checkpoint with the student's vocabulary (it scores the student's ids);
+    the student's own base (``--hf-checkpoint``, maybe made on the spot by ``--hf-checkpoint-init``) is one."""
+    flag, student = "--opd-teacher-hf-checkpoint", train.hf_checkpoint
+    if student and Path(teacher).resolve() == Path(student).resolve():
+        return
+    path = Path(teacher) / "config.json"
+    try:
+        vocab = json.loads(path.read_text()).get("vocab_size")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{flag} {teacher!r} is not a readable HF checkpoint ({path}: {exc})", (flag,)) from None
+    student_config = Path(student or "") / "config.json"
+    if not student or not student_config.is_file():
+        return  # the student is made on the spot (--hf-checkpoint-init): the teacher's answers are checked then
+    student_vocab = json.loads(student_config.read_text()).get("vocab_size")
+    if vocab != student_vocab:
+        raise ConfigError(f"{flag} {teacher!r} has vocab_size {vocab}, the student {student_vocab}: the teacher scores "
+                          "the student's token ids, so it needs the same vocabulary", (flag, "--hf-checkpoint"))
