@@ -91,7 +91,7 @@ class CriticGroupConfig:
     train: TrainConfig
     """The policy's: batch sizes, Adam, gradient clip, seed, --gamma/--lambd, per-token loss."""
     hf_dir: str
-    """The base checkpoint the critic's model starts from (a new value head replaces its LM head)."""
+    """The full-precision checkpoint the critic's model starts from (a new value head replaces its LM head)."""
     lr: float
     """``--critic-lr`` (default ``--lr``)."""
     lr_warmup_iters: int = 0
@@ -103,7 +103,8 @@ class CriticGroupConfig:
     def from_run(cls, config: RunConfig) -> "CriticGroupConfig":
         from miles_disagg.config.critic_rules import critic_lr
 
-        return cls(train=config.train, hf_dir=str(config.train.hf_checkpoint), lr=critic_lr(config),
+        full_precision = config.train.train_hf_checkpoint or config.train.hf_checkpoint  # an FP8 base: the BF16 one
+        return cls(train=config.train, hf_dir=str(full_precision), lr=critic_lr(config),
                    lr_warmup_iters=config.critic.critic_lr_warmup_iters, value_clip=config.critic.value_clip)
 
 

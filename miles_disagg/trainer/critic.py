@@ -22,6 +22,7 @@ import torch
 
 from miles_disagg.config.actors import CriticGroupConfig
 from miles_disagg.trainer.batches import PackedBatch, pack, response_logits
+from miles_disagg.trainer.data_parallel import wrap_for_data_parallel
 from miles_disagg.trainer.gae import (
     clipped_value_loss, explained_variance, explained_variance_sums, ppo_advantages_and_returns,
 )
@@ -61,26 +62,13 @@ class CriticBackend:
         attach_value_head(model, self.train_config.seed)
         torch.manual_seed(self.train_config.seed + rank)
         self.module = model.float().to(self.device)  # float32 master weights
-        self.model = self._wrap(self.module)
+        self.model = wrap_for_data_parallel(self.module, self.device, self.world_size,
+                                            has_experts=bool(getattr(self.module.config, "num_experts", 0)))
         train = self.train_config
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
                                            betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
                                            weight_decay=train.weight_decay)
         self.num_steps = 0  # optimizer steps taken (the lr warmup's clock; saved with the state)
-
-    def _wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        if self.device.type == "cuda":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            for layer in module.model.layers:
-                fully_shard(layer, mp_policy=policy)
-            fully_shard(module, mp_policy=policy)
-            return module
-        if self.world_size > 1:  # a mixture of experts may leave an expert without tokens in a step
-            moe = bool(getattr(module.config, "num_experts", 0))
-            return torch.nn.parallel.DistributedDataParallel(module, find_unused_parameters=moe)
-        return module
 
     # ------------------------------------------------------------------ values
 

@@ -25,6 +25,7 @@ from miles_disagg.config.components import TrainConfig
 from miles_disagg.trainer.backend import TrainerBackend
 from miles_disagg.trainer.results import TrainResult
 from miles_disagg.trainer.batches import PackedBatch, pack, response_logits
+from miles_disagg.trainer.data_parallel import wrap_for_data_parallel
 from miles_disagg.trainer.fsdp_routing import (
     RouterReplay, RoutingCounts, RoutingShape, pack_engine_routing, require_engine_routing,
 )
@@ -56,7 +57,8 @@ class FSDPBackend(TrainerBackend):
         self.routing_shape = RoutingShape.of(self.module)
         self._check_replay_flags(hf_dir)
         self.router_replay = self._router_replay(self.module)
-        self.model = self._wrap(self.module)
+        self.model = wrap_for_data_parallel(self.module, self.device, world_size,
+                                            has_experts=self.routing_shape is not None)
         self.ref_model = self._load_reference(hf_dir) if config.needs_reference else None
         self.ref_replay = self._router_replay(self.ref_model) if self.ref_model is not None else None
         self.objective = TrainObjective(config, self.temperature)  # --loss-type; its hooks checked here
@@ -65,20 +67,6 @@ class FSDPBackend(TrainerBackend):
             eps=config.adam_eps, weight_decay=config.weight_decay)
 
     # ------------------------------------------------------------------ setup
-
-    def _wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        if self.device.type == "cuda":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            for layer in module.model.layers:
-                fully_shard(layer, mp_policy=policy)
-            fully_shard(module, mp_policy=policy)
-            return module
-        if self.world_size > 1:  # an expert no token chose in a step has no gradient: not an error
-            return torch.nn.parallel.DistributedDataParallel(module,
-                                                             find_unused_parameters=self.routing_shape is not None)
-        return module
 
     def _router_replay(self, module: torch.nn.Module) -> RouterReplay | None:
         """Hooks on a transformers Qwen3-MoE's routers (the native model routes through an argument)."""
