@@ -34,7 +34,7 @@ def print_result(result: dict[str, Any]) -> int:
 
 def qwen3_shape(hidden_size: int, num_layers: int) -> dict[str, int]:
     """The random Qwen3 of a benchmark: heads of 64 dims, 4 KV heads when the heads divide by 4
-    (the default 768 x 12 layers is the ~100M-parameter model the README's figures were measured on)."""
+    (the default 768 x 12 layers is the ~100M-parameter model of docs/benchmarks.md's figures)."""
     if hidden_size < 64 or hidden_size % 64:
         raise ValueError(f"--hidden-size must be a positive multiple of 64, got {hidden_size}")
     if num_layers < 1:

@@ -107,8 +107,8 @@ RAY_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 class _DropRayTokenNotice(logging.Filter):
     """Drops Ray's notice that token authentication is on by default (printed on every local start;
-    the README says once what the default is and how to set a token). Every other record passes,
-    the warning that authentication is *disabled* included."""
+    docs/security.md, "Where things bind", says once what the default is and how to set a token).
+    Every other record passes, the warning that authentication is *disabled* included."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return RAY_TOKEN_NOTICE not in record.getMessage()
