@@ -224,6 +224,8 @@ def test_design_package_map_matches_the_tree() -> None:
         problems += [f"{path}: {name} does not exist" for name in sorted(named) if not (room / name).exists()]
         subrooms = {p.name + "/" for p in room.iterdir() if p.is_dir() and any(p.glob("*.py"))}
         problems += [f"{path}: sub-room {name} is not in the map" for name in sorted(subrooms - named)]
+        modules = {m.relative_to(room).as_posix() for m in room.rglob("*.py") if m.name != "__init__.py"}
+        problems += [f"{path}: module {name} is not in the map" for name in sorted(modules - named)]
     assert not problems, "\n".join(problems)
 
 
