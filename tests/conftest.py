@@ -11,6 +11,7 @@ from session_files import made_once
 import miles_disagg  # noqa: F401 - first: collection's imports of torch and ray run without the cyclic collector (startup.py)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+pytest_plugins = ["cpu_durations"]  # --cpu-durations=N
 
 # Keep test processes from oversubscribing the 2-core CI machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
