@@ -1,5 +1,7 @@
 """A local Ray whose node does not come up in time (its agents start slower than the raylet
-waits, on a loaded machine) is started once more, after the failed start's processes are stopped."""
+waits, on a loaded machine) is started once more, after the failed start's processes are stopped;
+local Ray starts on one machine take turns (``local_ray_start_turn``), and the tests' own starts
+(``tests/ray_start.py``) retry a node start that timed out the same way."""
 
 from __future__ import annotations
 
