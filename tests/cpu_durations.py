@@ -79,6 +79,9 @@ class TaggedProcesses:
 
 
 class CpuDurations:
+    """The plugin: charges each test phase its CPU seconds (on the process that runs it) and prints
+    the most costly tests and files (on the controller)."""
+
     def __init__(self, config: pytest.Config, top: int):
         self.config, self.top = config, top
         self.by_test: dict[str, float] = defaultdict(float)
