@@ -52,12 +52,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _start_order(item: pytest.Item) -> tuple:
     """The e2e tier's whole runs first, then the integration tier, then the unit tier (its tests
     take a second or less: they fill the workers' gaps at the end); within a tier ``slow`` tests
-    first, then the longer pytest timeout (the quiet value a test declares: how long it may take)."""
+    first, a module's unit (its tests run one after the other) before a single test, then the
+    longer pytest timeout (the quiet value a test declares: how long it may take)."""
     tier = _tier(item)
     marker = item.get_closest_marker("timeout")
     timeout = float(marker.args[0] if marker.args else marker.kwargs.get("timeout", 0)) if marker else 0.0
     rank = FIRST_TIERS.index(tier) if tier in FIRST_TIERS else len(FIRST_TIERS)
-    return tier == LAST_TIER, rank, item.get_closest_marker("slow") is None, -timeout
+    return (tier == LAST_TIER, rank, item.get_closest_marker("slow") is None,
+            item.get_closest_marker("xdist_group") is None, -timeout)
 
 
 def _shares_a_module_fixture(item: pytest.Item) -> bool:
