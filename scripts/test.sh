@@ -3,18 +3,26 @@
 # (e.g. ./scripts/test.sh -m unit: the fast tier).
 #
 # Two pytest processes side by side: everything but the SGLang conformance tier, spread over
-# MILES_DISAGG_TEST_WORKERS processes (default 3: the suite keeps both cores of a 2-core machine
-# busy with 3; 4 is no faster), and the SGLang tier in a process of its own (importing
-# SGLang changes process-wide state, so it never shares a process with other tests). The tier's
-# report is printed after the main one's; the exit status is the first failure's.
+# MILES_DISAGG_TEST_WORKERS processes (default: the cores + 1, 3 on a 2-core machine: a whole run
+# waits on its engines and its Ray part of the time, and 3 keep both cores busy; 4 is no faster),
+# and the SGLang tier in a process of its own (importing SGLang changes process-wide state, so it
+# never shares a process with other tests). The tier's report is printed after the main one's; the
+# exit status is the first failure's.
+#
+# Scheduling (--dist loadgroup --no-loadscope-reorder): the tests of a module that builds something
+# costly once (a whole run, a server, a Ray cluster) form one unit that stays on one worker;
+# units start in the order tests/conftest.py gives them, the longest first (whole runs, then
+# integration, then the unit tier filling the gaps), so no worker is left with a long unit at the
+# end. (xdist's default reorders units by their number of tests, which started the whole runs last.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 unset PYTHONDONTWRITEBYTECODE  # each module's byte code is written the first time it is imported (setup.sh)
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
-workers="${MILES_DISAGG_TEST_WORKERS:-3}"
+cores="$(nproc 2>/dev/null || echo 2)"
+workers="${MILES_DISAGG_TEST_WORKERS:-$((cores + 1))}"
 parallel=()
-[ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadgroup)
+[ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
 
 sglang_report="$(mktemp -t miles-disagg-sglang-tier.XXXXXX)"
 set +e

@@ -24,9 +24,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from miles_disagg.config.actors import CriticGroupConfig, EngineManagerConfig, RolloutManagerConfig, TrainerGroupConfig
 from miles_disagg.config.components import RunConfig
@@ -345,18 +346,52 @@ def init_ray(num_bundles: int) -> bool:
 
 
 LOCAL_RAY_START_ATTEMPTS = 2
+START_TURN_WAIT_S = 300.0
+_start_turn = threading.local()
+
+
+@contextlib.contextmanager
+def local_ray_start_turn(wait_s: float = START_TURN_WAIT_S) -> Iterator[bool]:
+    """One local Ray start at a time on this machine (every run and test of this user): a start is
+    a burst of processes importing Ray's agents, and two bursts on a small machine starve each
+    other past Ray's fixed 30 s wait for its node. Yields whether the turn was had: after
+    ``wait_s`` the start goes anyway. An ``flock`` (a process that dies frees it), re-entrant
+    within a thread."""
+    import fcntl
+    import tempfile
+    import time
+
+    if getattr(_start_turn, "held", False):
+        yield True
+        return
+    fd = os.open(Path(tempfile.gettempdir()) / f"miles-disagg-ray-start-{os.getuid()}.lock", os.O_RDWR | os.O_CREAT,
+                 0o600)
+    deadline, held = time.monotonic() + wait_s, False
+    try:
+        while not held and time.monotonic() < deadline:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+            except OSError:
+                time.sleep(0.2)
+        _start_turn.held = held
+        yield held
+    finally:
+        _start_turn.held = False
+        os.close(fd)  # releases the flock
 
 
 def _start_local_ray(**options) -> None:
-    """``ray.init(**options)``, once more when the node did not come up in time. On a loaded
-    machine Ray's node agents can start slower than the raylet waits for them (a fixed timeout,
-    after which it exits and ``ray.init`` raises a bare ``Exception``); the Ray processes the
-    failed start left behind are stopped before the second."""
+    """``ray.init(**options)`` in a start turn (:func:`local_ray_start_turn`), once more when the
+    node did not come up in time. On a loaded machine Ray's node agents can start slower than the
+    raylet waits for them (a fixed timeout, after which it exits and ``ray.init`` raises a bare
+    ``Exception``); the Ray processes the failed start left behind are stopped before the second."""
     import ray
 
     for attempt in range(1, LOCAL_RAY_START_ATTEMPTS + 1):
         try:
-            ray.init(**options)
+            with local_ray_start_turn():
+                ray.init(**options)
             return
         except Exception as exc:  # Ray raises a bare Exception here
             if "timed out during startup" not in str(exc) or attempt == LOCAL_RAY_START_ATTEMPTS:

@@ -1,6 +1,8 @@
 """A Ray cluster of several raylets on this one machine, started with ``ray start`` as a user would.
 
-Each node has its own temp dir and its own ports (the dashboard agent, runtime-env agent and
+Each node is started in a start turn (at most so many Ray starts at once on the machine), and a
+start that timed out is stopped and made once more (``tests/ray_start.py``). Each node has its
+own temp dir and its own ports (the dashboard agent, runtime-env agent and
 metrics ports default to fixed numbers that two raylets on one machine cannot share). A worker
 node may run in a private mount namespace with a tmpfs over some directories, so that what it
 writes there is invisible to the other nodes (and what the others wrote there is invisible to
@@ -19,8 +21,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from deadlines import scaled
+from ray_start import start_twice
 
 from miles_disagg.net.process import free_port
 
@@ -59,19 +63,40 @@ class LocalRayCluster:
         return {**self.env, MARKER_ENV: self.marker}
 
     def start_head(self, *, num_cpus: int, num_gpus: int, resources: dict[str, float]) -> RayNode:
-        gcs_port, dashboard_port = free_port(), free_port()
-        node = self._start("head", ["--head", "--port", str(gcs_port), "--include-dashboard", "true",
-                                    "--dashboard-port", str(dashboard_port),
-                                    "--ray-client-server-port", str(free_port())],
-                           num_cpus=num_cpus, num_gpus=num_gpus, resources=resources)
-        self.gcs_address = f"{node_ip()}:{gcs_port}"
-        self.dashboard_url = f"http://127.0.0.1:{dashboard_port}"
-        return node
+        def once(name: str) -> RayNode:
+            gcs_port, dashboard_port = free_port(), free_port()
+            node = self._start(name, ["--head", "--port", str(gcs_port), "--include-dashboard", "true",
+                                      "--dashboard-port", str(dashboard_port),
+                                      "--ray-client-server-port", str(free_port())],
+                               num_cpus=num_cpus, num_gpus=num_gpus, resources=resources)
+            self.gcs_address = f"{node_ip()}:{gcs_port}"
+            self.dashboard_url = f"http://127.0.0.1:{dashboard_port}"
+            return node
+
+        return self._start_twice("head", once, lambda: None)
 
     def add_worker(self, name: str, *, num_cpus: int, num_gpus: int, resources: dict[str, float],
                    private_dirs: tuple[Path, ...] = ()) -> RayNode:
-        return self._start(name, ["--address", self.gcs_address], num_cpus=num_cpus, num_gpus=num_gpus,
-                           resources=resources, private_dirs=private_dirs)
+        alive_before = len(self.alive_node_ids())
+
+        def gone() -> None:  # a late registration of the failed node must not count as a second node
+            _wait_gone(lambda: len(self.alive_node_ids()) > alive_before, START_TIMEOUT_S)
+
+        return self._start_twice(name, lambda attempt: self._start(
+            attempt, ["--address", self.gcs_address], num_cpus=num_cpus, num_gpus=num_gpus, resources=resources,
+            private_dirs=private_dirs), gone)
+
+    def _start_twice(self, name: str, start: Callable[[str], RayNode], wait_gone: Callable[[], None]) -> RayNode:
+        """``start(name)``, in a start turn; a start that timed out is killed (its whole process
+        group), and once it is gone from the cluster (``wait_gone``) started again as ``name-2``
+        (tests/ray_start.py)."""
+        names = iter((name, f"{name}-2"))
+
+        def clean_up() -> None:
+            os.killpg(self.nodes[-1].group, signal.SIGKILL)
+            wait_gone()
+
+        return start_twice(lambda: start(next(names)), clean_up, f"ray start ({name})")
 
     def _start(self, name: str, args: list[str], *, num_cpus: int, num_gpus: int, resources: dict[str, float],
                private_dirs: tuple[Path, ...] = ()) -> RayNode:
@@ -94,6 +119,16 @@ class LocalRayCluster:
             raise RuntimeError(f"ray start ({name}) exited with {proc.returncode}:\n{out[-4000:]}")
         node.raylet_pid = _raylet_pid(temp_dir)
         return node
+
+    def alive_node_ids(self) -> list[str]:
+        """The ids of the nodes the cluster's GCS holds alive (none before the head is up)."""
+        import httpx
+
+        if self.dashboard_url is None:
+            return []
+        answer = httpx.get(f"{self.dashboard_url}/api/v0/nodes", params={"detail": "true"}, timeout=30,
+                           trust_env=False).json()
+        return [n["node_id"] for n in answer["data"]["result"]["result"] if n["state"] == "ALIVE"]
 
     def kill_raylet(self, node: RayNode) -> None:
         """What a lost machine looks like to the rest of the cluster: its raylet dies at once."""

@@ -8,16 +8,21 @@ one GPU and the ``rollout`` resource each, so each holds one engine) survives, i
    the node: out of the router, the run goes on with the other), then a new raylet with the
    ``rollout`` resource joins: Ray places the lost engine's bundle there, and the engine is
    started, caught up from the version store and routed to again;
-3. :func:`kill_a_trainer_rank`: the trainer rank's process is SIGKILLed once a save exists;
-   ``--max-trainer-restarts 1`` restarts the trainer group from that save inside the run (a
-   ``full`` anchor with the next version number when the store moved past the save; the steps
-   after the save run again with their records replaced).
+3. :func:`kill_a_trainer_rank`: the trainer rank's process is SIGKILLed while the run stands between
+   two saves (versions published after the newest save); ``--max-trainer-restarts 1`` restarts the
+   trainer group from that save inside the run: a ``full`` anchor with the next version number,
+   the versions after the save leave the lineage, and the steps after the save run again with
+   their records replaced.
 
-Checked afterwards: exit 0; every step recorded once; versions strictly increasing (none reused),
-each one verified whole by materializing it (those an anchor pruned from the store, from the copy
-taken before the trainer kill) (checksums of every changed tensor); every consumed
-sample served by one version recomputes to the logprobs the engine reported with that version
-(0 misattributed); ``summary.json`` and the summary line say what was lost and recovered.
+Checked afterwards: exit 0; every step recorded once, with one optimizer step each; versions
+strictly increasing (none reused), each one verified whole by materializing it (those an anchor
+pruned from the store, from the copy taken at the trainer kill) (checksums of every changed
+tensor), the store without a gap from its anchor and ``weights verify`` passing; every consumed
+sample served by one version recomputes to the logprobs the engine reported with that version (0
+misattributed); the restart resumed from the save before the kill, at ``LATEST + 1``, and no step
+after it trained on a sample of a version that left the lineage; ``summary.json``, the log and the
+summary line say what was lost and recovered. (This run carries the checks of the former
+``test_trainer_restart_run.py``: one whole run fewer.)
 
 A gate (``chaos_hooks.py``) paces the run: it scores only as many samples as the test allows
 (about two steps more at each fault, so generation runs during every fault), and the test lifts
@@ -34,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,10 +47,11 @@ import pytest
 from base_model import place_base_model
 from deadlines import scaled
 
-from miles_disagg.tracking import read_metrics
+from miles_disagg.tracking import read_metrics, read_records
 
-from cluster_fixtures import LocalRayCluster
+from cluster_fixtures import MARKER_ENV, LocalRayCluster
 from test_ray_cluster import _our_processes, _wait_for, node_id_offering
+from trainer_faults import trainer_rank_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -131,6 +138,23 @@ class ChaosRun:
             self.driver.wait(timeout=60)  # the router is gone with the run
             raise AssertionError(f"the run ended:\n{self.driver.communicate()[0][-8000:]}") from None
 
+    def driver_process(self):
+        """The run's driver (``python train_async.py``, started by the job's supervisor on the head)."""
+        import psutil
+
+        def is_driver(proc) -> bool:
+            try:
+                return proc.cmdline()[1:2] == ["train_async.py"]
+            except (psutil.Error, IndexError):
+                return False
+
+        _wait_for(lambda: any(map(is_driver, self.cluster.processes())), WAIT_S, "the run's driver process")
+        return next(p for p in self.cluster.processes() if is_driver(p))
+
+    def restart_event(self) -> dict:
+        [event] = read_records(self.run_dir / "events.jsonl")
+        return event
+
     def steps_done(self) -> int:
         path = self.run_dir / "metrics.jsonl"
         return len(path.read_text().splitlines()) if path.exists() else 0
@@ -189,51 +213,60 @@ def lose_a_rollout_node_and_add_another(run: ChaosRun) -> None:
     run.notes["replaced_after_join_s"] = round(time.monotonic() - joined, 1)
 
 
-def join_a_rollout_node(cluster: LocalRayCluster, attempts: int = 3) -> None:
-    """``ray start`` of a new rollout raylet (offering ``chaos_c``). Ray gives a starting raylet a
-    fixed 30 s to register with the GCS; on this loaded machine that may not be enough, so a start
-    that timed out is stopped and tried again."""
-    for attempt in range(1, attempts + 1):
-        try:
-            cluster.add_worker(f"rollout-c{attempt}", num_cpus=2, num_gpus=1, resources={"rollout": 8, "chaos_c": 1})
-            return
-        except RuntimeError as exc:
-            if "timed out during startup" not in str(exc) or attempt == attempts:
-                raise
-            os.killpg(cluster.nodes[-1].group, signal.SIGKILL)
-            _wait_for(lambda: not _alive_offering(cluster, "chaos_c"), WAIT_S, "the failed raylet to be gone")
-
-
-def _alive_offering(cluster: LocalRayCluster, resource: str) -> bool:
-    try:
-        node_id_offering(cluster, resource)
-        return True
-    except AssertionError:
-        return False
+def join_a_rollout_node(cluster: LocalRayCluster) -> None:
+    """``ray start`` of a new rollout raylet (offering ``chaos_c``); Ray gives a starting raylet a
+    fixed 30 s to register with the GCS, and a start that timed out on a loaded machine is stopped
+    and made once more (``LocalRayCluster.add_worker``)."""
+    cluster.add_worker("rollout-c", num_cpus=2, num_gpus=1, resources={"rollout": 8, "chaos_c": 1})
 
 
 def kill_a_trainer_rank(run: ChaosRun) -> None:
-    """Once a save exists, copy the store (an anchor published by the restart prunes the versions
-    before it; the attribution check still needs them), SIGKILL the trainer rank's process, and
-    wait for the restart's record and a step after it."""
+    """SIGKILL the trainer rank's process while the run stands between two saves, then wait for
+    the restart's record.
+
+    With ``--save-interval 2`` an odd number of recorded steps means: the newest save is the step
+    before (complete: saves are written by the driver before it goes on), the version of the last
+    recorded step (and maybe the next) is published after it, and no save is in progress. The
+    driver is stopped (SIGSTOP) while this is read, the store copied (an anchor published by the
+    restart prunes the versions before it; the attribution check still needs them) and the rank
+    killed, so the run cannot move on in between. The faults are done once the restart is recorded:
+    the fixture lifts the gate then."""
     from miles_disagg.trainer.checkpoint import find_latest
+    from miles_disagg.weights.store import VersionStore
 
     run.allow(2)
-    _wait_for(lambda: find_latest(run.save_dir) is not None, WAIT_S, "a save of the trainer")
-    shutil.copytree(run.store_dir, run.store_copy, ignore=shutil.ignore_patterns(".staging*", "*.partial"))
-    steps_before = run.steps_done()
-    for proc in run.cluster.processes():
-        if " ".join(proc.cmdline()).startswith("ray::TrainerRank"):
-            proc.send_signal(signal.SIGKILL)
-            break
-    else:
-        raise AssertionError("no trainer rank process found")
+    driver = run.driver_process()
+    deadline = time.monotonic() + WAIT_S
+    last_progress = (run.steps_done(), time.monotonic())
+    while True:
+        driver.suspend()
+        try:
+            steps, save = run.steps_done(), find_latest(run.save_dir)
+            if steps % 2 == 1 and save is not None and save[1].step == steps - 1:
+                shutil.copytree(run.store_dir, run.store_copy, ignore=shutil.ignore_patterns(".staging*", "*.partial"))
+                [rank] = trainer_rank_pids(env=(MARKER_ENV, run.cluster.marker))
+                os.kill(rank, signal.SIGKILL)
+                break
+        finally:
+            driver.resume()
+        assert run.driver.poll() is None, f"the run ended early:\n{run.driver.communicate()[0][-6000:]}"
+        assert time.monotonic() < deadline, f"the run never stood between two saves (at step {steps})"
+        if run.steps_done() != last_progress[0]:
+            last_progress = (run.steps_done(), time.monotonic())
+        elif time.monotonic() - last_progress[1] > 5:  # held at the gate on an even step: one step more
+            run.allow(1)
+            last_progress = (run.steps_done(), time.monotonic())
+        time.sleep(0.2)
     killed = time.monotonic()
+    _wait_for(lambda: rank not in trainer_rank_pids(env=(MARKER_ENV, run.cluster.marker)), WAIT_S,
+              "the killed rank to be gone")
+    run.notes.update(killed_at_step=steps, save_step=save[1].step, save_version=save[1].version,
+                     latest_at_kill=VersionStore(run.store_dir).latest().version)  # the dead rank publishes no more
     run.allow(3)
     events = run.run_dir / "events.jsonl"
     _wait_for(lambda: run.driver.poll() is not None or (events.exists() and events.read_text().strip()), WAIT_S,
               "the trainer's restart record")
-    run.wait_steps(steps_before + 1)
+    assert run.driver.poll() is None, f"the run ended:\n{run.driver.communicate()[0][-6000:]}"
     run.notes["trainer_restart_s"] = round(time.monotonic() - killed, 1)
 
 
@@ -278,6 +311,8 @@ def chaos_run(cluster: LocalRayCluster, digits_base_model: Path) -> ChaosRun:
 def test_the_chaos_run_finishes_with_every_step_recorded_once(chaos_run: ChaosRun) -> None:
     assert chaos_run.returncode == 0, chaos_run.output[-8000:]
     assert [r["step"] for r in read_metrics(chaos_run.run_dir / "metrics.jsonl")] == list(range(STEPS))
+    per_step = Counter(r["rollout_step"] for r in read_records(chaos_run.run_dir / "train_steps.jsonl"))
+    assert sorted(per_step) == list(range(STEPS)) and set(per_step.values()) == {1}  # one optimizer step each
     assert chaos_run.notes["engine_out_after_s"] < 30  # Ray said the node was gone: no health-check timeouts
     _wait_for(lambda: not _our_processes(chaos_run.cluster), 120, "the run's processes to end")
 
@@ -290,12 +325,28 @@ def test_versions_are_published_once_each_and_whole(chaos_run: ChaosRun, tmp_pat
     assert versions == sorted(set(versions)) and len(versions) >= STEPS  # strictly increasing: none reused
     for update in updates:  # every engine that served reported the version just activated
         assert {v for v in update["weights/engine_versions"] if v is not None} <= {str(update["weights/version"])}
+    recorded = [r["weights/version"] for r in read_metrics(chaos_run.run_dir / "metrics.jsonl")]
+    assert recorded == sorted(set(recorded))  # strictly increasing across the restart
     host = Materializer(tmp_path / "local", base_dir=chaos_run.cluster.root / "shared" / "base-model")
     try:
         for version in versions:  # each verified: every changed tensor's checksum
             assert host.prepare(chaos_run.store_holding(version), version).ref.version == version
     finally:
         host.close()
+
+
+def test_the_store_holds_no_gap_from_its_anchor_and_verifies(chaos_run: ChaosRun) -> None:
+    from miles_disagg.weights.store import VersionStore
+
+    store = VersionStore(chaos_run.store_dir)
+    latest, visible = store.latest(), store.visible_versions()
+    assert visible == list(range(visible[0], latest.version + 1))  # no gap; older than the newest anchor: pruned
+    assert visible[0] == 1 or store.read_index(visible[0]).delta_encoding == "full"
+    verified = subprocess.run([sys.executable, "-m", "miles_disagg.cli", "weights", "verify", "--store",
+                               str(chaos_run.store_dir), "--base-dir", str(chaos_run.cluster.root / "shared" / "base-model")],
+                              capture_output=True, text=True, timeout=scaled(120))
+    assert verified.returncode == 0, verified.stderr
+    assert json.loads(verified.stdout)["ok"] is True
 
 
 def test_no_sample_is_misattributed(chaos_run: ChaosRun, tmp_path: Path) -> None:
@@ -348,3 +399,46 @@ def test_the_summary_says_what_was_lost_and_recovered(chaos_run: ChaosRun) -> No
     [restart] = summary["trainer_restarts"]
     assert restart["restart"] == 1 and restart["max_restarts"] == 1 and "trainer rank" in restart["failed"]
     assert "trainer restart 1 of 1" in chaos_run.output
+
+
+def test_the_trainer_restarts_from_the_save_before_the_kill_at_latest_plus_one(chaos_run: ChaosRun) -> None:
+    """Where the run stood at the kill (``notes``) decides the restart: the newest save, the
+    versions published after it (they leave the lineage) and the anchor's number."""
+    from miles_disagg.weights.store import VersionStore
+
+    notes, output = chaos_run.notes, chaos_run.output
+    killed_at, save_step, save_version, latest = (notes["killed_at_step"], notes["save_step"], notes["save_version"],
+                                                   notes["latest_at_kill"])
+    assert latest > save_version  # the store had moved on after the save
+    event = chaos_run.restart_event()
+    assert event["failed_at_step"] == killed_at, event
+    assert event["resumed_from_step"] == save_step, event
+    assert event["discarded_versions"] == [save_version + 1, latest], event
+    assert event["version"] == latest + 1  # never a reused number
+    assert VersionStore(chaos_run.store_dir).read_index(event["version"]).delta_encoding == "full"
+    assert event["groups_dropped"] >= 0
+    assert event["restart_s"] > 0
+    assert f"trainer failed at step {killed_at}: trainer rank 0 died" in output, output[-6000:]
+    assert "(restart 1 of 1)" in output
+    assert f"trainer restart 1 of 1: resumed from step {save_step}" in output
+    [restart] = json.loads((chaos_run.run_dir / "summary.json").read_text())["trainer_restarts"]
+    assert "trainer rank 0 died" in restart["failed"]
+    assert restart["failed_at_step"] == killed_at
+    assert restart["resumed_from_step"] == save_step
+    assert f"trainer restart 1 of 1 at step {killed_at}" in output
+
+
+def test_steps_after_the_restart_train_on_no_sample_of_the_lost_lineage(chaos_run: ChaosRun) -> None:
+    """Versions published after the save are not the restored trainer's: no group generated on
+    one is consumed by the steps run again (each step's consumed groups, rewritten by its rerun)."""
+    event = chaos_run.restart_event()
+    first, last = event["discarded_versions"]
+    lost = range(first, last + 1)
+    for step in range(event["resumed_from_step"], STEPS):
+        groups = [json.loads(line) for line in (chaos_run.run_dir / "consumed" / f"{step}.jsonl").read_text().splitlines()]
+        assert groups
+        for group in groups:
+            assert group["consumed_at_version"] >= event["version"]
+            for sample in group["samples"]:
+                calls = sample["call_versions"] or [[sample["weight_version_start"], sample["weight_version_end"]]]
+                assert not any(v in lost for start, end in calls for v in range(start, end + 1)), (step, calls)

@@ -34,7 +34,7 @@ from miles_disagg.tracking import read_metrics
 
 from cluster_fixtures import LocalRayCluster, RayNode
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # a cluster and three runs in the module (scaled by the load)
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = scaled(900)

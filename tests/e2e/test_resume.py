@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -47,9 +47,35 @@ def command(tmp: Path, num_rollout: int, num_ranks: int, *extra: str) -> list[st
             *NO_STALE_DROPS, *ONE_ENGINE, *extra]
 
 
-def environment() -> dict[str, str]:
+JOB_ENV = "MILES_DISAGG_TEST_JOB"  # every process of a run inherits it: the driver, its Ray, ranks, engines
+
+
+def environment(job: str = "") -> dict[str, str]:
     return {**os.environ, "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"),
-            "RAY_AUTH_MODE": "disabled"}
+            "RAY_AUTH_MODE": "disabled", JOB_ENV: job or uuid.uuid4().hex}
+
+
+def kill_the_whole_job(job: str, timeout_s: float = 60.0) -> None:
+    """SIGKILL every process of the job at once, until none is left. A signal to the driver's
+    process group is not enough: Ray starts its workers (the trainer ranks among them) in process
+    groups of their own, and a rank outlives its driver by seconds (2.7 s measured on a quiet
+    machine), long enough to commit one more version after the test read ``LATEST``."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = []
+        for proc in psutil.process_iter():
+            try:
+                if proc.environ().get(JOB_ENV) == job and proc.status() != psutil.STATUS_ZOMBIE:
+                    proc.kill()
+                    left.append(proc)
+            except psutil.Error:
+                continue
+        if not left:
+            return
+        assert time.monotonic() < deadline, f"processes of the job outlived SIGKILL: {[p.pid for p in left]}"
+        psutil.wait_procs(left, timeout=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -58,17 +84,18 @@ def crashed_and_resumed(tmp_path_factory: pytest.TempPathFactory, digits_base_mo
     planted; two trainer ranks resume from the newest good save and run three more steps."""
     tmp = tmp_path_factory.mktemp("resume")
     place_base_model(digits_base_model, tmp)
-    crash = subprocess.Popen(command(tmp, 60, 1), cwd=tmp, env=environment(), stdout=subprocess.DEVNULL,
+    job = uuid.uuid4().hex
+    crash = subprocess.Popen(command(tmp, 60, 1), cwd=tmp, env=environment(job), stdout=subprocess.DEVNULL,
                              stderr=open(tmp / "crash.log", "wb"), start_new_session=True)
     deadline = time.monotonic() + scaled(300)
     while read_complete(tmp / "saves" / "iter_0000004") is None:
         assert crash.poll() is None, (tmp / "crash.log").read_text()[-4000:]
         assert time.monotonic() < deadline, "no save at step 4"
         time.sleep(0.05)
-    os.killpg(crash.pid, signal.SIGKILL)  # the whole job dies at once, mid-run
+    kill_the_whole_job(job)  # the whole job dies at once, mid-run
     crash.wait()
     store = VersionStore(tmp / "run" / "weight-updates")
-    at_crash = store.latest()
+    at_crash = store.latest()  # no process of the crashed job is left to move it
     # a save torn mid-write (newer than every good one) must be ignored
     torn = tmp / "saves" / "iter_0000099"
     shutil.copytree(find_latest(tmp / "saves")[0], torn)

@@ -52,12 +52,35 @@ def gateway():
 
 
 def raw(url: str, head: str, body: bytes = b"", timeout_s: float = 30.0) -> tuple[bytes, float]:
-    """Send ``head`` (and ``body``) on a fresh connection; the first bytes of the answer and how long they took."""
+    """Send ``head`` (and ``body``) on a fresh connection; the whole answer (its head, and its body
+    as long as ``Content-Length`` says) and how long it took."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
         started = time.monotonic()
         sock.sendall(head.encode() + body)
-        return sock.recv(65536), time.monotonic() - started
+        answer = read_answer(sock)
+        return answer, time.monotonic() - started
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """Read until the answer's head is complete, then until its declared body has come (or the
+    server closed the connection). One ``recv`` is not an answer: a server sends the head and
+    the body in separate writes, and the body may arrive after the head."""
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return answer
+        answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lengths = [line.split(b":", 1)[1] for line in head.split(b"\r\n")[1:] if line.lower().startswith(b"content-length:")]
+    length = int(lengths[0]) if lengths else None
+    while length is None or len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
 
 
 def declared(length: int) -> str:

@@ -1,5 +1,7 @@
 """A local Ray whose node does not come up in time (its agents start slower than the raylet
-waits, on a loaded machine) is started once more, after the failed start's processes are stopped."""
+waits, on a loaded machine) is started once more, after the failed start's processes are stopped;
+local Ray starts on one machine take turns (``local_ray_start_turn``), and the tests' own starts
+(``tests/ray_start.py``) retry a node start that timed out the same way."""
 
 from __future__ import annotations
 
@@ -75,3 +77,47 @@ def test_any_other_start_failure_is_not_retried(monkeypatch):
     with pytest.raises(ValueError, match="bad option"):
         job.init_ray(2)
     assert len(attempts) == 1
+
+
+def test_local_ray_starts_on_one_machine_take_turns_and_a_dead_holder_frees_its_turn(tmp_path):
+    """``local_ray_start_turn``: another process waits while one holds the turn (up to its wait,
+    then goes anyway); the holder's death frees it at once; re-entrant within a thread."""
+    import time
+
+    from miles_disagg.loop.job import local_ray_start_turn
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom miles_disagg.loop.job import "
+                               "local_ray_start_turn\nwith local_ray_start_turn():\n    print('held', flush=True)\n"
+                               "    time.sleep(120)\n"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        with local_ray_start_turn(wait_s=1.0) as had:
+            assert had is False and time.monotonic() - started >= 1.0  # waited, then went anyway
+        holder.kill()
+        holder.wait()
+        with local_ray_start_turn(wait_s=30.0) as had:
+            assert had is True
+            with local_ray_start_turn(wait_s=0.0) as again:  # (ray.init guarded by the tests inside a run's turn)
+                assert again is True
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_tests_start_a_node_that_timed_out_once_more_after_cleaning_up():
+    from ray_start import start_twice
+
+    calls, cleaned = [], []
+
+    def start():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("ray start (head) exited with 1: The current node timed out during startup.")
+        return "up"
+
+    assert start_twice(start, lambda: cleaned.append(1), "test") == "up"
+    assert (len(calls), len(cleaned)) == (2, 1)
+    with pytest.raises(ValueError):
+        start_twice(lambda: (_ for _ in ()).throw(ValueError("bad option")), lambda: cleaned.append(1), "test")
+    assert len(cleaned) == 1  # any other failure is not retried

@@ -122,7 +122,11 @@ def test_a_lost_nodes_engine_leaves_at_once_and_returns_only_at_the_current_vers
             assert [e["event"] for e in events] == ["down", "node_lost", "replaced", "restored"], events
             assert events[1]["node_id"] == node and events[2]["url"] == new_url != old_urls[0]
             assert events[3]["version"] == 2
-            assert seen.first.get(new_url) == (2, "ready"), seen.first  # listed only once caught up
+            # routed to only once caught up: the first routable sighting is at the current version, and
+            # no sighting is at another (the instant add_worker probes it, ``starting``, has no version yet)
+            assert seen.first.get(new_url) == (2, "ready"), seen.all
+            assert all(version == 2 or (version, state) == (None, "starting") for version, state in seen.all[new_url]), \
+                seen.all
             assert ray.get(manager.versions.remote()) == ["2", "2"]
             served = [a for a in answers if a.status == 200]
             assert served and {(a.body["meta_info"]["weight_version_start"], a.body["meta_info"]["weight_version_end"])
@@ -146,12 +150,15 @@ def test_a_lost_nodes_engine_leaves_at_once_and_returns_only_at_the_current_vers
 
 
 class _Sightings:
-    """Polls the router's list; ``first[url]``: (version, state) when the url was first listed in a
-    state the router routes to (``ready``). ``add_worker`` registers a URL as ``starting`` (never
-    routed to) and probes it before it answers, so a poll may catch that instant; it does not count."""
+    """Polls the router's list. ``all[url]``: every distinct (version, state) the url was listed in,
+    in order; ``first[url]``: the first of them in a state the router routes to. Only ``ready``
+    workers are routed to (``LeastOutstandingPolicy``); ``add_worker`` registers a URL as
+    ``starting`` (no version yet: never probed) and probes it before it answers, so a poll may
+    catch that instant: it is a sighting, not a routable one."""
 
     def __init__(self, router: RouterClient):
         self.first: dict[str, tuple] = {}
+        self.all: dict[str, list[tuple]] = {}
         self._stop = threading.Event()
         self._router = router
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -164,8 +171,12 @@ class _Sightings:
             except Exception:
                 continue
             for worker in workers:
-                if worker["state"] != "starting":
-                    self.first.setdefault(worker["url"], (worker["weight_version"], worker["state"]))
+                sighting = (worker["weight_version"], worker["state"])
+                seen = self.all.setdefault(worker["url"], [])
+                if sighting not in seen:
+                    seen.append(sighting)
+                if worker["state"] == "ready":
+                    self.first.setdefault(worker["url"], sighting)
 
     def stop(self) -> None:
         self._stop.set()

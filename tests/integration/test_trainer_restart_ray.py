@@ -5,7 +5,7 @@ numbered after the store's newest version, rewinds the records and runs steps 2-
 ``--max-trainer-restarts 0`` the same kill ends the loop with ``TrainerLost`` naming the rank.
 
 The loop here is the test's own (train on fixed samples, publish, record, save): what is checked
-is the restart machinery around it; ``tests/e2e/test_trainer_restart_run.py`` runs the real one."""
+is the restart machinery around it; the chaos run (``tests/e2e/test_chaos.py``) runs the real one."""
 
 from __future__ import annotations
 

@@ -1,0 +1,116 @@
+"""Ray started by the tests survives a busy machine.
+
+Three measures, for every Ray the test processes start (``ray.init`` in a test process, and
+``ray start`` of ``tests/e2e/cluster_fixtures.py``):
+
+1. Ray's own startup deadlines, scaled by the machine's measured load (``deadlines.LOAD_FACTOR``):
+   :data:`RAY_STARTUP_DEFAULTS` times the factor go into the test processes' environment, so every Ray they start
+   (and every whole run's local Ray) inherits them. Health checks are not scaled: how fast a lost
+   node is noticed is itself under test.
+2. One Ray start at a time on the machine (:func:`start_turn`): the test processes (pytest-xdist
+   workers) and the whole runs they launch take turns (an ``flock`` the runs' own local Ray start
+   takes too, ``miles_disagg/loop/job.py``). A start is a burst of several processes importing
+   Ray's agents; two bursts on two cores starve each other past Ray's fixed 30 s wait for its node
+   to register ("The current node timed out during startup").
+3. A node start that timed out anyway is stopped and tried again once (:func:`start_twice`).
+
+Whole runs start their local Ray inside ``train_async.py``, which takes the same turn, retries a
+timed-out start itself and inherits the scaled deadlines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, Iterator, TypeVar
+
+from deadlines import LOAD_FACTOR, scaled
+
+T = TypeVar("T")
+TIMED_OUT = "timed out during startup"
+
+# Ray's defaults (ray_constants.py and ray_config_def.h of Ray 2.x) of the deadlines a start meets
+RAY_STARTUP_DEFAULTS = {
+    "RAY_gcs_server_request_timeout_seconds": 60,  # the driver's and the CLI's requests to the GCS
+    "RAY_gcs_rpc_server_reconnect_timeout_s": 60,  # a raylet or worker waiting for the GCS
+    "RAY_worker_register_timeout_seconds": 60,  # a started worker process registering with its raylet
+}
+
+
+def ray_startup_timeouts(factor: float = LOAD_FACTOR) -> dict[str, str]:
+    """Ray's startup deadlines times ``factor`` (never below Ray's own defaults)."""
+    return {name: str(int(default * max(1.0, factor))) for name, default in RAY_STARTUP_DEFAULTS.items()}
+
+
+def export_ray_startup_timeouts() -> None:
+    """Put the scaled deadlines into this process's environment (what the user set stays)."""
+    for name, value in ray_startup_timeouts().items():
+        os.environ.setdefault(name, value)
+
+
+@contextlib.contextmanager
+def start_turn() -> Iterator[bool]:
+    """The machine's one Ray start at a time (``miles_disagg.loop.job.local_ray_start_turn``: the
+    same ``flock`` the runs' own local Ray starts take), waited for at most a scaled 300 s."""
+    from miles_disagg.loop.job import START_TURN_WAIT_S, local_ray_start_turn
+
+    with local_ray_start_turn(scaled(START_TURN_WAIT_S)) as held:
+        yield held
+
+
+def start_twice(start: Callable[[], T], clean_up: Callable[[], None], what: str) -> T:
+    """``start()`` in a start turn; when it fails because the node timed out during startup,
+    ``clean_up()`` (stop what the failed start left) and once more. Any other failure, or a second
+    timeout, is raised."""
+    for attempt in (1, 2):
+        try:
+            with start_turn():
+                return start()
+        except Exception as exc:  # ray.init raises a bare Exception; the CLI's failure is a RuntimeError here
+            if TIMED_OUT not in str(exc) or attempt == 2:
+                raise
+            print(f"{what}: the node timed out during startup; stopping it and starting it again")
+            clean_up()
+    raise AssertionError("unreachable")
+
+
+def guard_ray_init() -> None:
+    """Make this process's ``ray.init`` take a start turn and retry a start that timed out (once,
+    after stopping what the failed start left). Idempotent."""
+    import ray
+
+    real_init = ray.init
+    if getattr(real_init, "_miles_disagg_guarded", False):
+        return
+
+    def init(*args, **kwargs):
+        address = args[0] if args else kwargs.get("address", os.environ.get("RAY_ADDRESS"))
+        if ray.is_initialized() or address not in (None, "", "local"):
+            return real_init(*args, **kwargs)  # connecting to a running cluster: nothing is started
+        return start_twice(lambda: real_init(*args, **kwargs), _stop_failed_start, "ray.init")
+
+    init._miles_disagg_guarded = True  # type: ignore[attr-defined]
+    init.__wrapped__ = real_init  # type: ignore[attr-defined]
+    init.__doc__ = real_init.__doc__
+    ray.init = init
+
+
+def _stop_failed_start(timeout_s: float = 10.0) -> None:
+    """Stop what a failed ``ray.init`` left: ``ray.shutdown()``, then this process's children that
+    run Ray's own programs (the GCS, the raylet, its agents)."""
+    import psutil
+    import ray
+
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    marker = f"{os.sep}ray{os.sep}"
+    left = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if marker in " ".join(child.cmdline()):
+                child.terminate()
+                left.append(child)
+    _, alive = psutil.wait_procs(left, timeout=timeout_s)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
