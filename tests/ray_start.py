@@ -9,7 +9,7 @@ Three measures, for every Ray the test processes start (``ray.init`` in a test p
    node is noticed is itself under test.
 2. One Ray start at a time on the machine (:func:`start_turn`): the test processes (pytest-xdist
    workers) and the whole runs they launch take turns (an ``flock`` the runs' own local Ray start
-   takes too, ``miles_disagg/loop/job.py``). A start is a burst of several processes importing
+   takes too, ``miles_disagg/loop/ray_start.py``). A start is a burst of several processes importing
    Ray's agents; two bursts on two cores starve each other past Ray's fixed 30 s wait for its node
    to register ("The current node timed out during startup").
 3. A node start that timed out anyway is stopped and tried again once (:func:`start_twice`).
@@ -50,9 +50,9 @@ def export_ray_startup_timeouts() -> None:
 
 @contextlib.contextmanager
 def start_turn() -> Iterator[bool]:
-    """The machine's one Ray start at a time (``miles_disagg.loop.job.local_ray_start_turn``: the
+    """The machine's one Ray start at a time (``miles_disagg.loop.ray_start.local_ray_start_turn``: the
     same ``flock`` the runs' own local Ray starts take), waited for at most a scaled 300 s."""
-    from miles_disagg.loop.job import START_TURN_WAIT_S, local_ray_start_turn
+    from miles_disagg.loop.ray_start import START_TURN_WAIT_S, local_ray_start_turn
 
     with local_ray_start_turn(scaled(START_TURN_WAIT_S)) as held:
         yield held

@@ -159,7 +159,7 @@ def check_local_gpus(config: RunConfig) -> None:
     in them. (A cluster is asked once joined: ``job._check_cluster_offers``.)"""
     if os.environ.get("RAY_ADDRESS"):
         return
-    from miles_disagg.loop.job import cuda_device_count, local_ray_num_cpus
+    from miles_disagg.loop.ray_start import cuda_device_count, local_ray_num_cpus
     from miles_disagg.trainer.placement import plan_layout
 
     layout = plan_layout(config.cluster, external_rollout=_external(config), critic=uses_critic(config))

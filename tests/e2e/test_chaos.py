@@ -21,8 +21,8 @@ tensor), the store without a gap from its anchor and ``weights verify`` passing;
 sample served by one version recomputes to the logprobs the engine reported with that version (0
 misattributed); the restart resumed from the save before the kill, at ``LATEST + 1``, and no step
 after it trained on a sample of a version that left the lineage; ``summary.json``, the log and the
-summary line say what was lost and recovered. (This run carries the checks of the former
-``test_trainer_restart_run.py``: one whole run fewer.)
+summary line say what was lost and recovered. (This run carries the checks of
+the former trainer-restart run: one whole run fewer.)
 
 A gate (``chaos_hooks.py``) paces the run: it scores only as many samples as the test allows
 (about two steps more at each fault, so generation runs during every fault), and the test lifts

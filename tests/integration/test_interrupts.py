@@ -25,7 +25,7 @@ from miles_disagg import launcher
 from miles_disagg.loop import train_loops
 
 def two_steps_then_wait(config):
-    from miles_disagg.loop.job import init_ray
+    from miles_disagg.loop.ray_start import init_ray
     from miles_disagg.tracking import MetricsTracker, status
     owns = init_ray(1)  # a real local Ray: its SIGTERM handler is set in this process
     try:

@@ -84,9 +84,9 @@ def test_local_ray_starts_on_one_machine_take_turns_and_a_dead_holder_frees_its_
     then goes anyway); the holder's death frees it at once; re-entrant within a thread."""
     import time
 
-    from miles_disagg.loop.job import local_ray_start_turn
+    from miles_disagg.loop.ray_start import local_ray_start_turn
 
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom miles_disagg.loop.job import "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom miles_disagg.loop.ray_start import "
                                "local_ray_start_turn\nwith local_ray_start_turn():\n    print('held', flush=True)\n"
                                "    time.sleep(120)\n"], stdout=subprocess.PIPE, text=True)
     try:

@@ -12,7 +12,7 @@ import tempfile
 
 PROBE = """
 import os, ray
-from miles_disagg.loop.job import init_ray
+from miles_disagg.loop.ray_start import init_ray
 assert init_ray(1)
 print(ray.get(ray.remote(lambda: 7).remote()))
 print(os.environ.get("RAY_AUTH_MODE"))  # Ray sets it to token when it turns token authentication on

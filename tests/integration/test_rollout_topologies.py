@@ -159,7 +159,7 @@ def test_the_wait_for_bundles_prints_what_it_waits_for(ray_cluster, monkeypatch,
 
 
 def test_a_cluster_without_the_gpus_asked_for_is_refused_at_once(ray_cluster, monkeypatch):
-    from miles_disagg.loop.job import _check_cluster_offers
+    from miles_disagg.loop.ray_start import _check_cluster_offers
 
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # what the run would have joined
     with pytest.raises(ConfigError, match="the Ray cluster at 10.0.0.1:6379 has 8 GPUs and 8 CPUs; this run asks "

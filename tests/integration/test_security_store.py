@@ -181,7 +181,7 @@ def _record_ray_init(monkeypatch) -> list[tuple[str | None, dict]]:
 
 def test_the_launcher_keeps_ray_token_auth_on_and_hands_actors_the_run_keys(monkeypatch):
     from miles_disagg.net.auth import ADMIN_API_KEY_ENV
-    from miles_disagg.loop.job import init_ray
+    from miles_disagg.loop.ray_start import init_ray
 
     calls = _record_ray_init(monkeypatch)
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)

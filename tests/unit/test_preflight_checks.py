@@ -108,7 +108,7 @@ def test_a_tracking_backend_that_is_not_installed(capsys, tmp_path, tiny_qwen3_d
 
 def test_a_machine_with_fewer_gpus_than_asked(capsys, tmp_path, tiny_qwen3_dir, monkeypatch) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr("miles_disagg.loop.job.cuda_device_count", lambda: 2)
+    monkeypatch.setattr("miles_disagg.loop.ray_start.cuda_device_count", lambda: 2)
     argv = ["--hf-checkpoint", str(tiny_qwen3_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
             "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "64", "--run-dir", str(tmp_path / "run")]
     refused(capsys, argv, "asks for 65 bundles of 1 GPU + 1 CPU (trainer 1: ",
@@ -123,10 +123,10 @@ def test_a_machine_with_fewer_gpus_than_asked(capsys, tmp_path, tiny_qwen3_dir, 
 def test_a_machine_without_cuda_has_the_local_rays_cpus(capsys, tmp_path, tiny_qwen3_dir, monkeypatch) -> None:
     """Without CUDA the local Ray has one logical GPU per bundle, but only so many CPUs: 65 bundles
     would wait for a placement that never comes."""
-    from miles_disagg.loop.job import local_ray_num_cpus
+    from miles_disagg.loop.ray_start import local_ray_num_cpus
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr("miles_disagg.loop.job.cuda_device_count", lambda: 0)
+    monkeypatch.setattr("miles_disagg.loop.ray_start.cuda_device_count", lambda: 0)
     argv = ["--hf-checkpoint", str(tiny_qwen3_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
             "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "64", "--run-dir", str(tmp_path / "run")]
     refused(capsys, argv, "asks for 65 bundles", f"a local Ray here offers {local_ray_num_cpus()} CPUs")
