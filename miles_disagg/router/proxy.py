@@ -59,7 +59,7 @@ from fastapi.responses import JSONResponse, Response
 
 from miles_disagg.net.auth import ApiKeys, forward_headers
 from miles_disagg.net.httpjson import OFF_LOOP_BYTES, parse_json_async
-from miles_disagg.net.pooled_http import ConnectTimedOut, NotConnected, PooledSession, Reply, TransportFailed
+from miles_disagg.net.pooled_http import ConnectTimedOut, NotConnected, Reply, TransportFailed
 from miles_disagg.router.client_gone import ClientGone, unless_client_gone
 from miles_disagg.router.config import RouterConfig
 from miles_disagg.router.health import HealthChecker
@@ -137,17 +137,16 @@ class Router:
     async def start(self, *, probes: bool = True) -> None:
         """Open the HTTP clients, register ``config.workers``, run one health pass, start the loop
         (``probes`` False: a follower process, which only routes; its view comes from the leader)."""
-        # Requests to workers: upstream.UpstreamClient (its module says why); probes: pooled_http (health.py says
-        # why). Idle connections are dropped before the engine side closes them (a closing connection would read
-        # as a worker failure); worker traffic never goes through an env proxy.
+        # Requests and probes to workers: upstream.UpstreamClient (its module and health.py say why). Idle
+        # connections are dropped before the engine side closes them (a closing connection would read as a
+        # worker failure); worker traffic never goes through an env proxy.
         self._client = UpstreamClient(connect_timeout_s=self.config.connect_timeout_s,
                                       read_timeout_s=self.config.request_timeout_s)
         self._lag_task = asyncio.create_task(self.loop_lag.run_forever())
         if not probes:
             return
         timeout = self.config.health_check_timeout_s
-        probe_client = PooledSession(max_connections=None, connect_timeout_s=timeout, read_timeout_s=timeout,
-                                     total_timeout_s=timeout)
+        probe_client = UpstreamClient(connect_timeout_s=timeout, read_timeout_s=timeout)
         self.health = HealthChecker(self.registry, probe_client, interval_s=self.config.health_check_interval_s,
                                     keys=self.keys, own_server_id=self.server_id, loop_lag=self.loop_lag,
                                     timeout_s=timeout, last_answer=self.peers.last_answer_at)

@@ -1,10 +1,11 @@
 """The proxy's client towards the workers: HTTP/1.1 keep-alive over asyncio protocols, parsed by httptools.
 
-Why not aiohttp (:class:`~miles_disagg.net.pooled_http.PooledSession`, which the probes still use): each
+Why not aiohttp (:class:`~miles_disagg.net.pooled_http.PooledSession`, which the rollout manager uses): each
 proxied request went through its session, request, connector, timer and tracing layers, about 110 us of CPU
 against about 35 us here for the same request and answer (one asyncio client, 64 in flight, the simulated
 engines; ``bench scale`` profiles with py-spy put aiohttp at a fifth of the router's CPU per request).
-This client does only what the proxy needs: ``POST`` a whole body, read the whole answer.
+This client does only what the proxy and its probes need: ``POST`` a whole body (or ``GET``), read the whole
+answer.
 
 Contracts:
 
@@ -146,11 +147,18 @@ class UpstreamClient:
     async def post(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str]) -> Reply:
         """``POST base_url + path`` with ``body`` and ``headers`` (``Host`` and ``Content-Length`` are
         added); the whole answer, or a failure typed as the module docstring says."""
+        return await self._request(b"POST", base_url, path, body, headers)
+
+    async def get(self, base_url: str, path: str, headers: Mapping[str, str] | None = None) -> Reply:
+        """``GET base_url + path`` (the health probes: small answers, so the read timeout bounds the whole)."""
+        return await self._request(b"GET", base_url, path, b"", headers or {})
+
+    async def _request(self, method: bytes, base_url: str, path: str, body: bytes, headers: Mapping[str, str]) -> Reply:
         target = self._targets.get(base_url)
         if target is None:
             target = self._targets[base_url] = _Target(base_url)
         connection = self._idle_connection(target) or await self._connect(target, base_url)
-        head = [b"POST ", path.encode("latin-1"), b" HTTP/1.1\r\nHost: ", target.host_header,
+        head = [method, b" ", path.encode("latin-1"), b" HTTP/1.1\r\nHost: ", target.host_header,
                 b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
         for name, value in headers.items():
             head += (name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n")
@@ -177,7 +185,7 @@ class UpstreamClient:
             return
         quiet_s = time.monotonic() - connection.last_data
         if quiet_s >= self.read_timeout_s:
-            waiter.set_exception(TimedOut(f"POST to {connection.target.host}:{connection.target.port}: no answer "
+            waiter.set_exception(TimedOut(f"{connection.target.host}:{connection.target.port}: no answer "
                                           f"within {self.read_timeout_s:g} s"))
         else:
             asyncio.get_running_loop().call_later(self.read_timeout_s - quiet_s, self._check_read_timeout,
