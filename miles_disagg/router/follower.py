@@ -11,7 +11,8 @@ environment, ``--max-request-bytes``) and with the leader's server id:
   connection reached).
 
 Every :data:`TICK_S` it applies the table (also when no request comes) and publishes its counters. It exits
-when its control connection to the leader closes (the leader is gone), or on SIGTERM as any uvicorn server.
+when its control connection to the leader closes (the leader is gone: it then removes the shared directory
+the leader could not), or on SIGTERM as any uvicorn server.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,7 @@ class FollowerApp:
         self.router, self.table, self.rank, self.directory = router, table, rank, directory
         self.fast_path = GenerationFastPath(self._to_leader, proxy=router.proxy, paths=paths)
         self.server = None  # the uvicorn server, told to exit when the leader is gone
+        self.leader_gone = False
         self._session = None
         self._tasks: list[asyncio.Task] = []
         self._control: asyncio.StreamWriter | None = None
@@ -108,6 +111,7 @@ class FollowerApp:
     async def _leader_gone(self, reader: asyncio.StreamReader) -> None:
         await reader.read()  # the leader writes nothing: this returns when it closes the connection
         log.warning("router process %d: the leader is gone; exiting", self.rank)
+        self.leader_gone = True
         if self.server is not None:
             self.server.should_exit = True
 
@@ -181,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                                            log_level=args.log_level, proxy_headers=False, lifespan="on"))
     app.server = server
     server.run(sockets=[sock])
+    if app.leader_gone:  # it cannot clean up after itself any more (killed): the shared directory goes now
+        shutil.rmtree(directory, ignore_errors=True)
     return 0
 
 

@@ -144,3 +144,33 @@ def test_the_registry_and_its_totals_answer_the_same_on_every_connection(setup) 
     for _ in range(20):
         assert httpx.post(router.url + "/generate", json=BODY, timeout=30).status_code == 200
     assert sum(w["num_served"] for w in client.list_workers()) - before == 20  # every process's answers counted
+
+
+def test_a_follower_that_dies_is_started_again_and_a_killed_leader_takes_its_followers_along(setup, tmp_path) -> None:
+    import os
+    import signal
+
+    from miles_disagg.bench.processes import process_tree
+
+    sim, _, _ = setup
+    router = launch_router(log_path=tmp_path / "router.log", workers=sim.urls, extra_args=["--router-workers", "2"])
+    try:
+        _wait(lambda: httpx.get(router.url + "/health").json()["router_workers"]["serving"] == 2, "both serving")
+        follower = process_tree(router.proc.pid)[1]
+        os.kill(follower, signal.SIGKILL)
+        _wait(lambda: len(process_tree(router.proc.pid)) == 2 and process_tree(router.proc.pid)[1] != follower,
+              "a new follower")
+        _wait(lambda: httpx.get(router.url + "/health").json()["router_workers"]["serving"] == 2, "both serving again")
+        assert all(_send(router.url, 0)[0] == 200 for _ in range(20))
+        replacement = process_tree(router.proc.pid)[1]
+        os.kill(router.proc.pid, signal.SIGKILL)
+        _wait(lambda: not os.path.exists(f"/proc/{replacement}") or _zombie(replacement), "the follower to exit")
+    finally:
+        router.stop()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
