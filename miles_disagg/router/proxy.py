@@ -63,6 +63,7 @@ from miles_disagg.net.pooled_http import ConnectTimedOut, NotConnected, Reply, T
 from miles_disagg.router.client_gone import ClientGone, unless_client_gone
 from miles_disagg.router.config import RouterConfig
 from miles_disagg.router.health import HealthChecker
+from miles_disagg.router.hops import HOPS_HEADER, LOOP_DETECTED, RouterLoop, hops_of
 from miles_disagg.router.loop_lag import LoopLag
 from miles_disagg.router.peers import SoleRouter
 from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, annotate_served_versions,
@@ -200,19 +201,22 @@ class Router:
         """Route one generation request (see the module docstring for the contract)."""
         self.counters["requests"] += 1
         try:
+            hops = hops_of(request.headers)  # routers it went through: a loop of routers ends here
             raw = await request.body()
             body = await parse_json_async(raw)
             constrained_in_body = "weight_version" in body
             constraint = request_constraint(body, request.headers)
             if body.get("stream"):
                 raise InvalidInput("stream=true is not supported by the router; send stream=false")
+        except RouterLoop as exc:
+            return error_response(LOOP_DETECTED, exc, hops=exc.hops, limit=exc.limit)
         except InvalidInput as exc:
             return error_response(400, exc)
         record = ProxyRecord(constraint)
         started = time.perf_counter()
         # the body goes on as it came unless its constraint had to be taken out
         payload = await _encode_async(body, len(raw)) if constrained_in_body else raw
-        response = await self._route(request, path, payload, record)
+        response = await self._route(request, path, payload, record, hops)
         record.status, record.total_s = response.status_code, time.perf_counter() - started
         overhead_s = record.total_s - record.upstream_s
         self.overheads_s.append(overhead_s)
@@ -221,13 +225,14 @@ class Router:
             self._notify(record)
         return response
 
-    async def _route(self, request: Any, path: str, payload: bytes, record: ProxyRecord) -> Any:
+    async def _route(self, request: Any, path: str, payload: bytes, record: ProxyRecord, hops: int = 0) -> Any:
         constraint = record.constraint
         level = getattr(request.state, "auth_level", None)
-        headers = self._headers.get((level, path))
-        if headers is None:
-            headers = self._headers[(level, path)] = {"Content-Type": "application/json",
-                                                      **forward_headers(self.keys, level, path)}
+        keyed = self._headers.get((level, path))
+        if keyed is None:
+            keyed = self._headers[(level, path)] = {"Content-Type": "application/json",
+                                                    **forward_headers(self.keys, level, path)}
+        headers = {**keyed, HOPS_HEADER: str(hops + 1)}  # router/hops.py: one more than it came with
         tried: set[Worker] = set()
         for _ in range(len(self.registry) + 1):
             self.peers.sync()  # another process's news first (a no-op for a router that is one process)
@@ -260,7 +265,9 @@ class Router:
         try:
             send = self._client.post(worker.url, path, payload, headers)
             upstream = await unless_client_gone(request, send)
-            if upstream.status_code >= 500:
+            if upstream.status_code == LOOP_DETECTED:  # a router of a loop: out of routing, its 508 relayed
+                self._fail(worker, "it is a router in a routing loop (it answered 508 Loop Detected)")
+            elif upstream.status_code >= 500:
                 raise WorkerFailed(worker.url, f"{path} answered {upstream.status_code}: {upstream.text[:500]}")
             served = True
         except ClientGone:
