@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from miles_disagg.bench.common import print_result, progress, work_dir
-from miles_disagg.bench.processes import ENGINES_PER_SIM_PROCESS, SimFleetProcess, rss_mb, start_router, wait_router_ready
+from miles_disagg.bench.processes import (ENGINES_PER_SIM_PROCESS, SimFleetProcess, rss_mb, start_router,
+                                          wait_router_ready)
 from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
 
@@ -112,7 +113,8 @@ class ScaleBench:
         try:
             return list(dict.fromkeys(int(part) for part in self.router_workers.split(",") if part.strip()))
         except ValueError:
-            raise ValueError(f"--router-workers must be comma-separated integers, got {self.router_workers!r}") from None
+            raise ValueError(f"--router-workers must be comma-separated integers, got {self.router_workers!r}") \
+                from None
 
     def sim_processes_for(self, size: int) -> int:
         return self.sim_processes or -(-size // ENGINES_PER_SIM_PROCESS)

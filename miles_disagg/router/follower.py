@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-request-bytes", type=int, required=True)
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s router[{args.rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s router[{args.rank}] %(levelname)s %(name)s: %(message)s")
     directory = Path(args.dir)
     config = RouterConfig(**json.loads(args.config))
     table = SharedTable.attach(directory / "table")

@@ -32,6 +32,10 @@ Contracts:
 * Keys: towards workers the router sends its own keys, never the client's, and never above the
   level the client proved. Big bodies are parsed and re-encoded off the event loop.
 
+A router of several processes on one port (``--router-workers N``) routes in each of them from one
+view of the workers, which only its leader changes (:mod:`miles_disagg.router.peers`): a follower's news
+of a worker (a failure, a version in an answer) reach routing through the leader.
+
 A worker's version is learned only from the worker (probes and its answers): a ``weight_version``
 given to :meth:`Router.set_worker_state` is checked against a probe of the worker and refused
 (``WorkerVersionMismatch``, nothing changed) when the worker reports another.
@@ -113,15 +117,16 @@ class Router:
     """Registry + policy + health checker + proxy; lives on one event loop.
 
     ``peers``: the router's other processes, when it is one of several on one port
-    (:mod:`miles_disagg.router.peers`; default: it is the only one). ``probes``: whether this process
-    probes the workers and takes the registry calls (False: a follower, which learns everything from the
-    leader's table)."""
+    (:mod:`miles_disagg.router.peers`; default: it is the only one); the hot path tells it what it learns
+    of a worker and asks it for the latest view before each routing decision."""
 
     def __init__(self, config: RouterConfig, registry: WorkerRegistry | None = None, keys: ApiKeys | None = None,
                  peers: Any = None):
         self.config = config
         self.keys = keys or ApiKeys()  # sent to workers (one key set per deployment)
-        self.registry = registry if registry is not None else WorkerRegistry(failure_threshold=config.health_failure_threshold)
+        if registry is None:
+            registry = WorkerRegistry(failure_threshold=config.health_failure_threshold)
+        self.registry = registry
         self.peers = peers if peers is not None else SoleRouter(self.registry)
         self.policy = LeastOutstandingPolicy()
         self.counters: Counter[str] = Counter()

@@ -81,7 +81,8 @@ class _Connection(asyncio.Protocol):
                     and "chunked" not in self.headers.get("transfer-encoding", ""):
                 self._complete(keep_alive=False)  # an answer delimited by the close itself
             else:
-                self.waiter.set_exception(TransportFailed(f"connection closed before the whole answer ({exc or 'EOF'})"))
+                lost = TransportFailed(f"connection closed before the whole answer ({exc or 'EOF'})")
+                self.waiter.set_exception(lost)
 
     def data_received(self, data: bytes) -> None:
         import httptools

@@ -18,7 +18,8 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]
 
 async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
     return head, await reader.readexactly(length)
 
 
@@ -57,7 +58,8 @@ def client(**options) -> UpstreamClient:
 async def echo_forever(reader, writer) -> None:
     while True:
         head, body = await read_request(reader)
-        writer.write(answer(b'{"echo": %s}' % body, b"X-Seen-Host: " + head.split(b"Host: ")[1].split(b"\r\n")[0] + b"\r\n"))
+        host = head.split(b"Host: ")[1].split(b"\r\n")[0]
+        writer.write(answer(b'{"echo": %s}' % body, b"X-Seen-Host: " + host + b"\r\n"))
         await writer.drain()
 
 

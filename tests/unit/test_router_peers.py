@@ -11,7 +11,8 @@ import pytest
 from miles_disagg.router.peers import FollowerPeers, LeaderPeers
 from miles_disagg.router.policy import LeastOutstandingPolicy
 from miles_disagg.router.registry import WorkerRegistry, WorkerState
-from miles_disagg.router.shared_table import CAPACITY, RING, SharedTable, SlotRecord, bucket_of, histogram_percentiles_ms
+from miles_disagg.router.shared_table import (CAPACITY, RING, SharedTable, SlotRecord, bucket_of,
+                                              histogram_percentiles_ms)
 from miles_disagg.types import InvalidInput, VersionConstraint, VersionNotReady
 
 
