@@ -1,8 +1,9 @@
 """The child processes of ``bench scale`` and what it reads of them.
 
 * :func:`start_announcing`: start a child and wait for the line announcing it is up;
-* :class:`SimFleetProcess`: ``miles-disagg sim-engines`` (:mod:`miles_disagg.bench.sim`) in a child;
-* :func:`start_router` / :func:`wait_router_ready`: ``miles-disagg router`` over given workers;
+* :class:`SimFleetProcess`: ``miles-disagg sim-engines`` (:mod:`miles_disagg.bench.sim`) in one or more children;
+* :func:`start_router` / :func:`wait_router_ready`: ``miles-disagg router`` over given workers (one or more
+  processes: :func:`process_tree`);
 * :func:`stop_process`: SIGTERM, then SIGKILL if it does not exit in time;
 * :func:`rss_mb` / :func:`cpu_s`: a process's memory and CPU time, from Linux ``/proc``.
 """
@@ -45,52 +46,100 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
         proc.wait(15)
 
 
+ENGINES_PER_SIM_PROCESS = 256
+"""``bench scale``'s simulated engines per simulator process (one event loop each): more would make the
+simulator, not the control plane under test, what the updater and the router wait for."""
+
+
 @dataclass
 class SimFleetProcess:
-    """``miles-disagg sim-engines`` in a child process: its handle and the engines' URLs."""
+    """``miles-disagg sim-engines`` in one or more child processes: their handles and the engines' URLs
+    (in engine order; the engines split evenly over the processes)."""
 
-    proc: subprocess.Popen
+    procs: list[subprocess.Popen]
     urls: list[str]
 
     @classmethod
-    def start(cls, log_path: Path, num_engines: int, command: Any, timeout_s: float = 120.0) -> "SimFleetProcess":
+    def start(cls, log_path: Path, num_engines: int, command: Any, timeout_s: float = 120.0,
+              processes: int = 1) -> "SimFleetProcess":
         """``num_engines`` simulated engines timed by ``command``'s ``per_request_ms``, ``pull_ms`` and
-        ``load_ms`` (a :class:`~miles_disagg.bench.scale.ScaleBench`); returns once it printed its URLs."""
-        argv = [sys.executable, "-m", "miles_disagg.cli", "sim-engines", "--num-engines", str(num_engines),
-                "--per-request-ms", str(command.per_request_ms), "--pull-ms", str(command.pull_ms),
-                "--load-ms", str(command.load_ms)]
-        proc, line = start_announcing(argv, log_path, timeout_s, "sim-engines")
-        return cls(proc, json.loads(line)["urls"])
+        ``load_ms`` (a :class:`~miles_disagg.bench.scale.ScaleBench`) in ``processes`` processes; returns
+        once every process printed its URLs."""
+        processes = max(1, min(processes, num_engines))
+        counts = [num_engines // processes + (i < num_engines % processes) for i in range(processes)]
+        procs, urls = [], []
+        try:
+            for index, count in enumerate(counts):
+                argv = [sys.executable, "-m", "miles_disagg.cli", "sim-engines", "--num-engines", str(count),
+                        "--per-request-ms", str(command.per_request_ms), "--pull-ms", str(command.pull_ms),
+                        "--load-ms", str(command.load_ms)]
+                path = log_path if processes == 1 else log_path.with_name(f"{log_path.stem}-{index}{log_path.suffix}")
+                proc, line = start_announcing(argv, path, timeout_s, "sim-engines")
+                procs.append(proc)
+                urls += json.loads(line)["urls"]
+        except BaseException:
+            for proc in procs:
+                stop_process(proc)
+            raise
+        return cls(procs, urls)
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        """The simulator process, for a fleet of one process."""
+        if len(self.procs) != 1:
+            raise ValueError(f"this fleet runs in {len(self.procs)} processes; use .procs")
+        return self.procs[0]
+
+    def cpu_s(self) -> list[float]:
+        """CPU seconds so far of each simulator process."""
+        return [cpu_s(proc.pid) for proc in self.procs]
 
     def stop(self) -> None:
-        stop_process(self.proc)
+        for proc in self.procs:
+            stop_process(proc)
 
 
-def start_router(root: Path, urls: list[str], num_engines: int):
-    """``miles-disagg router`` over ``urls`` on a free port, logging to ``root/router-N.log``; its
-    :func:`~miles_disagg.net.process.start_http_process` handle once ``/health`` answers."""
+def start_router(root: Path, urls: list[str], num_engines: int, router_workers: int = 1):
+    """``miles-disagg router`` over ``urls`` on a free port (``router_workers`` processes), logging to
+    ``root/router-N[-wK].log``; its :func:`~miles_disagg.net.process.start_http_process` handle once
+    ``/health`` answers."""
     from miles_disagg.net.process import free_port, start_http_process
 
     port = free_port()
     argv = [sys.executable, "-m", "miles_disagg.cli", "router", "--port", str(port)]
+    if router_workers > 1:
+        argv += ["--router-workers", str(router_workers)]
     for url in urls:
         argv += ["--worker", url]
-    return start_http_process(argv, url=f"http://127.0.0.1:{port}", log_path=root / f"router-{num_engines}.log",
+    name = f"router-{num_engines}" + (f"-w{router_workers}" if router_workers > 1 else "")
+    return start_http_process(argv, url=f"http://127.0.0.1:{port}", log_path=root / f"{name}.log",
                               health_path="/health", what="router", error=RuntimeError, startup_timeout_s=120)
 
 
-def wait_router_ready(url: str, num_engines: int, timeout_s: float = 120.0) -> None:
-    """Wait until the router at ``url`` reports ``num_engines`` workers ready; ``RuntimeError`` after ``timeout_s``."""
+def wait_router_ready(url: str, num_engines: int, timeout_s: float = 120.0, router_workers: int = 1) -> None:
+    """Wait until the router at ``url`` reports ``num_engines`` workers ready and ``router_workers`` processes
+    serving; ``RuntimeError`` after ``timeout_s``."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     while True:
         health = httpx.get(url + "/health", timeout=10, trust_env=False).json()
-        if health.get("num_ready") == num_engines:
+        serving = health.get("router_workers", {}).get("serving", 1)
+        if health.get("num_ready") == num_engines and serving == router_workers:
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the router sees {health} after {timeout_s}s, expected {num_engines} ready")
+            raise RuntimeError(f"the router sees {health} after {timeout_s}s, expected {num_engines} ready and "
+                               f"{router_workers} processes serving")
         time.sleep(0.2)
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (Linux ``/proc``; a router's processes are its children)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return [pid]
+    return [pid] + [p for child in children for p in process_tree(int(child))]
 
 
 def rss_mb(pid: int) -> dict[str, float]:

@@ -1,26 +1,28 @@
-"""``miles-disagg bench scale --engines 8,64,256``: the control plane against pools of simulated engines.
+"""``miles-disagg bench scale --engines 8,64,256,1024``: the control plane against pools of simulated engines.
 
-For each pool size N, with N simulated engines (:mod:`miles_disagg.bench.sim.engines`, one process, one
-port each). Every size's fleet runs for the whole bench and the sizes take turns, update after update and
-load window after load window, so a change in the machine's load (it is shared) hits every size alike:
+For each pool size N, with N simulated engines (:mod:`miles_disagg.bench.sim.engines`, one port each, in one
+simulator process per :data:`~miles_disagg.bench.processes.ENGINES_PER_SIM_PROCESS` engines, or
+``--sim-processes``). Every size's fleet runs for the whole bench and the sizes take turns, update after update
+and load window after load window, so a change in the machine's load (it is shared) hits every size alike:
 
 * ``fanout``: the disk-delta updater (:class:`~miles_disagg.engines.updater.DiskDeltaUpdater`, the
   run's own) bringing all N engines to a new version, ``--updates`` times: the whole update, its
-  prepare phase (``/pull_weights`` everywhere) and activate phase (pause, flush, load, continue,
-  verify, everywhere), the longest pause of one engine, the updater's CPU and the simulated engines'
-  (their headroom). Medians over the updates. ``threads``: each update is followed by one done as before (a thread and a synchronous
-  client per engine), so the two are compared side by side.
-* ``router``: ``miles-disagg router`` over the N engines, ``--in-flight`` requests kept in flight for
-  ``--duration`` seconds from one asyncio client, ``--rounds`` windows: requests/s, client latency
-  p50/p99, the router's own time per request (its ``/metrics`` ``routing_overhead_ms``: time in the
-  router minus time waiting for engines), its CPU per request, the share of a core the router, the
-  simulated engines and the load client each used (which process was the limit), the router's peak
-  memory; before the load, the share of a core it uses idle (health checks of N workers alone).
+  prepare phase (``/pull_weights`` everywhere) and activate phase, the longest pause of one engine, the
+  updater's CPU and the simulators' (their headroom: their total and their busiest process). Medians over
+  the updates. ``threads`` (up to :data:`THREADS_BASELINE_MAX_ENGINES` engines): each update is followed by
+  one done as before (a thread and a synchronous client per engine), so the two are compared side by side.
+* ``router``: ``miles-disagg router`` with each ``--router-workers`` count over the N engines, started for
+  its window alone, ``--in-flight`` requests kept in flight for ``--duration`` seconds from one asyncio
+  client, ``--rounds`` windows (:mod:`miles_disagg.bench.scale_router`): requests/s, client latency p50/p99,
+  the router's own time per request (p50/p99), its CPU per request, the share of a core each process used
+  (which one was the limit), each router process's memory; in the first round the share of a core it uses
+  idle (health checks of N workers alone). ``router`` holds the first count's figures,
+  ``router_by_workers`` every count's.
 * ``rollout``: the rollout manager (:class:`~miles_disagg.rollout.manager.RolloutManager`, in this
-  process, the built-in count-up task on a digits tokenizer) producing through the same router at
-  ``--rollout-concurrency`` requests in flight whatever the pool size, the trainer's side taking
-  batches for ``--duration`` seconds, ``--rounds`` times (sizes taking turns): samples/s, and this
-  process's memory (it holds the manager).
+  process, the built-in count-up task on a digits tokenizer) producing through the same router (the first
+  count) at ``--rollout-concurrency`` requests in flight whatever the pool size, the trainer's side taking
+  batches for ``--duration`` seconds, ``--rounds`` times: samples/s, and this process's memory (it holds
+  the manager).
 
 * ``service`` (only when asked: ``--sections service``): the rollout service's gateway and
   ``--service-replicas`` replicas (the service's own code, one simulated engine each): seconds from a
@@ -29,9 +31,9 @@ load window after load window, so a change in the machine's load (it is shared) 
   About 20 s and 20 CPU-s with 64 replicas and 5 versions on 2 cores; kept out of the default set so that
   the default's JSON and its cost stay as they were.
 
-``ratios`` compares each size with the smallest. The simulated engines answer ``/generate`` after
-``--per-request-ms``; ``/pull_weights`` takes ``--pull-ms``, ``/update_weights_from_disk``
-``--load-ms``. Prints one JSON object on stdout; progress goes to stderr.
+``ratios`` compares each size with the smallest (per router-worker count too) and each count with the first.
+The simulated engines answer ``/generate`` after ``--per-request-ms``; ``/pull_weights`` takes ``--pull-ms``,
+``/update_weights_from_disk`` ``--load-ms``. Prints one JSON object on stdout; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -45,14 +47,15 @@ from pathlib import Path
 from typing import Any
 
 from miles_disagg.bench.common import print_result, progress, work_dir
-from miles_disagg.bench.processes import SimFleetProcess, cpu_s, rss_mb, start_router, wait_router_ready
-from miles_disagg.bench.scale_router import router_all
+from miles_disagg.bench.processes import (ENGINES_PER_SIM_PROCESS, SimFleetProcess, rss_mb, start_router,
+                                          wait_router_ready)
 from miles_disagg.config.commands import add_config_arguments, config_from_args
 from miles_disagg.config.fields import flag
 
 _progress = progress("scale")
 SECTIONS = ("fanout", "router", "rollout", "service")
 POOL_SECTIONS = ("fanout", "router", "rollout")
+THREADS_BASELINE_MAX_ENGINES = 256  # a thread per engine beyond this measures the machine's threads, not the updater
 
 
 @dataclass(kw_only=True)
@@ -60,7 +63,11 @@ class ScaleBench:
     """control plane at scale: fan-out, router throughput/overhead, memory, with simulated engines"""
 
     json: bool = flag(False, "Print the result as JSON (always on; kept for scripts).")
-    engines: str = flag("8,64,256", "Pool sizes, comma-separated.", metavar="N,N,...")
+    engines: str = flag("8,64,256,1024", "Pool sizes, comma-separated.", metavar="N,N,...")
+    router_workers: str = flag("1,2", "Router process counts measured per pool size (--router-workers of "
+                               "miles-disagg router), comma-separated; the first also serves the rollout section.",
+                               metavar="N,N,...")
+    sim_processes: int = flag(0, "Simulator processes per pool (0: one per 256 engines).", metavar="N")
     updates: int = flag(3, "Weight updates timed per pool size (medians reported).")
     in_flight: int = flag(1024, "Requests kept in flight against the router.")
     duration: float = flag(8.0, "Seconds of one measured router load window (after a 1 s warm-up).", metavar="S")
@@ -89,6 +96,9 @@ class ScaleBench:
             raise ValueError(f"--idle-measure must be > 0, got {self.idle_measure}")
         if not self.pool_sizes() or min(self.pool_sizes()) < 1:
             raise ValueError(f"--engines must list positive pool sizes, got {self.engines!r}")
+        if not self.worker_counts() or min(self.worker_counts()) < 1 or self.sim_processes < 0:
+            raise ValueError(f"--router-workers must list positive counts and --sim-processes be >= 0, got "
+                             f"{self.router_workers!r}, {self.sim_processes}")
         unknown = set(self.section_names()) - set(SECTIONS)
         if unknown:
             raise ValueError(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
@@ -98,6 +108,16 @@ class ScaleBench:
             return [int(part) for part in self.engines.split(",") if part.strip()]
         except ValueError:
             raise ValueError(f"--engines must be comma-separated integers, got {self.engines!r}") from None
+
+    def worker_counts(self) -> list[int]:
+        try:
+            return list(dict.fromkeys(int(part) for part in self.router_workers.split(",") if part.strip()))
+        except ValueError:
+            raise ValueError(f"--router-workers must be comma-separated integers, got {self.router_workers!r}") \
+                from None
+
+    def sim_processes_for(self, size: int) -> int:
+        return self.sim_processes or -(-size // ENGINES_PER_SIM_PROCESS)
 
     def section_names(self) -> list[str]:
         return [part.strip() for part in self.sections.split(",") if part.strip()]
@@ -128,7 +148,9 @@ def run(args: argparse.Namespace) -> int:
 def _settings(command: ScaleBench) -> dict:
     return {"in_flight": command.in_flight, "rollout_concurrency": command.rollout_concurrency,
             "duration_s": command.duration, "rounds": command.rounds, "updates": command.updates,
-            "per_request_ms": command.per_request_ms, "pull_ms": command.pull_ms, "load_ms": command.load_ms}
+            "per_request_ms": command.per_request_ms, "pull_ms": command.pull_ms, "load_ms": command.load_ms,
+            "router_workers": command.worker_counts(),
+            "sim_processes": {size: command.sim_processes_for(size) for size in command.pool_sizes()}}
 
 
 def _all_pools(root: Path, command: ScaleBench) -> dict[int, dict]:
@@ -138,8 +160,9 @@ def _all_pools(root: Path, command: ScaleBench) -> dict[int, dict]:
     fleets: dict[int, SimFleetProcess] = {}
     try:
         for size in sizes:
-            _progress(f"starting {size} simulated engines")
-            fleets[size] = SimFleetProcess.start(root / f"sim-{size}.log", size, command)
+            _progress(f"starting {size} simulated engines in {command.sim_processes_for(size)} process(es)")
+            fleets[size] = SimFleetProcess.start(root / f"sim-{size}.log", size, command,
+                                                 processes=command.sim_processes_for(size))
         per_size: dict[int, dict] = {size: {"num_engines": size} for size in sizes}
         if "fanout" in command.section_names():
             for size, result in _fanout_all(root, fleets, command.updates).items():
@@ -147,7 +170,8 @@ def _all_pools(root: Path, command: ScaleBench) -> dict[int, dict]:
         if {"router", "rollout"} & set(command.section_names()):
             _router_sections(root, fleets, command, per_size)
         for size in sizes:
-            per_size[size]["sim_engines_rss_mb"] = rss_mb(fleets[size].proc.pid)
+            memory = [rss_mb(proc.pid) for proc in fleets[size].procs]
+            per_size[size]["sim_engines_rss_mb"] = memory[0] if len(memory) == 1 else memory
         return per_size
     finally:
         for fleet in fleets.values():
@@ -156,24 +180,32 @@ def _all_pools(root: Path, command: ScaleBench) -> dict[int, dict]:
 
 def _router_sections(root: Path, fleets: dict[int, SimFleetProcess], command: ScaleBench,
                      per_size: dict[int, dict]) -> None:
-    """A router per pool size, all started first and kept for both sections."""
-    from miles_disagg.bench.scale_rollout import rollout_all
+    """Round after round, per pool size, per router-worker count: a router started for its windows alone
+    (the router section's load window; with the first count also the rollout section's), then stopped."""
+    from miles_disagg.bench.scale_rollout import RolloutRuns
+    from miles_disagg.bench.scale_router import RouterRuns
 
-    routers: dict[int, Any] = {}
-    try:
+    counts, sections = command.worker_counts(), command.section_names()
+    routers, rollouts = RouterRuns(), RolloutRuns(root) if "rollout" in sections else None
+    for round_index in range(command.rounds):
         for size, fleet in fleets.items():
-            routers[size] = start_router(root, fleet.urls, size)
-        for size, router in routers.items():
-            wait_router_ready(router.url, size)
-        if "router" in command.section_names():
-            for size, result in router_all(routers, fleets, command).items():
-                per_size[size]["router"] = result
-        if "rollout" in command.section_names():
-            for size, result in rollout_all(root, {size: r.url for size, r in routers.items()}, command).items():
-                per_size[size]["rollout"] = result
-    finally:
-        for router in routers.values():
-            router.stop()
+            for workers in counts:
+                router = start_router(root, fleet.urls, size, router_workers=workers)
+                try:
+                    wait_router_ready(router.url, size, router_workers=workers)
+                    if "router" in sections:
+                        routers.measure(size, workers, router, fleet, command, measure_idle=round_index == 0)
+                    if rollouts is not None and workers == counts[0]:
+                        rollouts.measure(size, router.url, command)
+                finally:
+                    router.stop()
+    if "router" in sections:
+        for size, by_workers in routers.results().items():
+            per_size[size]["router"] = by_workers[counts[0]]
+            per_size[size]["router_by_workers"] = {str(n): result for n, result in by_workers.items() if n != counts[0]}
+    if rollouts is not None:
+        for size, result in rollouts.results(command).items():
+            per_size[size]["rollout"] = result
 
 
 # --------------------------------------------------------------------------- fan-out
@@ -192,19 +224,25 @@ def _fanout_all(root: Path, fleets: dict[int, SimFleetProcess], updates: int) ->
                 for size, fleet in fleets.items()}
     loop_runs: dict[int, list] = {size: [] for size in fleets}
     thread_runs: dict[int, list] = {size: [] for size in fleets}
+    threads = {size: size <= THREADS_BASELINE_MAX_ENGINES for size in fleets}
     try:
-        for updater in updaters.values():
+        for size, updater in updaters.items():
             _loop_update(updater, 1)  # warm-up (imports, first connections): not measured
-            _threaded_update(updater, 2)
+            if threads[size]:
+                _threaded_update(updater, 2)
         for version in range(3, 2 * updates + 3, 2):
             for size, updater in updaters.items():
-                pid = fleets[size].proc.pid
-                loop_runs[size].append(_timed(lambda: _loop_update(updater, version), pid))
-                thread_runs[size].append(_timed(lambda: _threaded_update(updater, version + 1), pid))
+                fleet = fleets[size]
+                loop_runs[size].append(_timed(lambda: _loop_update(updater, version), fleet))
+                if threads[size]:
+                    thread_runs[size].append(_timed(lambda: _threaded_update(updater, version + 1), fleet))
+                else:  # the version the threaded update would have brought, so versions stay in step
+                    _loop_update(updater, version + 1)
     finally:
         for updater in updaters.values():
             updater.close()
-    results = {size: _fanout_summary(loop_runs[size], thread_runs[size]) for size in fleets}
+    results = {size: {**_fanout_summary(loop_runs[size], thread_runs[size]),
+                      "updater_process_rss_mb": rss_mb(os.getpid())} for size in fleets}
     for size, result in results.items():
         _progress(f"  fan-out, {size} engines: {result}")
     return results
@@ -218,16 +256,18 @@ def _fanout_summary(loop_runs: list[dict], thread_runs: list[dict]) -> dict:
             "max_pause_s": med([r["max_pause_s"] for r in loop_runs]),
             "updater_cpu_s": med([r["cpu_s"] for r in loop_runs]),
             "sim_engines_cpu_s": med([r["sim_cpu_s"] for r in loop_runs]),
+            "sim_engines_busiest_process_cpu_s": med([r["sim_busiest_cpu_s"] for r in loop_runs]),
             "threads": {"update_s": med([r["update_s"] for r in thread_runs]),
                         "max_pause_s": med([r["max_pause_s"] for r in thread_runs]),
-                        "updater_cpu_s": med([r["cpu_s"] for r in thread_runs])}}
+                        "updater_cpu_s": med([r["cpu_s"] for r in thread_runs])} if thread_runs else None}
 
 
-def _timed(run, sim_pid: int) -> dict:
-    start, cpu_start, sim_start = time.perf_counter(), time.process_time(), cpu_s(sim_pid)
+def _timed(run, fleet: SimFleetProcess) -> dict:
+    start, cpu_start, sim_start = time.perf_counter(), time.process_time(), fleet.cpu_s()
     prepare_s, activate_s, max_pause_s = run()
+    sim_used = [after - before for after, before in zip(fleet.cpu_s(), sim_start)]
     return {"update_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu_start,
-            "sim_cpu_s": cpu_s(sim_pid) - sim_start,
+            "sim_cpu_s": sum(sim_used), "sim_busiest_cpu_s": max(sim_used),
             "prepare_s": prepare_s, "activate_s": activate_s, "max_pause_s": max_pause_s}
 
 
@@ -252,42 +292,62 @@ def _threaded_update(updater, version: int) -> tuple[float, float, float]:
 
 
 def _ratios(per_size: dict[int, dict]) -> dict:
-    """Each pool size against the smallest: fan-out time (target <= 3) and router throughput (>= 0.9);
-    per size, the event-loop fan-out against the threaded one."""
+    """Each pool size against the smallest: fan-out time and longest pause, router throughput (per
+    router-worker count too) and CPU per request, rollout samples/s; per size, the event-loop fan-out
+    against the threaded one, and each router-worker count against the first."""
     base_size = min(per_size)
     base = per_size[base_size]
     ratios: dict = {}
     for size, result in per_size.items():
-        if "fanout" in result:
+        if result.get("fanout", {}).get("threads"):
             loop, threads = result["fanout"], result["fanout"]["threads"]
             ratios[f"fanout_loop_vs_threads_{size}"] = {
                 "update_time": round(loop["update_s"] / threads["update_s"], 3),
                 "updater_cpu": round(loop["updater_cpu_s"] / max(threads["updater_cpu_s"], 1e-9), 3)}
+        if result.get("router_by_workers"):
+            first = result["router"]
+            ratios[f"router_workers_{size}"] = {
+                f"{n}_vs_{first['router_workers']}": {
+                    "throughput": _ratio(theirs["requests_per_s"], first["requests_per_s"]),
+                    "cpu_per_request": _ratio(theirs["router_cpu_ms_per_request"], first["router_cpu_ms_per_request"])}
+                for n, theirs in result["router_by_workers"].items()}
     for size, result in per_size.items():
-        if size == base_size:
-            continue
-        entry = {}
-        if "fanout" in result:
-            entry["fanout_update_time_vs_smallest"] = round(result["fanout"]["update_s"] / base["fanout"]["update_s"], 3)
-            entry["fanout_threads_update_time_vs_smallest"] = round(
-                result["fanout"]["threads"]["update_s"] / base["fanout"]["threads"]["update_s"], 3)
-        if "router" in result and base["router"]["requests_per_s"]:
-            entry["router_throughput_vs_smallest"] = round(
-                result["router"]["requests_per_s"] / base["router"]["requests_per_s"], 3)
-            per_round = [r for r in result["router"]["throughput_vs_smallest_per_round"] if r is not None]
-            entry["router_throughput_vs_smallest_median_of_rounds"] = (
-                round(statistics.median(per_round), 3) if per_round else None)
-            entry["router_cpu_per_request_vs_smallest"] = round(
-                result["router"]["router_cpu_ms_per_request"] / base["router"]["router_cpu_ms_per_request"], 3)
-            if base["router"].get("router_net_cpu_ms_per_request"):
-                entry["router_net_cpu_per_request_vs_smallest"] = round(
-                    result["router"]["router_net_cpu_ms_per_request"] / base["router"]["router_net_cpu_ms_per_request"], 3)
-        if "rollout" in result and base["rollout"]["samples_per_s"]:
-            entry["rollout_samples_per_s_vs_smallest"] = round(
-                result["rollout"]["samples_per_s"] / base["rollout"]["samples_per_s"], 3)
-            per_round = [mine / theirs for mine, theirs in zip(result["rollout"]["samples_per_s_per_round"],
-                                                               base["rollout"]["samples_per_s_per_round"]) if theirs]
-            entry["rollout_samples_per_s_vs_smallest_median_of_rounds"] = (
-                round(statistics.median(per_round), 3) if per_round else None)
-        ratios[f"{size}_vs_{base_size}"] = entry
+        if size != base_size:
+            ratios[f"{size}_vs_{base_size}"] = _versus_smallest(result, base)
     return ratios
+
+
+def _versus_smallest(result: dict, base: dict) -> dict:
+    entry: dict[str, Any] = {}
+    if "fanout" in result:
+        entry["fanout_update_time_vs_smallest"] = _ratio(result["fanout"]["update_s"], base["fanout"]["update_s"])
+        entry["fanout_max_pause_vs_smallest"] = _ratio(result["fanout"]["max_pause_s"], base["fanout"]["max_pause_s"])
+        if result["fanout"]["threads"] and base["fanout"]["threads"]:
+            entry["fanout_threads_update_time_vs_smallest"] = _ratio(result["fanout"]["threads"]["update_s"],
+                                                                     base["fanout"]["threads"]["update_s"])
+    if "router" in result:
+        mine, theirs = result["router"], base["router"]
+        entry["router_throughput_vs_smallest"] = _ratio(mine["requests_per_s"], theirs["requests_per_s"])
+        per_round = [r for r in mine["throughput_vs_smallest_per_round"] if r is not None]
+        entry["router_throughput_vs_smallest_median_of_rounds"] = (
+            round(statistics.median(per_round), 3) if per_round else None)
+        entry["router_cpu_per_request_vs_smallest"] = _ratio(mine["router_cpu_ms_per_request"],
+                                                             theirs["router_cpu_ms_per_request"])
+        entry["router_net_cpu_per_request_vs_smallest"] = _ratio(mine["router_net_cpu_ms_per_request"],
+                                                                 theirs["router_net_cpu_ms_per_request"])
+        entry["router_throughput_vs_smallest_by_workers"] = {
+            str(mine["router_workers"]): entry["router_throughput_vs_smallest"],
+            **{n: _ratio(r["requests_per_s"], base["router_by_workers"][n]["requests_per_s"])
+               for n, r in result.get("router_by_workers", {}).items()}}
+    if "rollout" in result:
+        entry["rollout_samples_per_s_vs_smallest"] = _ratio(result["rollout"]["samples_per_s"],
+                                                            base["rollout"]["samples_per_s"])
+        per_round = [mine / theirs for mine, theirs in zip(result["rollout"]["samples_per_s_per_round"],
+                                                           base["rollout"]["samples_per_s_per_round"]) if theirs]
+        entry["rollout_samples_per_s_vs_smallest_median_of_rounds"] = (
+            round(statistics.median(per_round), 3) if per_round else None)
+    return entry
+
+
+def _ratio(mine: float | None, theirs: float | None) -> float | None:
+    return round(mine / theirs, 3) if mine is not None and theirs else None

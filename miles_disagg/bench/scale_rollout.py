@@ -3,7 +3,8 @@
 The manager (:class:`~miles_disagg.rollout.manager.RolloutManager`, in this process, the built-in count-up
 task on a digits tokenizer) keeps ``--rollout-concurrency`` requests in flight whatever the pool size; the
 trainer's side takes batches of 64 groups for ``--duration`` seconds. ``--rounds`` windows per pool size,
-the sizes taking turns (a change of the machine's load hits every size alike).
+the sizes taking turns (a change of the machine's load hits every size alike), each through a router
+started for it (the router section's, with the first ``--router-workers`` count).
 """
 
 from __future__ import annotations
@@ -22,20 +23,25 @@ _progress = progress("scale")
 GROUPS_PER_BATCH, SAMPLES_PER_PROMPT = 64, 4
 
 
-def rollout_all(root: Path, router_urls: dict[int, str], command: Any) -> dict[int, dict]:
-    """Per pool size: median samples/s over its windows, each window's, and this process's memory."""
-    tokenizer = tokenizer_dir(root)
-    runs: dict[int, list[float]] = {size: [] for size in router_urls}
-    samples: dict[int, int] = {size: 0 for size in router_urls}
-    for round_index in range(command.rounds):
-        for size, url in router_urls.items():
-            produced, elapsed = asyncio.run(drive_rollout_manager(tokenizer, url, command))
-            runs[size].append(round(produced / elapsed, 1))
-            samples[size] += produced
-            _progress(f"  rollout manager, {size} engines, round {round_index + 1}: {runs[size][-1]} samples/s")
-    return {size: {"samples_per_s": round(statistics.median(runs[size]), 1), "samples_per_s_per_round": runs[size],
-                   "samples": samples[size], "rollout_concurrency": command.rollout_concurrency,
-                   "manager_process_rss_mb": rss_mb(os.getpid())} for size in router_urls}
+class RolloutRuns:
+    """Every rollout window of every pool size."""
+
+    def __init__(self, root: Path):
+        self.tokenizer = tokenizer_dir(root)
+        self.runs: dict[int, list[float]] = {}
+        self.samples: dict[int, int] = {}
+
+    def measure(self, size: int, router_url: str, command: Any) -> None:
+        produced, elapsed = asyncio.run(drive_rollout_manager(self.tokenizer, router_url, command))
+        self.runs.setdefault(size, []).append(round(produced / elapsed, 1))
+        self.samples[size] = self.samples.get(size, 0) + produced
+        _progress(f"  rollout manager, {size} engines: {self.runs[size][-1]} samples/s")
+
+    def results(self, command: Any) -> dict[int, dict]:
+        """Per pool size: median samples/s over its windows, each window's, and this process's memory."""
+        return {size: {"samples_per_s": round(statistics.median(runs), 1), "samples_per_s_per_round": runs,
+                       "samples": self.samples[size], "rollout_concurrency": command.rollout_concurrency,
+                       "manager_process_rss_mb": rss_mb(os.getpid())} for size, runs in self.runs.items()}
 
 
 def tokenizer_dir(root: Path) -> Path:

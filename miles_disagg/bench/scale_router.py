@@ -1,11 +1,15 @@
 """``bench scale``'s router section: ``miles-disagg router`` over each pool of simulated engines under load.
 
-``--in-flight`` requests kept in flight for ``--duration`` seconds from one asyncio client
-(:func:`generate_load`), ``--rounds`` windows per pool size, the sizes taking turns (a change of the
-machine's load hits every size alike): requests/s, client latency p50/p99, the router's own time per
-request (its ``/metrics`` ``routing_overhead_ms``), its CPU per request, the share of a core the router,
-the simulated engines and the load client each used, the router's peak memory; before the load, the
-share of a core the router uses idle (health checks of N workers alone, over ``--idle-measure`` seconds).
+For each pool size and each ``--router-workers`` count, a router is started for its window alone (a router
+left idle meanwhile would probe its pool, and at 1,024 engines those probes would compete for the cores
+with the one measured), ``--in-flight`` requests are kept in flight for ``--duration`` seconds from one
+asyncio client (:func:`generate_load`), and the router is stopped; ``--rounds`` such windows, the sizes
+and counts taking turns (a change of the machine's load hits each alike). Per window: requests/s, client
+latency p50/p99, the router's CPU per request (all its processes), the share of a core each process used
+(the router's, its busiest process's, the simulators' and their busiest process's, the load client's: which
+one was the limit); per router: its own time per request (``/metrics`` ``routing_overhead_ms``: time in the
+router minus time waiting for engines), the memory of each of its processes, and, in the first round, the
+share of a core it uses idle (health checks of N workers alone, over ``--idle-measure`` seconds).
 """
 
 from __future__ import annotations
@@ -16,10 +20,10 @@ import math
 import os
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 from miles_disagg.bench.common import progress
-from miles_disagg.bench.processes import SimFleetProcess, cpu_s, rss_mb
+from miles_disagg.bench.processes import SimFleetProcess, cpu_s, process_tree, rss_mb
 
 _progress = progress("scale")
 MAX_WARMUP_S = 120.0
@@ -27,58 +31,84 @@ GENERATE_BODY = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tok
                  "return_logprob": True}
 
 
-def router_all(routers: dict[int, Any], fleets: dict[int, SimFleetProcess], command: Any) -> dict[int, dict]:
-    """``--rounds`` rounds of one load window per size. Per size: medians over its windows;
-    ``throughput_vs_smallest_per_round`` compares windows of the same round. ``cpu_cores``: the share of
-    a core each process used in the window (the router, its simulated engines, this load client; each is
-    one event loop, so near 1.0 is that process's limit, and the machine's cores bound their sum): the
-    check that the figures are the router's, not the simulator's or the client's.
-    ``router_idle_cpu_fraction``: health checks of N workers alone, before any load."""
-    import httpx
+class RouterRuns:
+    """Every window of every (pool size, router-worker count), and what each router reported."""
 
-    idle_before = {size: cpu_s(router.proc.pid) for size, router in routers.items()}
-    time.sleep(command.idle_measure)  # no traffic anywhere: what health checking alone costs
-    idle = {size: (cpu_s(router.proc.pid) - idle_before[size]) / command.idle_measure
-            for size, router in routers.items()}
-    windows: dict[int, list[dict]] = {size: [] for size in routers}
-    for round_index in range(command.rounds):
-        for size, router in routers.items():
-            windows[size].append(_load_window(router, fleets[size], command, idle[size]))
-            _progress(f"  router, {size} engines, round {round_index + 1}: {windows[size][-1]}")
-    results = {}
-    for size, router in routers.items():
-        metrics = httpx.get(router.url + "/metrics", timeout=30, trust_env=False).json()
-        results[size] = {**_router_summary(windows[size]), "router_idle_cpu_fraction": round(idle[size], 4),
-                         "routing_overhead_ms": metrics.get("routing_overhead_ms"),
-                         "router_rss_mb": rss_mb(router.proc.pid)}
-    base = min(routers)
-    for size in routers:
-        results[size]["throughput_vs_smallest_per_round"] = [
-            round(mine["requests_per_s"] / theirs["requests_per_s"], 3) if theirs["requests_per_s"] else None
-            for mine, theirs in zip(windows[size], windows[base])]
-    return results
+    def __init__(self) -> None:
+        self.windows: dict[tuple[int, int], list[dict]] = {}
+        self.idle: dict[tuple[int, int], float] = {}
+        self.last: dict[tuple[int, int], dict] = {}  # routing overhead and memory, from the latest router
+
+    def measure(self, size: int, workers: int, router: Any, fleet: SimFleetProcess, command: Any,
+                measure_idle: bool) -> None:
+        """One window of ``router`` (started and ready; stopped by the caller)."""
+        import httpx
+
+        key = (size, workers)
+        pids = process_tree(router.proc.pid)
+        if measure_idle:
+            before = sum(cpu_s(pid) for pid in pids)
+            time.sleep(command.idle_measure)  # no traffic: what health checking alone costs
+            self.idle[key] = (sum(cpu_s(pid) for pid in pids) - before) / command.idle_measure
+        window = load_window(router.url, pids, fleet, command, self.idle.get(key, 0.0))
+        self.windows.setdefault(key, []).append(window)
+        _progress(f"  router, {size} engines, {workers} router process(es): {window}")
+        metrics = httpx.get(router.url + "/metrics", timeout=60, trust_env=False).json()
+        self.last[key] = {"routing_overhead_ms": metrics.get("routing_overhead_ms"), "router_rss_mb": rss_mb(pids[0]),
+                          "router_processes_rss_mb": [rss_mb(pid) for pid in pids]}
+
+    def results(self) -> dict[int, dict[int, dict]]:
+        """Per pool size, per worker count: medians over its windows, and ``throughput_vs_smallest_per_round``
+        (each window against the smallest pool's window of the same round and count)."""
+        out: dict[int, dict[int, dict]] = {}
+        base = min(size for size, _ in self.windows)
+        for (size, workers), windows in self.windows.items():
+            theirs = self.windows[(base, workers)]
+            out.setdefault(size, {})[workers] = {
+                "router_workers": workers, **summary(windows), **self.last[(size, workers)],
+                "router_idle_cpu_fraction": round(self.idle.get((size, workers), 0.0), 4),
+                "throughput_vs_smallest_per_round": [
+                    round(a["requests_per_s"] / b["requests_per_s"], 3) if b["requests_per_s"] else None
+                    for a, b in zip(windows, theirs)]}
+        return out
 
 
-def _load_window(router: Any, fleet: SimFleetProcess, command: Any, idle_cores: float) -> dict:
+def load_window(router_url: str, router_pids: list[int], fleet: SimFleetProcess, command: Any,
+                idle_cores: float) -> dict:
     """One load window. ``router_net_cpu_ms_per_request``: the router's CPU less what its health checks
     take idle (``idle_cores``), per request: on a starved machine few requests are served and the
-    checks of 256 workers would otherwise read as routing cost."""
+    checks of 1,024 workers would otherwise read as routing cost."""
     from miles_disagg.net.pooled_http import run_loop
 
-    pids = {"router": router.proc.pid, "sim_engines": fleet.proc.pid, "load_client": os.getpid()}
-    before, started = {name: cpu_s(pid) for name, pid in pids.items()}, time.perf_counter()
-    load = run_loop(generate_load(router.url + "/generate", command.in_flight, command.duration))
+    sims = [proc.pid for proc in fleet.procs]
+    before, started = _cpu_of(router_pids, sims), time.perf_counter()
+    load = run_loop(generate_load(router_url + "/generate", command.in_flight, command.duration))
     elapsed = time.perf_counter() - started
-    used = {name: cpu_s(pid) - before[name] for name, pid in pids.items()}
+    after = _cpu_of(router_pids, sims)
+    used: dict[str, Any] = {name: _minus(after[name], before[name]) for name in after}
     served = load.pop("served_total")
-    return {**load, "router_cpu_ms_per_request": round(1e3 * used["router"] / max(1, served), 3),
-            "router_net_cpu_ms_per_request": round(1e3 * max(0.0, used["router"] - idle_cores * elapsed) / max(1, served), 3),
-            "cpu_cores": {name: round(value / elapsed, 3) for name, value in used.items()},
+    router_s = sum(used["router"])
+    cores = lambda seconds: round(seconds / elapsed, 3)  # noqa: E731
+    return {**load, "router_cpu_ms_per_request": round(1e3 * router_s / max(1, served), 3),
+            "router_net_cpu_ms_per_request": round(1e3 * max(0.0, router_s - idle_cores * elapsed) / max(1, served), 3),
+            "cpu_cores": {"router": cores(router_s), "router_busiest_process": cores(max(used["router"])),
+                          "sim_engines": cores(sum(used["sim_engines"])),
+                          "sim_engines_busiest_process": cores(max(used["sim_engines"])),
+                          "load_client": cores(used["load_client"][0])},
             "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
-def _router_summary(windows: list[dict]) -> dict:
-    med = lambda values: round(statistics.median(values), 3) if values else None  # noqa: E731
+def _cpu_of(router_pids: list[int], sim_pids: list[int]) -> dict[str, list[float]]:
+    return {"router": [cpu_s(pid) for pid in router_pids], "sim_engines": [cpu_s(pid) for pid in sim_pids],
+            "load_client": [time.process_time()]}
+
+
+def _minus(after: list[float], before: list[float]) -> list[float]:
+    return [a - b for a, b in zip(after, before)]
+
+
+def summary(windows: list[dict]) -> dict:
+    med: Callable = lambda values: round(statistics.median(values), 3) if values else None  # noqa: E731
     return {"requests_per_s": med([w["requests_per_s"] for w in windows]),
             "served": sum(w["served"] for w in windows),
             "errors": {k: sum(w["errors"].get(k, 0) for w in windows) for w in windows for k in w["errors"]},

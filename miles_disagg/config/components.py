@@ -97,6 +97,7 @@ class RolloutConfig:
     rollout_admin_api_key: str | None = flag(None, "Admin key of the attached engines (weight updates) or the rollout service (/wake); default: $MILES_DISAGG_ADMIN_API_KEY, else the run generates one for the servers it starts.")
     rollout_backend: str = flag("auto", "Engine to launch when managed: builtin (the CPU engine), sglang, or auto (sglang when a GPU is present).", choices=ROLLOUT_BACKENDS)
     router: str = flag("builtin", "Router in front of the engines: builtin (version-aware) or sglang (sglang-router; no version constraints).", choices=ROUTERS)
+    router_workers: int = flag(1, "Processes of the builtin router serving its one port (one probes and takes the registry calls, all route): more than 1 when one router process's core limits the rollout's requests per second.")
     rollout_health_check_interval: float = flag(1.0, "Seconds between health checks of each engine (the router's and the engine monitor's; miles' default is 30).")
     rollout_health_check_timeout: float = flag(10.0, "Seconds one engine health check may take before it counts as failed (miles' default is 30).")
     rollout_health_check_first_wait: float = flag(0.0, "Seconds after the engines started before the engine monitor's first check.")
@@ -172,6 +173,9 @@ class RolloutConfig:
                  "--sglang-server-concurrency must be >= 1")
         _require(self.sglang_router_port is None or 0 < self.sglang_router_port < 65536,
                  "--sglang-router-port must be in 1..65535")
+        _require(self.router_workers >= 1, "--router-workers must be >= 1")
+        _require(self.router_workers == 1 or self.router == "builtin",
+                 "--router-workers applies to --router builtin (sglang-router runs its own threads)")
 
 
 @dataclass(kw_only=True)

@@ -105,7 +105,8 @@ def router_plan(config: EngineManagerConfig) -> RouterPlan:
         return RouterPlan("sglang", rollout.sglang_router_port, policy=rollout.sglang_router_policy)
     return RouterPlan("builtin", rollout.sglang_router_port, rollout.rollout_health_check_interval,
                       extra_args=("--health-check-timeout", str(rollout.rollout_health_check_timeout),
-                                  "--health-failure-threshold", str(rollout.rollout_health_check_failure_threshold)))
+                                  "--health-failure-threshold", str(rollout.rollout_health_check_failure_threshold),
+                                  "--router-workers", str(rollout.router_workers)))
 
 
 def delta_filter_choice(weights: WeightUpdateConfig, rollout: RolloutConfig, *, backend: str | None,

@@ -1,5 +1,6 @@
 """The async HTTP client of the generation hot path: the rollout manager's requests to the
-router (or a rollout service), and the router's (and the service gateway's) to the engines.
+router (or a rollout service). (The router and the service gateway reach the engines through a leaner
+client of their own, :mod:`miles_disagg.router.upstream`; its :class:`Reply` and failure types are these.)
 
 Why not ``httpx`` there: its connection pool (httpcore) scans every pooled connection on each
 request it starts and each response it closes, asking each whether it is idle and still

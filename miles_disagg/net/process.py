@@ -56,13 +56,16 @@ def die_with_parent() -> None:
         pass  # not Linux: the owner's own shutdown path still stops the child
 
 
-def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+def listen_socket(host: str, port: int, backlog: int = 2048, *, reuse_port: bool = False) -> socket.socket:
     """Bind and listen now, so a taken port fails fast (``ConfigError`` naming --host/--port);
-    port 0 picks a free one. The socket is inheritable (a server may hand it to uvicorn)."""
+    port 0 picks a free one. The socket is inheritable (a server may hand it to uvicorn). ``reuse_port``:
+    ``SO_REUSEPORT``, so the processes of one server (all of them setting it) listen on one port."""
     from miles_disagg.types import ConfigError
 
     sock = socket.socket(_family(host), socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:

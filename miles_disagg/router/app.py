@@ -11,6 +11,9 @@ Registry: ``POST /add_worker`` and ``POST /remove_worker`` (``{"url"}`` or ``?ur
 answers): a ``weight_version`` given to ``/set_worker_state`` is checked against a probe of the
 worker and refused (409, nothing changed) when the worker reports another. Errors: 404 unknown
 worker, 400 bad input, 409 otherwise. ``GET /health`` (router alive), ``GET /metrics`` (JSON counters).
+A router of several processes (``--router-workers N``, :mod:`miles_disagg.router.peers`) answers these
+from its leader, with every process's load and counters summed, and ``router_workers`` in ``/health`` and
+``/metrics`` (processes configured and serving).
 
 Keys and limits (:mod:`miles_disagg.net.asgi_guard`): ``--api-key``/``--admin-api-key`` guard the
 router's own endpoints (the registry ones need the admin key); towards workers the router
@@ -23,10 +26,10 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from miles_disagg.net.asgi_guard import ServerGuard, install_guard, server_app
+from miles_disagg.net.asgi_guard import GuardMiddleware, ServerGuard, install_guard, server_app
 from miles_disagg.net.httpjson import parse_body
 from miles_disagg.router.config import RouterConfig
 from miles_disagg.router.fast_path import GenerationFastPath
@@ -70,32 +73,57 @@ class RouterEndpoints:
         return {"worker": worker.to_json()}
 
     async def list_workers(self):
-        workers = self.router.registry.workers()
+        workers = self.router.workers_json()
         # "urls" is sglang-router's shape (miles/slime read it to reach every engine)
-        return {"workers": [w.to_json() for w in workers], "urls": [w.url for w in workers]}
+        return {"workers": workers, "urls": [w["url"] for w in workers]}
 
     async def health(self):
         workers = self.router.registry.workers()
         ready = sum(w.state is WorkerState.READY for w in workers)
-        return JSONResponse({"status": "ok", "num_workers": len(workers), "num_ready": ready})
+        return JSONResponse(self.router.peers.health({"status": "ok", "num_workers": len(workers), "num_ready": ready}))
 
     async def metrics(self):
         return self.router.metrics()
 
 
-def create_app(config: RouterConfig, registry: WorkerRegistry | None = None, guard: ServerGuard | None = None):
+class RouterApp(FastAPI):
+    """The router's FastAPI app; generation requests go to ``fast_path`` (the guard, then
+    :class:`~miles_disagg.router.fast_path.GenerationFastPath`) before any of FastAPI's own layers."""
+
+    fast_path: GenerationFastPath | None = None
+    guarded_fast_path: Any = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.fast_path is not None and self.fast_path.serves(scope):
+            await self.guarded_fast_path(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
+def generation_methods() -> dict[str, frozenset[str]]:
+    """The generation paths and the methods the fast path serves on each."""
+    return {path: frozenset({"POST", "PUT"} if path == GENERATE_PATH else {"POST"})
+            for path in (GENERATE_PATH, *OPENAI_PATHS)}
+
+
+def create_app(config: RouterConfig, registry: WorkerRegistry | None = None, guard: ServerGuard | None = None, *,
+               peers: Any = None, group: Any = None, server_id: str | None = None):
     """The router as an ASGI app; its lifespan starts and stops the health checker. ``guard``: keys
-    and request limit (None: keys from the environment, the default limit). ``app.state.router``: the Router."""
+    and request limit (None: keys from the environment, the default limit). ``app.state.router``: the Router.
+
+    A router of several processes: ``peers`` (a :class:`~miles_disagg.router.peers.LeaderPeers` over
+    ``registry``), ``group`` (its other processes: ``await group.start(router)`` once the first health pass
+    is done, ``await group.stop()`` first at shutdown) and ``server_id`` (the id every process answers with)."""
     guard = guard if guard is not None else ServerGuard.from_env()
-    router = Router(config, registry, guard.keys)
-    app = server_app("miles-disagg router", lifespan=_lifespan(router))
-    methods = {path: frozenset({"POST", "PUT"} if path == GENERATE_PATH else {"POST"})
-               for path in (GENERATE_PATH, *OPENAI_PATHS)}
-    app.add_middleware(GenerationFastPath, proxy=router.proxy, paths=methods)  # inside the guard (added next)
-    install_guard(app, guard)
+    router = Router(config, registry, guard.keys, peers=peers)
+    app = server_app("miles-disagg router", app_class=RouterApp, lifespan=_lifespan(router, group))
+    install_guard(app, guard, server_id)
+    methods = generation_methods()
+    app.fast_path = GenerationFastPath(proxy=router.proxy, paths=methods)
+    app.guarded_fast_path = GuardMiddleware(app.fast_path, guard=guard, server_id=app.state.server_id)
     router.server_id = app.state.server_id
     app.state.router = router
-    for path, allowed in methods.items():  # served by GenerationFastPath; listed here for the schema and 405s
+    for path, allowed in methods.items():  # served by the fast path; listed here for the schema and 405s
         app.add_api_route(path, _proxy_route(router, path), methods=sorted(allowed))
     endpoints = RouterEndpoints(router)
     for path, handler in (("/add_worker", endpoints.add_worker), ("/remove_worker", endpoints.remove_worker),
@@ -107,13 +135,17 @@ def create_app(config: RouterConfig, registry: WorkerRegistry | None = None, gua
     return app
 
 
-def _lifespan(router: Router):
+def _lifespan(router: Router, group: Any = None):
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await router.start()
         try:
+            if group is not None:
+                await group.start(router)
             yield
         finally:
+            if group is not None:
+                await group.stop()
             await router.stop()
     return lifespan
 

@@ -122,6 +122,8 @@ def request_constraint(body: dict, headers: Mapping[str, str]) -> VersionConstra
     only if they agree. ``InvalidInput`` for anything malformed.
     """
     from_body = VersionConstraint.from_json(body.pop("weight_version", None))
+    if MIN_HEADER not in headers and EXACT_HEADER not in headers:  # the usual case: nothing more to read
+        return from_body
     try:
         from_headers = VersionConstraint(min_version=_header_version(headers, MIN_HEADER),
                                          exact_version=_header_version(headers, EXACT_HEADER))

@@ -32,6 +32,10 @@ Contracts:
 * Keys: towards workers the router sends its own keys, never the client's, and never above the
   level the client proved. Big bodies are parsed and re-encoded off the event loop.
 
+A router of several processes on one port (``--router-workers N``) routes in each of them from one
+view of the workers, which only its leader changes (:mod:`miles_disagg.router.peers`): a follower's news
+of a worker (a failure, a version in an answer) reach routing through the leader.
+
 A worker's version is learned only from the worker (probes and its answers): a ``weight_version``
 given to :meth:`Router.set_worker_state` is checked against a probe of the worker and refused
 (``WorkerVersionMismatch``, nothing changed) when the worker reports another.
@@ -54,19 +58,23 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import pydantic_core
 from fastapi.responses import JSONResponse, Response
 
 from miles_disagg.net.auth import ApiKeys, forward_headers
-from miles_disagg.net.httpjson import dumps_async, parse_json_async
-from miles_disagg.net.pooled_http import ConnectTimedOut, NotConnected, PooledSession, Reply, TransportFailed
+from miles_disagg.net.httpjson import OFF_LOOP_BYTES, parse_json_async
+from miles_disagg.net.pooled_http import ConnectTimedOut, NotConnected, Reply, TransportFailed
 from miles_disagg.router.client_gone import ClientGone, unless_client_gone
 from miles_disagg.router.config import RouterConfig
 from miles_disagg.router.health import HealthChecker
-from miles_disagg.router.hops import LOOP_DETECTED, RouterLoop, forwarded_hops, hops_of
+from miles_disagg.router.hops import HOPS_HEADER, LOOP_DETECTED, RouterLoop, hops_of
 from miles_disagg.router.loop_lag import LoopLag
+from miles_disagg.router.peers import SoleRouter
 from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, annotate_served_versions,
                                        constraint_json, request_constraint, violates)
 from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, normalize_url, parse_version
+from miles_disagg.router.shared_table import COUNTERS as METRIC_COUNTERS
+from miles_disagg.router.upstream import UpstreamClient
 from miles_disagg.types import InvalidInput, Retryable, VersionConstraint, VersionNotReady
 
 log = logging.getLogger(__name__)
@@ -106,15 +114,23 @@ class ProxyRecord:
 
 
 class Router:
-    """Registry + policy + health checker + proxy; lives on one event loop."""
+    """Registry + policy + health checker + proxy; lives on one event loop.
 
-    def __init__(self, config: RouterConfig, registry: WorkerRegistry | None = None, keys: ApiKeys | None = None):
+    ``peers``: the router's other processes, when it is one of several on one port
+    (:mod:`miles_disagg.router.peers`; default: it is the only one); the hot path tells it what it learns
+    of a worker and asks it for the latest view before each routing decision."""
+
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry | None = None, keys: ApiKeys | None = None,
+                 peers: Any = None):
         self.config = config
         self.keys = keys or ApiKeys()  # sent to workers (one key set per deployment)
-        self.registry = registry or WorkerRegistry(failure_threshold=config.health_failure_threshold)
+        if registry is None:
+            registry = WorkerRegistry(failure_threshold=config.health_failure_threshold)
+        self.registry = registry
+        self.peers = peers if peers is not None else SoleRouter(self.registry)
         self.policy = LeastOutstandingPolicy()
         self.counters: Counter[str] = Counter()
-        self._client: PooledSession | None = None
+        self._client: UpstreamClient | None = None
         self.health: HealthChecker | None = None
         self._health_task: asyncio.Task | None = None
         self._lag_task: asyncio.Task | None = None
@@ -122,22 +138,26 @@ class Router:
         self.observers: list[Callable[[ProxyRecord], None]] = []
         self.overheads_s: collections.deque[float] = collections.deque(maxlen=OVERHEAD_WINDOW)
         self.server_id: str | None = None  # the app's (asgi_guard): a worker answering with it is this router
+        self._headers: dict[tuple[Any, str], dict[str, str]] = {}  # (caller's level, path) -> headers towards workers
 
-    async def start(self) -> None:
-        """Open the HTTP clients, register ``config.workers``, run one health pass, start the loop."""
-        # Requests to workers and probes: pooled_http (its module and health.py say why). Idle connections are
-        # dropped before the engine side closes them (a closing connection would read as a worker
-        # failure); trust_env=False: worker traffic never goes through an env proxy.
-        self._client = PooledSession(max_connections=None, connect_timeout_s=self.config.connect_timeout_s,
-                                     read_timeout_s=self.config.request_timeout_s)
+    async def start(self, *, probes: bool = True) -> None:
+        """Open the HTTP clients, register ``config.workers``, run one health pass, start the loop
+        (``probes`` False: a follower process, which only routes; its view comes from the leader)."""
+        # Requests and probes to workers: upstream.UpstreamClient (its module and health.py say why). Idle
+        # connections are dropped before the engine side closes them (a closing connection would read as a
+        # worker failure); worker traffic never goes through an env proxy.
+        self._client = UpstreamClient(connect_timeout_s=self.config.connect_timeout_s,
+                                      read_timeout_s=self.config.request_timeout_s)
+        self._lag_task = asyncio.create_task(self.loop_lag.run_forever())
+        if not probes:
+            return
         timeout = self.config.health_check_timeout_s
-        probe_client = PooledSession(max_connections=None, connect_timeout_s=timeout, read_timeout_s=timeout,
-                                     total_timeout_s=timeout)
+        probe_client = UpstreamClient(connect_timeout_s=timeout, read_timeout_s=timeout)
         self.health = HealthChecker(self.registry, probe_client, interval_s=self.config.health_check_interval_s,
                                     keys=self.keys, own_server_id=self.server_id, loop_lag=self.loop_lag,
-                                    timeout_s=timeout)
-        self._lag_task = asyncio.create_task(self.loop_lag.run_forever())
+                                    timeout_s=timeout, last_answer=self.peers.last_answer_at)
         for url in self.config.workers:
+            self.peers.check_admission(url)
             self.registry.add(url)
         await self.health.check_all()
         self._health_task = asyncio.create_task(self.health.run_forever())
@@ -161,6 +181,7 @@ class Router:
         if await self.health.is_self(url):
             raise InvalidInput(f"{url} is this router itself (or an alias of its address); a router cannot be its "
                                "own worker: requests would loop through it")
+        self.peers.check_admission(url)
         worker = self.registry.add(url)
         await self.health.check(worker)
         return worker
@@ -188,6 +209,7 @@ class Router:
             hops = hops_of(request.headers)  # routers it went through: a loop of routers ends here
             raw = await request.body()
             body = await parse_json_async(raw)
+            constrained_in_body = "weight_version" in body
             constraint = request_constraint(body, request.headers)
             if body.get("stream"):
                 raise InvalidInput("stream=true is not supported by the router; send stream=false")
@@ -197,20 +219,28 @@ class Router:
             return error_response(400, exc)
         record = ProxyRecord(constraint)
         started = time.perf_counter()
-        response = await self._route(request, path, body, record, len(raw), hops)
+        # the body goes on as it came unless its constraint had to be taken out
+        payload = await _encode_async(body, len(raw)) if constrained_in_body else raw
+        response = await self._route(request, path, payload, record, hops)
         record.status, record.total_s = response.status_code, time.perf_counter() - started
-        self.overheads_s.append(record.total_s - record.upstream_s)
-        self._notify(record)
+        overhead_s = record.total_s - record.upstream_s
+        self.overheads_s.append(overhead_s)
+        self.peers.record_overhead(overhead_s)
+        if self.observers:
+            self._notify(record)
         return response
 
-    async def _route(self, request: Any, path: str, body: dict, record: ProxyRecord, size: int, hops: int = 0) -> Any:
+    async def _route(self, request: Any, path: str, payload: bytes, record: ProxyRecord, hops: int = 0) -> Any:
         constraint = record.constraint
-        payload = await dumps_async(body, size)
         level = getattr(request.state, "auth_level", None)
-        headers = {"content-type": "application/json", **forward_headers(self.keys, level, path),
-                   **forwarded_hops(hops)}
+        keyed = self._headers.get((level, path))
+        if keyed is None:
+            keyed = self._headers[(level, path)] = {"Content-Type": "application/json",
+                                                    **forward_headers(self.keys, level, path)}
+        headers = {**keyed, HOPS_HEADER: str(hops + 1)}  # router/hops.py: one more than it came with
         tried: set[Worker] = set()
         for _ in range(len(self.registry) + 1):
+            self.peers.sync()  # another process's news first (a no-op for a router that is one process)
             try:
                 worker = self.policy.choose_in(self.registry, constraint, skip=tried)
             except (VersionNotReady, NoWorkerAvailable) as exc:
@@ -234,10 +264,11 @@ class Router:
         dispatch_version = worker.weight_version
         record.worker = worker.url
         self.registry.acquire(worker)
+        self.peers.load_changed(worker)
         served = False
         sent_at, sent_loop_time = time.perf_counter(), asyncio.get_running_loop().time()
         try:
-            send = self._client.post(worker.url + path, content=payload, headers=headers)
+            send = self._client.post(worker.url, path, payload, headers)
             upstream = await unless_client_gone(request, send)
             if upstream.status_code == LOOP_DETECTED:  # a router of a loop: out of routing, its 508 relayed
                 self._fail(worker, "it is a router in a routing loop (it answered 508 Loop Detected)")
@@ -267,11 +298,12 @@ class Router:
         finally:
             record.upstream_s += time.perf_counter() - sent_at
             self.registry.release(worker, served=served)
+            self.peers.load_changed(worker)
         return self._relay(worker, path, upstream, dispatch_version, record)
 
     def _fail(self, worker: Worker, reason: str) -> None:
         log.warning("worker %s taken out of routing: %s", worker.url, reason)
-        self.registry.mark_failed(worker, reason)
+        self.peers.mark_failed(worker, reason)
 
     def _relay(self, worker: Worker, path: str, upstream: Reply, dispatch_version: int | None,
                record: ProxyRecord) -> Any:
@@ -285,7 +317,7 @@ class Router:
                             media_type=content_type or None, headers=routed)
         metas = _metas_of(obj, "meta_info" if path == GENERATE_PATH else "metadata")
         for meta in metas:
-            self.registry.observe_version(worker, parse_version(meta.get("weight_version")))
+            self.peers.observe_version(worker, parse_version(meta.get("weight_version")))
         for meta in metas:
             annotate_served_versions(meta, dispatch_version, worker)
         wrong = [m for m in metas
@@ -298,8 +330,7 @@ class Router:
             available = [worker.weight_version] if worker.weight_version is not None else []
             return self._not_ready(VersionNotReady(constraint, available), constraint, message=message)
         record.served = [(m["weight_version_start"], m["weight_version_end"]) for m in metas]
-        return Response(json.dumps(obj).encode(), status_code=upstream.status_code,
-                        media_type="application/json", headers=routed)
+        return Response(_encode(obj), status_code=upstream.status_code, media_type="application/json", headers=routed)
 
     def _not_ready(self, exc: Retryable, constraint: VersionConstraint, message: str | None = None) -> Any:
         retry = {"Retry-After": str(max(1, math.ceil(self.config.retry_after_s)))}
@@ -312,12 +343,15 @@ class Router:
         self.counters["no_worker_available"] += 1
         return error_response(503, exc, headers=retry, worker_states=getattr(exc, "states", {}), **extra)
 
+    def workers_json(self) -> list[dict[str, Any]]:
+        """Every worker as ``/list_workers`` shows it (load over every process of the router)."""
+        return [self.peers.worker_json(w) for w in self.registry.workers()]
+
     def metrics(self) -> dict[str, Any]:
-        return {**{k: self.counters.get(k, 0) for k in (
-            "requests", "version_not_ready", "no_worker_available", "worker_failed", "connect_retries",
-            "connect_timeouts_of_live_workers", "stale_view", "client_disconnected")},
-            "served_per_worker": {w.url: w.num_served for w in self.registry.workers()},
-            "routing_overhead_ms": _percentiles_ms(self.overheads_s)}
+        own = {**{k: self.counters.get(k, 0) for k in METRIC_COUNTERS},
+               "served_per_worker": {w.url: w.num_served for w in self.registry.workers()},
+               "routing_overhead_ms": _percentiles_ms(self.overheads_s)}
+        return self.peers.metrics(own)
 
 
 def _percentiles_ms(values_s: collections.deque) -> dict[str, float | int | None]:
@@ -334,9 +368,25 @@ def _percentiles_ms(values_s: collections.deque) -> dict[str, float | int | None
 
 def _json_or_none(response: Reply) -> Any:
     try:
-        return response.json()
+        return pydantic_core.from_json(response.content)
     except ValueError:
         return None
+
+
+def _encode(obj: Any) -> bytes:
+    """``obj`` as JSON (pydantic-core's encoder: a fifth of ``json.dumps``' time on a generation answer; the
+    standard one for what it refuses, e.g. lone surrogates)."""
+    try:
+        return pydantic_core.to_json(obj)
+    except ValueError:
+        return json.dumps(obj).encode()
+
+
+async def _encode_async(obj: Any, size_hint: int) -> bytes:
+    """:func:`_encode`, in a worker thread when ``size_hint`` (the body it came from) is big."""
+    if size_hint <= OFF_LOOP_BYTES:
+        return _encode(obj)
+    return await asyncio.to_thread(_encode, obj)
 
 
 def _metas_of(obj: Any, key: str) -> list[dict]:

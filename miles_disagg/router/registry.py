@@ -17,7 +17,10 @@ probe reads is authoritative (it may go down, e.g. an engine restarted from the 
 except that a probe whose read predates a newer version seen since it started does not
 move the version back. A version seen in a proxied response only moves it forward.
 
-Not thread-safe: the router mutates it from one event loop.
+Not thread-safe: the router mutates it from one event loop. ``listener`` (optional) is called with a
+worker (and whether it was just removed) after every change of what routing reads of it (membership, admin
+state, health, version, run): a multi-process router publishes those to its other processes
+(:mod:`miles_disagg.router.peers`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from miles_disagg.types import InvalidInput
 
@@ -107,6 +110,7 @@ class Worker:
     busy_since: float | None = None
     answered_seq: int = 0  # proxied requests it answered (evidence it is alive, whatever a probe saw meanwhile)
     last_answer_at: float | None = None  # time.monotonic() of the last one
+    probe_due: bool = False  # an answer contradicted its known version: its next probe is not skipped
 
     def busy_seconds(self, now: float | None = None) -> float:
         """Cumulative time this worker had a request in flight (the engine-busy metric)."""
@@ -136,10 +140,11 @@ class Worker:
 class WorkerRegistry:
     """Registered workers in registration order (the round-robin order of the policy)."""
 
-    def __init__(self, *, failure_threshold: int = 2):
+    def __init__(self, *, failure_threshold: int = 2, listener: Callable[[Worker, bool], None] | None = None):
         if failure_threshold < 1:
             raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
         self.failure_threshold = failure_threshold
+        self.listener = listener
         self._workers: dict[str, Worker] = {}
         # Every worker filed by its outstanding count (each bucket in the order its workers entered it), so the
         # policy finds the least loaded without a pass over the pool: at 256 workers that pass was a tenth of
@@ -155,6 +160,7 @@ class WorkerRegistry:
         if worker is None:
             worker = self._workers[url] = Worker(url=url)
             self._file(worker)
+            self._changed(worker)
         return worker
 
     def remove(self, url: str) -> Worker:
@@ -162,7 +168,16 @@ class WorkerRegistry:
         worker = self.get(url)
         del self._workers[worker.url]
         self._unfile(worker)
+        self._changed(worker, removed=True)
         return worker
+
+    def contains(self, worker: Worker) -> bool:
+        """Whether ``worker`` (this object, not only its URL) is registered."""
+        return self._workers.get(worker.url) is worker
+
+    def _changed(self, worker: Worker, removed: bool = False) -> None:
+        if self.listener is not None:
+            self.listener(worker, removed)
 
     def get(self, url: str) -> Worker:
         worker = self._workers.get(normalize_url(url))
@@ -218,7 +233,17 @@ class WorkerRegistry:
             self._set_version(worker, weight_version)
         if run_id is not None:
             worker.run_id = run_id or None
+        self._changed(worker)
         return worker
+
+    def assign(self, worker: Worker, *, admin_state: WorkerState | str, weight_version: int | None, run_id: str | None,
+               ever_healthy: bool, unhealthy: bool) -> None:
+        """Take what routing reads of ``worker`` from an authoritative copy (the view a router process
+        keeps of the leader's registry, :mod:`miles_disagg.router.peers`); load and history stay this one's."""
+        worker.admin_state = WorkerState(admin_state)
+        self._set_version(worker, weight_version)
+        worker.run_id = run_id
+        worker.ever_healthy, worker.unhealthy = ever_healthy, unhealthy
 
     def acquire(self, worker: Worker) -> None:
         """A request was dispatched to ``worker``."""
@@ -255,10 +280,17 @@ class WorkerRegistry:
     def observe_version(self, worker: Worker, version: int | None) -> None:
         """A proxied response reported ``version``: move the worker's version forward only.
 
-        Responses finish out of order, so an older version in a late response is stale news.
+        Responses finish out of order, so an older version in a late response is stale news; it only makes
+        the worker's next probe due (:attr:`Worker.probe_due`: an engine restarted from an older version
+        answers so until a probe reads its version).
         """
-        if version is not None and (worker.weight_version is None or version > worker.weight_version):
+        if version is None:
+            return
+        if worker.weight_version is None or version > worker.weight_version:
             self._set_version(worker, version)
+            self._changed(worker)
+        elif version < worker.weight_version:
+            worker.probe_due = True
 
     def _set_version(self, worker: Worker, version: int | None) -> None:
         if version != worker.weight_version:
@@ -287,6 +319,8 @@ class WorkerRegistry:
         worker.unhealthy = False
         worker.consecutive_failures = 0
         worker.last_error = None
+        worker.probe_due = False
+        self._changed(worker)
 
     def record_probe_failure(self, worker: Worker, error: str, *, definite: bool,
                              ticket: ProbeTicket | None = None) -> None:
@@ -306,6 +340,7 @@ class WorkerRegistry:
         worker.failure_seq += 1
         if worker.ever_healthy and (definite or worker.consecutive_failures >= self.failure_threshold):
             worker.unhealthy = True
+        self._changed(worker)
 
     def mark_failed(self, worker: Worker, error: str) -> None:
         """A proxied request failed on the worker: out of routing at once, until a later probe passes."""
@@ -313,3 +348,4 @@ class WorkerRegistry:
         worker.last_error = error
         worker.failure_seq += 1
         worker.unhealthy = True
+        self._changed(worker)

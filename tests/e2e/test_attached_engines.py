@@ -4,8 +4,9 @@ they are brought to this job's base (version 0) before any request, then follow 
 The same run carries a user's multi-turn generate function, named by dotted path from a test
 file (``--custom-generate-function-path multiturn_hooks.generate``): a multi-turn episode with tool
 turns trains; tool tokens carry ``loss_mask`` 0; each sample's start/end versions bracket the
-versions of its engine calls. (Each whole run costs about half a minute of CPU; the two checks
-need nothing of each other.)
+versions of its engine calls. The run's router is two processes on one port (``--router-workers 2``):
+every call, wherever it was routed, honoured its version constraint. (Each whole run costs about half
+a minute of CPU; the checks need nothing of each other.)
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def attached_multi_turn_run(tmp_path_factory: pytest.TempPathFactory, digits_bas
              "--rollout-batch-size", "4", "--global-batch-size", "16", "--rollout-external",
              "--rollout-external-engine-addrs", *[e.url.removeprefix("http://") for e in engines],
              "--custom-generate-function-path", "multiturn_hooks.generate", "--rollout-max-response-len", "9",
-             "--max-weight-staleness", "1",
+             "--max-weight-staleness", "1", "--router-workers", "2",
              "--save-debug-rollout-data", str(run_dir / "consumed" / "{rollout_id}.jsonl")],
             cwd=tmp, capture_output=True, text=True, timeout=scaled(400), env=env)
         assert result.returncode == 0, result.stderr[-6000:]
@@ -112,6 +113,11 @@ def test_a_multi_turn_generate_function_from_a_test_file_trains(attached_multi_t
     # gradient, no metric) do its logprobs match the engine's on the on-policy first step (the
     # engines serve this job's base, not the earlier job's version 4)
     assert records[0]["train/train_rollout_logprob_abs_diff"] < 1e-3
+
+
+def test_the_router_ran_as_two_processes(attached_multi_turn_run: Path) -> None:
+    router_log = (attached_multi_turn_run / "logs" / "router.log").read_text()
+    assert "2 processes" in router_log and "Traceback" not in router_log, router_log[-3000:]
 
 
 def check_episode(sample: dict, consumed_at: int) -> int:

@@ -218,10 +218,10 @@ def test_dry_run_refuses_what_the_run_would_refuse(capsys, tmp_path, tiny_qwen3_
 def test_router_settings_reach_the_router_argv(capsys, tmp_path, tiny_qwen3_dir) -> None:
     plan = dry_run(capsys, *disk_delta(tmp_path, tiny_qwen3_dir), "--sglang-router-port", "31001",
                    "--rollout-health-check-interval", "3", "--rollout-health-check-timeout", "4",
-                   "--rollout-health-check-failure-threshold", "5")
+                   "--rollout-health-check-failure-threshold", "5", "--router-workers", "2")
     router = plan["processes"][0]["argv"]
     for flag, value in (("--port", "31001"), ("--health-check-interval", "3.0"), ("--health-check-timeout", "4.0"),
-                        ("--health-failure-threshold", "5")):
+                        ("--health-failure-threshold", "5"), ("--router-workers", "2")):
         assert router[router.index(flag) + 1] == value, flag
     plan = dry_run(capsys, *disk_delta(tmp_path, tiny_qwen3_dir), "--router", "sglang", "--sglang-router-policy",
                    "cache_aware")

@@ -118,15 +118,21 @@ def test_bench_scale_prints_one_json_object_with_every_pool_size(tmp_path: Path)
     result = subprocess.run(
         [sys.executable, "-m", "miles_disagg.cli", "bench", "scale", "--engines", "2,4", "--updates", "1",
          "--in-flight", "16", "--rollout-concurrency", "16", "--duration", "0.5", "--rounds", "2",
-         "--idle-measure", "0.5", "--json", "--work-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=240)
+         "--router-workers", "1,2", "--sim-processes", "2", "--idle-measure", "0.5", "--json",
+         "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=420)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout)
     assert sorted(out["pools"]) == ["2", "4"]
     for pool in out["pools"].values():
         assert pool["fanout"]["update_s"] > 0 and pool["fanout"]["threads"]["update_s"] > 0 and pool["router"]["served"] > 0 and pool["router"]["errors"] == {}
         assert pool["router"]["router_rss_mb"]["peak"] > 0 and len(pool["router"]["windows"]) == 2
-        assert set(pool["router"]["cpu_cores"]) == {"router", "sim_engines", "load_client"}
+        assert set(pool["router"]["cpu_cores"]) == {"router", "router_busiest_process", "sim_engines",
+                                                    "sim_engines_busiest_process", "load_client"}
+        two = pool["router_by_workers"]["2"]  # two router processes on one port: both measured
+        assert two["router_workers"] == 2 and two["served"] > 0 and two["errors"] == {}
+        assert len(two["router_processes_rss_mb"]) == 2 and two["routing_overhead_ms"]["count"] > 0
+        assert len(pool["sim_engines_rss_mb"]) == 2  # the simulated engines in two processes
         assert pool["fanout"]["sim_engines_cpu_s"] >= 0 and len(pool["router"]["throughput_vs_smallest_per_round"]) == 2
         assert pool["rollout"]["samples_per_s"] > 0 and pool["rollout"]["rollout_concurrency"] == 16
         assert len(pool["rollout"]["samples_per_s_per_round"]) == 2 and pool["router"]["router_net_cpu_ms_per_request"] >= 0
@@ -135,6 +141,8 @@ def test_bench_scale_prints_one_json_object_with_every_pool_size(tmp_path: Path)
             "rollout_samples_per_s_vs_smallest"} <= set(out["ratios"]["4_vs_2"])
     assert out["settings"]["rounds"] == 2
     assert out["ratios"]["fanout_loop_vs_threads_4"]["updater_cpu"] > 0
+    assert set(out["ratios"]["4_vs_2"]["router_throughput_vs_smallest_by_workers"]) == {"1", "2"}
+    assert out["ratios"]["router_workers_4"]["2_vs_1"]["throughput"] > 0
 
 
 def test_a_batched_generate_answers_one_item_per_prompt(fleet) -> None:

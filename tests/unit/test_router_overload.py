@@ -66,7 +66,8 @@ class FakeClient:
     def __init__(self, fail: dict[str, Exception]):
         self.fail, self.sent = fail, []
 
-    async def post(self, url: str, **_):
+    async def post(self, base_url: str, path: str, body: bytes, headers: dict):
+        url = base_url + path
         self.sent.append(url)
         for prefix, error in self.fail.items():
             if url.startswith(prefix):
@@ -83,7 +84,7 @@ class Gone:
 
 def route(router: Router):
     record = ProxyRecord(ANY)
-    response = asyncio.run(router._route(Gone(), "/generate", {"input_ids": [1]}, record, 16))
+    response = asyncio.run(router._route(Gone(), "/generate", b'{"input_ids": [1]}', record))
     return response, record
 
 
@@ -144,11 +145,11 @@ def test_connect_timeout_while_the_router_lagged_keeps_a_worker_that_never_answe
     router.registry.acquire(b)
 
     class LaggingClient(FakeClient):
-        async def post(self, url: str, **kwargs):
-            if url.startswith("http://a:1"):
+        async def post(self, base_url: str, *args):
+            if base_url.startswith("http://a:1"):
                 import time
                 time.sleep(0.3)  # the router's loop stalls while this connect is pending
-            return await super().post(url, **kwargs)
+            return await super().post(base_url, *args)
 
     router._client = LaggingClient({"http://a:1": ConnectTimedOut("connecting timed out")})
 
@@ -156,7 +157,7 @@ def test_connect_timeout_while_the_router_lagged_keeps_a_worker_that_never_answe
         task = asyncio.ensure_future(router.loop_lag.run_forever())
         await asyncio.sleep(0.05)
         try:
-            return await router._route(Gone(), "/generate", {"input_ids": [1]}, ProxyRecord(ANY), 16)
+            return await router._route(Gone(), "/generate", b'{"input_ids": [1]}', ProxyRecord(ANY))
         finally:
             task.cancel()
 
