@@ -149,7 +149,7 @@ def test_refusals_are_one_line_exit_2_and_change_nothing(run, capsys, tmp_path):
     assert run["manager"].members.list() == before
     (tmp_path / "control.json").write_text(json.dumps({"url": "http://127.0.0.1:9"}))
     code, _, err = cli(capsys, "list", "--run-dir", str(tmp_path))
-    assert code == 2 and "does not answer (the run has ended)" in err
+    assert code == 2 and "does not answer: the run has ended" in err and len(err.strip().splitlines()) == 1
 
 
 def test_an_alias_of_a_member_is_refused_naming_the_member_it_duplicates(run, capsys):

@@ -11,7 +11,9 @@ built-in engine answers it:
   requests in flight with ``finish_reason`` ``abort``.
 * ``POST /pull_weights`` (``pull_s``) stages a version; ``POST /update_weights_from_disk`` (``load_s``)
   activates a staged one (400 otherwise: the engine serves only versions it staged);
-  ``/pause_generation`` (``pause_s``), ``/continue_generation``, ``/flush_cache``, ``/abort_request``.
+  ``/pause_generation`` (``pause_s``), ``/continue_generation``, ``/flush_cache``, ``/abort_request``;
+  ``POST /activate_weights`` does the pause, the load and the continue in one request (announced in
+  every ``/pull_weights`` answer and ``/server_info``, as the built-in engine announces it).
 * ``GET /health``, ``/health_generate``, ``/model_info``, ``/server_info`` (and the ``/get_*`` forms),
   ``/get_weight_version``.
 
@@ -24,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_disagg.engines.activation import ACTIVATE_PATH, ONE_CALL_ANNOUNCEMENT, one_call_answer
 from miles_disagg.net.asgi_guard import ServerGuard, error_body
 from miles_disagg.net.auth import level_of
 
@@ -128,7 +132,23 @@ class SimulatedEngine:
                 raise BadRequest(f"{name} must be a path string without NUL bytes, got {body.get(name)!r}")
         await asyncio.sleep(self.latency.pull_s)
         self.staged.add(version)
-        return {"success": True, "message": f"staged version {version}", "version": version}
+        return {"success": True, "message": f"staged version {version}", "version": version,
+                "miles_disagg": ONE_CALL_ANNOUNCEMENT}
+
+    async def activate(self, body: dict) -> dict:
+        """``/activate_weights``: pause, load the staged version, continue, in one request (the pause is
+        timed here, as the built-in engine times its own)."""
+        mode = body.get("pause_mode", "retract")
+        version = _version_field(body, "weight_version", text=True)
+        if version not in self.staged:
+            raise BadRequest(f"version {version} was not staged by /pull_weights (staged: {sorted(self.staged)})")
+        started = time.perf_counter()
+        await self.pause({"mode": mode})
+        try:
+            await self.load({"model_path": body.get("model_path") or "simulated", "weight_version": str(version)})
+        finally:
+            await self.resume({})
+        return one_call_answer(version, time.perf_counter() - started)
 
     async def pause(self, body: dict) -> dict:
         mode = body.get("mode", "retract")
@@ -166,7 +186,7 @@ class SimulatedEngine:
     def server_info(self) -> dict:
         return {"tp_size": 1, "dtype": "bfloat16", "context_length": 1 << 20, "weight_version": str(self.version),
                 "internal_states": [{"num_running_requests": self.running, "num_waiting_requests": 0}],
-                "miles_disagg": {"simulated": True, "delta_filters": []}}
+                "miles_disagg": {"simulated": True, "delta_filters": [], **ONE_CALL_ANNOUNCEMENT}}
 
 
 def _new_tokens(body: dict, default: int) -> int:
@@ -216,6 +236,7 @@ def make_app(engine: SimulatedEngine, guard: ServerGuard):
                           client_max_size=guard.max_request_bytes or 1 << 62)
     posts = {"/generate": engine.generate, "/pull_weights": engine.pull, "/pause_generation": engine.pause,
              "/continue_generation": engine.resume, "/update_weights_from_disk": engine.load,
+             ACTIVATE_PATH: engine.activate,
              "/flush_cache": _ok, "/abort_request": _ok}
     gets = {"/health": lambda: {}, "/health_generate": lambda: {},
             "/model_info": engine.model_info, "/get_model_info": engine.model_info,
