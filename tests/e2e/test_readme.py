@@ -13,7 +13,8 @@ miles wrote them: only their relative links are checked).
   and sub-room of the package is in it, and every module it names exists;
 * every command of the pages' ``bash`` blocks runs or parses: each distinct ``train.py`` /
   ``train_async.py`` command once across all pages (``--print-config``, ``--dry-run`` and ``--help``
-  as shown, training shortened to two tiny steps); ``./scripts/demo.sh`` (two steps);
+  as shown, training shortened to two tiny steps, unless a whole-run test runs that command:
+  ``documented_runs.RUN_BY``); ``./scripts/demo.sh`` (two steps);
   ``./scripts/test.sh`` (collection only; its variants' pytest options are checked); the
   ``miles-disagg weights`` chain on a tiny model; every other ``miles-disagg`` line is parsed by the
   command's own parser (servers are not left running); cluster and service lines have their
@@ -39,6 +40,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from documented_runs import RUN_BY
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -306,7 +308,7 @@ def test_every_command_shown_is_checked() -> None:
 
 
 def test_whole_runs_stay_few() -> None:
-    runs = [argv for argv in train_shapes() if not FAST & set(argv)]
+    runs = [argv for argv in train_shapes() if not FAST & set(argv) and run_here(argv)]
     assert len(runs) <= MAX_WHOLE_RUNS, (
         f"the pages show {len(runs)} distinct training runs (at most {MAX_WHOLE_RUNS}: each costs a whole run "
         f"in the suite); show a variant as flags in prose, or reuse a command shown elsewhere: "
@@ -334,9 +336,29 @@ def _value(argv: list[str], flag: str) -> str | None:
     return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
 
 
+def run_here(argv: list[str]) -> bool:
+    """Whether this test runs a shown training command itself: not when a whole-run test runs it
+    (``documented_runs.RUN_BY``)."""
+    return shlex.join(argv) not in RUN_BY
+
+
+def test_commands_run_elsewhere_are_shown_and_run_by_their_test() -> None:
+    """Every command of ``RUN_BY`` is a command the pages show, and its test builds its command line
+    from it with ``documented_argv`` (which fails that test when the pages stop showing it)."""
+    import ast
+
+    shown = {shlex.join(argv) for argv in train_shapes()}
+    for command, test_file in RUN_BY.items():
+        assert command in shown, f"{command!r} (run by {test_file}) is not a command the pages show"
+        tree = ast.parse((REPO / test_file).read_text())
+        strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+        calls = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+        assert command in strings and "documented_argv" in calls, f"{test_file} does not run {command!r}"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("argv", train_shapes(), ids=lambda argv: " ".join(argv))
+@pytest.mark.parametrize("argv", [a for a in train_shapes() if run_here(a)], ids=lambda argv: " ".join(argv))
 def test_train_commands_run(argv: list[str], base_copy: Path, tmp_path: Path) -> None:
     if "--help" in argv:
         result = _run([sys.executable, *argv], timeout=120)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from deadlines import scaled
+from documented_runs import documented_argv
 from base_model import place_base_model
 
 from miles_disagg.tracking import read_metrics
@@ -123,8 +124,8 @@ def test_the_built_in_multi_turn_example_learns(tmp_path: Path, digits_base_mode
     run_dir = tmp_path / "run"
     env = {**os.environ, "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"),
            "RAY_AUTH_MODE": "disabled"}
-    result = subprocess.run([sys.executable, str(REPO / "train_async.py"), "--config",
-                             str(REPO / "configs/tiny_cpu_multiturn.yaml"), "--run-dir", str(run_dir),
+    result = subprocess.run([*documented_argv("train_async.py --config configs/tiny_cpu_multiturn.yaml"),
+                             "--run-dir", str(run_dir),
                              "--hf-checkpoint", str(tmp_path / "base-model"), "--num-rollout", str(MULTI_TURN_STEPS),
                              "--save-debug-rollout-data", str(run_dir / "consumed" / "{rollout_id}.jsonl")],
                             cwd=tmp_path, capture_output=True, text=True, timeout=scaled(1200), env=env)

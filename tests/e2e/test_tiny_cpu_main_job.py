@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from deadlines import scaled
+from documented_runs import documented_argv
 
 from miles_disagg.loop.report import join_updates
 from miles_disagg.tracking import read_metrics
@@ -34,7 +35,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = {**os.environ, "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"),
            "RAY_AUTH_MODE": "disabled"}  # Ray socket paths must be short
     result = subprocess.run(
-        [sys.executable, str(REPO / "train_async.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
+        [*documented_argv("train_async.py --config configs/tiny_cpu.yaml"),  # the README's command, lengthened
          "--run-dir", str(run_dir), "--hf-checkpoint", str(tmp / "base-model"),
          "--hf-checkpoint-init", "tiny-qwen3-digits", "--num-rollout", str(STEPS),
          "--save-debug-rollout-data", str(run_dir / "consumed" / "{rollout_id}.jsonl")],

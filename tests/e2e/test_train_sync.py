@@ -12,20 +12,23 @@ from pathlib import Path
 
 import pytest
 from deadlines import scaled
+from documented_runs import documented_argv
 from base_model import place_base_model
 
 from miles_disagg.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["--config", str(REPO / "configs/tiny_cpu.yaml"), "--num-rollout", "3", "--rollout-batch-size", "8",
-         "--global-batch-size", "32"]
+SMALL = ["--num-rollout", "3", "--rollout-batch-size", "8", "--global-batch-size", "32"]
+SYNC = "train.py --config configs/tiny_cpu.yaml"  # the documented commands these runs are
+COLOCATED = ("train.py --config configs/tiny_cpu.yaml --colocate --update-weight-transfer-mode broadcast "
+             "--actor-num-gpus-per-node 2 --rollout-num-gpus 2")
 
 
-def train_py(tmp: Path, name: str, *args: str) -> tuple[Path, subprocess.CompletedProcess]:
+def train_py(tmp: Path, name: str, *args: str, command: str = SYNC) -> tuple[Path, subprocess.CompletedProcess]:
     run_dir = tmp / name
     env = {**os.environ, "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"),
            "RAY_AUTH_MODE": "disabled"}  # Ray socket paths must be short
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), *SMALL, "--run-dir", str(run_dir),
+    result = subprocess.run([*documented_argv(command), *SMALL, "--run-dir", str(run_dir),
                              "--hf-checkpoint", str(tmp / "base-model"), *args],
                             cwd=tmp, capture_output=True, text=True, timeout=scaled(240), env=env)
     assert result.returncode == 0, result.stderr[-6000:]
@@ -71,8 +74,7 @@ def test_colocated_memory_handoff(tmp_path: Path, digits_base_model: Path) -> No
     """--colocate: engines release memory while the trainer trains, the trainer offloads while they
     generate, and the policy reaches them by /update_weights_from_tensor (shared memory on CPU)."""
     place_base_model(digits_base_model, tmp_path)
-    run_dir, result = train_py(tmp_path, "colocate", "--colocate", "--update-weight-transfer-mode", "broadcast",
-                               "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--num-rollout", "2")
+    run_dir, result = train_py(tmp_path, "colocate", "--num-rollout", "2", command=COLOCATED)
     assert "trainer [0, 1], engines [[0], [1]]" in result.stderr  # the engines share the trainer's bundles
     assert "broadcast group" not in result.stderr  # weights go by reference, not over a group
     records = read_metrics(run_dir / "metrics.jsonl")
