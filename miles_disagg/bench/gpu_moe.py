@@ -105,7 +105,7 @@ def _megatron_step(model_dir: Path, groups: list) -> dict:
 
     if "qwen3_moe" not in SUPPORTED_MODEL_TYPES:
         return {"skipped": f"this tree's megatron backend builds {SUPPORTED_MODEL_TYPES}, not qwen3_moe"}
-    from miles_disagg.config.components import TrainConfig
+    from miles_disagg.config.training import TrainConfig
     from miles_disagg.distributed import init_distributed
     from miles_disagg.net.process import free_port
     from miles_disagg.trainer.backends import make_backend

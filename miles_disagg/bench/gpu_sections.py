@@ -167,7 +167,7 @@ def _samples_from_engine(model_dir: Path, work: Path, shapes: Shapes, count: int
 
 
 def _train_one_step(backend_name: str, model_dir: Path, groups) -> dict:
-    from miles_disagg.config.components import TrainConfig
+    from miles_disagg.config.training import TrainConfig
     from miles_disagg.distributed import init_distributed
     from miles_disagg.net.process import free_port
     from miles_disagg.trainer.sequence_advantages import assign_advantages

@@ -9,9 +9,9 @@ from miles_disagg.config.components import (
     RolloutConfig,
     RunConfig,
     TrackingConfig,
-    TrainConfig,
     WeightUpdateConfig,
 )
+from miles_disagg.config.training import TrainConfig
 from miles_disagg.config.loader import build_parser, config_to_dict, config_to_yaml, load_config
 from miles_disagg.config.validate import parse_host_port, validate
 

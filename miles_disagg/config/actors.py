@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_disagg.config.components import ClusterConfig, RolloutConfig, RunConfig, TrainConfig, WeightUpdateConfig
+from miles_disagg.config.components import ClusterConfig, RolloutConfig, RunConfig, WeightUpdateConfig
+
+from miles_disagg.config.training import TrainConfig
 
 
 @dataclass(frozen=True, kw_only=True)

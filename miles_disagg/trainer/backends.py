@@ -6,7 +6,7 @@ and nothing imports them but this module: megatron-core is imported only when it
 
 from __future__ import annotations
 
-from miles_disagg.config.components import TrainConfig
+from miles_disagg.config.training import TrainConfig
 from miles_disagg.trainer.backend import TrainerBackend
 from miles_disagg.types import ConfigError
 

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from miles_disagg.config.components import TrainConfig
+from miles_disagg.config.training import TrainConfig
 from miles_disagg.trainer.backend import TrainerBackend
 from miles_disagg.trainer.results import TrainResult
 from miles_disagg.trainer.batches import PackedBatch, pack, response_logits

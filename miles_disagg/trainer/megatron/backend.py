@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from miles_disagg.config.components import TrainConfig
+from miles_disagg.config.training import TrainConfig
 from miles_disagg.trainer.backend import TrainerBackend
 from miles_disagg.trainer.results import TrainResult
 from miles_disagg.trainer.megatron.batching import (

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from miles_disagg.config.components import TrainConfig
+from miles_disagg.config.training import TrainConfig
 from miles_disagg.trainer.megatron.convert import ModelShape, ParamRule, param_rules, stage_layers, to_megatron
 from miles_disagg.types import ConfigError
 

@@ -31,7 +31,7 @@ from typing import Iterator
 
 import torch
 
-from miles_disagg.config.components import TrainConfig
+from miles_disagg.config.training import TrainConfig
 from miles_disagg.trainer.megatron.batching import cp_split
 
 _ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.router$")

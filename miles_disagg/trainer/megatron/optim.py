@@ -23,7 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from miles_disagg.config.components import TrainConfig
+from miles_disagg.config.training import TrainConfig
 
 
 class CpuOptimizer:
