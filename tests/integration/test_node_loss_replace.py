@@ -107,6 +107,9 @@ def test_a_lost_nodes_engine_leaves_at_once_and_returns_only_at_the_current_vers
                                            for e in ray.get(manager.info.remote())["events"]),
                                timeout=120, what="engine 0 placed again and restored")
                     new_url = ray.get(manager.info.remote())["engine_urls"][0]
+                    # the router lists the replacement as ``starting`` the instant it is added, ``ready``
+                    # after its first probe: the poller has to have seen it ready before it stops
+                    wait_until(lambda: new_url in seen.first, timeout=30, what="the replacement listed ready")
                     wait_until(lambda: sum(a.status == 200 for a in load.answers) >= 6, timeout=60,
                                what="answers under load")
                 finally:
