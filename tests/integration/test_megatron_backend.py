@@ -14,9 +14,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,24 +24,21 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 from checkpoint_reading import assert_same_state, read_state  # noqa: E402
 
-from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig  # noqa: E402
-from miles_disagg.net.netbind import LOCAL_RAY_SYSTEM_CONFIG  # noqa: E402
+from miles_disagg.config.components import TrainConfig, WeightUpdateConfig  # noqa: E402
 from miles_disagg.types import Sample  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
+def pool():
+    """Trainer rank processes on a private Ray, hosting every group and fresh-process check of the
+    module in turn (megatron's parallel state and CPU patches are process-wide: each is dropped
+    before the next group)."""
+    from rank_pool import private_ray_pool
 
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray socket paths must be short
-    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
-             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
+    with private_ray_pool() as ranks:
+        yield ranks
 
 
 def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -54,7 +48,7 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def parity_on_one_rank(model_dirs: list[str], num_tokens: int) -> list[dict]:
-    """In a fresh process, for each checkpoint: load it into a TP=1 GPTModel; logits vs
+    """In a rank process hosting no group, for each checkpoint: load it into a TP=1 GPTModel; logits vs
     transformers' (float32 compute), export vs the file."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -80,23 +74,12 @@ def parity_on_one_rank(model_dirs: list[str], num_tokens: int) -> list[dict]:
     return results
 
 
-def run_remote(function, *args):
-    """Run ``function`` in a fresh Ray worker (megatron's parallel state and CPU patches are process-wide)."""
-    import sys
-
-    import ray
-    from ray import cloudpickle
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
-    return ray.get(ray.remote(num_cpus=1, max_calls=1)(function).remote(*args))
-
-
-def test_logits_match_transformers_and_export_round_trips_bytes(ray_cluster, tiny_qwen3_dir: Path,
+def test_logits_match_transformers_and_export_round_trips_bytes(pool, tiny_qwen3_dir: Path,
                                                                  tmp_path: Path) -> None:
     from miles_disagg.models.tiny_qwen3 import make_tiny_qwen3
 
     bf16_dir = make_tiny_qwen3(tmp_path / "bf16", dtype="bfloat16", seed=3)
-    fp32, bf16 = run_remote(parity_on_one_rank, [str(tiny_qwen3_dir), str(bf16_dir)], 13)
+    fp32, bf16 = pool.run(parity_on_one_rank, [str(tiny_qwen3_dir), str(bf16_dir)], 13)
     assert fp32["max_abs_diff"] < 1e-4
     for result, model_dir in ((fp32, tiny_qwen3_dir), (bf16, bf16_dir)):
         base = checkpoint_tensors(model_dir)
@@ -125,29 +108,19 @@ def samples(n: int = 8) -> list[Sample]:
 
 
 @contextmanager
-def trainer_group(model_dir: Path, world_size: int, **train_flags):
-    """A set-up TrainerGroup of ``world_size`` ranks (shut down, bundles freed, on exit)."""
-    from ray.util.placement_group import remove_placement_group
-
+def trainer_group(pool, model_dir: Path, world_size: int, **train_flags):
+    """A set-up TrainerGroup of ``world_size`` of the pool's ranks (given back on exit)."""
     from miles_disagg.config.actors import TrainerGroupConfig
-    from miles_disagg.trainer.group import TrainerGroup
-    from miles_disagg.trainer.placement import create_placement, plan_layout
 
-    placement = create_placement(plan_layout(ClusterConfig(actor_num_gpus_per_node=world_size), external_rollout=True))
     flags = {"lr": 1e-2, "global_batch_size": 8, "micro_batch_size": 2, "seed": 0, **train_flags}
-    train = TrainConfig(**flags)
-    group = TrainerGroup(placement, TrainerGroupConfig(train=train, weights=WeightUpdateConfig(), hf_dir=str(model_dir)))
-    try:
-        group.setup()
+    config = TrainerGroupConfig(train=TrainConfig(**flags), weights=WeightUpdateConfig(), hf_dir=str(model_dir))
+    with pool.group(world_size, config) as group:
         yield group
-    finally:
-        group.shutdown()
-        remove_placement_group(placement.group)
 
 
-def train_group(model_dir: Path, world_size: int, **train_flags) -> tuple[dict[str, bytes], object, dict[str, bytes]]:
+def train_group(pool, model_dir: Path, world_size: int, **train_flags) -> tuple[dict[str, bytes], object, dict[str, bytes]]:
     """(exported bytes before training, the TrainResult of one rollout, exported bytes after)."""
-    with trainer_group(model_dir, world_size, **train_flags) as group:
+    with trainer_group(pool, model_dir, world_size, **train_flags) as group:
         before = group.tensor_bytes()
         result = group.train(samples())
         return before, result, group.tensor_bytes()
@@ -158,15 +131,15 @@ def as_tensors(raw: dict[str, bytes], like: dict[str, torch.Tensor]) -> dict[str
 
 
 @pytest.fixture(scope="module")
-def tp1_and_tp2(ray_cluster, tiny_qwen3_dir: Path, tmp_path_factory) -> dict:
+def tp1_and_tp2(pool, tiny_qwen3_dir: Path, tmp_path_factory) -> dict:
     """One TP=1 and one TP=2 group (the rank processes of both tests below): each trains a rollout
     from the same weights; then TP=1 saves, TP=2 loads that save and saves, TP=1 (moved on by a
     step) loads the TP=2 save and saves, and both train one more step."""
     root = tmp_path_factory.mktemp("tp-saves")
     out: dict = {"saves": {name: root / name for name in ("tp1", "tp2", "back")}}
     batch = samples()
-    with trainer_group(tiny_qwen3_dir, 1, train_backend="megatron") as tp1, \
-            trainer_group(tiny_qwen3_dir, 2, train_backend="megatron", tensor_model_parallel_size=2) as tp2:
+    with trainer_group(pool, tiny_qwen3_dir, 1, train_backend="megatron") as tp1, \
+            trainer_group(pool, tiny_qwen3_dir, 2, train_backend="megatron", tensor_model_parallel_size=2) as tp2:
         for name, group in (("tp1", tp1), ("tp2", tp2)):
             before = group.tensor_bytes()
             out[name] = (before, group.train(batch), group.tensor_bytes())
@@ -205,14 +178,14 @@ def test_tp2_matches_tp1(tp1_and_tp2: dict, tiny_qwen3_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
-def test_two_data_parallel_ranks_match_one_fsdp_rank(ray_cluster, tiny_qwen3_dir: Path, per_token: bool) -> None:
+def test_two_data_parallel_ranks_match_one_fsdp_rank(pool, tiny_qwen3_dir: Path, per_token: bool) -> None:
     """Two DP ranks, each with its share of a ragged, masked global batch, give the gradient and
     the weights of one fsdp rank training on all of it. (``adam_eps`` 1: the first Adam step is
     ~ lr * g, so the weights show the gradient's scale, not only its sign.)"""
     base = checkpoint_tensors(tiny_qwen3_dir)
     flags = {"lr": 1.0, "adam_eps": 1.0, "clip_grad": 0.0, "global_batch_size": 4, "calculate_per_token_loss": per_token}
-    _, megatron, megatron_after = train_group(tiny_qwen3_dir, 2, train_backend="megatron", **flags)
-    _, fsdp, fsdp_after = train_group(tiny_qwen3_dir, 1, train_backend="fsdp", **flags)
+    _, megatron, megatron_after = train_group(pool, tiny_qwen3_dir, 2, train_backend="megatron", **flags)
+    _, fsdp, fsdp_after = train_group(pool, tiny_qwen3_dir, 1, train_backend="fsdp", **flags)
     assert len(megatron.steps) == len(fsdp.steps) == 2
     for m, f in zip(megatron.steps, fsdp.steps):
         for key in ("train/pg_loss", "train/entropy", "train/ppo_kl"):
@@ -228,7 +201,7 @@ def test_two_data_parallel_ranks_match_one_fsdp_rank(ray_cluster, tiny_qwen3_dir
 
 
 def train_variants(model_dir: str, save_dir: str) -> dict:
-    """In a fresh process: the same two optimizer steps under several flag sets (TP=1)."""
+    """In a rank process hosting no group: the same two optimizer steps under several flag sets (TP=1)."""
     import torch.distributed as dist
 
     from miles_disagg.engines.launch import free_port
@@ -277,10 +250,10 @@ def train_variants(model_dir: str, save_dir: str) -> dict:
     return results
 
 
-def test_recompute_dynamic_batches_kl_and_resume(ray_cluster, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+def test_recompute_dynamic_batches_kl_and_resume(pool, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
     from miles_disagg.types import ConfigError
 
-    results = run_remote(train_variants, str(tiny_qwen3_dir), str(tmp_path / "save"))
+    results = pool.run(train_variants, str(tiny_qwen3_dir), str(tmp_path / "save"))
     plain, recompute, dynamic, kl, watched = (results[k] for k in ("plain", "recompute", "dynamic", "kl", "kl_watched"))
     # 8 samples in micro-batches of 2: 4 frozen forwards, 4 training forwards, and with full
     # recomputation 4 more forwards of each layer during backward -- with the same result.

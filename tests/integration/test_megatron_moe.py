@@ -21,9 +21,6 @@ on-disk names the engines read).
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,8 +30,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'miles-disagg[megatron]')")
 
-from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig  # noqa: E402
-from miles_disagg.net.netbind import LOCAL_RAY_SYSTEM_CONFIG  # noqa: E402
+from miles_disagg.config.components import TrainConfig, WeightUpdateConfig  # noqa: E402
 from miles_disagg.types import Sample  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
@@ -48,16 +44,12 @@ def tiny_moe_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
+def pool():
+    """Trainer rank processes on a private Ray, hosting every group of the module in turn."""
+    from rank_pool import private_ray_pool
 
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
-             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
+    with private_ray_pool() as ranks:
+        yield ranks
 
 
 def samples(n: int = 8, routed: bool = False) -> list[Sample]:
@@ -84,23 +76,14 @@ def engine_routing(positions: int) -> np.ndarray:
 
 
 @contextmanager
-def trainer_group(model_dir: Path, world_size: int, **train_flags):
-    from ray.util.placement_group import remove_placement_group
-
+def trainer_group(pool, model_dir: Path, world_size: int, **train_flags):
+    """A set-up TrainerGroup of ``world_size`` of the pool's ranks (released on exit)."""
     from miles_disagg.config.actors import TrainerGroupConfig
-    from miles_disagg.trainer.group import TrainerGroup
-    from miles_disagg.trainer.placement import create_placement, plan_layout
 
-    placement = create_placement(plan_layout(ClusterConfig(actor_num_gpus_per_node=world_size), external_rollout=True))
     flags = {"lr": 1e-2, "global_batch_size": 8, "micro_batch_size": 2, "seed": 0, **train_flags}
-    group = TrainerGroup(placement, TrainerGroupConfig(train=TrainConfig(**flags), weights=WeightUpdateConfig(),
-                                                       hf_dir=str(model_dir)))
-    try:
-        group.setup()
+    with pool.group(world_size, TrainerGroupConfig(train=TrainConfig(**flags), weights=WeightUpdateConfig(),
+                                                   hf_dir=str(model_dir))) as group:
         yield group
-    finally:
-        group.shutdown()
-        remove_placement_group(placement.group)
 
 
 def checkpoint_bytes(model_dir: Path) -> dict[str, bytes]:
@@ -114,8 +97,8 @@ def as_tensors(raw: dict[str, bytes]) -> dict[str, torch.Tensor]:
     return {name: torch.frombuffer(bytearray(data), dtype=torch.float32) for name, data in raw.items()}
 
 
-def one_step(model_dir: Path, world_size: int, routed: bool = False, **flags) -> dict:
-    with trainer_group(model_dir, world_size, **flags) as group:
+def one_step(pool, model_dir: Path, world_size: int, routed: bool = False, **flags) -> dict:
+    with trainer_group(pool, model_dir, world_size, **flags) as group:
         before = group.tensor_bytes()
         result = group.train(samples(routed=routed))
         return {"before": before, "metrics": result.steps[0], "after": group.tensor_bytes()}
@@ -127,9 +110,9 @@ PARITY = {"lr": 1.0, "adam_eps": 1.0, "clip_grad": 0.0}
 
 
 @pytest.fixture(scope="module")
-def ep_runs(ray_cluster, tiny_moe_dir: Path) -> dict:
-    return {"ep1": one_step(tiny_moe_dir, 1, **PARITY),  # megatron's allgather dispatcher (one rank)
-            "ep2": one_step(tiny_moe_dir, 2, expert_model_parallel_size=2, **PARITY)}  # alltoall (default, EP > 1)
+def ep_runs(pool, tiny_moe_dir: Path) -> dict:
+    return {"ep1": one_step(pool, tiny_moe_dir, 1, **PARITY),  # megatron's allgather dispatcher (one rank)
+            "ep2": one_step(pool, tiny_moe_dir, 2, expert_model_parallel_size=2, **PARITY)}  # alltoall (default, EP > 1)
 
 
 def test_hf_megatron_hf_is_byte_exact_for_ep1_and_ep2(ep_runs: dict, tiny_moe_dir: Path) -> None:
@@ -176,11 +159,11 @@ def fsdp_tensors(raw: dict[str, bytes], shapes: dict[str, tuple]) -> dict[str, t
                           for name, data in raw.items()})
 
 
-def test_fsdp_step_matches_megatron(ep_runs: dict, tiny_moe_dir: Path) -> None:
+def test_fsdp_step_matches_megatron(pool, ep_runs: dict, tiny_moe_dir: Path) -> None:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    fsdp = one_step(tiny_moe_dir, 1, train_backend="fsdp", **PARITY)
+    fsdp = one_step(pool, tiny_moe_dir, 1, train_backend="fsdp", **PARITY)
     for key in ("train/loss", "train/entropy", "train/grad_norm"):
         assert fsdp["metrics"][key] == pytest.approx(ep_runs["ep1"]["metrics"][key], rel=1e-4, abs=1e-6), key
     shapes = {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_pretrained(str(tiny_moe_dir)).state_dict().items()}
@@ -194,9 +177,9 @@ def test_fsdp_step_matches_megatron(ep_runs: dict, tiny_moe_dir: Path) -> None:
             torch.testing.assert_close(after[name].flatten(), tensor, rtol=1e-4, atol=1e-5)
 
 
-def test_rollout_routing_replay_uses_the_engine_experts(ray_cluster, tiny_moe_dir: Path) -> None:
-    free = one_step(tiny_moe_dir, 2, routed=True, expert_model_parallel_size=2)["metrics"]
-    replayed = one_step(tiny_moe_dir, 2, routed=True, expert_model_parallel_size=2,
+def test_rollout_routing_replay_uses_the_engine_experts(pool, tiny_moe_dir: Path) -> None:
+    free = one_step(pool, tiny_moe_dir, 2, routed=True, expert_model_parallel_size=2)["metrics"]
+    replayed = one_step(pool, tiny_moe_dir, 2, routed=True, expert_model_parallel_size=2,
                         use_rollout_routing_replay=True)["metrics"]
     assert "train/routing_replay_match" not in free
     assert 0.0 <= free["train/routing_agreement"] < 1.0  # the random router does not always pick {2, 3}
@@ -260,19 +243,9 @@ def replay_logprobs(model_dir: str) -> dict:
             "lengths": [len(s.prompt_ids) + len(s.response_ids) for s in batch]}
 
 
-def run_remote(function, *args):
-    import sys
-
-    import ray
-    from ray import cloudpickle
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    return ray.get(ray.remote(num_cpus=1, max_calls=1)(function).remote(*args))
-
-
 def test_replaying_the_routers_own_choice_changes_nothing_and_forced_experts_are_used(
-        ray_cluster, tiny_moe_dir: Path) -> None:
-    out = run_remote(replay_logprobs, str(tiny_moe_dir))
+        pool, tiny_moe_dir: Path) -> None:
+    out = pool.run(replay_logprobs, str(tiny_moe_dir))
     assert torch.equal(out["same"], out["free"])
     assert not torch.allclose(out["forced"], out["free"])
     for layer in (0, 2):
@@ -282,9 +255,9 @@ def test_replaying_the_routers_own_choice_changes_nothing_and_forced_experts_are
             assert (used[:length - 1, i].sort(dim=-1).values == torch.tensor([2, 3])).all(), (layer, i)
 
 
-def test_routing_replay_under_full_recompute_trains_as_without(ray_cluster, tiny_moe_dir: Path) -> None:
-    plain = one_step(tiny_moe_dir, 1, routed=True, use_rollout_routing_replay=True)
-    recomputed = one_step(tiny_moe_dir, 1, routed=True, use_rollout_routing_replay=True, use_routing_replay=True,
+def test_routing_replay_under_full_recompute_trains_as_without(pool, tiny_moe_dir: Path) -> None:
+    plain = one_step(pool, tiny_moe_dir, 1, routed=True, use_rollout_routing_replay=True)
+    recomputed = one_step(pool, tiny_moe_dir, 1, routed=True, use_rollout_routing_replay=True, use_routing_replay=True,
                           recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     assert recomputed["metrics"]["train/routing_replay_match"] == 1.0
     for key in ("train/entropy", "train/grad_norm"):
@@ -293,16 +266,16 @@ def test_routing_replay_under_full_recompute_trains_as_without(ray_cluster, tiny
         torch.testing.assert_close(as_tensors(recomputed["after"])[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_an_ep2_save_resumes_under_ep1(ray_cluster, tiny_moe_dir: Path, tmp_path: Path) -> None:
+def test_an_ep2_save_resumes_under_ep1(pool, tiny_moe_dir: Path, tmp_path: Path) -> None:
     """megatron-core's distributed checkpoint of an EP=2 run (experts split over two ranks) loads
     into one rank exactly, Adam state included (the next step matches the EP=2 run's)."""
     save_dir = str(tmp_path / "save")
-    with trainer_group(tiny_moe_dir, 2, expert_model_parallel_size=2) as group:
+    with trainer_group(pool, tiny_moe_dir, 2, expert_model_parallel_size=2) as group:
         group.train(samples())
         group.save(save_dir, with_hf=False)
         saved = group.tensor_bytes()
         next_step = group.train(samples()).steps[0]
-    with trainer_group(tiny_moe_dir, 1) as group:
+    with trainer_group(pool, tiny_moe_dir, 1) as group:
         group.load(save_dir)
         assert group.tensor_bytes() == saved
         resumed = group.train(samples()).steps[0]
@@ -345,8 +318,8 @@ def recompute_routing_calls(model_dir: str) -> dict:
     return calls
 
 
-def test_use_routing_replay_makes_recomputation_replay_the_forward(ray_cluster, tiny_moe_dir: Path) -> None:
-    calls = run_remote(recompute_routing_calls, str(tiny_moe_dir))
+def test_use_routing_replay_makes_recomputation_replay_the_forward(pool, tiny_moe_dir: Path) -> None:
+    calls = pool.run(recompute_routing_calls, str(tiny_moe_dir))
     micro_batches, sparse_layers = 4, 2
     assert calls["recorded"] == micro_batches * sparse_layers  # the training forward only (not the frozen passes)
     assert calls["replayed"] == calls["same"] == calls["recorded"]  # every recomputation took the forward's experts

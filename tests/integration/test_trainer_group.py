@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,24 +18,19 @@ import pytest
 import torch
 from checkpoint_reading import assert_same_state, read_state
 
-from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig
-from miles_disagg.net.netbind import LOCAL_RAY_SYSTEM_CONFIG
+from miles_disagg.config.components import TrainConfig, WeightUpdateConfig
 from miles_disagg.types import Sample
 
 pytestmark = pytest.mark.timeout(400)
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
+def pool():
+    """Trainer rank processes on a private Ray, hosting every group of the module in turn."""
+    from rank_pool import private_ray_pool
 
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
-             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
+    with private_ray_pool() as ranks:
+        yield ranks
 
 
 def samples(n: int = 8) -> list[Sample]:
@@ -56,27 +48,18 @@ def samples(n: int = 8) -> list[Sample]:
 
 
 @contextmanager
-def trainer_group(world_size: int, model_dir: Path, train: TrainConfig):
-    """A set-up fsdp TrainerGroup of ``world_size`` ranks (shut down, bundles freed, on exit)."""
-    from ray.util.placement_group import remove_placement_group
-
+def trainer_group(pool, world_size: int, model_dir: Path, train: TrainConfig):
+    """A set-up fsdp TrainerGroup of ``world_size`` of the pool's ranks (released on exit)."""
     from miles_disagg.config.actors import TrainerGroupConfig
-    from miles_disagg.trainer.group import TrainerGroup
-    from miles_disagg.trainer.placement import create_placement, plan_layout
 
-    placement = create_placement(plan_layout(ClusterConfig(actor_num_gpus_per_node=world_size), external_rollout=True))
     train = dataclasses.replace(train, train_backend="fsdp")
-    group = TrainerGroup(placement, TrainerGroupConfig(train=train, weights=WeightUpdateConfig(), hf_dir=str(model_dir)))
-    try:
-        info = group.setup()
-        assert info["backend"] == "gloo"
+    config = TrainerGroupConfig(train=train, weights=WeightUpdateConfig(), hf_dir=str(model_dir))
+    with pool.group(world_size, config) as group:
+        assert group.setup_info["backend"] == "gloo"
         yield group
-    finally:
-        group.shutdown()
-        remove_placement_group(placement.group)
 
 
-def train_with(world_size: int, model_dir: Path, **flags):
+def train_with(pool, world_size: int, model_dir: Path, **flags):
     """(the rollout's TrainResult, rank 0's exported bytes after it)."""
     # adam_eps 1: a first Adam step of lr * g / (|g| + 1) ~ lr * g, so the weights show the gradient's
     # scale and direction (with the default eps Adam's first step is ~ lr * sign(g), blind to scale).
@@ -85,20 +68,20 @@ def train_with(world_size: int, model_dir: Path, **flags):
     batch = samples()
     for sample in batch if train.use_opd else []:  # a teacher that disagrees token by token
         sample.teacher_logprobs = [-3.0 - 0.2 * t for t in range(len(sample.response_ids))]
-    with trainer_group(world_size, model_dir, train) as group:
+    with trainer_group(pool, world_size, model_dir, train) as group:
         result = group.train(batch)
         return result, group.tensor_bytes()
 
 
 @pytest.fixture(scope="module")
-def trained(ray_cluster, tiny_qwen3_dir: Path):
+def trained(pool, tiny_qwen3_dir: Path):
     """``trained(world_size, **flags)``: a cached ``train_with`` (each run starts Ray actors: slow)."""
     cache: dict = {}
 
     def run(world_size: int, **flags):
         key = (world_size, tuple(sorted(flags.items())))
         if key not in cache:
-            cache[key] = train_with(world_size, tiny_qwen3_dir, **flags)
+            cache[key] = train_with(pool, world_size, tiny_qwen3_dir, **flags)
         return cache[key]
 
     return run
@@ -193,21 +176,21 @@ def flat(state: dict) -> dict:
     return {f"{part}.{key}": value for part, entries in state.items() for key, value in entries.items()}
 
 
-def test_a_save_of_two_ranks_resumes_on_one_exactly(ray_cluster, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+def test_a_save_of_two_ranks_resumes_on_one_exactly(pool, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
     """2 ranks train a step and save; 1 rank loads that save: the same weights to the bit, the same
     optimizer state (a save right after the load holds exactly what was loaded), rank 0's RNG;
     and the next step trains on from Adam's moments as the two ranks do."""
     two_saved, one_saved = tmp_path / "two", tmp_path / "one"
     batch = samples()
     train = TrainConfig(lr=1e-2, global_batch_size=8, micro_batch_size=2, seed=0)
-    with trainer_group(2, tiny_qwen3_dir, train) as two:
+    with trainer_group(pool, 2, tiny_qwen3_dir, train) as two:
         two.train(batch)
         two.save(str(two_saved), with_hf=False)
         two_weights = two.tensor_bytes()
         two.train(batch)
         two_next = two.tensor_bytes()
     assert sorted(p.name for p in (two_saved / "rng").iterdir()) == ["rank0.pt", "rank1.pt"]
-    with trainer_group(1, tiny_qwen3_dir, train) as one:
+    with trainer_group(pool, 1, tiny_qwen3_dir, train) as one:
         one.load(str(two_saved))
         assert one.tensor_bytes() == two_weights  # exact parameters
         one.save(str(one_saved), with_hf=False)
