@@ -209,12 +209,17 @@ class RankPool:
         finally:
             self.give_back(ranks)
 
-    def close(self) -> None:
+    def discard(self, ranks: list) -> None:
+        """Kill ``ranks`` (a test ended their group mid-call): the pool starts new processes in their place."""
         import ray
 
-        for rank in self.ranks:
-            ray.kill(rank)
-        self.ranks, self.busy = [], []
+        for rank in ranks:
+            ray.kill(rank, no_restart=True)
+        self.ranks = [r for r in self.ranks if all(r is not d for d in ranks)]
+
+    def close(self) -> None:
+        self.discard(list(self.ranks))
+        self.busy = []
 
 
 @contextlib.contextmanager

@@ -1,21 +1,18 @@
-"""PPO's critic as its own trainer group on real Ray (logical GPUs, gloo): placed in the critic's
-bundles, two ranks train exactly as one (the value loss normalised over the global batch), and a
+"""PPO's critic as its own trainer group on real Ray (gloo; the rank processes pooled for the
+module: placing them in the critic's bundles is the PPO job's, tests/e2e/test_ppo_critic_job.py): two ranks train exactly as one (the value loss normalised over the global batch), and a
 save written by two ranks loads into one with the same value head, values and lr schedule.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
 from miles_disagg.config.actors import CriticGroupConfig
-from miles_disagg.config.components import ClusterConfig, TrainConfig
-from miles_disagg.net.netbind import LOCAL_RAY_SYSTEM_CONFIG
+from miles_disagg.config.components import TrainConfig
 from miles_disagg.trainer.critic_values import values_of
 from miles_disagg.types import Sample
 
@@ -25,16 +22,12 @@ LR, WARMUP = 0.05, 4
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
+def pool():
+    """Critic rank processes on a private Ray, hosting every critic group of the module in turn."""
+    from rank_pool import private_ray_pool
 
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    ray.init(num_cpus=8, num_gpus=3, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
-             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
+    with private_ray_pool("critic") as ranks:
+        yield ranks
 
 
 def samples(n: int = 8) -> list[Sample]:
@@ -51,27 +44,20 @@ def samples(n: int = 8) -> list[Sample]:
     return out
 
 
-def critic_group(world_size: int, model_dir: Path):
-    """(a set-up CriticGroup of ``world_size`` ranks in the critic's bundles, its placement group)."""
-    from miles_disagg.trainer.critic_group import CriticGroup
-    from miles_disagg.trainer.placement import create_placement, plan_layout
-
-    cluster = ClusterConfig(actor_num_gpus_per_node=1, critic_num_gpus_per_node=world_size)
-    placement = create_placement(plan_layout(cluster, external_rollout=True, critic=True))
+@contextmanager
+def critic_group(pool, world_size: int, model_dir: Path):
+    """A set-up CriticGroup of ``world_size`` of the pool's critic ranks (given back on exit)."""
     train = TrainConfig(train_backend="fsdp", global_batch_size=4, micro_batch_size=2, seed=0, clip_grad=0.0,
                         adam_eps=1.0, gamma=0.9, lambd=0.95)
-    group = CriticGroup(placement, CriticGroupConfig(train=train, hf_dir=str(model_dir), lr=LR, lr_warmup_iters=WARMUP,
-                                                     value_clip=0.2))
-    assert group.setup()["backend"] == "gloo"
-    return group, placement
+    config = CriticGroupConfig(train=train, hf_dir=str(model_dir), lr=LR, lr_warmup_iters=WARMUP, value_clip=0.2)
+    with pool.group(world_size, config) as group:
+        assert group.setup_info["backend"] == "gloo"
+        yield group
 
 
-def run(world_size: int, model_dir: Path, save_to: Path | None = None) -> dict:
+def run(pool, world_size: int, model_dir: Path, save_to: Path | None = None) -> dict:
     """Score 8 samples, train two steps on them, score again (and save)."""
-    from ray.util.placement_group import remove_placement_group
-
-    group, placement = critic_group(world_size, model_dir)
-    try:
+    with critic_group(pool, world_size, model_dir) as group:
         batch = samples()
         group.score(batch)
         before = [values_of(s) for s in batch]
@@ -82,15 +68,12 @@ def run(world_size: int, model_dir: Path, save_to: Path | None = None) -> dict:
             group.save(str(save_to))
         return {"before": before, "after": [values_of(s) for s in after], "result": result,
                 "head": group.value_head_state()}
-    finally:
-        group.shutdown()
-        remove_placement_group(placement.group)
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def runs(pool, tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     save = tmp_path_factory.mktemp("critic_save") / "iter"
-    return {"one": run(1, tiny_qwen3_dir), "two": run(2, tiny_qwen3_dir, save_to=save), "save": save}
+    return {"one": run(pool, 1, tiny_qwen3_dir), "two": run(pool, 2, tiny_qwen3_dir, save_to=save), "save": save}
 
 
 def test_two_ranks_train_the_critic_as_one(runs) -> None:
@@ -112,11 +95,8 @@ def test_two_ranks_train_the_critic_as_one(runs) -> None:
     assert max(moved) > 1e-3  # the second step (lr > 0) moved the values
 
 
-def test_a_save_of_two_ranks_loads_into_one(runs, tiny_qwen3_dir: Path) -> None:
-    from ray.util.placement_group import remove_placement_group
-
-    group, placement = critic_group(1, tiny_qwen3_dir)
-    try:
+def test_a_save_of_two_ranks_loads_into_one(pool, runs, tiny_qwen3_dir: Path) -> None:
+    with critic_group(pool, 1, tiny_qwen3_dir) as group:
         group.load(str(runs["save"]))
         for name, tensor in runs["two"]["head"].items():
             assert torch.equal(group.value_head_state()[name], tensor), name
@@ -126,6 +106,3 @@ def test_a_save_of_two_ranks_loads_into_one(runs, tiny_qwen3_dir: Path) -> None:
             assert b == pytest.approx(a, abs=1e-6)
         resumed = group.train(again).result()
         assert resumed.steps[0]["critic/lr"] == pytest.approx(2 * LR / WARMUP)  # the schedule's clock came back
-    finally:
-        group.shutdown()
-        remove_placement_group(placement.group)

@@ -5,9 +5,6 @@ must tolerate)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,8 +14,7 @@ import torch
 
 from moe_fixtures import tiny_qwen3_moe_dir  # noqa: F401  (fixture)
 
-from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig
-from miles_disagg.net.netbind import LOCAL_RAY_SYSTEM_CONFIG
+from miles_disagg.config.components import TrainConfig, WeightUpdateConfig
 from miles_disagg.types import Sample
 
 pytestmark = pytest.mark.timeout(400)
@@ -26,16 +22,12 @@ UNUSED_EXPERT = 3
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
+def pool():
+    """Trainer rank processes on a private Ray: the 1-rank group's is rank 0 of the 2-rank group."""
+    from rank_pool import private_ray_pool
 
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray socket paths must be short
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
-             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
+    with private_ray_pool(num_gpus=2) as ranks:
+        yield ranks
 
 
 def samples(n: int = 8) -> list[Sample]:
@@ -53,35 +45,27 @@ def samples(n: int = 8) -> list[Sample]:
 
 
 @contextmanager
-def trainer_group(model_dir: Path, world_size: int, **train_flags):
-    from ray.util.placement_group import remove_placement_group
-
+def trainer_group(pool, model_dir: Path, world_size: int, **train_flags):
+    """A set-up fsdp TrainerGroup of ``world_size`` of the pool's ranks (given back on exit)."""
     from miles_disagg.config.actors import TrainerGroupConfig
-    from miles_disagg.trainer.group import TrainerGroup
-    from miles_disagg.trainer.placement import create_placement, plan_layout
 
-    placement = create_placement(plan_layout(ClusterConfig(actor_num_gpus_per_node=world_size), external_rollout=True))
     train = TrainConfig(**{"lr": 1.0, "adam_eps": 1.0, "clip_grad": 0.0, "global_batch_size": 8,
                            "micro_batch_size": 2, "seed": 0, "train_backend": "fsdp", **train_flags})
-    group = TrainerGroup(placement, TrainerGroupConfig(train=train, weights=WeightUpdateConfig(), hf_dir=str(model_dir)))
-    try:
-        group.setup()
+    with pool.group(world_size, TrainerGroupConfig(train=train, weights=WeightUpdateConfig(),
+                                                   hf_dir=str(model_dir))) as group:
         yield group
-    finally:
-        group.shutdown()
-        remove_placement_group(placement.group)
 
 
-def trained(model_dir: Path, world_size: int):
-    with trainer_group(model_dir, world_size, use_rollout_routing_replay=True) as group:
+def trained(pool, model_dir: Path, world_size: int):
+    with trainer_group(pool, model_dir, world_size, use_rollout_routing_replay=True) as group:
         before = group.tensor_bytes()
         result = group.train(samples())
         return before, result, group.tensor_bytes()
 
 
-def test_two_ranks_train_the_moe_as_one_rank_does(ray_cluster, tiny_qwen3_moe_dir: Path) -> None:
-    before, one, one_after = trained(tiny_qwen3_moe_dir, 1)
-    _, two, two_after = trained(tiny_qwen3_moe_dir, 2)
+def test_two_ranks_train_the_moe_as_one_rank_does(pool, tiny_qwen3_moe_dir: Path) -> None:
+    before, one, one_after = trained(pool, tiny_qwen3_moe_dir, 1)
+    _, two, two_after = trained(pool, tiny_qwen3_moe_dir, 2)
     for a, b in zip(one.steps, two.steps):
         assert a["train/routing_replay_match"] == b["train/routing_replay_match"] == 1.0
         assert a["train/routing_agreement"] == pytest.approx(b["train/routing_agreement"])

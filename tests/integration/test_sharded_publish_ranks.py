@@ -11,12 +11,9 @@ verify`` passes on LATEST, and the resumed run publishes the next version over t
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,8 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_disagg.config.components import ClusterConfig, TrainConfig, WeightUpdateConfig
-from miles_disagg.net.netbind import LOCAL_RAY_SYSTEM_CONFIG
+from miles_disagg.config.components import TrainConfig, WeightUpdateConfig
 from miles_disagg.types import Sample, VersionRef
 from miles_disagg.weights.checksums import checksum
 from miles_disagg.weights.materializer import Materializer
@@ -49,22 +45,18 @@ def block_from_version_2(version_dir, ref):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    import ray
+def pool(tmp_path_factory):
+    """Trainer rank processes on a private Ray (the kill hook on their path), hosting every group of the module."""
+    from rank_pool import private_ray_pool
 
     hooks = tmp_path_factory.mktemp("hooks")
     (hooks / "sharded_kill_hook.py").write_text(HOOK_MODULE)
     saved = dict(os.environ)  # restored after: later tests in this process see the environment they expect
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH")) if p)
-    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, _temp_dir=tmp, logging_level="WARNING",
-             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     try:
-        yield
+        with private_ray_pool() as ranks:
+            yield ranks
     finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
         os.environ.clear()
         os.environ.update(saved)
 
@@ -85,24 +77,15 @@ def disk_delta(store: Path, **flags) -> WeightUpdateConfig:
 
 
 @contextmanager
-def trainer_group(model_dir: Path, world_size: int, weights: WeightUpdateConfig, run_id: str | None = None,
+def trainer_group(pool, model_dir: Path, world_size: int, weights: WeightUpdateConfig, run_id: str | None = None,
                   **train_flags):
-    from ray.util.placement_group import remove_placement_group
-
+    """A set-up TrainerGroup of ``world_size`` of the pool's ranks (given back on exit)."""
     from miles_disagg.config.actors import TrainerGroupConfig
-    from miles_disagg.trainer.group import TrainerGroup
-    from miles_disagg.trainer.placement import create_placement, plan_layout
 
-    placement = create_placement(plan_layout(ClusterConfig(actor_num_gpus_per_node=world_size), external_rollout=True))
     flags = {"lr": 1e-2, "global_batch_size": 8, "micro_batch_size": 2, "seed": 0, **train_flags}
-    group = TrainerGroup(placement, TrainerGroupConfig(train=TrainConfig(**flags), weights=weights,
-                                                       hf_dir=str(model_dir)))
-    try:
-        group.setup(run_id=run_id, delta_filter="byteplane")
+    config = TrainerGroupConfig(train=TrainConfig(**flags), weights=weights, hf_dir=str(model_dir))
+    with pool.group(world_size, config, run_id=run_id, delta_filter="byteplane") as group:
         yield group
-    finally:
-        group.shutdown()
-        remove_placement_group(placement.group)
 
 
 def digests(raw: dict[str, bytes]) -> dict[str, str]:
@@ -145,13 +128,13 @@ def tiny_moe_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_every_rank_writes_a_share_of_the_trained_policy(ray_cluster, case: str, request, tmp_path: Path) -> None:
+def test_every_rank_writes_a_share_of_the_trained_policy(pool, case: str, request, tmp_path: Path) -> None:
     if case.startswith("megatron"):
         pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     fixture, ranks, flags = CASES[case]
     model_dir: Path = request.getfixturevalue(fixture)
     store = tmp_path / "store"
-    with trainer_group(model_dir, ranks, disk_delta(store), **flags) as group:
+    with trainer_group(pool, model_dir, ranks, disk_delta(store), **flags) as group:
         group.train(samples())
         result = group.publish()
         policy = group.tensor_bytes()  # rank 0's whole export (the unsharded path) of the same weights
@@ -185,12 +168,12 @@ def verify_cli(store: Path, base: Path) -> dict:
 
 
 def test_a_rank_killed_mid_publish_leaves_no_version_and_the_resumed_run_publishes(
-        ray_cluster, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+        pool, tiny_qwen3_dir: Path, tmp_path: Path) -> None:
     import ray
 
     store = tmp_path / "store"
     blocking = disk_delta(store, custom_update_weight_post_write_path="sharded_kill_hook:block_from_version_2")
-    with trainer_group(tiny_qwen3_dir, 2, blocking, train_backend="fsdp") as group:
+    with trainer_group(pool, tiny_qwen3_dir, 2, blocking, train_backend="fsdp") as group:
         group.train(samples())
         assert group.publish().ref.version == 1
         run_id = group.run_id
@@ -200,11 +183,12 @@ def test_a_rank_killed_mid_publish_leaves_no_version_and_the_resumed_run_publish
         ray.kill(group.ranks[0])
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(pending[0], timeout=120)
+        pool.discard(group.ranks)  # rank 1 stands still in the hook: the group's processes end here
     visible = VersionStore(store)
     assert visible.latest() == VersionRef(run_id, 1) and visible.visible_versions() == [1]
     assert len(visible.read_index(1).files()) == 2  # both ranks wrote a share of version 1
     assert verify_cli(store, tiny_qwen3_dir)["version"] == 1
-    with trainer_group(tiny_qwen3_dir, 2, disk_delta(store), run_id=run_id, train_backend="fsdp") as group:
+    with trainer_group(pool, tiny_qwen3_dir, 2, disk_delta(store), run_id=run_id, train_backend="fsdp") as group:
         group.train(samples())
         assert group.publish().ref == VersionRef(run_id, 2)
         expected = group.weight_checksums("xxh3-128")
