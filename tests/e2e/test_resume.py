@@ -2,7 +2,8 @@
 last complete save on two trainer ranks, without breaking version identity (issue: save, resume and
 evaluate; issue 13: a run saved with N trainer ranks resumes with M).
 
-One crashed run and one resumed run carry every check (each whole run costs half a minute of CPU)."""
+One crashed run and one resumed run carry every check (each whole run costs half a minute of CPU).
+Both train with GSPO (``--advantage-estimator gspo``, issue 37: GSPO resumes from a save)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def command(tmp: Path, num_rollout: int, num_ranks: int, *extra: str) -> list[st
             "--rollout-batch-size", str(PROMPTS_PER_ROLLOUT), "--global-batch-size", "32",
             "--save", str(tmp / "saves"), "--save-interval", "2",
             "--eval-interval", "2", "--eval-prompt-data", "digits", "task:count-up", "--eval-max-prompts", "16",
-            *NO_STALE_DROPS, *ONE_ENGINE, *extra]
+            "--advantage-estimator", "gspo", *NO_STALE_DROPS, *ONE_ENGINE, *extra]
 
 
 JOB_ENV = "MILES_DISAGG_TEST_JOB"  # every process of a run inherits it: the driver, its Ray, ranks, engines
@@ -115,9 +116,10 @@ def newest_good_step(path: Path) -> int:
 
 
 def test_the_torn_save_is_ignored(crashed_and_resumed) -> None:
-    _, _, newest_good, resumed = crashed_and_resumed
+    tmp, _, newest_good, resumed = crashed_and_resumed
     assert newest_good.name != "iter_0000099"
     assert f"resuming from {newest_good}" in resumed.stderr
+    assert json.loads((tmp / "run" / "config.json").read_text())["train"]["advantage_estimator"] == "gspo"
 
 
 def test_the_one_rank_save_is_resumed_by_two_ranks(crashed_and_resumed) -> None:

@@ -1,5 +1,8 @@
 """train_async.py against ONE rollout-service endpoint: the trainer publishes into the version
-store and sends version-constrained requests; it never holds a handle to a replica."""
+store and sends version-constrained requests; it never holds a handle to a replica.
+
+The run trains with GSPO (``--advantage-estimator gspo``): the dense model's GSPO learning run
+(the MoE one is ``test_tiny_cpu_moe_job.py``; GSPO's resume is ``test_resume.py``'s)."""
 
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ def service_run(tmp_path_factory: pytest.TempPathFactory, digits_base_model: Pat
             [sys.executable, str(REPO / "train_async.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
              "--run-dir", str(tmp / "run"), "--hf-checkpoint", str(base), "--num-rollout", str(STEPS),
              "--rollout-service-url", service.url, "--update-weight-disk-dir", str(store),
+             "--advantage-estimator", "gspo",
              "--save-debug-rollout-data", str(tmp / "consumed" / "{rollout_id}.jsonl")],
             cwd=tmp, capture_output=True, text=True, timeout=scaled(300), env=env)
         assert result.returncode == 0, result.stderr[-6000:]
@@ -54,11 +58,14 @@ def test_no_engine_is_launched_and_versions_reach_the_service(service_run) -> No
     assert all("weights/engine_versions" not in r for r in records)  # no engine handle
 
 
-def test_it_learns_like_the_managed_topology(service_run) -> None:
+def test_it_learns_like_the_managed_topology_with_gspo(service_run) -> None:
     tmp, _ = service_run
-    rewards = [r["rollout/raw_reward"] for r in read_metrics(tmp / "run" / "metrics.jsonl")]
+    assert json.loads((tmp / "run" / "config.json").read_text())["train"]["advantage_estimator"] == "gspo"
+    records = read_metrics(tmp / "run" / "metrics.jsonl")
+    rewards = [r["rollout/raw_reward"] for r in records]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last >= 2 * first and last >= first + 0.15, rewards
+    assert records[0]["train/ppo_kl_first_step"] == 0.0  # GSPO's sequence ratio is exactly 1 on-policy
 
 
 def test_every_sample_satisfies_its_constraint(service_run) -> None:
