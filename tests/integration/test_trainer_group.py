@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_reading import assert_same_state, read_state
+from ragged_batch import ragged_samples as samples
 
 from miles_disagg.config.components import TrainConfig, WeightUpdateConfig
-from miles_disagg.types import Sample
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -31,20 +31,6 @@ def pool():
 
     with private_ray_pool() as ranks:
         yield ranks
-
-
-def samples(n: int = 8) -> list[Sample]:
-    """Ragged responses (2 to 7 tokens); every third sample has tool output its policy did not generate."""
-    generator = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(n):
-        prompt = torch.randint(3, 60, (3 + i % 3,), generator=generator).tolist()
-        length = 2 + (5 * i) % 6
-        response = torch.randint(3, 60, (length,), generator=generator).tolist()
-        mask = [0 if (i % 3 == 0 and 0 < t < length - 1) else 1 for t in range(length)]
-        out.append(Sample(prompt_ids=prompt, response_ids=response, response_logprobs=[-4.0] * length,
-                          advantage=float(i % 2) - 0.5 + 0.1 * i, loss_mask=mask))
-    return out
 
 
 @contextmanager

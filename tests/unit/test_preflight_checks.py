@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from deadlines import scaled
+from launcher_refusals import refused
 
 from miles_disagg.launcher import main
 
@@ -20,16 +21,6 @@ MODES = ([], ["--dry-run"])
 def args(tmp_path: Path, base: Path, *extra: str) -> list[str]:
     return ["--hf-checkpoint", str(base), "--num-rollout", "1", "--rollout-batch-size", "4", "--actor-num-gpus-per-node",
             "1", "--rollout-num-gpus", "1", "--run-dir", str(tmp_path / "run"), *extra]
-
-
-def refused(capsys, argv: list[str], *expected: str) -> str:
-    code = main("train_async", argv)
-    out, err = capsys.readouterr()
-    assert code == 2, err
-    assert out == "" and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    for text in expected:
-        assert text in err, err
-    return err
 
 
 def write_jsonl(path: Path, *lines: str) -> Path:

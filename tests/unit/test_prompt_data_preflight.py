@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from deadlines import scaled
+from launcher_refusals import refused
 
 from miles_disagg.launcher import main
 
@@ -34,16 +35,6 @@ def write_records(path: Path, records: list, bad: tuple[int, str] | None = None)
         lines[bad[0] - 1] = bad[1]
     path.write_text("".join(line + "\n" for line in lines))
     return path
-
-
-def refused(capsys, argv: list[str], *expected: str) -> str:
-    code = main("train_async", argv)
-    out, err = capsys.readouterr()
-    assert code == 2, err
-    assert out == "" and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    for text in expected:
-        assert text in err, err
-    return err
 
 
 @pytest.mark.parametrize("line, expected", [
