@@ -16,13 +16,12 @@ on the clipped value loss, each normalised over the whole global batch as the po
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
 from miles_disagg.config.actors import CriticGroupConfig
 from miles_disagg.trainer.batches import PackedBatch, pack, response_logits
-from miles_disagg.trainer.data_parallel import wrap_for_data_parallel
+from miles_disagg.trainer.data_parallel import clip_and_step, unsynced_if, wrap_for_data_parallel
 from miles_disagg.trainer.gae import (
     clipped_value_loss, explained_variance, explained_variance_sums, ppo_advantages_and_returns,
 )
@@ -131,7 +130,7 @@ class CriticBackend:
         per_token = self.train_config.calculate_per_token_loss
         sums = StepMetrics()
         for i, (batch, target) in enumerate(zip(batches, returns)):
-            with self._no_sync(i < len(batches) - 1):
+            with unsynced_if(self.model, i < len(batches) - 1):
                 values = self._values(batch)
                 mask = batch.loss_mask.to(self.device)
                 loss, clipped = clipped_value_loss(values, batch.values.to(self.device), target, self.config.value_clip)
@@ -152,20 +151,10 @@ class CriticBackend:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def _no_sync(self, skip_sync: bool):
-        if skip_sync and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            return self.model.no_sync()
-        return contextlib.nullcontext()
-
     def _clip_and_step(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.train_config.clip_grad
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        self.optimizer.step()
+        norm = clip_and_step(self.model, self.optimizer, self.train_config.clip_grad)
         self.num_steps += 1
-        return float(norm)
+        return norm
 
     # ------------------------------------------------------------------ checkpoints
 

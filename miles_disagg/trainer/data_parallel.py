@@ -23,3 +23,24 @@ def wrap_for_data_parallel(module: torch.nn.Module, device: torch.device, world_
     if world_size > 1:
         return torch.nn.parallel.DistributedDataParallel(module, find_unused_parameters=has_experts)
     return module
+
+
+def unsynced_if(model: torch.nn.Module, skip_sync: bool):
+    """A context in which backward does not all-reduce gradients: DDP's ``no_sync`` when ``skip_sync``
+    (a micro-batch before the step's last one), else nothing changed."""
+    import contextlib
+
+    if skip_sync and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_grad: float) -> float:
+    """Clip the gradients to ``clip_grad`` (0: no clipping), take the optimizer's step; the gradients'
+    total norm before clipping (over every rank's shard under FSDP2)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    optimizer.step()
+    return float(norm)

@@ -15,7 +15,6 @@ as an argument, transformers' (on CUDA) through hooks on its routers.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Callable, Iterator
 
@@ -25,7 +24,7 @@ from miles_disagg.config.training import TrainConfig
 from miles_disagg.trainer.backend import TrainerBackend
 from miles_disagg.trainer.results import TrainResult
 from miles_disagg.trainer.batches import PackedBatch, pack, response_logits
-from miles_disagg.trainer.data_parallel import wrap_for_data_parallel
+from miles_disagg.trainer.data_parallel import clip_and_step, unsynced_if, wrap_for_data_parallel
 from miles_disagg.trainer.fsdp_routing import (
     RouterReplay, RoutingCounts, RoutingShape, pack_engine_routing, require_engine_routing,
 )
@@ -159,7 +158,7 @@ class FSDPBackend(TrainerBackend):
         scale = self.world_size / denominator
         sums, routing = StepMetrics(), RoutingCounts()
         for i, batch in enumerate(batches):
-            with self._no_sync(i < len(batches) - 1):
+            with unsynced_if(self.model, i < len(batches) - 1):
                 logprobs, entropy, out = self._token_logprobs(self.model, batch, True, replay[i])
                 if self.routing_shape is not None:
                     routing.add(batch, self.routing_shape, engine[i], out.routed_experts, out.router_choice,
@@ -167,27 +166,13 @@ class FSDPBackend(TrainerBackend):
                 loss, metrics = self.objective(batch, frozen[i], logprobs, entropy, out.logits, self.device)
                 (loss * scale).backward()
             sums.add(metrics)
-        grad_norm = self._clip_and_step()
+        grad_norm = clip_and_step(self.model, self.optimizer, self.config.clip_grad)
         result = sums.global_means(denominator, device=self.device)
         if self.routing_shape is not None:
             result.update(routing.global_metrics(self.device))
         result["train/grad_norm"] = grad_norm
         result["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return result
-
-    def _no_sync(self, skip_sync: bool):
-        if skip_sync and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            return self.model.no_sync()
-        return contextlib.nullcontext()
-
-    def _clip_and_step(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.config.clip_grad if self.config.clip_grad > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        self.optimizer.step()
-        return float(norm)
 
     # ------------------------------------------------------------------ export / state
 
