@@ -51,7 +51,7 @@ DESIGN = DOCS / "DESIGN.md"
 OTHER_TOOLS_FLAGS = {
     # ray start / ray job submit (docs/cluster.md)
     "--head", "--num-gpus", "--dashboard-port", "--dashboard-host", "--resources", "--working-dir", "--address",
-    "--dist", "--strict-markers",  # pytest (docs/development.md)
+    "--dist", "--strict-markers", "--cpu-durations",  # pytest, and the suite's own option (docs/development.md, benchmarks.md)
     "--no-deps",  # pip (the SGLang tier)
     "--enable-memory-saver",  # SGLang's own flag, which managed colocated engines get
     "--ep-size", "--tp-size", "--base-gpu-id",  # SGLang's own flags, which our argv sets
