@@ -3,11 +3,17 @@ and a router gate kept in BF16; the dense model is covered by the FP8 engine and
 ``miles-disagg convert-fp8``; ``train_async.py`` with the FP8 ``--hf-checkpoint`` (what the engines
 serve) and ``--train-hf-checkpoint`` (the BF16 weights the trainer starts from), ``--use-tis``, and
 ``--check-weight-update-equal`` (after every update each engine's bytes equal the published state).
+Trained as Qwen3-MoE RL is: GSPO (``--advantage-estimator gspo``: the sequence-level ratio, steadier
+than token ratios under changing expert routing) with the engines' routing replayed
+(``--use-rollout-routing-replay``). This is the FSDP MoE learning run (Megatron's:
+``test_tiny_moe_megatron_ep.py``; the step-0 logprob parity of full-precision engines and the
+FSDP trainer on MoE: ``tests/integration/test_fsdp_moe_replay.py``).
 
-One whole run carries every check: the policy learns count-up; every version verifies; the newest
-version applied by a host equals ``convert-fp8`` of the trainer's final BF16 weights byte for byte;
-the mismatch metrics (step-0 train-vs-rollout logprob difference, TIS weights) and the update's
-density and wire are recorded."""
+One whole run carries every check: the policy learns count-up; its first step is on-policy and
+every token is routed as the engine routed it; every version verifies and names the experts as
+the checkpoint does on disk; the newest version applied by a host equals ``convert-fp8`` of the
+trainer's final BF16 weights byte for byte; the mismatch metrics (step-0 train-vs-rollout logprob
+difference, TIS weights) and the update's density and wire are recorded."""
 
 from __future__ import annotations
 
@@ -48,10 +54,12 @@ def fp8_run(tmp_path_factory) -> tuple[Path, Path, Path]:
         [sys.executable, str(REPO / "train_async.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
          "--run-dir", str(run_dir), "--hf-checkpoint", str(fp8), "--hf-checkpoint-init", "none",
          "--train-hf-checkpoint", str(bf16), "--use-tis", "--check-weight-update-equal",
+         "--advantage-estimator", "gspo", "--use-rollout-routing-replay",
          "--num-rollout", str(STEPS), "--save", str(run_dir / "saves"), "--save-interval", str(STEPS)],
         cwd=tmp, capture_output=True, text=True, timeout=scaled(300), env=env)
     assert result.returncode == 0, result.stderr[-6000:]
     assert "FP8 rollout: engines serve" in result.stderr
+    assert json.loads((bf16 / "config.json").read_text())["model_type"] == "qwen3_moe"
     return tmp, fp8, run_dir
 
 
@@ -61,6 +69,23 @@ def test_the_policy_learns_with_fp8_engines(fp8_run) -> None:
     assert len(rewards) == STEPS
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last >= first + 0.1, rewards
+
+
+def test_the_first_step_is_on_policy_and_every_token_is_routed_as_the_engine_routed_it(fp8_run) -> None:
+    _, _, run_dir = fp8_run
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert records[0]["train/ppo_kl_first_step"] == 0.0  # GSPO's sequence ratio is exactly 1 on-policy
+    assert all(r["train/routing_replay_match"] == 1.0 for r in records)
+
+
+def test_versions_are_published_in_the_on_disk_expert_names(fp8_run) -> None:
+    _, _, run_dir = fp8_run
+    indexes = sorted(run_dir.rglob("weight_v*/model.safetensors.index.json"))
+    assert indexes
+    for index in indexes:
+        names = set(json.loads(index.read_text())["weight_map"])
+        assert any(".mlp.experts." in n and n.endswith(".down_proj.weight") for n in names), index
+        assert not any("gate_up_proj" in n for n in names)
 
 
 def test_the_mismatch_and_the_update_cost_are_recorded(fp8_run) -> None:

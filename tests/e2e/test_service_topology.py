@@ -2,7 +2,7 @@
 store and sends version-constrained requests; it never holds a handle to a replica.
 
 The run trains with GSPO (``--advantage-estimator gspo``): the dense model's GSPO learning run
-(the MoE one is ``test_tiny_cpu_moe_job.py``; GSPO's resume is ``test_resume.py``'s)."""
+(the MoE ones are ``test_fp8_rollout.py``'s, FSDP, and ``test_tiny_moe_megatron_ep.py``'s; GSPO's resume is ``test_resume.py``'s)."""
 
 from __future__ import annotations
 
