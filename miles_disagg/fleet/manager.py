@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,10 @@ from miles_disagg.fleet.replace import Replacements
 from miles_disagg.fleet.routing import EngineRouting
 from miles_disagg.fleet.slots import EngineSlots
 from miles_disagg.types import ConfigError, EngineUnrecoverable, MilesDisaggError
+
+DEATH_GRACE_S = 3.0
+"""How long a failed update waits for an engine to be seen dead before it calls the failure a live
+engine's refusal: a killed process closes its sockets (the request fails) a moment before it exits."""
 
 log = logging.getLogger(__name__)
 
@@ -225,11 +230,21 @@ class EngineManager:
             try:
                 return updater.update(version)
             except UpdateFailed:
-                if all(self.monitor.alive(i) for i in live):
+                if not self._one_died(live):
                     raise  # a live engine refused: the update fails
                 # an engine died during the update: it is marked down now; the rest go again
             finally:
                 updater.close()
+
+    def _one_died(self, indices: list[int]) -> bool:
+        """Whether one of the engines ``indices`` died, waiting up to :data:`DEATH_GRACE_S` for its
+        process to be seen gone."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while all(self.monitor.alive(i) for i in indices):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+        return True
 
     def init_broadcast_group(self, master_addr: str, master_port: int) -> int:
         """Broadcast mode: every engine joins the trainer's weight-update group; returns its world size."""

@@ -137,3 +137,62 @@ def test_an_engine_placed_again_is_recorded_and_placement_json_rewritten(tmp_pat
     manager.monitor.on_moved(0, None)  # a restart by its actor (same bundle): the same wiring
     last = json.loads((tmp_path / "membership.jsonl").read_text().splitlines()[-1])
     assert (last["action"], last["engine"], last["why"]) == ("moved", 0, "restarted by its actor")
+
+
+class ScriptedUpdater:
+    """An updater whose first update fails as a killed engine's request does; later ones succeed."""
+
+    def __init__(self, calls: list, urls: list[str]):
+        self.calls, self.urls = calls, urls
+
+    def update(self, version: int):
+        from miles_disagg.engines.updater import UpdateFailed, UpdateReport
+
+        self.calls.append(self.urls)
+        if len(self.calls) == 1:
+            raise UpdateFailed(f"prepare on {self.urls[-1]}: TransportFailed: Server disconnected")
+        return UpdateReport(version, 0.1, 0.01, 0.2)
+
+    def close(self) -> None:
+        pass
+
+
+def manager_with_two_engines(tmp_path, monkeypatch, answers_of_engine_1: list[bool]):
+    """An engine manager (no Ray) whose engine 1's process is reported alive as ``answers_of_engine_1``
+    says, one answer per question, the last one from then on; returns it and the updaters' engine lists."""
+    import dataclasses
+
+    from miles_disagg.fleet import manager as manager_module
+    from miles_disagg.fleet.manager import EngineManager
+
+    manager = EngineManager(dataclasses.replace(CONFIG, run_dir=str(tmp_path)))
+    manager.slots.add("http://a:1", "/l/0", actor="actor-0", node="n0")
+    manager.slots.add("http://b:1", "/l/1", actor="actor-1", node="n1")
+    answers = list(answers_of_engine_1)
+    monkeypatch.setattr(manager.monitor, "alive", lambda i: True if i == 0 else (answers.pop(0) if len(answers) > 1
+                                                                                   else answers[0]))
+    monkeypatch.setattr(manager.monitor.routing, "take_out", lambda i: None)
+    calls: list = []
+    monkeypatch.setattr(manager, "_updater", lambda indices: ScriptedUpdater(calls, [manager.slots.url(i) for i in indices]))
+    monkeypatch.setattr(manager_module, "DEATH_GRACE_S", 1.0)
+    return manager, calls
+
+
+def test_an_engine_killed_mid_update_is_left_out_even_when_its_death_is_seen_a_moment_late(tmp_path, monkeypatch) -> None:
+    """A SIGKILLed engine's request fails before its process is seen gone (sockets close before the
+    process exits): the update waits for the death, then goes again without it (the chaos run met
+    this as ``UpdateFailed`` ending the run)."""
+    manager, calls = manager_with_two_engines(tmp_path, monkeypatch, [True, True, True, False])
+    assert manager.update_weights(3)["perf/update_weights_prepare_time"] == 0.1
+    assert calls == [["http://a:1", "http://b:1"], ["http://a:1"]] and manager.slots.version == 3
+
+
+def test_an_update_a_live_engine_fails_still_fails(tmp_path, monkeypatch) -> None:
+    import pytest
+
+    from miles_disagg.engines.updater import UpdateFailed
+
+    manager, calls = manager_with_two_engines(tmp_path, monkeypatch, [True])
+    with pytest.raises(UpdateFailed, match="prepare on http://b:1"):
+        manager.update_weights(3)
+    assert len(calls) == 1 and manager.slots.version != 3
