@@ -9,6 +9,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from registry_workers import answer_one, ready
 
 from miles_disagg.net.pooled_http import ConnectTimedOut, NotConnected, Reply
 from miles_disagg.router.config import RouterConfig
@@ -18,17 +19,6 @@ from miles_disagg.router.registry import WorkerRegistry, WorkerState
 from miles_disagg.types import VersionConstraint
 
 ANY = VersionConstraint()
-
-
-def ready(registry: WorkerRegistry, url: str, version: int = 1):
-    worker = registry.add(url)
-    registry.record_probe_ok(worker, version, registry.ticket(worker))
-    return worker
-
-
-def answer_one(registry: WorkerRegistry, worker) -> None:
-    registry.acquire(worker)
-    registry.release(worker, served=True)
 
 
 def test_a_probe_timeout_while_the_worker_answers_requests_is_not_counted():

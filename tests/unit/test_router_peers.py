@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from registry_workers import ready
 
 from miles_disagg.router.peers import FollowerPeers, LeaderPeers
 from miles_disagg.router.policy import LeastOutstandingPolicy
@@ -27,12 +28,6 @@ def pair(tmp_path: Path):
     table.set_proc(1, 0, 4242.0)  # the follower is alive (its pid)
     yield leader, follower, hints
     table.close()
-
-
-def ready(registry: WorkerRegistry, url: str, version: int | None):
-    worker = registry.add(url)
-    registry.record_probe_ok(worker, version, registry.ticket(worker))
-    return worker
 
 
 def view(follower: FollowerPeers) -> dict[str, tuple[str, int | None]]:

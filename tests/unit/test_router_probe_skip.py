@@ -6,26 +6,17 @@ from __future__ import annotations
 
 import time
 
+from registry_workers import answer_one, ready
+
 from miles_disagg.router.health import MAX_SKIPPED_PASSES, HealthChecker
 from miles_disagg.router.registry import WorkerRegistry
-
-
-def ready(registry: WorkerRegistry, url: str, version: int = 1):
-    worker = registry.add(url)
-    registry.record_probe_ok(worker, version, registry.ticket(worker))
-    return worker
-
-
-def answered(registry: WorkerRegistry, worker) -> None:
-    registry.acquire(worker)
-    registry.release(worker, served=True)
 
 
 def test_a_pass_skips_ready_workers_that_answered_within_the_window_and_no_others():
     registry = WorkerRegistry()
     busy, quiet, paused = (ready(registry, f"http://{name}:1") for name in ("busy", "quiet", "paused"))
     for worker in (busy, paused):
-        answered(registry, worker)
+        answer_one(registry, worker)
     registry.set_admin_state(paused.url, "paused")
     starting = registry.add("http://starting:1")
     checker = HealthChecker(registry, client=None, interval_s=1.0)
@@ -40,7 +31,7 @@ def test_a_busy_worker_is_still_probed_every_few_passes():
     checker = HealthChecker(registry, client=None, interval_s=1.0)
     probed = []
     for _ in range(2 * (MAX_SKIPPED_PASSES + 1)):
-        answered(registry, worker)
+        answer_one(registry, worker)
         probed.append(bool(checker.due([worker], within_s=5.0)))
     assert probed == ([False] * MAX_SKIPPED_PASSES + [True]) * 2
 
@@ -48,7 +39,7 @@ def test_a_busy_worker_is_still_probed_every_few_passes():
 def test_an_answer_with_an_older_version_makes_the_next_probe_due():
     registry = WorkerRegistry()
     worker = ready(registry, "http://a:1", version=4)
-    answered(registry, worker)
+    answer_one(registry, worker)
     registry.observe_version(worker, 3)  # e.g. an engine restarted from an older version
     assert worker.weight_version == 4 and worker.probe_due
     checker = HealthChecker(registry, client=None, interval_s=1.0)
