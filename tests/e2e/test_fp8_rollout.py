@@ -1,19 +1,20 @@
-"""FP8 rollout fed by a full-precision trainer, as miles runs it: a tiny BF16 Qwen3-MoE (attention, experts
-and a router gate kept in BF16; the dense model is covered by the FP8 engine and version tests) converted with
-``miles-disagg convert-fp8``; ``train_async.py`` with the FP8 ``--hf-checkpoint`` (what the engines
-serve) and ``--train-hf-checkpoint`` (the BF16 weights the trainer starts from), ``--use-tis``, and
+"""FP8 rollout fed by a full-precision trainer, as miles runs it: a tiny BF16 Qwen3-MoE (the router gate
+kept in BF16) and a tiny BF16 dense Qwen3, each converted with ``miles-disagg convert-fp8``;
+``train_async.py`` with the FP8 ``--hf-checkpoint`` (what the engines serve) and
+``--train-hf-checkpoint`` (the BF16 weights the trainer starts from), ``--use-tis``, and
 ``--check-weight-update-equal`` (after every update each engine's bytes equal the published state).
-Trained as Qwen3-MoE RL is: GSPO (``--advantage-estimator gspo``: the sequence-level ratio, steadier
-than token ratios under changing expert routing) with the engines' routing replayed
-(``--use-rollout-routing-replay``). This is the FSDP MoE learning run (Megatron's:
-``test_tiny_moe_megatron_ep.py``; the step-0 logprob parity of full-precision engines and the
-FSDP trainer on MoE: ``tests/integration/test_fsdp_moe_replay.py``).
+The MoE run trains as Qwen3-MoE RL does: GSPO (``--advantage-estimator gspo``: the sequence-level
+ratio, steadier than token ratios under changing expert routing) with the engines' routing replayed
+(``--use-rollout-routing-replay``); it is the FSDP MoE learning run (Megatron's:
+``test_tiny_moe_megatron_ep.py``; the step-0 logprob parity of full-precision engines and the FSDP
+trainer on MoE: ``tests/integration/test_fsdp_moe_replay.py``).
 
-One whole run carries every check: the policy learns count-up; its first step is on-policy and
-every token is routed as the engine routed it; every version verifies and names the experts as
-the checkpoint does on disk; the newest version applied by a host equals ``convert-fp8`` of the
-trainer's final BF16 weights byte for byte; the mismatch metrics (step-0 train-vs-rollout logprob
-difference, TIS weights) and the update's density and wire are recorded."""
+Two whole runs, one per model, carry every check: the policy learns count-up; the MoE run's first
+step is on-policy and every token is routed as the engine routed it, and its versions name the
+experts as the checkpoint does on disk; every version verifies; the newest version applied by a
+host equals ``convert-fp8`` of the trainer's final BF16 weights byte for byte; the mismatch metrics
+(step-0 train-vs-rollout logprob difference, TIS weights) and the update's density and wire are
+recorded."""
 
 from __future__ import annotations
 
@@ -39,12 +40,16 @@ def cli(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=scaled(timeout))
 
 
-@pytest.fixture(scope="module")
-def fp8_run(tmp_path_factory) -> tuple[Path, Path, Path]:
-    tmp = tmp_path_factory.mktemp("fp8_run")
+MODELS = {"moe": ["--num-experts", "4", "--num-experts-per-tok", "2"], "dense": []}
+"""The tiny checkpoints (``make-tiny-checkpoint`` flags beyond the digits BF16 base)."""
+TRAINED_AS = {"moe": ["--advantage-estimator", "gspo", "--use-rollout-routing-replay"], "dense": []}
+
+
+def fp8_job(tmp: Path, kind: str) -> tuple[Path, Path, Path]:
+    """(the job's directory, its FP8 checkpoint, its run directory) of a whole run on ``kind``'s model."""
     bf16, fp8, run_dir = tmp / "bf16", tmp / "fp8", tmp / "run"
     made = cli("make-tiny-checkpoint", "--out", str(bf16), "--charset", "digits", "--dtype", "bfloat16", "--seed", "1234",
-               "--num-experts", "4", "--num-experts-per-tok", "2")
+               *MODELS[kind])
     assert made.returncode == 0, made.stderr
     converted = cli("convert-fp8", "--model-dir", str(bf16), "--save-dir", str(fp8), "--block-size", *BLOCK)
     assert converted.returncode == 0, converted.stderr
@@ -53,33 +58,42 @@ def fp8_run(tmp_path_factory) -> tuple[Path, Path, Path]:
     result = subprocess.run(
         [sys.executable, str(REPO / "train_async.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
          "--run-dir", str(run_dir), "--hf-checkpoint", str(fp8), "--hf-checkpoint-init", "none",
-         "--train-hf-checkpoint", str(bf16), "--use-tis", "--check-weight-update-equal",
-         "--advantage-estimator", "gspo", "--use-rollout-routing-replay",
+         "--train-hf-checkpoint", str(bf16), "--use-tis", "--check-weight-update-equal", *TRAINED_AS[kind],
          "--num-rollout", str(STEPS), "--save", str(run_dir / "saves"), "--save-interval", str(STEPS)],
         cwd=tmp, capture_output=True, text=True, timeout=scaled(300), env=env)
     assert result.returncode == 0, result.stderr[-6000:]
     assert "FP8 rollout: engines serve" in result.stderr
-    assert json.loads((bf16 / "config.json").read_text())["model_type"] == "qwen3_moe"
+    assert json.loads((bf16 / "config.json").read_text())["model_type"] == {"moe": "qwen3_moe", "dense": "qwen3"}[kind]
     return tmp, fp8, run_dir
 
 
-def test_the_policy_learns_with_fp8_engines(fp8_run) -> None:
-    _, _, run_dir = fp8_run
+@pytest.fixture(scope="module")
+def fp8_runs(tmp_path_factory) -> dict[str, tuple[Path, Path, Path]]:
+    """Both whole runs (one module fixture: one worker runs them, one after the other)."""
+    return {kind: fp8_job(tmp_path_factory.mktemp(f"fp8_{kind}"), kind) for kind in MODELS}
+
+
+BOTH = pytest.mark.parametrize("kind", list(MODELS))
+
+
+@BOTH
+def test_the_policy_learns_with_fp8_engines(fp8_runs, kind: str) -> None:
+    _, _, run_dir = fp8_runs[kind]
     rewards = [r["rollout/raw_reward"] for r in read_metrics(run_dir / "metrics.jsonl")]
     assert len(rewards) == STEPS
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last >= first + 0.1, rewards
 
 
-def test_the_first_step_is_on_policy_and_every_token_is_routed_as_the_engine_routed_it(fp8_run) -> None:
-    _, _, run_dir = fp8_run
+def test_the_first_step_is_on_policy_and_every_token_is_routed_as_the_engine_routed_it(fp8_runs) -> None:
+    _, _, run_dir = fp8_runs["moe"]
     records = read_metrics(run_dir / "metrics.jsonl")
     assert records[0]["train/ppo_kl_first_step"] == 0.0  # GSPO's sequence ratio is exactly 1 on-policy
     assert all(r["train/routing_replay_match"] == 1.0 for r in records)
 
 
-def test_versions_are_published_in_the_on_disk_expert_names(fp8_run) -> None:
-    _, _, run_dir = fp8_run
+def test_versions_are_published_in_the_on_disk_expert_names(fp8_runs) -> None:
+    _, _, run_dir = fp8_runs["moe"]
     indexes = sorted(run_dir.rglob("weight_v*/model.safetensors.index.json"))
     assert indexes
     for index in indexes:
@@ -88,8 +102,9 @@ def test_versions_are_published_in_the_on_disk_expert_names(fp8_run) -> None:
         assert not any("gate_up_proj" in n for n in names)
 
 
-def test_the_mismatch_and_the_update_cost_are_recorded(fp8_run) -> None:
-    _, _, run_dir = fp8_run
+@BOTH
+def test_the_mismatch_and_the_update_cost_are_recorded(fp8_runs, kind: str) -> None:
+    _, _, run_dir = fp8_runs[kind]
     records = read_metrics(run_dir / "metrics.jsonl")
     first = records[0]
     assert 0 < first["train/train_rollout_logprob_abs_diff"] < 1.0  # FP8 engines: a slightly different policy
@@ -99,8 +114,9 @@ def test_the_mismatch_and_the_update_cost_are_recorded(fp8_run) -> None:
     assert len(updates) == STEPS and all(u["ci/weights_equal_engines"] for u in updates)
 
 
-def test_every_fp8_version_verifies_and_equals_convert_fp8_of_the_trainers_weights(fp8_run) -> None:
-    tmp, fp8, run_dir = fp8_run
+@BOTH
+def test_every_fp8_version_verifies_and_equals_convert_fp8_of_the_trainers_weights(fp8_runs, kind: str) -> None:
+    tmp, fp8, run_dir = fp8_runs[kind]
     store = next(p.parent for p in run_dir.rglob("LATEST"))
     latest = json.loads((store / "LATEST").read_text())["version"]
     assert latest == STEPS
