@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from run_flags import ONE_ENGINE
 from deadlines import scaled
 
 from miles_disagg.tracking import read_metrics
@@ -59,7 +60,8 @@ def fp8_job(tmp: Path, kind: str) -> tuple[Path, Path, Path]:
         [sys.executable, str(REPO / "train_async.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
          "--run-dir", str(run_dir), "--hf-checkpoint", str(fp8), "--hf-checkpoint-init", "none",
          "--train-hf-checkpoint", str(bf16), "--use-tis", "--check-weight-update-equal", *TRAINED_AS[kind],
-         "--num-rollout", str(STEPS), "--save", str(run_dir / "saves"), "--save-interval", str(STEPS)],
+         "--num-rollout", str(STEPS), "--save", str(run_dir / "saves"), "--save-interval", str(STEPS),
+         *ONE_ENGINE],
         cwd=tmp, capture_output=True, text=True, timeout=scaled(300), env=env)
     assert result.returncode == 0, result.stderr[-6000:]
     assert "FP8 rollout: engines serve" in result.stderr

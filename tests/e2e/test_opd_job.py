@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from run_flags import ONE_ENGINE
 from base_model import place_base_model
 from deadlines import scaled
 
@@ -39,7 +40,7 @@ def train_async(tmp: Path, num_rollout: int, *extra: str) -> subprocess.Complete
          "--run-dir", str(tmp / "run"), "--hf-checkpoint", base, "--num-rollout", str(num_rollout),
          "--use-opd", "--opd-type", "sglang", "--opd-kl-coef", "0.1", "--opd-teacher-hf-checkpoint", base,
          "--save", str(tmp / "saves"), "--save-debug-rollout-data", str(tmp / "consumed" / "{rollout_id}.jsonl"),
-         *extra],
+         *ONE_ENGINE, *extra],
         cwd=tmp, capture_output=True, text=True, timeout=scaled(300), env=env)
     assert result.returncode == 0, result.stderr[-6000:]
     return result

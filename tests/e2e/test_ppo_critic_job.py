@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from run_flags import ONE_ENGINE
 from deadlines import scaled
 
 from miles_disagg.loop.critic import CRITIC_STATE_FORMAT
@@ -38,7 +39,8 @@ def train_async(tmp: Path, num_rollout: int, *extra: str) -> subprocess.Complete
          "--run-dir", str(tmp / "run"), "--hf-checkpoint", str(tmp / "base-model"),
          "--hf-checkpoint-init", "tiny-qwen3-digits", "--num-rollout", str(num_rollout),
          "--advantage-estimator", "ppo", "--normalize-advantages", "--critic-lr", "1e-3",
-         "--num-critic-only-steps", str(CRITIC_ONLY), "--save", str(tmp / "save"), "--save-interval", "8", *extra],
+         "--num-critic-only-steps", str(CRITIC_ONLY), "--save", str(tmp / "save"), "--save-interval", "8",
+         *ONE_ENGINE, *extra],
         cwd=tmp, capture_output=True, text=True, timeout=scaled(300), env=env)
     assert result.returncode == 0, result.stderr[-6000:]
     return result

@@ -1,15 +1,24 @@
-"""Save, crash, resume with another rank count: a one-rank run killed with SIGKILL continues from its
-last complete save on two trainer ranks, without breaking version identity (issue: save, resume and
-evaluate; issue 13: a run saved with N trainer ranks resumes with M).
+"""Interrupt, resume, crash, resume with another rank count, through ``train_async.py`` as a user runs it.
 
-One crashed run and one resumed run carry every check (each whole run costs half a minute of CPU).
-Both train with GSPO (``--advantage-estimator gspo``, issue 37: GSPO resumes from a save)."""
+1. A saving one-rank run gets Ctrl-C (SIGINT to its process group, as a terminal sends it) once it
+   completed 3 steps: it exits 130 with one line and leaves summary.json and report.png of the steps
+   before (issue 29, the first hour of a new user).
+2. ``--load`` continues it; while it holds the run directory a second run on it exits 2 at once
+   naming the holder. Then the whole job is killed with SIGKILL, mid-run.
+3. A torn newer save is planted; two trainer ranks resume from the newest good save and finish, with
+   every step's record once, without breaking version identity (issue: save, resume and evaluate;
+   issue 13: a run saved with N trainer ranks resumes with M).
+
+Three whole runs carry every check (each costs half a minute of CPU). All train with GSPO
+(``--advantage-estimator gspo``, issue 37: GSPO resumes from a save)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +27,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from run_flags import ONE_ENGINE
 from deadlines import scaled
 from checkpoint_reading import read_state
 from base_model import place_base_model
@@ -28,14 +38,13 @@ from miles_disagg.trainer.checkpoint import find_latest, read_complete
 from miles_disagg.weights.store import VersionStore
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(600)  # two whole runs in the module fixture (scaled by the load: e2e conftest)
+pytestmark = pytest.mark.timeout(900)  # three whole runs in the module fixture (scaled by the load: e2e conftest)
 PROMPTS_PER_ROLLOUT = 8  # groups of 8 samples: 64 samples per rollout
 OPTIMIZER_STEPS_PER_ROLLOUT = 2  # global batch 32
 RESUMED_STEPS = 3
 # a group dropped as stale leaves the data position too (a resumed run would drop it as well): how
 # many are dropped depends on the machine's load, so these runs keep every group to count exactly
 NO_STALE_DROPS = ("--max-weight-staleness", "1000")
-ONE_ENGINE = ("--rollout-num-gpus", "1")  # what is checked is the trainer's state; one engine follows it
 
 
 def command(tmp: Path, num_rollout: int, num_ranks: int, *extra: str) -> list[str]:
@@ -79,22 +88,58 @@ def kill_the_whole_job(job: str, timeout_s: float = 60.0) -> None:
         psutil.wait_procs(left, timeout=1.0)
 
 
-@pytest.fixture(scope="module")
-def crashed_and_resumed(tmp_path_factory: pytest.TempPathFactory, digits_base_model: Path):
-    """One trainer rank runs until its save at step 4 exists and is killed; a torn newer save is
-    planted; two trainer ranks resume from the newest good save and run three more steps."""
-    tmp = tmp_path_factory.mktemp("resume")
-    place_base_model(digits_base_model, tmp)
-    job = uuid.uuid4().hex
-    crash = subprocess.Popen(command(tmp, 60, 1), cwd=tmp, env=environment(job), stdout=subprocess.DEVNULL,
-                             stderr=open(tmp / "crash.log", "wb"), start_new_session=True)
-    deadline = time.monotonic() + scaled(300)
-    while read_complete(tmp / "saves" / "iter_0000004") is None:
-        assert crash.poll() is None, (tmp / "crash.log").read_text()[-4000:]
-        assert time.monotonic() < deadline, "no save at step 4"
+QUIET_PREFLIGHT_S = 8.0  # a refused launch: Python, the config, the check; no Ray
+
+
+def wait_until(done, proc: subprocess.Popen, log: Path, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + scaled(timeout_s)
+    while not done():
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}: {log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"no {what} in time"
         time.sleep(0.05)
+
+
+def interrupt_after_3_steps(tmp: Path) -> dict:
+    """Run 1: Ctrl-C once 3 steps are recorded and a save exists."""
+    log = tmp / "interrupted.log"
+    first = subprocess.Popen(command(tmp, 60, 1), cwd=tmp, env=environment(), stdout=subprocess.DEVNULL,
+                             stderr=open(log, "wb"), start_new_session=True)
+    metrics = tmp / "run" / "metrics.jsonl"
+    wait_until(lambda: metrics.exists() and len(read_metrics(metrics)) >= 3 and find_latest(tmp / "saves"), first, log,
+               240, "3 steps and a save")
+    os.killpg(first.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
+    first.wait(timeout=scaled(120))
+    return {"code": first.returncode, "stderr": log.read_text(), "steps": len(read_metrics(metrics)),
+            "summary": json.loads((tmp / "run" / "summary.json").read_text()),
+            "report_size": (tmp / "run" / "report.png").stat().st_size, "save": find_latest(tmp / "saves")[0]}
+
+
+def resume_then_crash(tmp: Path, interrupted_save: Path) -> dict:
+    """Run 2: ``--load`` continues run 1; a second run on the held directory is started; once the
+    resumed run saved twice more the whole job is killed."""
+    job, log = uuid.uuid4().hex, tmp / "crash.log"
+    crash = subprocess.Popen(command(tmp, 60, 1, "--load", str(tmp / "saves")), cwd=tmp, env=environment(job),
+                             stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
+    lock = tmp / "run" / "run.lock"
+    wait_until(lambda: lock.exists() and f'"pid": {crash.pid},' in lock.read_text(), crash, log, 60,
+               "lock taken by the resumed run")
+    start = time.monotonic()
+    second = subprocess.run(command(tmp, 5, 1), cwd=tmp, env=environment(), capture_output=True, text=True,
+                            timeout=scaled(120))
+    second_s = time.monotonic() - start
+    twice_more = tmp / "saves" / f"iter_{read_complete(interrupted_save).step + 4:07d}"
+    wait_until(lambda: read_complete(twice_more) is not None, crash, log, 300, f"save {twice_more.name}")
     kill_the_whole_job(job)  # the whole job dies at once, mid-run
     crash.wait()
+    return {"stderr": log.read_text(), "second": second, "second_s": second_s}
+
+
+@pytest.fixture(scope="module")
+def interrupted_crashed_resumed(tmp_path_factory: pytest.TempPathFactory, digits_base_model: Path):
+    tmp = tmp_path_factory.mktemp("resume")
+    place_base_model(digits_base_model, tmp)
+    interrupted = interrupt_after_3_steps(tmp)
+    crashed = resume_then_crash(tmp, interrupted["save"])
     store = VersionStore(tmp / "run" / "weight-updates")
     at_crash = store.latest()  # no process of the crashed job is left to move it
     # a save torn mid-write (newer than every good one) must be ignored
@@ -108,7 +153,49 @@ def crashed_and_resumed(tmp_path_factory: pytest.TempPathFactory, digits_base_mo
     resumed = subprocess.run(command(tmp, newest_good_step(newest_good) + RESUMED_STEPS, 2, "--load", str(tmp / "saves")),
                              cwd=tmp, env=environment(), capture_output=True, text=True, timeout=scaled(300))
     assert resumed.returncode == 0, resumed.stderr[-6000:]
-    return tmp, at_crash, newest_good, resumed
+    return {"tmp": tmp, "interrupted": interrupted, "crashed": crashed, "at_crash": at_crash,
+            "newest_good": newest_good, "resumed": resumed}
+
+
+@pytest.fixture(scope="module")
+def crashed_and_resumed(interrupted_crashed_resumed):
+    """(tmp, the store's latest at the crash, the newest good save, the two-rank resumed run)."""
+    runs = interrupted_crashed_resumed
+    return runs["tmp"], runs["at_crash"], runs["newest_good"], runs["resumed"]
+
+
+def test_ctrl_c_exits_130_with_one_line_and_the_report_of_completed_steps(interrupted_crashed_resumed) -> None:
+    first, tmp = interrupted_crashed_resumed["interrupted"], interrupted_crashed_resumed["tmp"]
+    err, steps = first["stderr"], first["steps"]
+    assert first["code"] == 130, err[-4000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-4000:]
+    lines = [line for line in err.splitlines() if "interrupted" in line]
+    assert lines == [f"train_async.py: interrupted (SIGINT) at step {steps}; summary.json and report.png of steps "
+                     f"before {steps} in {tmp / 'run'}; resume with --load {tmp / 'saves'}"], err[-3000:]
+    assert first["summary"]["steps"] == steps and first["report_size"] > 1000
+
+
+def test_load_continues_an_interrupted_run(interrupted_crashed_resumed) -> None:
+    runs = interrupted_crashed_resumed
+    assert f"resuming from {runs['interrupted']['save']}" in runs["crashed"]["stderr"], runs["crashed"]["stderr"][-4000:]
+    saved = read_complete(runs["newest_good"])
+    assert saved.step >= read_complete(runs["interrupted"]["save"]).step + 4  # it trained on, and saved
+
+
+def test_a_second_run_on_a_held_run_dir_exits_2_at_once(interrupted_crashed_resumed) -> None:
+    second, second_s = interrupted_crashed_resumed["crashed"]["second"], interrupted_crashed_resumed["crashed"]["second_s"]
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert "is in use by another run" in second.stderr and f"on host {socket.gethostname()}" in second.stderr
+    assert "Traceback" not in second.stderr and second_s < scaled(QUIET_PREFLIGHT_S)
+
+
+def test_the_resumed_run_ends_with_every_steps_record_once(interrupted_crashed_resumed) -> None:
+    tmp, resumed = interrupted_crashed_resumed["tmp"], interrupted_crashed_resumed["resumed"]
+    total = newest_good_step(interrupted_crashed_resumed["newest_good"]) + RESUMED_STEPS
+    records = read_metrics(tmp / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(total)), resumed.stderr[-3000:]
+    assert json.loads((tmp / "run" / "summary.json").read_text())["steps"] == total
+    assert json.loads((tmp / "run" / "run.lock").read_text())["released"] is True
 
 
 def newest_good_step(path: Path) -> int:

@@ -1,6 +1,7 @@
-"""The main job of the README (``train_async.py --config configs/tiny_cpu.yaml``), shortened.
+"""The main job of the README (``./scripts/demo.sh``: set up, then ``train_async.py --config
+configs/tiny_cpu.yaml``), shortened.
 
-Runs the real thing as a user does (a subprocess with its own local Ray, two built-in
+Runs the real thing as a user does (the README's first command, with its own local Ray, two built-in
 engines on logical GPUs, one trainer rank, disk-delta updates, staleness bound 2) and
 checks the run's own records: the policy learns, every consumed sample carries the versions
 that served it and respects the staleness bound, every update logged its cost, every engine
@@ -11,9 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import tempfile
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,19 @@ from miles_disagg.tracking import read_metrics
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 20
 STALENESS = 2
+MAIN_JOB = "train_async.py --config configs/tiny_cpu.yaml"
+
+
+def demo_argv() -> list[str]:
+    """``scripts/demo.sh``, whose last line runs the documented main job with the arguments it is given:
+    running it runs that command whole (and checks the README's first command), so the suite pays for
+    one run of both."""
+    documented_argv(MAIN_JOB)  # still shown by the pages, and run here
+    demo = REPO / "scripts" / "demo.sh"
+    last = shlex.split(demo.read_text().strip().splitlines()[-1])
+    assert last[:2] == ["exec", ".venv/bin/python"] and last[-1] == "$@", last
+    assert shlex.join(last[2:-1]) == MAIN_JOB, f"demo.sh no longer runs `python {MAIN_JOB}`: {last}"
+    return [str(demo)]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +49,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = {**os.environ, "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"),
            "RAY_AUTH_MODE": "disabled"}  # Ray socket paths must be short
     result = subprocess.run(
-        [*documented_argv("train_async.py --config configs/tiny_cpu.yaml"),  # the README's command, lengthened
+        [*demo_argv(),  # the README's first command, lengthened
          "--run-dir", str(run_dir), "--hf-checkpoint", str(tmp / "base-model"),
          "--hf-checkpoint-init", "tiny-qwen3-digits", "--num-rollout", str(STEPS),
          "--save-debug-rollout-data", str(run_dir / "consumed" / "{rollout_id}.jsonl")],

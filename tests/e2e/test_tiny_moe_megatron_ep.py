@@ -1,5 +1,5 @@
 """A tiny Qwen3-MoE (4 experts, top 2) trains with ``train_async.py`` on CPU: Megatron with expert
-parallelism 2 over 2 trainer ranks (gloo, all-to-all dispatcher), two built-in engines, disk-delta
+parallelism 2 over 2 trainer ranks (gloo, all-to-all dispatcher), a built-in engine, disk-delta
 updates, the count-up task (``configs/tiny_cpu_moe.yaml`` with the backend changed), trained as
 Qwen3-MoE RL is, with GSPO (``--advantage-estimator gspo``). With routing replay on: the engines
 return each token's routed experts, the trainer replays them (``train/routing_replay_match`` 1.0
@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from run_flags import ONE_ENGINE
 
 from miles_disagg.tracking import read_metrics
 
@@ -36,7 +37,8 @@ def moe_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.
          "--run-dir", str(tmp / "run"), "--hf-checkpoint", str(tmp / "base-model"),
          "--hf-checkpoint-init", "tiny-qwen3-moe-digits",
          "--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2",
-         "--use-rollout-routing-replay", "--advantage-estimator", "gspo", "--num-rollout", str(STEPS)],
+         "--use-rollout-routing-replay", "--advantage-estimator", "gspo", "--num-rollout", str(STEPS),
+         *ONE_ENGINE],
         cwd=tmp, capture_output=True, text=True, timeout=900, env=env)
     return tmp / "run", result
 
