@@ -19,6 +19,10 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 unset PYTHONDONTWRITEBYTECODE  # each module's byte code is written the first time it is imported (setup.sh)
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
+# deadlines: quiet values times the load of everything else, measured before the suite starts (tests/deadlines.py)
+MILES_DISAGG_TEST_LOAD_FACTOR="${MILES_DISAGG_TEST_LOAD_FACTOR:-$(.venv/bin/python tests/deadlines.py)}"
+export MILES_DISAGG_TEST_LOAD_FACTOR
+echo "test.sh: deadlines x${MILES_DISAGG_TEST_LOAD_FACTOR} (the machine's load before the suite)"
 cores="$(nproc 2>/dev/null || echo 2)"
 workers="${MILES_DISAGG_TEST_WORKERS:-$((cores + 1))}"
 parallel=()

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from deadlines import LOAD_FACTOR
 from ray_start import export_ray_startup_timeouts, guard_ray_init
 from session_files import made_once
 
@@ -35,7 +36,7 @@ def _tier(item: pytest.Item) -> str | None:
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group markers
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each test carries the marker of its tier (its directory under tests/). Under ``--dist
     loadgroup`` the tests of a module that shares a costly module-scoped fixture (a whole run, a
     server, a Ray cluster) are one unit that stays on one worker, so it is built once; every other
@@ -47,6 +48,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if _shares_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     items.sort(key=_start_order)
+    _scale_timeouts(config, items)
+
+
+def _scale_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test's pytest timeout (its marker, else the ini's) scaled by the machine's measured
+    load (``deadlines.LOAD_FACTOR``): a test takes two to three times longer on a busy machine, and
+    a hang still fails (see tests/deadlines.py)."""
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        quiet = _quiet_timeout(item, default)
+        if quiet > 0:
+            item.add_marker(pytest.mark.timeout(quiet * LOAD_FACTOR), append=False)  # the closest marker now
+
+
+def _quiet_timeout(item: pytest.Item, default: float = 0.0) -> float:
+    """The pytest timeout a test declares for a quiet machine (its marker, else ``default``)."""
+    marker = item.get_closest_marker("timeout")
+    if marker is None:
+        return default
+    return float(marker.args[0] if marker.args else marker.kwargs.get("timeout", default))
 
 
 def _start_order(item: pytest.Item) -> tuple:
@@ -55,8 +76,7 @@ def _start_order(item: pytest.Item) -> tuple:
     first, a module's unit (its tests run one after the other) before a single test, then the
     longer pytest timeout (the quiet value a test declares: how long it may take)."""
     tier = _tier(item)
-    marker = item.get_closest_marker("timeout")
-    timeout = float(marker.args[0] if marker.args else marker.kwargs.get("timeout", 0)) if marker else 0.0
+    timeout = _quiet_timeout(item)
     rank = FIRST_TIERS.index(tier) if tier in FIRST_TIERS else len(FIRST_TIERS)
     return (tier == LAST_TIER, rank, item.get_closest_marker("slow") is None,
             item.get_closest_marker("xdist_group") is None, -timeout)

@@ -7,8 +7,6 @@ apply: the directory is used as it is) skips making it, which saves each run abo
 of imports and initialisation. It is made once per test session (the test processes share it)
 and copied into each run's directory; ``test_tiny_cpu_main_job`` still lets its run make its own
 (``--hf-checkpoint-init`` on its command line), as a user's first run does.
-
-Pytest timeouts of this tier are scaled by the machine's measured load (``tests/deadlines.py``).
 """
 
 from __future__ import annotations
@@ -28,20 +26,3 @@ def digits_base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return made_once(tmp_path_factory, "digits-base",
                      lambda path: make_tiny_qwen3(path, seed=BASE_SEED, charset=CHARSETS["digits"]))
 
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every e2e test's pytest timeout (its marker, else the ini's) scaled by the machine's measured
-    load (``deadlines.LOAD_FACTOR``): whole runs take two to three times longer on a busy machine,
-    and a hang still fails (see tests/deadlines.py)."""
-    from deadlines import LOAD_FACTOR
-
-    here = Path(__file__).parent
-    default = float(config.getini("timeout") or 0)
-    for item in items:
-        if not Path(str(item.fspath)).is_relative_to(here):
-            continue
-        marker = item.get_closest_marker("timeout")
-        quiet = float(marker.args[0]) if marker and marker.args else float(marker.kwargs.get("timeout", default)) \
-            if marker else default
-        if quiet > 0:
-            item.add_marker(pytest.mark.timeout(quiet * LOAD_FACTOR), append=False)  # the closest marker now

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 
 from miles_disagg.bench.cli import BENCHMARKS
 
@@ -80,7 +81,7 @@ def bench(name: str, tmp_path: Path, timeout: float) -> dict:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["delta", "http", "hostile", "engine", "colocate", "service", "publish"])
 def test_bench_runs_with_json(name: str, tmp_path: Path) -> None:
-    bench(name, tmp_path, timeout=600)
+    bench(name, tmp_path, timeout=scaled(600))
 
 
 @pytest.mark.slow
@@ -88,7 +89,7 @@ def test_bench_runs_with_json(name: str, tmp_path: Path) -> None:
 def test_bench_async_runs_with_json(tmp_path: Path) -> None:
     """The README's ``bench async --json``: both entry points on the bench's own model (the tiny
     config's ``hf_checkpoint_init`` must not judge it: that exited 1 before)."""
-    answer = bench("async", tmp_path, timeout=900)
+    answer = bench("async", tmp_path, timeout=scaled(900))
     assert answer["samples_per_s_sync"] > 0 and answer["samples_per_s_async"] > 0
 
 
@@ -105,7 +106,7 @@ def test_bench_delta_fp8_runs_with_json(tmp_path: Path) -> None:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     result = subprocess.run([sys.executable, "-m", "miles_disagg.cli", "bench", "delta", "--fp8", "--json",
                              "--size-mb", "2", "--repeat", "1", "--workers", "1", "--fp8-learning-rates", "1e-6", "1e-5"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(600))
     assert result.returncode == 0, result.stderr[-4000:]
     answer = json.loads(result.stdout)
     assert [(r["kind"], r["lr"]) for r in answer["rows"]] == [("dense", 1e-6), ("dense", 1e-5), ("moe", 1e-6), ("moe", 1e-5)]

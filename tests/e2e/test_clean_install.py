@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 
 from test_miles_launch_line import QWEN3_4B_CONFIG, QWEN3_4B_MODEL_ARGS, QWEN3_4B_PERF, launch_line
 
@@ -41,7 +42,7 @@ def _pip_config_args() -> list[str]:
 
 def _install(venv: Path, *requirements: str) -> None:
     result = subprocess.run([str(UV), "pip", "install", "--python", str(venv / "bin" / "python"),
-                             *_pip_config_args(), *requirements], capture_output=True, text=True, timeout=800,
+                             *_pip_config_args(), *requirements], capture_output=True, text=True, timeout=scaled(800),
                             cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -55,13 +56,13 @@ def test_pip_install_without_extras_runs_a_miles_line_dry_run(tmp_path):
 
     venv = tmp_path / "venv"
     made = subprocess.run([str(UV), "venv", "-q", "--python", sys.executable, str(venv)], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=scaled(120))
     assert made.returncode == 0, made.stderr
     _install(venv, f"torch=={version('torch').split('+')[0]}")  # setup.sh's CPU torch first
     _install(venv, str(REPO))  # `pip install .`: no extras
     python = str(venv / "bin" / "python")
     probe = subprocess.run([python, "-c", "import megatron.core, miles_disagg; print(miles_disagg.__file__)"],
-                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
+                           capture_output=True, text=True, cwd=tmp_path, timeout=scaled(300))
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert str(venv) in probe.stdout and str(REPO) not in probe.stdout  # the installed package, not the tree
 
@@ -76,7 +77,7 @@ def test_pip_install_without_extras_runs_a_miles_line_dry_run(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     result = subprocess.run([python, "-c", "import sys; from miles_disagg.launcher import main; "
                              "sys.exit(main('train_async', sys.argv[1:]))", *line, "--dry-run"],
-                            capture_output=True, text=True, cwd=root, timeout=300, env=env)
+                            capture_output=True, text=True, cwd=root, timeout=scaled(300), env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads(result.stdout)
     assert plan["train_backend"] == "megatron"

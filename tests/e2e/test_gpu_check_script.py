@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -54,7 +55,7 @@ def test_a_section_over_its_time_box_is_reported_and_the_run_fails(tmp_path):
 
 
 def test_an_unknown_section_is_refused_in_one_line():
-    done = subprocess.run([str(SCRIPT), "--cpu", "--only", "nope"], capture_output=True, text=True, timeout=120,
+    done = subprocess.run([str(SCRIPT), "--cpu", "--only", "nope"], capture_output=True, text=True, timeout=scaled(120),
                           env={**os.environ, "PYTHON": sys.executable})
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().splitlines()[-1].startswith("gpu_check: unknown section(s) ['nope']")

@@ -20,6 +20,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 
 from test_miles_launch_line import REPO, launch_line, run
 
@@ -133,7 +134,7 @@ def test_the_30b_script_dry_runs_against_a_config_only_checkpoint(tmp_path: Path
            "MILES_DISAGG_DAPO_MATH_JSONL": str(tmp_path / "prompts.jsonl"),
            "MILES_DISAGG_QWEN3_30B_A3B_WORK_DIR": str(tmp_path / "work"), "PYTHON": os.sys.executable}
     result = subprocess.run(["bash", str(REPO / "scripts" / "run_qwen3_30B_A3B_disk_delta.sh"), "--dry-run"],
-                            capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+                            capture_output=True, text=True, timeout=scaled(180), env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads(result.stdout)
     assert [r["bundle"] for r in plan["placement"]["trainer"]] == list(range(8))

@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 from run_flags import ONE_ENGINE
 from base_model import place_base_model
 
@@ -59,7 +60,7 @@ def miles_code_run(tmp_path_factory: pytest.TempPathFactory, digits_base_model: 
                *MILES_ALGORITHM_LINE,
                "--run-dir", str(run_dir), "--hf-checkpoint", str(tmp / "base-model"),
                "--save-debug-rollout-data", str(run_dir / "consumed" / "{rollout_id}.jsonl"), *ONE_ENGINE]
-    result = subprocess.run(command, cwd=tmp, capture_output=True, text=True, timeout=800, env=env)
+    result = subprocess.run(command, cwd=tmp, capture_output=True, text=True, timeout=scaled(800), env=env)
     assert result.returncode == 0, result.stderr[-6000:]
     return run_dir
 

@@ -165,12 +165,12 @@ def test_serve_ray_runs_its_replicas_on_the_rollout_node(cluster: LocalRayCluste
     serve = ["serve", "ray", "--address", cluster.gcs_address, "--store", str(root / "shared/store"),
              "--base-dir", str(root / "shared/base-model"), "--work-dir", str(work), "--replica-resource", "rollout",
              "--min-replicas", "1", "--max-replicas", "1", "--port", "0", "--poll-interval", "0.5"]
-    refused = subprocess.run(miles_disagg(*serve), env=cluster.node_env(), capture_output=True, text=True, timeout=300)
+    refused = subprocess.run(miles_disagg(*serve), env=cluster.node_env(), capture_output=True, text=True, timeout=scaled(300))
     assert refused.returncode == 2, refused.stderr[-4000:]
     assert refused.stderr.strip().splitlines()[-1].startswith(
         "miles-disagg serve: error: --host 127.0.0.1: this Ray cluster has 2 nodes")
     nowhere = subprocess.run(miles_disagg(*serve, "--host", node_ip(), "--replica-resource", "nowhere"),
-                             env=cluster.node_env(), capture_output=True, text=True, timeout=300)
+                             env=cluster.node_env(), capture_output=True, text=True, timeout=scaled(300))
     assert nowhere.returncode == 2, nowhere.stderr[-4000:]
     assert nowhere.stderr.strip().splitlines()[-1] == (
         "miles-disagg serve: error: --replica-resource 'nowhere': no node of this Ray cluster offers it")
@@ -187,7 +187,7 @@ def test_serve_ray_runs_its_replicas_on_the_rollout_node(cluster: LocalRayCluste
         assert not (work / "ray-0").exists()  # (the driver's node has only the gateway's log there)
     finally:
         proc.terminate()
-        proc.wait(timeout=120)
+        proc.wait(timeout=scaled(120))
     _wait_for(lambda: not _our_processes(cluster), 120, "the service's processes to end")
 
 

@@ -40,6 +40,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 from documented_runs import RUN_BY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -361,11 +362,11 @@ def test_commands_run_elsewhere_are_shown_and_run_by_their_test() -> None:
 @pytest.mark.parametrize("argv", [a for a in train_shapes() if run_here(a)], ids=lambda argv: " ".join(argv))
 def test_train_commands_run(argv: list[str], base_copy: Path, tmp_path: Path) -> None:
     if "--help" in argv:
-        result = _run([sys.executable, *argv], timeout=120)
+        result = _run([sys.executable, *argv], timeout=scaled(120))
         assert result.returncode == 0 and "usage:" in result.stdout, result.stderr[-2000:]
         return
     quick = [] if FAST & set(argv) else [*QUICK, "--run-dir", str(tmp_path / "run")]
-    result = _run([sys.executable, *argv, "--hf-checkpoint", str(base_copy), *quick], timeout=600)
+    result = _run([sys.executable, *argv, "--hf-checkpoint", str(base_copy), *quick], timeout=scaled(600))
     assert result.returncode == 0, f"{shlex.join(argv)} exited {result.returncode}:\n{result.stderr[-4000:]}"
     if "--dry-run" in argv:
         assert isinstance(json.loads(result.stdout), dict)
@@ -417,7 +418,7 @@ def test_the_weights_chain_runs_on_a_tiny_model(tmp_path: Path) -> None:
     assert [argv[1] for argv in chain] == ["publish", "apply", "verify", "inspect"]
     for argv in chain:
         args = [values.get(t.strip("[]"), t.strip("[]")) for t in argv]
-        result = _run([sys.executable, "-m", "miles_disagg.cli", *args], timeout=300)
+        result = _run([sys.executable, "-m", "miles_disagg.cli", *args], timeout=scaled(300))
         assert result.returncode == 0, f"miles-disagg {shlex.join(args)}:\n{result.stderr[-3000:]}"
 
 
@@ -452,7 +453,7 @@ def test_test_script_collects_the_suite() -> None:
     # for nothing this check needs (CI runs the script whole)
     result = subprocess.run(["./scripts/test.sh", "--collect-only", "-q", "-p", "no:cacheprovider",
                              "--ignore=tests/e2e", "--ignore=tests/integration"], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=scaled(900))
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     main, _, tier = result.stdout.partition("== the SGLang conformance tier (tests/sglang) ==")
     assert "tests/unit/test_layering.py::" in main and "tests/sglang/" not in main, main[-2000:]

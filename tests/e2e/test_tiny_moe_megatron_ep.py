@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 from run_flags import ONE_ENGINE
 
 from miles_disagg.tracking import read_metrics
@@ -39,7 +40,7 @@ def moe_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.
          "--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2",
          "--use-rollout-routing-replay", "--advantage-estimator", "gspo", "--num-rollout", str(STEPS),
          *ONE_ENGINE],
-        cwd=tmp, capture_output=True, text=True, timeout=900, env=env)
+        cwd=tmp, capture_output=True, text=True, timeout=scaled(900), env=env)
     return tmp / "run", result
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from deadlines import scaled
 import torch
 
 from engine_fixtures import ENGINE_URL_ENV, Background, greedy_reference, sse_events, start_engine, stop_engine, wait_until
@@ -346,7 +347,7 @@ def test_the_cli_refuses_a_bad_engine_url(tmp_path, url):
     result = subprocess.run(
         [sys.executable, "-m", "miles_disagg.cli", "agent", "--engine-url", url,
          "--local-checkpoint-dir", str(tmp_path / "ckpt"), "--port", str(free_port())],
-        capture_output=True, text=True, timeout=60)
+        capture_output=True, text=True, timeout=scaled(60))
     assert result.returncode == 2, result.stderr
     assert "--engine-url" in result.stderr and url in result.stderr and "Traceback" not in result.stderr
 

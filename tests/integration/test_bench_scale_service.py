@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 
 pytestmark = pytest.mark.timeout(180)
 PULL_MS, LOAD_MS = 60, 30
@@ -45,6 +46,6 @@ def test_every_replica_converges_on_every_version_and_the_figures_are_printed(tm
 
 
 def test_a_service_section_without_replicas_is_refused_naming_the_flag() -> None:
-    result = _bench("--sections", "service", "--service-replicas", "0", timeout=60)
+    result = _bench("--sections", "service", "--service-replicas", "0", timeout=scaled(60))
     assert result.returncode == 2 and "--service-replicas" in result.stderr
     assert result.stdout == ""

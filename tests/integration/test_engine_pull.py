@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 import torch
 
 from engine_fixtures import ENGINE_URL_ENV, Background, start_engine, stop_engine, greedy_reference
@@ -290,6 +291,6 @@ def test_engine_refuses_a_bad_pre_read_hook_at_start(tiny_qwen3_dir, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "miles_disagg.engines.builtin", "--model-path", str(tiny_qwen3_dir), "--port", "1",
          "--custom-pull-weights-pre-read-hook", "no_such_module_xyz:hook"],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=scaled(120))
     assert result.returncode == 2
     assert "no_such_module_xyz" in result.stderr and "Traceback" not in result.stderr

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,7 +24,7 @@ FLAGS = [
 
 def run(script: str, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / script), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=scaled(120))
 
 
 def test_help_lists_every_flag() -> None:
@@ -76,7 +77,7 @@ def test_print_config_merges_yaml_and_command_line_wins() -> None:
 
 def test_cli_help_is_fast_and_lists_subcommands() -> None:
     result = subprocess.run([sys.executable, "-m", "miles_disagg.cli", "--help"], capture_output=True,
-                            text=True, timeout=60)
+                            text=True, timeout=scaled(60))
     assert result.returncode == 0
     for name in ("weights", "engine", "router", "agent", "make-tiny-checkpoint", "bench"):
         assert name in result.stdout
@@ -102,7 +103,7 @@ def test_bench_http_prints_both_clients_side_by_side() -> None:
     import json
 
     result = subprocess.run([sys.executable, "-m", "miles_disagg.cli", "bench", "http", "--requests", "200",
-                             "--concurrency", "16", "--delay-ms", "1"], capture_output=True, text=True, timeout=180)
+                             "--concurrency", "16", "--delay-ms", "1"], capture_output=True, text=True, timeout=scaled(180))
     assert result.returncode == 0, result.stderr[-3000:]
     answer = json.loads(result.stdout)
     for kind in ("httpx", "pooled_http"):
@@ -110,5 +111,5 @@ def test_bench_http_prints_both_clients_side_by_side() -> None:
     assert answer["config"] == {"concurrency": 16, "requests": 200, "delay_ms": 1.0}
     assert answer["cpu_per_request_ratio_httpx_over_pooled"] > 0
     refused = subprocess.run([sys.executable, "-m", "miles_disagg.cli", "bench", "http", "--requests", "0"],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=scaled(60))
     assert refused.returncode == 2 and "--requests must be at least 1" in refused.stderr

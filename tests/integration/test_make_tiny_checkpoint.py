@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "miles_disagg.cli", "make-tiny-checkpoint", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=240)
+                          env=env, capture_output=True, text=True, timeout=scaled(240))
 
 
 def refused(*args: str, match: str) -> None:

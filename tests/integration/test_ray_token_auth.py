@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 
+from deadlines import scaled
+
 PROBE = """
 import os, ray
 from miles_disagg.loop.ray_start import init_ray
@@ -23,7 +25,7 @@ ray.shutdown()
 def test_a_run_on_a_machine_without_a_ray_token_starts_ray_with_token_auth(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     env.update(HOME=str(tmp_path), MILES_DISAGG_RAY_TMPDIR=tempfile.mkdtemp(prefix="ray", dir="/tmp"))
-    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=scaled(240))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["7", "token"]  # Ray's default stands: auth on, its own token
     assert "Token authentication is enabled" not in done.stderr  # Ray's notice is not printed on every run
@@ -38,7 +40,7 @@ def test_a_run_on_a_machine_with_a_ray_token_starts_ray_with_token_auth(tmp_path
     (tmp_path / ".ray" / "auth_token").write_text("5f" * 32)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     env.update(HOME=str(tmp_path), MILES_DISAGG_RAY_TMPDIR=tempfile.mkdtemp(prefix="ray", dir="/tmp"))
-    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=scaled(240))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["7", "token"]
     assert "Token authentication is enabled" not in done.stderr

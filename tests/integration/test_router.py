@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from deadlines import scaled
 
 from engine_fixtures import EngineHandle, running_count, start_engine, stop_engine, wait_until
 from router_fixtures import (FakeWorker, fake_worker_app, generate_body, inprocess_router, retry_until_served,
@@ -238,12 +239,12 @@ def test_cli_starts_serves_and_refuses_bad_input(engines, tmp_path):
             assert client.worker(a.url)["state"] == "ready"
         response = httpx.post(f"http://127.0.0.1:{port}/generate", json=generate_body(), timeout=60)
         assert_served_versions(response.json(), a.url, 0, 0)
-        taken = subprocess.run([*cmd[:5], str(port)], capture_output=True, text=True, timeout=60)
+        taken = subprocess.run([*cmd[:5], str(port)], capture_output=True, text=True, timeout=scaled(60))
         assert taken.returncode == 2 and "cannot listen" in taken.stderr
     finally:
         proc.terminate()
         proc.wait(15)
-    bad = subprocess.run([*cmd[:4], "--health-check-interval", "0"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([*cmd[:4], "--health-check-interval", "0"], capture_output=True, text=True, timeout=scaled(60))
     assert bad.returncode == 2 and "health_check_interval_s" in bad.stderr
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from deadlines import scaled
 
 from service_fixtures import body, serve_until_ok
 from miles_disagg.net.process import free_port
@@ -67,7 +68,7 @@ def test_serve_local_follows_versions_published_with_the_weights_cli(tiny_qwen3_
             published = subprocess.run(
                 miles_disagg("weights", "publish", "--base-dir", str(tiny_qwen3_dir), "--store", str(store),
                              "--target-dir", str(make_target(tiny_qwen3_dir, tmp_path / "target"))),
-                capture_output=True, text=True, env=ENV, timeout=120)
+                capture_output=True, text=True, env=ENV, timeout=scaled(120))
             assert published.returncode == 0, published.stderr
             version = json.loads(published.stdout)["version"]
             assert version == 1
@@ -76,7 +77,7 @@ def test_serve_local_follows_versions_published_with_the_weights_cli(tiny_qwen3_
             engine_url = client.replicas()[0]["engine_url"]
     finally:
         serve.send_signal(signal.SIGINT)
-        code = serve.wait(timeout=60)
+        code = serve.wait(timeout=scaled(60))
         log.close()
     assert code == 0, (tmp_path / "serve.log").read_text()
     for gone in (url, engine_url):  # the gateway and the replica's engine stopped with it

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 
 from miles_disagg.bench.publish import publish_with_ranks, write_checkpoints
 from miles_disagg.weights.checksums import checksum
@@ -85,12 +86,12 @@ def test_versions_of_1_2_and_4_ranks_apply_to_the_same_bytes(published, model, t
         local = tmp_path / f"cli-{ranks}"
         result = subprocess.run([sys.executable, "-m", "miles_disagg.cli", "weights", "apply", "--store", str(store_dir),
                                  "--base-dir", str(base), "--local-dir", str(local)],
-                                capture_output=True, text=True, timeout=300)
+                                capture_output=True, text=True, timeout=scaled(300))
         assert result.returncode == 0, result.stderr[-2000:]
         assert json.loads(result.stdout)["version"] == 1
         assert state_checksums(local) == expected, ranks
         verify = subprocess.run([sys.executable, "-m", "miles_disagg.cli", "weights", "verify", "--store",
-                                 str(store_dir), "--base-dir", str(base)], capture_output=True, text=True, timeout=300)
+                                 str(store_dir), "--base-dir", str(base)], capture_output=True, text=True, timeout=scaled(300))
         assert verify.returncode == 0, verify.stderr[-2000:]
 
 

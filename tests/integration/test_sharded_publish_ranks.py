@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 import torch
 
 from miles_disagg.config.components import TrainConfig, WeightUpdateConfig
@@ -162,7 +163,7 @@ def verify_cli(store: Path, base: Path) -> dict:
     import json
 
     result = subprocess.run([sys.executable, "-m", "miles_disagg.cli", "weights", "verify", "--store", str(store),
-                             "--base-dir", str(base)], capture_output=True, text=True, timeout=300)
+                             "--base-dir", str(base)], capture_output=True, text=True, timeout=scaled(300))
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout)
 

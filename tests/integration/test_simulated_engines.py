@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from deadlines import scaled
 
 from miles_disagg.net.auth import ADMIN_API_KEY_ENV
 from miles_disagg.bench.processes import SimFleetProcess, start_router, wait_router_ready
@@ -120,7 +121,7 @@ def test_bench_scale_prints_one_json_object_with_every_pool_size(tmp_path: Path)
          "--in-flight", "16", "--rollout-concurrency", "16", "--duration", "0.5", "--rounds", "2",
          "--router-workers", "1,2", "--sim-processes", "2", "--idle-measure", "0.5", "--json",
          "--work-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=420)
+        capture_output=True, text=True, timeout=scaled(420))
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout)
     assert sorted(out["pools"]) == ["2", "4"]

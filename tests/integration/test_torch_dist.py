@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'miles-disagg[megatron]')")
 
@@ -92,7 +93,7 @@ def test_torch_dist_checkpoints_load_into_the_megatron_backend(tiny_qwen3_dir: P
     script = tmp_path / "torch_dist_check.py"
     script.write_text(SCRIPT)
     result = subprocess.run([sys.executable, str(script), str(tiny_qwen3_dir), str(tmp_path / "ckpts")],
-                            capture_output=True, text=True, timeout=280, cwd=tmp_path)
+                            capture_output=True, text=True, timeout=scaled(280), cwd=tmp_path)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert result.returncode == 0 and lines, result.stderr[-4000:]
     found = json.loads(lines[0].removeprefix("RESULT "))

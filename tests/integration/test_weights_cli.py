@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from deadlines import scaled
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -21,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "miles_disagg.cli", "weights", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=scaled(300))
 
 
 def ok(*args: str) -> dict:

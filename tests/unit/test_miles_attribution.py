@@ -15,6 +15,7 @@ from miles_disagg.rollout.attribution import CallLog
 from miles_disagg.rollout.data import Prompt
 from miles_disagg.rollout.generate import GenerationFailed, SamplingSettings
 from miles_disagg.rollout.manager import RolloutManager
+from miles_disagg.rollout.miles_compat import install_miles_imports
 from miles_disagg.types import Sample
 
 pytestmark = pytest.mark.timeout(120)
@@ -85,6 +86,7 @@ def test_an_evaluation_asks_the_hooks_calls_for_exactly_the_version(tokenizer_di
 
 
 def test_a_request_after_its_sample_is_done_is_refused_naming_the_hook(tokenizer_dir):
+    install_miles_imports()  # as loading a hook by its path does: this test imports the hook module first
     import miles_hook_examples
 
     async def scenario():
