@@ -42,9 +42,16 @@ def ray_startup_timeouts(factor: float = LOAD_FACTOR) -> dict[str, str]:
     return {name: str(int(default * max(1.0, factor))) for name, default in RAY_STARTUP_DEFAULTS.items()}
 
 
+RAY_WORKER_NICENESS = {"RAY_worker_niceness": "0"}
+"""The Rays the tests start themselves (``ray.init`` in a test, ``ray start``) run their workers at the
+tests' niceness, as a run's own local Ray does (``LOCAL_RAY_SYSTEM_CONFIG``): at Ray's default 15,
+any other process on a busy machine takes the cores from them."""
+
+
 def export_ray_startup_timeouts() -> None:
-    """Put the scaled deadlines into this process's environment (what the user set stays)."""
-    for name, value in ray_startup_timeouts().items():
+    """Put the scaled deadlines (and the workers' niceness) into this process's environment (what the
+    user set stays)."""
+    for name, value in {**ray_startup_timeouts(), **RAY_WORKER_NICENESS}.items():
         os.environ.setdefault(name, value)
 
 

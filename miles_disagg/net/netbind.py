@@ -73,7 +73,11 @@ WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}  # what
 
 # A local Ray starts no idle workers for its first driver: a run's tasks and actors ask for GPU
 # bundles or a runtime_env those workers cannot serve (each idle worker costs half a CPU-second).
-LOCAL_RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
+# Its workers run at the niceness of the process that started it: Ray's default (nice 15, to keep
+# its own processes responsive) would give the run's real work - the trainer ranks, the engines
+# they start, the managers - to any other process on the machine (with two busy processes on two
+# cores, a run's engines got a few percent of a core and its steps took a minute and more).
+LOCAL_RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False, "worker_niceness": 0}
 
 
 def inherit_into_local_ray() -> None:

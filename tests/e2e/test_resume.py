@@ -123,10 +123,14 @@ def resume_then_crash(tmp: Path, interrupted_save: Path) -> dict:
     lock = tmp / "run" / "run.lock"
     wait_until(lambda: lock.exists() and f'"pid": {crash.pid},' in lock.read_text(), crash, log, 60,
                "lock taken by the resumed run")
+    metrics = tmp / "run" / "metrics.jsonl"
+    records_before = metrics.read_bytes()
     start = time.monotonic()
     second = subprocess.run(command(tmp, 5, 1), cwd=tmp, env=environment(), capture_output=True, text=True,
                             timeout=scaled(120))
     second_s = time.monotonic() - start
+    # the refused run leaves the records alone (the resumed run itself may replace its latest steps' records)
+    assert metrics.read_bytes().startswith(records_before[:len(records_before) // 2])
     twice_more = tmp / "saves" / f"iter_{read_complete(interrupted_save).step + 4:07d}"
     wait_until(lambda: read_complete(twice_more) is not None, crash, log, 300, f"save {twice_more.name}")
     kill_the_whole_job(job)  # the whole job dies at once, mid-run
