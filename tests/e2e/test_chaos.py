@@ -24,7 +24,7 @@ after it trained on a sample of a version that left the lineage; ``summary.json`
 summary line say what was lost and recovered. (This run carries the checks of
 the former trainer-restart run: one whole run fewer.)
 
-A gate (``chaos_hooks.py``) paces the run: it scores only as many samples as the test allows
+A gate (``scoring_gate.py``) paces the run: it scores only as many samples as the test allows
 (about two steps more at each fault, so generation runs during every fault), and the test lifts
 it when the faults are done; the run cannot finish before.
 """
@@ -50,6 +50,7 @@ from deadlines import scaled
 from miles_disagg.tracking import read_metrics, read_records
 
 from cluster_fixtures import MARKER_ENV, LocalRayCluster
+from scoring_gate import GATE_ENV, allow
 from test_ray_cluster import _our_processes, _wait_for, node_id_offering
 from trainer_faults import trainer_rank_pids
 
@@ -68,7 +69,7 @@ def cluster():
     (root / "shared").mkdir()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled",
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": f"{REPO}{os.pathsep}{HERE}",
-           "MILES_DISAGG_CHAOS_GATE": str(root / "shared" / "gate")}
+           GATE_ENV: str(root / "shared" / "gate")}
     env.pop("RAY_ADDRESS", None)
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # (see test_ray_cluster.py)
     ray_cluster = LocalRayCluster(root, env)
@@ -114,9 +115,7 @@ class ChaosRun:
 
     def allow(self, steps: int) -> None:
         """Let about ``steps`` more steps' samples be scored."""
-        allowed = int(self.gate.read_text()) if self.gate.exists() else 0
-        self.gate.with_suffix(".new").write_text(str(allowed + steps * BATCH * SAMPLES))
-        self.gate.with_suffix(".new").replace(self.gate)
+        allow(self.gate, steps * BATCH * SAMPLES)
 
     def placement(self) -> dict:
         return json.loads((self.run_dir / "placement.json").read_text())
@@ -277,7 +276,7 @@ CHAOS = [kill_an_engine_process, lose_a_rollout_node_and_add_another, kill_a_tra
 def chaos_run(cluster: LocalRayCluster, digits_base_model: Path) -> ChaosRun:
     root = cluster.root
     place_base_model(digits_base_model, root / "shared")
-    run = ChaosRun(cluster, root / "shared" / "run", Path(cluster.env["MILES_DISAGG_CHAOS_GATE"]))
+    run = ChaosRun(cluster, root / "shared" / "run", Path(cluster.env[GATE_ENV]))
     run.allow(2)
     restarts = ["--max-trainer-restarts", "1", "--save-interval", "2", "--save", str(run.save_dir)]
     cmd = [str(Path(sys.executable).with_name("ray")), "job", "submit", "--address", cluster.dashboard_url,
@@ -286,7 +285,7 @@ def chaos_run(cluster: LocalRayCluster, digits_base_model: Path) -> ChaosRun:
            "--rollout-batch-size", str(BATCH), "--global-batch-size", "32", "--num-rollout", str(STEPS),
            "--rollout-num-gpus", "2", "--rollout-node-resource", "rollout", "--use-fault-tolerance",
            "--update-weight-disk-dir", str(run.store_dir),
-           "--custom-rm-path", "chaos_hooks.reward",
+           "--custom-rm-path", "scoring_gate.reward",
            "--save-debug-rollout-data", str(run.run_dir / "consumed" / "{rollout_id}.jsonl"), *restarts]
     run.driver = subprocess.Popen(cmd, env=cluster.node_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, cwd=root)

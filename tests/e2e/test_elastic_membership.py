@@ -4,7 +4,10 @@ job through ``miles-disagg engines add`` and serves the run's versions from the 
 on the joined one with no sample lost. Both changes are in ``placement.json`` and ``membership.jsonl``.
 
 The CLI reaches the job the way a user does: the run directory's ``control.json`` and the admin key
-the run generated (``control.key``). One attached engine to start with keeps the run small.
+the run generated (``control.key``). One attached engine to start with keeps the run small. A
+scoring gate (``scoring_gate.py``) paces the run, so it cannot reach its last step before the test
+has joined one engine and removed the other (unpaced, a tiny run's steps took a third of a second
+and a loaded machine's CLI call lost that race).
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ from pathlib import Path
 
 from base_model import place_base_model
 from deadlines import scaled
+from scoring_gate import GATE_ENV, allow
 
 from miles_disagg.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 9
+HERE = Path(__file__).resolve().parent
+STEPS = 12
+STEP_SAMPLES = 4 * 8  # --rollout-batch-size 4, the config's 8 samples per prompt
 
 
 def lines(path: Path) -> list[dict]:
@@ -35,6 +41,22 @@ def wait_for(predicate, timeout_s: float, what: str, run: subprocess.Popen, log:
     while not predicate():
         assert run.poll() is None, f"the run ended (exit {run.returncode}) before {what}: {log.read_text()[-4000:]}"
         assert time.monotonic() < deadline, f"no {what} after {timeout_s:.0f}s"
+        time.sleep(0.2)
+
+
+def wait_pacing(predicate, gate: Path, updates: Path, timeout_s: float, what: str, run: subprocess.Popen,
+                log: Path) -> None:
+    """``wait_for``, letting one more step's samples be scored whenever the run has logged no update
+    for a while (held at the gate: groups it dropped as stale used up their share)."""
+    deadline, seen, since = time.monotonic() + timeout_s, len(lines(updates)), time.monotonic()
+    while not predicate():
+        assert run.poll() is None, f"the run ended (exit {run.returncode}) before {what}: {log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s:.0f}s"
+        if len(lines(updates)) != seen:
+            seen, since = len(lines(updates)), time.monotonic()
+        elif time.monotonic() - since > scaled(3):
+            allow(gate, STEP_SAMPLES)
+            since = time.monotonic()
         time.sleep(0.2)
 
 
@@ -56,15 +78,19 @@ def test_an_engine_joins_a_running_job_and_another_is_drained_out(tmp_path: Path
                                          "--local-checkpoint-dir", str(tmp_path / f"engine-local-{name}")])
                for name in ("started-with", "joining")]
     first, joining = engines
+    gate = tmp_path / "gate"
+    allow(gate, 2 * STEP_SAMPLES)  # two steps, then the run waits for the test
     env = {**os.environ, "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"),
-           "RAY_AUTH_MODE": "disabled"}
+           "RAY_AUTH_MODE": "disabled", GATE_ENV: str(gate),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
     log = tmp_path / "run.log"
     with log.open("w") as out:
         run = subprocess.Popen(
             [sys.executable, str(REPO / "train_async.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
              "--hf-checkpoint", str(base), "--run-dir", str(run_dir), "--num-rollout", str(STEPS),
              "--rollout-batch-size", "4", "--global-batch-size", "32", "--rollout-external",
-             "--rollout-external-engine-addrs", first.url.removeprefix("http://"), "--max-weight-staleness", "1"],
+             "--rollout-external-engine-addrs", first.url.removeprefix("http://"), "--max-weight-staleness", "1",
+             "--custom-rm-path", "scoring_gate.reward"],
             cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         updates = run_dir / "updates.jsonl"
@@ -80,11 +106,13 @@ def test_an_engine_joins_a_running_job_and_another_is_drained_out(tmp_path: Path
             found = [u for u in lines(updates) if following in u["weights/engine_versions"]]
             return found[0] if found else None
 
-        wait_for(lambda: next_update() is not None, scaled(300), "the update after the join", run, log)
+        allow(gate, 2 * STEP_SAMPLES)
+        wait_pacing(lambda: next_update() is not None, gate, updates, scaled(300), "the update after the join", run, log)
         assert next_update()["weights/engine_versions"] == [following, following]  # both serve it: within one update
 
         [removed] = engines_cli("remove", "--run-dir", str(run_dir), first.url)["removed"]
         assert (removed["url"], removed["kind"], removed["drained"]) == (first.url, "attached", True)
+        gate.unlink()  # the membership changes are done: the run goes to its end
         assert run.wait(timeout=scaled(400)) == 0, log.read_text()[-6000:]
     finally:
         if run.poll() is None:
