@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 from deadlines import LOAD_FACTOR
-from ray_start import export_ray_startup_timeouts, guard_ray_init
+from ray_start import export_ray_test_environment, guard_ray_init
 from session_files import made_once
 
-export_ray_startup_timeouts()  # before anything imports Ray: every Ray the tests start inherits them
+export_ray_test_environment()  # before anything imports Ray: every Ray the tests start inherits them
 import miles_disagg  # noqa: E402,F401 - first: collection's imports of torch and ray run without the cyclic collector (startup.py)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

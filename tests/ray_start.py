@@ -48,7 +48,7 @@ tests' niceness, as a run's own local Ray does (``LOCAL_RAY_SYSTEM_CONFIG``): at
 any other process on a busy machine takes the cores from them."""
 
 
-def export_ray_startup_timeouts() -> None:
+def export_ray_test_environment() -> None:
     """Put the scaled deadlines (and the workers' niceness) into this process's environment (what the
     user set stays)."""
     for name, value in {**ray_startup_timeouts(), **RAY_WORKER_NICENESS}.items():

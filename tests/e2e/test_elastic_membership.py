@@ -22,6 +22,7 @@ from pathlib import Path
 
 from base_model import place_base_model
 from deadlines import scaled
+from run_waits import wait_while_running
 from scoring_gate import GATE_ENV, allow
 
 from miles_disagg.tracking import read_metrics
@@ -36,28 +37,23 @@ def lines(path: Path) -> list[dict]:
     return read_metrics(path) if path.exists() else []
 
 
-def wait_for(predicate, timeout_s: float, what: str, run: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert run.poll() is None, f"the run ended (exit {run.returncode}) before {what}: {log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"no {what} after {timeout_s:.0f}s"
-        time.sleep(0.2)
-
-
-def wait_pacing(predicate, gate: Path, updates: Path, timeout_s: float, what: str, run: subprocess.Popen,
-                log: Path) -> None:
-    """``wait_for``, letting one more step's samples be scored whenever the run has logged no update
+def paced(predicate, gate: Path, updates: Path):
+    """``predicate``, letting one more step's samples be scored whenever the run has logged no update
     for a while (held at the gate: groups it dropped as stale used up their share)."""
-    deadline, seen, since = time.monotonic() + timeout_s, len(lines(updates)), time.monotonic()
-    while not predicate():
-        assert run.poll() is None, f"the run ended (exit {run.returncode}) before {what}: {log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"no {what} after {timeout_s:.0f}s"
+    seen, since = len(lines(updates)), time.monotonic()
+
+    def check() -> bool:
+        nonlocal seen, since
+        if predicate():
+            return True
         if len(lines(updates)) != seen:
             seen, since = len(lines(updates)), time.monotonic()
         elif time.monotonic() - since > scaled(3):
             allow(gate, STEP_SAMPLES)
             since = time.monotonic()
-        time.sleep(0.2)
+        return False
+
+    return check
 
 
 def engines_cli(action: str, *argv: str) -> dict:
@@ -94,8 +90,8 @@ def test_an_engine_joins_a_running_job_and_another_is_drained_out(tmp_path: Path
             cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         updates = run_dir / "updates.jsonl"
-        wait_for(lambda: (run_dir / "control.json").exists() and len(lines(updates)) >= 1, scaled(300),
-                 "first update", run, log)
+        wait_while_running(lambda: (run_dir / "control.json").exists() and len(lines(updates)) >= 1, run, log,
+                           scaled(300), "first update")
         [joined] = engines_cli("add", "--run-dir", str(run_dir), joining.url)["joined"]
         print(f"join catch-up: {joined['catch_up_s']:.2f}s to version {joined['version']}")
         assert joined["url"] == joining.url and joined["version"] >= 1
@@ -107,7 +103,8 @@ def test_an_engine_joins_a_running_job_and_another_is_drained_out(tmp_path: Path
             return found[0] if found else None
 
         allow(gate, 2 * STEP_SAMPLES)
-        wait_pacing(lambda: next_update() is not None, gate, updates, scaled(300), "the update after the join", run, log)
+        wait_while_running(paced(lambda: next_update() is not None, gate, updates), run, log, scaled(300),
+                           "the update after the join")
         assert next_update()["weights/engine_versions"] == [following, following]  # both serve it: within one update
 
         [removed] = engines_cli("remove", "--run-dir", str(run_dir), first.url)["removed"]

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 from run_flags import ONE_ENGINE
+from run_waits import wait_while_running
 from deadlines import scaled
 from checkpoint_reading import read_state
 from base_model import place_base_model
@@ -91,22 +92,14 @@ def kill_the_whole_job(job: str, timeout_s: float = 60.0) -> None:
 QUIET_PREFLIGHT_S = 8.0  # a refused launch: Python, the config, the check; no Ray
 
 
-def wait_until(done, proc: subprocess.Popen, log: Path, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + scaled(timeout_s)
-    while not done():
-        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}: {log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"no {what} in time"
-        time.sleep(0.05)
-
-
 def interrupt_after_3_steps(tmp: Path) -> dict:
     """Run 1: Ctrl-C once 3 steps are recorded and a save exists."""
     log = tmp / "interrupted.log"
     first = subprocess.Popen(command(tmp, 60, 1), cwd=tmp, env=environment(), stdout=subprocess.DEVNULL,
                              stderr=open(log, "wb"), start_new_session=True)
     metrics = tmp / "run" / "metrics.jsonl"
-    wait_until(lambda: metrics.exists() and len(read_metrics(metrics)) >= 3 and find_latest(tmp / "saves"), first, log,
-               240, "3 steps and a save")
+    wait_while_running(lambda: metrics.exists() and len(read_metrics(metrics)) >= 3 and find_latest(tmp / "saves"),
+                       first, log, scaled(240), "3 steps and a save", poll_s=0.05)
     os.killpg(first.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
     first.wait(timeout=scaled(120))
     return {"code": first.returncode, "stderr": log.read_text(), "steps": len(read_metrics(metrics)),
@@ -121,8 +114,8 @@ def resume_then_crash(tmp: Path, interrupted_save: Path) -> dict:
     crash = subprocess.Popen(command(tmp, 60, 1, "--load", str(tmp / "saves")), cwd=tmp, env=environment(job),
                              stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
     lock = tmp / "run" / "run.lock"
-    wait_until(lambda: lock.exists() and f'"pid": {crash.pid},' in lock.read_text(), crash, log, 60,
-               "lock taken by the resumed run")
+    wait_while_running(lambda: lock.exists() and f'"pid": {crash.pid},' in lock.read_text(), crash, log, scaled(60),
+                       "lock taken by the resumed run", poll_s=0.05)
     metrics = tmp / "run" / "metrics.jsonl"
     records_before = metrics.read_bytes()
     start = time.monotonic()
@@ -132,7 +125,8 @@ def resume_then_crash(tmp: Path, interrupted_save: Path) -> dict:
     # the refused run leaves the records alone (the resumed run itself may replace its latest steps' records)
     assert metrics.read_bytes().startswith(records_before[:len(records_before) // 2])
     twice_more = tmp / "saves" / f"iter_{read_complete(interrupted_save).step + 4:07d}"
-    wait_until(lambda: read_complete(twice_more) is not None, crash, log, 300, f"save {twice_more.name}")
+    wait_while_running(lambda: read_complete(twice_more) is not None, crash, log, scaled(300), f"save {twice_more.name}",
+                       poll_s=0.05)
     kill_the_whole_job(job)  # the whole job dies at once, mid-run
     crash.wait()
     return {"stderr": log.read_text(), "second": second, "second_s": second_s}
