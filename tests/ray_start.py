@@ -12,7 +12,8 @@ Three measures, for every Ray the test processes start (``ray.init`` in a test p
    takes too, ``miles_disagg/loop/ray_start.py``). A start is a burst of several processes importing
    Ray's agents; two bursts on two cores starve each other past Ray's fixed 30 s wait for its node
    to register ("The current node timed out during startup").
-3. A node start that timed out anyway is stopped and tried again once (:func:`start_twice`).
+3. A node start that timed out anyway is stopped and tried again, as many times in all as a run's
+   own local Ray start tries (:func:`start_retrying`).
 
 Whole runs start their local Ray inside ``train_async.py``, which takes the same turn, retries a
 timed-out start itself and inherits the scaled deadlines.
@@ -65,16 +66,19 @@ def start_turn() -> Iterator[bool]:
         yield held
 
 
-def start_twice(start: Callable[[], T], clean_up: Callable[[], None], what: str) -> T:
+def start_retrying(start: Callable[[], T], clean_up: Callable[[], None], what: str) -> T:
     """``start()`` in a start turn; when it fails because the node timed out during startup,
-    ``clean_up()`` (stop what the failed start left) and once more. Any other failure, or a second
-    timeout, is raised."""
-    for attempt in (1, 2):
+    ``clean_up()`` (stop what the failed start left) and again, ``LOCAL_RAY_START_ATTEMPTS`` tries in
+    all (a run's own local Ray start tries as often). Any other failure, or the last try's timeout,
+    is raised."""
+    from miles_disagg.loop.ray_start import LOCAL_RAY_START_ATTEMPTS
+
+    for attempt in range(1, LOCAL_RAY_START_ATTEMPTS + 1):
         try:
             with start_turn():
                 return start()
         except Exception as exc:  # ray.init raises a bare Exception; the CLI's failure is a RuntimeError here
-            if TIMED_OUT not in str(exc) or attempt == 2:
+            if TIMED_OUT not in str(exc) or attempt == LOCAL_RAY_START_ATTEMPTS:
                 raise
             print(f"{what}: the node timed out during startup; stopping it and starting it again")
             clean_up()
@@ -82,8 +86,8 @@ def start_twice(start: Callable[[], T], clean_up: Callable[[], None], what: str)
 
 
 def guard_ray_init() -> None:
-    """Make this process's ``ray.init`` take a start turn and retry a start that timed out (once,
-    after stopping what the failed start left). Idempotent."""
+    """Make this process's ``ray.init`` take a start turn and retry a start that timed out (after
+    stopping what the failed start left). Idempotent."""
     import ray
 
     real_init = ray.init
@@ -94,7 +98,7 @@ def guard_ray_init() -> None:
         address = args[0] if args else kwargs.get("address", os.environ.get("RAY_ADDRESS"))
         if ray.is_initialized() or address not in (None, "", "local"):
             return real_init(*args, **kwargs)  # connecting to a running cluster: nothing is started
-        return start_twice(lambda: real_init(*args, **kwargs), _stop_failed_start, "ray.init")
+        return start_retrying(lambda: real_init(*args, **kwargs), _stop_failed_start, "ray.init")
 
     init._miles_disagg_guarded = True  # type: ignore[attr-defined]
     init.__wrapped__ = real_init  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """Where a run's Ray comes from: the cluster at ``RAY_ADDRESS``, or a local Ray this process starts
 (with logical GPUs on a machine without CUDA). Local starts on one machine take turns (a file lock):
 two starts at once starve each other past Ray's fixed wait for its node on a small machine, and a
-start that timed out is stopped and tried once more."""
+start that timed out is stopped and tried again (:data:`LOCAL_RAY_START_ATTEMPTS` in all)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,10 @@ def init_ray(num_bundles: int) -> bool:
     return True
 
 
-LOCAL_RAY_START_ATTEMPTS = 2
+LOCAL_RAY_START_ATTEMPTS = 3
+"""Tries of a local Ray start whose node timed out: the raylet registers only once Ray's Python agents
+are up, within a fixed 30 s, and on a machine whose cores other processes keep busy an agent's start
+can take longer (2026-12-04, two busy loops beside the test suite: one run's start timed out twice)."""
 START_TURN_WAIT_S = 300.0
 _start_turn = threading.local()
 
@@ -92,10 +95,10 @@ def local_ray_start_turn(wait_s: float = START_TURN_WAIT_S) -> Iterator[bool]:
 
 
 def _start_local_ray(**options) -> None:
-    """``ray.init(**options)`` in a start turn (:func:`local_ray_start_turn`), once more when the
-    node did not come up in time. On a loaded machine Ray's node agents can start slower than the
+    """``ray.init(**options)`` in a start turn (:func:`local_ray_start_turn`), again (up to
+    :data:`LOCAL_RAY_START_ATTEMPTS` tries) when the node did not come up in time. On a loaded machine Ray's node agents can start slower than the
     raylet waits for them (a fixed timeout, after which it exits and ``ray.init`` raises a bare
-    ``Exception``); the Ray processes the failed start left behind are stopped before the second."""
+    ``Exception``); the Ray processes a failed start left behind are stopped before the next."""
     import ray
 
     for attempt in range(1, LOCAL_RAY_START_ATTEMPTS + 1):
@@ -106,7 +109,8 @@ def _start_local_ray(**options) -> None:
         except Exception as exc:  # Ray raises a bare Exception here
             if "timed out during startup" not in str(exc) or attempt == LOCAL_RAY_START_ATTEMPTS:
                 raise
-            status(f"the local Ray did not come up in time ({str(exc).splitlines()[0]}); starting it again")
+            status(f"the local Ray did not come up in time ({str(exc).splitlines()[0]}); starting it again "
+                   f"(try {attempt + 1} of {LOCAL_RAY_START_ATTEMPTS})")
             _stop_ray_children()
 
 

@@ -12,6 +12,7 @@ groups, then any process left that carries this cluster's marker in its environm
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from deadlines import scaled
-from ray_start import start_twice
+from ray_start import start_retrying
 
 from miles_disagg.net.process import free_port
 
@@ -73,7 +74,7 @@ class LocalRayCluster:
             self.dashboard_url = f"http://127.0.0.1:{dashboard_port}"
             return node
 
-        return self._start_twice("head", once, lambda: None)
+        return self._start_retrying("head", once, lambda: None)
 
     def add_worker(self, name: str, *, num_cpus: int, num_gpus: int, resources: dict[str, float],
                    private_dirs: tuple[Path, ...] = ()) -> RayNode:
@@ -82,21 +83,21 @@ class LocalRayCluster:
         def gone() -> None:  # a late registration of the failed node must not count as a second node
             _wait_gone(lambda: len(self.alive_node_ids()) > alive_before, START_TIMEOUT_S)
 
-        return self._start_twice(name, lambda attempt: self._start(
+        return self._start_retrying(name, lambda attempt: self._start(
             attempt, ["--address", self.gcs_address], num_cpus=num_cpus, num_gpus=num_gpus, resources=resources,
             private_dirs=private_dirs), gone)
 
-    def _start_twice(self, name: str, start: Callable[[str], RayNode], wait_gone: Callable[[], None]) -> RayNode:
+    def _start_retrying(self, name: str, start: Callable[[str], RayNode], wait_gone: Callable[[], None]) -> RayNode:
         """``start(name)``, in a start turn; a start that timed out is killed (its whole process
-        group), and once it is gone from the cluster (``wait_gone``) started again as ``name-2``
-        (tests/ray_start.py)."""
-        names = iter((name, f"{name}-2"))
+        group), and once it is gone from the cluster (``wait_gone``) started again as ``name-2``,
+        ``name-3``, ... (tests/ray_start.py)."""
+        names = (name if attempt == 1 else f"{name}-{attempt}" for attempt in itertools.count(1))
 
         def clean_up() -> None:
             os.killpg(self.nodes[-1].group, signal.SIGKILL)
             wait_gone()
 
-        return start_twice(lambda: start(next(names)), clean_up, f"ray start ({name})")
+        return start_retrying(lambda: start(next(names)), clean_up, f"ray start ({name})")
 
     def _start(self, name: str, args: list[str], *, num_cpus: int, num_gpus: int, resources: dict[str, float],
                private_dirs: tuple[Path, ...] = ()) -> RayNode:
