@@ -30,14 +30,17 @@ class RequestThreads:
         kwargs = {"base_url": self._base_url} if self._base_url else {}
         with httpx.Client(timeout=self.timeout_s, trust_env=False, **kwargs) as http:
             n = 0
-            while not self._stop.is_set():
+            while self._sends(n):
                 record = self._one(http, worker, n)
                 if record is not None:
                     with self._lock:
                         self.records.append(record)
                 n += 1
-                if self._once:
-                    return
+
+    def _sends(self, n: int) -> bool:
+        """Whether a thread sends its request ``n``: with ``once`` the first and no other (a
+        ``stop()`` before a slow thread's first request does not cancel it), else until ``stop()``."""
+        return n == 0 if self._once else not self._stop.is_set()
 
     @property
     def stopping(self) -> bool:

@@ -31,6 +31,8 @@ from miles_disagg.net.process import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
 MARKER_ENV = "MILES_DISAGG_TEST_CLUSTER"
+OUR_ACTORS = ("ray::TrainerRank", "ray::EngineManager", "ray::EngineProcess", "ray::RolloutManager")
+"""The actors a run places on the cluster (as their worker processes name themselves)."""
 START_TIMEOUT_S = scaled(240.0)
 
 
@@ -121,15 +123,27 @@ class LocalRayCluster:
         node.raylet_pid = _raylet_pid(temp_dir)
         return node
 
-    def alive_node_ids(self) -> list[str]:
-        """The ids of the nodes the cluster's GCS holds alive (none before the head is up)."""
+    def alive_nodes(self) -> list[dict]:
+        """The nodes the cluster's GCS holds alive, as its state API describes them (none before the
+        head is up)."""
         import httpx
 
         if self.dashboard_url is None:
             return []
         answer = httpx.get(f"{self.dashboard_url}/api/v0/nodes", params={"detail": "true"}, timeout=30,
                            trust_env=False).json()
-        return [n["node_id"] for n in answer["data"]["result"]["result"] if n["state"] == "ALIVE"]
+        return [n for n in answer["data"]["result"]["result"] if n["state"] == "ALIVE"]
+
+    def alive_node_ids(self) -> list[str]:
+        """The ids of the nodes the cluster's GCS holds alive (none before the head is up)."""
+        return [n["node_id"] for n in self.alive_nodes()]
+
+    def node_id_offering(self, resource: str) -> str:
+        """The id of the one alive node that offers ``resource``."""
+        nodes = self.alive_nodes()
+        found = [n["node_id"] for n in nodes if resource in n["resources_total"]]
+        assert len(found) == 1, nodes
+        return found[0]
 
     def kill_raylet(self, node: RayNode) -> None:
         """What a lost machine looks like to the rest of the cluster: its raylet dies at once."""
@@ -146,6 +160,18 @@ class LocalRayCluster:
                     found.append(proc)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
+        return found
+
+    def our_processes(self) -> list[str]:
+        """A run's processes still alive on the cluster: its actors, engines and router (not Ray's own)."""
+        found = []
+        for proc in self.processes():
+            try:
+                cmdline = " ".join(proc.cmdline())
+            except Exception:
+                continue
+            if "miles_disagg" in cmdline or "train_async.py" in cmdline or cmdline.startswith(OUR_ACTORS):
+                found.append(f"{proc.pid}: {cmdline[:160]}")
         return found
 
     def stop(self, timeout_s: float = 10.0) -> None:

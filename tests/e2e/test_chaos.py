@@ -51,7 +51,7 @@ from miles_disagg.tracking import read_metrics, read_records
 
 from cluster_fixtures import MARKER_ENV, LocalRayCluster
 from scoring_gate import GATE_ENV, allow
-from test_ray_cluster import _our_processes, _wait_for, node_id_offering
+from run_waits import wait_for
 from trainer_faults import trainer_rank_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -123,7 +123,7 @@ class ChaosRun:
     def engine_on(self, resource: str) -> dict:
         """``placement.json``'s entry of the engine on the node offering ``resource`` (engine
         indices follow the nodes' ids, so which worker holds engine 0 varies)."""
-        node = node_id_offering(self.cluster, resource)
+        node = self.cluster.node_id_offering(resource)
         [engine] = [e for e in self.placement()["engines"] if e["node_id"] == node]
         return engine
 
@@ -147,7 +147,7 @@ class ChaosRun:
             except (psutil.Error, IndexError):
                 return False
 
-        _wait_for(lambda: any(map(is_driver, self.cluster.processes())), WAIT_S, "the run's driver process")
+        wait_for(lambda: any(map(is_driver, self.cluster.processes())), WAIT_S, "the run's driver process")
         return next(p for p in self.cluster.processes() if is_driver(p))
 
     def restart_event(self) -> dict:
@@ -159,7 +159,7 @@ class ChaosRun:
         return len(path.read_text().splitlines()) if path.exists() else 0
 
     def wait_steps(self, n: int) -> None:
-        _wait_for(lambda: self.driver.poll() is not None or self.steps_done() >= n, RUN_TIMEOUT_S, f"step {n}")
+        wait_for(lambda: self.driver.poll() is not None or self.steps_done() >= n, RUN_TIMEOUT_S, f"step {n}")
         assert self.driver.poll() is None, f"the run ended early:\n{self.driver.communicate()[0][-6000:]}"
 
     def wait_routed(self, gone: set[str], what: str) -> set[str]:
@@ -169,7 +169,7 @@ class ChaosRun:
             workers = self.router_workers()
             return len(workers) == 2 and all(w["state"] == "ready" and w["url"] not in gone for w in workers)
 
-        _wait_for(ready, WAIT_S, what)
+        wait_for(ready, WAIT_S, what)
         return {w["url"] for w in self.router_workers()}
 
 
@@ -186,7 +186,7 @@ def kill_an_engine_process(run: ChaosRun) -> None:
         raise AssertionError(f"no engine process serves port {port}")
     started = time.monotonic()
     run.allow(2)
-    _wait_for(lambda: engine["address"] not in {w["url"] for w in run.router_workers()}, WAIT_S, "the engine out")
+    wait_for(lambda: engine["address"] not in {w["url"] for w in run.router_workers()}, WAIT_S, "the engine out")
     run.wait_routed({engine["address"]}, "the engine restarted and routed again")
     run.notes["engine_restart_s"] = round(time.monotonic() - started, 1)
 
@@ -201,13 +201,13 @@ def lose_a_rollout_node_and_add_another(run: ChaosRun) -> None:
     cluster.kill_raylet(cluster.rollout_a)
     killed = time.monotonic()
     run.allow(2)
-    _wait_for(lambda: lost_url not in {w["url"] for w in run.router_workers()}, WAIT_S, "the engine out of the router")
+    wait_for(lambda: lost_url not in {w["url"] for w in run.router_workers()}, WAIT_S, "the engine out of the router")
     run.notes["engine_out_after_s"] = round(time.monotonic() - killed, 1)
     run.wait_steps(steps_before + 1)  # the run goes on with one engine
     join_a_rollout_node(cluster)
     joined = time.monotonic()
     run.allow(2)
-    run.notes["new_node"] = node_id_offering(cluster, "chaos_c")
+    run.notes["new_node"] = cluster.node_id_offering("chaos_c")
     run.wait_routed({lost_url}, "the lost engine placed on the new node and routed again")
     run.notes["replaced_after_join_s"] = round(time.monotonic() - joined, 1)
 
@@ -257,13 +257,13 @@ def kill_a_trainer_rank(run: ChaosRun) -> None:
             last_progress = (run.steps_done(), time.monotonic())
         time.sleep(0.2)
     killed = time.monotonic()
-    _wait_for(lambda: rank not in trainer_rank_pids(env=(MARKER_ENV, run.cluster.marker)), WAIT_S,
+    wait_for(lambda: rank not in trainer_rank_pids(env=(MARKER_ENV, run.cluster.marker)), WAIT_S,
               "the killed rank to be gone")
     run.notes.update(killed_at_step=steps, save_step=save[1].step, save_version=save[1].version,
                      latest_at_kill=VersionStore(run.store_dir).latest().version)  # the dead rank publishes no more
     run.allow(3)
     events = run.run_dir / "events.jsonl"
-    _wait_for(lambda: run.driver.poll() is not None or (events.exists() and events.read_text().strip()), WAIT_S,
+    wait_for(lambda: run.driver.poll() is not None or (events.exists() and events.read_text().strip()), WAIT_S,
               "the trainer's restart record")
     assert run.driver.poll() is None, f"the run ended:\n{run.driver.communicate()[0][-6000:]}"
     run.notes["trainer_restart_s"] = round(time.monotonic() - killed, 1)
@@ -291,7 +291,7 @@ def chaos_run(cluster: LocalRayCluster, digits_base_model: Path) -> ChaosRun:
                                   text=True, cwd=root)
     try:
         run.wait_steps(1)
-        _wait_for(lambda: (run.run_dir / "placement.json").exists(), WAIT_S, "placement.json")
+        wait_for(lambda: (run.run_dir / "placement.json").exists(), WAIT_S, "placement.json")
         for fault in CHAOS:
             started = time.monotonic()
             fault(run)
@@ -313,7 +313,7 @@ def test_the_chaos_run_finishes_with_every_step_recorded_once(chaos_run: ChaosRu
     per_step = Counter(r["rollout_step"] for r in read_records(chaos_run.run_dir / "train_steps.jsonl"))
     assert sorted(per_step) == list(range(STEPS)) and set(per_step.values()) == {1}  # one optimizer step each
     assert chaos_run.notes["engine_out_after_s"] < 30  # Ray said the node was gone: no health-check timeouts
-    _wait_for(lambda: not _our_processes(chaos_run.cluster), 120, "the run's processes to end")
+    wait_for(lambda: not chaos_run.cluster.our_processes(), scaled(120), "the run's processes to end")
 
 
 def test_versions_are_published_once_each_and_whole(chaos_run: ChaosRun, tmp_path: Path) -> None:

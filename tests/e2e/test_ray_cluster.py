@@ -33,13 +33,13 @@ from deadlines import scaled
 from miles_disagg.tracking import read_metrics
 
 from cluster_fixtures import LocalRayCluster, RayNode
+from run_waits import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # a cluster and three runs in the module (scaled by the load)
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = scaled(900)
 STEPS = 3
-OUR_ACTORS = ("ray::TrainerRank", "ray::EngineManager", "ray::EngineProcess", "ray::RolloutManager")
 
 
 def _can_unshare() -> bool:
@@ -72,17 +72,6 @@ def cluster():
         shutil.rmtree(root, ignore_errors=True)
 
 
-def node_id_offering(cluster: LocalRayCluster, resource: str) -> str:
-    import httpx
-
-    answer = httpx.get(f"{cluster.dashboard_url}/api/v0/nodes", params={"detail": "true"}, timeout=30,
-                       trust_env=False).json()
-    nodes = answer["data"]["result"]["result"]
-    found = [n["node_id"] for n in nodes if n["state"] == "ALIVE" and resource in n["resources_total"]]
-    assert len(found) == 1, nodes
-    return found[0]
-
-
 def run_args(root: Path, name: str, *extra: str) -> list[str]:
     return ["train_async.py", "--config", "configs/tiny_cpu.yaml", "--run-dir", str(root / "shared" / name),
             "--hf-checkpoint", str(root / "shared" / "base-model"), "--hf-checkpoint-init", "tiny-qwen3-digits",
@@ -104,7 +93,7 @@ def submitted_run(cluster: LocalRayCluster) -> Path:
 
 def test_a_submitted_run_puts_the_engines_on_the_rollout_node(cluster: LocalRayCluster, submitted_run: Path) -> None:
     placement = json.loads((submitted_run / "placement.json").read_text())
-    worker_id, head_id = node_id_offering(cluster, "rollout"), node_id_offering(cluster, "trainer")
+    worker_id, head_id = cluster.node_id_offering("rollout"), cluster.node_id_offering("trainer")
     assert placement["spans_nodes"] is True
     assert [r["node_id"] for r in placement["trainer"]] == [head_id]
     assert [e["node_id"] for e in placement["engines"]] == [worker_id, worker_id]
@@ -147,7 +136,7 @@ def test_a_store_the_rollout_node_cannot_read_fails_before_training(cluster: Loc
                             env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=REPO)
     assert result.returncode == 2, result.stderr[-6000:]
     last = result.stderr.strip().splitlines()[-1]
-    worker_id = node_id_offering(cluster, "rollout")
+    worker_id = cluster.node_id_offering("rollout")
     assert last.startswith("train_async.py: error: a rollout node lacks a shared path: "
                            f"--update-weight-disk-dir '{store}': no such directory on node "), last
     assert f"(id {worker_id}) (engine 0, engine 1)" in last
@@ -182,13 +171,13 @@ def test_serve_ray_runs_its_replicas_on_the_rollout_node(cluster: LocalRayCluste
         with GatewayClient(line.split()[-1]) as client:
             client.wait_converged(STEPS, num_replicas=1, timeout_s=scaled(300))  # the run's newest version, from the store
         actors = _actors(cluster, "ReplicaActor")
-        assert [a["node_id"] for a in actors] == [node_id_offering(cluster, "rollout")]
+        assert [a["node_id"] for a in actors] == [cluster.node_id_offering("rollout")]
         assert list(worker.view(work / "ray-0").iterdir())  # its local checkpoint, on the worker's own disk
         assert not (work / "ray-0").exists()  # (the driver's node has only the gateway's log there)
     finally:
         proc.terminate()
         proc.wait(timeout=scaled(120))
-    _wait_for(lambda: not _our_processes(cluster), 120, "the service's processes to end")
+    wait_for(lambda: not cluster.our_processes(), scaled(120), "the service's processes to end")
 
 
 def miles_disagg(*args: str) -> list[str]:
@@ -207,15 +196,15 @@ def test_losing_every_rollout_engine_for_too_long_ends_the_run_naming_the_node(c
                                                                                submitted_run: Path) -> None:
     root = cluster.root
     run_dir = root / "shared" / "lost"
-    worker_id = node_id_offering(cluster, "rollout")
+    worker_id = cluster.node_id_offering("rollout")
     env = {**cluster.node_env(), "RAY_ADDRESS": cluster.gcs_address}
     driver = subprocess.Popen([sys.executable, *run_args(root, "lost", "--num-rollout", "200",
                                                          "--min-rollout-engines-timeout", "20")], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
-        _wait_for(lambda: driver.poll() is not None or _steps_done(run_dir) >= 1, RUN_TIMEOUT_S, "a first step")
+        wait_for(lambda: driver.poll() is not None or _steps_done(run_dir) >= 1, RUN_TIMEOUT_S, "a first step")
         assert driver.poll() is None, driver.communicate()[1][-6000:]
-        assert _our_processes(cluster)  # (what must be gone at the end is running now)
+        assert cluster.our_processes()  # (what must be gone at the end is running now)
         cluster.kill_raylet(cluster.worker)
         killed = time.monotonic()
         _, stderr = driver.communicate(timeout=RUN_TIMEOUT_S)
@@ -230,30 +219,9 @@ def test_losing_every_rollout_engine_for_too_long_ends_the_run_naming_the_node(c
     assert re.fullmatch(r"train_async\.py: failed: RolloutCapacityLost: only 0 of 2 rollout engine\(s\) served for "
                         r"\d+s, fewer than --min-rollout-engines 1 for longer than --min-rollout-engines-timeout 20s; "
                         rf"engine 0: {cause}; engine 1: {cause}", last), last
-    _wait_for(lambda: not _our_processes(cluster), 120, "the run's processes to end")
+    wait_for(lambda: not cluster.our_processes(), scaled(120), "the run's processes to end")
 
 
 def _steps_done(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def _our_processes(cluster: LocalRayCluster) -> list[str]:
-    """The run's processes still alive: its actors, engines and router (not Ray's own)."""
-    found = []
-    for proc in cluster.processes():
-        try:
-            cmdline = " ".join(proc.cmdline())
-        except Exception:
-            continue
-        if "miles_disagg" in cmdline or "train_async.py" in cmdline or cmdline.startswith(OUR_ACTORS):
-            found.append(f"{proc.pid}: {cmdline[:160]}")
-    return found
-
-
-def _wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(1.0)
