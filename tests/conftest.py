@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,14 @@ import miles_disagg  # noqa: E402,F401 - first: collection's imports of torch an
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 pytest_plugins = ["cpu_durations"]  # --cpu-durations=N
+
+# The tests' processes and the runs they start take Ctrl-C as a terminal's foreground job does. A
+# background job of a non-interactive shell (`nohup ./scripts/test.sh &`, some CI runners) starts
+# with SIGINT ignored, which every child inherits: a run interrupted during its checks, before it
+# installs its own handler, then never hears the signal (test_dry_run's Ctrl-C test waited out the
+# 120 s engine wait and exited 2). A handler set here is reset to the default in each child it execs.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Keep test processes from oversubscribing the 2-core CI machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -253,7 +253,7 @@ def test_ctrl_c_while_waiting_for_an_engine_ends_with_one_line(tmp_path, tiny_qw
             lines.append(line)
         proc.send_signal(signal.SIGINT)
         rest = proc.stderr.read()
-        assert proc.wait(timeout=scaled(30)) == 130
+        assert proc.wait(timeout=scaled(30)) == 130, rest
         assert rest.strip().splitlines() == ["train_async.py: interrupted before the run started"], rest
     finally:
         server.shutdown()
