@@ -7,13 +7,13 @@ Three measures, for every Ray the test processes start (``ray.init`` in a test p
    :data:`RAY_STARTUP_DEFAULTS` times the factor go into the test processes' environment, so every Ray they start
    (and every whole run's local Ray) inherits them. Health checks are not scaled: how fast a lost
    node is noticed is itself under test.
-2. One Ray start at a time on the machine (:func:`start_turn`): the test processes (pytest-xdist
+2. One Ray start at a time on the machine (:func:`start_retrying`): the test processes (pytest-xdist
    workers) and the whole runs they launch take turns (an ``flock`` the runs' own local Ray start
    takes too, ``miles_disagg/loop/ray_start.py``). A start is a burst of several processes importing
    Ray's agents; two bursts on two cores starve each other past Ray's fixed 30 s wait for its node
    to register ("The current node timed out during startup").
-3. A node start that timed out anyway is stopped and tried again, as many times in all as a run's
-   own local Ray start tries (:func:`start_retrying`).
+3. A node start that timed out anyway is stopped and tried again, as a run's own local Ray start
+   is (:func:`start_retrying`: the same code).
 
 Whole runs start their local Ray inside ``train_async.py``, which takes the same turn, retries a
 timed-out start itself and inherits the scaled deadlines.
@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, TypeVar
 
 from deadlines import LOAD_FACTOR, scaled
 
 T = TypeVar("T")
-TIMED_OUT = "timed out during startup"
 
 # Ray's defaults (ray_constants.py and ray_config_def.h of Ray 2.x) of the deadlines a start meets
 RAY_STARTUP_DEFAULTS = {
@@ -56,33 +55,13 @@ def export_ray_test_environment() -> None:
         os.environ.setdefault(name, value)
 
 
-@contextlib.contextmanager
-def start_turn() -> Iterator[bool]:
-    """The machine's one Ray start at a time (``miles_disagg.loop.ray_start.local_ray_start_turn``: the
-    same ``flock`` the runs' own local Ray starts take), waited for at most a scaled 300 s."""
-    from miles_disagg.loop.ray_start import START_TURN_WAIT_S, local_ray_start_turn
-
-    with local_ray_start_turn(scaled(START_TURN_WAIT_S)) as held:
-        yield held
-
-
 def start_retrying(start: Callable[[], T], clean_up: Callable[[], None], what: str) -> T:
-    """``start()`` in a start turn; when it fails because the node timed out during startup,
-    ``clean_up()`` (stop what the failed start left) and again, ``LOCAL_RAY_START_ATTEMPTS`` tries in
-    all (a run's own local Ray start tries as often). Any other failure, or the last try's timeout,
-    is raised."""
-    from miles_disagg.loop.ray_start import LOCAL_RAY_START_ATTEMPTS
+    """``start()`` as a run's own local Ray start goes (``start_with_retries``: a start turn, and
+    ``clean_up()`` then another try when the node timed out during startup), the turn waited for at
+    most a scaled 300 s."""
+    from miles_disagg.loop.ray_start import START_TURN_WAIT_S, start_with_retries
 
-    for attempt in range(1, LOCAL_RAY_START_ATTEMPTS + 1):
-        try:
-            with start_turn():
-                return start()
-        except Exception as exc:  # ray.init raises a bare Exception; the CLI's failure is a RuntimeError here
-            if TIMED_OUT not in str(exc) or attempt == LOCAL_RAY_START_ATTEMPTS:
-                raise
-            print(f"{what}: the node timed out during startup; stopping it and starting it again")
-            clean_up()
-    raise AssertionError("unreachable")
+    return start_with_retries(start, clean_up, what, scaled(START_TURN_WAIT_S))
 
 
 def guard_ray_init() -> None:
@@ -106,22 +85,13 @@ def guard_ray_init() -> None:
     ray.init = init
 
 
-def _stop_failed_start(timeout_s: float = 10.0) -> None:
+def _stop_failed_start() -> None:
     """Stop what a failed ``ray.init`` left: ``ray.shutdown()``, then this process's children that
     run Ray's own programs (the GCS, the raylet, its agents)."""
-    import psutil
     import ray
+
+    from miles_disagg.loop.ray_start import stop_ray_children
 
     with contextlib.suppress(Exception):
         ray.shutdown()
-    marker = f"{os.sep}ray{os.sep}"
-    left = []
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if marker in " ".join(child.cmdline()):
-                child.terminate()
-                left.append(child)
-    _, alive = psutil.wait_procs(left, timeout=timeout_s)
-    for child in alive:
-        with contextlib.suppress(psutil.Error):
-            child.kill()
+    stop_ray_children()

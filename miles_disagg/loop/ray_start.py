@@ -10,12 +10,13 @@ import os
 import shutil
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 from miles_disagg.loop.waiting import still
 from miles_disagg.tracking import status
 from miles_disagg.types import ConfigError
 
+T = TypeVar("T")
 RAY_TMPDIR_ENV = "MILES_DISAGG_RAY_TMPDIR"
 """A directory for a local Ray's sockets and logs (short: Ray's socket paths must be)."""
 
@@ -95,27 +96,37 @@ def local_ray_start_turn(wait_s: float = START_TURN_WAIT_S) -> Iterator[bool]:
 
 
 def _start_local_ray(**options) -> None:
-    """``ray.init(**options)`` in a start turn (:func:`local_ray_start_turn`), again (up to
-    :data:`LOCAL_RAY_START_ATTEMPTS` tries) when the node did not come up in time. On a loaded machine Ray's node agents can start slower than the
+    """``ray.init(**options)`` in start turns, tried again when the node did not come up in time
+    (:func:`start_with_retries`). On a loaded machine Ray's node agents can start slower than the
     raylet waits for them (a fixed timeout, after which it exits and ``ray.init`` raises a bare
-    ``Exception``); the Ray processes a failed start left behind are stopped before the next."""
+    ``Exception``)."""
     import ray
 
+    start_with_retries(lambda: ray.init(**options), stop_ray_children, "the local Ray")
+
+
+def start_with_retries(start: Callable[[], T], clean_up: Callable[[], None], what: str,
+                       turn_wait_s: float = START_TURN_WAIT_S) -> T:
+    """``start()`` in a start turn (:func:`local_ray_start_turn`); when it fails because the node
+    timed out during startup, ``clean_up()`` (stop what the failed start left) and again,
+    :data:`LOCAL_RAY_START_ATTEMPTS` tries in all. Any other failure, or the last try's timeout, is
+    raised."""
     for attempt in range(1, LOCAL_RAY_START_ATTEMPTS + 1):
         try:
-            with local_ray_start_turn():
-                ray.init(**options)
-            return
-        except Exception as exc:  # Ray raises a bare Exception here
+            with local_ray_start_turn(turn_wait_s):
+                return start()
+        except Exception as exc:  # ray.init raises a bare Exception; `ray start` fails as the caller raises
             if "timed out during startup" not in str(exc) or attempt == LOCAL_RAY_START_ATTEMPTS:
                 raise
-            status(f"the local Ray did not come up in time ({str(exc).splitlines()[0]}); starting it again "
+            status(f"{what} did not come up in time ({str(exc).splitlines()[0]}); starting it again "
                    f"(try {attempt + 1} of {LOCAL_RAY_START_ATTEMPTS})")
-            _stop_ray_children()
+            clean_up()
+    raise AssertionError("unreachable")
 
 
-def _stop_ray_children(timeout_s: float = 10.0) -> None:
-    """Terminate (then kill) this process's descendants that run Ray's own programs."""
+def stop_ray_children(timeout_s: float = 10.0) -> None:
+    """Terminate (then kill) this process's descendants that run Ray's own programs (what a failed
+    local Ray start left: the GCS, the raylet, its agents)."""
     import psutil
 
     marker = f"{os.sep}ray{os.sep}"
