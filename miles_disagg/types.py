@@ -128,6 +128,15 @@ class FormatError(FailRun, InvalidInput):
     """A version directory or payload is malformed, truncated or of an unknown format."""
 
 
+class StoreUnavailable(Retryable):
+    """An object store did not answer (unreachable, throttling, resets) within the retry bound;
+    the message names the object. Nothing was changed: the held version stays held."""
+
+
+class StoreAccessDenied(FailRun, InvalidInput):
+    """An object store refused the credentials or the permission (403, unknown key, bad signature)."""
+
+
 class NodeLost(FailRun):
     """A Ray node the run had placed work on left the cluster (its machine or raylet died)."""
 

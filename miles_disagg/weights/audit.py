@@ -61,11 +61,11 @@ def verify_version(store: VersionStore, version: int | None = None, base_dir: st
     if version is None:
         latest = store.latest()
         if latest is None:
-            raise FormatError(f"{store.root} holds no published version")
+            raise FormatError(f"{store.display} holds no published version")
         version = latest.version
     plan = store.plan_chain(version, None)
     base_sizes = _base_sizes(Path(base_dir)) if base_dir is not None else None
-    checked = {index.version: _check_payloads(index, store.version_dir(index.version), base_sizes)
+    checked = {index.version: _check_payloads(index, store.version_files(index.version), base_sizes)
                for index in plan.versions}
     report: dict[str, Any] = {"version": version, "run_id": plan.versions[-1].run_id, "start": plan.start,
                               "chain": [i.version for i in plan.versions], "tensors_checked": checked,
@@ -93,7 +93,7 @@ def _replay_in_memory(store: VersionStore, versions: tuple[VersionIndex, ...], b
 
     with ThreadPoolExecutor(max(1, num_workers)) as pool:
         for index in versions:
-            for _ in apply_version(pool, store.version_dir(index.version), index, layouts, target_of):
+            for _ in apply_version(pool, store.version_files(index.version), index, layouts, target_of):
                 pass
 
 
@@ -102,11 +102,10 @@ def describe_store(store: VersionStore) -> dict[str, Any]:
     pointer = store.pointer()
     versions = []
     for number in store.visible_versions():
-        path = store.version_dir(number)
         entry: dict[str, Any] = {"version": number}
         try:
             index = store.read_index(number)
-            wire = sum((path / f).stat().st_size for f in index.files() if (path / f).exists())
+            wire = store.payload_bytes(index)
             changed, total = index.extra.get("changed_bytes"), index.extra.get("total_bytes")
             entry.update({
                 "run_id": index.run_id, "base_version": index.base_version, "delta_encoding": index.delta_encoding,
@@ -119,7 +118,7 @@ def describe_store(store: VersionStore) -> dict[str, Any]:
         versions.append(entry)
     anchors = [v["version"] for v in versions if v.get("delta_encoding") == "full"]
     return {
-        "store": str(store.root),
+        "store": store.display,
         "latest": None if pointer is None else {"run_id": pointer.run_id, "version": pointer.version},
         "versions": versions,
         "newest_anchor": anchors[-1] if anchors else None,

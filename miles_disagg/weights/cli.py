@@ -1,4 +1,6 @@
-"""``miles-disagg weights publish|apply|verify|inspect``.
+"""``miles-disagg weights publish|apply|verify|inspect|ls``.
+
+A store (``--store``) is a directory or an ``s3://bucket/prefix`` URL (:mod:`miles_disagg.weights.location`).
 
 Every command prints one JSON object on stdout. Refused operations and bad input raise a
 ``MilesDisaggError`` (the top-level CLI prints one line and exits 2); nothing is changed
@@ -22,6 +24,7 @@ from miles_disagg.weights.codec import PUBLISH_ENCODINGS
 from miles_disagg.weights.format import FILTERS
 
 BASE_DIR_HELP = "Version 0: the base HF checkpoint."
+STORE_HELP = "The version store: a directory or s3://bucket/prefix."
 WORKERS_HELP = "Worker threads reading and writing payloads."
 
 
@@ -31,7 +34,7 @@ class PublishCommand:
 
     base_dir: str = flag(REQUIRED, BASE_DIR_HELP)
     target_dir: str = flag(REQUIRED, "HF checkpoint with the new weights (same tensors).")
-    store: str = flag(REQUIRED, "The publication directory.")
+    store: str = flag(REQUIRED, STORE_HELP)
     encoding: str = flag("xor", "Delta encoding.", choices=PUBLISH_ENCODINGS)
     checksum: str = flag(DEFAULT_CHECKSUM, "Final-state checksum.", choices=CHECKSUMS)
     filter: str = flag("byteplane", "Payload filter (none: the plain format).", choices=FILTERS)
@@ -45,7 +48,7 @@ class PublishCommand:
 class ApplyCommand:
     """materialize --local-dir at a published version"""
 
-    store: str = flag(REQUIRED, "The publication directory.")
+    store: str = flag(REQUIRED, STORE_HELP)
     base_dir: str = flag(REQUIRED, BASE_DIR_HELP)
     local_dir: str = flag(REQUIRED, "Host-local checkpoint (a symlink to an A/B slot).")
     to_version: int | None = flag(None, "Target version (default: the latest).")
@@ -57,7 +60,7 @@ class ApplyCommand:
 class VerifyCommand:
     """check a version, its payloads and its lineage"""
 
-    store: str = flag(REQUIRED, "The publication directory.")
+    store: str = flag(REQUIRED, STORE_HELP)
     version: int | None = flag(None, "Version to check (default: the latest).")
     base_dir: str | None = flag(None, "Also replay from the base and check final checksums.")
     workers: int = flag(2, WORKERS_HELP)
@@ -67,10 +70,11 @@ class VerifyCommand:
 class InspectCommand:
     """versions, sizes, density and lineage of a store"""
 
-    store: str = flag(REQUIRED, "The publication directory.")
+    store: str = flag(REQUIRED, STORE_HELP)
 
 
-ACTIONS = {"publish": PublishCommand, "apply": ApplyCommand, "verify": VerifyCommand, "inspect": InspectCommand}
+ACTIONS = {"publish": PublishCommand, "apply": ApplyCommand, "verify": VerifyCommand, "inspect": InspectCommand,
+           "ls": InspectCommand}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    handlers = {"publish": _publish, "apply": _apply, "verify": _verify, "inspect": _inspect}
+    handlers = {"publish": _publish, "apply": _apply, "verify": _verify, "inspect": _inspect, "ls": _inspect}
     command = action_config(args, "weights_command", ACTIONS)
     try:
         result = handlers[args.weights_command](command)
@@ -95,9 +99,19 @@ def _require_dir(path: str, flag: str) -> Path:
     return p
 
 
+def _require_store(text: str, *, exists: bool = True) -> str:
+    """A store URL is parsed (another scheme is refused); a directory must exist when ``exists``."""
+    from miles_disagg.weights.location import is_url, parse_object_url
+
+    if is_url(text):
+        return parse_object_url(text, "--store").url
+    return str(_require_dir(text, "--store")) if exists else text
+
+
 def _publish(command: PublishCommand) -> dict[str, Any]:
     from miles_disagg.weights.publisher import DeltaPublisher
 
+    _require_store(command.store, exists=False)
     base = _require_dir(command.base_dir, "--base-dir")
     target = _require_dir(command.target_dir, "--target-dir")
     publisher = DeltaPublisher(
@@ -147,7 +161,7 @@ def _apply(command: ApplyCommand) -> dict[str, Any]:
     from miles_disagg.weights.materializer import Materializer
 
     base = _require_dir(command.base_dir, "--base-dir")
-    _require_dir(command.store, "--store")
+    _require_store(command.store)
     materializer = Materializer(command.local_dir, base_dir=base, pre_read_hook=command.pre_read_hook, num_workers=command.workers)
     status(f"materializing {'the latest version' if command.to_version is None else f'version {command.to_version}'} "
            f"of {command.store} into {materializer.local_dir}")
@@ -161,18 +175,18 @@ def _apply(command: ApplyCommand) -> dict[str, Any]:
 
 def _verify(command: VerifyCommand) -> dict[str, Any]:
     from miles_disagg.weights.audit import verify_version
-    from miles_disagg.weights.store import VersionStore
+    from miles_disagg.weights.stores import open_store
 
-    _require_dir(command.store, "--store")
+    _require_store(command.store)
     if command.base_dir is not None:
         _require_dir(command.base_dir, "--base-dir")
-    report = verify_version(VersionStore(command.store), command.version, command.base_dir, command.workers)
+    report = verify_version(open_store(command.store), command.version, command.base_dir, command.workers)
     return {"ok": True, **report}
 
 
 def _inspect(command: InspectCommand) -> dict[str, Any]:
     from miles_disagg.weights.audit import describe_store
-    from miles_disagg.weights.store import VersionStore
+    from miles_disagg.weights.stores import open_store
 
-    _require_dir(command.store, "--store")
-    return describe_store(VersionStore(command.store))
+    _require_store(command.store)
+    return describe_store(open_store(command.store))

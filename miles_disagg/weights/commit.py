@@ -100,24 +100,26 @@ def commit_shares(store: VersionStore, staging: Path, ref: VersionRef, expected:
         failed = [m for m in manifests if m.error]
         if failed:
             raise ShareFailed("; ".join(f"rank {m.rank}: {m.error}" for m in failed))
-        index = _rename_and_index(staging, ref, manifests, spec, checksum_format)
+        index = _rename_and_index(staging, ref, manifests, spec, checksum_format, store.renames_share_files)
         _write_json(staging / INDEX_NAME, index.to_json())
         fsync_dir(staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         store.release_staging(staging)
         raise
-    store.commit(staging, ref, expected, post_write_hook)
+    store.commit(staging, ref, expected, post_write_hook, objects=[o for m in manifests for o in m.objects])
     return CommitInfo(sum(m.wire_bytes for m in manifests), len(index.files()), time.perf_counter() - start)
 
 
 def _rename_and_index(staging: Path, ref: VersionRef, manifests: Sequence[ShareManifest], spec: CodecSpec,
-                      checksum_format: str) -> VersionIndex:
-    """Final file names (rank order, then each rank's order) and the index naming them."""
+                      checksum_format: str, rename: bool) -> VersionIndex:
+    """Final file names (rank order, then each rank's order) and the index naming them (a store
+    that took the files as written, ``rename`` False, keeps the ranks' own names)."""
     files = [f for m in sorted(manifests, key=lambda m: m.rank) for f in m.files]
-    final = {f: f"model-{i:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
+    final = {f: f"model-{i:05d}-of-{len(files):05d}.safetensors" if rename else f for i, f in enumerate(files)}
     for old, new in final.items():
-        os.rename(staging / old, staging / new)
+        if old != new:
+            os.rename(staging / old, staging / new)
     tensors = [t for m in manifests for t in m.tensors]
     duplicate = len({t.name for t in tensors}) != len(tensors)
     if duplicate:

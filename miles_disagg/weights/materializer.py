@@ -38,6 +38,7 @@ from miles_disagg.weights.hooks import PRE_READ_FLAG, load_hook
 from miles_disagg.weights.safetensors_io import TensorEntry, checkpoint_tensors, fsync_dir, read_bytes
 from miles_disagg.weights.jsonio import load_json
 from miles_disagg.weights.store import ChainPlan, VersionStore
+from miles_disagg.weights.stores import open_store
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 SLOTS_SUFFIX = ".slots"
 STATE_NAME = "state.json"
 SLOT_NAMES = ("a", "b")
+MIRROR_DIR_NAME = "store-mirror"  # in the slots dir: an object store's versions, pulled and checked
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ class Materializer:
         try:
             _populate(source, dest, {tensors[n][0] for n in touched})
             for index in plan.versions:
-                self._apply_to_files(store.version_dir(index.version), index, dest, tensors)
+                self._apply_to_files(store.version_files(index.version), index, dest, tensors)
             fsync_dir(dest)
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)  # half a version is never left behind as a slot
@@ -232,7 +234,7 @@ class Materializer:
         As SGLang's /pull_weights calls it: ``hook(source_dir, target_version)`` for a target
         above 0 (the latest version number when no target is given).
         """
-        store = VersionStore(store_dir)
+        store = open_store(store_dir, cache_dir=self.slots_dir / MIRROR_DIR_NAME)
         if target_version is None:
             latest = store.latest()
             target_version = latest.version if latest else 0
@@ -286,7 +288,7 @@ class Materializer:
 
         with self._lock:
             for index in plan.versions:
-                for _ in apply_version(self._pool_get(), store.version_dir(index.version), index, layouts, target_of):
+                for _ in apply_version(self._pool_get(), store.version_files(index.version), index, layouts, target_of):
                     pass
         return {n: bytes_to_tensor(b, tensors[n].dtype, tuple(tensors[n].shape)) for n, b in buffers.items()}
 

@@ -37,7 +37,7 @@ from miles_disagg.weights.hooks import POST_WRITE_FLAG, load_hook
 from miles_disagg.weights.safetensors_io import checkpoint_tensors, read_bytes
 from miles_disagg.weights.served_form import ServedForm
 from miles_disagg.weights.shares import ShareManifest, write_share
-from miles_disagg.weights.store import VersionStore
+from miles_disagg.weights.stores import open_store
 
 DEFAULT_SHARD_BYTES = 1 << 30
 ENCODING_FLAG = "--update-weight-delta-encoding"
@@ -120,7 +120,7 @@ class DeltaPublisher:
         check_codec_choices(encoding, checksum, filter)
         if not isinstance(full_anchor_interval, int) or full_anchor_interval < 0:
             raise ConfigError(f"{ANCHOR_FLAG} must be an integer >= 0, got {full_anchor_interval!r}", flags=(ANCHOR_FLAG,))
-        self.store = VersionStore(store_dir)
+        self.store = open_store(store_dir, flag=STORE_FLAG)
         self.base_dir = Path(base_dir)
         self.run_id = run_id
         self.encoding, self.checksum, self.filter = encoding, checksum, filter
@@ -187,7 +187,7 @@ class DeltaPublisher:
         if latest is not None and latest.version > 0:
             plan = self.store.plan_chain(latest.version, VersionRef(latest.run_id, 0))
             for index in plan.versions:
-                for _ in apply_version(self._pool, self.store.version_dir(index.version), index, layouts,
+                for _ in apply_version(self._pool, self.store.version_files(index.version), index, layouts,
                                        snapshot.__getitem__, snapshot.keys()):
                     pass
         self._snapshot, self._layouts, self._latest = snapshot, layouts, latest
@@ -199,7 +199,7 @@ class DeltaPublisher:
         if latest is not None and self.run_id is not None and not same_run(latest.run_id, self.run_id):
             if not self.reset_store:
                 raise ConfigError(
-                    f"{STORE_FLAG} {self.store.root} holds run {latest.run_id!r} (at v{latest.version}); "
+                    f"{STORE_FLAG} {self.store.display} holds run {latest.run_id!r} (at v{latest.version}); "
                     f"this run is {self.run_id!r}: use another directory or reset it",
                     flags=(STORE_FLAG,),
                 )
@@ -207,8 +207,7 @@ class DeltaPublisher:
             latest = None
         if self.run_id is None:
             self.run_id = latest.run_id if latest is not None else uuid.uuid4().hex[:12]
-        if self.store.root.is_dir():
-            self.store.sweep()
+        self.store.sweep()
         return latest
 
     def publish(self, named_tensors: Iterable[tuple[str, Any]], *, full: bool = False) -> PublishResult | None:
@@ -298,13 +297,15 @@ class DeltaPublisher:
                 else:
                     encoded.append(result)
             encode_s = time.perf_counter() - start
-            written, files, wire = write_share(staging, self.collective.rank, encoded, self._layouts, self.shard_bytes)
+            share_dir = self.store.share_dir(staging)
+            written, files, wire = write_share(share_dir, self.collective.rank, encoded, self._layouts, self.shard_bytes)
+            stored = self.store.stage_files(share_dir, files)
         except Exception as exc:
             for _ in tensors:
                 pass
             return ShareManifest(self.collective.rank, error=f"{type(exc).__name__}: {exc}"), exc
         return ShareManifest(self.collective.rank, written, files, wire, total, self.snapshot_bytes, encode_s,
-                             time.perf_counter() - start - encode_s), None
+                             time.perf_counter() - start - encode_s, objects=stored), None
 
     def _commit(self, staging: Path, ref: VersionRef, spec: CodecSpec, manifests: list[ShareManifest],
                 start: float) -> PublishResult | BaseException:

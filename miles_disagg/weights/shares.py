@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 from miles_disagg.weights.apply import LocalTensor
 from miles_disagg.weights.codec import EncodedTensor
@@ -61,6 +61,7 @@ class ShareManifest:
     encode_time_s: float = 0.0
     write_time_s: float = 0.0
     error: str = ""  # non-empty: this rank failed; nothing of the version may commit
+    objects: tuple[Any, ...] = ()  # what the store took of the files at once (an object store: uploaded)
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

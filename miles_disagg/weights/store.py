@@ -24,7 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from miles_disagg.types import (
     FormatError,
@@ -64,14 +64,30 @@ class ChainPlan:
 class VersionStore:
     """One publication directory. Reads are lock-free; commits are serialized by a file lock."""
 
+    renames_share_files = True  # sharded publication renames the ranks' files to model-*-of-* at commit
+
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self._owned: dict[Path, int] = {}  # staging dir -> fd holding its owner lock
+
+    @property
+    def display(self) -> str:
+        """The store as messages name it."""
+        return str(self.root)
 
     # ---------------------------------------------------------------- reading
 
     def version_dir(self, version: int) -> Path:
         return self.root / version_dirname(version)
+
+    def payload_bytes(self, index: VersionIndex) -> int:
+        """Bytes of a committed version's payload files as stored (missing files count 0)."""
+        path = self.version_dir(index.version)
+        return sum((path / f).stat().st_size for f in index.files() if (path / f).exists())
+
+    def version_files(self, version: int) -> Path:
+        """A local directory holding the committed version's index and payloads (here: its own)."""
+        return self.version_dir(version)
 
     def pointer(self) -> VersionRef | None:
         """The ``LATEST`` pointer, or ``None`` when absent."""
@@ -138,7 +154,7 @@ class VersionStore:
         pointer = self.pointer()
         path = self.version_dir(version)
         if not self._is_visible(version, pointer):
-            raise not_published(self.root, version, self.visible_versions())
+            raise not_published(self.display, version, self.visible_versions())
         index = read_index(path)
         if pointer is not None and index.run_id != pointer.run_id:
             raise LineageError(
@@ -215,9 +231,18 @@ class VersionStore:
         finally:
             os.close(fd)  # closing releases the lock
 
+    def share_dir(self, staging: Path) -> Path:
+        """Where a rank writes its share of ``staging`` (rank 0 made it: shared with every rank)."""
+        return staging
+
+    def stage_files(self, staging: Path, files: Sequence[str]) -> tuple[Any, ...]:
+        """A rank's share files are in place once written (an object store uploads them here)."""
+        return ()
+
     def commit(self, staging: Path, ref: VersionRef, expected: VersionRef | None,
-               post_write_hook: PostWriteHook | None = None) -> None:
+               post_write_hook: PostWriteHook | None = None, objects: Sequence[Any] = ()) -> None:
         """Make ``staging`` visible as ``ref``; ``PublishConflict`` if the pointer is not ``expected``.
+        (``objects``: what :meth:`stage_files` returned on every rank; nothing for a directory.)
 
         Ordering: rename into place -> fsync parent -> post-write hook -> replace LATEST.
         On any failure the pointer is unchanged and neither staging nor the directory remains.
@@ -252,7 +277,9 @@ class VersionStore:
         """Delete leftovers of crashed publishers (run at every commit): trash, staging dirs whose
         owner lock is free (their publisher died: at once), and staging dirs without an owner file
         older than ``max_age_s`` (written by an older version of this code)."""
-        removed = []
+        removed: list[str] = []
+        if not self.root.is_dir():
+            return removed
         now = time.time()
         for path in self.root.iterdir():
             staging = path.name.startswith(STAGING_PREFIX) and path not in self._owned
@@ -326,7 +353,7 @@ class VersionStore:
             return removed
 
 
-def not_published(root: Path, version: int, visible: list[int]) -> VersionNotReady:
+def not_published(root: str | Path, version: int, visible: list[int]) -> VersionNotReady:
     """``VersionNotReady`` worded for the store (retryable: the version may still appear)."""
     error = VersionNotReady(VersionConstraint(exact_version=version), visible)
     shown = visible if len(visible) <= 8 else visible[:3] + ["..."] + visible[-3:]  # type: ignore[operator]
