@@ -116,7 +116,20 @@ def _check_disk_delta(config: RunConfig) -> None:
                              ("--update-weight-local-checkpoint-dir", weights.update_weight_local_checkpoint_dir)):
         if not value:
             raise ConfigError(f"{mode} requires {flag_name}", ("--update-weight-transfer-mode", flag_name))
+    _check_store_url(weights.update_weight_disk_dir)
+    if "://" in weights.update_weight_local_checkpoint_dir:
+        raise ConfigError("--update-weight-local-checkpoint-dir is each engine host's own directory, not a URL",
+                          ("--update-weight-local-checkpoint-dir",))
     _check_local_checkpoint(config)
+
+
+def _check_store_url(store: str) -> None:
+    """A store URL must be an ``s3://`` one (another scheme is refused, never taken for a path; the
+    URL itself is parsed by preflight, in ``weights.location``)."""
+    scheme = store.split("://", 1)[0] if "://" in store else None
+    if scheme is not None and scheme != "s3":
+        raise ConfigError(f"--update-weight-disk-dir {store[:200]!r}: the {scheme[:20]}:// scheme is not a version "
+                          "store here: use a directory or s3://bucket/prefix", ("--update-weight-disk-dir",))
 
 
 def _check_local_checkpoint(config: RunConfig) -> None:

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from miles_disagg.weights.location import normalize_store
 from miles_disagg.engines.activation import ACTIVATE_PATH, offers_one_call
 from miles_disagg.net.auth import ApiKeys
 from miles_disagg.engines.client import CONTROL_TIMEOUT_S, PULL_TIMEOUT_S, error_for
@@ -31,7 +32,7 @@ class AsyncEngineClient:
         self.url = url.rstrip("/")
         self.session = session
         self.keys = keys if keys is not None else ApiKeys.from_env()
-        self.store_dir = os.path.abspath(store_dir) if store_dir is not None else None
+        self.store_dir = normalize_store(store_dir) if store_dir is not None else None
         self.local_dir = os.path.abspath(local_checkpoint_dir) if local_checkpoint_dir is not None else None
         self.one_call_activation = False  # the last pull's answer announced /activate_weights
 

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from miles_disagg.weights.location import normalize_store
 from miles_disagg.net.auth import ApiKeys, level_of
 from miles_disagg.net.keyed_client import KeyedHttpClient, payload_message, response_payload
 from miles_disagg.types import EngineUnreachable, EngineUnrecoverable, FailRun, InvalidInput, MilesDisaggError, Retryable
@@ -52,7 +53,7 @@ class EngineClient(KeyedHttpClient):
                  local_checkpoint_dir: str | Path | None = None, timeout_s: float = CONTROL_TIMEOUT_S,
                  keys: ApiKeys | None = None):
         super().__init__(url, timeout_s=timeout_s, keys=keys)
-        self.store_dir = os.path.abspath(store_dir) if store_dir is not None else None
+        self.store_dir = normalize_store(store_dir) if store_dir is not None else None
         # not resolve(): the local checkpoint is a symlink the materializer flips
         self.local_dir = os.path.abspath(local_checkpoint_dir) if local_checkpoint_dir is not None else None
         self.one_call_activation = False  # the last pull's answer announced /activate_weights

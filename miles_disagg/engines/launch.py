@@ -46,8 +46,8 @@ class EngineSpec:
     """The base checkpoint (version 0) the engine starts from."""
     local_checkpoint_dir: Path
     """Host-local checkpoint ``/pull_weights`` materializes into (the agent's, for SGLang)."""
-    store_dir: Path | None = None
-    """The version store ``/pull_weights`` may read (``--weight-store-dir``; None: pulls are refused)."""
+    store_dir: str | None = None
+    """The version store ``/pull_weights`` may read: a directory or an object store URL (``--weight-store-dir``; None: pulls are refused)."""
     log_dir: Path
     """Where the engine (and agent) logs go."""
     name: str = "engine"
@@ -179,7 +179,7 @@ def builtin_engine_command(model_dir: Path, host: str, port: int | str, extra_ar
 
 def agent_command(engine_url: str, local_checkpoint_dir: Path, *, host: str, port: int | str,
                   base_dir: Path | None = None, pre_read_hook: str | None = None,
-                  store_dirs: Sequence[Path] = (), extra_args: Sequence[str] = ()) -> list[str]:
+                  store_dirs: Sequence[str] = (), extra_args: Sequence[str] = ()) -> list[str]:
     """``python -m miles_disagg.engines.agent`` in front of ``engine_url`` on ``host:port``."""
     cmd = [sys.executable, "-m", "miles_disagg.engines.agent", "--engine-url", engine_url,
            "--local-checkpoint-dir", str(local_checkpoint_dir), "--host", host, "--port", str(port)]
@@ -204,8 +204,8 @@ def _sglang_key_args(spec: EngineSpec) -> dict[str, str]:
     return {flag: value for flag, value in pairs if value is not None}
 
 
-def _store_dirs(spec: EngineSpec) -> tuple[Path, ...]:
-    return (spec.store_dir,) if spec.store_dir is not None else ()
+def _store_dirs(spec: EngineSpec) -> tuple[str, ...]:
+    return (str(spec.store_dir),) if spec.store_dir is not None else ()
 
 
 def launch_engine(
@@ -224,7 +224,7 @@ def launch_engine(
 def launch_agent(
     engine_url: str, local_checkpoint_dir: Path, *, log_path: Path, port: int | None = None,
     host: str = "127.0.0.1", base_dir: Path | None = None, pre_read_hook: str | None = None,
-    store_dirs: Sequence[Path] = (), extra_args: Sequence[str] = (), startup_timeout_s: float = AGENT_STARTUP_TIMEOUT_S,
+    store_dirs: Sequence[str] = (), extra_args: Sequence[str] = (), startup_timeout_s: float = AGENT_STARTUP_TIMEOUT_S,
 ) -> LaunchedEngine:
     """Start ``python -m miles_disagg.engines.agent`` in front of ``engine_url``; returns once it
     answers ``/agent_health`` (which says nothing about its engine)."""

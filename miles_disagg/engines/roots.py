@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles_disagg.types import Forbidden
+from miles_disagg.weights.location import is_url, normalize_store
 
 SLOTS_SUFFIX = ".slots"  # the materializer's A/B slot directory beside the local checkpoint
 
@@ -39,12 +40,13 @@ class WeightRoots:
     """See the module docstring. ``store_dirs`` empty or ``local_dir`` None: pulls are refused."""
 
     base_dir: Path | None
-    store_dirs: tuple[Path, ...] = ()
+    store_dirs: tuple[str, ...] = ()  # directories (absolute) or object store URLs (canonical)
     local_dir: Path | None = None
 
     @classmethod
     def of(cls, base_dir: str | Path | None, store_dirs=(), local_dir: str | Path | None = None) -> "WeightRoots":
-        return cls(_abs(base_dir) if base_dir else None, tuple(_abs(d) for d in store_dirs), _abs(local_dir) if local_dir else None)
+        return cls(_abs(base_dir) if base_dir else None, tuple(normalize_store(d, "--weight-store-dir") for d in store_dirs),
+                   _abs(local_dir) if local_dir else None)
 
     def describe(self) -> str:
         stores = ", ".join(repr(str(d)) for d in self.store_dirs) or "none (--weight-store-dir not given)"
@@ -55,11 +57,11 @@ class WeightRoots:
     def _refuse(self, what: str, path: str | Path) -> OutsideRoots:
         return OutsideRoots(f"{what} {str(path)!r} is outside this server's roots ({self.describe()})")
 
-    def source(self, source_dir: str | Path) -> Path:
-        """The store a pull may read: exactly one of ``store_dirs``."""
-        real = _real(source_dir)
+    def source(self, source_dir: str | Path) -> str:
+        """The store a pull may read: exactly one of ``store_dirs`` (a URL must equal one in its
+        canonical form; another scheme or a malformed URL is ``InvalidInput``)."""
         for store in self.store_dirs:
-            if real == _real(store):
+            if same_store(source_dir, store):
                 return store
         raise self._refuse("source_dir", source_dir)
 
@@ -85,3 +87,10 @@ class WeightRoots:
         if self.local_dir is not None and (path == self.local_dir or (slots is not None and path.parent == slots)):
             return "local"
         raise self._refuse("model_path", model_path)
+
+
+def same_store(a: str | Path, b: str | Path) -> bool:
+    """Two store texts name one store: equal canonical URLs, or directories with one real path."""
+    if is_url(a) or is_url(b):
+        return is_url(a) and is_url(b) and normalize_store(a) == normalize_store(b)
+    return _real(a) == _real(b)

@@ -54,7 +54,7 @@ def engine_specs(config: EngineManagerConfig, engines: Sequence[Sequence[int]], 
     builtin_args = ("--enable-return-routed-experts",) if routing and backend == "builtin" else ()
     return [EngineSpec(backend=backend, name=f"engine-{index}", model_path=Path(config.model_path),
                        log_dir=Path(config.run_dir) / "logs", local_checkpoint_dir=root / f"engine-{index}",
-                       store_dir=Path(store) if store else None, host=bind_host(spans_nodes=config.spans_nodes),
+                       store_dir=store or None, host=bind_host(spans_nodes=config.spans_nodes),
                        tp_size=len(bundles), dtype=config.rollout.engine_dtype, seed=config.seed + index,
                        max_running_requests=per_engine,
                        pre_read_hook=config.weights.sglang_custom_pull_weights_pre_read_hook,

@@ -25,13 +25,13 @@ them). Nothing here raises for what an address answered: :class:`Vetting` says w
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from miles_disagg.config.actors import EngineManagerConfig
+from miles_disagg.engines.roots import same_store
 from miles_disagg.net.asgi_guard import SERVER_ID_HEADER
 from miles_disagg.net.auth import ApiKeys, AuthLevel
 from miles_disagg.types import InvalidInput
@@ -194,7 +194,7 @@ def store_problems(config: EngineManagerConfig, server_info: dict, agent_info: d
                 f"in {where}); this job publishes to {ours!r}: start it with --weight-store-dir {ours}"]
     if not isinstance(stores, list) or not all(isinstance(s, str) for s in stores):
         return [f"weight store: {where} weight_store_dirs is not a list of paths"]
-    if any(os.path.realpath(s) == os.path.realpath(ours) for s in stores):
+    if any(_names_store(s, ours) for s in stores):
         return []
     return [f"weight store: the engine pulls only from {stores or 'no store (no --weight-store-dir)'}, "
             f"this job publishes to {ours!r}; start it with --weight-store-dir {ours}"]
@@ -222,3 +222,10 @@ def vet(config: EngineManagerConfig, url: str, *, answer_timeout_s: float) -> Ve
     server_ids = server_ids or sglang_identity(info["server_info"])
     refusal = f"does not match this job: {'; '.join(problems)}" if problems else None
     return Vetting(url, server_ids, refusal, problems=tuple(problems), info=info)
+
+
+def _names_store(theirs: str, ours: str) -> bool:
+    try:
+        return same_store(theirs, ours)
+    except InvalidInput:  # an engine listing a malformed URL does not name ours
+        return False

@@ -40,14 +40,14 @@ def make_paths_absolute(config: RunConfig) -> None:
     """Paths the run hands to actors, resolved against the driver's working directory: an actor's
     own working directory differs (on another node, or under ``ray job submit``), and a path
     that means the same on every node must be absolute."""
-    import os
+    from miles_disagg.weights.location import normalize_store
 
     for section, names in PATH_FIELDS.items():
         component = getattr(config, section)
         for name in names:
             value = getattr(component, name)
-            if value:
-                setattr(component, name, os.path.abspath(value))
+            if value:  # a URL (an object store) keeps its canonical form, a directory becomes absolute
+                setattr(component, name, normalize_store(value, f"--{name.replace('_', '-')}"))
 
 
 def check_runnable(config: RunConfig, warnings: list[str] | None = None) -> None:

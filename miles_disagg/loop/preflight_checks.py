@@ -39,6 +39,7 @@ def check_before_start(config: RunConfig, warnings: list[str] | None = None) -> 
         check_reward(config)
     check_eval_data(config, warnings)
     check_weight_hooks(config)
+    check_object_store(config)
     check_tracking_backends(config)
     try:
         check_local_gpus(config)
@@ -57,6 +58,24 @@ def check_before_start(config: RunConfig, warnings: list[str] | None = None) -> 
         probe_service(rollout.rollout_service_url)
     elif rollout.rollout_external:
         probe_engines(rollout.rollout_external_engine_addrs)
+
+
+def check_object_store(config: RunConfig) -> None:
+    """An ``s3://`` store answers this machine with its credentials (a list of one key under the
+    prefix): wrong credentials, a missing bucket or an unreachable endpoint end the run here, one
+    line naming the store and the cause (never a secret)."""
+    from miles_disagg.types import MilesDisaggError
+    from miles_disagg.weights.location import is_object_store, parse_object_url
+    from miles_disagg.weights.s3_client import ObjectClient
+
+    store = config.weights.update_weight_disk_dir
+    if config.weights.update_weight_transfer_mode != "disk-delta" or not is_object_store(store):
+        return
+    location = parse_object_url(store, "--update-weight-disk-dir")
+    try:
+        ObjectClient(location, attempts=2, connect_timeout_s=3.0, read_timeout_s=10.0).check_bucket()
+    except MilesDisaggError as exc:
+        raise ConfigError(f"--update-weight-disk-dir: {exc}", ("--update-weight-disk-dir",)) from None
 
 
 def check_prompt_data(config: RunConfig, notes: list[str] | None = None) -> None:

@@ -28,9 +28,9 @@ class StoreView:
     else the index file's mtime, for directories written by other producers)."""
 
     def __init__(self, root: str | Path):
-        from miles_disagg.weights.store import VersionStore
+        from miles_disagg.weights.stores import open_store
 
-        self.store = VersionStore(root)
+        self.store = open_store(root)
         self._published: dict[tuple[str, int], float | None] = {}
 
     def head(self) -> StoreHead | None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from miles_disagg.config.commands import ServerFlags, action_config, add_actions
 from miles_disagg.config.fields import REQUIRED, flag
 from miles_disagg.types import ConfigError
+from miles_disagg.weights.location import normalize_store
 
 DEFAULT_GATEWAY_PORT = 30090
 ENGINE_FLAG = "--engine"
@@ -82,7 +83,7 @@ class ReplicaCommand(ServerFlags, ReplicaFlags):
     """one engine that follows the version store"""
 
     port: int = flag(0, PORT_HELP)
-    store: Path = flag(REQUIRED, "The version store (the trainer's --update-weight-disk-dir).")
+    store: str = flag(REQUIRED, "The version store (the trainer's --update-weight-disk-dir): a directory or s3://bucket/prefix.")
     gateway: str = flag(REQUIRED, "Gateway URL to register with.")
     base_dir: Path = flag(REQUIRED, BASE_DIR_HELP)
     local_checkpoint_dir: Path = flag(REQUIRED, "Host-local checkpoint (A/B slots).")
@@ -98,7 +99,7 @@ class PoolFlags(ServerFlags, ReplicaFlags):
     """A gateway plus replicas (``local``, ``ray``)."""
 
     port: int = flag(DEFAULT_GATEWAY_PORT, PORT_HELP)
-    store: Path = flag(REQUIRED, "The version store replicas follow.")
+    store: str = flag(REQUIRED, "The version store replicas follow: a directory or s3://bucket/prefix.")
     base_dir: Path = flag(REQUIRED, BASE_DIR_HELP)
     work_dir: Path | None = flag(None, "Local checkpoints and logs (default: a temp dir).")
     heartbeat_timeout: float = flag(3.0, "A replica silent this long is out of routing.", metavar="S")
@@ -183,12 +184,12 @@ def _run_replica(command: ReplicaCommand) -> int:
     local = command.local_checkpoint_dir
     try:
         engine = EngineSpec(backend="builtin" if kind == "url" else kind, model_path=command.base_dir.resolve(),
-                            local_checkpoint_dir=local, store_dir=command.store.resolve(),
+                            local_checkpoint_dir=local, store_dir=normalize_store(command.store, "--store"),
                             log_dir=command.log_dir or local.parent / f"{local.name}.logs", host=command.host,
                             pre_read_hook=command.pre_read_hook, extra_args=tuple(command.engine_args),
                             tp_size=command.tp_size, base_gpu_id=command.base_gpu_id, dtype=command.dtype)
         config = ReplicaConfig(
-            replica_id=command.replica_id, store_dir=command.store, gateway_url=command.gateway, engine=engine,
+            replica_id=command.replica_id, store_dir=normalize_store(command.store, "--store"), gateway_url=command.gateway, engine=engine,
             attach_url=attach_url,
             host=command.host, port=command.port, poll_interval_s=command.poll_interval,
             heartbeat_interval_s=command.heartbeat_interval, drain_timeout_s=command.drain_timeout,
@@ -223,7 +224,7 @@ def _run_local(command: LocalCommand) -> int:
     _check_base_dir(command.base_dir)
     options = command.replica_options()
     work_dir = command.work_dir_or_temp()
-    service = launch_local_service(command.store.resolve(), command.base_dir.resolve(), work_dir=work_dir,
+    service = launch_local_service(normalize_store(command.store, "--store"), command.base_dir.resolve(), work_dir=work_dir,
                                    num_replicas=command.replicas, port=command.port, host=command.host, replica=options,
                                    heartbeat_timeout_s=command.heartbeat_timeout)
     print(f"miles-disagg serve local: gateway {service.url}, {command.replicas} replicas ready (work dir {work_dir})",
@@ -244,7 +245,7 @@ def _run_ray(command: RayCommand) -> int:
                                 scale_down_delay_s=command.scale_down_delay)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    config = RayServiceConfig(store_dir=command.store.resolve(), base_dir=command.base_dir.resolve(),
+    config = RayServiceConfig(store_dir=normalize_store(command.store, "--store"), base_dir=command.base_dir.resolve(),
                               work_dir=command.work_dir_or_temp(), host=command.host, port=command.port, scaling=scaling,
                               replica=command.replica_options(), num_gpus_per_replica=command.num_gpus_per_replica,
                               scale_interval_s=command.scale_interval, heartbeat_timeout_s=command.heartbeat_timeout,

@@ -57,7 +57,7 @@ class ReplicaOptions:
     """Extra environment for the replica (and its engine), e.g. ``PYTHONPATH`` for hooks."""
 
 
-def replica_command(*, replica_id: str, store_dir: Path, base_dir: Path, gateway_url: str, work_dir: Path,
+def replica_command(*, replica_id: str, store_dir: str | Path, base_dir: Path, gateway_url: str, work_dir: Path,
                     host: str, port: int, options: ReplicaOptions) -> list[str]:
     """The ``python -m miles_disagg.service replica`` argv; state and logs go under ``work_dir``."""
     cmd = [sys.executable, "-m", "miles_disagg.service", "replica", "--replica-id", replica_id,

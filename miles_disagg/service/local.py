@@ -24,6 +24,7 @@ from miles_disagg.service.client import GatewayClient
 from miles_disagg.service.launch import (ReplicaOptions, ReplicaProcess, launch_gateway, replica_command,
                                          spawn_replica)
 from miles_disagg.types import InvalidInput
+from miles_disagg.weights.location import normalize_store
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ SUPERVISE_INTERVAL_S = 0.2
 class LocalServiceConfig:
     """A gateway and its replicas on this machine."""
 
-    store_dir: Path
+    store_dir: str  # a directory or an object store URL
     """The version store replicas follow."""
     base_dir: Path
     """The base checkpoint (version 0)."""
@@ -186,7 +187,7 @@ def launch_local_service(store_dir: str | Path, base_dir: str | Path, *, work_di
     """Start a gateway and ``num_replicas`` replicas; with ``wait_ready_s``, return once every
     replica is ready at the store's newest version (``TimeoutError``/``VersionNotReady`` otherwise,
     after stopping everything). ``config``: other :class:`LocalServiceConfig` fields."""
-    cfg = LocalServiceConfig(store_dir=Path(store_dir), base_dir=Path(base_dir), work_dir=Path(work_dir),
+    cfg = LocalServiceConfig(store_dir=normalize_store(store_dir), base_dir=Path(base_dir), work_dir=Path(work_dir),
                              num_replicas=num_replicas, port=port, host=host, replica=replica or ReplicaOptions(),
                              **config)
     service = LocalService(cfg).start()
@@ -200,8 +201,8 @@ def launch_local_service(store_dir: str | Path, base_dir: str | Path, *, work_di
     return service
 
 
-def _store_head(store_dir: Path) -> int:
-    from miles_disagg.weights.store import VersionStore
+def _store_head(store_dir: str) -> int:
+    from miles_disagg.weights.stores import open_store
 
-    latest = VersionStore(store_dir).latest()
+    latest = open_store(store_dir).latest()
     return latest.version if latest else 0

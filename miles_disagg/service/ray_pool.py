@@ -43,7 +43,7 @@ REPLICA_RESOURCE_SHARE = 0.01
 class RayServiceConfig:
     """A gateway plus autoscaled replica actors."""
 
-    store_dir: Path
+    store_dir: str  # a directory or an object store URL
     base_dir: Path
     work_dir: Path
     """Local checkpoints and logs, per replica (a path valid on every node)."""

@@ -52,7 +52,7 @@ CONTROL_TIMEOUT_S = 120.0
 class ReplicaConfig:
     """Settings of one replica agent."""
 
-    store_dir: Path
+    store_dir: str  # a directory or an object store URL
     """The version store (``--update-weight-disk-dir`` of the trainer)."""
     gateway_url: str
     """Where to register and heartbeat."""

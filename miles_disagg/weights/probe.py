@@ -7,6 +7,10 @@ the trainer's publishing rank writes a probe file with a fresh token into the st
 cannot (no such directory, an empty local directory of the same name, no permission) is
 named before any step runs, instead of failing its first weight update. Readers of the store
 ignore the probe (its name is not a version directory) and the trainer removes it afterwards.
+
+An object store (``s3://``) is probed the same way: the probe is an object under the store's prefix,
+written by the trainer with its credentials and read back on every engine node with that node's,
+so a node whose endpoint, credentials or bucket differ is named the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from miles_disagg.types import MilesDisaggError
+from miles_disagg.weights.location import is_object_store
 
 PROBE_PREFIX = ".store-probe-"
 
@@ -32,8 +39,22 @@ class StoreProbe:
         return Path(self.store_dir) / self.name
 
 
+def _object_client(store: str):
+    from miles_disagg.weights.location import parse_object_url
+    from miles_disagg.weights.s3_client import ObjectClient
+
+    location = parse_object_url(store)
+    return location, ObjectClient(location, attempts=3)
+
+
 def write_probe(store_dir: str | Path) -> StoreProbe:
     """Create the store directory if needed and write a probe into it (durably)."""
+    if is_object_store(store_dir):
+        location, client = _object_client(str(store_dir))
+        token = uuid.uuid4().hex
+        probe = StoreProbe(location.url, f"{PROBE_PREFIX}{token[:12]}", token)
+        client.put(location.key(probe.name), token.encode())
+        return probe
     root = Path(store_dir)
     root.mkdir(parents=True, exist_ok=True)
     token = uuid.uuid4().hex
@@ -47,6 +68,8 @@ def write_probe(store_dir: str | Path) -> StoreProbe:
 
 def read_probe(probe: StoreProbe) -> str | None:
     """None when this machine reads the probe back; otherwise what it found instead."""
+    if is_object_store(probe.store_dir):
+        return _read_object_probe(probe)
     root = Path(probe.store_dir)
     if not root.is_dir():
         return "no such directory"
@@ -61,7 +84,22 @@ def read_probe(probe: StoreProbe) -> str | None:
     return None if found == probe.token else "the probe file there holds another token (a different store)"
 
 
+def _read_object_probe(probe: StoreProbe) -> str | None:
+    try:
+        location, client = _object_client(probe.store_dir)
+        found = client.get(location.key(probe.name), 1024)
+    except MilesDisaggError as exc:
+        return f"cannot read it ({exc})"
+    if found is None:
+        return "the object store answers but the trainer's probe object is missing (another endpoint or bucket?)"
+    return None if found[0].decode(errors="replace") == probe.token else "the probe object there holds another token"
+
+
 def remove_probe(probe: StoreProbe) -> None:
+    if is_object_store(probe.store_dir):
+        location, client = _object_client(probe.store_dir)
+        client.delete([location.key(probe.name)])
+        return
     try:
         probe.path.unlink()
     except FileNotFoundError:

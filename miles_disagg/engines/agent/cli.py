@@ -36,7 +36,7 @@ class AgentCommand(ServerFlags):
     custom_pull_weights_pre_read_hook: str | None = flag(
         None, "Run hook(source_dir, target_version) before a pull reads a version "
               "(miles passes --sglang-custom-pull-weights-pre-read-hook here).", metavar="MODULE:FUNCTION")
-    weight_store_dirs: list[Path] = flag([], "A version store /pull_weights may read (repeatable); any other "
+    weight_store_dirs: list[str] = flag([], "A version store /pull_weights may read (repeatable); any other "
                                              "source_dir is refused with 403.",
                                          name="--weight-store-dir", metavar="DIR", repeat="append")
     wait_for_engine_s: float = flag(0.0, "Wait up to this long for the engine's /health before serving "

@@ -57,7 +57,7 @@ class AgentConfig:
     """Version 0 (the base checkpoint); default: the engine's ``model_path``, read at the first pull."""
     pre_read_hook: str | Callable[..., Any] | None = None
     """``module:function`` called as ``hook(source_dir, target_version)`` before a pull reads a version."""
-    store_dirs: tuple[Path, ...] = ()
+    store_dirs: tuple[str, ...] = ()
     """The version stores a pull may read (``--weight-store-dir``); none: every pull is refused."""
     guard: ServerGuard = field(default_factory=ServerGuard)
     """Keys the agent enforces (and sends to the engine) and its request-size limit."""

@@ -33,7 +33,7 @@ class EngineConfig:
         None, "Run hook(source_dir, target_version) before /pull_weights reads a version "
               "(miles passes --sglang-custom-pull-weights-pre-read-hook here).",
         name="--custom-pull-weights-pre-read-hook", metavar="MODULE:FUNCTION")
-    weight_store_dirs: list[Path] = flag([], "A version store /pull_weights may read (repeatable); pulls naming any "
+    weight_store_dirs: list[str] = flag([], "A version store /pull_weights may read (repeatable); pulls naming any "
                                              "other source_dir are refused with 403.",
                                          name="--weight-store-dir", metavar="DIR", repeat="append")
     local_checkpoint_dir: Path | None = flag(None, "The one host-local checkpoint /pull_weights materializes into "
