@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("miles_disagg.engines.builtin.cli", "run the built-in rollout engine (SGLang HTTP API)"),
     "router": ("miles_disagg.router.cli", "run the version-aware router (worker registry, health, routing)"),
     "agent": ("miles_disagg.engines.agent.cli", "front a stock SGLang engine with /pull_weights (no fork needed)"),
+    "relay": ("miles_disagg.engines.relay.cli", "serve one region's engines a store's objects, each pulled across the WAN once"),
     "serve": ("miles_disagg.service.cli", "the external rollout service: gateway, self-converging replicas, pools"),
     "make-tiny-checkpoint": ("miles_disagg.models.cli", "write a random tiny Qwen3 HF checkpoint (no download)"),
     "convert-fp8": ("miles_disagg.weights.fp8_convert", "convert an HF checkpoint to blockwise FP8 (what SGLang serves)"),

@@ -164,7 +164,9 @@ class WeightUpdateConfig:
     """How new policy versions travel from the trainer to the engines."""
 
     update_weight_transfer_mode: str = flag("broadcast", "Weight synchronization path.", choices=TRANSFER_MODES)
-    update_weight_disk_dir: str | None = flag(None, "Publication directory shared by the trainer and rollout hosts (disk-delta).")
+    update_weight_disk_dir: str | None = flag(None, "The version store (disk-delta): a directory shared by the trainer and rollout hosts, or s3://bucket/prefix on an S3-compatible object store (credentials from the AWS configuration).")
+    update_weight_relay: list[str] = flag([], "REGION=URL: the miles-disagg relay of a region (object stores only, repeatable); that region's engines pull each version from it, so it crosses the WAN once per region.", metavar="REGION=URL")
+    rollout_engine_regions: list[str] = flag([], "Region label of each managed engine in order (one label: every engine); names the relay an engine uses and the WAN bytes per region in the records.", metavar="REGION")
     update_weight_local_checkpoint_dir: str | None = flag(None, "Host-local checkpoint each rollout host materializes versions into (disk-delta).")
     update_weight_delta_encoding: str = flag("xor", "Delta encoding: xor (smallest, apply exactly once) or overwrite (idempotent).", choices=DELTA_ENCODINGS)
     update_weight_delta_checksum: str = flag("xxh3-128", "Final-state checksum of every changed tensor.", choices=DELTA_CHECKSUMS)
@@ -179,12 +181,32 @@ class WeightUpdateConfig:
         require(self.update_weight_full_anchor_interval >= 0, "--update-weight-full-anchor-interval must be >= 0")
         require(self.update_weights_interval >= 1, "--update-weights-interval must be >= 1")
         require(self.update_weight_buffer_size >= 1, "--update-weight-buffer-size must be >= 1")
+        for relay in self.update_weight_relay:
+            region, _, url = relay.partition("=")
+            require(bool(region) and url.startswith(("http://", "https://")),
+                    f"--update-weight-relay takes REGION=http(s)://host:port, got {relay[:200]!r}")
+        require(len({r.partition("=")[0] for r in self.update_weight_relay}) == len(self.update_weight_relay),
+                "--update-weight-relay names a region twice")
+        require(not self.update_weight_relay or "://" in (self.update_weight_disk_dir or ""),
+                "--update-weight-relay needs an object store (--update-weight-disk-dir s3://...): engines read a "
+                "directory store directly")
+        require(all(r and len(r) <= 64 for r in self.rollout_engine_regions), "--rollout-engine-regions: empty or too long label")
         for hook_flag, value in (
             ("--custom-update-weight-post-write-path", self.custom_update_weight_post_write_path),
             ("--sglang-custom-pull-weights-pre-read-hook", self.sglang_custom_pull_weights_pre_read_hook),
         ):
             require(value is None or is_hook_path(value),
                      f"{hook_flag} must look like module.path:function or module.path.function, got {value!r}")
+
+    def relay_of(self, region: str) -> str | None:
+        """The relay URL of ``region`` (``--update-weight-relay``), or None."""
+        relays = dict(r.partition("=")[::2] for r in self.update_weight_relay)
+        return relays.get(region)
+
+    def region_of(self, index: int) -> str:
+        """Managed engine ``index``'s region label ("" when none is given)."""
+        regions = self.rollout_engine_regions
+        return "" if not regions else regions[0] if len(regions) == 1 else regions[index] if index < len(regions) else ""
 
 
 @dataclass(kw_only=True)

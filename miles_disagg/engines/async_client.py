@@ -35,12 +35,14 @@ class AsyncEngineClient:
         self.store_dir = normalize_store(store_dir) if store_dir is not None else None
         self.local_dir = os.path.abspath(local_checkpoint_dir) if local_checkpoint_dir is not None else None
         self.one_call_activation = False  # the last pull's answer announced /activate_weights
+        self.last_pull: dict[str, Any] = {}  # the last /pull_weights answer (its region and transfer counts)
 
     async def pull(self, version: int) -> dict[str, Any]:
         body = {"target_version": version, "source_dir": self._need("store_dir"),
                 "local_checkpoint_dir": self._need("local_dir")}
         answer = await self.call("POST", "/pull_weights", body, timeout_s=PULL_TIMEOUT_S)
         self.one_call_activation = offers_one_call(answer)
+        self.last_pull = answer
         return answer
 
     async def activate_in_one_call(self, version: int, pause_mode: str, flush: bool) -> dict[str, Any]:

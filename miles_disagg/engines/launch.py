@@ -65,6 +65,8 @@ class EngineSpec:
     """Built-in engine: most requests decoded together."""
     pre_read_hook: str | None = None
     """``module:function`` run before a pull reads the store (object-store mounts)."""
+    region: str = ""
+    """The engine's region label (``--region`` of the engine or its agent)."""
     sglang_args: Mapping[str, object] = field(default_factory=dict)
     """``--sglang-*`` passthrough options keyed by SGLang flag name (see :mod:`miles_disagg.engines.sglang`)."""
     extra_args: tuple[str, ...] = ()
@@ -127,7 +129,7 @@ def engine_processes(spec: EngineSpec, *, port: int | str, agent_port: int | str
                          extra_args={**spec.sglang_args, **_sglang_key_args(spec)}) + list(spec.extra_args)
     agent = agent_command(engine_url or f"http://{spec.host}:{port}", spec.local_checkpoint_dir, host=spec.host,
                           port=agent_port if agent_port is not None else "{agent_port}", base_dir=spec.model_path,
-                          pre_read_hook=spec.pre_read_hook, store_dirs=_store_dirs(spec))
+                          pre_read_hook=spec.pre_read_hook, store_dirs=_store_dirs(spec), region=spec.region)
     return [PlannedProcess("sglang", cmd, spec.log_dir / f"sglang-{spec.name}.log"),
             PlannedProcess("agent", agent, spec.log_dir / f"agent-{spec.name}.log")]
 
@@ -153,6 +155,8 @@ def _builtin_args(spec: EngineSpec) -> list[str]:
     args += ["--local-checkpoint-dir", str(spec.local_checkpoint_dir)]  # the one place it may write
     if spec.store_dir is not None:
         args += ["--weight-store-dir", str(spec.store_dir)]
+    if spec.region:
+        args += ["--region", spec.region]
     return args + list(spec.extra_args)
 
 
@@ -164,7 +168,7 @@ def _start_sglang_with_agent(spec: EngineSpec) -> RunningEngine:
     try:
         agent = launch_agent(engine.url, spec.local_checkpoint_dir, log_path=agent_plan.log_path,
                              host=spec.host, base_dir=spec.model_path, pre_read_hook=spec.pre_read_hook,
-                             store_dirs=_store_dirs(spec))
+                             store_dirs=_store_dirs(spec), extra_args=("--region", spec.region) if spec.region else ())
     except BaseException:
         engine.stop()
         raise
@@ -179,7 +183,7 @@ def builtin_engine_command(model_dir: Path, host: str, port: int | str, extra_ar
 
 def agent_command(engine_url: str, local_checkpoint_dir: Path, *, host: str, port: int | str,
                   base_dir: Path | None = None, pre_read_hook: str | None = None,
-                  store_dirs: Sequence[str] = (), extra_args: Sequence[str] = ()) -> list[str]:
+                  store_dirs: Sequence[str] = (), extra_args: Sequence[str] = (), region: str = "") -> list[str]:
     """``python -m miles_disagg.engines.agent`` in front of ``engine_url`` on ``host:port``."""
     cmd = [sys.executable, "-m", "miles_disagg.engines.agent", "--engine-url", engine_url,
            "--local-checkpoint-dir", str(local_checkpoint_dir), "--host", host, "--port", str(port)]
@@ -189,6 +193,8 @@ def agent_command(engine_url: str, local_checkpoint_dir: Path, *, host: str, por
         cmd += ["--custom-pull-weights-pre-read-hook", pre_read_hook]
     for store in store_dirs:  # the only stores it may read
         cmd += ["--weight-store-dir", str(store)]
+    if region:
+        cmd += ["--region", region]
     return cmd + list(extra_args)
 
 

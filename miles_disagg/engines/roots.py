@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles_disagg.types import Forbidden
-from miles_disagg.weights.location import is_url, normalize_store
+from miles_disagg.weights.location import is_url, normalize_store, parse_object_url
 
 SLOTS_SUFFIX = ".slots"  # the materializer's A/B slot directory beside the local checkpoint
 
@@ -92,5 +92,5 @@ class WeightRoots:
 def same_store(a: str | Path, b: str | Path) -> bool:
     """Two store texts name one store: equal canonical URLs, or directories with one real path."""
     if is_url(a) or is_url(b):
-        return is_url(a) and is_url(b) and normalize_store(a) == normalize_store(b)
+        return is_url(a) and is_url(b) and parse_object_url(str(a)).store_url == parse_object_url(str(b)).store_url
     return _real(a) == _real(b)

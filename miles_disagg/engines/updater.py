@@ -52,11 +52,34 @@ class UpdateReport:
     pause_time_s: float  # longest time any engine could not generate (one call: as the engine measured it)
     activate_time_s: float  # whole step 2 (all engines, in parallel)
     per_engine_pause_s: list[float] = field(default_factory=list)
+    wan_bytes_by_region: dict[str, int] = field(default_factory=dict)  # object stores: what crossed the WAN
+    relay_fallbacks: int = 0  # pulls that went to the store because the region's relay failed
 
     def metrics(self) -> dict[str, float]:
-        return {"perf/update_weights_prepare_time": self.prepare_time_s,
-                "perf/update_weights_pause_time": self.pause_time_s,
-                "perf/update_weights_activate_time": self.activate_time_s}
+        metrics = {"perf/update_weights_prepare_time": self.prepare_time_s,
+                   "perf/update_weights_pause_time": self.pause_time_s,
+                   "perf/update_weights_activate_time": self.activate_time_s}
+        for region, wan in sorted(self.wan_bytes_by_region.items()):
+            metrics[f"weights/wan_bytes/{region or 'default'}"] = float(wan)
+        if self.wan_bytes_by_region:
+            metrics["weights/relay_fallbacks"] = float(self.relay_fallbacks)
+        return metrics
+
+
+def wan_by_region(pull_answers: Sequence[dict]) -> tuple[dict[str, int], int]:
+    """Bytes that crossed the WAN per region for one version (each engine's direct pulls plus what its
+    region's relay pulled for it), and the relay fallbacks, from the engines' pull answers (engines
+    reading a directory store report none)."""
+    wan: dict[str, int] = {}
+    fallbacks = 0
+    for answer in pull_answers:
+        transfer = answer.get("transfer") if isinstance(answer, dict) else None
+        if not isinstance(transfer, dict) or not transfer:
+            continue
+        region = str(answer.get("region") or "")
+        wan[region] = wan.get(region, 0) + int(transfer.get("wan_bytes", 0))
+        fallbacks += int(transfer.get("relay_fallbacks", 0))
+    return wan, fallbacks
 
 
 StateHook = Callable[[str, str], None]  # (engine url, "paused" | "ready")
@@ -127,7 +150,8 @@ class DiskDeltaUpdater(_Fleet):
             done = time.perf_counter()
         finally:
             await session.aclose()
-        return UpdateReport(version, prepared - start, max(pauses, default=0.0), done - prepared, pauses)
+        wan, fallbacks = wan_by_region([engine.last_pull for engine in engines])
+        return UpdateReport(version, prepared - start, max(pauses, default=0.0), done - prepared, pauses, wan, fallbacks)
 
     async def prepare_one(self, index: int, engine: Any, version: int) -> None:
         """Step 1 for engine ``index`` inside :meth:`update` (``engine``: its asynchronous client)."""

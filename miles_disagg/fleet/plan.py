@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from miles_disagg.weights.location import with_relay
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.config.components import RolloutConfig, WeightUpdateConfig
 from miles_disagg.engines.launch import EngineSpec
@@ -54,7 +55,8 @@ def engine_specs(config: EngineManagerConfig, engines: Sequence[Sequence[int]], 
     builtin_args = ("--enable-return-routed-experts",) if routing and backend == "builtin" else ()
     return [EngineSpec(backend=backend, name=f"engine-{index}", model_path=Path(config.model_path),
                        log_dir=Path(config.run_dir) / "logs", local_checkpoint_dir=root / f"engine-{index}",
-                       store_dir=store or None, host=bind_host(spans_nodes=config.spans_nodes),
+                       store_dir=with_relay(store, config.weights.relay_of(config.weights.region_of(index))) if store else None,
+                       region=config.weights.region_of(index), host=bind_host(spans_nodes=config.spans_nodes),
                        tp_size=len(bundles), dtype=config.rollout.engine_dtype, seed=config.seed + index,
                        max_running_requests=per_engine,
                        pre_read_hook=config.weights.sglang_custom_pull_weights_pre_read_hook,

@@ -137,7 +137,7 @@ def outputs_to_lock(config) -> list[tuple[str, Path]]:
     if config.rollout.debug_rollout_only:
         return outputs
     store, save = config.weights.update_weight_disk_dir, config.train.save
-    if config.weights.update_weight_transfer_mode == "disk-delta" and store:
+    if config.weights.update_weight_transfer_mode == "disk-delta" and store and "://" not in store:  # a URL: no directory to lock
         outputs.append(("--update-weight-disk-dir", Path(store)))
     if save:
         outputs.append(("--save", Path(save)))

@@ -5,10 +5,12 @@ takes either form. A text with ``://`` is a URL and never a path: ``s3://`` is t
 served; any other (``gs://``, ``file://``, ``http://``) is refused with one line, so a URL is
 never silently taken for a relative directory.
 
-An object store URL may carry two query parameters, so that every process a store string reaches
+An object store URL may carry query parameters, so that every process a store string reaches
 (an engine's argv, a ``/pull_weights`` body, a replica's command line) reaches the same endpoint:
 ``endpoint`` (an S3-compatible server: MinIO, R2, GCS's XML API; default: the AWS configuration's
-``AWS_ENDPOINT_URL``) and ``region``. Credentials never travel in a URL: they come from the
+``AWS_ENDPOINT_URL``), ``region``, and, on an engine's own ``--weight-store-dir`` only, ``relay``:
+its region's ``miles-disagg relay``, which it pulls objects from before the store itself (two texts
+that differ only in ``relay`` name the same store). Credentials never travel in a URL: they come from the
 standard AWS configuration (environment, ``AWS_PROFILE``, the shared config files) of each process,
 and a URL naming any other parameter is refused. Pure: no I/O.
 """
@@ -23,7 +25,7 @@ from urllib.parse import parse_qsl, quote, urlsplit
 from miles_disagg.types import InvalidInput
 
 OBJECT_SCHEME = "s3"
-URL_PARAMETERS = ("endpoint", "region")
+URL_PARAMETERS = ("endpoint", "region", "relay")
 MAX_STORE_TEXT = 2048
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _PREFIX_PART = re.compile(r"^[A-Za-z0-9._\-=+]+$")
@@ -37,12 +39,22 @@ class ObjectLocation:
     prefix: str = ""
     endpoint_url: str | None = None
     region: str | None = None
+    relay_url: str | None = None
 
     @property
     def url(self) -> str:
-        """The canonical text of this location (what engines compare their roots on)."""
+        """The canonical text of this location, its relay included."""
+        return self._text(with_relay=True)
+
+    @property
+    def store_url(self) -> str:
+        """The canonical text of the store itself (what engines compare their roots on: no relay)."""
+        return self._text(with_relay=False)
+
+    def _text(self, with_relay: bool) -> str:
         path = f"{self.bucket}/{self.prefix}" if self.prefix else self.bucket
-        query = [f"{k}={quote(v, safe=':/')}" for k, v in (("endpoint", self.endpoint_url), ("region", self.region)) if v]
+        pairs = (("endpoint", self.endpoint_url), ("region", self.region), ("relay", self.relay_url if with_relay else None))
+        query = [f"{k}={quote(v, safe=':/')}" for k, v in pairs if v]
         return f"{OBJECT_SCHEME}://{path}" + (f"?{'&'.join(query)}" if query else "")
 
     @property
@@ -89,7 +101,7 @@ def parse_object_url(text: str, flag: str = "store") -> ObjectLocation:
         raise InvalidInput(f"{flag} {_shown(text)}: the prefix {prefix!r} may hold only letters, digits and ._-=+ "
                            "between single slashes")
     params = _parameters(parts.query, flag, text)
-    return ObjectLocation(parts.netloc, prefix, params.get("endpoint"), params.get("region"))
+    return ObjectLocation(parts.netloc, prefix, params.get("endpoint"), params.get("region"), params.get("relay"))
 
 
 def _parameters(query: str, flag: str, text: str) -> dict[str, str]:
@@ -101,11 +113,16 @@ def _parameters(query: str, flag: str, text: str) -> dict[str, str]:
         if key in params or not value:
             raise InvalidInput(f"{flag} {_shown(text)}: parameter {key!r} is empty or given twice")
         params[key] = value
-    endpoint = params.get("endpoint")
-    if endpoint is not None:
-        scheme = urlsplit(endpoint)
-        if scheme.scheme not in ("http", "https") or not scheme.netloc or scheme.username or scheme.password:
-            raise InvalidInput(f"{flag} {_shown(text)}: endpoint must be an http(s)://host[:port] URL without credentials")
+    for name in ("endpoint", "relay"):
+        value = params.get(name)
+        if value is None:
+            continue
+        scheme = urlsplit(value)
+        if scheme.scheme not in ("http", "https") or not scheme.netloc or scheme.username or scheme.password \
+                or scheme.path not in ("", "/"):
+            raise InvalidInput(f"{flag} {_shown(text)}: {name} must be an http(s)://host[:port] URL without "
+                               "credentials or a path")
+        params[name] = value.rstrip("/")
     return params
 
 
@@ -121,6 +138,14 @@ def normalize_store(text: str | os.PathLike, flag: str = "store") -> str:
     if is_url(raw):
         return parse_object_url(raw, flag).url
     return os.path.abspath(raw)
+
+
+def with_relay(store: str, relay_url: str | None) -> str:
+    """An object store's text with ``relay_url`` as its relay (a directory, or no relay: unchanged)."""
+    if not relay_url or not is_object_store(store):
+        return store
+    location = parse_object_url(store)
+    return ObjectLocation(location.bucket, location.prefix, location.endpoint_url, location.region, relay_url).url
 
 
 def store_display(text: str | os.PathLike) -> str:

@@ -25,7 +25,7 @@ import shutil
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
@@ -55,6 +55,7 @@ class PreparedVersion:
     previous: VersionRef | None  # what it held before this prepare (None when freshly seeded)
     path: Path  # a loadable HF checkpoint directory holding exactly `ref`
     changed: tuple[str, ...]  # tensor names whose bytes differ from `previous` (all names if previous is None)
+    transfer: dict[str, int] = field(default_factory=dict)  # an object store's pull: bytes by source
 
 
 class Materializer:
@@ -178,7 +179,7 @@ class Materializer:
         self._switch(slot, target)
         fresh = held is None or plan.start != "held"
         changed = tuple(sorted(tensors)) if fresh else tuple(sorted(touched))
-        return PreparedVersion(target, held, dest, changed)
+        return PreparedVersion(target, held, dest, changed, store.transfer_counts())
 
     def _apply_to_files(self, version_dir: Path, index: VersionIndex, dest: Path,
                         tensors: Mapping[str, tuple[str, TensorEntry]]) -> None:

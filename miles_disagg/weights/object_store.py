@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import threading
 import shutil
 import uuid
 from pathlib import Path
@@ -51,8 +53,11 @@ from miles_disagg.weights.object_layout import (
     parse_pointer,
     split_manifest_key,
 )
+from miles_disagg.weights.relay_client import RelayClient, RelayFailed
 from miles_disagg.weights.s3_client import ConditionFailed, ObjectClient
 from miles_disagg.weights.store import STAGING_PREFIX, PostWriteHook, VersionStore, not_published
+
+logger = logging.getLogger(__name__)
 
 MIRROR_NAME = "mirror"
 STALE_ATTEMPT_S = 3600.0
@@ -69,6 +74,28 @@ def file_checksum(path: Path) -> tuple[int, str]:
     return size, hasher.hexdigest()
 
 
+class TransferStats:
+    """Bytes a store's pulls moved: straight from the object store, from the region's relay (and of
+    those, what the relay itself pulled across the WAN for them), and relay fallbacks."""
+
+    FIELDS = ("store_bytes", "relay_bytes", "relay_wan_bytes", "relay_fallbacks")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                self._counts[name] += value
+
+    def snapshot(self) -> dict[str, int]:
+        """The counts, plus ``wan_bytes``: what crossed the WAN for these pulls (direct + the relay's)."""
+        with self._lock:
+            counts = dict(self._counts)
+        return {**counts, "wan_bytes": counts["store_bytes"] + counts["relay_wan_bytes"]}
+
+
 class ObjectVersionStore(VersionStore):
     """One prefix of a bucket, read through a host-local mirror; see the module docstring."""
 
@@ -78,6 +105,8 @@ class ObjectVersionStore(VersionStore):
         super().__init__(cache_dir)
         self.location = location
         self.client = client or ObjectClient(location)
+        self.relay = RelayClient(location.relay_url) if location.relay_url else None
+        self.transfer = TransferStats()  # what this store's pulls moved, and from where
         self._last: Pointer | None = None  # the newest pointer read: committed versions never change
 
     @property
@@ -138,6 +167,9 @@ class ObjectVersionStore(VersionStore):
             raise FormatError(f"{where}: the manifest says version {index.version}, LATEST lists it as {version}")
         return index, parse_objects(obj.get("objects"), set(index.files()), where)
 
+    def transfer_counts(self) -> dict[str, int]:
+        return self.transfer.snapshot()
+
     def payload_bytes(self, index: VersionIndex) -> int:
         _, manifest = self._manifest_entry(index.version)
         _, objects = self._manifest(index.version, manifest)
@@ -155,25 +187,48 @@ class ObjectVersionStore(VersionStore):
 
     def _pull(self, relative_key: str, expected: StoredObject, dest: Path, max_bytes: int) -> None:
         """One object into ``dest``, checked against ``expected``: a missing, short, long or corrupt
-        object is refused (``FormatError`` / ``ChecksumMismatch``) and nothing lands under ``dest``."""
+        object is refused (``FormatError`` / ``ChecksumMismatch``) and nothing lands under ``dest``.
+        With a relay, its copy is tried first; anything wrong with it (down, slow, short, corrupt)
+        falls back to the store, counted in :attr:`transfer`."""
         where = f"{self.display}/{relative_key}"
         if expected.nbytes > max_bytes:
             raise FormatError(f"{where}: listed at {expected.nbytes} bytes, more than {max_bytes}")
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:12]}.part"
+        key = self.location.key(relative_key)
         try:
-            size = self.client.download(self.location.key(relative_key), tmp, expected.nbytes)
-            if size < 0:
-                raise FormatError(f"{where} is missing (the manifest names it)")
-            if size != expected.nbytes:
-                raise FormatError(f"{where} is {size} bytes, the manifest says {expected.nbytes}")
-            _, digest = file_checksum(tmp)
-            if digest != expected.checksum:
-                raise ChecksumMismatch(relative_key, expected.checksum, digest, OBJECT_CHECKSUM)
+            if self.relay is None or not self._from_relay(key, tmp, expected, where):
+                size = self.client.download(key, tmp, expected.nbytes)
+                self.transfer.add(store_bytes=max(size, 0))
+                _check_object(tmp, size, expected, where, relative_key)
             os.replace(tmp, dest)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+    def _from_relay(self, key: str, tmp: Path, expected: StoredObject, where: str) -> bool:
+        """The object from the region's relay, checked; False (and counted) when the store must serve it."""
+        assert self.relay is not None
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            answer = self.relay.download(key, fd, expected.nbytes)
+            os.fsync(fd)
+        except RelayFailed as exc:
+            self._relay_fell_back(f"{exc}")
+            return False
+        finally:
+            os.close(fd)
+        try:
+            _check_object(tmp, answer.nbytes, expected, where, key)
+        except (FormatError, ChecksumMismatch) as exc:
+            self._relay_fell_back(f"its copy is wrong ({exc})")
+            return False
+        self.transfer.add(relay_bytes=answer.nbytes, relay_wan_bytes=answer.nbytes if answer.crossed_wan else 0)
+        return True
+
+    def _relay_fell_back(self, why: str) -> None:
+        self.transfer.add(relay_fallbacks=1)
+        logger.warning("relay %s failed (%s); pulling from %s directly", self.location.relay_url, why, self.display)
 
     # ---------------------------------------------------------------- publishing
 
@@ -315,6 +370,16 @@ class ObjectVersionStore(VersionStore):
         self._last = None
         self.client.delete([key for objects in self._attempts().values() for key, _ in objects])
         shutil.rmtree(self.root / MIRROR_NAME, ignore_errors=True)
+
+
+def _check_object(path: Path, size: int, expected: StoredObject, where: str, name: str) -> None:
+    if size < 0:
+        raise FormatError(f"{where} is missing (the manifest names it)")
+    if size != expected.nbytes:
+        raise FormatError(f"{where} is {size} bytes, the manifest says {expected.nbytes}")
+    _, digest = file_checksum(path)
+    if digest != expected.checksum:
+        raise ChecksumMismatch(name, expected.checksum, digest, OBJECT_CHECKSUM)
 
 
 def _staging_attempt(staging: Path) -> tuple[int, str]:

@@ -85,6 +85,10 @@ class VersionStore:
         path = self.version_dir(index.version)
         return sum((path / f).stat().st_size for f in index.files() if (path / f).exists())
 
+    def transfer_counts(self) -> dict[str, int]:
+        """What reading versions moved over the network (a directory: nothing)."""
+        return {}
+
     def version_files(self, version: int) -> Path:
         """A local directory holding the committed version's index and payloads (here: its own)."""
         return self.version_dir(version)

@@ -30,4 +30,4 @@ def open_store(text: str | os.PathLike, cache_dir: str | Path | None = None, fla
     from miles_disagg.weights.object_store import ObjectVersionStore
 
     location = parse_object_url(raw, flag)
-    return ObjectVersionStore(location, cache_dir if cache_dir is not None else default_cache_dir(location.url))
+    return ObjectVersionStore(location, cache_dir if cache_dir is not None else default_cache_dir(location.store_url))

@@ -25,6 +25,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
     from miles_disagg.bench.sim.cli import SimEnginesCommand
     from miles_disagg.bench.service import ServiceBench
     from miles_disagg.engines.agent.cli import AgentCommand
+    from miles_disagg.engines.relay.cli import RelayCommand
     from miles_disagg.fleet.members_cli import ACTIONS as ENGINES_ACTIONS
     from miles_disagg.loop.report_cli import ReportCommand
     from miles_disagg.models.cli import TinyCheckpointCommand
@@ -36,6 +37,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
     return {
         ("engine",): (EngineConfig, LogFlags),
         ("agent",): (AgentCommand,),
+        ("relay",): (RelayCommand,),
         ("router",): (RouterCommand,),
         ("make-tiny-checkpoint",): (TinyCheckpointCommand,),
         ("convert-fp8",): (ConvertFp8Command,),

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from miles_disagg.config.commands import ServerFlags, add_config_arguments, config_from_args
 from miles_disagg.config.fields import REQUIRED, flag
+from miles_disagg.engines.builtin.config import REGION_HELP
 from miles_disagg.types import ConfigError
 
 ENGINE_URL_FLAG = "--engine-url"
@@ -39,6 +40,7 @@ class AgentCommand(ServerFlags):
     weight_store_dirs: list[str] = flag([], "A version store /pull_weights may read (repeatable); any other "
                                              "source_dir is refused with 403.",
                                          name="--weight-store-dir", metavar="DIR", repeat="append")
+    region: str = flag("", REGION_HELP, metavar="NAME")
     wait_for_engine_s: float = flag(0.0, "Wait up to this long for the engine's /health before serving "
                                          "(0: do not wait).")
 
@@ -67,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
                           flags=("--base-dir",))
     agent = Agent(AgentConfig(engine_url=engine_url, local_checkpoint_dir=command.local_checkpoint_dir,
                               base_dir=command.base_dir, pre_read_hook=command.custom_pull_weights_pre_read_hook,
-                              store_dirs=tuple(command.weight_store_dirs), guard=command.guard()))
+                              store_dirs=tuple(command.weight_store_dirs), guard=command.guard(),
+                              region=command.region))
     if command.wait_for_engine_s > 0:
         wait_for_engine(engine_url, command.wait_for_engine_s)
     uvicorn.run(create_app(agent), host=command.host, port=command.port, log_level=command.log_level)

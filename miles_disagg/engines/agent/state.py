@@ -59,6 +59,8 @@ class AgentConfig:
     """``module:function`` called as ``hook(source_dir, target_version)`` before a pull reads a version."""
     store_dirs: tuple[str, ...] = ()
     """The version stores a pull may read (``--weight-store-dir``); none: every pull is refused."""
+    region: str = ""
+    """This host's region label, carried by pull answers (WAN bytes per region)."""
     guard: ServerGuard = field(default_factory=ServerGuard)
     """Keys the agent enforces (and sends to the engine) and its request-size limit."""
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
@@ -126,6 +128,7 @@ class Agent:
             "previous_version": prepared.previous.version if prepared.previous else None,
             "num_changed_tensors": len(prepared.changed),
             "prepare_ms": round((time.perf_counter() - start) * 1e3, 3),
+            "region": self.config.region, "transfer": prepared.transfer,
         }
         log.info("prepared %s at %s in %.1f ms", prepared.ref, prepared.path, self.last_pull["prepare_ms"])
         return {"success": True, "target_version": prepared.ref.version, **self.last_pull,
@@ -235,6 +238,7 @@ class Agent:
             "delta_filters": ["byteplane", "none"],  # what /pull_weights reads: a job may publish byte planes
             # the stores /pull_weights reads: a job attaching this agent must publish to one of them
             "weight_store_dirs": [str(d) for d in self.config.store_dirs],
+            "region": self.config.region,
             **ONE_CALL_ANNOUNCEMENT,  # /activate_weights: pause, flush, load, continue, check in one call
         }
 

@@ -16,6 +16,8 @@ from miles_disagg.config.fields import REQUIRED, flag
 DEVICES = ("cpu", "cuda")
 
 
+REGION_HELP = "This host's region label: pull answers carry it, so a run records WAN bytes per region (empty: none)."
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Run the built-in rollout engine (SGLang HTTP API) on one device."""
@@ -36,6 +38,7 @@ class EngineConfig:
     weight_store_dirs: list[str] = flag([], "A version store /pull_weights may read (repeatable); pulls naming any "
                                              "other source_dir are refused with 403.",
                                          name="--weight-store-dir", metavar="DIR", repeat="append")
+    region: str = flag("", REGION_HELP, metavar="NAME")
     local_checkpoint_dir: Path | None = flag(None, "The one host-local checkpoint /pull_weights materializes into "
                                                    "(and /update_weights_from_disk may load); none: no pulls.",
                                              metavar="DIR")

@@ -314,6 +314,7 @@ class Engine:
             "miles_disagg": ANNOUNCEMENT,
             # this engine's roots: a job attaching it must pull from one of these and into this
             "weight_store_dirs": [str(d) for d in self.updates.roots.store_dirs],
+            "region": self.config.region,
             "local_checkpoint_dir": str(self.updates.roots.local_dir) if self.updates.roots.local_dir else None,
             "internal_states": [{
                 "paused_mode": s.paused_mode,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -37,6 +37,7 @@ class StagedVersion:
     applies_onto: VersionRef | None  # None: ``tensors`` hold every parameter
     prepare_s: float
     load_s: float
+    transfer: dict = field(default_factory=dict)  # an object store's pull: bytes by source
 
     def summary(self) -> dict:
         return {
@@ -48,6 +49,7 @@ class StagedVersion:
             "full": self.applies_onto is None,
             "prepare_ms": round(self.prepare_s * 1e3, 3),
             "load_ms": round(self.load_s * 1e3, 3),
+            "transfer": self.transfer,
         }
 
 
@@ -64,7 +66,7 @@ class Stager:
         self._pull_lock = threading.Lock()  # one pull at a time
         self._state_lock = threading.Lock()
 
-    def pull(self, source_dir: Path, target_version: int, local_checkpoint_dir: Path) -> StagedVersion:
+    def pull(self, source_dir: str | Path, target_version: int, local_checkpoint_dir: Path) -> StagedVersion:
         """Materialize, verify and stage ``target_version`` (blocking; call off the event loop)."""
         from miles_disagg.weights.materializer import Materializer
 
@@ -73,7 +75,7 @@ class Stager:
             materializer = Materializer(
                 Path(local_checkpoint_dir), base_dir=self.base_dir, pre_read_hook=self.pre_read_hook, num_workers=2,
             )
-            prepared = materializer.prepare(Path(source_dir), target_version)
+            prepared = materializer.prepare(source_dir, target_version)
             prepared_at = time.perf_counter()
             with self._state_lock:
                 live = self.live_ref
@@ -83,7 +85,7 @@ class Stager:
             staged = StagedVersion(
                 ref=prepared.ref, path=Path(prepared.path), tensors=tensors,
                 applies_onto=live if delta_ok else None,
-                prepare_s=prepared_at - start, load_s=time.perf_counter() - prepared_at,
+                prepare_s=prepared_at - start, load_s=time.perf_counter() - prepared_at, transfer=prepared.transfer,
             )
             with self._state_lock:
                 self.staged = staged

@@ -149,6 +149,7 @@ class WeightUpdates:
             "message": f"Prepared version {staged.ref.version}; activate it with /activate_weights "
                        "(or pause, update_weights_from_disk, continue)",
             **staged.summary(),
+            "region": self.config.region,
             "miles_disagg": ONE_CALL_ANNOUNCEMENT,  # the caller may activate it in one call
         }
 

@@ -1,0 +1,1 @@
+"""``miles-disagg relay``: one WAN copy of each version per region (see :mod:`.cache` and :mod:`.app`)."""
