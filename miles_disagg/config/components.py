@@ -166,6 +166,7 @@ class WeightUpdateConfig:
     update_weight_transfer_mode: str = flag("broadcast", "Weight synchronization path.", choices=TRANSFER_MODES)
     update_weight_disk_dir: str | None = flag(None, "The version store (disk-delta): a directory shared by the trainer and rollout hosts, or s3://bucket/prefix on an S3-compatible object store (credentials from the AWS configuration).")
     update_weight_relay: list[str] = flag([], "REGION=URL: the miles-disagg relay of a region (object stores only, repeatable); that region's engines pull each version from it, so it crosses the WAN once per region.", metavar="REGION=URL")
+    rollout_base_from_store: bool = flag(False, "The trainer puts --hf-checkpoint into the object store once (as its version 0) and managed engines fetch it from there: engine nodes need no copy of the base.")
     rollout_engine_regions: list[str] = flag([], "Region label of each managed engine in order (one label: every engine); names the relay an engine uses and the WAN bytes per region in the records.", metavar="REGION")
     update_weight_local_checkpoint_dir: str | None = flag(None, "Host-local checkpoint each rollout host materializes versions into (disk-delta).")
     update_weight_delta_encoding: str = flag("xor", "Delta encoding: xor (smallest, apply exactly once) or overwrite (idempotent).", choices=DELTA_ENCODINGS)
@@ -191,6 +192,8 @@ class WeightUpdateConfig:
                 "--update-weight-relay needs an object store (--update-weight-disk-dir s3://...): engines read a "
                 "directory store directly")
         require(all(r and len(r) <= 64 for r in self.rollout_engine_regions), "--rollout-engine-regions: empty or too long label")
+        require(not self.rollout_base_from_store or "://" in (self.update_weight_disk_dir or ""),
+                "--rollout-base-from-store needs an object store (--update-weight-disk-dir s3://...)")
         for hook_flag, value in (
             ("--custom-update-weight-post-write-path", self.custom_update_weight_post_write_path),
             ("--sglang-custom-pull-weights-pre-read-hook", self.sglang_custom_pull_weights_pre_read_hook),

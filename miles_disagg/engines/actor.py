@@ -57,7 +57,7 @@ class EngineProcess:
         from miles_disagg.weights.probe import read_probe
 
         problems = []
-        if not (self.spec.model_path / "config.json").is_file():
+        if not self.spec.base_from_store and not (self.spec.model_path / "config.json").is_file():
             problems.append(f"--hf-checkpoint {str(self.spec.model_path)!r}: no checkpoint there (no config.json)")
         found = read_probe(probe) if probe is not None else None
         if found is not None:

@@ -67,6 +67,8 @@ class EngineSpec:
     """``module:function`` run before a pull reads the store (object-store mounts)."""
     region: str = ""
     """The engine's region label (``--region`` of the engine or its agent)."""
+    base_from_store: bool = False
+    """Fetch ``model_path`` (the base, version 0) from the object store ``store_dir`` before starting."""
     sglang_args: Mapping[str, object] = field(default_factory=dict)
     """``--sglang-*`` passthrough options keyed by SGLang flag name (see :mod:`miles_disagg.engines.sglang`)."""
     extra_args: tuple[str, ...] = ()
@@ -137,11 +139,25 @@ def engine_processes(spec: EngineSpec, *, port: int | str, agent_port: int | str
 def start_engine(spec: EngineSpec) -> RunningEngine:
     """Start the engine ``spec`` describes; see the module docstring."""
     spec.log_dir.mkdir(parents=True, exist_ok=True)
+    if spec.base_from_store:
+        fetch_base(spec)
     if spec.backend == "builtin":
         engine = launch_engine(spec.model_path, log_path=spec.log_dir / f"{spec.name}.log", host=spec.host,
                                extra_args=_builtin_args(spec))
         return RunningEngine(engine.url, (engine,))
     return _start_sglang_with_agent(spec)
+
+
+def fetch_base(spec: EngineSpec) -> Path:
+    """The store's base into ``spec.model_path`` on this node (kept when it holds it already)."""
+    from miles_disagg.weights.object_base import pull_base
+    from miles_disagg.weights.object_store import ObjectVersionStore
+    from miles_disagg.weights.stores import open_store
+
+    store = open_store(spec.store_dir or "", cache_dir=Path(spec.model_path).parent / ".base-mirror")
+    if not isinstance(store, ObjectVersionStore):
+        raise EngineUnrecoverable(f"{spec.name}: the base comes from an object store, not {spec.store_dir!r}")
+    return pull_base(store, Path(spec.model_path))
 
 
 def _builtin_args(spec: EngineSpec) -> list[str]:

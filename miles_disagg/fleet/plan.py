@@ -53,7 +53,10 @@ def engine_specs(config: EngineManagerConfig, engines: Sequence[Sequence[int]], 
     if routing and backend == "sglang":
         sglang_args["enable-return-routed-experts"] = True  # SGLang's flag (routing replay)
     builtin_args = ("--enable-return-routed-experts",) if routing and backend == "builtin" else ()
-    return [EngineSpec(backend=backend, name=f"engine-{index}", model_path=Path(config.model_path),
+    base_from_store = config.weights.rollout_base_from_store  # each node fetches version 0 from the store
+    return [EngineSpec(backend=backend, name=f"engine-{index}",
+                       model_path=root / f"engine-{index}.base" if base_from_store else Path(config.model_path),
+                       base_from_store=base_from_store,
                        log_dir=Path(config.run_dir) / "logs", local_checkpoint_dir=root / f"engine-{index}",
                        store_dir=with_relay(store, config.weights.relay_of(config.weights.region_of(index))) if store else None,
                        region=config.weights.region_of(index), host=bind_host(spans_nodes=config.spans_nodes),

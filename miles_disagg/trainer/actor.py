@@ -69,7 +69,7 @@ class TrainerRank:
         publisher = DeltaPublisher(
             w.update_weight_disk_dir, base_dir=self.hf_dir, run_id=run_id, encoding=w.update_weight_delta_encoding,
             checksum=w.update_weight_delta_checksum, filter=delta_filter, post_write_hook=hook,
-            full_anchor_interval=w.update_weight_full_anchor_interval,
+            full_anchor_interval=w.update_weight_full_anchor_interval, base_in_store=w.rollout_base_from_store,
             share=self.backend.publish_share(sizes), collective=TorchCollective() if self.world_size > 1 else None)
         publisher.capture_baseline()  # the first update only captures the baseline
         return publisher

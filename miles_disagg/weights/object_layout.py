@@ -3,13 +3,16 @@
 Under the location's prefix::
 
     LATEST                                         the pointer (below); the one object ever overwritten
+    base/<attempt>/manifest.json                   the base checkpoint (version 0), when the store holds it:
+    base/<attempt>/<file>                          {"objects": {file: {"bytes", "checksum"}}}, every file of it
     weight_v000007/<attempt>/model.safetensors.index.json    the manifest: the version's index, plus
                                                    "objects": {file: {"bytes": n, "checksum": xxh3-128}}
     weight_v000007/<attempt>/<file>.safetensors    the payloads the manifest names
 
 ``LATEST`` is ``{"format", "run_id", "version", "versions": {"7": {"manifest": key, "bytes": n,
-"checksum": h}, ...}}``: every retained committed version, by the key of its manifest and that
-manifest's size and checksum. A reader takes the version list from ``LATEST`` and the object list
+"checksum": h}, ...}, "base": {...}}``: every retained committed version, by the key of its manifest
+and that manifest's size and checksum, and the base's manifest when the store holds the base (then
+``version`` may be 0: a store holding only its base). A reader takes the version list from ``LATEST`` and the object list
 from the manifest, never from a listing, and checks each object's size and checksum before use.
 
 Each publish attempt writes under a fresh ``<attempt>`` name that no reader follows; its commit is
@@ -30,6 +33,8 @@ from miles_disagg.types import FormatError, VersionRef, parse_version_dirname, v
 from miles_disagg.weights.format import INDEX_NAME, check_payload_name
 
 POINTER_KEY = "LATEST"
+BASE_PREFIX = "base"
+BASE_MANIFEST = "manifest.json"
 POINTER_FORMAT = "miles-disagg-object-store/1"
 OBJECT_CHECKSUM = "xxh3-128"
 MAX_POINTER_BYTES = 8 * 1024 * 1024
@@ -59,13 +64,21 @@ class Pointer:
     ref: VersionRef
     manifests: Mapping[int, StoredObject]  # version -> its manifest (name = the manifest's relative key)
     etag: str = ""
+    base: StoredObject | None = None  # the base checkpoint's manifest, when the store holds the base
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": POINTER_FORMAT, "run_id": self.ref.run_id, "version": self.ref.version,
-                "versions": {str(v): {"manifest": m.name, **m.to_json()} for v, m in sorted(self.manifests.items())}}
+        obj: dict[str, Any] = {"format": POINTER_FORMAT, "run_id": self.ref.run_id, "version": self.ref.version,
+                               "versions": {str(v): {"manifest": m.name, **m.to_json()}
+                                            for v, m in sorted(self.manifests.items())}}
+        if self.base is not None:
+            obj["base"] = {"manifest": self.base.name, **self.base.to_json()}
+        return obj
 
     def with_version(self, ref: VersionRef, manifest: StoredObject) -> "Pointer":
-        return Pointer(ref, {**self.manifests, ref.version: manifest})
+        return Pointer(ref, {**self.manifests, ref.version: manifest}, base=self.base)
+
+    def keeping(self, versions: set[int]) -> "Pointer":
+        return Pointer(self.ref, {v: m for v, m in self.manifests.items() if v in versions}, self.etag, self.base)
 
 
 def attempt_prefix(version: int, attempt: str) -> str:
@@ -74,6 +87,10 @@ def attempt_prefix(version: int, attempt: str) -> str:
 
 def manifest_key(version: int, attempt: str) -> str:
     return f"{attempt_prefix(version, attempt)}/{INDEX_NAME}"
+
+
+def base_manifest_key(attempt: str) -> str:
+    return f"{BASE_PREFIX}/{attempt}/{BASE_MANIFEST}"
 
 
 def check_attempt(attempt: str) -> str:
@@ -113,7 +130,35 @@ def parse_pointer(obj: Any, etag: str, where: str) -> Pointer:
         manifests[number] = StoredObject(entry["manifest"], *_size_and_checksum(entry, f"{where}: version {number}"))
     if version > 0 and version not in manifests:
         raise FormatError(f"{where}: names version {version} but lists no manifest for it")
-    return Pointer(VersionRef(run_id, version), manifests, etag)
+    base = _base_entry(obj.get("base"), where)
+    if version == 0 and base is None:
+        raise FormatError(f"{where}: names version 0 but holds no base")
+    return Pointer(VersionRef(run_id, version), manifests, etag, base)
+
+
+def _base_entry(entry: Any, where: str) -> StoredObject | None:
+    if entry is None:
+        return None
+    parts = entry.get("manifest").split("/") if isinstance(entry, dict) and isinstance(entry.get("manifest"), str) else []
+    if len(parts) != 3 or parts[0] != BASE_PREFIX or parts[2] != BASE_MANIFEST or not _ATTEMPT.match(parts[1]):
+        raise FormatError(f"{where}: the base's manifest is not {BASE_PREFIX}/<attempt>/{BASE_MANIFEST}")
+    return StoredObject(entry["manifest"], *_size_and_checksum(entry, f"{where}: the base"))
+
+
+def base_files(obj: Any, where: str) -> dict[str, StoredObject]:
+    """The base manifest's objects: plain file names (config, tokenizer, weights) with sizes and checksums."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("objects"), dict) or len(obj["objects"]) > MAX_OBJECTS:
+        raise FormatError(f"{where}: the base manifest must hold an 'objects' object")
+    files = {}
+    for name, entry in obj["objects"].items():
+        if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,200}$", name) or name == BASE_MANIFEST:
+            raise FormatError(f"{where}: the base names file {str(name)[:200]!r}, not a plain file name")
+        if not isinstance(entry, dict):
+            raise FormatError(f"{where}: the base's {name!r} entry is not an object")
+        files[name] = StoredObject(name, *_size_and_checksum(entry, f"{where}: {name!r}"))
+    if "config.json" not in files:
+        raise FormatError(f"{where}: the base holds no config.json")
+    return files
 
 
 def parse_objects(obj: Any, weight_files: set[str], where: str) -> dict[str, StoredObject]:

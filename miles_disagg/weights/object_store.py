@@ -41,6 +41,7 @@ from miles_disagg.weights.jsonio import load_json
 from miles_disagg.weights.location import ObjectLocation
 from miles_disagg.weights.object_layout import (
     MAX_MANIFEST_BYTES,
+    BASE_PREFIX,
     MAX_POINTER_BYTES,
     OBJECT_CHECKSUM,
     POINTER_KEY,
@@ -160,7 +161,7 @@ class ObjectVersionStore(VersionStore):
         split_manifest_key(manifest.name, version, where)
         local = self._mirror_dir(manifest) / INDEX_NAME
         if not local.is_file():
-            self._pull(manifest.name, manifest, local, MAX_MANIFEST_BYTES)
+            self.pull_object(manifest.name, manifest, local, MAX_MANIFEST_BYTES)
         obj = load_json(local.read_bytes(), where)
         index = parse_index(obj, where)
         if index.version != version:
@@ -182,10 +183,10 @@ class ObjectVersionStore(VersionStore):
         folder = self._mirror_dir(manifest)
         for name in index.files():
             if not (folder / name).is_file():
-                self._pull(f"{Path(manifest.name).parent}/{name}", objects[name], folder / name, objects[name].nbytes)
+                self.pull_object(f"{Path(manifest.name).parent}/{name}", objects[name], folder / name, objects[name].nbytes)
         return folder
 
-    def _pull(self, relative_key: str, expected: StoredObject, dest: Path, max_bytes: int) -> None:
+    def pull_object(self, relative_key: str, expected: StoredObject, dest: Path, max_bytes: int) -> None:
         """One object into ``dest``, checked against ``expected``: a missing, short, long or corrupt
         object is refused (``FormatError`` / ``ChecksumMismatch``) and nothing lands under ``dest``.
         With a relay, its copy is tried first; anything wrong with it (down, slow, short, corrupt)
@@ -293,15 +294,19 @@ class ObjectVersionStore(VersionStore):
     def _move_pointer(self, current: Pointer | None, ref: VersionRef, manifest: StoredObject,
                       expected: VersionRef | None) -> None:
         proposed = Pointer(ref, {ref.version: manifest}) if current is None else current.with_version(ref, manifest)
-        body = json.dumps(proposed.to_json()).encode()
         try:
-            if current is None:
-                etag = self.client.put(self.location.key(POINTER_KEY), body, if_none_match=True)
-            else:
-                etag = self.client.put(self.location.key(POINTER_KEY), body, if_match=current.etag)
+            self.replace_pointer(current, proposed)
         except ConditionFailed:
             raise PublishConflict(expected, self.pointer(), ref) from None
-        self._last = Pointer(proposed.ref, proposed.manifests, etag)
+
+    def replace_pointer(self, current: Pointer | None, proposed: Pointer) -> None:
+        """``LATEST`` := ``proposed`` if it is still ``current`` (``ConditionFailed`` otherwise)."""
+        body = json.dumps(proposed.to_json()).encode()
+        if current is None:
+            etag = self.client.put(self.location.key(POINTER_KEY), body, if_none_match=True)
+        else:
+            etag = self.client.put(self.location.key(POINTER_KEY), body, if_match=current.etag)
+        self._last = Pointer(proposed.ref, proposed.manifests, etag, proposed.base)
 
     # ---------------------------------------------------------------- cleanup and retention
 
@@ -353,13 +358,13 @@ class ObjectVersionStore(VersionStore):
         if not anchors:
             return []
         removed = [v for v in current.manifests if v < anchors[-1]]
-        kept = Pointer(current.ref, {v: m for v, m in current.manifests.items() if v >= anchors[-1]})
+        kept = current.keeping({v for v in current.manifests if v >= anchors[-1]})
         try:
             etag = self.client.put(self.location.key(POINTER_KEY), json.dumps(kept.to_json()).encode(),
                                    if_match=current.etag)
         except ConditionFailed:
             return []
-        self._last = Pointer(kept.ref, kept.manifests, etag)
+        self._last = Pointer(kept.ref, kept.manifests, etag, kept.base)
         for version in removed:
             self._delete_attempt(version, split_manifest_key(current.manifests[version].name, version, self.display))
         return sorted(removed)
@@ -369,6 +374,7 @@ class ObjectVersionStore(VersionStore):
         self.client.delete([self.location.key(POINTER_KEY)])
         self._last = None
         self.client.delete([key for objects in self._attempts().values() for key, _ in objects])
+        self.client.delete([info.key for info in self.client.list(f"{BASE_PREFIX}/")])
         shutil.rmtree(self.root / MIRROR_NAME, ignore_errors=True)
 
 

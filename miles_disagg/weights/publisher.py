@@ -37,6 +37,7 @@ from miles_disagg.weights.hooks import POST_WRITE_FLAG, load_hook
 from miles_disagg.weights.safetensors_io import checkpoint_tensors, read_bytes
 from miles_disagg.weights.served_form import ServedForm
 from miles_disagg.weights.shares import ShareManifest, write_share
+from miles_disagg.weights.object_store import ObjectVersionStore
 from miles_disagg.weights.stores import open_store
 
 DEFAULT_SHARD_BYTES = 1 << 30
@@ -116,6 +117,7 @@ class DeltaPublisher:
                  post_write_hook: str | Callable[..., Any] | None = None, full_anchor_interval: int = 0,
                  num_workers: int = 2, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  shard_bytes: int = DEFAULT_SHARD_BYTES, prune_on_anchor: bool = True, reset_store: bool = False,
+                 base_in_store: bool = False,
                  share: Iterable[str] | None = None, collective: Collective | None = None):
         check_codec_choices(encoding, checksum, filter)
         if not isinstance(full_anchor_interval, int) or full_anchor_interval < 0:
@@ -126,7 +128,7 @@ class DeltaPublisher:
         self.encoding, self.checksum, self.filter = encoding, checksum, filter
         self.full_anchor_interval = full_anchor_interval
         self.chunk_bytes, self.shard_bytes = chunk_bytes, shard_bytes
-        self.prune_on_anchor, self.reset_store = prune_on_anchor, reset_store
+        self.prune_on_anchor, self.reset_store, self.base_in_store = prune_on_anchor, reset_store, base_in_store
         self.share = None if share is None else frozenset(share)
         self.collective: Collective = collective or SingleRank()
         self._post_write = load_hook(post_write_hook, POST_WRITE_FLAG) if self.collective.rank == 0 else None
@@ -208,6 +210,14 @@ class DeltaPublisher:
         if self.run_id is None:
             self.run_id = latest.run_id if latest is not None else uuid.uuid4().hex[:12]
         self.store.sweep()
+        if self.base_in_store:  # the engines' version 0 comes from the store: put it there once
+            from miles_disagg.weights.object_base import publish_base
+
+            if not isinstance(self.store, ObjectVersionStore):
+                raise ConfigError(f"{STORE_FLAG} {self.store.display}: only an object store holds the base",
+                                  flags=(STORE_FLAG,))
+            publish_base(self.store, self.base_dir, self.run_id)
+            latest = self.store.latest()
         return latest
 
     def publish(self, named_tensors: Iterable[tuple[str, Any]], *, full: bool = False) -> PublishResult | None:

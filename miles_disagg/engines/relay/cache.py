@@ -1,6 +1,7 @@
 """The relay's object cache: each object of the store pulled once, however many engines ask.
 
-Keys are a version's objects only (``<prefix>/weight_vNNNNNN/<attempt>/<file>``): immutable once
+Keys are a version's objects only (``<prefix>/weight_vNNNNNN/<attempt>/<file>``, and the base's
+``<prefix>/base/<attempt>/<file>``, never evicted): immutable once
 written, so a cached copy never goes stale (``LATEST``, the one object that changes, is never
 relayed: engines read it from the store). Concurrent requests for one object wait for the one pull
 (single flight); the request that started it is told its bytes crossed the WAN, the others that
@@ -23,7 +24,7 @@ from miles_disagg.types import InvalidInput
 from miles_disagg.weights.location import ObjectLocation
 from miles_disagg.weights.s3_client import ObjectClient
 
-_RELATIVE = re.compile(r"^weight_v(\d{6,9})/[0-9a-f]{12,32}/[A-Za-z0-9._\-]{1,200}$")
+_RELATIVE = re.compile(r"^(?:weight_v(\d{6,9})|base)/[0-9a-f]{12,32}/[A-Za-z0-9._\-]{1,200}$")  # base: version 0
 DEFAULT_MAX_VERSIONS = 8
 
 
@@ -52,7 +53,7 @@ class RelayCache:
         match = _RELATIVE.match(relative)
         if match is None or ".." in relative:
             raise InvalidInput(f"{key[:200]!r} is not an object of a version under {self.location.display}")
-        return relative, int(match.group(1))
+        return relative, int(match.group(1) or 0)
 
     def get(self, key: str) -> Served:
         """The object's local copy, pulled first if needed (one pull per object, however many ask)."""
