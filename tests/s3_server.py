@@ -24,8 +24,11 @@ def _free_port() -> int:
 class S3Server:
     """``S3Server().start()``: ``.url``, ``.env()`` (what a client process needs), ``.create_bucket``, ``.stop()``."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, check_credentials: bool = False) -> None:
+        """``check_credentials``: moto checks every request's key against its IAM (which knows none): any
+        credentials are refused, as a real store refuses wrong ones."""
         self.url = ""
+        self.check_credentials = check_credentials
         self._proc: subprocess.Popen | None = None
 
     def start(self, attempts: int = 3) -> "S3Server":
@@ -33,7 +36,8 @@ class S3Server:
             port = _free_port()
             self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          env={**os.environ, **CREDENTIALS})
+                                          env={**os.environ, **CREDENTIALS,
+                                               **({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if self.check_credentials else {})})
             self.url = f"http://127.0.0.1:{port}"
             if self._wait_up():
                 return self

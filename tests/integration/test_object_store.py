@@ -297,3 +297,28 @@ def test_a_relay_serves_its_region_once_and_a_dead_relay_costs_only_a_fallback(s
     for i in range(3):
         assert (tmp_path / f"host-{i}" / "model.safetensors").read_bytes() == \
             (targets[0] / "model.safetensors").read_bytes()
+
+
+SECRET = "not-to-be-printed-0f1e2d3c"
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
+def test_wrong_credentials_and_an_unreachable_endpoint_end_the_run_before_ray(dry_run, tmp_path):
+    from s3_server import S3Server
+
+    refusing = S3Server(check_credentials=True).start()
+    try:
+        for endpoint, cause in ((refusing.url, "refused the credentials"), ("http://127.0.0.1:9", "did not answer")):
+            env = {**os.environ, "AWS_ACCESS_KEY_ID": "AKIAEXAMPLEWRONG", "AWS_SECRET_ACCESS_KEY": SECRET,
+                   "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint, "AWS_EC2_METADATA_DISABLED": "true"}
+            proc = subprocess.run([sys.executable, "train_async.py", "--config", "configs/tiny_cpu.yaml", "--run-dir",
+                                   str(tmp_path / "run"), "--update-weight-disk-dir", "s3://bucket-of-the-run/prefix",
+                                   *(["--dry-run"] if dry_run else [])],
+                                  cwd=REPO, env=env, capture_output=True, text=True, timeout=scaled(120))
+            assert proc.returncode == 2, (proc.stdout, proc.stderr)
+            error_lines = [line for line in proc.stderr.splitlines() if "error" in line]
+            assert len(error_lines) == 1 and cause in error_lines[0] and "s3://bucket-of-the-run/prefix" in error_lines[0]
+            assert SECRET not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
+            assert "starting a local Ray" not in proc.stderr
+    finally:
+        refusing.stop()
