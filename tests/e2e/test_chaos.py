@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from attribution import count_misattributed, samples_by_version
 from base_model import place_base_model
 from deadlines import scaled
 
@@ -351,36 +352,9 @@ def test_the_store_holds_no_gap_from_its_anchor_and_verifies(chaos_run: ChaosRun
 def test_no_sample_is_misattributed(chaos_run: ChaosRun, tmp_path: Path) -> None:
     """Every consumed sample served by one version recomputes, with that version's weights, to the
     logprobs the engine reported: 0 misattributed (the attribution check of test_miles_rollout_code)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from miles_disagg.weights.materializer import Materializer
-
-    by_version: dict[int, list[dict]] = {}
-    for step in range(STEPS):
-        lines = (chaos_run.run_dir / "consumed" / f"{step}.jsonl").read_text().splitlines()
-        for group in map(json.loads, lines):
-            for sample in group["samples"]:
-                if sample["weight_version_start"] == sample["weight_version_end"]:
-                    by_version.setdefault(sample["weight_version_start"], []).append(sample)
-    host = Materializer(tmp_path / "local", base_dir=chaos_run.cluster.root / "shared" / "base-model")
-    misattributed, checked = 0, 0
-    try:
-        for version in sorted(by_version):
-            path = host.prepare(chaos_run.store_holding(version), version).path if version else \
-                chaos_run.cluster.root / "shared" / "base-model"
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            for sample in by_version[version]:
-                prompt, response = sample["prompt_ids"], sample["response_ids"]
-                with torch.no_grad():
-                    logits = model(input_ids=torch.tensor([prompt + response])).logits[0].float()
-                logprobs = torch.log_softmax(logits, dim=-1)  # --rollout-temperature 1.0
-                diffs = [abs(float(logprobs[len(prompt) - 1 + i, token]) - sample["response_logprobs"][i])
-                         for i, token in enumerate(response)]
-                misattributed += max(diffs) > 1e-3
-                checked += 1
-    finally:
-        host.close()
+    by_version = samples_by_version(chaos_run.run_dir / "consumed", STEPS)
+    misattributed, checked = count_misattributed(by_version, chaos_run.store_holding,
+                                                 chaos_run.cluster.root / "shared" / "base-model", tmp_path / "local")
     assert checked >= STEPS * BATCH * SAMPLES * 0.8 and misattributed == 0, (checked, misattributed)
 
 
