@@ -322,3 +322,26 @@ def test_wrong_credentials_and_an_unreachable_endpoint_end_the_run_before_ray(dr
             assert "starting a local Ray" not in proc.stderr
     finally:
         refusing.stop()
+
+
+def test_serve_local_converges_on_an_object_store(s3_bucket, s3_env, tiny_qwen3_dir, targets, tmp_path):
+    from miles_disagg.service.launch import ReplicaOptions
+    from miles_disagg.service.local import launch_local_service
+
+    _, bucket = s3_bucket
+    url = f"s3://{bucket}/service"
+    publish_chain(url, tiny_qwen3_dir, targets[:1], "service")
+    service = launch_local_service(url, tiny_qwen3_dir, work_dir=tmp_path / "work", num_replicas=2,
+                                   replica=ReplicaOptions(poll_interval_s=0.3, heartbeat_interval_s=0.3),
+                                   wait_ready_s=scaled(120))
+    client = service.client()
+    try:
+        assert {r["weight_version"] for r in client.wait_converged(1, num_replicas=2, timeout_s=scaled(60))} == {1}
+        publisher = DeltaPublisher(url, base_dir=tiny_qwen3_dir, run_id="service")
+        publisher.capture_baseline()
+        publisher.publish(load_file(str(targets[1] / "model.safetensors")).items())
+        publisher.close()
+        assert {r["weight_version"] for r in client.wait_converged(2, num_replicas=2, timeout_s=scaled(90))} == {2}
+    finally:
+        client.close()
+        service.stop()
