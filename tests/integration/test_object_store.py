@@ -1,6 +1,6 @@
 """The version store on a real S3-API server (moto in server mode, tests/s3_server.py): round trips
 against the directory store, racing publishers, publishers killed mid-commit, hostile objects, and
-faults the server cannot make (through the fault-injecting proxy of miles_disagg/bench/s3_proxy.py)."""
+faults the server cannot make (through the fault-injecting proxy of miles_disagg/bench/wan_proxy.py)."""
 
 from __future__ import annotations
 
@@ -255,7 +255,7 @@ def test_throttling_and_resets_are_retried_and_the_version_arrives_intact(s3_buc
     _, bucket = s3_bucket
     url = f"s3://{bucket}/faults"
     publish_chain(url, tiny_qwen3_dir, targets[:1], "faults")
-    from miles_disagg.bench.s3_proxy import Fault, S3Proxy
+    from miles_disagg.bench.wan_proxy import Fault, S3Proxy
 
     with S3Proxy(s3_server.url).start() as proxy:
         proxy.add_fault(Fault(kind="slowdown", method="GET", times=3))
