@@ -5,6 +5,10 @@ miles' defaults: the critic's GPUs are the actor's (``ClusterConfig.num_critic_g
 ``--lr``, it saves to ``--save`` with ``_critic`` appended. It resumes from ``--critic-load``, by
 default ``--load`` with ``_critic`` appended (miles' default, ``--load`` itself, would read the
 policy's saves: here the critic's saves are the ones beside them that ``--critic-save`` wrote).
+
+``--kl-coef`` is taken, as miles takes it: the policy's GAE rewards are shaped by ``-kl_coef * KL``
+(``trainer/gae.py``). The critic's returns are not: its group computes neither the policy's nor the
+reference's logprobs, so its value targets are those of miles' critic-only steps (the reward alone).
 """
 
 from __future__ import annotations
@@ -45,10 +49,6 @@ def check_critic_rules(config) -> None:
     if train.train_backend == "megatron":
         raise ConfigError(f"{estimator}: the critic trains on --train-backend fsdp only here (no Megatron value "
                           "model): add --train-backend fsdp", ("--advantage-estimator", "--train-backend"))
-    if train.kl_coef != 0:
-        raise ConfigError(f"{estimator} with --kl-coef: the critic's returns would need the policy's and the "
-                          "reference's logprobs, which its group does not compute; use --use-kl-loss --kl-loss-coef "
-                          "for KL regularization", ("--advantage-estimator", "--kl-coef"))
     if config.cluster.colocate:
         raise ConfigError(f"{estimator}: the critic has GPUs of its own and does not take turns with colocated "
                           "engines: drop --colocate", ("--advantage-estimator", "--colocate"))

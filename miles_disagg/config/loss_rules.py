@@ -60,11 +60,28 @@ def _check_loss_type(train) -> None:
 
 def _check_skip_forward(config) -> None:
     """``--skip-actor-forward-only`` reuses the training pass's logprobs, which exist only once the
-    step runs: one optimizer step per rollout, and no reward shaping that needs them before."""
-    train, rollout = config.train, config.rollout
+    step runs: one optimizer step per rollout, and nothing that needs them before (miles' rules)."""
+    train = config.train
     if not train.skip_actor_forward_only:
         return
     flag = "--skip-actor-forward-only"
+    if train.train_backend != "megatron":
+        raise ConfigError(f"{flag} skips the Megatron actor's forward-only pass (miles' rule: megatron only), and "
+                          f"this run has --train-backend {train.train_backend}: use --train-backend megatron or drop "
+                          f"{flag}", (flag, "--train-backend"))
+    if train.loss_type == "sft_loss":
+        raise ConfigError(f"{flag} with --loss-type sft_loss: the supervised loss has no behaviour logprobs to skip "
+                          f"(miles refuses it too): drop {flag}", (flag, "--loss-type"))
+    for name, given in (("--kl-coef", train.kl_coef != 0), ("--use-opd", train.use_opd)):
+        if given:
+            raise ConfigError(f"{flag} with {name}: the advantages need the behaviour logprobs before training, which "
+                              f"the skipped pass gives (miles refuses it, --use-rollout-logprobs or not): drop {name} "
+                              f"or {flag}", (flag, name))
+    _check_one_step(config, flag)
+
+
+def _check_one_step(config, flag: str) -> None:
+    train, rollout = config.train, config.rollout
     if train.num_steps_per_rollout not in (None, 1):
         raise ConfigError(f"{flag} needs one optimizer step per rollout (miles' rule): use --num-steps-per-rollout 1",
                           (flag, "--num-steps-per-rollout"))
@@ -74,7 +91,3 @@ def _check_skip_forward(config) -> None:
             raise ConfigError(f"{flag} needs one optimizer step per rollout (miles' rule): --global-batch-size "
                               f"{train.global_batch_size} splits the rollout's {samples} samples; give "
                               f"--global-batch-size {samples}", (flag, "--global-batch-size"))
-    if train.kl_coef != 0 and not train.use_rollout_logprobs:
-        raise ConfigError(f"{flag} with --kl-coef: the reward's KL penalty is computed from the behaviour logprobs "
-                          "before training, which the skipped pass would give; add --use-rollout-logprobs or drop "
-                          f"{flag}", (flag, "--kl-coef"))

@@ -21,6 +21,10 @@ def check_opd_rules(config) -> None:
     """``ConfigError`` for the first invalid combination of a ``RunConfig``'s OPD flags."""
     train, rollout = config.train, config.rollout
     if not train.use_opd:
+        if train.opd_teacher_load is not None:
+            raise ConfigError("--opd-teacher-load is the teacher of on-policy distillation and is set without "
+                              "--use-opd (miles refuses it too): add --use-opd, or drop it",
+                              ("--opd-teacher-load", "--use-opd"))
         if rollout.opd_teacher_hf_checkpoint:
             raise ConfigError("--opd-teacher-hf-checkpoint serves the teacher of on-policy distillation: add --use-opd "
                               "--opd-type sglang, or drop it", ("--opd-teacher-hf-checkpoint", "--use-opd"))
@@ -51,15 +55,12 @@ def _check_type(train) -> None:
 
 def _check_student_logprobs(train) -> None:
     """The OPD term is computed from the student's logprobs of the sampled tokens and lives in the
-    advantages: both must exist before training (miles would silently skip it otherwise)."""
+    advantages: both must exist before training (miles would silently skip it otherwise;
+    ``--skip-actor-forward-only`` with ``--use-opd`` is refused by ``loss_rules``)."""
     if train.disable_compute_advantages_and_returns:
         raise ConfigError("--use-opd subtracts its reverse KL from the advantages, and "
                           "--disable-compute-advantages-and-returns computes none: drop one of them",
                           ("--use-opd", "--disable-compute-advantages-and-returns"))
-    if train.skip_actor_forward_only and not train.use_rollout_logprobs:
-        raise ConfigError("--use-opd needs the student's logprobs of the sampled tokens before training, which "
-                          "--skip-actor-forward-only skips: add --use-rollout-logprobs (the engines' logprobs) or drop "
-                          "--skip-actor-forward-only", ("--use-opd", "--skip-actor-forward-only"))
 
 
 def _check_teacher(config) -> None:

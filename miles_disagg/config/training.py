@@ -89,7 +89,7 @@ class TrainConfig:
     tis_clip_low: float = flag(0.0, "miles: lower clip of the TIS ratio (with --use-tis).")
     use_unbiased_kl: bool = flag(False, "miles: multiply the KL loss by the importance ratio exp(logprob - old logprob) (DeepSeek-V3.2's unbiased estimate).")
     normalize_advantages: bool = flag(False, "Whiten the per-token advantages over the rollout's trained tokens (all data-parallel ranks).")
-    kl_coef: float = flag(0.0, "reinforce_plus_plus(_baseline): KL-to-reference penalty in the per-token reward (loads the reference).")
+    kl_coef: float = flag(0.0, "reinforce_plus_plus(_baseline), ppo: KL-to-reference penalty in the per-token reward (loads the reference; ppo: the policy's GAE rewards, not the critic's returns).")
     gamma: float = flag(1.0, "reinforce_plus_plus: discount of the per-token returns; ppo: GAE's discount.")
     lambd: float = flag(1.0, "miles: ppo: GAE's lambda (1: the discounted return minus the value; 0: one-step TD).")
     calculate_per_token_loss: bool = flag(False, "Loss = mean over the optimizer step's trained tokens (default: mean over samples of each sample's token mean).")
@@ -105,7 +105,7 @@ class TrainConfig:
     use_opd: bool = flag(False, "miles: on-policy distillation: a teacher engine scores every sample's tokens (--opd-type sglang) and each token's advantage loses --opd-kl-coef x (student logprob - teacher logprob), before --normalize-advantages.")
     opd_type: str | None = flag(None, "miles: where the --use-opd teacher runs: sglang (an engine answering SGLang's /generate: --rm-url, or --opd-teacher-hf-checkpoint served by the job); megatron (inside the trainer) is refused.", choices=OPD_TYPES)
     opd_kl_coef: float = flag(1.0, "miles: weight of the --use-opd reverse KL subtracted from the advantages.")
-    opd_teacher_load: str | None = flag(None, "miles: the teacher's Megatron checkpoint (--opd-type megatron, refused here).")
+    opd_teacher_load: str | None = flag(None, "miles: the teacher's Megatron checkpoint (--opd-type megatron, refused here; refused without --use-opd, as miles).")
     opd_teacher_ckpt_step: int | None = flag(None, "miles: the step of --opd-teacher-load (--opd-type megatron, refused here).")
     get_mismatch_metrics: bool = flag(False, "miles: report the trainer-vs-engine mismatch metrics of --custom-tis-function-path (which it needs; its correction applies too) and train/ois.")
     use_opsm: bool = flag(False, "miles: Off-Policy Sequence Masking: drop a negative-advantage sample's tokens when its mean old-minus-new logprob exceeds --opsm-delta.")
@@ -113,7 +113,7 @@ class TrainConfig:
     observe_training_entropy: bool = flag(False, "miles: log the training entropy with --entropy-coef 0 (train/entropy is always logged here).")
     disable_compute_advantages_and_returns: bool = flag(False, "miles: compute no advantages (for --loss-type sft_loss or custom_loss, whose batch then has none).")
     reset_optimizer_states: bool = flag(False, "miles: clear the optimizer's moments and step count after each rollout's training.")
-    skip_actor_forward_only: bool = flag(False, "miles: skip the pass that recomputes the behaviour logprobs: the ratio's denominator is the engines' logprobs with --use-rollout-logprobs, else the training pass's own, detached (ratio exactly 1); needs one optimizer step per rollout.")
+    skip_actor_forward_only: bool = flag(False, "miles: skip the pass that recomputes the behaviour logprobs: the ratio's denominator is the engines' logprobs with --use-rollout-logprobs, else the training pass's own, detached (ratio exactly 1); needs one optimizer step per rollout and --train-backend megatron; refused with --loss-type sft_loss, --kl-coef or --use-opd (miles' rules).")
     lora_rank: int = flag(0, "LoRA rank (0: full fine-tuning; LoRA is not supported with disk-delta).")
     load: str | None = flag(None, "Resume from the newest complete save in this directory (none there: start from --hf-checkpoint).")
     save: str | None = flag(None, "Save training checkpoints here (atomically: a half-written save is never loaded).")
@@ -137,7 +137,7 @@ class TrainConfig:
         require(self.eps_clip_c is None or self.eps_clip_c > 1, "--eps-clip-c (dual clip) must be > 1")
         require(0 <= self.tis_clip_low <= self.tis_clip, "--tis-clip-low must be in [0, --tis-clip]")
         require(self.kl_coef == 0 or self.advantage_estimator not in ("grpo", "gspo"),
-                 "--kl-coef shapes the reward of reinforce_plus_plus(_baseline) only (miles' GRPO ignores it); "
+                 "--kl-coef shapes the reward of reinforce_plus_plus(_baseline) and ppo only (miles' GRPO ignores it); "
                  "for GRPO use --use-kl-loss --kl-loss-coef")
         for dropout_flag, value in (("--attention-dropout", self.attention_dropout),
                                     ("--hidden-dropout", self.hidden_dropout)):

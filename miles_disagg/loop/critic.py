@@ -9,7 +9,10 @@ critic's ``critic/*`` metrics of each optimizer step (the two take the same numb
 
 Saves: the critic's go to ``--critic-save`` (default ``--save`` + ``_critic``), in the same layout
 and step numbering as the policy's (``trainer/checkpoint.py``), written just BEFORE the policy's:
-the policy's save commits the step, so every step a resume can find has its critic save. On
+the policy's save commits the step, so every step a resume can find has its critic save. A save
+after a critic-only step is the critic's alone, as in miles (the policy has not trained: it is still
+what the run started from); a resume that finds no policy save then starts the policy afresh and
+the critic from its newest save (below). On
 resume the critic loads its save of the policy's step from ``--critic-load`` (default ``--load`` +
 ``_critic``); a policy save with no critic saves beside it (a run that trained without one) gives
 the critic a new value head; critic saves of other steps only are an error.
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from miles_disagg.config.critic_rules import critic_load_dir, critic_save_dir
+from miles_disagg.config.critic_rules import critic_load_dir, critic_save_dir, uses_critic
 from miles_disagg.trainer.checkpoint import SaveMeta, find_latest, read_complete, save_name, write_save
 from miles_disagg.trainer.results import TrainResult
 from miles_disagg.tracking import status
@@ -45,6 +48,12 @@ def merge_results(actor: TrainResult | None, critic: TrainResult) -> TrainResult
         raise ValueError(f"the policy took {len(actor_steps)} optimizer steps and the critic {len(critic.steps)}")
     steps = [{**a, **c, ACTOR_TRAINED: trained} for a, c in zip(actor_steps, critic.steps)]
     return TrainResult(steps=steps, rollout={**(actor.rollout if actor else {}), **critic.rollout})
+
+
+def saves_policy(config, next_step: int) -> bool:
+    """Whether the save after step ``next_step - 1`` holds the policy: not after a critic-only step
+    (miles skips the actor's save while ``rollout_id < --num-critic-only-steps``)."""
+    return not uses_critic(config) or next_step - 1 >= config.critic.num_critic_only_steps
 
 
 def save_critic(job, meta: SaveMeta) -> Path | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles_disagg.config.components import RunConfig
-from miles_disagg.loop.critic import restore_critic, save_critic
+from miles_disagg.loop.critic import restore_critic, save_critic, saves_policy
 from miles_disagg.tracking import status
 from miles_disagg.trainer.checkpoint import (
     STATE_FORMATS, SaveMeta, check_state_format, check_world_size, find_latest, write_save)
@@ -92,7 +92,8 @@ def _publish_initial(job) -> LoopState:
 
 
 def maybe_save(job, state: LoopState, *, last: bool) -> None:
-    """Save after the step ``state.step - 1`` when the interval says so, and at the end."""
+    """Save after the step ``state.step - 1`` when the interval says so, and at the end (after a
+    critic-only step the critic alone: ``loop/critic.py``)."""
     train = job.config.train
     if not train.save:
         return
@@ -104,6 +105,10 @@ def maybe_save(job, state: LoopState, *, last: bool) -> None:
     meta = SaveMeta(step=state.step, version=state.version, run_id=job.run_id,
                     world_size=job.trainer.world_size, data_position=position,
                     state_format=STATE_FORMATS[train.train_backend])
-    save_critic(job, meta)  # before the policy's save, which commits the step
+    critic_path = save_critic(job, meta)  # before the policy's save, which commits the step
+    if not saves_policy(job.config, state.step):
+        status(f"saved {critic_path} (step {state.step}): the critic alone after a critic-only step, the policy "
+               "has not trained")
+        return
     path = write_save(train.save, meta, lambda partial: job.trainer.save(str(partial), with_hf=hf_due))
     status(f"saved {path} (step {state.step}, v{state.version}{', with HF export' if hf_due else ''})")

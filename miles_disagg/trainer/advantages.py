@@ -17,10 +17,15 @@ Trainer side, once the behaviour (``old``) and reference logprobs are known:
   rewards ``r_t = -kl_coef * KL_t``, with the sample's reward added at its LAST TRAINED token
   (``--gamma``, ``--kl-coef``; ``KL_t`` is the ``--kl-loss-type`` estimate of old vs reference);
 - ``reinforce_plus_plus_baseline``: ``signal - kl_coef * KL_t`` on every token.
-- ``ppo``: GAE over the critic's values (``PackedBatch.values``) with ``--gamma``/``--lambd``, the
-  reward at the LAST RESPONSE token (``trainer.gae``; the critic computes the same returns).
-As in miles, the KL shaping runs over every response token (trained or not), and a sample
-without trained tokens gets no reward placed (it receives no gradient either way).
+- ``ppo``: GAE over the critic's values (``PackedBatch.values``) with ``--gamma``/``--lambd``, run
+  over the TRAINED tokens only, the reward at the last trained token and ``-kl_coef * KL_t`` on
+  each trained token (``--kl-coef``, miles' reward shaping; ``trainer.gae``).
+For the other estimators, as in miles, the KL shaping runs over every response token (trained or
+not), and a sample without trained tokens gets no reward placed (it receives no gradient either way).
+
+Each estimator also gives miles' ``returns`` (what a ``--loss-type custom_loss`` reads as
+``batch["returns"]``): the advantages themselves for grpo, gspo and the two reinforce_plus_plus
+estimators, GAE's returns ``A + V`` for ppo; both before the two steps below.
 On-policy distillation (``--use-opd``) then subtracts its reverse-KL term token by token
 (:mod:`miles_disagg.trainer.opd`), and ``--normalize-advantages`` whitens them over the trained tokens of the whole rollout,
 across data-parallel ranks (``whiten``): ``(A - mean) / sqrt(var + 1e-8)``, unbiased variance.
@@ -30,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from miles_disagg.trainer.gae import ppo_advantages_and_returns
+from miles_disagg.trainer.gae import last_trained_index, ppo_advantages_and_returns
 from miles_disagg.trainer.losses import kl_penalty
 from miles_disagg.trainer.opd import apply_to_advantages
 from miles_disagg.trainer.reduction import all_reduce_sum
@@ -40,7 +45,13 @@ WHITEN_EPS = 1e-8
 
 def token_advantages(config, batch, old: torch.Tensor | None, ref: torch.Tensor | None,
                      device: torch.device | str | None = None) -> torch.Tensor:
-    """Per-token advantages ``[batch, response]`` of one ``PackedBatch`` (before whitening; 0 on padding).
+    """Per-token advantages ``[batch, response]`` of one ``PackedBatch`` (before whitening; 0 on padding)."""
+    return token_advantages_and_returns(config, batch, old, ref, device)[0]
+
+
+def token_advantages_and_returns(config, batch, old: torch.Tensor | None, ref: torch.Tensor | None,
+                                 device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)`` ``[batch, response]`` of one ``PackedBatch``, before OPD and whitening.
 
     ``old`` may be None (``--skip-actor-forward-only``) when no KL shapes the reward; ``device``:
     where the result lives (default ``old``'s device)."""
@@ -49,27 +60,33 @@ def token_advantages(config, batch, old: torch.Tensor | None, ref: torch.Tensor 
     signal = batch.advantages.to(device).unsqueeze(-1)
     estimator = config.advantage_estimator
     if estimator in ("grpo", "gspo"):
-        return signal * response
-    if estimator == "ppo":
-        return _ppo_advantages(config, batch, device)
+        return _same(signal * response)
     if old is None:
         old = torch.zeros_like(response)
     kl = _reward_kl(config, old, ref) * response
+    if estimator == "ppo":
+        return _ppo_advantages(config, batch, kl, device)
     if estimator == "reinforce_plus_plus_baseline":
-        return (signal - config.kl_coef * kl) * response
+        return _same((signal - config.kl_coef * kl) * response)
     if estimator == "reinforce_plus_plus":
         token_rewards = -config.kl_coef * kl
         last = last_trained_index(batch.loss_mask.to(old.device))
         rows = torch.nonzero(last >= 0).squeeze(-1)
         token_rewards[rows, last[rows]] += signal[rows, 0]
-        return discounted_returns(token_rewards, config.gamma) * response
+        return _same(discounted_returns(token_rewards, config.gamma) * response)
     raise ValueError(f"unsupported --advantage-estimator {estimator!r}")
 
 
-def _ppo_advantages(config, batch, device) -> torch.Tensor:
+def _same(advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """miles' returns of the estimators without a critic: the advantages themselves (a copy)."""
+    return advantages, advantages.clone()
+
+
+def _ppo_advantages(config, batch, kl: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
     if batch.values is None:
         raise ValueError("--advantage-estimator ppo: the batch carries no critic values (trainer.critic_values)")
-    return ppo_advantages_and_returns(batch, batch.values, config.gamma, config.lambd, device)[0]
+    return ppo_advantages_and_returns(batch, batch.values, config.gamma, config.lambd, device, kl=kl,
+                                      kl_coef=config.kl_coef)
 
 
 def _reward_kl(config, old: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
@@ -78,12 +95,6 @@ def _reward_kl(config, old: torch.Tensor, ref: torch.Tensor | None) -> torch.Ten
     if ref is None:
         raise ValueError("--kl-coef needs the reference model's logprobs")
     return kl_penalty(old, ref, config.kl_loss_type)
-
-
-def last_trained_index(loss_mask: torch.Tensor) -> torch.Tensor:
-    """``[batch]`` index of each row's last 1 in ``loss_mask`` (-1 for a row without any)."""
-    positions = torch.arange(loss_mask.shape[-1], device=loss_mask.device).expand_as(loss_mask)
-    return torch.where(loss_mask > 0, positions, torch.full_like(positions, -1)).max(dim=-1).values
 
 
 def discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -119,12 +130,22 @@ def whiten(advantages: list[torch.Tensor], masks: list[torch.Tensor], group=None
 def rollout_advantages(config, batches: list, old: list, ref: list, group=None,
                        device: torch.device | str | None = None,
                        opd_reverse_kls: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Per-token advantages of every micro-batch of one rollout on this rank, less the on-policy
-    distillation term (``--use-opd``: ``opd_reverse_kls``, :mod:`miles_disagg.trainer.opd`), whitened
-    over the whole rollout (all ranks of ``group``; collective) when ``--normalize-advantages``."""
-    advantages = [token_advantages(config, b, o, r, device) for b, o, r in zip(batches, old, ref, strict=True)]
+    """The advantages of :func:`rollout_advantages_and_returns`."""
+    return rollout_advantages_and_returns(config, batches, old, ref, group, device, opd_reverse_kls)[0]
+
+
+def rollout_advantages_and_returns(config, batches: list, old: list, ref: list, group=None,
+                                   device: torch.device | str | None = None,
+                                   opd_reverse_kls: list[torch.Tensor] | None = None,
+                                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-token ``(advantages, returns)`` of every micro-batch of one rollout on this rank: the
+    advantages less the on-policy distillation term (``--use-opd``: ``opd_reverse_kls``,
+    :mod:`miles_disagg.trainer.opd`), whitened over the whole rollout (all ranks of ``group``;
+    collective) when ``--normalize-advantages``; the returns as the estimator gave them (miles')."""
+    pairs = [token_advantages_and_returns(config, b, o, r, device) for b, o, r in zip(batches, old, ref, strict=True)]
+    advantages, returns = [a for a, _ in pairs], [r for _, r in pairs]
     if opd_reverse_kls is not None:
         advantages = apply_to_advantages(advantages, opd_reverse_kls, config.opd_kl_coef)
     if config.normalize_advantages:
         advantages = whiten(advantages, [b.loss_mask for b in batches], group)
-    return advantages
+    return advantages, returns

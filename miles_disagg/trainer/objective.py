@@ -96,7 +96,8 @@ class TrainObjective:
 
 def miles_batch(batch, frozen: FrozenInputs, device: torch.device) -> dict:
     """A ``PackedBatch`` and its frozen inputs as miles' ``RolloutBatch``: per-sample lists over each
-    response (``loss_masks``, ``advantages``, ``returns``, ``log_probs`` (the trainer's recomputed;
+    response (``loss_masks``, ``advantages``, ``returns`` (miles': before the OPD term and whitening,
+    ``rollout_inputs.FrozenInputs.returns``), ``log_probs`` (the trainer's recomputed;
     absent when that pass is skipped), ``ref_log_probs`` (with a reference), ``rollout_log_probs``),
     ``unconcat_tokens``, ``total_lengths``, ``response_lengths``, ``rewards`` (each sample's
     post-processed reward, its sequence-level signal), ``teacher_log_probs`` and ``opd_reverse_kl``
@@ -112,7 +113,7 @@ def miles_batch(batch, frozen: FrozenInputs, device: torch.device) -> dict:
         "max_seq_lens": None,
     }
     optional = {"log_probs": frozen.recomputed, "ref_log_probs": frozen.ref, "advantages": frozen.advantages,
-                "returns": frozen.advantages, "teacher_log_probs": batch.teacher_logprobs,
+                "returns": frozen.returns, "teacher_log_probs": batch.teacher_logprobs,
                 "opd_reverse_kl": frozen.opd_reverse_kl}
     for key, values in optional.items():
         if values is not None:

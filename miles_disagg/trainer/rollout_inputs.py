@@ -3,7 +3,8 @@
 From the trainer's recomputed logprobs (the forward-only pass; None per micro-batch with
 ``--skip-actor-forward-only``) and the reference's, :func:`prepare_rollout` decides the behaviour
 logprobs the ratio divides by (the engines' with ``--use-rollout-logprobs``, as in miles), the
-per-token advantages (less the ``--use-opd`` term; none with ``--disable-compute-advantages-and-returns``),
+per-token advantages (less the ``--use-opd`` term; none with ``--disable-compute-advantages-and-returns``)
+and miles' returns (before that term and the whitening: what a custom loss reads),
 each step's global denominator, and the rollout's mismatch metric ``train/train_rollout_logprob_abs_diff``: the
 behaviour logprobs against the engines', a per-sample mean (a token mean with
 ``--calculate-per-token-loss``, over the loss's token count), so exactly 0 with ``--use-rollout-logprobs``.
@@ -18,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from miles_disagg.trainer.advantages import rollout_advantages
+from miles_disagg.trainer.advantages import rollout_advantages_and_returns
 from miles_disagg.trainer.opd import rollout_reverse_kls
 from miles_disagg.trainer.reduction import global_sample_mean, step_denominators, sum_over_ranks
 
@@ -37,6 +38,9 @@ class FrozenInputs:
     advantages: torch.Tensor | None
     opd_reverse_kl: torch.Tensor | None = None
     """``--use-opd``: student minus teacher logprob per response token (:mod:`miles_disagg.trainer.opd`)."""
+    returns: torch.Tensor | None = None
+    """miles' ``returns``: the estimator's, before the OPD term and whitening (GAE's ``A + V`` for ppo,
+    the advantages themselves otherwise; ``trainer.advantages``)."""
 
 
 @dataclass
@@ -67,11 +71,13 @@ def prepare_rollout(config, steps: Sequence[Sequence], recomputed: list, ref: li
     reverse_kls = rollout_reverse_kls(config, flat, old)
     if config.disable_compute_advantages_and_returns:
         advantages: list = [None] * len(flat)
+        returns: list = [None] * len(flat)
     else:
-        advantages = rollout_advantages(config, flat, old, ref, group, device, opd_reverse_kls=reverse_kls)
+        advantages, returns = rollout_advantages_and_returns(config, flat, old, ref, group, device,
+                                                             opd_reverse_kls=reverse_kls)
     denominators = step_denominators(steps, per_token=config.calculate_per_token_loss, group=group, device=device)
-    micro = [FrozenInputs(o, r, f, a, k) for o, r, f, a, k in
-             zip(old, recomputed, ref, advantages, reverse_kls or [None] * len(flat), strict=True)]
+    micro = [FrozenInputs(o, r, f, a, k, g) for o, r, f, a, k, g in
+             zip(old, recomputed, ref, advantages, reverse_kls or [None] * len(flat), returns, strict=True)]
     return RolloutInputs(micro, denominators, metrics)
 
 

@@ -1,7 +1,7 @@
 """Advantage estimators against hand-computed values: GRPO, REINFORCE++ (discounted per-token
 returns, KL in the reward, reward at the last trained token), REINFORCE++-baseline (group
 baseline), whitening over trained tokens; a GRPO ``--kl-coef`` is refused, and ``ppo`` (a critic,
-``tests/unit/test_critic_gae.py``) on Megatron."""
+``tests/unit/test_critic_gae.py``) on Megatron; ``ppo`` takes ``--kl-coef`` (``test_critic_config.py``)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_helpers() -> None:
     assert discounted_returns(torch.tensor([[1.0, 0.0, 2.0]]), 0.5).tolist() == [[1.5, 1.0, 2.0]]
 
 
-def test_ppo_and_grpo_kl_coef_are_refused_at_config_time(tmp_path) -> None:
+def test_megatron_ppo_and_grpo_kl_coef_are_refused_at_config_time(tmp_path) -> None:
     with pytest.raises(ConfigError, match="--advantage-estimator ppo: the critic trains on --train-backend fsdp only"):
         load_config(["--advantage-estimator", "ppo"], "train_async")  # megatron, the default backend
     with pytest.raises(ConfigError, match="--kl-coef .*--use-kl-loss --kl-loss-coef"):

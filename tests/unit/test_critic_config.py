@@ -41,7 +41,6 @@ def test_miles_critic_flags_and_their_defaults() -> None:
 
 @pytest.mark.parametrize("extra,flags,message", [
     (["--train-backend", "megatron"], ("--advantage-estimator", "--train-backend"), "fsdp only"),
-    (["--kl-coef", "0.1"], ("--advantage-estimator", "--kl-coef"), "--use-kl-loss --kl-loss-coef"),
     (["--colocate"], ("--advantage-estimator", "--colocate"), "drop --colocate"),
     (["--max-trainer-restarts", "1", "--save", "/tmp/x", "--update-weight-transfer-mode", "disk-delta",
       "--hf-checkpoint", "/"], ("--advantage-estimator", "--max-trainer-restarts"),
@@ -54,6 +53,15 @@ def test_what_a_critic_cannot_take_is_refused_in_one_line(extra, flags, message)
     with pytest.raises(ConfigError, match=message) as error:
         load_config(PPO + extra, entry)
     assert error.value.flags == flags and "\n" not in str(error.value)
+
+
+def test_ppo_takes_kl_coef_as_miles_does() -> None:
+    """miles shapes ppo's reward with the KL (``-kl_coef * KL_t`` on each trained token): accepted, and the
+    reference is loaded for it."""
+    config, _ = load_config(PPO + ["--kl-coef", "0.05", "--kl-loss-type", "k3"], "train_async")
+    assert config.train.kl_coef == 0.05 and config.train.needs_reference and uses_critic(config)
+    with pytest.raises(ConfigError, match="only one of them can be set"):
+        load_config(PPO + ["--kl-coef", "0.05", "--use-kl-loss", "--kl-loss-coef", "0.1"], "train_async")
 
 
 @pytest.mark.parametrize("extra,message", [

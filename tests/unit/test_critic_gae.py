@@ -1,7 +1,10 @@
 """PPO with a critic: GAE and the clipped value loss against an independent float64 implementation of
-miles' formulas in plain Python floats (``get_advantages_and_returns``: the reward at each sample's
-last response token, ``delta_t = r_t + gamma V_{t+1} - V_t``, ``A_t = delta_t + gamma lambd A_{t+1}``,
-``R = A + V``; ``value_loss_function``: ``max((V_old + clip(V - V_old) - R)^2, (V - R)^2)``, the
+miles' formulas in plain Python floats (``get_advantages_and_returns_batch`` after miles #1827: over
+each sample's trained tokens only, the reward at its last trained token,
+``delta_t = r_t + gamma V_{t+1} - V_t``, ``A_t = delta_t + gamma lambd A_{t+1}`` with ``t+1`` the next
+trained token, ``R = A + V``, 0 off the trained tokens; a hand-computed ragged case; with a loss mask
+of all ones the recursion of miles before #1827; ``value_loss_function``:
+``max((V_old + clip(V - V_old) - R)^2, (V - R)^2)``, the
 clip fraction ``|V - V_old| > value_clip``, both reduced by ``sum_of_sample_mean``), per sample and
 per token, and the batch split over two "ranks" (sum form over the global count) equal to one."""
 
@@ -14,7 +17,7 @@ import torch
 
 from miles_disagg.config.components import TrainConfig
 from miles_disagg.loop.critic import merge_results
-from miles_disagg.trainer.advantages import rollout_advantages
+from miles_disagg.trainer.advantages import rollout_advantages, token_advantages_and_returns
 from miles_disagg.trainer.batches import pack
 from miles_disagg.trainer.critic_values import attach_values, values_of
 from miles_disagg.trainer.gae import (
@@ -52,15 +55,32 @@ def as_batch(samples, rewards, values):
     return batch
 
 
-def miles_gae(reward: float, values: list[float], gamma: float, lambd: float) -> tuple[list[float], list[float]]:
-    """miles' per-sample GAE in plain floats: the reward at the last response token, V after the end 0."""
-    length = len(values)
-    token_rewards = [0.0] * length
-    token_rewards[-1] += reward
-    advantages, running = [0.0] * length, 0.0
-    for t in reversed(range(length)):
-        next_value = values[t + 1] if t < length - 1 else 0.0
-        delta = token_rewards[t] + gamma * next_value - values[t]
+def miles_gae(reward: float, values: list[float], mask: list[int], gamma: float, lambd: float,
+              token_rewards: list[float] | None = None) -> tuple[list[float], list[float]]:
+    """miles' per-sample GAE in plain floats: the sample compressed to its trained tokens, the reward
+    at the last of them, V after it 0; 0 at the untrained tokens (a sample without any: all 0)."""
+    trained = [t for t, m in enumerate(mask) if m]
+    rewards = [(token_rewards or [0.0] * len(values))[t] for t in trained]
+    if trained:
+        rewards[-1] += reward
+    packed, running = [0.0] * len(trained), 0.0
+    for k in reversed(range(len(trained))):
+        next_value = values[trained[k + 1]] if k + 1 < len(trained) else 0.0
+        delta = rewards[k] + gamma * next_value - values[trained[k]]
+        running = delta + gamma * lambd * running
+        packed[k] = running
+    advantages, returns = [0.0] * len(values), [0.0] * len(values)
+    for k, t in enumerate(trained):
+        advantages[t], returns[t] = packed[k], packed[k] + values[t]
+    return advantages, returns
+
+
+def old_miles_gae(reward: float, values: list[float], gamma: float, lambd: float) -> tuple[list[float], list[float]]:
+    """miles before #1827: every response token, the reward at the last response token."""
+    advantages, running = [0.0] * len(values), 0.0
+    for t in reversed(range(len(values))):
+        next_value = values[t + 1] if t < len(values) - 1 else 0.0
+        delta = (reward if t == len(values) - 1 else 0.0) + gamma * next_value - values[t]
         running = delta + gamma * lambd * running
         advantages[t] = running
     return advantages, [a + v for a, v in zip(advantages, values)]
@@ -92,7 +112,7 @@ def test_gae_matches_miles_per_sample(gamma, lambd) -> None:
         samples, rewards, values).values, gamma, lambd)
     assert advantages.dtype == torch.float64
     for i, (reward, row) in enumerate(zip(rewards, values)):
-        expected_adv, expected_ret = miles_gae(reward, row, gamma, lambd)
+        expected_adv, expected_ret = miles_gae(reward, row, MASKS[i], gamma, lambd)
         assert rows(advantages)[i] == pytest.approx(expected_adv, abs=1e-9)
         assert rows(returns)[i] == pytest.approx(expected_ret, abs=1e-9)
     padding = as_batch(samples, rewards, values).response_mask == 0
@@ -111,6 +131,54 @@ def test_gae_by_hand() -> None:
     assert returns[0].tolist() == pytest.approx([d0 + 0.45 * a1 + 0.5, a1 + 0.2, a2 + 0.4], abs=1e-12)
 
 
+def test_gae_over_a_ragged_mask_by_hand() -> None:
+    """Mask [1, 1, 0, 0, 1, 1, 0] (tool output at 2-3, an untrained last token), reward 1.0, gamma 0.9,
+    lambd 0.5 (gamma * lambd = 0.45), values [0.5, 0.2, 0.7, -0.3, 0.4, 0.1, 0.9]. The trained tokens
+    0, 1, 4, 5 carry values 0.5, 0.2, 0.4, 0.1; the reward sits on token 5, the last trained one:
+      t=5: delta = 1 - 0.1 = 0.9                      A = 0.9                          R = 1.0
+      t=4: delta = 0.9 * 0.1 - 0.4 = -0.31            A = -0.31 + 0.45 * 0.9 = 0.095    R = 0.495
+      t=1: delta = 0.9 * 0.4 - 0.2 = 0.16 (V_4 boots) A = 0.16 + 0.45 * 0.095 = 0.20275 R = 0.40275
+      t=0: delta = 0.9 * 0.2 - 0.5 = -0.32            A = -0.32 + 0.45 * 0.20275 = -0.2287625
+                                                                                        R = 0.2712375
+    and 0 at tokens 2, 3 and 6."""
+    sample = Sample(prompt_ids=[1], response_ids=[4] * 7, loss_mask=[1, 1, 0, 0, 1, 1, 0], advantage=1.0)
+    batch = as_batch([sample], [1.0], [[0.5, 0.2, 0.7, -0.3, 0.4, 0.1, 0.9]])
+    advantages, returns = ppo_advantages_and_returns(batch, batch.values, 0.9, 0.5)
+    assert advantages[0].tolist() == pytest.approx([-0.2287625, 0.20275, 0.0, 0.0, 0.095, 0.9, 0.0], abs=1e-12)
+    assert returns[0].tolist() == pytest.approx([0.2712375, 0.40275, 0.0, 0.0, 0.495, 1.0, 0.0], abs=1e-12)
+
+
+def test_ppo_kl_shapes_the_trained_tokens_rewards_by_hand() -> None:
+    """``--kl-coef 0.5`` (k1: old - ref = [0.2, 5.0, 0.4]), mask [1, 0, 1], values [0.5, 9.0, 0.2],
+    reward 1.0, gamma 0.9, lambd 0.5: rewards -0.1 on token 0, -0.2 + 1 = 0.8 on token 2 (token 1's
+    KL is dropped). t=2: A = 0.8 - 0.2 = 0.6; t=0: delta = -0.1 + 0.9 * 0.2 - 0.5 = -0.42,
+    A = -0.42 + 0.45 * 0.6 = -0.15; returns -0.15 + 0.5 = 0.35 and 0.6 + 0.2 = 0.8."""
+    sample = Sample(prompt_ids=[1], response_ids=[4] * 3, loss_mask=[1, 0, 1], advantage=1.0)
+    batch = as_batch([sample], [1.0], [[0.5, 9.0, 0.2]])
+    config = TrainConfig(advantage_estimator="ppo", kl_coef=0.5, gamma=0.9, lambd=0.5)
+    old = torch.tensor([[-1.0, -1.0, -1.0]], dtype=torch.float64)
+    ref = old - torch.tensor([[0.2, 5.0, 0.4]], dtype=torch.float64)
+    advantages, returns = token_advantages_and_returns(config, batch, old, ref)
+    assert advantages[0].tolist() == pytest.approx([-0.15, 0.0, 0.6], abs=1e-12)
+    assert returns[0].tolist() == pytest.approx([0.35, 0.0, 0.8], abs=1e-12)
+    with pytest.raises(ValueError, match="--kl-coef needs the reference"):
+        token_advantages_and_returns(config, batch, old, None)
+
+
+@pytest.mark.parametrize("gamma,lambd", SETTINGS)
+def test_an_all_ones_mask_gives_the_recursion_over_every_token(gamma, lambd) -> None:
+    """With every response token trained, GAE is miles' before #1827 (the reward on the last token)."""
+    samples, rewards, values = scored()
+    full = [Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, advantage=s.advantage) for s in samples]
+    batch = as_batch(full, rewards, values)
+    advantages, returns = ppo_advantages_and_returns(batch, batch.values, gamma, lambd)
+    all_ones = [[1] * len(m) for m in MASKS]
+    for i, (reward, row) in enumerate(zip(rewards, values)):
+        expected_adv, expected_ret = old_miles_gae(reward, row, gamma, lambd)
+        assert rows(advantages, all_ones)[i] == pytest.approx(expected_adv, abs=1e-9)
+        assert rows(returns, all_ones)[i] == pytest.approx(expected_ret, abs=1e-9)
+
+
 @pytest.mark.parametrize("normalize", [False, True])
 def test_the_policy_takes_the_gae_advantages(normalize) -> None:
     """``--advantage-estimator ppo``: the policy's per-token advantages are GAE's over the packed
@@ -119,7 +187,7 @@ def test_the_policy_takes_the_gae_advantages(normalize) -> None:
     batch = as_batch(samples, rewards, values)
     config = TrainConfig(advantage_estimator="ppo", gamma=0.9, lambd=0.95, normalize_advantages=normalize)
     [advantages] = rollout_advantages(config, [batch], [None], [None], device="cpu")
-    expected = [miles_gae(r, v, 0.9, 0.95)[0] for r, v in zip(rewards, values)]
+    expected = [miles_gae(r, v, m, 0.9, 0.95)[0] for r, v, m in zip(rewards, values, MASKS)]
     if normalize:
         trained = [a for row, m in zip(expected, MASKS) for a, mm in zip(row, m) if mm]
         mean = sum(trained) / len(trained)

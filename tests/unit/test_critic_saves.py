@@ -1,7 +1,8 @@
 """The critic's saves beside the policy's (``loop/critic.py``): written before the policy's (which
 commits the step), in ``--critic-save`` (default ``--save`` + ``_critic``); on resume the critic loads
 its save of the policy's step from ``--critic-load`` (default ``--load`` + ``_critic``), starts a new
-value head when there are no critic saves, and refuses critic saves of other steps only."""
+value head when there are no critic saves, and refuses critic saves of other steps only. After a
+critic-only step (``--num-critic-only-steps``) the save is the critic's alone, as miles saves."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from miles_disagg.config import load_config
-from miles_disagg.loop.critic import CRITIC_STATE_FORMAT, restore_critic, save_critic
+from miles_disagg.loop.critic import CRITIC_STATE_FORMAT, restore_critic, save_critic, saves_policy
 from miles_disagg.loop.resume import LoopState, maybe_save
 from miles_disagg.trainer.checkpoint import SaveMeta, read_complete
 from miles_disagg.types import ConfigError
@@ -76,3 +77,29 @@ def test_without_critic_saves_the_critic_starts_fresh(tmp_path: Path) -> None:
     write_save(tmp_path / "elsewhere", policy_like, lambda d: None)
     with pytest.raises(ConfigError, match="not a critic save"):
         restore_critic(job, 5)
+
+
+def test_a_save_after_a_critic_only_step_is_the_critic_alone(tmp_path: Path) -> None:
+    """miles skips the actor's save while ``rollout_id < --num-critic-only-steps``: after steps 0 and 1
+    (two critic-only steps, so saves of steps 1 and 2) the critic alone is saved; after step 2 both."""
+    job = job_for(tmp_path, "--num-critic-only-steps", "2")
+    for next_step in (1, 2):
+        maybe_save(job, LoopState(step=next_step, version=0), last=True)
+        assert read_complete(tmp_path / "save_critic" / f"iter_{next_step:07d}") is not None
+        assert not (tmp_path / "save" / f"iter_{next_step:07d}").exists()
+    assert job.trainer.order == ["critic", "critic"]
+    maybe_save(job, LoopState(step=3, version=1), last=True)
+    assert job.trainer.order[2:] == ["critic", "policy"]
+    assert read_complete(tmp_path / "save" / "iter_0000003") is not None
+    restore_critic(job, None)  # a resume finding no policy save before step 3 takes the newest critic save
+    assert job.critic.loaded == "iter_0000003"
+
+
+def test_which_saves_hold_the_policy() -> None:
+    ppo, _ = load_config(["--advantage-estimator", "ppo", "--train-backend", "fsdp", "--num-critic-only-steps", "3"],
+                         "train_async")
+    assert [saves_policy(ppo, next_step) for next_step in range(1, 6)] == [False, False, False, True, True]
+    grpo, _ = load_config(["--train-backend", "fsdp"], "train_async")
+    assert all(saves_policy(grpo, next_step) for next_step in range(1, 4))
+    plain_ppo, _ = load_config(["--advantage-estimator", "ppo", "--train-backend", "fsdp"], "train_async")
+    assert saves_policy(plain_ppo, 1)

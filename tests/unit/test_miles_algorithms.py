@@ -259,7 +259,7 @@ def test_reset_optimizer_states_clears_adam_history_in_place() -> None:
     (["--skip-actor-forward-only", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
       "--global-batch-size", "4"], "give --global-batch-size 8"),
     (["--skip-actor-forward-only", "--advantage-estimator", "reinforce_plus_plus", "--normalize-advantages",
-      "--kl-coef", "0.1"], "add --use-rollout-logprobs"),
+      "--kl-coef", "0.1"], "--skip-actor-forward-only with --kl-coef"),
     (["--use-rollout-entropy"], "--use-rollout-entropy is a miles flag that does not apply here"),
 ])
 def test_miles_loss_flags_refused_with_one_line(argv, message) -> None:
@@ -271,9 +271,31 @@ def test_miles_loss_flags_refused_with_one_line(argv, message) -> None:
 def test_miles_loss_flags_accepted() -> None:
     line = ["--skip-actor-forward-only", "--use-rollout-logprobs", "--rollout-batch-size", "4",
             "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--reset-optimizer-states",
-            "--observe-training-entropy", "--use-opsm", "--opsm-delta", "0.001", "--loss-type", "sft_loss",
-            "--disable-compute-advantages-and-returns"]
+            "--observe-training-entropy", "--use-opsm", "--opsm-delta", "0.001"]
     train = load_config(line, "train_async")[0].train
     assert (train.skip_actor_forward_only, train.reset_optimizer_states, train.observe_training_entropy,
-            train.use_opsm, train.opsm_delta, train.disable_compute_advantages_and_returns) == (
-        True, True, True, True, 0.001, True)
+            train.use_opsm, train.opsm_delta, train.train_backend) == (True, True, True, True, 0.001, "megatron")
+    sft = load_config(["--loss-type", "sft_loss", "--disable-compute-advantages-and-returns"], "train_async")[0].train
+    assert sft.disable_compute_advantages_and_returns and sft.loss_type == "sft_loss"
+
+
+SKIP = ["--skip-actor-forward-only", "--use-rollout-logprobs", "--rollout-batch-size", "4", "--n-samples-per-prompt",
+        "2", "--global-batch-size", "8"]
+
+
+@pytest.mark.parametrize("extra, flags", [
+    (["--train-backend", "fsdp"], ("--skip-actor-forward-only", "--train-backend")),
+    (["--loss-type", "sft_loss", "--disable-compute-advantages-and-returns"],
+     ("--skip-actor-forward-only", "--loss-type")),
+    (["--advantage-estimator", "reinforce_plus_plus", "--normalize-advantages", "--kl-coef", "0.1"],
+     ("--skip-actor-forward-only", "--kl-coef")),
+    (["--use-opd", "--opd-type", "sglang", "--rm-url", "http://t:1/generate"],
+     ("--skip-actor-forward-only", "--use-opd")),
+], ids=["fsdp", "sft_loss", "kl-coef", "use-opd"])
+def test_skip_actor_forward_only_refused_as_miles_refuses_it(extra, flags) -> None:
+    """miles refuses ``--skip-actor-forward-only`` off Megatron, with sft_loss, and with --kl-coef or
+    --use-opd even beside --use-rollout-logprobs; each without the skip is accepted."""
+    with pytest.raises(ConfigError) as info:
+        load_config(SKIP + extra, "train_async")
+    assert info.value.flags == flags and "\n" not in str(info.value)
+    load_config(SKIP[1:] + extra, "train_async")  # the same line without the skip

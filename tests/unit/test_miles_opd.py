@@ -229,6 +229,14 @@ def test_refused_combinations_name_their_flags(flags, named) -> None:
         config_of(*flags)
 
 
+def test_opd_teacher_load_without_use_opd_is_refused_as_miles_refuses_it() -> None:
+    with pytest.raises(ConfigError) as info:
+        config_of("--opd-teacher-load", "/teacher")
+    assert info.value.flags == ("--opd-teacher-load", "--use-opd") and "add --use-opd" in str(info.value)
+    assert "\n" not in str(info.value)
+    assert config_of().train.opd_teacher_load is None  # without it the line loads
+
+
 def test_a_teacher_with_another_vocabulary_is_refused(tmp_path) -> None:
     import json
 
