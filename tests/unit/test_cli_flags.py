@@ -22,6 +22,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
     from miles_disagg.bench.http_client import HttpBench
     from miles_disagg.bench.scale import ScaleBench
     from miles_disagg.bench.publish import PublishBench
+    from miles_disagg.bench.store import StoreBench
     from miles_disagg.bench.sim.cli import SimEnginesCommand
     from miles_disagg.bench.service import ServiceBench
     from miles_disagg.engines.agent.cli import AgentCommand
@@ -53,6 +54,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
         ("bench", "http"): (HttpBench,),
         ("bench", "scale"): (ScaleBench,),
         ("bench", "publish"): (PublishBench,),
+        ("bench", "store"): (StoreBench,),
         ("sim-engines",): (SimEnginesCommand,),
         **{("engines", action): (cls,) for action, cls in ENGINES_ACTIONS.items()},
     }

@@ -83,15 +83,10 @@ class RelayCache:
         return Served(path, size, True)
 
     def _pull(self, key: str, path: Path) -> int:
-        size = self.client.head(key)
-        if size is None:
-            raise FileNotFoundError(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.part"
         try:
-            got = self.client.download(key, tmp, size)
-            if got != size:
-                raise FileNotFoundError(f"{key} changed size while pulled ({size} -> {got})")
+            size = self.client.download_any(key, tmp)
             os.replace(tmp, path)
         finally:
             with contextlib.suppress(FileNotFoundError):

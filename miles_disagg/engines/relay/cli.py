@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     sock = socket.socket(socket.AF_INET6 if ":" in command.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((command.host, command.port))
+    sock.listen(2048)  # before the line is printed: whoever reads it may connect at once
     print(f"miles-disagg relay listening on http://{command.host}:{sock.getsockname()[1]}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=command.log_level))
     server.run(sockets=[sock])
