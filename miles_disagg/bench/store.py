@@ -51,7 +51,7 @@ class StoreBench:
     engines_per_region: int = flag(8, "Simulated engine hosts per region.")
     wan_mb_per_s: float = flag(100.0, "Bandwidth of the emulated WAN between the regions, MiB/s.")
     wan_rtt_ms: float = flag(80.0, "Round trip of the emulated WAN, per request.")
-    memory_sizes_mb: str = flag("200,2000", "Sizes (MiB) of the single-object versions the memory section pulls.")
+    memory_sizes_mb: str = flag("100,1000", "Sizes (MiB) of the single-object versions the memory section pulls.")
     endpoint: str | None = flag(None, "An S3-API server to use (default: moto on loopback, started here).")
     seed: int = flag(0, "Seed of the synthetic model.")
     keep: Path | None = flag(None, "Keep the work directory here.")
