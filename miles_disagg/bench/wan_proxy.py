@@ -172,6 +172,9 @@ class S3Proxy:
             client.sendall(_error_answer(*_ERRORS[fault.kind]))
             return True
         time.sleep(self.link.rtt_s + (fault.seconds if fault is not None and fault.kind == "stall" else 0.0))
+        if _expects_continue(head):  # botocore's PUTs: the proxy says "go on" itself, the server never sees it
+            client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            head = _without_expect(head)
         upstream = socket.create_connection(self.upstream, timeout=60)
         try:
             upstream.sendall(head)
@@ -221,6 +224,14 @@ def _read_head(reader) -> bytes | None:
             return b"".join(lines)
         if len(lines) > 200:
             raise OSError("too many header lines")
+
+
+def _expects_continue(head: bytes) -> bool:
+    return any(line.lower().startswith(b"expect:") and b"100-continue" in line.lower() for line in head.split(b"\r\n"))
+
+
+def _without_expect(head: bytes) -> bytes:
+    return b"\r\n".join(line for line in head.split(b"\r\n") if not line.lower().startswith(b"expect:"))
 
 
 def _body_framing(head: bytes) -> tuple[int, bool]:

@@ -264,6 +264,7 @@ def test_throttling_and_resets_are_retried_and_the_version_arrives_intact(s3_buc
         through = f"{url}?endpoint={proxy.url}"
         prepared = Materializer(tmp_path / "host", base_dir=tiny_qwen3_dir).prepare(through, 1)
         fired = proxy.faults_fired()
+        publish_chain(through, tiny_qwen3_dir, targets[:2], "faults")  # uploads (Expect: 100-continue) through it too
     assert prepared.ref.version == 1
     assert (tmp_path / "host" / "model.safetensors").read_bytes() == (targets[0] / "model.safetensors").read_bytes()
     assert fired.get("slowdown") == 3 and fired.get("reset_mid_body") == 2, fired
