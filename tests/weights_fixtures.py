@@ -98,3 +98,18 @@ def fingerprint(local_dir: str | Path, store_dir: str | Path | None = None) -> d
         latest = Path(store_dir) / "LATEST"
         result["LATEST"] = latest.read_text() if latest.exists() else None
     return result
+
+
+def make_target(base: Path, out: Path, seed: int, source: Path | None = None) -> Path:
+    """A copy of ``source`` (default: base) whose MLP weights took a small step."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, out)
+    tensors = load_file(str((source or base) / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    tensors = {k: v + 1e-3 * torch.randn(v.shape, generator=g) if ".mlp." in k else v for k, v in tensors.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

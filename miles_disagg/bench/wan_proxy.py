@@ -249,13 +249,7 @@ def _body_framing(head: bytes) -> tuple[int, bool]:
 def _body_pieces(reader, length: int, chunked: bool):
     """The body's bytes as sent (chunk framing included), in pieces of at most ``PIECE_BYTES``."""
     if not chunked:
-        left = length
-        while left > 0:
-            piece = reader.read(min(PIECE_BYTES, left))
-            if not piece:
-                return
-            left -= len(piece)
-            yield piece
+        yield from _exact_pieces(reader, length)
         return
     while True:
         size_line = reader.readline(1024)
@@ -269,13 +263,17 @@ def _body_pieces(reader, length: int, chunked: bool):
                 yield trailer
                 if trailer in (b"\r\n", b"\n", b""):
                     return
-        left = size + 2  # the chunk and its CRLF
-        while left > 0:
-            piece = reader.read(min(PIECE_BYTES, left))
-            if not piece:
-                return
-            left -= len(piece)
-            yield piece
+        yield from _exact_pieces(reader, size + 2)  # the chunk and its CRLF
+
+
+def _exact_pieces(reader, left: int):
+    """``left`` bytes of ``reader`` in pieces (fewer if it ends first)."""
+    while left > 0:
+        piece = reader.read(min(PIECE_BYTES, left))
+        if not piece:
+            return
+        left -= len(piece)
+        yield piece
 
 
 def _drain_body(reader, length: int, chunked: bool) -> None:

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import boto3
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from deadlines import scaled
 from object_store_helpers import PAYLOAD_NAME, commit_next, stage_version
 from s3_fixtures import s3_bucket, s3_env, s3_server  # noqa: F401 - fixtures
-from weights_fixtures import fingerprint
+from weights_fixtures import fingerprint, make_target
 
 from miles_disagg.types import PublishConflict, VersionRef
 from miles_disagg.weights.audit import verify_version
@@ -46,18 +45,6 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           timeout=scaled(300))
 
 
-def step(base: Path, out: Path, seed: int, source: Path | None = None) -> Path:
-    """A copy of ``source`` (default: base) whose MLP weights took a small step."""
-    import shutil
-
-    shutil.copytree(base, out)
-    tensors = load_file(str((source or base) / "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    tensors = {k: v + 1e-3 * torch.randn(v.shape, generator=g) if ".mlp." in k else v for k, v in tensors.items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
-
-
 def publish_chain(store: str, base: Path, targets: list[Path], run_id: str, anchor_interval: int = 0) -> None:
     publisher = DeltaPublisher(store, base_dir=base, run_id=run_id, full_anchor_interval=anchor_interval)
     try:
@@ -71,9 +58,9 @@ def publish_chain(store: str, base: Path, targets: list[Path], run_id: str, anch
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory, tiny_qwen3_dir):
     root = tmp_path_factory.mktemp("targets")
-    chain = [step(tiny_qwen3_dir, root / "t1", 1)]
+    chain = [make_target(tiny_qwen3_dir, root / "t1", 1)]
     for seed in (2, 3):
-        chain.append(step(tiny_qwen3_dir, root / f"t{seed}", seed, source=chain[-1]))
+        chain.append(make_target(tiny_qwen3_dir, root / f"t{seed}", seed, source=chain[-1]))
     return chain
 
 

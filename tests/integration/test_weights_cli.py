@@ -14,7 +14,7 @@ from deadlines import scaled
 import torch
 from safetensors.torch import load_file, save_file
 
-from weights_fixtures import fingerprint
+from weights_fixtures import fingerprint, make_target
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,16 +36,6 @@ def refused(*args: str, match: str) -> str:
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr and match in proc.stderr, proc.stderr
     return proc.stderr
-
-
-def make_target(base: Path, out: Path, seed: int, source: Path | None = None) -> Path:
-    """A copy of ``source`` (default: base) whose MLP weights took a small step."""
-    shutil.copytree(base, out)
-    tensors = load_file(str((source or base) / "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    tensors = {k: v + 1e-3 * torch.randn(v.shape, generator=g) if ".mlp." in k else v for k, v in tensors.items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 @pytest.fixture(scope="module")
