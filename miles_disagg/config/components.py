@@ -75,6 +75,7 @@ class RolloutConfig:
     rollout_service_url: str | None = flag(None, "One rollout-service endpoint (the service owns replicas and activation; needs --update-weight-disk-dir).")
     rollout_exact_version: bool = flag(False, "Ask for exactly the trainer's current version (evaluation-style on-policy rollout).")
     rollout_api_key: str | None = flag(None, "API key of the attached engines or the rollout service (sent as Bearer on generation; default: $MILES_DISAGG_API_KEY). Managed servers then require it too.")
+    rollout_api_key_before_vetting: bool = flag(False, "Send --rollout-api-key (never the admin key) to an attached or added address whose /server_info answers 401 without a key, before it has shown it is an engine of this job (engines that guard their info endpoints, e.g. SGLang with --api-key). Off: such an address is refused.")
     rollout_admin_api_key: str | None = flag(None, "Admin key of the attached engines (weight updates) or the rollout service (/wake); default: $MILES_DISAGG_ADMIN_API_KEY, else the run generates one for the servers it starts.")
     rollout_backend: str = flag("auto", "Engine to launch when managed: builtin (the CPU engine), sglang, or auto (sglang when a GPU is present).", choices=ROLLOUT_BACKENDS)
     router: str = flag("builtin", "Router in front of the engines: builtin (version-aware) or sglang (sglang-router; no version constraints).", choices=ROUTERS)

@@ -10,16 +10,19 @@ header, that it is an engine of this job:
    process (through an agent: the agent's and its engine's). Stock SGLang sends none; its
    ``/server_info`` ``startup_time`` and ``port`` stand in for it.
 2. ``GET /server_info`` and ``/model_info`` (and ``/agent_info``, where the address is an agent)
-   answer JSON objects. Only when they are refused with 401 (the engines of a run with an API key
-   guard them) are they asked again, with the API key: the admin key is never sent here (it goes
-   only to an engine that passed, with the first weight-update call).
+   answer JSON objects, asked without a key. An address that answers ``/server_info`` with 401
+   wants a key before it has shown anything: it is refused (:data:`WANTS_KEY`), unless the run was
+   started with ``--rollout-api-key-before-vetting``, which sends the run's API key (never the admin
+   key) for these reads. The admin key goes only to an engine that passed, with the first
+   weight-update call.
 3. :func:`~miles_disagg.engines.check.check_engine_matches` finds nothing (every compared field
    present, well typed and equal) and, for disk-delta, the engine names this job's version store
    among those it pulls from (``weight_store_dirs``: an agent's ``/agent_info``, else the built-in
    engine's ``/server_info``; absent means refused).
 
 A URL carrying ``user:password@`` is refused before anything is sent (an HTTP client would send
-them). Nothing here raises for what an address answered: :class:`Vetting` says why it is refused.
+them), and so is one longer than :data:`MAX_ENGINE_URL_CHARS` (or a host name longer than DNS allows).
+Nothing here raises for what an address answered: :class:`Vetting` says why it is refused.
 """
 
 from __future__ import annotations
@@ -42,6 +45,15 @@ INFO_TIMEOUT_S = 10.0
 """One info read (``/server_info``, ``/model_info``, ``/agent_info``)."""
 MAX_ANSWER_BYTES = 4 << 20
 """An info answer longer than this is not read (an engine's is a few kB)."""
+MAX_HOSTNAME_CHARS = 253
+"""The longest host name DNS allows."""
+MAX_ENGINE_URL_CHARS = 300
+"""The longest engine address taken: ``https://`` plus the longest host name plus ``:65535``, with room."""
+KEY_BEFORE_VETTING_FLAG = "--rollout-api-key-before-vetting"
+WANTS_KEY = ("answers /server_info with 401: it wants a key before it has shown it is an engine of this job, and the "
+             "run sends a key only to an address that has (start it with its info endpoints open, or pass "
+             f"{KEY_BEFORE_VETTING_FLAG} to send the run's API key for these checks); nothing was sent to it with a key")
+"""The refusal of an address whose info endpoints answer 401 to a request without a key."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +81,10 @@ class Vetting:
 def check_engine_url(url: str) -> str:
     """``url`` when an engine may be reached there: ``http(s)://host:port`` and nothing else.
     ``InvalidInput`` naming what is wrong: credentials (``user:pass@``), another scheme, a path,
-    query or fragment, no host, no or a bad port."""
+    query or fragment, no host, no or a bad port, too long."""
     shown = url if len(url) <= 100 else url[:97] + "..."
+    if len(url) > MAX_ENGINE_URL_CHARS:
+        raise InvalidInput(f"engine address too long: {len(url)} characters, at most {MAX_ENGINE_URL_CHARS} ({shown!r})")
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -83,6 +97,9 @@ def check_engine_url(url: str) -> str:
         raise InvalidInput(f"not an engine address: {shown!r} (http://host:port or https://host:port)")
     if not parts.hostname or port is None:
         raise InvalidInput(f"not an engine address: {shown!r} (give host:port)")
+    if len(parts.hostname) > MAX_HOSTNAME_CHARS:
+        raise InvalidInput(f"engine address too long: its host name has {len(parts.hostname)} characters, at most "
+                           f"{MAX_HOSTNAME_CHARS} ({shown!r})")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise InvalidInput(f"not an engine address: {shown!r} (host:port only, no path or query)")
     return url
@@ -122,9 +139,14 @@ class Unreadable(InvalidInput):
     """An info endpoint did not answer a JSON object (named in the message)."""
 
 
-def read_info(url: str, keys: ApiKeys | None = None) -> dict[str, Any]:
-    """``{"server_info", "model_info", "agent_info"}`` of the engine at ``url``, read without a key
-    (with the API key of ``keys`` only after a 401; ``keys`` None: the environment's).
+class WantsKey(Unreadable):
+    """``/server_info`` answered 401 without a key, and no key may be sent before vetting (:data:`WANTS_KEY`)."""
+
+
+def read_info(url: str, keys: ApiKeys | None = None, *, api_key_before_vetting: bool = False) -> dict[str, Any]:
+    """``{"server_info", "model_info", "agent_info"}`` of the engine at ``url``, read without a key.
+    A 401 there is :class:`WantsKey`, unless ``api_key_before_vetting`` (``--rollout-api-key-before-vetting``):
+    then it is asked again with the API key of ``keys`` (None: the environment's), never the admin key.
     ``agent_info`` is None where the address is not an agent. :class:`Unreadable` naming the
     endpoint and what it answered otherwise."""
     import httpx
@@ -133,6 +155,8 @@ def read_info(url: str, keys: ApiKeys | None = None) -> dict[str, Any]:
     with httpx.Client(base_url=url, timeout=INFO_TIMEOUT_S, trust_env=False) as client:
         headers: dict[str, str] = {}
         status, body = _get(client, "/server_info", headers)
+        if status == 401 and not api_key_before_vetting:
+            raise WantsKey(WANTS_KEY)
         if status == 401 and keys.api_key:
             headers = ApiKeys(api_key=keys.api_key).header_for_level(AuthLevel.NORMAL)
             status, body = _get(client, "/server_info", headers)
@@ -212,7 +236,9 @@ def vet(config: EngineManagerConfig, url: str, *, answer_timeout_s: float) -> Ve
         return Vetting(url, refusal=f"does not answer /health (engine unreachable: {exc.reason})",
                        not_answering=exc.reason)
     try:
-        info = read_info(url)
+        info = read_info(url, api_key_before_vetting=config.rollout.rollout_api_key_before_vetting)
+    except WantsKey as exc:
+        return Vetting(url, server_ids, refusal=str(exc))
     except Unreadable as exc:
         return Vetting(url, server_ids, refusal=f"cannot read its server and model info ({exc})")
     expected = EngineExpectation.from_hf_checkpoint(config.model_path, config.cluster.rollout_num_gpus_per_engine,

@@ -81,3 +81,8 @@ def wrongly_typed(path: str) -> tuple[int, Any]:
                                                "weight_store_dirs": "x"},
                "/model_info": {"architectures": 5}}
     return (200, answers[path]) if path in answers else (404, {"detail": "Not Found"})
+
+
+def key_wanted(path: str) -> tuple[int, Any]:
+    """Healthy, but its info endpoints want a key (as SGLang started with ``--api-key`` answers)."""
+    return (200, {}) if path == "/health" else (401, {"error": "Unauthorized"})

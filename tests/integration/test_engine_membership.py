@@ -25,7 +25,7 @@ from deadlines import scaled
 from engine_fixtures import start_engine, stop_engine, wait_until
 from rollout_fixtures import VersionSource, long_body
 
-from miles_disagg.net.auth import ADMIN_API_KEY_ENV, new_key
+from miles_disagg.net.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, new_key
 from miles_disagg.cli import main
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.config.components import ClusterConfig, RolloutConfig, WeightUpdateConfig
@@ -169,12 +169,16 @@ def test_an_alias_of_a_member_is_refused_naming_the_member_it_duplicates(run, ca
     (recording.empty_objects, 0.0, "does not match this job: architectures: the engine reports neither"),
     (recording.empty_objects, 5.0, "does not answer /health (engine unreachable: not healthy after 1s (ReadTimeout"),
     (recording.wrongly_typed, 0.0, "tp_size: the engine reports 'one' in /server_info, not a number"),
-], ids=["404", "empty-objects", "hung", "wrongly-typed"])
+    (recording.key_wanted, 0.0, "answers /server_info with 401: it wants a key before it has shown it is an engine "
+                                "of this job"),
+], ids=["404", "empty-objects", "hung", "wrongly-typed", "401"])
 def test_an_address_that_is_not_an_engine_of_this_job_gets_400_and_never_a_key(run, monkeypatch, answer, hang_s,
                                                                               expected):
-    """Through the control endpoint (the run's admin key in the environment, no API key: the
-    client used to fall back to the admin key): the server records every Authorization it got."""
+    """Through the control endpoint (the run's admin key in the environment; an API key too, where
+    the address answers 401: neither is sent): the server records every Authorization it got."""
     monkeypatch.setattr(membership, "ANSWER_TIMEOUT_S", 1.0)
+    if answer is recording.key_wanted:
+        monkeypatch.setenv(API_KEY_ENV, "the-run-api-key")
     control = json.loads((run["run_dir"] / "control.json").read_text())["url"]
     admin = {"Authorization": f"Bearer {os.environ[ADMIN_API_KEY_ENV]}"}
     before = run["manager"].members.list()
@@ -184,6 +188,9 @@ def test_an_address_that_is_not_an_engine_of_this_job_gets_400_and_never_a_key(r
         assert refused.status_code == 400, refused.text
         assert expected in refused.json()["message"], refused.json()["message"]
         assert server.requests and server.authorizations == [], server.requests
+    if answer is recording.key_wanted:
+        assert "--rollout-api-key-before-vetting" in refused.json()["message"]
+        assert [path for _, path, _ in server.requests] == ["/health", "/server_info"], server.requests
     if answer is recording.wrongly_typed:
         for field in ("dtype: the engine reports 5", "context_length: the engine reports []",
                       "architectures: the engine reports 5", "weight_store_dirs is not a list of paths"):

@@ -102,3 +102,19 @@ def test_the_agent_says_which_stores_it_pulls_from(tmp_path):
         finally:
             agent.stop()
     assert info["weight_store_dirs"] == [str(tmp_path / "store")]
+
+
+def test_only_the_api_key_and_only_by_the_flag_reaches_an_address_answering_401(monkeypatch):
+    """``--rollout-api-key-before-vetting`` (``api_key_before_vetting``): the info reads are asked again
+    with the API key, never the admin key; without it the 401 is the refusal and no key is sent."""
+    from miles_disagg.fleet.vetting import WANTS_KEY, WantsKey, read_info
+    from miles_disagg.net.auth import ApiKeys
+
+    keys = ApiKeys(api_key="the-api-key", admin_api_key="the-admin-key")
+    with recording.recording_server(recording.key_wanted) as server:
+        with pytest.raises(WantsKey, match="wants a key before it has shown it is an engine"):
+            read_info(server.url, keys)
+        assert server.authorizations == [] and str(WantsKey(WANTS_KEY)).count("\n") == 0
+        with pytest.raises(Exception, match="/server_info answered 401"):
+            read_info(server.url, keys, api_key_before_vetting=True)
+        assert set(server.authorizations) == {"Bearer the-api-key"}, server.requests

@@ -89,6 +89,9 @@ def test_a_directory_without_a_running_job_is_named(tmp_path, monkeypatch) -> No
     ("127.0.0.1:99999", "not an engine address"),
     ("127.0.0.1:5/generate", "no path or query"),
     ("127.0.0.1:5?x=1", "no path or query"),
+    ("a" * 5000 + ":8000", "engine address too long: 5012 characters, at most 300"),
+    ("a" * 254 + ":8000", "engine address too long: its host name has 254 characters, at most 253"),
+    ("127.0.0.1:5/" + "x" * 400, "engine address too long"),
 ])
 def test_an_address_that_is_not_host_port_is_refused_before_anything_is_sent(url: str, expected: str) -> None:
     with pytest.raises(InvalidInput, match=expected) as refused:
