@@ -272,6 +272,25 @@ def test_update_while_requests_run(engine):
     assert engine.version() == new
 
 
+def test_prefix_cache_serves_a_continuing_prompt_until_a_flush_or_a_weight_update(engine):
+    """SGLang's ``cached_tokens``: a prompt that continues a finished one reuses its KV; after
+    ``/flush_cache`` or a weight update (the same label, other tensors) nothing is reused."""
+    params = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    first = engine.generate({"input_ids": [40, 41, 42, 43, 44, 45], "sampling_params": params})
+    turn = [40, 41, 42, 43, 44, 45] + first["output_ids"] + [46, 47]
+    meta = engine.generate({"input_ids": turn, "sampling_params": params})["meta_info"]
+    assert meta["cached_tokens"] == 6 + 5 - 1  # all but the last generated token (never fed)
+    assert engine.post("/flush_cache").status_code == 200
+    assert engine.generate({"input_ids": turn, "sampling_params": params})["meta_info"]["cached_tokens"] == 0
+    assert engine.generate({"input_ids": turn, "sampling_params": params})["meta_info"]["cached_tokens"] == len(turn) - 1
+    if engine.builtin:
+        drops = engine.internal_state()["prefix_cache"]["num_drops"]
+        assert _update_from_disk(engine, engine.version()).status_code == 200
+        assert engine.generate({"input_ids": turn, "sampling_params": params})["meta_info"]["cached_tokens"] == 0
+        cache = engine.internal_state()["prefix_cache"]
+        assert cache["num_drops"] == drops + 1 and cache["cross_version_tokens"] == 0
+
+
 def _assert_spans(meta: dict, old: str, new: str) -> None:
     """SGLang's ``weight_versions``: contiguous spans over the output, old weights then new."""
     spans = meta.get("weight_versions")

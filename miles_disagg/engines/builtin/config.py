@@ -31,6 +31,8 @@ class EngineConfig:
     dtype: str = flag("auto", "Weight dtype (auto: the checkpoint's).", choices=ENGINE_DTYPES)
     max_running_requests: int = flag(64, "Most requests decoded together in one batch; the rest wait in the queue.")
     random_seed: int = flag(0, "Seeds the generators of requests without sampling_seed.")
+    prefix_cache_tokens: int = flag(32768, "Tokens of KV the prefix cache keeps (a radix tree, LRU eviction, "
+                                           "dropped at every weight swap; 0: off).", metavar="N")
     pull_weights_pre_read_hook: str | None = flag(
         None, "Run hook(source_dir, target_version) before /pull_weights reads a version "
               "(miles passes --sglang-custom-pull-weights-pre-read-hook here).",
@@ -58,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"--dtype must be one of {', '.join(ENGINE_DTYPES)}, got {self.dtype!r}")
         if self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.prefix_cache_tokens < 0:
+            raise ValueError(f"--prefix-cache-tokens must be >= 0, got {self.prefix_cache_tokens}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port out of range: {self.port}")
         self.guard()  # bad keys or limit: ValueError naming the flag

@@ -171,6 +171,25 @@ class ModelRunner:
         return logits[:, -1, :].float(), KVBatch(layers=layers, mask=mask, positions=positions)
 
     @torch.inference_mode()
+    def extend(self, past: Layers, tokens: list[int]) -> tuple[torch.Tensor, KVBatch]:
+        """One row whose first ``P`` tokens' KV is ``past`` (per layer ``[1, kv_heads, P, head_dim]``,
+        from the prefix cache): run only ``tokens`` (the rest of its prompt) at positions ``P..``;
+        return the last position's float32 logits ``[1, vocab]`` and the row's whole KV."""
+        cached = int(past[0][0].shape[2])
+        total = cached + len(tokens)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        mask = torch.ones((1, total), dtype=torch.long)
+        positions = torch.arange(cached, total, dtype=torch.long, device=self.device)[None]
+        logits, layers = self._routed_forward(ids, mask.to(self.device), positions, past, 1, False)
+        return logits[:, -1, :].float(), KVBatch(layers=layers, mask=mask, positions=torch.tensor([total]))
+
+    def row_layers(self, batch: KVBatch, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row ``row``'s KV, per layer ``[kv_heads, tokens, head_dim]`` (views; rows are right-aligned,
+        so its real tokens are the last ``positions[row]`` columns)."""
+        length = int(batch.positions[row])
+        return [(k[row, :, k.shape[2] - length:], v[row, :, v.shape[2] - length:]) for k, v in batch.layer_tensors()]
+
+    @torch.inference_mode()
     def decode(self, batch: KVBatch, next_tokens: list[int], record_routing: bool = False) -> torch.Tensor:
         """Feed one token per row; the cache grows in place; return float32 logits ``[rows, vocab]``."""
         ids = torch.tensor(next_tokens, dtype=torch.long).unsqueeze(1)

@@ -144,6 +144,9 @@ class GenerateReqInput(Body):
     routed_experts_start_len: tuple[Annotated[int, Field(ge=0)], ...] = ()
     return_text_in_logprobs: bool = False
     stream: bool = False
+    extra_key: tuple[Annotated[str, Field(max_length=256)] | None, ...] = ()
+    """SGLang's cache isolation key (one per item or shared): requests with different keys never
+    share prefix-cache entries."""
 
     @model_validator(mode="before")
     @classmethod
@@ -166,6 +169,7 @@ class GenerateReqInput(Body):
             "logprob_start_len": _per_item(obj.get("logprob_start_len"), count, "logprob_start_len", -1),
             "routed_experts_start_len": _per_item(obj.get("routed_experts_start_len"), count,
                                                   "routed_experts_start_len", 0),
+            "extra_key": _per_item(obj.get("extra_key"), count, "extra_key", None),
             "rid": (tuple(f"{rid}_{i}" for i in range(count)) if batched and isinstance(rid, str)
                     else _per_item(rid, count, "rid", "")),
         }
@@ -259,6 +263,8 @@ class GenerateItem:
     logprob_start_len: int = -1
     """SGLang's: the first prompt position whose token gets an input logprob (-1: none); kept only
     with ``return_logprob`` (SGLang ignores it otherwise)."""
+    extra_key: str | None = None
+    """SGLang's cache isolation key: the prefix-cache namespace this request reads and fills."""
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -310,6 +316,7 @@ def parse_generate(body: bytes | Any, max_prompt_tokens: int | None = None,
             return_routed_experts=req.return_routed_experts,
             routed_experts_start_len=req.routed_experts_start_len[i],
             logprob_start_len=req.logprob_start_len[i] if req.return_logprob[i] else -1,
+            extra_key=req.extra_key[i],
         )
         for i, prompt in enumerate(prompts)
     )

@@ -40,7 +40,7 @@ def result_json(seq: Sequence, tokenizer) -> dict:
         "finish_reason": finish,
         "prompt_tokens": len(seq.prompt_ids),
         "completion_tokens": len(seq.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": seq.cached_tokens,
         "weight_version": seq.version_end,
         "weight_versions": [{"version": v, "start": a, "end": b} for v, a, b in seq.version_spans],
         "weight_version_start": seq.version_start,

@@ -33,7 +33,8 @@ Where this differs from SGLang (documented, deliberate):
 * A request id already in flight is refused (400); a string ``rid`` for a batch is a prefix
   (``rid_0``, ``rid_1``, ...), as in SGLang.
 * Accepted and ignored: ``load_format``, ``is_async``, ``keep_pause``, ``torch_empty_cache``,
-  ``recapture_cuda_graph``, ``token_step``, ``flush_cache`` (there is no prefix cache to flush).
+  ``recapture_cuda_graph``, ``token_step``; ``flush_cache`` on an update is moot (every swap of the
+  weights drops the prefix cache, :mod:`.prefix_cache`).
 * ``return_routed_experts`` (with ``--enable-return-routed-experts``, mixture-of-experts models) is
   refused with ``max_new_tokens=0``: such requests are answered without a forward pass.
 * Versions are strings as in SGLang (ints are accepted and reported as decimal strings);
@@ -102,6 +103,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.runner, version=config.weight_version, max_running=config.max_running_requests,
             seed=config.random_seed, stop_text=self._matched_stop_text,
+            prefix_cache_tokens=config.prefix_cache_tokens,
         )
         self.memory = MemoryState()  # colocation: released tags (see engines/builtin/memory.py)
         self.updates = WeightUpdates(config, self.runner, self.scheduler, self.memory)
@@ -241,13 +243,17 @@ class Engine:
         self.scheduler.call(lambda s: s.abort(rid, "client disconnected"))
 
     def flush_cache(self) -> bool:
-        return self.scheduler.call(lambda s: s.can_flush()).result()
+        return self.scheduler.call(lambda s: s.flush()).result()
 
     # ------------------------------------------------------------------ colocation (engines/builtin/memory.py)
 
     def release_memory(self, tags: list[str] | None) -> dict:
-        released = self.scheduler.call(
-            lambda s: self.memory.release(self.runner, tags, busy=bool(s.running) or s.num_waiting > 0)).result()
+        def release(s: Scheduler) -> list[str]:
+            released = self.memory.release(self.runner, tags, busy=bool(s.running) or s.num_waiting > 0)
+            s.prefix_cache.drop()  # its KV goes with the memory (and with weights that are no more)
+            return released
+
+        released = self.scheduler.call(release).result()
         return {"success": True, "message": f"released {tags or 'all'}", "released": released}
 
     def resume_memory(self, tags: list[str] | None) -> dict:
@@ -327,6 +333,7 @@ class Engine:
                 "staged_version": self.updates.stager.staged_version(),
                 "memory_released": sorted(self.memory.released),
                 "weights_path": str(self.updates.weights_path),
+                "prefix_cache": s.prefix_cache.to_json(),
             }],
         }
 

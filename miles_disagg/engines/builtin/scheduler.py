@@ -26,6 +26,11 @@ until a later step runs a forward pass cleanly; if the thread itself ever dies,
 :attr:`Scheduler.dead` is set, every queued and in-flight request and command is failed
 (503) and later ones fail at once. Both show in ``/health``: the engine never dies silently.
 
+Prefix cache (:mod:`.prefix_cache`): a joining request whose prompt continues a cached sequence
+runs only its new tokens (:meth:`ModelRunner.extend`); a finishing one leaves its KV there unless
+the weights changed since its prefill (:meth:`Scheduler.weights_changed` drops the cache at every
+swap, so KV never crosses weights).
+
 Versions: a request records the live weight version at its first forward pass
 (``weight_version_start``) and at every sampled token (``weight_version_end``); they
 differ exactly when an activation happened while it was in flight.
@@ -40,11 +45,12 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Hashable, Protocol
 
 import torch
 
 from miles_disagg.engines.builtin.model_runner import InputScores, InputScoring, KVBatch, ModelRunner
+from miles_disagg.engines.builtin.prefix_cache import PrefixCache
 from miles_disagg.engines.builtin.protocol import FinishReason, GenerateItem
 from miles_disagg.engines.builtin.sampling import make_generator, sample_token, top_logprobs
 from miles_disagg.types import EngineUnrecoverable
@@ -85,6 +91,11 @@ class Sequence:
     input_scores: InputScores | None = None
     """SGLang's input logprobs (``logprob_start_len``), from the first prefill (a re-prefill after a
     retraction keeps them, as SGLang does)."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache at the (last) prefill (SGLang's meta_info)."""
+    cache_key: Hashable | None = None
+    """The weights key (:attr:`Scheduler.cache_key`) its KV was computed under; None until its prefill.
+    Its KV joins the prefix cache at the end only if the key is still live (never mixed-version KV)."""
 
     @property
     def rid(self) -> str:
@@ -121,8 +132,11 @@ class Scheduler:
         max_running: int,
         seed: int,
         stop_text: StopTextChecker,
+        prefix_cache_tokens: int = 0,
     ):
         self.runner = runner
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self.weights_epoch = 0  # bumped by every swap of live tensors (weights_changed)
         self.version = version
         self.max_running = max_running
         self._stop_text = stop_text
@@ -237,6 +251,25 @@ class Scheduler:
             return not (self.paused_mode == "in_place" and self.running)
         return not self.running and not self.waiting
 
+    @property
+    def cache_key(self) -> tuple[str, int]:
+        """What KV is valid for: the live version label and the weights epoch (a swap that keeps the
+        label is other weights all the same)."""
+        return self.version, self.weights_epoch
+
+    def weights_changed(self) -> None:
+        """On the scheduler thread, at every swap of live tensors: no KV computed before is reused
+        (in-flight requests keep theirs per the pause mode, and it never joins the cache)."""
+        self.weights_epoch += 1
+        self.prefix_cache.drop()
+
+    def flush(self) -> bool:
+        """``/flush_cache``: when :meth:`can_flush`, empty the prefix cache; whether it did."""
+        if not self.can_flush():
+            return False
+        self.prefix_cache.drop()
+        return True
+
     def _retract_all(self) -> None:
         for seq in reversed(self.running):
             seq.num_retractions += 1
@@ -324,24 +357,54 @@ class Scheduler:
         for seq in joining:
             if seq.version_start is None:
                 seq.version_start = self.version
-        scoring = [_scoring(seq) for seq in joining]
+            seq.cache_key = self.cache_key
+        hits = [self._cached_prefix(seq) for seq in joining]
+        cold = [seq for seq, hit in zip(joining, hits) if hit is None]
+        warm = [(seq, hit) for seq, hit in zip(joining, hits) if hit is not None]
         try:
-            logits, kv = self.runner.prefill([seq.all_ids for seq in joining], _wants_routing(joining),
-                                             scoring if any(s is not None for s in scoring) else None)
+            parts = ([self._prefill_cold(cold)] if cold else []) + [
+                self.runner.extend(past, seq.all_ids[seq.cached_tokens:]) for seq, past in warm]
         except Exception as exc:  # they are in neither queue now: answer them before re-raising
             message = f"internal engine error: {type(exc).__name__}: {exc}"
             for seq in joining:
                 self._finish(seq, FinishReason.abort(message, 500, "InternalServerError"))
             raise
+        joined = cold + [seq for seq, _ in warm]
+        self.running.extend(joined)
+        for _, kv in parts:
+            self.kv = self.runner.merge(self.kv, kv)
+        self._sample_rows(torch.cat([logits for logits, _ in parts]), first_row=len(self.running) - len(joined))
+        return True
+
+    def _cached_prefix(self, seq: Sequence):
+        """The cached KV of ``seq``'s longest cached prefix (at least one token left to run), or None.
+        Requests that need every prompt position's forward pass (input logprobs, routed experts)
+        skip the lookup."""
+        seq.cached_tokens = 0
+        if not self.prefix_cache.enabled or seq.item.return_routed_experts or seq.item.wants_input_logprobs:
+            return None
+        tokens = seq.all_ids
+        seq.cached_tokens, past = self.prefix_cache.match(tokens, self.cache_key, len(tokens) - 1, _namespace(seq))
+        return past
+
+    def _prefill_cold(self, joining: list[Sequence]) -> tuple[torch.Tensor, KVBatch]:
+        scoring = [_scoring(seq) for seq in joining]
+        logits, kv = self.runner.prefill([seq.all_ids for seq in joining], _wants_routing(joining),
+                                         scoring if any(s is not None for s in scoring) else None)
         for offset, seq in enumerate(joining):
             if seq.item.return_routed_experts and self.runner.last_routed is not None:
                 seq.routed = [self.runner.last_routed[offset, -len(seq.all_ids):]]
             if scoring[offset] is not None:
                 seq.input_scores = self.runner.last_input_scores[offset]
-        self.running.extend(joining)
-        self.kv = self.runner.merge(self.kv, kv)
-        self._sample_rows(logits, first_row=len(self.running) - len(joining))
-        return True
+        return logits, kv
+
+    def _remember(self, row: int) -> None:
+        """A finishing row's KV joins the prefix cache, unless it was computed under other weights."""
+        seq = self.running[row]
+        if not self.prefix_cache.enabled or seq.cache_key != self.cache_key or self.kv is None:
+            return
+        layers = self.runner.row_layers(self.kv, row)
+        self.prefix_cache.insert(seq.all_ids[:layers[0][0].shape[1]], layers, self.cache_key, _namespace(seq))
 
     def _decode(self) -> bool:
         if not self.running:
@@ -377,6 +440,8 @@ class Scheduler:
             else:
                 seq.sink.on_token(seq)
         if finished:
+            for row in finished:
+                self._remember(row)
             done = [self.running[row] for row in finished]
             self._keep_rows([i for i in range(len(self.running)) if i not in set(finished)])
             for seq in done:
@@ -420,6 +485,11 @@ def _scoring(seq: Sequence) -> InputScoring | None:
     if not seq.item.wants_input_logprobs or seq.input_scores is not None:
         return None
     return InputScoring(seq.item.logprob_start_len, seq.item.top_logprobs_num)
+
+
+def _namespace(seq: Sequence) -> Hashable:
+    """The prefix-cache partition a request reads and fills (SGLang's ``extra_key``)."""
+    return seq.item.extra_key
 
 
 def _wants_routing(rows: list[Sequence]) -> bool:

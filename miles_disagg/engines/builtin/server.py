@@ -256,7 +256,7 @@ class EngineEndpoints:
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     async def flush_cache(self):
-        """SGLang: 200 when idle (there is nothing to flush here), 400 while requests run."""
+        """SGLang: 200 when idle (the prefix cache is emptied), 400 while requests run."""
         try:
             ok = await self.blocking(self.engine.flush_cache)
         except Exception as exc:

@@ -211,6 +211,7 @@ class WeightUpdates:
         """On the scheduler thread: make ``tensors`` live (nothing else happens in the pause but this
         and the bookkeeping of what is live); the displaced tensors go to ``displaced``."""
         self._check_weights_resident()
+        self.scheduler.weights_changed()  # KV of the old weights never serves the new ones
         displaced.extend(self.runner.swap_in(tensors))
         self.memory.loaded(self.runner.live_names(tensors))
 
