@@ -4,7 +4,8 @@ A simulated engine host is a process that does exactly what an engine's ``/pull_
 its host (a :class:`~miles_disagg.weights.materializer.Materializer` pulling, applying and verifying
 a version into its own local checkpoint) and nothing else: no model runs. Each is started before the
 clock starts (its imports are not timed), waits for a version number on stdin, and answers one JSON
-line per version (seconds, bytes by source, its peak RSS). ``pull-only`` mode fetches a version's
+line per version (seconds, of which fetching the version's objects, bytes by source, its peak RSS).
+``pull-only`` mode fetches a version's
 objects without applying them, for the memory measurement.
 """
 
@@ -140,7 +141,7 @@ def _rss_bytes() -> int:
 
 
 def host_main(store: str, local_dir: str, base_dir: str, mode: str) -> None:
-    from miles_disagg.weights.materializer import Materializer
+    from miles_disagg.weights.materializer import MIRROR_DIR_NAME, Materializer
     from miles_disagg.weights.stores import open_store
 
     materializer = Materializer(local_dir, base_dir=base_dir)
@@ -160,14 +161,22 @@ def host_main(store: str, local_dir: str, base_dir: str, mode: str) -> None:
                 reader.version_files(version)
                 transfer = reader.transfer_counts()
             else:
-                transfer = materializer.prepare(store, version).transfer
+                fetched = open_store(store, cache_dir=materializer.slots_dir / MIRROR_DIR_NAME)
+                fetched.version_files(version)  # the network part, timed on its own; prepare finds it mirrored
+                fetch_s = time.perf_counter() - start
+                transfer = _sum_counts(fetched.transfer_counts(), materializer.prepare(store, version).transfer)
         except Exception as exc:  # noqa: BLE001 - reported to the bench, which fails
             print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
             continue
         finally:
             peak = sampler.stop()
-        print(json.dumps({"state": "done", "seconds": time.perf_counter() - start, "transfer": transfer,
-                          "peak_rss_bytes": peak}), flush=True)
+        seconds = time.perf_counter() - start
+        print(json.dumps({"state": "done", "seconds": seconds, "fetch_s": fetch_s if mode != "pull" else seconds,
+                          "transfer": transfer, "peak_rss_bytes": peak}), flush=True)
+
+
+def _sum_counts(*counts: dict[str, int]) -> dict[str, int]:
+    return {k: sum(c.get(k, 0) for c in counts) for k in set().union(*counts)}
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import os
 import threading
 import shutil
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -63,6 +64,7 @@ logger = logging.getLogger(__name__)
 MIRROR_NAME = "mirror"
 STALE_ATTEMPT_S = 3600.0
 HASH_BYTES = 4 * 1024 * 1024
+OBJECTS_IN_FLIGHT = 4  # objects of one version pulled at once (each in parallel ranges of its own)
 
 
 def file_checksum(path: Path) -> tuple[int, str]:
@@ -181,9 +183,10 @@ class ObjectVersionStore(VersionStore):
         _, manifest = self._manifest_entry(version)
         index, objects = self._manifest(version, manifest)
         folder = self._mirror_dir(manifest)
-        for name in index.files():
-            if not (folder / name).is_file():
-                self.pull_object(f"{Path(manifest.name).parent}/{name}", objects[name], folder / name, objects[name].nbytes)
+        prefix = Path(manifest.name).parent
+        missing = [name for name in index.files() if not (folder / name).is_file()]
+        pull_all([lambda name=name: self.pull_object(f"{prefix}/{name}", objects[name], folder / name, objects[name].nbytes)
+                  for name in missing])
         return folder
 
     def pull_object(self, relative_key: str, expected: StoredObject, dest: Path, max_bytes: int) -> None:
@@ -376,6 +379,21 @@ class ObjectVersionStore(VersionStore):
         self.client.delete([key for objects in self._attempts().values() for key, _ in objects])
         self.client.delete([info.key for info in self.client.list(f"{BASE_PREFIX}/")])
         shutil.rmtree(self.root / MIRROR_NAME, ignore_errors=True)
+
+
+def pull_all(pulls: list, concurrency: int = OBJECTS_IN_FLIGHT) -> None:
+    """Run ``pulls`` (callables) a few at a time, so a version's objects share the link (and a relay
+    pulls them side by side); the first failure is raised once every pull started has ended."""
+    if len(pulls) <= 1:
+        for pull in pulls:
+            pull()
+        return
+    with ThreadPoolExecutor(min(concurrency, len(pulls)), thread_name_prefix="s3-object") as pool:
+        futures = [pool.submit(pull) for pull in pulls]
+        errors = [f.exception() for f in futures]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
 
 
 def _check_object(path: Path, size: int, expected: StoredObject, where: str, name: str) -> None:

@@ -56,7 +56,8 @@ EXPECTED_KEYS: dict[str, set[str]] = {
     "async": {"samples_per_s_sync", "samples_per_s_async", "ratio", "engine_busy_fraction"},
     "publish": {"results", "wire_equal_within_1pct", "model_bytes"},
     "store": {"s3_vs_directory", "wan_bytes_per_region_vs_version", "wan_bytes_per_region_vs_version_without_relay",
-              "peak_rss_largest_vs_smallest", "far_region_ready_vs_full_checkpoint_per_engine"},
+              "peak_rss_largest_vs_smallest", "far_region_ready_vs_full_checkpoint_per_engine",
+              "far_region_ready_vs_full_checkpoint_one_copy", "far_region_ready_shared_cpus_vs_full_checkpoint_one_copy"},
 }
 
 
