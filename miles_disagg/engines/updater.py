@@ -25,6 +25,7 @@ Either raises :class:`UpdateFailed` naming each engine and phase that failed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,15 @@ CONNECT_TIMEOUT_S = 30.0
 
 class UpdateFailed(ReplaceReplica):
     """An engine failed an update; the message names it and the phase."""
+
+
+class RouterHookFailed(MilesDisaggError):
+    """Telling the router that an engine pauses or serves again failed (the engine itself may be fine)."""
+
+
+class RouterCallsFailed(UpdateFailed):
+    """Every failure of the update was a router call's (:class:`RouterHookFailed`): the engines that did
+    not activate still serve the version before, and the update may be made again once the router answers."""
 
 
 @dataclass
@@ -165,21 +175,33 @@ class DiskDeltaUpdater(_Fleet):
         unexpected = [o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, MilesDisaggError)]
         if unexpected:
             raise unexpected[0]
+        failed = [o for o in outcomes if isinstance(o, MilesDisaggError)]
+        if failed and all(isinstance(o, RouterHookFailed) for o in failed):
+            raise RouterCallsFailed("; ".join(errors))
         if errors:
             raise UpdateFailed("; ".join(errors))
         return outcomes
 
     async def _activate_async(self, engine: Any, version: int) -> float:
-        """``_activate`` on the loop; the router hook (synchronous) runs on the fleet's threads."""
+        """``_activate`` on the loop; the router hook (synchronous) runs on the fleet's threads. An
+        activation's own failure wins over a failure to tell the router afterwards."""
         await self._tell_router(engine.url, "paused")
         try:
-            return await activate_async(engine, version, pause_mode=self.pause_mode)
-        finally:
-            await self._tell_router(engine.url, "ready")
+            pause_s = await activate_async(engine, version, pause_mode=self.pause_mode)
+        except BaseException:
+            with contextlib.suppress(RouterHookFailed):
+                await self._tell_router(engine.url, "ready")  # routed again by the version it really serves
+            raise
+        await self._tell_router(engine.url, "ready")
+        return pause_s
 
     async def _tell_router(self, url: str, state: str) -> None:
+        """The router hook (synchronous) on the fleet's threads; its failure is :class:`RouterHookFailed`."""
         if self.has_router_hook:
-            await asyncio.get_running_loop().run_in_executor(self._pool, self.set_state, url, state)
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._pool, self.set_state, url, state)
+            except MilesDisaggError as exc:
+                raise RouterHookFailed(f"telling the router {url} is {state}: {type(exc).__name__}: {exc}") from exc
 
     def prepare(self, index: int, version: int) -> None:
         prepare(self.clients[index], version)

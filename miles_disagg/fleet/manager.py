@@ -43,7 +43,7 @@ from typing import Any
 
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.engines.client import EngineClient
-from miles_disagg.engines.updater import BroadcastUpdater, DiskDeltaUpdater, UpdateFailed
+from miles_disagg.engines.updater import BroadcastUpdater, DiskDeltaUpdater, RouterCallsFailed, UpdateFailed
 from miles_disagg.fleet.attach import announced_filters, attached_engines, bring_to_base, engine_local_dir
 from miles_disagg.fleet.membership import Membership
 from miles_disagg.fleet.monitor import EngineMonitor
@@ -53,6 +53,8 @@ from miles_disagg.fleet.routing import EngineRouting
 from miles_disagg.fleet.slots import EngineSlots
 from miles_disagg.types import ConfigError, EngineUnrecoverable, MilesDisaggError
 
+MAX_ROUTER_RETRIES = 2
+"""How many times an update whose router calls alone failed is made again."""
 DEATH_GRACE_S = 3.0
 """How long a failed update waits for an engine to be seen dead before it calls the failure a live
 engine's refusal: a killed process closes its sockets (the request fails) a moment before it exits."""
@@ -72,7 +74,7 @@ class EngineManager:
         self.sglang_args = dict(config.sglang_args)
         self.slots = EngineSlots()
         self.stopping = threading.Event()
-        self.routing = EngineRouting(config, self.slots, self._updater)
+        self.routing = EngineRouting(config, self.slots, self._updater, self.stopping)
         self.replacements = self.replacements_class(config, placement, self.slots, self.routing, self.stopping)
         self.monitor = EngineMonitor(config, self.slots, self.routing, self.replacements, self.stopping)
         self.members = Membership(config, self.slots, self.routing, placement)  # engines add/remove mid-run
@@ -221,20 +223,48 @@ class EngineManager:
             self._raise_if_lost()
             report = self._update_live(version)
             self.slots.version = version
-        return report.metrics()
+        return {**report.metrics(), **self.routing.keeper.metrics()}
 
     def _update_live(self, version: int):
+        """The update over the live engines; made again (over those not at ``version`` yet) when an
+        engine died meanwhile, or when only router calls failed (:data:`MAX_ROUTER_RETRIES` times: the
+        keeper restarted the router by then), so an update is never left half applied."""
+        router_failures = 0
         while True:
             live = [i for i in self.slots.indices() if self.monitor.is_live(i)]
+            if router_failures:
+                live = self._route_those_at(version, live)
             updater = self._updater(live)
             try:
                 return updater.update(version)
+            except RouterCallsFailed as exc:
+                router_failures += 1
+                if router_failures > MAX_ROUTER_RETRIES:
+                    raise
+                log.warning("update to v%d: router calls failed (%s); made again", version, exc)
             except UpdateFailed:
                 if not self._one_died(live):
                     raise  # a live engine refused: the update fails
                 # an engine died during the update: it is marked down now; the rest go again
             finally:
                 updater.close()
+
+    def _route_those_at(self, version: int, indices: list[int]) -> list[int]:
+        """Of ``indices``, those not serving ``version`` yet; the others are marked ready in the router
+        (their activation went through, telling the router did not)."""
+        rest = []
+        for index in indices:
+            url = self.slots.url(index)
+            try:
+                with EngineClient(url, timeout_s=10) as client:
+                    serves = client.weight_version() == str(version)
+            except MilesDisaggError:
+                serves = False
+            if serves:
+                self.router_client.set_worker_state(url, "ready")
+            else:
+                rest.append(index)
+        return rest
 
     def _one_died(self, indices: list[int]) -> bool:
         """Whether one of the engines ``indices`` died, waiting up to :data:`DEATH_GRACE_S` for its

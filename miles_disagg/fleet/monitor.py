@@ -10,7 +10,9 @@ router (:meth:`~miles_disagg.fleet.routing.EngineRouting.take_out`). Then, with
 against the job once it answers again; either is restored at the set's version
 (:meth:`~miles_disagg.fleet.routing.EngineRouting.restore`). Without it, a managed engine whose
 process failed is recorded ``lost`` and the next update fails the run. The number of serving
-engines feeds the run's capacity policy (:mod:`miles_disagg.fleet.capacity`).
+engines feeds the run's capacity policy (:mod:`miles_disagg.fleet.capacity`). Each interval also
+checks the router (:meth:`~miles_disagg.fleet.router_keeper.RouterKeeper.check`): one that died or
+stopped answering is started again.
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ class EngineMonitor:
         if self.stopping.wait(self.rollout.rollout_health_check_first_wait):
             return
         while not self.stopping.wait(self.rollout.rollout_health_check_interval):
+            try:
+                self.routing.keeper.check()  # a router that died or stopped answering is started again
+            except Exception:  # the next interval tries again; control calls restart it too
+                log.exception("checking the router")
             try:
                 self.replacements.drop_lost_nodes()  # Ray says a node is gone: no health-check timeout to wait
             except Exception:  # the GCS did not answer this time: the checks below still run

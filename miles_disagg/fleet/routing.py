@@ -4,17 +4,21 @@
 driver's node, and moves engines out of it and back in, keeping the slots' ``down`` flags in
 step: an engine that goes down leaves the router at once (:meth:`EngineRouting.take_out`); one
 that was restarted or placed again is brought to the set's version, must report that version
-itself, and only then is registered again (:meth:`EngineRouting.restore`).
+itself, and only then is registered again (:meth:`EngineRouting.restore`). Every call to the router
+goes through ``client`` (:class:`~miles_disagg.fleet.router_keeper.GuardedRouter`): retried while the
+router is alive, the router restarted at the same address when it stays unreachable.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from miles_disagg.config.actors import EngineManagerConfig
+from miles_disagg.fleet.router_keeper import CALL_TIMEOUT_S, GuardedRouter, RouterKeeper
 from miles_disagg.fleet.slots import EngineSlots
 
 log = logging.getLogger(__name__)
@@ -37,36 +41,66 @@ class EngineRouting:
     """The router (``router``, its ``client`` once :meth:`start` ran) and the engines' places in it.
 
     ``updater(indices, registered=False)``: a disk-delta updater over those engines that does not
-    tell the router about them (the engine manager's)."""
+    tell the router about them (the engine manager's); ``stopping``: set when the run stops."""
 
-    def __init__(self, config: EngineManagerConfig, slots: EngineSlots, updater: Callable[..., Any]):
+    def __init__(self, config: EngineManagerConfig, slots: EngineSlots, updater: Callable[..., Any],
+                 stopping: threading.Event | None = None):
         self.config = config
         self.slots = slots
         self.updater = updater
         self.router = None
-        self.client = None
+        self.raw_client = None
+        """The client of the router process now running (``client`` goes through the keeper)."""
+        self.keeper = RouterKeeper(self, slots.record, stopping or threading.Event())
+        self.client = GuardedRouter(self.keeper)
+        self._starts = 0
 
-    def start(self, workers: list[str]) -> None:
-        """Start the router with ``workers`` (sglang-router takes them at start; ours gets them later)."""
+    def start(self, workers: list[str], port: int | None = None) -> None:
+        """Start the router with ``workers`` (sglang-router takes them at start; ours gets them later),
+        on ``port`` (None: the plan's, else a free one)."""
         from miles_disagg.fleet.plan import ROUTER_RETRY_AFTER_S, router_plan
         from miles_disagg.net.netbind import bind_host, resolve_host
 
-        log_path = Path(self.config.run_dir) / "logs" / "router.log"
+        self._starts += 1
+        log_path = Path(self.config.run_dir) / "logs" / ("router.log" if self._starts == 1 else
+                                                         f"router-{self._starts}.log")
         plan = router_plan(self.config)
         host = resolve_host(bind_host(spans_nodes=self.config.spans_nodes))  # the manager runs on the driver's node
+        port = port or plan.port
         if plan.kind == "sglang":
             from miles_disagg.router.sglang_router import SglangRouterClient, launch_sglang_router
 
-            self.router = launch_sglang_router(log_path=log_path, workers=workers, port=plan.port, policy=plan.policy,
+            self.router = launch_sglang_router(log_path=log_path, workers=workers, port=port, policy=plan.policy,
                                                host=host)
-            self.client = SglangRouterClient(self.router.url)
+            self.raw_client = SglangRouterClient(self.router.url)
             return
         from miles_disagg.router.launch import launch_router
 
-        self.router = launch_router(log_path=log_path, port=plan.port, host=host,
+        self.router = launch_router(log_path=log_path, port=port, host=host,
                                     health_check_interval_s=plan.health_check_interval_s,
                                     retry_after_s=ROUTER_RETRY_AFTER_S, extra_args=plan.extra_args)
-        self.client = self.router.client()
+        self.raw_client = self.router.client(timeout_s=CALL_TIMEOUT_S)
+
+    def relaunch(self) -> None:
+        """The keeper's restart: kill the router process (a stopped one too) and start one at its address."""
+        from urllib.parse import urlsplit
+
+        old = self.router
+        port = urlsplit(old.url).port
+        old.proc.kill()
+        old.proc.wait(timeout=30)
+        if hasattr(self.raw_client, "close"):
+            self.raw_client.close()
+        self.start(self.members() if self.router_kind() == "sglang" else [], port=port)
+
+    def router_kind(self) -> str:
+        from miles_disagg.fleet.plan import router_plan
+
+        return router_plan(self.config).kind
+
+    def members(self) -> list[str]:
+        """The URLs the router should hold: every member engine that is not down."""
+        return [self.slots.url(i) for i in self.slots.members() if not self.slots.is_down(i)]
 
     def take_out(self, index: int) -> None:
         """Engine ``index`` is down: out of the router now (no-op when it is out already: the
@@ -101,3 +135,5 @@ class EngineRouting:
     def stop(self) -> None:
         if self.router is not None:
             self.router.stop()
+        if self.raw_client is not None and hasattr(self.raw_client, "close"):
+            self.raw_client.close()

@@ -165,7 +165,7 @@ def engine_faults(run_dir: Path) -> dict[str, Any] | None:
         return None
 
     def engines(kind: str) -> list[int]:
-        return sorted({e["engine"] for e in events if e["event"] == kind})
+        return sorted({e["engine"] for e in events if e["event"] == kind and "engine" in e})
 
     return {"nodes_lost": sorted({e["node_id"] for e in events if e["event"] == "node_lost" and e.get("node_id")}),
             "engines_lost_with_node": engines("node_lost"), "engines_lost_with_actor": engines("actor_lost"),
@@ -173,7 +173,8 @@ def engine_faults(run_dir: Path) -> dict[str, Any] | None:
             "replaced": sum(e["event"] == "replaced" for e in events),
             "restored": sum(e["event"] == "restored" for e in events),
             "failed_recoveries": sum(e["event"] in ("recovery_failed", "replace_failed") for e in events),
-            "not_restarted": engines("lost")}
+            "not_restarted": engines("lost"),
+            "router_restarts": sum(e["event"] == "router_restarted" for e in events)}
 
 
 def faults_line(faults: dict[str, Any]) -> str:
@@ -183,7 +184,8 @@ def faults_line(faults: dict[str, Any]) -> str:
             if faults["engines_lost_with_actor"] else "", f"{faults['went_down']} engine outage(s)"]
     back = f"{faults['replaced']} placed again, {faults['restored']} caught up and routed again"
     tail = [f"{faults['failed_recoveries']} failed recovery attempt(s)" if faults["failed_recoveries"] else "",
-            f"not restarted: engines {faults['not_restarted']}" if faults["not_restarted"] else ""]
+            f"not restarted: engines {faults['not_restarted']}" if faults["not_restarted"] else "",
+            f"router restarted {faults['router_restarts']} time(s)" if faults.get("router_restarts") else ""]
     return "engines: " + ", ".join(p for p in lost if p) + "; " + "; ".join(p for p in [back, *tail] if p)
 
 

@@ -321,3 +321,34 @@ def test_removing_the_last_engine_makes_rollout_wait_until_one_joins(run, capsys
     answer = request.result(timeout=scaled(120))
     assert answer["meta_info"]["weight_version"] == str(manager.slots.version)
     assert manager.member_urls() == [engine_b.url] and manager.capacity()["live"] == 1
+
+
+def test_a_stalled_router_delays_an_update_and_a_killed_one_is_started_again(run):
+    """The router SIGSTOPped for 15 s while an update tells it an engine pauses: the update waits and
+    then finishes (no restart: it answered within the bound). SIGKILLed: it is started again at its
+    address (the monitor's check, or the update's first call, whichever comes first), registered from
+    the run's record, and the update finishes on it; counted in the update's metrics and the events."""
+    import signal
+
+    from engine_fixtures import Background
+
+    manager, versions = run["manager"], run["versions"]
+    members, pid = manager.member_urls(), manager.router.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        update = Background(lambda: manager.update_weights(versions.publish_next(seed=6)))
+        assert not threading.Event().wait(15.0) and not update.done(), "an update went through a stopped router"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    metrics = update.result(timeout=scaled(120))
+    assert metrics["rollout/router_restarts"] == 0 and manager.router.proc.pid == pid
+    assert manager.versions() == [str(manager.slots.version)] * len(members)
+
+    manager.router.proc.kill()
+    metrics = manager.update_weights(versions.publish_next(seed=7))
+    assert metrics["rollout/router_restarts"] == 1 and manager.router.proc.pid != pid
+    with RouterClient(run["router_url"]) as router:  # the rollout's address serves again
+        assert {(w["url"], w["state"], w["weight_version"]) for w in router.list_workers()} == {
+            (url, "ready", manager.slots.version) for url in members}
+    [restart] = [e for e in manager.events if e["event"] == "router_restarted"]
+    assert restart["workers"] == members and "exited" in restart["why"], restart

@@ -131,16 +131,18 @@ def test_the_summary_says_what_the_engines_lost_and_got_back(tmp_path: Path, cap
               {"engine": 1, "event": "node_lost", "url": "http://b:1", "node_id": "n" * 56, "why": "its node left"},
               {"engine": 1, "event": "down", "url": "http://b:1"},
               {"engine": 1, "event": "replaced", "url": "http://c:1", "node_id": "m" * 56},
-              {"engine": 1, "event": "restored", "url": "http://c:1", "version": 4}]
+              {"engine": 1, "event": "restored", "url": "http://c:1", "version": 4},
+              {"event": "router_restarted", "why": "its process exited (code -9)", "url": "http://r:1", "workers": []}]
     write_engine_events(tmp_path, events)
     assert json.loads((tmp_path / "engine_events.json").read_text()) == events
     summary = write_report(tmp_path)
     assert summary["engine_faults"] == {"nodes_lost": ["n" * 56], "engines_lost_with_node": [1],
                                         "engines_lost_with_actor": [], "went_down": 2, "replaced": 1, "restored": 2,
-                                        "failed_recoveries": 0, "not_restarted": []}
+                                        "failed_recoveries": 0, "not_restarted": [], "router_restarts": 1}
     assert json.loads((tmp_path / "summary.json").read_text())["engine_faults"] == summary["engine_faults"]
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "engines: 1 node(s) lost (engines [1]), 2 engine outage(s); 1 placed again, 2 caught up and routed again")
+        "engines: 1 node(s) lost (engines [1]), 2 engine outage(s); 1 placed again, 2 caught up and routed again; "
+        "router restarted 1 time(s)")
 
 
 def test_the_verdict_names_why_each_engine_still_out_left() -> None:
