@@ -63,6 +63,32 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {f.flag: f for f in (
                 "loss mask over rollout data; that pass keeps only logprobs here",
                 "compute the entropy from the logits in a --custom-loss-function-path (train/entropy is the "
                 "training pass's, logged every step)"),
+    RefusedFlag("--lora-type",
+                "it picks Megatron's LoRA variant (canonical_lora splits the fused QKV), and adapters here are PEFT's "
+                "on the HF projections, which are split already",
+                "drop it (--target-modules q_proj,k_proj,v_proj names the projections one by one)"),
+    RefusedFlag("--lora-sync-from-tensor",
+                "it sends the adapter to colocated engines as tensors instead of files, and the adapter here travels "
+                "as the version the trainer publishes",
+                "drop it"),
+    RefusedFlag("--lora-base-cpu-backup",
+                "it keeps a CPU mirror of the base on colocated SGLang engines, and a LoRA run here never syncs the "
+                "base again after version 0",
+                "drop it"),
+    RefusedFlag("--experts-shared-outer-loras",
+                "it shapes adapters on MoE experts, and adapters here cover the attention (and dense MLP) "
+                "projections, not the experts",
+                "drop it (--target-modules attn on a Qwen3-MoE)"),
+    RefusedFlag("--multi-lora-n-adapters",
+                "it trains several adapters at once in slots (Tinker-style), and the trainer here trains one adapter",
+                "run one job per adapter"),
+    RefusedFlag("--check-lora-weight-equal",
+                "it checks the colocated tensor sync of an adapter, and every adapter version here is checksummed "
+                "per tensor and verified before it is served",
+                "drop it"),
+    RefusedFlag("--no-sglang-lora-use-virtual-experts",
+                "it picks how SGLang serves adapters on MoE experts, and adapters here are not put on experts",
+                "drop it"),
     RefusedFlag("--partial-rollout",
                 "it recycles unfinished samples into the next rollout; here every group is generated whole",
                 "drop it (--max-weight-staleness bounds how old a consumed sample may be)"),

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from miles_disagg.config.components import RunConfig
 from miles_disagg.config.critic_rules import check_critic_rules
+from miles_disagg.config.lora_rules import check_lora_rules
 from miles_disagg.config.loss_rules import check_loss_rules
 from miles_disagg.config.opd_rules import check_opd_rules
 from miles_disagg.config.routing_replay import check_routing_replay
@@ -20,7 +21,8 @@ _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,
 
 def validate(config: RunConfig) -> None:
     """Raise ``ConfigError`` (naming the offending flags) for the first invalid combination."""
-    for check in (_check_entry, _check_miles_rejections, check_loss_rules, check_opd_rules, _check_disk_delta,
+    for check in (_check_entry, _check_miles_rejections, check_loss_rules, check_opd_rules, check_lora_rules,
+                  _check_disk_delta,
                   _check_topology, _check_batches, _check_colocate, _check_debug, _check_save_and_eval, _check_megatron,
                   _check_megatron_only_flags, _check_routing, _check_ci, check_model_args, check_expert_layout,
                   _check_miles_logging_and_data, _check_offload, _check_trainer_restarts, _check_min_engines,
@@ -106,9 +108,6 @@ def _check_disk_delta(config: RunConfig) -> None:
     if config.cluster.colocate:
         raise ConfigError(f"{mode} does not support --colocate (colocated jobs update in memory)",
                           ("--update-weight-transfer-mode", "--colocate"))
-    if train.lora_rank > 0:
-        raise ConfigError(f"{mode} does not support LoRA (--lora-rank {train.lora_rank})",
-                          ("--update-weight-transfer-mode", "--lora-rank"))
     if config.rollout.prefill_num_servers:
         raise ConfigError(f"{mode} does not support PD disaggregation (--prefill-num-servers)",
                           ("--update-weight-transfer-mode", "--prefill-num-servers"))

@@ -94,14 +94,16 @@ def native_blocker(config: dict) -> str | None:
     return f"config.json sets {unsupported}" if unsupported else None
 
 
-class Linear(nn.Module):
+class Linear(nn.Linear):
     """``nn.Linear`` without a bias and without initialising its weight: every weight is loaded
     from a checkpoint (random initialisation of a large model costs seconds; on the meta device
-    it imports TorchDynamo)."""
+    it imports TorchDynamo). An ``nn.Linear`` still, so PEFT's LoRA layers wrap it."""
 
     def __init__(self, in_features: int, out_features: int):
-        super().__init__()
+        nn.Module.__init__(self)  # nn.Linear's own __init__ would initialise the weight
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

@@ -53,6 +53,7 @@ class FSDPBackend(TrainerBackend):
         self.export_dtypes = {name: t.dtype for name, t in model.state_dict().items()}
         self.pad_id = model.config.pad_token_id or 0
         self.module = model.float().to(self.device)  # float32 master weights
+        self.lora = self._attach_lora(hf_dir) if config.lora_rank else None
         self.routing_shape = RoutingShape.of(self.module)
         self._check_replay_flags(hf_dir)
         self.router_replay = self._router_replay(self.module)
@@ -61,11 +62,23 @@ class FSDPBackend(TrainerBackend):
         self.ref_model = self._load_reference(hf_dir) if config.needs_reference else None
         self.ref_replay = self._router_replay(self.ref_model) if self.ref_model is not None else None
         self.objective = TrainObjective(config, self.temperature)  # --loss-type; its hooks checked here
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+        self.optimizer = torch.optim.AdamW(  # LoRA: the adapter's parameters only (the base is frozen)
+            [p for p in self.model.parameters() if p.requires_grad], lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps, weight_decay=config.weight_decay)
 
     # ------------------------------------------------------------------ setup
+
+    def _attach_lora(self, hf_dir: str):
+        from miles_disagg.trainer.lora import LoraSettings, attach_adapter, load_adapter
+
+        settings = LoraSettings.of(self.config)
+        attach_adapter(self.module, settings, self.config.seed)
+        if self.config.lora_adapter_path:
+            load_adapter(self.module, self.config.lora_adapter_path, settings)
+        log.info("LoRA rank %d alpha %d on %s of %s%s", settings.rank, settings.alpha, ",".join(settings.targets),
+                 hf_dir, " (--lora-train-only: the engines roll out on the frozen base)"
+                 if self.config.lora_train_only else "")
+        return settings
 
     def _router_replay(self, module: torch.nn.Module) -> RouterReplay | None:
         """Hooks on a transformers Qwen3-MoE's routers (the native model routes through an argument)."""
@@ -198,9 +211,22 @@ class FSDPBackend(TrainerBackend):
         return on_disk_tensors(self._state_tensors(
             lambda name: name in share or bool(FUSED_GATE_UP.match(name) or FUSED_DOWN.match(name))))
 
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """LoRA runs: the adapter under PEFT's saved names (collective)."""
+        from miles_disagg.trainer.lora import adapter_state
+
+        return adapter_state(self.module)
+
+    def _named_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.lora is None:
+            return iter(self.module.state_dict().items())
+        from miles_disagg.trainer.lora import policy_tensors
+
+        return policy_tensors(self.module, merge=not self.config.lora_train_only)
+
     @torch.no_grad()
     def _state_tensors(self, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self.module.state_dict().items():
+        for name, tensor in self._named_state():
             if name not in self.export_dtypes:
                 continue
             if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor: gather (collective)
@@ -226,7 +252,7 @@ class FSDPBackend(TrainerBackend):
 
         from miles_disagg.trainer.rank_state import save_rng, state_dir
 
-        dcp.save(self._checkpoint_state(), checkpoint_id=state_dir(directory))
+        dcp.save(self._checkpoint_state(), checkpoint_id=state_dir(directory))  # LoRA: the adapter and its moments
         save_rng(directory, self.rank)
 
     def load_checkpoint(self, directory: str) -> None:
@@ -240,7 +266,7 @@ class FSDPBackend(TrainerBackend):
         state = self._checkpoint_state()
         dcp.load(state, checkpoint_id=state_dir(directory))
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=_dcp_options())
+                       optim_state_dict=state["optimizer"], options=_dcp_options(self.lora is not None))
         load_rng(directory, self.rank, self.config.seed)
 
     def _checkpoint_state(self) -> dict:
@@ -248,11 +274,14 @@ class FSDPBackend(TrainerBackend):
         with zero moments first, so loading has tensors to fill)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model, optimizer = get_state_dict(self.module, self.optimizer, options=_dcp_options())
+        model, optimizer = get_state_dict(self.module, self.optimizer, options=_dcp_options(self.lora is not None))
         return {"model": model, "optimizer": optimizer}
 
 
-def _dcp_options():
+def _dcp_options(adapter_only: bool = False):
+    """``adapter_only`` (LoRA): the frozen base is neither saved nor loaded (it comes from
+    --hf-checkpoint); every adapter tensor must be in the save (``dcp.load`` reads each one asked for)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(flatten_optimizer_state_dict=True)
+    return StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=adapter_only,
+                            strict=not adapter_only)

@@ -87,7 +87,6 @@ def test_missing_yaml_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("extra, entry, flags", [
     (["--colocate"], "train", ("--update-weight-transfer-mode", "--colocate")),
-    (["--lora-rank", "8"], "train_async", ("--update-weight-transfer-mode", "--lora-rank")),
     (["--prefill-num-servers", "1"], "train_async", ("--update-weight-transfer-mode", "--prefill-num-servers")),
 ])
 def test_disk_delta_rejects_unsupported_modes(tmp_path: Path, extra, entry, flags) -> None:

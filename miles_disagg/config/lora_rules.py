@@ -1,0 +1,79 @@
+"""miles' LoRA flags (``--lora-rank`` and its group): which modules an adapter targets, and the
+rules over the group. Each failure is one ``ConfigError`` line naming the flags.
+
+Targets are the decoder's projections by their HF leaf names, the names PEFT's and SGLang's
+``target_modules`` use: ``all-linear`` (miles' default) is every attention and MLP projection, the
+groups ``attn`` and ``mlp`` are theirs, and names may be mixed with groups. The output head
+(miles' ``unembed`` group, ``lm_head``) is refused: no engine here serves an adapter on it.
+"""
+
+from __future__ import annotations
+
+from miles_disagg.types import ConfigError
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+TARGET_GROUPS = {"all-linear": ATTENTION_MODULES + MLP_MODULES, "attn": ATTENTION_MODULES, "mlp": MLP_MODULES}
+UNSERVED_TARGETS = ("unembed", "lm_head", "embed_tokens")
+LORA_FLAGS = ("--target-modules", "--exclude-modules", "--lora-adapter-path", "--lora-train-only")
+
+
+def _names(value: str, flag_name: str) -> list[str]:
+    """The comma-separated entries of a targets flag, each a known group or module name."""
+    entries = [entry.strip() for entry in value.split(",")]
+    if not all(entries):
+        raise ConfigError(f"{flag_name} {value!r} has an empty entry; give comma-separated module names or groups",
+                          (flag_name,))
+    for entry in entries:
+        if entry in UNSERVED_TARGETS:
+            raise ConfigError(f"{flag_name} {entry}: adapters on the embeddings or the output head are not served by "
+                              "any engine here; target the decoder's projections (all-linear, attn, mlp)",
+                              (flag_name,))
+        if entry not in TARGET_GROUPS and entry not in TARGET_GROUPS["all-linear"]:
+            known = ", ".join((*TARGET_GROUPS, *TARGET_GROUPS["all-linear"]))
+            raise ConfigError(f"{flag_name} {entry!r} is not a LoRA target here; known: {known}", (flag_name,))
+    return entries
+
+
+def _expand(entries: list[str]) -> list[str]:
+    modules: list[str] = []
+    for entry in entries:
+        for module in TARGET_GROUPS.get(entry, (entry,)):
+            if module not in modules:
+                modules.append(module)
+    return modules
+
+
+def resolve_targets(target_modules: str | None, exclude_modules: str | None) -> tuple[str, ...]:
+    """The module leaf names an adapter is put on, in the order attention then MLP."""
+    targets = _names(target_modules or "all-linear", "--target-modules")
+    excluded = _expand(_names(exclude_modules, "--exclude-modules")) if exclude_modules else []
+    explicit = [t for t in targets if t not in TARGET_GROUPS]
+    overlap = [t for t in explicit if t in excluded]
+    if overlap:
+        raise ConfigError(f"--target-modules names {overlap} and --exclude-modules takes them out (miles refuses this "
+                          "too): drop them from one of the two", ("--target-modules", "--exclude-modules"))
+    chosen = [m for m in _expand(targets) if m not in excluded]
+    if not chosen:
+        raise ConfigError("--exclude-modules takes out every module of --target-modules: no adapter is left",
+                          ("--target-modules", "--exclude-modules"))
+    order = TARGET_GROUPS["all-linear"]
+    return tuple(sorted(chosen, key=order.index))
+
+
+def check_lora_rules(config) -> None:
+    """``ConfigError`` for the first invalid combination of a ``RunConfig``'s LoRA flags."""
+    train = config.train
+    if train.lora_rank == 0:
+        given = [name for name, value in zip(LORA_FLAGS, (train.target_modules, train.exclude_modules,
+                                                          train.lora_adapter_path, train.lora_train_only)) if value]
+        if given:
+            raise ConfigError(f"{given[0]} configures a LoRA adapter and --lora-rank is 0 (full fine-tuning): "
+                              "give --lora-rank N (also when loading an adapter, as miles requires)",
+                              (given[0], "--lora-rank"))
+        return
+    if train.train_backend != "fsdp":
+        raise ConfigError(f"--lora-rank with --train-backend {train.train_backend}: this project's Megatron backend "
+                          "trains full weights only; use --train-backend fsdp (a PEFT adapter on the frozen base)",
+                          ("--lora-rank", "--train-backend"))
+    resolve_targets(train.target_modules, train.exclude_modules)
