@@ -25,12 +25,12 @@ from pathlib import Path
 from miles_disagg.config.commands import ServerFlags, action_config, add_actions
 from miles_disagg.config.fields import REQUIRED, flag
 from miles_disagg.types import ConfigError
-from miles_disagg.weights.location import normalize_store
+from miles_disagg.weights.location import is_url, normalize_store
 
 DEFAULT_GATEWAY_PORT = 30090
 ENGINE_FLAG = "--engine"
 PORT_HELP = "HTTP port (0: any free port)."
-BASE_DIR_HELP = "The base checkpoint (version 0)."
+BASE_DIR_HELP = "The base checkpoint (version 0); not with --base-from-store."
 
 
 @dataclass(kw_only=True)
@@ -64,6 +64,9 @@ class ReplicaFlags:
     engine_args: list[str] = flag([], "Extra engine command-line argument (repeatable; --engine-arg=--flag=value).",
                                   name="--engine-arg", metavar="ARG", repeat="append")
     drain_timeout: float = flag(30.0, "Longest wait for in-flight requests at shutdown.", metavar="S")
+    base_from_store: bool = flag(False, "Each replica fetches the base from the object store (put there by the "
+                                        "trainer's --rollout-base-from-store or `weights publish --base-in-store`) "
+                                        "onto its own node, instead of reading --base-dir.")
 
     def __post_init__(self) -> None:
         parse_engine(self.engine)
@@ -75,7 +78,7 @@ class ReplicaFlags:
                               heartbeat_interval_s=self.heartbeat_interval, pause_mode=self.pause_mode,
                               max_restages=self.max_restages, pre_read_hook=self.pre_read_hook,
                               phase_hook=self.phase_hook, engine_args=tuple(self.engine_args),
-                              drain_timeout_s=self.drain_timeout)
+                              drain_timeout_s=self.drain_timeout, base_from_store=self.base_from_store)
 
 
 @dataclass(kw_only=True)
@@ -85,7 +88,7 @@ class ReplicaCommand(ServerFlags, ReplicaFlags):
     port: int = flag(0, PORT_HELP)
     store: str = flag(REQUIRED, "The version store (the trainer's --update-weight-disk-dir): a directory or s3://bucket/prefix.")
     gateway: str = flag(REQUIRED, "Gateway URL to register with.")
-    base_dir: Path = flag(REQUIRED, BASE_DIR_HELP)
+    base_dir: Path | None = flag(None, BASE_DIR_HELP)
     local_checkpoint_dir: Path = flag(REQUIRED, "Host-local checkpoint (A/B slots).")
     replica_id: str | None = flag(None, "Stable replica name (default: host:port of the control API).")
     log_dir: Path | None = flag(None, "Engine logs (default: next to the local checkpoint).")
@@ -100,7 +103,7 @@ class PoolFlags(ServerFlags, ReplicaFlags):
 
     port: int = flag(DEFAULT_GATEWAY_PORT, PORT_HELP)
     store: str = flag(REQUIRED, "The version store replicas follow: a directory or s3://bucket/prefix.")
-    base_dir: Path = flag(REQUIRED, BASE_DIR_HELP)
+    base_dir: Path | None = flag(None, BASE_DIR_HELP)
     work_dir: Path | None = flag(None, "Local checkpoints and logs (default: a temp dir).")
     heartbeat_timeout: float = flag(3.0, "A replica silent this long is out of routing.", metavar="S")
 
@@ -146,9 +149,22 @@ def run(args: argparse.Namespace) -> int:
             "ray": _run_ray}[args.serve_command](command)
 
 
-def _check_base_dir(path: Path) -> None:
+def _base_dir(command: ReplicaCommand | PoolFlags) -> Path | None:
+    """``--base-dir``, checked; ``None`` with ``--base-from-store`` (each replica fetches the store's base)."""
+    path = command.base_dir
+    if command.base_from_store:
+        if path is not None:
+            raise ConfigError("give --base-dir or --base-from-store, not both", flags=("--base-dir", "--base-from-store"))
+        if not is_url(command.store):
+            raise ConfigError(f"--base-from-store: only an object store holds a base, not --store {command.store!r}",
+                              flags=("--base-from-store", "--store"))
+        return None
+    if path is None:
+        raise ConfigError("--base-dir is required (the base checkpoint), or --base-from-store to fetch it from an "
+                          "object store", flags=("--base-dir",))
     if not (path / "config.json").is_file():
         raise ConfigError(f"--base-dir {str(path)!r} is not a checkpoint directory (no config.json)", flags=("--base-dir",))
+    return path.resolve()
 
 
 def _run_gateway(command: GatewayCommand) -> int:
@@ -178,12 +194,14 @@ def _run_replica(command: ReplicaCommand) -> int:
     from miles_disagg.service.reconciler import ReconcileConfig
     from miles_disagg.service.replica import Replica, ReplicaConfig, load_phase_hook
 
-    _check_base_dir(command.base_dir)
+    base_dir = _base_dir(command)
     kind, attach_url = parse_engine(command.engine)
     load_phase_hook(command.phase_hook)  # fail before anything starts
     local = command.local_checkpoint_dir
     try:
-        engine = EngineSpec(backend="builtin" if kind == "url" else kind, model_path=command.base_dir.resolve(),
+        engine = EngineSpec(backend="builtin" if kind == "url" else kind,
+                            model_path=base_dir or local.parent / f"{local.name}.base",
+                            base_from_store=base_dir is None and kind != "url",
                             local_checkpoint_dir=local, store_dir=normalize_store(command.store, "--store"),
                             log_dir=command.log_dir or local.parent / f"{local.name}.logs", host=command.host,
                             pre_read_hook=command.pre_read_hook, extra_args=tuple(command.engine_args),
@@ -221,10 +239,10 @@ def parse_engine(value: str) -> tuple[str, str | None]:
 def _run_local(command: LocalCommand) -> int:
     from miles_disagg.service.local import launch_local_service
 
-    _check_base_dir(command.base_dir)
+    base_dir = _base_dir(command)
     options = command.replica_options()
     work_dir = command.work_dir_or_temp()
-    service = launch_local_service(normalize_store(command.store, "--store"), command.base_dir.resolve(), work_dir=work_dir,
+    service = launch_local_service(normalize_store(command.store, "--store"), base_dir, work_dir=work_dir,
                                    num_replicas=command.replicas, port=command.port, host=command.host, replica=options,
                                    heartbeat_timeout_s=command.heartbeat_timeout)
     print(f"miles-disagg serve local: gateway {service.url}, {command.replicas} replicas ready (work dir {work_dir})",
@@ -238,14 +256,14 @@ def _run_ray(command: RayCommand) -> int:
     from miles_disagg.service.ray_pool import RayServiceConfig, run_ray_service
     from miles_disagg.service.scaling import ScalingConfig
 
-    _check_base_dir(command.base_dir)
+    base_dir = _base_dir(command)
     try:
         scaling = ScalingConfig(min_replicas=command.min_replicas, max_replicas=command.max_replicas,
                                 target_in_flight_per_replica=command.target_in_flight,
                                 scale_down_delay_s=command.scale_down_delay)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    config = RayServiceConfig(store_dir=normalize_store(command.store, "--store"), base_dir=command.base_dir.resolve(),
+    config = RayServiceConfig(store_dir=normalize_store(command.store, "--store"), base_dir=base_dir,
                               work_dir=command.work_dir_or_temp(), host=command.host, port=command.port, scaling=scaling,
                               replica=command.replica_options(), num_gpus_per_replica=command.num_gpus_per_replica,
                               scale_interval_s=command.scale_interval, heartbeat_timeout_s=command.heartbeat_timeout,

@@ -53,20 +53,23 @@ class ReplicaOptions:
     phase_hook: str | None = None
     engine_args: tuple[str, ...] = ()
     drain_timeout_s: float = 30.0
+    base_from_store: bool = False
+    """Each replica fetches the store's base onto its node (then ``base_dir`` is ``None``)."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment for the replica (and its engine), e.g. ``PYTHONPATH`` for hooks."""
 
 
-def replica_command(*, replica_id: str, store_dir: str | Path, base_dir: Path, gateway_url: str, work_dir: Path,
+def replica_command(*, replica_id: str, store_dir: str | Path, base_dir: Path | None, gateway_url: str, work_dir: Path,
                     host: str, port: int, options: ReplicaOptions) -> list[str]:
     """The ``python -m miles_disagg.service replica`` argv; state and logs go under ``work_dir``."""
     cmd = [sys.executable, "-m", "miles_disagg.service", "replica", "--replica-id", replica_id,
-           "--store", str(store_dir), "--base-dir", str(base_dir), "--gateway", gateway_url,
+           "--store", str(store_dir), "--gateway", gateway_url,
            "--engine", options.engine, "--local-checkpoint-dir", str(work_dir / "local-checkpoint"),
            "--log-dir", str(work_dir / "logs"), "--host", host, "--port", str(port),
            "--poll-interval", str(options.poll_interval_s), "--heartbeat-interval", str(options.heartbeat_interval_s),
            "--pause-mode", options.pause_mode, "--max-restages", str(options.max_restages),
            "--drain-timeout", str(options.drain_timeout_s)]
+    cmd += ["--base-from-store"] if options.base_from_store else ["--base-dir", str(base_dir)]
     for flag, value in (("--pre-read-hook", options.pre_read_hook), ("--phase-hook", options.phase_hook)):
         if value:
             cmd += [flag, value]

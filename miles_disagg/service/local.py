@@ -37,7 +37,7 @@ class LocalServiceConfig:
 
     store_dir: str  # a directory or an object store URL
     """The version store replicas follow."""
-    base_dir: Path
+    base_dir: Path | None  # None: every replica fetches the store's base (ReplicaOptions.base_from_store)
     """The base checkpoint (version 0)."""
     work_dir: Path
     """Local checkpoints (``replica-ID/local-checkpoint``) and logs go here."""
@@ -181,13 +181,14 @@ class LocalService:
         self.stop()
 
 
-def launch_local_service(store_dir: str | Path, base_dir: str | Path, *, work_dir: str | Path, num_replicas: int = 2,
+def launch_local_service(store_dir: str | Path, base_dir: str | Path | None, *, work_dir: str | Path, num_replicas: int = 2,
                          port: int = 0, host: str = "127.0.0.1", wait_ready_s: float | None = 300.0,
                          replica: ReplicaOptions | None = None, **config) -> LocalService:
     """Start a gateway and ``num_replicas`` replicas; with ``wait_ready_s``, return once every
     replica is ready at the store's newest version (``TimeoutError``/``VersionNotReady`` otherwise,
     after stopping everything). ``config``: other :class:`LocalServiceConfig` fields."""
-    cfg = LocalServiceConfig(store_dir=normalize_store(store_dir), base_dir=Path(base_dir), work_dir=Path(work_dir),
+    cfg = LocalServiceConfig(store_dir=normalize_store(store_dir), base_dir=None if base_dir is None else Path(base_dir),
+                             work_dir=Path(work_dir),
                              num_replicas=num_replicas, port=port, host=host, replica=replica or ReplicaOptions(),
                              **config)
     service = LocalService(cfg).start()

@@ -44,7 +44,7 @@ class RayServiceConfig:
     """A gateway plus autoscaled replica actors."""
 
     store_dir: str  # a directory or an object store URL
-    base_dir: Path
+    base_dir: Path | None  # None: every replica fetches the store's base (ReplicaOptions.base_from_store)
     work_dir: Path
     """Local checkpoints and logs, per replica (a path valid on every node)."""
     host: str = "127.0.0.1"

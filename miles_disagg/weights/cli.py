@@ -42,6 +42,8 @@ class PublishCommand:
     anchor_interval: int = flag(0, "Publish a full version every N versions (0: never).")
     post_write_hook: str | None = flag(None, "Hook run before LATEST moves.", metavar="MODULE:FUNCTION")
     workers: int = flag(2, WORKERS_HELP)
+    base_in_store: bool = flag(False, "Also put --base-dir into the object store once, as its version 0 (engines "
+                                      "and replicas started with --base-from-store fetch it from there).")
 
 
 @dataclass(kw_only=True)
@@ -117,7 +119,7 @@ def _publish(command: PublishCommand) -> dict[str, Any]:
     publisher = DeltaPublisher(
         command.store, base_dir=base, run_id=command.run_id, encoding=command.encoding, checksum=command.checksum,
         filter=command.filter, post_write_hook=command.post_write_hook, full_anchor_interval=command.anchor_interval,
-        num_workers=command.workers,
+        num_workers=command.workers, base_in_store=command.base_in_store,
     )
     try:
         status(f"capturing the baseline from {base}")

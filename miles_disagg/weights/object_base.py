@@ -27,7 +27,7 @@ from miles_disagg.weights.object_layout import (
     base_files,
     base_manifest_key,
 )
-from miles_disagg.weights.object_store import ObjectVersionStore, file_checksum
+from miles_disagg.weights.object_store import ObjectVersionStore, file_checksum, pull_all
 from miles_disagg.weights.s3_client import ConditionFailed
 
 MARKER_NAME = ".miles-disagg-base.json"  # in a pulled base: which manifest it holds
@@ -83,8 +83,9 @@ def pull_base(store: ObjectVersionStore, dest: Path) -> Path:
     try:
         store.pull_object(current.base.name, current.base, scratch / "manifest.json", MAX_MANIFEST_BYTES)
         files = base_files(load_json((scratch / "manifest.json").read_bytes(), where), where)
-        for name, expected in files.items():
-            store.pull_object(f"{folder}/{name}", expected, scratch / name, expected.nbytes)
+        pull_all([lambda name=name, expected=expected: store.pull_object(f"{folder}/{name}", expected, scratch / name,
+                                                                           expected.nbytes)
+                  for name, expected in files.items()])
         (scratch / "manifest.json").unlink()
         (scratch / MARKER_NAME).write_text(json.dumps({"manifest": current.base.name,
                                                        "checksum": current.base.checksum}))

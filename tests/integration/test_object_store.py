@@ -312,19 +312,29 @@ def test_wrong_credentials_and_an_unreachable_endpoint_end_the_run_before_ray(dr
         refusing.stop()
 
 
-def test_serve_local_converges_on_an_object_store(s3_bucket, s3_env, tiny_qwen3_dir, targets, tmp_path):
+def test_serve_local_converges_on_an_object_store_with_the_base_from_it(s3_bucket, s3_env, tiny_qwen3_dir, targets,
+                                                                         tmp_path):
+    """No path shared with the publisher: each replica fetches the store's base onto its own node."""
     from miles_disagg.service.launch import ReplicaOptions
     from miles_disagg.service.local import launch_local_service
 
     _, bucket = s3_bucket
     url = f"s3://{bucket}/service"
-    publish_chain(url, tiny_qwen3_dir, targets[:1], "service")
-    service = launch_local_service(url, tiny_qwen3_dir, work_dir=tmp_path / "work", num_replicas=2,
-                                   replica=ReplicaOptions(poll_interval_s=0.3, heartbeat_interval_s=0.3),
-                                   wait_ready_s=scaled(120))
+    published = cli("publish", "--store", url, "--base-dir", str(tiny_qwen3_dir), "--target-dir", str(targets[0]),
+                    "--run-id", "service", "--base-in-store")
+    assert published.returncode == 0, published.stderr
+    for wrong in (["--base-dir", str(tiny_qwen3_dir)], ["--store", str(tmp_path)]):
+        refused = serve_local_dry(url, wrong)
+        assert refused.returncode == 2 and "--base-from-store" in refused.stderr, refused.stderr
+    work = tmp_path / "work"
+    service = launch_local_service(url, None, work_dir=work, num_replicas=2, wait_ready_s=scaled(120),
+                                   replica=ReplicaOptions(poll_interval_s=0.3, heartbeat_interval_s=0.3,
+                                                          base_from_store=True))
     client = service.client()
     try:
         assert {r["weight_version"] for r in client.wait_converged(1, num_replicas=2, timeout_s=scaled(60))} == {1}
+        bases = sorted(work.glob("*/local-checkpoint.base"))
+        assert len(bases) == 2 and all(fingerprint_base(b) == fingerprint_base(tiny_qwen3_dir) for b in bases)
         publisher = DeltaPublisher(url, base_dir=tiny_qwen3_dir, run_id="service")
         publisher.capture_baseline()
         publisher.publish(load_file(str(targets[1] / "model.safetensors")).items())
@@ -333,3 +343,17 @@ def test_serve_local_converges_on_an_object_store(s3_bucket, s3_env, tiny_qwen3_
     finally:
         client.close()
         service.stop()
+
+
+def serve_local_dry(url: str, extra: list[str]) -> subprocess.CompletedProcess:
+    """``serve local --base-from-store`` with a wrong companion flag: refused before anything starts."""
+    args = ["--store", url, "--base-from-store", *extra]
+    if "--store" in extra:
+        args = args[2:]
+    return subprocess.run([sys.executable, "-m", "miles_disagg.cli", "serve", "local", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=scaled(120))
+
+
+def fingerprint_base(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.suffix in (".safetensors", ".json")
+            and p.name != "model.safetensors.index.json" and not p.name.startswith(".")}
