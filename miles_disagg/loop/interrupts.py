@@ -94,7 +94,7 @@ def reclaim_sigterm() -> None:
 
 def report_interruption(config: RunConfig, exc: KeyboardInterrupt) -> str:
     """Write the report of the completed steps (quietly) and return the one line to print."""
-    from miles_disagg.loop.report import write_report
+    from miles_disagg.loop.report import run_end, write_report
     from miles_disagg.tracking import METRICS_FILENAME, read_metrics
 
     run_dir = Path(config.tracking.run_dir)
@@ -106,7 +106,7 @@ def report_interruption(config: RunConfig, exc: KeyboardInterrupt) -> str:
     if records:
         try:
             with contextlib.redirect_stderr(io.StringIO()):  # the summary block: one line is what is asked
-                write_report(run_dir)
+                write_report(run_dir, end=run_end(exc))
             line += f"; {SUMMARY_FILENAME} and {REPORT_FILENAME} of steps before {step} in {run_dir}"
         except Exception as error:  # noqa: BLE001 - the run is over either way: say why there is no report
             line += f"; no report ({type(error).__name__}: {error}; see miles-disagg report {run_dir})"

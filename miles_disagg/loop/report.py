@@ -85,11 +85,46 @@ def _handoff(records: list[dict[str, Any]], mean) -> dict[str, Any]:
             "colocate_offloaded_bytes_mean": mean(r.get(COLOCATE_KEY) for r in steps)}
 
 
-def write_report(run_dir: str | Path) -> dict[str, Any]:
+def run_end(error: BaseException | None) -> dict[str, str]:
+    """How a run ended, for ``summary.json``: ``ended`` (``completed``, ``interrupted`` or ``failed``)
+    and ``end_reason`` (the signal, or the error's type and message: Ray's wrapper unwrapped)."""
+    if error is None:
+        return {"ended": "completed", "end_reason": "every step done"}
+    if isinstance(error, KeyboardInterrupt):
+        import signal
+
+        name = signal.Signals(getattr(error, "signum", int(signal.SIGINT))).name
+        return {"ended": "interrupted", "end_reason": f"interrupted ({name})"}
+    cause = getattr(error, "cause", None) or error
+    return {"ended": "failed", "end_reason": f"{type(cause).__name__}: {cause}"[:4000]}
+
+
+def write_end_report(run_dir: str | Path, error: BaseException | None) -> None:
+    """The report of a run that ended (``error`` None: completed, with the summary printed); a run
+    that failed or was interrupted writes ``summary.json`` quietly (its one line is the launcher's) and
+    never raises here (the run's own error is the one to report)."""
+    if error is None:
+        write_report(run_dir, end=run_end(None))
+        return
+    import contextlib
+    import io
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            write_report(run_dir, end=run_end(error))
+    except Exception as exc:  # noqa: BLE001 - the run is over either way
+        print(f"no summary.json ({type(exc).__name__}: {exc}; see miles-disagg report {run_dir})", file=sys.stderr)
+
+
+def write_report(run_dir: str | Path, end: dict[str, str] | None = None) -> dict[str, Any]:
+    """``summary.json`` (with ``end``: how the run ended, :func:`run_end`), ``report.png`` where steps
+    were recorded, and the summary on stderr. Without ``end``, the one ``summary.json`` says already is kept
+    (``miles-disagg report`` rebuilding a finished run's summary)."""
     run_dir = Path(run_dir)
+    end = end if end is not None else _previous_end(run_dir / SUMMARY_FILENAME)
     records = _read(run_dir / METRICS_FILENAME)
     records = join_updates(records, _read(run_dir / f"{UPDATES_STREAM}.jsonl"))
-    summary = summarize(records)
+    summary = {**(end or {}), **summarize(records)}
     restarts = trainer_restarts(run_dir)
     if restarts:
         summary["trainer_restarts"] = restarts
@@ -101,6 +136,16 @@ def write_report(run_dir: str | Path) -> dict[str, Any]:
         plot(records, run_dir / REPORT_FILENAME, title=report_title(run_dir))
     print(format_summary(summary, run_dir), file=sys.stderr)
     return summary
+
+
+def _previous_end(path: Path) -> dict[str, str]:
+    try:
+        previous = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(previous, dict):
+        return {}
+    return {k: previous[k] for k in ("ended", "end_reason") if isinstance(previous.get(k), str)}
 
 
 def trainer_restarts(run_dir: Path) -> list[dict[str, Any]]:

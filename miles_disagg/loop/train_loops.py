@@ -186,9 +186,19 @@ def _log_step(tracker: MetricsTracker, config: RunConfig, step: int, batch: Roll
 
 
 def run(config: RunConfig) -> None:
-    """Start the job, run the entry's loop, write the report, stop the job."""
-    from miles_disagg.loop.report import write_report
+    """Start the job, run the entry's loop, stop the job, write the report: however the run ends once
+    it started (completed, failed, interrupted), ``summary.json`` says how (``ended``, ``end_reason``)."""
+    from miles_disagg.loop.report import write_end_report
 
+    try:
+        _run_job(config)
+    except BaseException as exc:
+        write_end_report(config.tracking.run_dir, exc)
+        raise
+    write_end_report(config.tracking.run_dir, None)
+
+
+def _run_job(config: RunConfig) -> None:
     with_engines = not config.rollout.debug_train_only
     found = find_resume(config)
     initial = initial_checkpoint(config.train.load, config.train.ref_load, resuming=found is not None)
@@ -204,4 +214,3 @@ def run(config: RunConfig) -> None:
     finally:
         tracker.close()
         job.stop()
-    write_report(config.tracking.run_dir)

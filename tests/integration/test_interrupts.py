@@ -66,6 +66,7 @@ def test_a_signal_stops_the_run_with_one_line_and_the_report(tmp_path: Path, tin
     name = signal.Signals(signum).name
     assert rest.strip().splitlines()[-1] == (f"train_async.py: interrupted ({name}) at step 2; summary.json and "
                                              f"report.png of steps before 2 in {run_dir}")
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["steps"], summary["ended"], summary["end_reason"]) == (2, "interrupted", f"interrupted ({name})")
     assert (run_dir / "report.png").stat().st_size > 1000
     assert json.loads((run_dir / "run.lock").read_text())["released"] is True

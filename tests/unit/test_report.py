@@ -104,3 +104,45 @@ def test_a_run_without_rewards_says_so(tmp_path: Path, capsys) -> None:
     summary = write_report(_run_dir(tmp_path, [{"step": 0}]))
     assert "steps: 1   reward: n/a" in capsys.readouterr().err
     assert summary["reward_first"] is None and summary["reward_window_steps"] == 0
+
+
+def test_a_run_that_fails_leaves_summary_json_with_its_end_reason(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``train_loops.run`` (its job replaced by one that logs two steps and then loses its engines, as the
+    capacity watch raises it through Ray): ``summary.json`` of the two steps says how the run ended,
+    nothing is printed but the error; ``miles-disagg report`` keeps the end reason when it rebuilds it."""
+    from miles_disagg.config import load_config
+    from miles_disagg.loop import train_loops
+    from miles_disagg.tracking import MetricsTracker
+    from miles_disagg.types import RolloutCapacityLost
+
+    config, _ = load_config(["--hf-checkpoint", "x", "--run-dir", str(tmp_path / "run")], "train_async")
+    (tmp_path / "run").mkdir()
+
+    class RayWrapped(Exception):  # what a ray.get raises: the actor's error as its cause
+        cause = RolloutCapacityLost("only 0 of 2 rollout engine(s) served for 31s")
+
+    def two_steps_then_lose_the_engines(config) -> None:
+        with MetricsTracker(config.tracking.run_dir) as tracker:
+            for step in range(2):
+                tracker.log(step, {"rollout/raw_reward": 0.5})
+        raise RayWrapped("wrapped")
+
+    monkeypatch.setattr(train_loops, "_run_job", two_steps_then_lose_the_engines)
+    with pytest.raises(RayWrapped):
+        train_loops.run(config)
+    assert capsys.readouterr().err == ""
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["ended"], summary["steps"]) == ("failed", 2)
+    assert summary["end_reason"] == "RolloutCapacityLost: only 0 of 2 rollout engine(s) served for 31s"
+    assert rebuilt_end_reason(tmp_path / "run") == summary["end_reason"]
+
+    monkeypatch.setattr(train_loops, "_run_job", lambda config: None)
+    train_loops.run(config)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["ended"] == "completed"
+
+
+def rebuilt_end_reason(run_dir: Path) -> str:
+    from miles_disagg.cli import main
+
+    assert main(["report", str(run_dir)]) == 0
+    return json.loads((run_dir / "summary.json").read_text())["end_reason"]
