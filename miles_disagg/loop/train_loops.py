@@ -20,6 +20,7 @@ from miles_disagg.loop.records import BusyMeter, open_tracker, step_record
 from miles_disagg.loop.resume import LoopState, find_resume, maybe_save, restore
 from miles_disagg.loop.trainer_restart import LoopProgress, TrainerRestarts
 from miles_disagg.loop.updates import publish, publish_and_update, start_update
+from miles_disagg.loop.waiting import still
 from miles_disagg.rollout.manager import load_groups, save_groups
 from miles_disagg.tracking import TRAIN_STEPS_STREAM, UPDATES_STREAM, MetricsTracker, pass_at_k, status
 from miles_disagg.trainer.sequence_advantages import assign_advantages
@@ -47,7 +48,8 @@ def train_async(job: Job, tracker: MetricsTracker, state: LoopState, progress: L
     for step in range(state.step, cfg.rollout.num_rollout):
         progress.step = step
         start = time.perf_counter()
-        batch = job.rollout.take(cfg.rollout.rollout_batch_size, version)
+        with still(f"waiting for {cfg.rollout.rollout_batch_size} groups from the rollout", detail=_serving(job)):
+            batch = job.rollout.take(cfg.rollout.rollout_batch_size, version)
         got_batch = time.perf_counter()
         if cfg.rollout.save_debug_rollout_data:
             save_groups(cfg.rollout.save_debug_rollout_data.format(rollout_id=step), batch.groups, version)
@@ -73,7 +75,8 @@ def train_async(job: Job, tracker: MetricsTracker, state: LoopState, progress: L
 
 def _begin_update(job: Job, version: int):
     if job.config.weights.update_weight_transfer_mode == "broadcast":
-        version, metrics = publish_and_update(job, version)
+        with still(f"publishing v{version + 1} and bringing every engine to it"):
+            version, metrics = publish_and_update(job, version)
         return version, metrics, None
     version, metrics = publish(job, version)
     return version, metrics, start_update(job, version)
@@ -85,7 +88,8 @@ def _log_activation(tracker: MetricsTracker, config: RunConfig, activating) -> s
     if activating is None:
         return None
     step, pending = activating
-    metrics = pending.finish()
+    with still(f"waiting for the engines to activate v{pending.version}"):
+        metrics = pending.finish()
     if not metrics:  # service topology: the replicas converge on their own
         return None
     record = tracker.log_stream(UPDATES_STREAM, step, {"weights/version": pending.version, **metrics})
@@ -121,7 +125,8 @@ def train_sync(job: Job, tracker: MetricsTracker, state: LoopState, progress: Lo
         trained = time.perf_counter()
         update_metrics = {}
         if not cfg.rollout.debug_rollout_only and job.engines is not None:
-            version, update_metrics = publish_and_update(job, version)
+            with still(f"publishing v{version + 1} and bringing every engine to it"):
+                version, update_metrics = publish_and_update(job, version)
         last = step == cfg.rollout.num_rollout - 1
         update_metrics.update(maybe_evaluate(job, step, version, last=last))
         timings = {"perf/rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
@@ -129,6 +134,18 @@ def train_sync(job: Job, tracker: MetricsTracker, state: LoopState, progress: Lo
         _log_step(tracker, job.config, step, batch, train_metrics, update_metrics, timings)
         if job.trainer is not None:
             maybe_save(job, LoopState(step + 1, version), last=last)  # after the record: a resume never misses it
+
+
+def _serving(job: Job):
+    """What a progress line adds while the loop waits for groups: how many engines serve now."""
+    if job.engines is None:
+        return None
+
+    def serving() -> str:
+        capacity = job.engines.capacity()
+        return f"{capacity['live']} of {capacity['total']} engine(s) serving"
+
+    return serving
 
 
 def _advantages(batch: RolloutBatch, train_config) -> list:
@@ -155,7 +172,8 @@ def _rollout_batch(job: Job, step: int, version: int) -> RolloutBatch:
         from miles_disagg.rollout.buffer import summarize
 
         return RolloutBatch(groups, {"rollout/raw_reward": _mean_reward(groups), **summarize(groups, version, 0).metrics()})
-    batch = job.rollout.generate(cfg.rollout_batch_size, version)
+    with still(f"generating {cfg.rollout_batch_size} groups", detail=_serving(job)):
+        batch = job.rollout.generate(cfg.rollout_batch_size, version)
     if cfg.save_debug_rollout_data:
         save_groups(cfg.save_debug_rollout_data.format(rollout_id=step), batch.groups, version)
     return batch

@@ -219,6 +219,9 @@ def test_losing_every_rollout_engine_for_too_long_ends_the_run_naming_the_node(c
     assert re.fullmatch(r"train_async\.py: failed: RolloutCapacityLost: only 0 of 2 rollout engine\(s\) served for "
                         r"\d+s, fewer than --min-rollout-engines 1 for longer than --min-rollout-engines-timeout 20s; "
                         rf"engine 0: {cause}; engine 1: {cause}", last), last
+    # the wait for groups with no engine serving is not silent: a line at least every 10 s
+    assert re.search(r"still waiting for \d+ groups from the rollout \(\d+s\): \d of 2 engine\(s\) serving", stderr), \
+        stderr[-6000:]
     summary = json.loads((run_dir / "summary.json").read_text())  # every run that ends leaves one
     assert summary["ended"] == "failed" and summary["end_reason"] == last.removeprefix("train_async.py: failed: ")
     assert summary["steps"] >= 1

@@ -22,3 +22,16 @@ def test_a_short_block_says_nothing(capsys) -> None:
     with still("starting the trainer", every_s=5.0):
         pass
     assert capsys.readouterr().err == ""
+
+
+def test_the_line_says_what_is_awaited_now_and_a_failed_read_leaves_it_short(capsys) -> None:
+    released = threading.Event()
+    answers = iter(["0 of 2 engine(s) serving"])
+
+    def detail() -> str:
+        return next(answers)  # then StopIteration: a read that failed
+
+    with still("waiting for 4 groups from the rollout", every_s=0.05, detail=detail):
+        released.wait(0.3)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "still waiting for 4 groups" in line]
+    assert lines[0].endswith("s): 0 of 2 engine(s) serving") and lines[-1].endswith("s)"), lines
