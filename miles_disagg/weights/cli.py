@@ -1,4 +1,4 @@
-"""``miles-disagg weights publish|apply|verify|inspect|ls``.
+"""``miles-disagg weights publish|apply|verify|inspect|ls|fetch-base``.
 
 A store (``--store``) is a directory or an ``s3://bucket/prefix`` URL (:mod:`miles_disagg.weights.location`).
 
@@ -75,8 +75,16 @@ class InspectCommand:
     store: str = flag(REQUIRED, STORE_HELP)
 
 
+@dataclass(kw_only=True)
+class FetchBaseCommand:
+    """the object store's base checkpoint into a local directory (a node with no copy of it)"""
+
+    store: str = flag(REQUIRED, "The object store holding the base (s3://bucket/prefix).")
+    dest: str = flag(REQUIRED, "Where the base goes (created; kept when it already holds this base).")
+
+
 ACTIONS = {"publish": PublishCommand, "apply": ApplyCommand, "verify": VerifyCommand, "inspect": InspectCommand,
-           "ls": InspectCommand}
+           "ls": InspectCommand, "fetch-base": FetchBaseCommand}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    handlers = {"publish": _publish, "apply": _apply, "verify": _verify, "inspect": _inspect, "ls": _inspect}
+    handlers = {"publish": _publish, "apply": _apply, "verify": _verify, "inspect": _inspect, "ls": _inspect,
+                "fetch-base": _fetch_base}
     command = action_config(args, "weights_command", ACTIONS)
     try:
         result = handlers[args.weights_command](command)
@@ -192,3 +201,21 @@ def _inspect(command: InspectCommand) -> dict[str, Any]:
 
     _require_store(command.store)
     return describe_store(open_store(command.store))
+
+
+def _fetch_base(command: FetchBaseCommand) -> dict[str, Any]:
+    from miles_disagg.weights.location import is_url
+    from miles_disagg.weights.object_base import pull_base
+    from miles_disagg.weights.stores import open_store
+
+    if not is_url(command.store):
+        raise InvalidInput(f"--store {command.store}: only an object store holds a base (a directory store's base "
+                           "is the --base-dir its publisher was given)")
+    dest = Path(command.dest)
+    store = open_store(_require_store(command.store), cache_dir=dest.parent / f".{dest.name}.mirror")
+    status(f"fetching the base of {store.display} into {dest}")
+    folder = pull_base(store, dest)
+    files = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+    return {"store": store.display, "dest": str(folder), "files": files,
+            "bytes": sum((folder / f).stat().st_size for f in files)}
+

@@ -323,6 +323,10 @@ def test_serve_local_converges_on_an_object_store_with_the_base_from_it(s3_bucke
     published = cli("publish", "--store", url, "--base-dir", str(tiny_qwen3_dir), "--target-dir", str(targets[0]),
                     "--run-id", "service", "--base-in-store")
     assert published.returncode == 0, published.stderr
+    fetched = cli("fetch-base", "--store", url, "--dest", str(tmp_path / "by-hand"))  # a node starting SGLang by hand
+    assert fetched.returncode == 0 and fingerprint_base(tmp_path / "by-hand") == fingerprint_base(tiny_qwen3_dir)
+    refused = cli("fetch-base", "--store", str(tmp_path), "--dest", str(tmp_path / "nowhere"))
+    assert refused.returncode == 2 and "only an object store holds a base" in refused.stderr, refused.stderr
     for wrong in (["--base-dir", str(tiny_qwen3_dir)], ["--store", str(tmp_path)]):
         refused = serve_local_dry(url, wrong)
         assert refused.returncode == 2 and "--base-from-store" in refused.stderr, refused.stderr
