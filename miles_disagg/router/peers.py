@@ -1,6 +1,8 @@
 """What a router process shares with the router's other processes (``--router-workers N``).
 
-The :class:`~miles_disagg.router.proxy.Router` calls its ``peers`` at five points of the hot path: before
+The :class:`~miles_disagg.router.proxy.Router` calls its ``peers`` at five points of the hot path (and, for a
+request with a routing key, a sixth: :meth:`SoleRouter.session_worker` / :meth:`SoleRouter.remember_session`,
+session affinity, :mod:`~miles_disagg.router.affinity`): before
 each routing decision (:meth:`sync`), when a worker's answer shows a version (:meth:`observe_version`),
 when a request fails on a worker (:meth:`mark_failed`), when a worker's load changes (:meth:`load_changed`)
 and when a request's routing overhead is known (:meth:`record_overhead`); and the registry endpoints read
@@ -28,6 +30,7 @@ import os
 import time
 from typing import Any, Callable
 
+from miles_disagg.router.affinity import GONE, LocalAffinity, key_hash
 from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, normalize_url
 from miles_disagg.router.shared_table import (ANSWERED, APPLIED_SEQ, BUSY_S, BUSY_SINCE, CAPACITY, COUNTERS, IN_FLIGHT,
                                               LAST_ANSWER, PID, SERVING, URL_BYTES, SharedTable, SlotRecord, bucket_of,
@@ -42,6 +45,16 @@ class SoleRouter:
 
     def __init__(self, registry: WorkerRegistry):
         self.registry = registry
+        self.sessions = LocalAffinity()
+
+    def session_worker(self, key: str) -> Worker | object | None:
+        """The worker that served routing key ``key`` last (:mod:`~miles_disagg.router.affinity`): None for a
+        new key, ``GONE`` when that worker left the registry."""
+        worker = self.sessions.get(key)
+        return worker if worker is None or self.registry.contains(worker) else GONE
+
+    def remember_session(self, key: str, worker: Worker) -> None:
+        self.sessions.put(key, worker)
 
     def sync(self) -> None:
         """Bring this process's view up to date (nothing to do here)."""
@@ -100,6 +113,22 @@ class _SharedPeers(SoleRouter):
     def record_overhead(self, seconds: float) -> None:
         self._floats[self._hist_at + bucket_of(seconds)] += 1
 
+    def session_worker(self, key: str) -> Worker | object | None:
+        """From the shared affinity table: whichever process routed ``key`` last recorded it there."""
+        slot = self.table.affinity_slot(key_hash(key))
+        if slot is None:
+            return None
+        worker = self.worker_at(slot)
+        return GONE if worker is None else worker
+
+    def remember_session(self, key: str, worker: Worker) -> None:
+        slot = self.slot_of.get(worker)
+        if slot is not None:
+            self.table.set_affinity_slot(key_hash(key), slot)
+
+    def worker_at(self, slot: int) -> Worker | None:
+        raise NotImplementedError
+
     def publish_counters(self, counters: dict[str, int]) -> None:
         for name in COUNTERS:
             self._floats[self.table.counter_index(self.rank, name)] = counters.get(name, 0)
@@ -111,6 +140,7 @@ class LeaderPeers(_SharedPeers):
     def __init__(self, registry: WorkerRegistry, table: SharedTable):
         super().__init__(registry, table, 0)
         self._written: dict[int, SlotRecord] = {}
+        self._at_slot: dict[int, Worker] = {}
         self._freed: list[tuple[int, int]] = []  # (slot, the table's sequence number once it was freed)
         self._next_slot = 0
         registry.listener = self._publish
@@ -137,6 +167,7 @@ class LeaderPeers(_SharedPeers):
         if removed:
             slot = self.slot_of.pop(worker, None)
             if slot is not None:
+                self._at_slot.pop(slot, None)
                 self.table.write(SlotRecord(slot, False))
                 self._written.pop(slot, None)
                 self._freed.append((slot, self.table.seq))
@@ -146,12 +177,16 @@ class LeaderPeers(_SharedPeers):
         slot = self.slot_of.get(worker)
         if slot is None:
             slot = self.slot_of[worker] = self._allocate()
+            self._at_slot[slot] = worker
             self.table.clear_load(0, slot)
         record = SlotRecord(slot, True, worker.url, worker.admin_state.value, worker.ever_healthy, worker.unhealthy,
                             worker.weight_version, worker.run_id, worker.failure_seq)
         if self._written.get(slot) != record:
             self.table.write(record)
             self._written[slot] = record
+
+    def worker_at(self, slot: int) -> Worker | None:
+        return self._at_slot.get(slot)
 
     def _reusable(self) -> int | None:
         """A freed slot every live process has seen freed (so none still counts load in it), if any."""
@@ -248,6 +283,9 @@ class FollowerPeers(_SharedPeers):
             if record.present:
                 self._apply(record)
         self.table.set_proc(self.rank, APPLIED_SEQ, float(self.applied_seq))
+
+    def worker_at(self, slot: int) -> Worker | None:
+        return self._bound.get(slot)
 
     def _unbind(self, slot: int, worker: Worker) -> None:
         del self._bound[slot]

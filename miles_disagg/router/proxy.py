@@ -10,7 +10,9 @@ differently, is a 400. ``stream: true`` is refused with 400: the router does not
 Contracts:
 
 * Routing: only ``ready`` workers whose known version satisfies the constraint, fewest
-  outstanding requests first (:mod:`miles_disagg.router.policy`). None ready: 503
+  outstanding requests first (:mod:`miles_disagg.router.policy`); a request with a routing key
+  (``X-SMG-Routing-Key``) goes to the worker that served that key last while it can take it
+  (:mod:`miles_disagg.router.affinity`; moves counted). None ready: 503
   ``NoWorkerAvailable``; ready ones but none satisfying: 409 ``WeightVersionNotReady``
   with ``required`` and ``available_versions``. Both carry ``Retry-After`` and
   ``retryable: true``. An older policy than the constraint allows is never used.
@@ -64,6 +66,7 @@ from fastapi.responses import JSONResponse, Response
 from miles_disagg.net.auth import ApiKeys, forward_headers
 from miles_disagg.net.httpjson import OFF_LOOP_BYTES, parse_json_async
 from miles_disagg.net.pooled_http import ConnectTimedOut, NotConnected, Reply, TransportFailed
+from miles_disagg.router.affinity import choose_for_session, routing_key, version_extra_key
 from miles_disagg.router.client_gone import ClientGone, unless_client_gone
 from miles_disagg.router.config import RouterConfig
 from miles_disagg.router.health import HealthChecker
@@ -111,6 +114,7 @@ class ProxyRecord:
     worker: str | None = None  # the worker that answered (the last one tried)
     total_s: float = 0.0  # in the router, from the body read to the answer
     upstream_s: float = 0.0  # waiting for workers (every try)
+    routing_key: str | None = None  # the session it belongs to (router/affinity.py), if it named one
 
 
 class Router:
@@ -211,17 +215,20 @@ class Router:
             body = await parse_json_async(raw)
             constrained_in_body = "weight_version" in body
             constraint = request_constraint(body, request.headers)
+            key = routing_key(request.headers)
             if body.get("stream"):
                 raise InvalidInput("stream=true is not supported by the router; send stream=false")
         except RouterLoop as exc:
             return error_response(LOOP_DETECTED, exc, hops=exc.hops, limit=exc.limit)
         except InvalidInput as exc:
             return error_response(400, exc)
-        record = ProxyRecord(constraint)
+        record = ProxyRecord(constraint, routing_key=key)
         started = time.perf_counter()
-        # the body goes on as it came unless its constraint had to be taken out
+        # the body goes on as it came unless its constraint had to be taken out; a session's /generate
+        # without a cache namespace gets the served version's (router/affinity.py), so it is encoded per worker
+        keyed = key is not None and path == GENERATE_PATH and isinstance(body, dict) and "extra_key" not in body
         payload = await _encode_async(body, len(raw)) if constrained_in_body else raw
-        response = await self._route(request, path, payload, record, hops)
+        response = await self._route(request, path, payload, record, hops, body if keyed else None)
         record.status, record.total_s = response.status_code, time.perf_counter() - started
         overhead_s = record.total_s - record.upstream_s
         self.overheads_s.append(overhead_s)
@@ -230,7 +237,8 @@ class Router:
             self._notify(record)
         return response
 
-    async def _route(self, request: Any, path: str, payload: bytes, record: ProxyRecord, hops: int = 0) -> Any:
+    async def _route(self, request: Any, path: str, payload: bytes, record: ProxyRecord, hops: int = 0,
+                     keyed_body: dict | None = None) -> Any:
         constraint = record.constraint
         level = getattr(request.state, "auth_level", None)
         keyed = self._headers.get((level, path))
@@ -242,14 +250,22 @@ class Router:
         for _ in range(len(self.registry) + 1):
             self.peers.sync()  # another process's news first (a no-op for a router that is one process)
             try:
-                worker = self.policy.choose_in(self.registry, constraint, skip=tried)
+                worker = self._choose(record, tried)
             except (VersionNotReady, NoWorkerAvailable) as exc:
                 return self._not_ready(exc, constraint)
+            if keyed_body is not None:
+                payload = _encode({**keyed_body, "extra_key": version_extra_key(worker.weight_version)})
             response = await self._dispatch(worker, path, payload, headers, request, record)
             if response is not None:
                 return response
             tried.add(worker)
         return self._not_ready(NoWorkerAvailable("every ready worker refused the connection"), constraint)
+
+    def _choose(self, record: ProxyRecord, tried: set[Worker]) -> Worker:
+        if record.routing_key is None:
+            return self.policy.choose_in(self.registry, record.constraint, skip=tried)
+        return choose_for_session(self.policy, self.registry, self.peers, record.routing_key, record.constraint,
+                                  tried, self.counters)
 
     def _notify(self, record: ProxyRecord) -> None:
         for observer in self.observers:

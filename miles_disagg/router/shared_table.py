@@ -17,6 +17,9 @@ One file on a RAM-backed file system (``/dev/shm`` where there is one), mapped b
 * **Process rows**: per process its pid, whether it serves, the last sequence number it applied (a freed
   slot is reused only once every serving process has seen it freed), and its counters; and a histogram of
   its routing overheads (log buckets :data:`BUCKET_RATIO` apart), merged for ``/metrics``.
+* **Session affinity** (:data:`AFFINITY_SLOTS` entries, :mod:`~miles_disagg.router.affinity`): per routing
+  key's hash, the slot of the worker that served it last, written by whichever process routed it (one
+  aligned 8-byte value holding the hash's tag and the slot, so a reader sees a whole entry or an older one).
 
 Pure data layout and I/O on the mapping; no event loop, no HTTP.
 """
@@ -41,11 +44,13 @@ HEADER_INTS = 8  # magic, capacity, processes, sequence number, -
 STAT_FIELDS = 5  # in flight, answered, busy seconds, busy since (0: idle), last answer (time.monotonic, 0: none)
 PROC_FIELDS = 24  # pid, serving, applied sequence number, -, then COUNTERS
 HIST_BUCKETS = 1024
+AFFINITY_SLOTS = 1 << 16
 BUCKET_RATIO = 1.02
 BUCKET_FLOOR_S = 1e-6
 MAGIC = 0x6D64_7274  # "mdrt"
 COUNTERS = ("requests", "version_not_ready", "no_worker_available", "worker_failed", "connect_retries",
-            "connect_timeouts_of_live_workers", "stale_view", "client_disconnected")
+            "connect_timeouts_of_live_workers", "stale_view", "client_disconnected", "session_affinity_hits",
+            "session_moves")
 ADMIN_CODES = ("ready", "paused", "activating")
 EVER_HEALTHY, UNHEALTHY = 1, 2
 IN_FLIGHT, ANSWERED, BUSY_S, BUSY_SINCE, LAST_ANSWER = range(STAT_FIELDS)
@@ -88,7 +93,8 @@ def _layout(processes: int) -> dict[str, int]:
     at["procs"] = at["strings"] + CAPACITY * (URL_BYTES + RUN_BYTES)
     at["stats"] = at["procs"] + processes * PROC_FIELDS * 8
     at["hist"] = at["stats"] + processes * CAPACITY * STAT_FIELDS * 8
-    at["end"] = at["hist"] + processes * HIST_BUCKETS * 8
+    at["affinity"] = at["hist"] + processes * HIST_BUCKETS * 8
+    at["end"] = at["affinity"] + AFFINITY_SLOTS * 8
     return at
 
 
@@ -103,7 +109,8 @@ class SharedTable:
         view = memoryview(self._map)
         self._ints = view[:self._at["strings"]].cast("q")
         self._bytes = view[self._at["strings"]:self._at["procs"]]
-        self._floats = view[self._at["procs"]:].cast("d")
+        self._floats = view[self._at["procs"]:self._at["affinity"]].cast("d")
+        self._affinity = view[self._at["affinity"]:].cast("q")
         self._procs_at, self._stats_at = 0, (self._at["stats"] - self._at["procs"]) // 8
         self._hist_at = (self._at["hist"] - self._at["procs"]) // 8
         self._slots_at = self._at["slots"] // 8
@@ -129,7 +136,7 @@ class SharedTable:
         return cls(path, fd, processes)
 
     def close(self) -> None:
-        for view in (self._ints, self._bytes, self._floats):
+        for view in (self._ints, self._bytes, self._floats, self._affinity):
             view.release()
         self._map.close()
         os.close(self._fd)
@@ -219,6 +226,18 @@ class SharedTable:
             busy = max(busy, busy_s + (now - since if since else 0.0))
             last = max(last, answer)
         return LoadTotals(in_flight, answered, busy, last or None)
+
+    # ------------------------------------------------------------------ session affinity (any process writes)
+
+    def affinity_slot(self, key_hash: int) -> int | None:
+        """The worker slot last recorded for a routing key's 64-bit hash, or None."""
+        entry = self._affinity[key_hash % AFFINITY_SLOTS]
+        if entry <= 0 or entry >> 16 != key_hash >> 17:
+            return None
+        return (entry & 0xFFFF) - 1
+
+    def set_affinity_slot(self, key_hash: int, slot: int) -> None:
+        self._affinity[key_hash % AFFINITY_SLOTS] = (key_hash >> 17) << 16 | (slot + 1)
 
     # ------------------------------------------------------------------ process rows and histograms
 

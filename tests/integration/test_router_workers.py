@@ -174,3 +174,15 @@ def _zombie(pid: int) -> bool:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_both_processes_keep_a_session_on_one_engine(setup) -> None:
+    """Session affinity across the processes: whichever one a turn's connection lands on routes it to the
+    engine that served the session's previous turn (the key lives in their shared table)."""
+    _, router, _ = setup
+    before = _requests_per_process(router.url)
+    served = {httpx.post(router.url + "/generate", json=BODY, headers={"X-SMG-Routing-Key": "one-session"},
+                         timeout=30).json()["meta_info"]["routed_worker"] for _ in range(40)}
+    assert len(served) == 1, served
+    assert all(now > then for now, then in zip(_requests_per_process(router.url), before))  # both routed turns
+    assert httpx.get(router.url + "/metrics").json()["session_affinity_hits"] >= 39
