@@ -51,6 +51,20 @@ class MemberInfo:
     gpu_ids: list[str] = field(default_factory=list)
     joined: float = field(default_factory=time.time)
     placement_group: Any = None  # a managed engine added mid-run: its own bundles
+    run_bundles: list[int] | None = None  # one added on the bundles of a removed engine of the run's placement
+
+
+@dataclass(frozen=True)
+class FreedBundles:
+    """The run's placement-group bundles of a managed engine that ``engines remove`` stopped: GPUs a
+    ``--managed`` add starts an engine on before it asks the cluster for more."""
+
+    positions: list[int]
+    """Their positions in the run's placement (one per GPU of the engine)."""
+    strategy: Any
+    """The Ray scheduling strategy of the first one (where the engine's actor goes)."""
+    site: dict
+    """Where they are: ``node_id``, ``node_ip``, ``gpu_ids``."""
 
 
 def normalize(url: str) -> str:

@@ -33,8 +33,8 @@ from urllib.parse import urlsplit
 
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.engines.client import EngineClient
-from miles_disagg.fleet.members import (MemberInfo, MemberRecords, MembershipRefused, UnknownEngine, join_failed,
-                                        normalize)
+from miles_disagg.fleet.members import (FreedBundles, MemberInfo, MemberRecords, MembershipRefused, UnknownEngine,
+                                        join_failed, normalize)
 from miles_disagg.fleet.routing import EngineRouting
 from miles_disagg.fleet.slots import EngineSlots
 from miles_disagg.types import InvalidInput, MilesDisaggError
@@ -55,6 +55,9 @@ class Membership:
         self.slots = slots
         self.routing = routing
         self.records = MemberRecords(config.run_dir, slots, placement)
+        self.placement = placement
+        self.freed: list[FreedBundles] = []
+        """Bundles of the run's placement that removed managed engines gave back (``--managed`` adds use them first)."""
         self._changing = threading.Lock()
 
     def record_start(self) -> None:
@@ -100,7 +103,7 @@ class Membership:
             raise InvalidInput(f"--managed must be at least 1, got {count}")
         with self._changing:
             self._refuse_unless_disk_delta()
-            started = start_managed_engines(self.config, count, first_index=len(self.slots))
+            started = start_managed_engines(self.config, count, first_index=len(self.slots), freed=self.freed)
             joined: list[dict] = []
             for position, (actor, url, info) in enumerate(started):
                 try:
@@ -108,6 +111,7 @@ class Membership:
                 except BaseException as exc:
                     for left, _url, left_info in started[position:]:  # started, never routed to: stopped
                         stop_started(left, left_info.placement_group)
+                        self._give_back(left_info.run_bundles)
                     if isinstance(exc, MilesDisaggError):
                         raise join_failed(url, exc, joined) from exc
                     raise
@@ -296,12 +300,29 @@ class Membership:
             log.info("stopping engine %d: %s", index, exc)
         ray.kill(actor)
         self.slots.set_actor(index, None)
-        group = self.records.info.get(index, MemberInfo("managed")).placement_group
-        if group is not None:
+        info = self.records.info_of(index)
+        if info.placement_group is not None:
             from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(group)
+            remove_placement_group(info.placement_group)
+        else:  # on bundles of the run's placement: they stay reserved for the run, free for a --managed add
+            self._give_back(info.run_bundles if info.run_bundles is not None else self._run_bundles_of(index))
         return "managed"
+
+    def _run_bundles_of(self, index: int) -> list[int] | None:
+        """The run's placement positions of engine ``index`` when the run started it (else None)."""
+        placement = self.placement
+        if placement is None or index >= len(placement.layout.engines):
+            return None
+        return list(placement.layout.engines[index])
+
+    def _give_back(self, positions: list[int] | None) -> None:
+        if positions is None or self.placement is None:
+            return
+        site = self.placement.site(positions[0])
+        self.freed.append(FreedBundles(positions, self.placement.strategy(positions[0]),
+                                       {"node_id": site["node_id"], "node_ip": site["node_ip"],
+                                        "gpu_ids": [self.placement.site(p)["gpu_id"] for p in positions]}))
 
     # ------------------------------------------------------------------ views
 

@@ -35,6 +35,7 @@ class World:
     router: RouterClient
     http: httpx.Client
     versions: VersionSource
+    run_dir: Path
 
     def call(self, method: str, *args, timeout: float = 120.0):
         import ray
@@ -85,7 +86,7 @@ def world(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
             versions = VersionSource(store, tiny_qwen3_dir)
             with RouterClient(info["router_url"]) as router, \
                     httpx.Client(base_url=info["router_url"], timeout=60.0, trust_env=False) as http:
-                yield World(manager, info["router_url"], router, http, versions)
+                yield World(manager, info["router_url"], router, http, versions, run_dir)
         finally:
             if versions is not None:
                 versions.close()
@@ -293,3 +294,40 @@ def test_an_update_while_an_engine_is_down_skips_it_and_the_restore_catches_up(w
     assert world.call("versions") == [str(version)] * 2
     restored = [e for e in world.call("info")["events"] if e["event"] == "restored" and e["engine"] == 0]
     assert restored and restored[-1]["url"] == urls[0] and restored[-1]["version"] == version
+
+
+def test_a_removed_engine_frees_its_gpu_for_a_managed_add(world, capsys):
+    """``engines remove`` of engine 1 (on the run's placement group) stops it; ``engines add --managed 1``
+    then starts an engine on its bundle (the cluster's one GPU outside the run stays free), caught up to
+    the current version and routed to. (Last in the module: it changes the engine set.)"""
+    import json
+
+    import ray
+
+    from miles_disagg.cli import main
+
+    def engines(*argv: str) -> dict:
+        capsys.readouterr()
+        code = main(["engines", *argv, "--run-dir", str(world.run_dir), "--json"] if argv[0] == "list" else
+                    ["engines", argv[0], "--run-dir", str(world.run_dir), "--json", *argv[1:]])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        return json.loads(out)
+
+    version = world.version()
+    world.wait_all_ready(version)
+    world.call("serve_membership")
+    removed_url = world.engine_urls()[1]
+    removed_gpus = next(e["gpu_ids"] for e in json.loads((world.run_dir / "placement.json").read_text())["engines"]
+                        if e["address"] == removed_url)
+    [removed] = engines("remove", removed_url)["removed"]
+    assert removed["kind"] == "managed"
+    free_before = ray.available_resources().get("GPU", 0)
+    [joined] = engines("add", "--managed", "1")["joined"]
+    assert (joined["kind"], joined["version"]) == ("managed", version)
+    assert ray.available_resources().get("GPU", 0) == free_before == 1  # on the freed bundle, not the free GPU
+    listed = {e["url"]: e for e in engines("list")["engines"]}
+    assert listed[joined["url"]]["state"] == "ready" and removed_url not in listed
+    placed = json.loads((world.run_dir / "placement.json").read_text())["engines"]
+    assert next(e["gpu_ids"] for e in placed if e["address"] == joined["url"]) == removed_gpus
+    assert world.call("versions") == [str(version)] * 2
