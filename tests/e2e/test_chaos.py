@@ -2,6 +2,10 @@
 machine (``ray start`` three times: a head offering the trainer's GPU, two rollout workers with
 one GPU and the ``rollout`` resource each, so each holds one engine) survives, in order:
 
+0. :func:`stall_the_router` and :func:`kill_the_router`: the router process is SIGSTOPped for 15 s
+   (the run's calls to it wait and go through once it answers: it is not restarted), then SIGKILLed
+   (the engine manager starts it again at its address with both engines registered again); the run
+   trains on through both;
 1. :func:`kill_an_engine_process`: the process of the engine on rollout-b is SIGKILLed;
    ``--use-fault-tolerance`` restarts it, catches it up and routes to it again;
 2. :func:`lose_a_rollout_node_and_add_another`: rollout-a's raylet is killed (its engine goes with
@@ -38,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -128,15 +133,38 @@ class ChaosRun:
         [engine] = [e for e in self.placement()["engines"] if e["node_id"] == node]
         return engine
 
-    def router_workers(self) -> list[dict]:
+    def router_workers(self, ended: bool = True) -> list[dict]:
+        """The router's workers; ``ended``: a router that does not answer means the run ended (else: [])."""
         import httpx
 
         router = self.placement()["router"]["address"]
         try:
             return httpx.get(f"{router}/list_workers", timeout=10, trust_env=False).json()["workers"]
         except httpx.HTTPError:
+            if not ended and self.driver.poll() is None:
+                return []  # being started again
             self.driver.wait(timeout=60)  # the router is gone with the run
             raise AssertionError(f"the run ended:\n{self.driver.communicate()[0][-8000:]}") from None
+
+    def router_process(self, wait_s: float = WAIT_S):
+        """The router's process (``python -m miles_disagg.router`` on the address in ``placement.json``);
+        None when ``wait_s`` is 0 and none runs."""
+        port = self.placement()["router"]["address"].rsplit(":", 1)[1]
+
+        def find():
+            for proc in self.cluster.processes():
+                try:
+                    cmdline = proc.cmdline()
+                except Exception:
+                    continue
+                if cmdline[1:3] == ["-m", "miles_disagg.router"] and port in cmdline and proc.status() != "zombie":
+                    return proc
+            return None
+
+        if wait_s == 0:
+            return find()
+        wait_for(lambda: find() is not None, wait_s, "the router's process")
+        return find()
 
     def driver_process(self):
         """The run's driver (``python train_async.py``, started by the job's supervisor on the head)."""
@@ -163,6 +191,21 @@ class ChaosRun:
         wait_for(lambda: self.driver.poll() is not None or self.steps_done() >= n, RUN_TIMEOUT_S, f"step {n}")
         assert self.driver.poll() is None, f"the run ended early:\n{self.driver.communicate()[0][-6000:]}"
 
+    def wait_steps_paced(self, n: int) -> None:
+        """:meth:`wait_steps`, letting one more step's samples be scored whenever no step was recorded for
+        a while (held at the gate: groups dropped as stale, or retried after a router fault, used up the share)."""
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        seen, since = self.steps_done(), time.monotonic()
+        while self.steps_done() < n:
+            assert self.driver.poll() is None, f"the run ended early:\n{self.driver.communicate()[0][-6000:]}"
+            assert time.monotonic() < deadline, f"step {n} not reached within {RUN_TIMEOUT_S}s"
+            if self.steps_done() != seen:
+                seen, since = self.steps_done(), time.monotonic()
+            elif time.monotonic() - since > scaled(5):
+                self.allow(1)
+                since = time.monotonic()
+            time.sleep(0.2)
+
     def wait_routed(self, gone: set[str], what: str) -> set[str]:
         """Until the router lists two ready workers, none of them in ``gone``; returns their urls."""
         def ready() -> bool:
@@ -172,6 +215,34 @@ class ChaosRun:
 
         wait_for(ready, WAIT_S, what)
         return {w["url"] for w in self.router_workers()}
+
+
+def stall_the_router(run: ChaosRun) -> None:
+    """SIGSTOP the router process for 15 s, then SIGCONT: the run trains on, the router is not restarted."""
+    router = run.router_process()
+    steps = run.steps_done()
+    router.suspend()
+    try:
+        assert not threading.Event().wait(15.0)  # the fault is the stall itself: 15 s of a stopped router
+    finally:
+        router.resume()
+    run.allow(1)
+    run.wait_steps_paced(steps + 1)
+    assert run.router_process().pid == router.pid
+    run.notes["router_stalled_s"] = 15.0
+
+
+def kill_the_router(run: ChaosRun) -> None:
+    """SIGKILL the router process: started again at its address, both engines registered again."""
+    router = run.router_process()
+    steps = run.steps_done()
+    router.kill()
+    killed = time.monotonic()
+    run.allow(1)
+    wait_for(lambda: run.router_process(wait_s=0) not in (None, router) and len(run.router_workers(ended=False)) == 2,
+             WAIT_S, "the router started again with both engines")
+    run.notes["router_back_after_s"] = round(time.monotonic() - killed, 1)
+    run.wait_steps_paced(steps + 1)
 
 
 def kill_an_engine_process(run: ChaosRun) -> None:
@@ -270,7 +341,8 @@ def kill_a_trainer_rank(run: ChaosRun) -> None:
     run.notes["trainer_restart_s"] = round(time.monotonic() - killed, 1)
 
 
-CHAOS = [kill_an_engine_process, lose_a_rollout_node_and_add_another, kill_a_trainer_rank]
+CHAOS = [stall_the_router, kill_the_router, kill_an_engine_process, lose_a_rollout_node_and_add_another,
+         kill_a_trainer_rank]
 
 
 @pytest.fixture(scope="module")
@@ -364,6 +436,9 @@ def test_the_summary_says_what_was_lost_and_recovered(chaos_run: ChaosRun) -> No
     lost = chaos_run.notes["lost_engine"]
     assert faults["nodes_lost"] == [chaos_run.notes["lost_node"]] and faults["engines_lost_with_node"] == [lost]
     assert faults["replaced"] >= 1 and faults["restored"] >= 2 and faults["not_restarted"] == []
+    assert faults["router_restarts"] == 1  # the kill; the 15 s stall was waited out
+    updates = read_metrics(chaos_run.run_dir / "updates.jsonl")
+    assert max(u["rollout/router_restarts"] for u in updates) == 1
     events = json.loads((chaos_run.run_dir / "engine_events.json").read_text())
     replaced = [e for e in events if e["event"] == "replaced"]
     assert replaced[-1]["engine"] == lost and replaced[-1]["node_id"] == chaos_run.notes["new_node"]
