@@ -77,3 +77,13 @@ def check_lora_rules(config) -> None:
                           "trains full weights only; use --train-backend fsdp (a PEFT adapter on the frozen base)",
                           ("--lora-rank", "--train-backend"))
     resolve_targets(train.target_modules, train.exclude_modules)
+
+
+def describe_lora(train) -> str | None:
+    """The run's one line about its adapter (None: full fine-tuning)."""
+    if train.lora_rank == 0:
+        return None
+    targets = ",".join(resolve_targets(train.target_modules, train.exclude_modules))
+    served = ("--lora-train-only: the adapter is trained and the engines roll out on the frozen base"
+              if train.lora_train_only else "the engines serve the base merged with the current adapter")
+    return f"LoRA rank {train.lora_rank}, alpha {train.lora_alpha} on {targets}: {served}"

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from miles_disagg.config import RunConfig, config_to_dict
+from miles_disagg.config.lora_rules import describe_lora
 from miles_disagg.config.model_args import check_model_args
 from miles_disagg.config.routing_replay import check_routing_replay
 from miles_disagg.loop.preflight_checks import TINY_INITS, check_before_start
@@ -26,13 +27,15 @@ def prepare_run(config: RunConfig) -> None:
     status(f"run directory: {output_dir}")
     ensure_base_checkpoint(config)
     fp8_line = check_quantized_base(config)
-    if fp8_line:
-        status(fp8_line)
+    for line in (fp8_line, describe_lora(config.train)):
+        if line:
+            status(line)
     check_model_args(config)  # again: the checkpoint may have just been created
     check_routing_replay(config)  # likewise: is it a MoE?
 
 
-PATH_FIELDS = {"tracking": ("run_dir",), "train": ("hf_checkpoint", "train_hf_checkpoint", "load", "save", "ref_load"),
+PATH_FIELDS = {"tracking": ("run_dir",), "train": ("hf_checkpoint", "train_hf_checkpoint", "load", "save", "ref_load",
+                                                 "lora_adapter_path"),
                "weights": ("update_weight_disk_dir", "update_weight_local_checkpoint_dir")}
 
 
