@@ -141,7 +141,7 @@ def _rss_bytes() -> int:
 
 
 def host_main(store: str, local_dir: str, base_dir: str, mode: str) -> None:
-    from miles_disagg.weights.materializer import MIRROR_DIR_NAME, Materializer
+    from miles_disagg.weights.materializer import Materializer
     from miles_disagg.weights.stores import open_store
 
     materializer = Materializer(local_dir, base_dir=base_dir)
@@ -161,10 +161,8 @@ def host_main(store: str, local_dir: str, base_dir: str, mode: str) -> None:
                 reader.version_files(version)
                 transfer = reader.transfer_counts()
             else:
-                fetched = open_store(store, cache_dir=materializer.slots_dir / MIRROR_DIR_NAME)
-                fetched.version_files(version)  # the network part, timed on its own; prepare finds it mirrored
-                fetch_s = time.perf_counter() - start
-                transfer = _sum_counts(fetched.transfer_counts(), materializer.prepare(store, version).transfer)
+                prepared = materializer.prepare(store, version)
+                transfer, fetch_s = prepared.transfer, prepared.fetch_s
         except Exception as exc:  # noqa: BLE001 - reported to the bench, which fails
             print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
             continue
@@ -173,10 +171,6 @@ def host_main(store: str, local_dir: str, base_dir: str, mode: str) -> None:
         seconds = time.perf_counter() - start
         print(json.dumps({"state": "done", "seconds": seconds, "fetch_s": fetch_s if mode != "pull" else seconds,
                           "transfer": transfer, "peak_rss_bytes": peak}), flush=True)
-
-
-def _sum_counts(*counts: dict[str, int]) -> dict[str, int]:
-    return {k: sum(c.get(k, 0) for c in counts) for k in set().union(*counts)}
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ class PreparedVersion:
     path: Path  # a loadable HF checkpoint directory holding exactly `ref`
     changed: tuple[str, ...]  # tensor names whose bytes differ from `previous` (all names if previous is None)
     transfer: dict[str, int] = field(default_factory=dict)  # an object store's pull: bytes by source
+    fetch_s: float = 0.0  # of this prepare, the seconds spent reading the store (pointer, indexes, payloads)
 
 
 class Materializer:
@@ -142,6 +144,7 @@ class Materializer:
             if state is not None:
                 self._point_link(state["slot"])  # heal a crash between state write and link swap
             held = self.held()
+            started = time.perf_counter()
             store, target_ref = self._open(store_dir, target_version)
             if held is not None and same_run(held.run_id, target_ref.run_id):
                 if held.version == target_ref.version:
@@ -153,10 +156,10 @@ class Materializer:
                         expected=target_ref, actual=held,
                     )
             plan = store.plan_chain(target_ref.version, held) if target_ref.version else ChainPlan("base", ())
-            return self._build(store, plan, held, target_ref, state)
+            return self._build(store, plan, held, target_ref, state, time.perf_counter() - started)
 
     def _build(self, store: VersionStore, plan: ChainPlan, held: VersionRef | None,
-               target: VersionRef, state: dict[str, Any] | None) -> PreparedVersion:
+               target: VersionRef, state: dict[str, Any] | None, fetch_s: float = 0.0) -> PreparedVersion:
         active = state["slot"] if state else None
         slot = "b" if active == "a" else "a"
         source = self.slots_dir / active if plan.start == "held" and active else self.base_dir
@@ -171,7 +174,10 @@ class Materializer:
         try:
             _populate(source, dest, {tensors[n][0] for n in touched})
             for index in plan.versions:
-                self._apply_to_files(store.version_files(index.version), index, dest, tensors)
+                started = time.perf_counter()
+                files = store.version_files(index.version)
+                fetch_s += time.perf_counter() - started
+                self._apply_to_files(files, index, dest, tensors)
             fsync_dir(dest)
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)  # half a version is never left behind as a slot
@@ -179,7 +185,7 @@ class Materializer:
         self._switch(slot, target)
         fresh = held is None or plan.start != "held"
         changed = tuple(sorted(tensors)) if fresh else tuple(sorted(touched))
-        return PreparedVersion(target, held, dest, changed, store.transfer_counts())
+        return PreparedVersion(target, held, dest, changed, store.transfer_counts(), fetch_s)
 
     def _apply_to_files(self, version_dir: Path, index: VersionIndex, dest: Path,
                         tensors: Mapping[str, tuple[str, TensorEntry]]) -> None:
