@@ -16,6 +16,7 @@ test instrument, never a production hop.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -79,6 +80,8 @@ class S3Proxy:
         self.bytes_to_client = self.bytes_from_client = self.requests = 0
         self._server: socket.socket | None = None
         self._stopping = threading.Event()
+        self._clients: set[socket.socket] = set()  # open connections, shut down by stop()
+        self._threads: list[threading.Thread] = []
         self.url = ""
 
     # ------------------------------------------------------------------ control
@@ -90,13 +93,27 @@ class S3Proxy:
         self._server.listen(256)
         self._server.settimeout(0.2)
         self.url = f"http://{self.host}:{self._server.getsockname()[1]}"
-        threading.Thread(target=self._accept, name="s3-proxy", daemon=True).start()
+        self._spawn(self._accept)
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Close the listening socket and every open connection, and wait for their threads."""
         self._stopping.set()
         if self._server is not None:
             self._server.close()
+        with self._lock:
+            clients = list(self._clients)
+        for client in clients:
+            with contextlib.suppress(OSError):
+                client.shutdown(socket.SHUT_RDWR)
+        for thread in list(self._threads):
+            thread.join(timeout_s)
+
+    def _spawn(self, target, *args) -> None:
+        thread = threading.Thread(target=target, args=args, name="s3-proxy", daemon=True)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
 
     def __enter__(self) -> "S3Proxy":
         return self if self._server is not None else self.start()
@@ -145,7 +162,9 @@ class S3Proxy:
                 continue
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+            with self._lock:
+                self._clients.add(client)
+            self._spawn(self._serve, client)
 
     def _serve(self, client: socket.socket) -> None:
         reader = client.makefile("rb")
@@ -159,6 +178,8 @@ class S3Proxy:
         except OSError:
             return
         finally:
+            with self._lock:
+                self._clients.discard(client)
             reader.close()
             client.close()
 
