@@ -348,6 +348,10 @@ class Sample:
     prompt and the response before it (miles' ``teacher_log_probs``); None: not scored by a teacher."""
     teacher_version: str | None = None
     """The ``weight_version`` the teacher reported for the call that scored ``teacher_logprobs``."""
+    opd_reverse_kl: list[float] | None = None
+    """Top-k on-policy distillation (``--opd-log-prob-top-k``): each response token's reverse KL over its
+    top-k token set, computed at rollout (miles' ``opd_reverse_kl``); the trainer takes it in place of
+    ``student - teacher_logprobs``. None: sampled-token OPD (or none)."""
 
     def trained_mask(self) -> list[int]:
         """The loss mask, all ones when none was given."""
@@ -442,6 +446,8 @@ class Sample:
             raise InvalidInput(f"{n} response tokens but {len(self.response_logprobs)} rollout logprobs")
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
             raise InvalidInput(f"{n} response tokens but {len(self.teacher_logprobs)} teacher logprobs")
+        if self.opd_reverse_kl is not None and len(self.opd_reverse_kl) != n:
+            raise InvalidInput(f"{n} response tokens but {len(self.opd_reverse_kl)} opd_reverse_kl terms")
         if self.loss_mask is not None and (len(self.loss_mask) != n or set(self.loss_mask) - {0, 1}):
             raise InvalidInput(f"loss_mask must hold one 0/1 per response token ({n}), got {self.loss_mask!r}")
         if self.call_versions and [self.weight_version_start, self.weight_version_end] != \

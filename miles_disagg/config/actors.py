@@ -129,6 +129,9 @@ class RolloutManagerConfig:
     opd_teacher_url: str | None = None
     """``--use-opd``: the teacher's ``/generate`` URL every training sample is scored at (None: no teacher)."""
     opd_teacher_run_keys: bool = False
+    use_opd: bool = False
+    """``--use-opd``: every training sample is scored by the teacher (``opd_teacher_url``, or the
+    ``--opd-teacher-urls`` of ``rollout``)."""
     """The teacher is one the job started: it holds the run's keys, which the requests then carry."""
 
     @classmethod
@@ -141,4 +144,5 @@ class RolloutManagerConfig:
         teacher = (job_teacher_url or config.rollout.rm_url) if config.train.use_opd else None
         return cls(rollout=config.rollout, router_url=router_url, hf_dir=str(config.train.hf_checkpoint),
                    seed=config.train.seed, run_id=run_id, routed_experts=rollout_routing_shape(config, backend),
-                   opd_teacher_url=teacher, opd_teacher_run_keys=job_teacher_url is not None)
+                   opd_teacher_url=teacher, opd_teacher_run_keys=job_teacher_url is not None,
+                   use_opd=config.train.use_opd)

@@ -23,6 +23,8 @@ ROUTERS = ("builtin", "sglang")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # what the built-in engine (and SGLang) accept
 WANDB_MODES = ("online", "offline", "disabled")
+OPD_TOP_K_STRATEGIES = ("only-student", "only-teacher", "intersection", "union", "xor")  # miles' --opd-top-k-strategy
+OPD_REWARD_WEIGHT_MODES = ("student_p", "teacher_p", "none")  # miles' --opd-reward-weight-mode
 
 
 @dataclass(kw_only=True)
@@ -127,6 +129,12 @@ class RolloutConfig:
     buffer_filter_path: str | None = flag(None, "pkg.module.function: buffer_filter(args, rollout_id, buffer, num_samples) -> the groups to train on next (default: the oldest admissible).")
     rm_url: str | None = flag(None, "miles: with --use-opd --opd-type sglang, the teacher's /generate URL (http://HOST:PORT/generate; an SGLang server or a built-in engine with the student's vocabulary): each sample's tokens are scored there.", metavar="URL")
     opd_teacher_hf_checkpoint: str | None = flag(None, "With --use-opd --opd-type sglang instead of --rm-url: an HF checkpoint (the student's vocabulary) the job serves as the teacher, a built-in engine on the driver's host at version 0 (small teachers; start a large one as an SGLang server and give --rm-url).", metavar="DIR")
+    opd_log_prob_top_k: int = flag(0, "miles: top-k on-policy distillation: each response position's reverse KL is taken over a set of K tokens (--opd-top-k-strategy) from the student's and/or the teacher's top-K logprobs (SGLang's top_logprobs_num / token_ids_logprob) instead of the sampled token alone; 0: sampled-token OPD.")
+    opd_top_k_strategy: str = flag("only-student", "miles: the token set of top-k OPD per position: only-student (the student's top-K), only-teacher (the teacher's), intersection, union, xor.", choices=OPD_TOP_K_STRATEGIES)
+    opd_reward_weight_mode: str = flag("student_p", "miles: how top-k OPD weighs each token of the set: student_p (the student's probability), teacher_p (the teacher's), none (uniform); normalized over the set, except with xor.", choices=OPD_REWARD_WEIGHT_MODES)
+    opd_topk_per_position: bool = flag(False, "miles: ask the teacher (and the student) for each position's own token ids (token_ids_logprob_positions: the built-in engine answers it, stock SGLang needs miles' patch) instead of the union of every position's ids.")
+    opd_teacher_urls: list[str] = flag([], "miles: several OPD teachers, NAME=URL each (URL: http://HOST:PORT/generate): a sample goes to the teacher named by its metadata[--opd-teacher-key], the name default taking samples with a missing or unknown name (none: such a sample fails the run); instead of --rm-url.", metavar="NAME=URL")
+    opd_teacher_key: str = flag("opd_teacher", "miles: the sample metadata entry (from --metadata-key) naming its --opd-teacher-urls teacher.", metavar="FIELD")
     custom_reward_post_process_path: str | None = flag(None, "pkg.module.function: post_process(args, samples) -> (raw_rewards, rewards); the rewards become the samples' advantages (no further normalization).")
     debug_rollout_only: bool = flag(False, "Generate and score without training (no weight updates).")
     debug_train_only: bool = flag(False, "Train on --load-debug-rollout-data without engines.")

@@ -1,20 +1,38 @@
 """Rules over the on-policy distillation flags (miles' ``--use-opd`` group), miles' own first.
 
 A teacher here is an engine answering SGLang's ``/generate`` (``--opd-type sglang``): one the user
-started (``--rm-url``, miles' flag) or one the job serves (``--opd-teacher-hf-checkpoint``). Each
-failure is one ``ConfigError`` line naming the flags, what is wrong and what to give instead.
+started (``--rm-url``, miles' flag), several by name (``--opd-teacher-urls NAME=URL ...``, miles'
+flag), or one the job serves (``--opd-teacher-hf-checkpoint``). Top-k OPD's flags
+(``--opd-log-prob-top-k`` and its strategy, weight mode and per-position switch) take effect only
+with ``--use-opd`` and are accepted without it, as miles does. Each failure is one ``ConfigError``
+line naming the flags, what is wrong and what to give instead.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterable
 from urllib.parse import urlsplit
 
 from miles_disagg.config.miles_flags import miles_refusal
 from miles_disagg.types import ConfigError
 
-TEACHER_FLAGS = ("--rm-url", "--opd-teacher-hf-checkpoint")
+TEACHER_FLAGS = ("--rm-url", "--opd-teacher-urls", "--opd-teacher-hf-checkpoint")
+
+
+def parse_teacher_urls(values: Iterable[str]) -> dict[str, str]:
+    """``NAME=URL`` entries (split at the first ``=``) as a map; ``ValueError`` naming a malformed
+    entry or a repeated name."""
+    routes: dict[str, str] = {}
+    for entry in values:
+        name, sep, url = (part.strip() for part in str(entry).partition("="))
+        if not sep or not name or not url:
+            raise ValueError(f"--opd-teacher-urls entry {entry!r}: expected NAME=URL")
+        if name in routes:
+            raise ValueError(f"--opd-teacher-urls names the teacher {name!r} twice")
+        routes[name] = url
+    return routes
 
 
 def check_opd_rules(config) -> None:
@@ -25,10 +43,17 @@ def check_opd_rules(config) -> None:
             raise ConfigError("--opd-teacher-load is the teacher of on-policy distillation and is set without "
                               "--use-opd (miles refuses it too): add --use-opd, or drop it",
                               ("--opd-teacher-load", "--use-opd"))
+        if rollout.opd_teacher_urls:
+            raise ConfigError("--opd-teacher-urls names the teachers of on-policy distillation and is set without "
+                              "--use-opd (miles refuses it too): add --use-opd, or drop it",
+                              ("--opd-teacher-urls", "--use-opd"))
         if rollout.opd_teacher_hf_checkpoint:
             raise ConfigError("--opd-teacher-hf-checkpoint serves the teacher of on-policy distillation: add --use-opd "
                               "--opd-type sglang, or drop it", ("--opd-teacher-hf-checkpoint", "--use-opd"))
         return
+    if rollout.opd_log_prob_top_k < 0:
+        raise ConfigError(f"--opd-log-prob-top-k {rollout.opd_log_prob_top_k}: must be non-negative (miles' rule; "
+                          "0: sampled-token OPD)", ("--opd-log-prob-top-k",))
     _check_type(train)
     _check_student_logprobs(train)
     if rollout.debug_train_only:  # the saved samples carry their teacher logprobs; no teacher is asked
@@ -65,22 +90,39 @@ def _check_student_logprobs(train) -> None:
 
 def _check_teacher(config) -> None:
     rollout = config.rollout
-    given = [name for name, value in zip(TEACHER_FLAGS, (rollout.rm_url, rollout.opd_teacher_hf_checkpoint)) if value]
+    values = (rollout.rm_url, rollout.opd_teacher_urls, rollout.opd_teacher_hf_checkpoint)
+    given = [name for name, value in zip(TEACHER_FLAGS, values) if value]
     if not given:
         raise ConfigError("--use-opd --opd-type sglang needs its teacher: --rm-url http://HOST:PORT/generate (an engine "
-                          "you started) or --opd-teacher-hf-checkpoint DIR (one the job serves)",
-                          ("--use-opd", *TEACHER_FLAGS))
+                          "you started), --opd-teacher-urls NAME=URL ... (several, by sample metadata) or "
+                          "--opd-teacher-hf-checkpoint DIR (one the job serves)", ("--use-opd", *TEACHER_FLAGS))
     if len(given) > 1:
-        raise ConfigError("--rm-url and --opd-teacher-hf-checkpoint each name the teacher; give one", TEACHER_FLAGS)
+        raise ConfigError(f"{' and '.join(given)} each name the teacher; give one (with --opd-teacher-urls, name the "
+                          "fallback teacher default=URL)", tuple(given))
     if rollout.rm_url:
-        parts = urlsplit(rollout.rm_url)
-        path = parts.path.rstrip("/")
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment or \
-                (path and not path.endswith("/generate")):
-            raise ConfigError(f"--rm-url {rollout.rm_url!r}: expected the teacher's http://HOST:PORT/generate",
-                              ("--rm-url",))
-        return
-    _check_teacher_checkpoint(rollout.opd_teacher_hf_checkpoint, config.train)
+        _check_teacher_url(rollout.rm_url, "--rm-url")
+    elif rollout.opd_teacher_urls:
+        _check_teacher_urls(rollout.opd_teacher_urls)
+    else:
+        _check_teacher_checkpoint(rollout.opd_teacher_hf_checkpoint, config.train)
+
+
+def _check_teacher_url(url: str, flag: str, given: str | None = None) -> None:
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment or \
+            (path and not path.endswith("/generate")):
+        raise ConfigError(f"{flag} {given or url!r}: expected the teacher's http://HOST:PORT/generate", (flag,))
+
+
+def _check_teacher_urls(entries: list[str]) -> None:
+    """miles' parse (``NAME=URL``, no name twice), then each URL as ``--rm-url``'s."""
+    try:
+        routes = parse_teacher_urls(entries)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (miles' rule)", ("--opd-teacher-urls",)) from None
+    for name, url in routes.items():
+        _check_teacher_url(url, "--opd-teacher-urls", f"{name}={url}")
 
 
 def _check_teacher_checkpoint(teacher: str, train) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from miles_disagg.rollout.attribution import AttributionProxy
 from miles_disagg.rollout.generate import GenerationFailed, generate_one, request_body, sample_from_response
-from miles_disagg.rollout.hook_args import RolloutArgs
+from miles_disagg.rollout.hook_args import RolloutArgs, keep_top
 from miles_disagg.rollout.routed_experts import RoutingShape, append_call_routing, check_covers_tokens, request_fields
 from miles_disagg.rollout.sample_rewards import SampleReward
 from miles_disagg.rollout.teacher import Teacher
@@ -38,14 +38,15 @@ class GroupGenerator:
     def __init__(self, *, client, router_url: str, counters: dict[str, int], tokenizer, reward: SampleReward,
                  custom_generate: Callable | None, replay_after_dispatch: bool, run_id: str | None = None,
                  routing: RoutingShape | None = None, proxy: AttributionProxy | None = None,
-                 teacher: Teacher | None = None):
+                 teacher: Teacher | None = None, student_top_k: int = 0):
         """``routing``: MoE routed experts every call asks for and every sample must carry (None: none);
         ``proxy``: the generate hook's router addresses (one per sample being generated); ``teacher``:
-        the ``--use-opd`` teacher every training sample is scored by (None: none)."""
+        the ``--use-opd`` teacher every training sample is scored by (None: none); ``student_top_k``: the
+        ``top_logprobs_num`` training calls ask for (top-k OPD's student side, kept in the sample's metadata)."""
         self._client, self._url, self._counters = client, router_url, counters
         self.tokenizer, self._reward, self._custom = tokenizer, reward, custom_generate
         self._replay, self._run_id, self._routing, self._proxy = replay_after_dispatch, run_id, routing, proxy
-        self._teacher = teacher
+        self._teacher, self._student_top_k = teacher, student_top_k
 
     # ------------------------------------------------------------------ pending samples
 
@@ -100,8 +101,9 @@ class GroupGenerator:
     async def _batched(self, prompt, n: int, args: RolloutArgs, bound: VersionBound) -> list[Sample]:
         prompt_ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
         min_version, exact_version = bound()
+        top_k = 0 if args.evaluation else self._student_top_k
         body = request_body(prompt_ids, args.sampling, min_version, exact_version=exact_version, num_samples=n,
-                            run_id=self._run_id)
+                            run_id=self._run_id, top_logprobs_num=top_k)
         if self._routing is not None:
             body.update(request_fields(0, len(prompt_ids)))
         self._counters["requests"] = self._counters.get("requests", 0) + 1
@@ -116,6 +118,8 @@ class GroupGenerator:
             if self._routing is not None:
                 append_call_routing(sample, item["meta_info"], start_len=0,
                                     seqlen=len(prompt_ids) + len(sample.response_ids), shape=self._routing)
+            if top_k:
+                keep_top(sample.metadata, item["meta_info"], len(sample.response_ids))
             sample.prompt, sample.label, sample.reward = prompt.text, prompt.label, None
             sample.metadata.update({**dict(prompt.metadata), "prompt_index": prompt.index,
                                     "requested_min_version": min_version,

@@ -41,6 +41,7 @@ from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
 from miles_disagg.rollout.attribution import CURRENT_LOG
+from miles_disagg.rollout.opd_topk import TopKError, keep_student_top, pad_student_top
 from miles_disagg.rollout.generate import (
     GenerationFailed, SamplingSettings, constrained, generate_one, sample_from_response)
 from miles_disagg.rollout.routed_experts import RoutingShape, append_call_routing, request_fields, rows_held
@@ -50,22 +51,33 @@ VersionBound = Callable[[], "tuple[int | None, int | None]"]
 """Called at each request: ``(min_version, exact_version)`` to ask for (either may be None)."""
 
 
+def keep_top(metadata: dict[str, Any], meta_info: dict, num_tokens: int) -> None:
+    """Top-k OPD: a student call's ``output_top_logprobs`` kept in the sample's metadata
+    (:func:`miles_disagg.rollout.opd_topk.keep_student_top`); ``GenerationFailed`` if the engine gave none."""
+    try:
+        keep_student_top(metadata, meta_info, num_tokens)
+    except TopKError as exc:
+        raise GenerationFailed(str(exc)) from None
+
+
 class EngineCaller:
     """Version-constrained ``/generate`` calls through the router on behalf of rollout hooks."""
 
     def __init__(self, client, router_url: str, counters: dict[str, int], version_bound: VersionBound,
                  tokenizer, max_response_len: int, *, replay_after_dispatch: bool = True, run_id: str | None = None,
-                 routing: RoutingShape | None = None):
+                 routing: RoutingShape | None = None, student_top_k: int = 0):
+        """``student_top_k``: the ``top_logprobs_num`` each call asks for (top-k OPD; 0: none)."""
         self._client, self._url, self._counters = client, router_url, counters
         self._version_bound, self._tokenizer = version_bound, tokenizer
         self._max_response_len = max_response_len
         self._replay, self._run_id, self._routing = replay_after_dispatch, run_id, routing
+        self._student_top_k = student_top_k
 
     def with_bound(self, version_bound: VersionBound, max_response_len: int | None = None) -> "EngineCaller":
         """The same caller asking for other versions (evaluation asks for exactly one)."""
         return EngineCaller(self._client, self._url, self._counters, version_bound, self._tokenizer,
                             max_response_len or self._max_response_len, replay_after_dispatch=self._replay,
-                            run_id=self._run_id, routing=self._routing)
+                            run_id=self._run_id, routing=self._routing, student_top_k=self._student_top_k)
 
     @property
     def version_bound(self) -> VersionBound:
@@ -90,6 +102,8 @@ class EngineCaller:
         start_len = rows_held(sample)
         if self._routing is not None:  # only the positions no earlier call of this sample ran
             body.update(request_fields(start_len, len(body["input_ids"])))
+        if self._student_top_k:
+            body["top_logprobs_num"] = self._student_top_k
         self._counters["requests"] = self._counters.get("requests", 0) + 1
         payload = await generate_one(self._client, self._url, body, self._counters,
                                      replay_after_dispatch=self._replay)
@@ -99,6 +113,8 @@ class EngineCaller:
         if self._routing is not None:
             append_call_routing(sample, payload["meta_info"], start_len=start_len, shape=self._routing,
                                 seqlen=len(body["input_ids"]) + len(part.response_ids))
+        if self._student_top_k:
+            keep_top(sample.metadata, payload["meta_info"], len(part.response_ids))
         sample.append_response(part.response_ids, part.response_logprobs, trained=True)
         sample.record_engine_call(part.weight_version_start, part.weight_version_end)
         log = CURRENT_LOG.get()  # inside a generate hook: the sample's log holds every call, in order
@@ -114,6 +130,7 @@ class EngineCaller:
         """Append environment/tool ``text`` to the response: its tokens get ``loss_mask`` 0 (no gradient)."""
         ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
         sample.append_response(ids, trained=False)
+        pad_student_top(sample.metadata, len(ids))
         sample.response += text
         return ids
 

@@ -43,7 +43,8 @@ from miles_disagg.rollout.hook_args import EngineCaller, EvalSamples, PromptSamp
 from miles_disagg.rollout.hooks import load_rollout_hooks
 from miles_disagg.rollout.outputs import eval_metrics, groups_from_rollout_output, post_process_rewards
 from miles_disagg.rollout.routed_experts import RoutingShape, from_jsonable, to_jsonable
-from miles_disagg.rollout.teacher import Teacher
+from miles_disagg.rollout.opd_topk import student_top_k
+from miles_disagg.rollout.teacher import StudentScorer, Teacher, teacher_routes, topk_settings
 from miles_disagg.types import ConfigError, Group, RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class RolloutManager:
         self.config, self.router_url = config.rollout, config.router_url.rstrip("/")
         self.run_id = config.run_id
         self.teacher_url, self.teacher_run_keys = config.opd_teacher_url, config.opd_teacher_run_keys
+        self.use_opd = config.use_opd or config.opd_teacher_url is not None
+        self.opd_topk = topk_settings(config.rollout) if self.use_opd else None
         self._teacher: Teacher | None = None
         self.routing = RoutingShape(*config.routed_experts) if config.routed_experts else None  # MoE routed experts
         config = config.rollout
@@ -123,10 +126,10 @@ class RolloutManager:
                                      tokenizer=self.tokenizer, reward=self.reward,
                                      custom_generate=self.hooks.custom_generate, replay_after_dispatch=replay,
                                      run_id=self.run_id, routing=self.routing, proxy=self._proxy,
-                                     teacher=self._teacher)
+                                     teacher=self._teacher, student_top_k=student_top_k(self.opd_topk))
         engine = EngineCaller(self._client, self.router_url, self.counters, self._training_bound, self.tokenizer,
                               self.sampling.max_new_tokens, replay_after_dispatch=replay, run_id=self.run_id,
-                              routing=self.routing)
+                              routing=self.routing, student_top_k=student_top_k(self.opd_topk))
         self.args = RolloutArgs(
             rollout_batch_size=self.batch_size, n_samples_per_prompt=self.config.n_samples_per_prompt,
             over_sampling_batch_size=self.over_sampling, sampling=self.sampling,
@@ -138,11 +141,16 @@ class RolloutManager:
             eval_reward_key=self.config.eval_reward_key, group_rm=self.config.group_rm)
 
     def _make_teacher(self) -> Teacher | None:
-        """The ``--use-opd`` teacher's client: the run's keys only to a teacher the job started."""
-        if self.teacher_url is None:
+        """The ``--use-opd`` teacher's client: the run's keys only to a teacher the job started; with
+        top-k OPD the student's side is scored through the run's router (its keys)."""
+        if not self.use_opd:
             return None
         headers = ApiKeys.from_env().headers_for("/generate") if self.teacher_run_keys else {}
-        return Teacher(self._router_client(headers), self.teacher_url)
+        student = None
+        if self.opd_topk is not None and self.opd_topk.student_on_teacher:
+            student = StudentScorer(self._client, self.router_url, self.counters, self._training_bound, self.run_id)
+        return Teacher(self._router_client(headers), teacher_routes(self.config, self.teacher_url),
+                       topk=self.opd_topk, student=student)
 
     def _router_client(self, headers: dict[str, str]):
         max_connections = self.config.rollout_concurrency + 8

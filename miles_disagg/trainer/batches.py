@@ -34,6 +34,9 @@ class PackedBatch:
     None unless every sample carries them (``trainer.critic_values``)."""
     teacher_logprobs: torch.Tensor | None = None
     """``--use-opd``: the teacher's logprob of each response token (0 on padding); None when no sample has them."""
+    opd_reverse_kl: torch.Tensor | None = None
+    """Top-k OPD: each response token's precomputed reverse KL (``Sample.opd_reverse_kl``, 0 on padding);
+    None when no sample has it."""
 
     @property
     def num_samples(self) -> int:
@@ -77,7 +80,8 @@ def pack(samples: Sequence[Sample], pad_id: int = 0) -> PackedBatch:
         loss_mask=loss_mask, response_start=torch.tensor([len(s.prompt_ids) for s in samples]),
         rollout_logprobs=rollout_lp, advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         values=_packed_values(samples, resp_len),
-        teacher_logprobs=_teacher_logprobs(samples, resp_len),
+        teacher_logprobs=_per_token(samples, resp_len, "teacher_logprobs", "teacher logprobs"),
+        opd_reverse_kl=_per_token(samples, resp_len, "opd_reverse_kl", "opd_reverse_kl terms"),
     )
 
 
@@ -91,17 +95,18 @@ def _packed_values(samples: Sequence[Sample], resp_len: int) -> torch.Tensor | N
     return values
 
 
-def _teacher_logprobs(samples: Sequence[Sample], resp_len: int) -> torch.Tensor | None:
-    """``[batch, response]`` teacher logprobs when any sample has them (then every sample must, one per
-    response token: ``ValueError`` otherwise)."""
-    if all(s.teacher_logprobs is None for s in samples):
+def _per_token(samples: Sequence[Sample], resp_len: int, name: str, what: str) -> torch.Tensor | None:
+    """``[batch, response]`` of the per-token field ``name`` when any sample has it (then every sample
+    must, one value per response token: ``ValueError`` otherwise)."""
+    rows = [getattr(s, name) for s in samples]
+    if all(row is None for row in rows):
         return None
     values = torch.zeros((len(samples), resp_len), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        if s.teacher_logprobs is None or len(s.teacher_logprobs) != len(s.response_ids):
-            got = "none" if s.teacher_logprobs is None else len(s.teacher_logprobs)
-            raise ValueError(f"sample {i}: {got} teacher logprobs for {len(s.response_ids)} response tokens")
-        values[i, :len(s.response_ids)] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
+    for i, (s, row) in enumerate(zip(samples, rows)):
+        if row is None or len(row) != len(s.response_ids):
+            got = "none" if row is None else len(row)
+            raise ValueError(f"sample {i}: {got} {what} for {len(s.response_ids)} response tokens")
+        values[i, :len(s.response_ids)] = torch.tensor(row, dtype=torch.float32)
     return values
 
 

@@ -10,7 +10,10 @@ response token ``t`` of a sample:
 where ``student_t`` is the logprob the advantages are computed from (miles' ``log_probs``: the
 engines' with ``--use-rollout-logprobs``, else the trainer's recomputed behaviour logprobs), applied
 after the ``--advantage-estimator``'s advantages and before ``--normalize-advantages`` whitens them,
-on every response token (tokens outside the loss mask are not trained either way). The policy loss
+on every response token (tokens outside the loss mask are not trained either way). With top-k OPD
+(``--opd-log-prob-top-k``) ``reverse_kl_t`` is instead the term the rollout computed over each
+position's top-k token set (``Sample.opd_reverse_kl``, :mod:`miles_disagg.rollout.opd_topk`: the
+strategies and weight modes), taken as is, as miles takes its precomputed ``opd_reverse_kl``. The policy loss
 then trains on those advantages as it does on any others. ``train/opd_reverse_kl`` is the reverse KL
 reduced as the loss is (each sample's mean over its trained tokens, or the token mean with
 ``--calculate-per-token-loss``), as miles logs it.
@@ -28,13 +31,17 @@ METRIC = "train/opd_reverse_kl"
 
 
 def reverse_kl(batch, student: torch.Tensor) -> torch.Tensor:
-    """``[batch, response]`` ``student - teacher`` of one ``PackedBatch`` (0 on padding);
-    ``ValueError`` when its samples carry no teacher logprobs."""
+    """``[batch, response]`` ``student - teacher`` of one ``PackedBatch`` (0 on padding), or with top-k
+    OPD the samples' precomputed terms (miles takes those first); ``ValueError`` when its samples carry
+    neither."""
+    mask = batch.response_mask.to(student.device, student.dtype)
+    if batch.opd_reverse_kl is not None:
+        return batch.opd_reverse_kl.to(student.device, student.dtype) * mask
     if batch.teacher_logprobs is None:
         raise ValueError("--use-opd: these samples carry no teacher logprobs (Sample.teacher_logprobs); the rollout "
                          "scores every sample with the teacher, and a custom rollout or saved data must keep them")
     teacher = batch.teacher_logprobs.to(student.device, student.dtype)
-    return (student - teacher) * batch.response_mask.to(student.device, student.dtype)
+    return (student - teacher) * mask
 
 
 def rollout_reverse_kls(config, batches: Sequence, student: Sequence) -> list[torch.Tensor] | None:

@@ -81,8 +81,10 @@ class FakeTokenizerManager:
             if (obj.return_logprob[i] if batch else obj.return_logprob):
                 meta["output_token_logprobs"] = [(-0.5, t, None) for t in ids]
                 prompt = obj.input_ids[i] if batch else obj.input_ids
-                meta["input_token_logprobs"] = self._input_logprobs(
-                    prompt, obj.logprob_start_len[i] if batch else obj.logprob_start_len)
+                start = obj.logprob_start_len[i] if batch else obj.logprob_start_len
+                meta["input_token_logprobs"] = self._input_logprobs(prompt, start)
+                meta.update(self._top_fields(prompt, start, n, obj.top_logprobs_num[i] if batch else obj.top_logprobs_num,
+                                             obj.token_ids_logprob[i] if batch else obj.token_ids_logprob))
             if obj.return_routed_experts and self.routing is not None:
                 prompt = obj.input_ids[i] if batch else obj.input_ids
                 meta["routed_experts"] = self._routed_experts(len(prompt) + n, obj.routed_experts_start_len)
@@ -96,6 +98,23 @@ class FakeTokenizerManager:
         if start < 0:
             return []
         return [(None if p == start else -p / 100, prompt[p], None) for p in range(start, len(prompt))]
+
+    @staticmethod
+    def _top_fields(prompt: list[int], start: int, n: int, top_k: int, token_ids: list[int] | None) -> dict:
+        """SGLang's top-k fields as its tokenizer manager shapes them (``detokenize_top_logprobs_tokens``:
+        one list of ``(logprob, id, text)`` per position, None where a position has none): at input
+        position p the top-k are ids 1..k with logprob ``-(p + id) / 10``, an asked id gets ``-id / 100``."""
+        positions = range(start, len(prompt)) if start >= 0 else range(0)
+        fields = {}
+        if top_k:
+            fields["input_top_logprobs"] = [None if p == start else [(-(p + t) / 10, t, None) for t in range(1, top_k + 1)]
+                                            for p in positions]
+            fields["output_top_logprobs"] = [[(-t / 10, t, None) for t in range(1, top_k + 1)] for _ in range(n)]
+        if token_ids is not None:
+            fields["input_token_ids_logprobs"] = [None if p == start else [(-t / 100, t, None) for t in token_ids]
+                                                  for p in positions]
+            fields["output_token_ids_logprobs"] = [[(-t / 100, t, None) for t in token_ids] for _ in range(n)]
+        return fields
 
     def _routed_experts(self, seqlen: int, start_len: int) -> str:
         """Routing of positions ``[start_len, seqlen - 1)`` (value: ``position * 100 + layer * 10 + k``),

@@ -181,3 +181,91 @@ def test_the_engine_reads_logprob_start_len_as_sglang_does(io_struct, body):
     wants = req.return_logprob if batched else [req.return_logprob]
     expected = [start if want else -1 for start, want in zip(starts, wants)]
     assert [item.logprob_start_len for item in parse_generate(copy.deepcopy(body)).items] == expected
+
+
+@pytest.mark.parametrize("body", [
+    {"input_ids": [1, 2, 3], "token_ids_logprob": [4, 5], "top_logprobs_num": 2},
+    {"input_ids": [1, 2, 3], "token_ids_logprob": []},
+    {"input_ids": [[1, 2], [3, 4]], "token_ids_logprob": [4, 5]},
+    {"input_ids": [[1, 2], [3, 4]], "token_ids_logprob": [[4], [5, 6]], "top_logprobs_num": [1, 3]},
+])
+def test_the_engine_reads_token_ids_logprob_and_top_logprobs_num_as_sglang_does(io_struct, body):
+    """``token_ids_logprob`` (one list shared by a batch, or one per item) and ``top_logprobs_num``:
+    the built-in engine's parse against SGLang's own normalization of the same body."""
+    import copy
+
+    from miles_disagg.engines.builtin.protocol import parse_generate
+
+    req = io_struct.GenerateReqInput(**copy.deepcopy(body))
+    req.normalize_batch_and_arguments()
+    ids = req.token_ids_logprob if not req.is_single else [req.token_ids_logprob]
+    tops = req.top_logprobs_num if not req.is_single else [req.top_logprobs_num]
+    items = parse_generate(copy.deepcopy(body)).items
+    assert [None if i.token_ids_logprob is None else list(i.token_ids_logprob) for i in items] == \
+        [v if v else None for v in ids]
+    assert [i.top_logprobs_num for i in items] == tops
+
+
+def test_the_top_k_opd_calls_parse_as_sglang_requests(sglang, manager, io_struct):
+    """Top-k OPD (``--opd-top-k-strategy union``): the student's generation call asks for
+    ``top_logprobs_num``, the teacher's scoring call for ``top_logprobs_num`` and the student's ids
+    (``token_ids_logprob``), the student's scoring call for the teacher's top ids; each parses into SGLang's
+    ``GenerateReqInput`` with those fields, and SGLang's answers (the fake manager's, shaped as its
+    tokenizer manager shapes them) give each response token the term worked out by hand. The per-position
+    form is not stock SGLang's: it is refused at start with the flag to drop."""
+    import asyncio
+    import math
+
+    import httpx
+
+    from miles_disagg.rollout.generate import SamplingSettings, request_body
+    from miles_disagg.rollout.opd_topk import STUDENT_TOP_KEY, TopKSettings, keep_student_top
+    from miles_disagg.rollout.teacher import StudentScorer, Teacher, probe_teacher
+    from miles_disagg.types import ConfigError, Sample
+
+    answers = httpx.post(f"{sglang.url}/generate", json=request_body([3, 4, 5], SamplingSettings(2), None,
+                                                                     num_samples=2, top_logprobs_num=2)).json()
+    (generation,) = manager.of_type("GenerateReqInput")
+    assert generation.top_logprobs_num == [2, 2] and generation.return_logprob == [True, True]
+    metadata: dict = {}
+    keep_student_top(metadata, answers[0]["meta_info"], 2)
+    assert [[e[1] for e in row] for row in metadata[STUDENT_TOP_KEY]] == [[1, 2], [1, 2]]
+    manager.received.clear()
+
+    sample = Sample(prompt_ids=[3, 4, 5], response_ids=[6, 7], response_logprobs=[-1.0, -1.0],
+                    metadata={STUDENT_TOP_KEY: [[[-0.1, 1, None], [-0.3, 2, None]], [[-0.2, 3, None]]]})
+    settings = TopKSettings(2, "union", "student_p")
+
+    async def score() -> None:
+        client = httpx.AsyncClient(timeout=60)
+        student = StudentScorer(client, sglang.url, {}, lambda: (None, None))
+        teacher = Teacher(httpx.AsyncClient(timeout=60), f"{sglang.url}/generate", topk=settings, student=student)
+        try:
+            await teacher.score([sample])
+        finally:
+            await teacher.aclose()
+            await client.aclose()
+
+    asyncio.run(score())
+    teacher_req, student_req = manager.of_type("GenerateReqInput")
+    assert all(isinstance(r, io_struct.GenerateReqInput) for r in (teacher_req, student_req))
+    assert teacher_req.input_ids == student_req.input_ids == [3, 4, 5, 6, 7]
+    assert teacher_req.top_logprobs_num == 2 and teacher_req.token_ids_logprob == [1, 2, 3]
+    assert teacher_req.logprob_start_len == student_req.logprob_start_len == 0
+    assert student_req.token_ids_logprob == [1, 2] and student_req.top_logprobs_num == 0
+    assert student_req.sampling_params["max_new_tokens"] == 0
+
+    def term(student: list[float], teacher: list[float]) -> float:
+        weights = [math.exp(s) for s in student]
+        return sum(w / sum(weights) * (s - t) for w, s, t in zip(weights, student, teacher))
+
+    # position 3: S {1, 2}, both from the tops; position 4: S {3, 1, 2}, 3 from the student's top and the
+    # teacher's ids, 1 and 2 from the teacher's top (-(p + id) / 10) and the student's ids (-id / 100)
+    assert sample.opd_reverse_kl == pytest.approx([term([-0.1, -0.3], [-0.4, -0.5]),
+                                                   term([-0.2, -0.01, -0.02], [-0.03, -0.5, -0.6])], abs=1e-9)
+    manager.received.clear()
+    with pytest.raises(ConfigError, match="drop --opd-topk-per-position for a stock SGLang"):
+        probe_teacher(f"{sglang.url}/generate", "--rm-url", topk=TopKSettings(2, per_position=True))
+    (probe,) = manager.of_type("GenerateReqInput")
+    assert not hasattr(probe, "token_ids_logprob_positions") and probe.token_ids_logprob is None
+    assert probe_teacher(f"{sglang.url}/generate", "--rm-url", topk=settings) == "0"

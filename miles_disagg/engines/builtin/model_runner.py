@@ -67,6 +67,10 @@ class InputScoring:
     """The first position reported (SGLang's ``logprob_start_len``, at most the row's length)."""
     top_k: int = 0
     """Also the ``top_k`` most likely tokens at each position (SGLang's ``top_logprobs_num``)."""
+    token_ids: tuple[int, ...] | None = None
+    """Also these ids' logprobs at each position (SGLang's ``token_ids_logprob``)."""
+    positions: tuple[tuple[int, ...], ...] | None = None
+    """Or each position's own ids, entry ``j`` for position ``start + j`` (``token_ids_logprob_positions``)."""
 
 
 @dataclass(frozen=True)
@@ -78,14 +82,18 @@ class InputScores:
     token_logprobs: list[float | None]
     top_logprobs: list[list[tuple[float, int]] | None] | None = None
     """With ``top_k``: ``(logprob, token_id)`` pairs, most likely first (the first entry None)."""
+    token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
+    """With ``token_ids`` or ``positions``: ``(logprob, token_id)`` of the ids asked, in their order (the
+    first entry None, and so is a position asked for no id)."""
 
 
 def input_scores(row_logits: torch.Tensor, tokens: list[int], scoring: InputScoring) -> InputScores:
     """One row's :class:`InputScores` from its last ``K`` positions' logits ``[K, vocab]`` (``K``
     at least ``len(tokens) - start``): the logits at position ``p`` score the token at ``p + 1``."""
     n, start = len(tokens), scoring.start
+    wants_ids = scoring.token_ids is not None or scoring.positions is not None
     if start >= n:
-        return InputScores([], [] if scoring.top_k else None)
+        return InputScores([], [] if scoring.top_k else None, [] if wants_ids else None)
     first = row_logits.shape[0] - n + start  # the kept index of position ``start``
     logprobs = torch.log_softmax(row_logits[first:row_logits.shape[0] - 1].float(), dim=-1)  # positions start..n-2
     targets = torch.tensor(tokens[start + 1:], dtype=torch.long, device=logprobs.device)
@@ -94,7 +102,19 @@ def input_scores(row_logits: torch.Tensor, tokens: list[int], scoring: InputScor
     if scoring.top_k:
         best, ids = torch.topk(logprobs, min(scoring.top_k, logprobs.shape[-1]), dim=-1)
         top = [None] + [list(zip(v, i)) for v, i in zip(best.tolist(), ids.tolist())]
-    return InputScores([None] + values, top)
+    return InputScores([None] + values, top, _ids_logprobs(logprobs, scoring) if wants_ids else None)
+
+
+def _ids_logprobs(logprobs: torch.Tensor, scoring: InputScoring) -> list[list[tuple[float, int]] | None]:
+    """Rows ``[positions start+1 .., vocab]``: the asked ids' logprobs, one list per position (first None)."""
+    if scoring.token_ids is not None:
+        ids = list(scoring.token_ids)
+        values = logprobs[:, ids].tolist() if ids else [[] for _ in range(logprobs.shape[0])]
+        return [None] + [list(zip(row, ids)) for row in values]
+    rows: list[list[tuple[float, int]] | None] = [None]
+    for j, ids in enumerate(scoring.positions[1:]):
+        rows.append(list(zip(logprobs[j, list(ids)].tolist(), ids)) if ids else None)
+    return rows
 
 
 def resolve_dtype(name: str, model_dir: Path) -> torch.dtype:

@@ -39,7 +39,7 @@ UNSUPPORTED_SAMPLING = {
 # Top-level ``/generate`` fields of SGLang this engine does not implement, with their no-op
 # values (a list of no-op values, one per batch item, is accepted too).
 UNSUPPORTED_GENERATE = {
-    "token_ids_logprob": (), "return_hidden_states": (False,),
+    "return_hidden_states": (False,),
     "return_indexer_topk": (False,), "return_sampling_mask": (False,),
     "lora_path": (), "input_embeds": (), "image_data": (), "video_data": (), "audio_data": (),
 }
@@ -77,6 +77,7 @@ def refuse_version_constraint(obj: Any) -> None:
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 PathStr = Annotated[str, Field(min_length=1), AfterValidator(_no_nul)]
 Ints = Annotated[tuple[int, ...], BeforeValidator(_array)]
+TokenId = Annotated[int, Field(ge=0)]
 VersionString = Annotated[str, BeforeValidator(_version_string)]
 
 
@@ -130,7 +131,10 @@ class GenerateReqInput(Body):
     batch. ``sampling_params``, ``return_logprob``, ``top_logprobs_num``, ``logprob_start_len``
     (-1: no input logprobs) and ``rid`` are one value shared by the batch or a list with one entry
     per item (a string ``rid`` for a batch is a prefix: ``rid_0``, ``rid_1``, ...); they are
-    validated split per item."""
+    validated split per item. ``token_ids_logprob`` (SGLang's: ids scored at every position, one
+    list shared by the batch or one per item) and ``token_ids_logprob_positions`` (miles' patched
+    SGLang's: one id list per input position from ``logprob_start_len`` on; a batch gives one such
+    list per item) name the token ids whose logprobs are reported."""
 
     text: tuple[str, ...] | None = None
     input_ids: tuple[Annotated[Ints, Field(min_length=1)], ...] | None = None
@@ -142,6 +146,8 @@ class GenerateReqInput(Body):
     rid: tuple[str, ...] = ()  # "": none given (a fresh one is made)
     return_routed_experts: bool = False
     routed_experts_start_len: tuple[Annotated[int, Field(ge=0)], ...] = ()
+    token_ids_logprob: tuple[tuple[TokenId, ...] | None, ...] = ()
+    token_ids_logprob_positions: tuple[tuple[tuple[TokenId, ...], ...] | None, ...] = ()
     return_text_in_logprobs: bool = False
     stream: bool = False
     extra_key: tuple[Annotated[str, Field(max_length=256)] | None, ...] = ()
@@ -169,6 +175,8 @@ class GenerateReqInput(Body):
             "logprob_start_len": _per_item(obj.get("logprob_start_len"), count, "logprob_start_len", -1),
             "routed_experts_start_len": _per_item(obj.get("routed_experts_start_len"), count,
                                                   "routed_experts_start_len", 0),
+            "token_ids_logprob": _id_lists(obj.get("token_ids_logprob"), count, batched),
+            "token_ids_logprob_positions": _position_lists(obj.get("token_ids_logprob_positions"), count, batched),
             "extra_key": _per_item(obj.get("extra_key"), count, "extra_key", None),
             "rid": (tuple(f"{rid}_{i}" for i in range(count)) if batched and isinstance(rid, str)
                     else _per_item(rid, count, "rid", "")),
@@ -213,7 +221,7 @@ def _refuse_overlong(input_ids: Any, limit: int | None) -> None:
 def _refuse_unsupported_fields(obj: dict) -> None:
     for name, noops in UNSUPPORTED_GENERATE.items():
         value = obj.get(name)
-        values = value if isinstance(value, list) and name not in ("token_ids_logprob", "input_embeds") else [value]
+        values = value if isinstance(value, list) and name != "input_embeds" else [value]
         if any(v is not None and v not in noops for v in values):
             raise ValueError(f"{name}={value!r} is not supported by the built-in engine")
 
@@ -237,6 +245,39 @@ def _prompts(text: Any, input_ids: Any) -> tuple[tuple, bool]:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(t) for t in value)
+
+
+def _id_lists(value: Any, count: int, batched: bool) -> tuple:
+    """SGLang's ``token_ids_logprob`` per item: none, one id list for every item, or (a batch) one list each."""
+    if value is None or value == []:
+        return (None,) * count
+    if _is_ids(value):
+        return (tuple(value),) * count
+    if batched and isinstance(value, list) and len(value) == count and all(v is None or _is_ids(v) for v in value):
+        return tuple(None if not v else tuple(v) for v in value)
+    raise ValueError("token_ids_logprob must be a list of token ids (or, for a batch, one such list per item)")
+
+
+def _position_lists(value: Any, count: int, batched: bool) -> tuple:
+    """``token_ids_logprob_positions`` per item: one id list per scored input position (a batch: one such per item)."""
+    def one(rows: Any) -> tuple | None:
+        if rows is None:
+            return None
+        if not isinstance(rows, list) or not all(_is_ids(r) for r in rows):
+            raise ValueError("token_ids_logprob_positions must hold one list of token ids per input position")
+        return tuple(tuple(r) for r in rows)
+
+    if value is None:
+        return (None,) * count
+    if not batched:
+        return (one(value),)
+    if not isinstance(value, list) or len(value) != count:
+        raise ValueError(f"token_ids_logprob_positions of a batch of {count} needs one entry per item")
+    return tuple(one(v) for v in value)
 
 
 def _per_item(value: Any, count: int, name: str, default: Any) -> tuple:
@@ -263,6 +304,16 @@ class GenerateItem:
     logprob_start_len: int = -1
     """SGLang's: the first prompt position whose token gets an input logprob (-1: none); kept only
     with ``return_logprob`` (SGLang ignores it otherwise)."""
+    token_ids_logprob: tuple[int, ...] | None = None
+    """SGLang's: report these ids' logprobs at every scored input position and every output token."""
+    token_ids_logprob_positions: tuple[tuple[int, ...], ...] | None = None
+    """miles' patched SGLang's: input position ``logprob_start_len + j`` reports the ids of entry ``j``."""
+
+    @property
+    def wants_token_ids(self) -> bool:
+        """Whether the answer carries ``input_token_ids_logprobs`` / ``output_token_ids_logprobs``."""
+        return self.return_logprob and (self.token_ids_logprob is not None
+                                        or self.token_ids_logprob_positions is not None)
     extra_key: str | None = None
     """SGLang's cache isolation key: the prefix-cache namespace this request reads and fills."""
 
@@ -281,6 +332,20 @@ def check_logprob_start_len(item: GenerateItem, prompt_len: int) -> None:
     if item.wants_input_logprobs and item.logprob_start_len > prompt_len:
         raise InvalidInput(f"logprob_start_len={item.logprob_start_len} is higher than the number of input tokens "
                            f"{prompt_len}; use a smaller logprob_start_len")
+    positions = item.token_ids_logprob_positions if item.return_logprob else None
+    if positions is not None and len(positions) != prompt_len - max(item.logprob_start_len, 0):
+        raise InvalidInput(f"token_ids_logprob_positions holds {len(positions)} lists; it needs one per input position "
+                           f"from logprob_start_len on ({prompt_len - max(item.logprob_start_len, 0)})")
+
+
+def check_token_ids(item: GenerateItem, vocab_size: int) -> None:
+    """Every id of ``token_ids_logprob`` (and of its per-position form) names a token of the vocabulary."""
+    from miles_disagg.types import InvalidInput
+
+    rows = [item.token_ids_logprob or ()] + list(item.token_ids_logprob_positions or ())
+    bad = next((t for row in rows for t in row if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidInput(f"token_ids_logprob: token id {bad} is outside the vocabulary ({vocab_size} tokens)")
 
 
 @dataclass(frozen=True)
@@ -317,6 +382,8 @@ def parse_generate(body: bytes | Any, max_prompt_tokens: int | None = None,
             routed_experts_start_len=req.routed_experts_start_len[i],
             logprob_start_len=req.logprob_start_len[i] if req.return_logprob[i] else -1,
             extra_key=req.extra_key[i],
+            token_ids_logprob=req.token_ids_logprob[i],
+            token_ids_logprob_positions=req.token_ids_logprob_positions[i],
         )
         for i, prompt in enumerate(prompts)
     )

@@ -9,7 +9,10 @@ Shape (SGLang's tokenizer manager, default options)::
                    "e2e_latency", "output_token_logprobs": [[logprob, token_id, text|null]],
                    "output_top_logprobs": [[[logprob, token_id, text|null] x top_logprobs_num]],
                    "input_token_logprobs": [[logprob|null, token_id, text|null]],  # with return_logprob
-                   "input_top_logprobs": [null | [[logprob, token_id, text|null] x top_logprobs_num]]}}
+                   "input_top_logprobs": [null | [[logprob, token_id, text|null] x top_logprobs_num]],
+                   # with token_ids_logprob (SGLang's) or token_ids_logprob_positions (miles' patch):
+                   "input_token_ids_logprobs": [null | [[logprob, token_id, text|null] per id asked]],
+                   "output_token_ids_logprobs": [[[logprob, token_id, text|null] per id asked]]}}
 
 Input logprobs (``logprob_start_len`` >= 0, with ``return_logprob``) score the prompt's tokens from
 that position on with the raw logits (SGLang applies no temperature to them); the first entry's
@@ -54,6 +57,9 @@ def result_json(seq: Sequence, tokenizer) -> dict:
         if seq.item.top_logprobs_num:
             meta["output_top_logprobs"] = [_triples(row, tokenizer, seq.item.return_text_in_logprobs)
                                            for row in seq.output_top_logprobs]
+        if seq.item.wants_token_ids:
+            meta["output_token_ids_logprobs"] = [_triples(row, tokenizer, seq.item.return_text_in_logprobs)
+                                                 for row in seq.output_token_ids_logprobs]
     if seq.item.return_routed_experts and seq.finish is not None:
         meta[ROUTED_EXPERTS_FIELD] = routed_experts_payload(seq)
         meta[START_LEN_FIELD] = seq.item.routed_experts_start_len
@@ -69,12 +75,17 @@ def input_logprobs(seq: Sequence, tokenizer) -> dict:
     start = seq.item.logprob_start_len
     if scores is None:
         fields = {"input_token_logprobs": []}
-        return {**fields, "input_top_logprobs": []} if seq.item.top_logprobs_num else fields
+        if seq.item.top_logprobs_num:
+            fields["input_top_logprobs"] = []
+        if seq.item.wants_token_ids:
+            fields["input_token_ids_logprobs"] = []
+        return fields
     tokens = seq.prompt_ids[start:]
     fields = {"input_token_logprobs": _triples(list(zip(scores.token_logprobs, tokens)), tokenizer, with_text)}
-    if seq.item.top_logprobs_num:
-        fields["input_top_logprobs"] = [None if row is None else _triples(row, tokenizer, with_text)
-                                        for row in scores.top_logprobs]
+    for name, rows in (("input_top_logprobs", scores.top_logprobs),
+                       ("input_token_ids_logprobs", scores.token_ids_logprobs)):
+        if rows is not None:
+            fields[name] = [None if row is None else _triples(row, tokenizer, with_text) for row in rows]
     return fields
 
 

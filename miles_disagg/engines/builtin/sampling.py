@@ -41,6 +41,11 @@ def top_logprobs(logits: torch.Tensor, params, k: int) -> list[tuple[float, int]
     return list(zip(values.tolist(), ids.tolist()))
 
 
+def ids_logprobs(logits: torch.Tensor, params, ids: tuple[int, ...]) -> list[tuple[float, int]]:
+    """SGLang's ``token_ids_logprob`` at an output token: ``(logprob, id)`` of each id asked, in order."""
+    return list(zip(reported_logprobs(logits, params)[list(ids)].tolist(), ids))
+
+
 def _truncated(probs: torch.Tensor, params) -> torch.Tensor:
     """Apply top-k, top-p and min-p to ``probs`` (renormalization is left to multinomial)."""
     if params.top_k > 0 and params.top_k < probs.numel():

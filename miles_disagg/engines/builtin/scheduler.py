@@ -52,7 +52,7 @@ import torch
 from miles_disagg.engines.builtin.model_runner import InputScores, InputScoring, KVBatch, ModelRunner
 from miles_disagg.engines.builtin.prefix_cache import PrefixCache
 from miles_disagg.engines.builtin.protocol import FinishReason, GenerateItem
-from miles_disagg.engines.builtin.sampling import make_generator, sample_token, top_logprobs
+from miles_disagg.engines.builtin.sampling import ids_logprobs, make_generator, sample_token, top_logprobs
 from miles_disagg.types import EngineUnrecoverable
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,8 @@ class Sequence:
     num_retractions: int = 0
     created_s: float = field(default_factory=time.monotonic)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    """``token_ids_logprob``: the asked ids' ``(logprob, id)`` at each output token."""
     version_spans: list[list] = field(default_factory=list)
     """SGLang's ``weight_versions``: ``[version, start, end)`` over output-token indices."""
     routed: list[torch.Tensor] = field(default_factory=list)
@@ -432,6 +434,9 @@ class Scheduler:
             if seq.item.top_logprobs_num:
                 seq.output_top_logprobs.append(top_logprobs(logits[offset], seq.item.sampling,
                                                             seq.item.top_logprobs_num))
+            if seq.item.token_ids_logprob and seq.item.return_logprob:
+                seq.output_token_ids_logprobs.append(ids_logprobs(logits[offset], seq.item.sampling,
+                                                                  seq.item.token_ids_logprob))
             seq.record_token(token, logprob, self.version)
             reason = self._finish_reason(seq, token)
             if reason is not None:
@@ -484,7 +489,8 @@ def _scoring(seq: Sequence) -> InputScoring | None:
     """What this sequence's prefill scores of its prompt (None: nothing, or already scored)."""
     if not seq.item.wants_input_logprobs or seq.input_scores is not None:
         return None
-    return InputScoring(seq.item.logprob_start_len, seq.item.top_logprobs_num)
+    return InputScoring(seq.item.logprob_start_len, seq.item.top_logprobs_num, seq.item.token_ids_logprob,
+                        seq.item.token_ids_logprob_positions)
 
 
 def _namespace(seq: Sequence) -> Hashable:
