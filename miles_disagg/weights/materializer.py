@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import numpy as np
 
 from miles_disagg.types import FormatError, InvalidInput, LayoutMismatch, LineageError, VersionRef, same_run
+from miles_disagg.weights.adapters import check_adapter_dir, is_adapter_dir
 from miles_disagg.weights.apply import LocalTensor, apply_version
 from miles_disagg.weights.format import VersionIndex
 from miles_disagg.weights.hooks import PRE_READ_FLAG, load_hook
@@ -179,6 +180,8 @@ class Materializer:
                 fetch_s += time.perf_counter() - started
                 self._apply_to_files(files, index, dest, tensors)
             fsync_dir(dest)
+            if is_adapter_dir(dest):  # a LoRA adapter version: loadable as a whole, or refused
+                check_adapter_dir(dest)
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)  # half a version is never left behind as a slot
             raise
