@@ -144,10 +144,12 @@ def test_the_engine_answers_top_k_and_token_ids_in_sglang_shape(engine, teacher_
     vocab = teacher_model.config.vocab_size
     for bad, reason in (({"token_ids_logprob": [vocab]}, "outside the vocabulary"),
                         ({"token_ids_logprob_positions": [[1], [2]]}, "one per input position"),
-                        ({"token_ids_logprob": [[1]]}, "must be a list of token ids")):
+                        ({"token_ids_logprob": [[1]]}, "must be a list of token ids"),
+                        ({"token_ids_logprob": list(range(vocab)) * 50, "sampling_params": {"max_new_tokens": 1000}},
+                         "logprob entries, more than")):
         response = engine.post("/generate", {"input_ids": tokens, "return_logprob": True, "logprob_start_len": 0,
                                              "sampling_params": {"max_new_tokens": 0}, **bad})
-        assert response.status_code == 400 and reason in response.text, response.text
+        assert response.status_code == 400 and reason in response.text, response.text[:300]
 
 
 class TorchStudent:

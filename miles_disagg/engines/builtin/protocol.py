@@ -338,14 +338,29 @@ def check_logprob_start_len(item: GenerateItem, prompt_len: int) -> None:
                            f"from logprob_start_len on ({prompt_len - max(item.logprob_start_len, 0)})")
 
 
-def check_token_ids(item: GenerateItem, vocab_size: int) -> None:
-    """Every id of ``token_ids_logprob`` (and of its per-position form) names a token of the vocabulary."""
+MAX_REPORTED_LOGPROBS = 1 << 22
+"""Most ``(logprob, token_id)`` entries one request's answer may hold (top-k and asked ids over its
+scored input positions and its output tokens): a bounded answer whatever the body asks for."""
+
+
+def check_reported_logprobs(item: GenerateItem, prompt_len: int, vocab_size: int) -> None:
+    """Every id of ``token_ids_logprob`` (and of its per-position form) names a token of the vocabulary,
+    and the answer's top-k and id entries stay within :data:`MAX_REPORTED_LOGPROBS`."""
     from miles_disagg.types import InvalidInput
 
     rows = [item.token_ids_logprob or ()] + list(item.token_ids_logprob_positions or ())
     bad = next((t for row in rows for t in row if t >= vocab_size), None)
     if bad is not None:
         raise InvalidInput(f"token_ids_logprob: token id {bad} is outside the vocabulary ({vocab_size} tokens)")
+    if not item.return_logprob:
+        return
+    scored = prompt_len - item.logprob_start_len if item.wants_input_logprobs else 0
+    per_token = min(item.top_logprobs_num, vocab_size) + len(item.token_ids_logprob or ())
+    entries = (scored + item.sampling.max_new_tokens) * per_token + sum(len(r) for r in rows[1:])
+    if entries > MAX_REPORTED_LOGPROBS:
+        raise InvalidInput(f"top_logprobs_num / token_ids_logprob: the answer would hold {entries} logprob entries, "
+                           f"more than {MAX_REPORTED_LOGPROBS}; ask for fewer ids or positions "
+                           "(token_ids_logprob_positions scores each position's own ids)")
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ from miles_disagg.engines.builtin.config import EngineConfig
 from miles_disagg.engines.builtin.memory import MemoryState
 from miles_disagg.engines.builtin.model_runner import ModelRunner
 from miles_disagg.engines.builtin.protocol import (
-    FinishReason, GenerateItem, GenerateRequest, check_logprob_start_len, check_token_ids)
+    FinishReason, GenerateItem, GenerateRequest, check_logprob_start_len, check_reported_logprobs)
 from miles_disagg.engines.builtin.response import result_json
 from miles_disagg.engines.builtin.scheduler import Scheduler, Sequence, Sink
 from miles_disagg.engines.builtin.weight_updates import WeightUpdates
@@ -148,7 +148,7 @@ class Engine:
         for item, prompt in zip(request.items, prompts):
             self._check_routed_experts(item, len(prompt))
             check_logprob_start_len(item, len(prompt))
-            check_token_ids(item, self.runner.vocab_size)
+            check_reported_logprobs(item, len(prompt), self.runner.vocab_size)
         self._claim_rids([item.rid for item in request.items])
         return [
             Sequence(
