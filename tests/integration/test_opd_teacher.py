@@ -231,3 +231,21 @@ def test_top_k_opd_against_a_teacher_engine_with_known_logprobs(engine, teacher_
         assert sample.teacher_logprobs == pytest.approx(_expected(teacher_model, prompt, response), abs=TOLERANCE)
         assert any(abs(v) > 1e-3 for v in sample.opd_reverse_kl)  # the two models differ
     assert probe_teacher(f"{engine.url}/generate", "--rm-url", topk=settings) == engine.version()
+
+
+def test_a_run_probes_every_named_teacher_with_the_top_k_fields_it_will_send(engine, tiny_qwen3_dir, capsys):
+    """``--opd-teacher-urls`` with top-k: each teacher is probed at start with the run's top-k request
+    (a teacher without ``token_ids_logprob_positions`` would be refused here, before any rollout)."""
+    from miles_disagg.config import load_config
+    from miles_disagg.rollout.teacher import job_teacher
+
+    engine.require_builtin("answers token_ids_logprob_positions")
+    flags = ["--train-backend", "fsdp", "--hf-checkpoint", str(tiny_qwen3_dir), "--rollout-batch-size", "2",
+             "--global-batch-size", "2", "--use-opd", "--opd-type", "sglang", "--opd-log-prob-top-k", "2",
+             "--opd-top-k-strategy", "union", "--opd-topk-per-position",
+             "--opd-teacher-urls", f"math={engine.url}/generate", f"default={engine.url}"]
+    config, _ = load_config(flags, entry="train")
+    assert job_teacher(config) == (None, None)
+    err = capsys.readouterr().err
+    assert f"OPD teacher: {engine.url}/generate (weight_version {engine.version()})" in err
+    assert f"OPD teacher: {engine.url} (weight_version {engine.version()})" in err
