@@ -168,16 +168,17 @@ def to_map(entries: Iterable[Any] | None) -> LogprobMap:
     return out
 
 
-def response_rows(meta: Mapping[str, Any], name: str, response_length: int) -> list:
-    """The response positions' entries of the input field ``name`` of a scoring answer's ``meta_info``."""
+def response_rows(meta: Mapping[str, Any], name: str, response_length: int, who: str = "the answer") -> list:
+    """The response positions' entries of the input field ``name`` of a scoring answer's ``meta_info``
+    (``who``: whose answer, for the error)."""
     values = meta.get(name) if isinstance(meta, Mapping) else None
     if not isinstance(values, list):
-        raise TopKError(f"the answer has no meta_info.{name} (SGLang's answer to top_logprobs_num / token_ids_logprob "
+        raise TopKError(f"{who} has no meta_info.{name} (SGLang's answer to top_logprobs_num / token_ids_logprob "
                         "with return_logprob and logprob_start_len 0)")
     rows = values[1:][-response_length:] if response_length > 0 else []
     if len(rows) != response_length:
-        raise TopKError(f"meta_info.{name} holds {len(values)} positions, fewer than the {response_length} response "
-                        "tokens it must score")
+        raise TopKError(f"{who}'s meta_info.{name} holds {len(values)} positions, fewer than the {response_length} "
+                        "response tokens it must score")
     return rows
 
 
@@ -270,12 +271,13 @@ def reverse_kl(settings: TopKSettings, response_length: int, student_top: list |
     strategies where the student scores the teacher's ids)."""
     empty: list[LogprobMap] = [{} for _ in range(response_length)]
 
-    def maps(wanted: bool, meta, name: str) -> list[LogprobMap]:
-        return [to_map(row) for row in response_rows(meta, name, response_length)] if wanted else empty
+    def maps(wanted: bool, meta, name: str, who: str) -> list[LogprobMap]:
+        return [to_map(row) for row in response_rows(meta, name, response_length, who)] if wanted else empty
 
     students = [to_map(row) for row in student_top] if settings.student_top else empty
-    teachers = maps(settings.teacher_top, teacher_meta, "input_top_logprobs")
-    teacher_on = maps(settings.teacher_on_student, teacher_meta, "input_token_ids_logprobs")
-    student_on = maps(settings.student_on_teacher, student_meta or {}, "input_token_ids_logprobs")
+    teachers = maps(settings.teacher_top, teacher_meta, "input_top_logprobs", "the teacher's answer")
+    teacher_on = maps(settings.teacher_on_student, teacher_meta, "input_token_ids_logprobs", "the teacher's answer")
+    student_on = maps(settings.student_on_teacher, student_meta or {}, "input_token_ids_logprobs",
+                      "the student's scoring answer")
     return [position_kl(settings, i, students[i], teachers[i], teacher_on[i], student_on[i])
             for i in range(response_length)]

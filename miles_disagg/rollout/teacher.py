@@ -143,17 +143,19 @@ class Teacher:
         body = scoring_body(tokens) if self.topk is None else self._teacher_body(tokens, rows, n)
         answer = await self._ask(url, body)
         sample.teacher_logprobs, sample.teacher_version = read_scores(answer, tokens, n)
-        if self.topk is None:
-            return
+        if self.topk is not None:
+            try:
+                sample.opd_reverse_kl = await self._topk_term(tokens, n, rows, answer["meta_info"])
+            except TopKError as exc:
+                raise GenerationFailed(f"top-k OPD with the teacher at {url}: {exc}") from None
+
+    async def _topk_term(self, tokens: list[int], n: int, rows: list | None, meta: dict) -> list[float]:
+        """Each response token's term; the student's engines first score the teacher's top ids if needed."""
         student_meta = None
-        try:
-            if self.topk.student_on_teacher:
-                top = opd_topk.response_rows(answer["meta_info"], "input_top_logprobs", n)
-                student_meta = (await self._student.score(opd_topk.ids_body(tokens, top, n, self.topk)))["meta_info"]
-            sample.opd_reverse_kl = opd_topk.reverse_kl(self.topk, n, rows, answer["meta_info"], student_meta)
-        except (TopKError, KeyError, TypeError) as exc:
-            who = "the student's scoring call" if student_meta is None and self.topk.student_on_teacher else url
-            raise GenerationFailed(f"top-k OPD ({who}): {exc}") from None
+        if self.topk.student_on_teacher:
+            top = opd_topk.response_rows(meta, "input_top_logprobs", n, "the teacher's answer")
+            student_meta = (await self._student.score(opd_topk.ids_body(tokens, top, n, self.topk))).get("meta_info")
+        return opd_topk.reverse_kl(self.topk, n, rows, meta, student_meta)
 
     def _student_rows(self, sample: Sample) -> list | None:
         if not self.topk.student_top:

@@ -76,8 +76,10 @@ def test_an_empty_set_gives_zero_and_missing_logprobs_are_errors() -> None:
     no_id_2 = {"input_token_ids_logprobs": [None, [[log(.2), 1, None]]]}
     with pytest.raises(TopKError, match="no teacher logprob of token 2 at response position 0"):
         opd_topk.reverse_kl(TopKSettings(2), 1, STUDENT_TOP, no_id_2, None)
-    with pytest.raises(TopKError, match="no meta_info.input_token_ids_logprobs"):
+    with pytest.raises(TopKError, match="the teacher's answer has no meta_info.input_token_ids_logprobs"):
         opd_topk.reverse_kl(TopKSettings(2), 1, STUDENT_TOP, {"input_top_logprobs": []}, None)
+    with pytest.raises(TopKError, match="the student's scoring answer has no meta_info.input_token_ids_logprobs"):
+        opd_topk.reverse_kl(TopKSettings(2, "union"), 1, STUDENT_TOP, TEACHER_META, {})
     with pytest.raises(TopKError, match="not a finite number"):
         opd_topk.to_map([[float("nan"), 3, None]])
     with pytest.raises(TopKError, match="no metadata"):
