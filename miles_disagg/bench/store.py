@@ -19,10 +19,13 @@ Sections, side by side in one run:
   and without; against a full-checkpoint transfer of the same model across the same WAN, one copy
   and one per host. The hosts share this machine's cores, so 8 hosts applying a version at once take
   8 hosts' CPU from 2 cores: ``ready_s`` is that measured time; ``ready_own_cpus_s`` the time of a
-  fleet whose hosts each have CPUs of their own, measured in two parts: every host fetching at once
-  across the WAN (``fetch_s``, the longest), plus one host applying alone (``apply_alone_s``). The
-  ``far_region_ready_vs_*`` ratios use it, ``..._shared_cpus_...`` the measured time;
+  fleet whose hosts each have CPUs of their own, measured in two parts: every host fetching the
+  version's objects at once across the WAN, applying nothing (``fetch_s``: a round of its own, with
+  a cold relay), plus one host applying alone (``apply_alone_s``). The ``far_region_ready_vs_*``
+  ratios use it, ``..._shared_cpus_...`` the measured time;
 * ``memory``: a pulling process's peak RSS fetching single-object versions of ``--memory-sizes-mb``.
+
+``--sections`` picks some of them (the model is written either way).
 
 Prints one JSON object on stdout; progress goes to stderr.
 """
@@ -42,6 +45,7 @@ from miles_disagg.config.fields import flag
 
 say = progress("store")
 BUCKET = "bench-store"
+SECTIONS = ("loopback", "wan", "memory")
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1",
                "AWS_EC2_METADATA_DISABLED": "true"}
 
@@ -58,6 +62,7 @@ class StoreBench:
     memory_sizes_mb: str = flag("100,1000", "Sizes (MiB) of the single-object versions the memory section pulls.")
     endpoint: str | None = flag(None, "An S3-API server to use (default: moto on loopback, started here).")
     seed: int = flag(0, "Seed of the synthetic model.")
+    sections: str = flag(",".join(SECTIONS), "What to measure, comma-separated: " + ", ".join(SECTIONS) + ".")
     keep: Path | None = flag(None, "Keep the work directory here.")
     json: bool = flag(False, "Print the JSON object only (always JSON on stdout).")
 
@@ -66,6 +71,13 @@ class StoreBench:
             raise ValueError("--size-mb, --engines-per-region and --wan-mb-per-s must be > 0, --wan-rtt-ms >= 0")
         if not self.memory_sizes:
             raise ValueError(f"--memory-sizes-mb must be comma-separated sizes, got {self.memory_sizes_mb!r}")
+        unknown = set(self.section_names) - set(SECTIONS)
+        if unknown or not self.section_names:
+            raise ValueError(f"--sections: unknown or none {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+
+    @property
+    def section_names(self) -> list[str]:
+        return [part.strip() for part in self.sections.split(",") if part.strip()]
 
     @property
     def memory_sizes(self) -> list[float]:
@@ -107,23 +119,29 @@ def measure(bench: StoreBench, root: Path, env: dict[str, str]) -> dict[str, Any
     say(f"writing the {bench.size_mb:.0f} MiB model and its step (lr {bench.lr})")
     base, trained = write_checkpoints(root / "model", bench.size_mb, bench.lr, bench.seed)
     model_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
-    loopback = _loopback(bench, root, base, trained, env)
-    wan = _wan(bench, root, base, trained, env, model_bytes)
-    memory = _memory(bench, root, base, env)
-    return {"bench": "store", "simulated": "engine hosts are processes materializing versions (no model runs); the "
-                                           "S3 server is moto on loopback; the WAN is a rate-limited proxy",
-            "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(bench).items()},
-            "model_bytes": model_bytes, "loopback": loopback, "wan": wan, "memory": memory,
-            "s3_vs_directory": loopback["s3_vs_directory"],
-            "wan_bytes_per_region_vs_version": wan["relay"]["wan_bytes_vs_version"],
+    result = {"bench": "store", "simulated": "engine hosts are processes materializing versions (no model runs); the "
+                                             "S3 server is moto on loopback; the WAN is a rate-limited proxy",
+              "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(bench).items()},
+              "model_bytes": model_bytes}
+    if "loopback" in bench.section_names:
+        result["loopback"] = loopback = _loopback(bench, root, base, trained, env)
+        result["s3_vs_directory"] = loopback["s3_vs_directory"]
+    if "wan" in bench.section_names:
+        result["wan"] = wan = _wan(bench, root, base, trained, env, model_bytes)
+        result.update(_wan_ratios(wan))
+    if "memory" in bench.section_names:
+        result["memory"] = memory = _memory(bench, root, base, env)
+        result["peak_rss_largest_vs_smallest"] = memory["peak_rss_largest_vs_smallest"]
+    return result
+
+
+def _wan_ratios(wan: dict[str, Any]) -> dict[str, float]:
+    relay, one_copy, per_engine = wan["relay"], wan["full_checkpoint_one_copy_s"], wan["full_checkpoint_per_engine_s"]
+    return {"wan_bytes_per_region_vs_version": relay["wan_bytes_vs_version"],
             "wan_bytes_per_region_vs_version_without_relay": wan["direct"]["wan_bytes_vs_version"],
-            "far_region_ready_vs_full_checkpoint_one_copy":
-                wan["relay"]["ready_own_cpus_s"] / wan["full_checkpoint_one_copy_s"],
-            "far_region_ready_vs_full_checkpoint_per_engine":
-                wan["relay"]["ready_own_cpus_s"] / wan["full_checkpoint_per_engine_s"],
-            "far_region_ready_shared_cpus_vs_full_checkpoint_one_copy":
-                wan["relay"]["ready_s"] / wan["full_checkpoint_one_copy_s"],
-            "peak_rss_largest_vs_smallest": memory["peak_rss_largest_vs_smallest"]}
+            "far_region_ready_vs_full_checkpoint_one_copy": relay["ready_own_cpus_s"] / one_copy,
+            "far_region_ready_vs_full_checkpoint_per_engine": relay["ready_own_cpus_s"] / per_engine,
+            "far_region_ready_shared_cpus_vs_full_checkpoint_one_copy": relay["ready_s"] / one_copy}
 
 
 def _publish(store: str, base: Path, trained: Path) -> tuple[float, int]:
@@ -154,10 +172,11 @@ def _publish(store: str, base: Path, trained: Path) -> tuple[float, int]:
     return seconds, reader.payload_bytes(index) + manifest
 
 
-def _ready(stores: list[str], root: Path, label: str, base: Path, env: dict[str, str]) -> tuple[float, list[dict]]:
+def _ready(stores: list[str], root: Path, label: str, base: Path, env: dict[str, str],
+           pull_only: bool = False) -> tuple[float, list[dict]]:
     from miles_disagg.bench.store_fleet import EngineHost, all_ready
 
-    hosts = [EngineHost(store, root / f"{label}-host-{i}", base, env) for i, store in enumerate(stores)]
+    hosts = [EngineHost(store, root / f"{label}-host-{i}", base, env, pull_only) for i, store in enumerate(stores)]
     try:
         return all_ready(hosts, 1)
     finally:
@@ -178,36 +197,59 @@ def _loopback(bench: StoreBench, root: Path, base: Path, trained: Path, env: dic
     return figures
 
 
+@dataclass
+class FarRegion:
+    """The far region's hosts behind the emulated WAN, each round with a cold relay (or none)."""
+
+    bench: StoreBench
+    proxy: Any
+    root: Path
+    base: Path
+    env: dict[str, str]
+
+    def round(self, far: str, label: str, pull_only: bool = False, solo: bool = False) -> dict[str, Any]:
+        """Every host at once (pulling only, or preparing); with ``solo``, one more host alone after them."""
+        from miles_disagg.bench.store_fleet import Relay
+
+        use_relay = label.startswith("relay")
+        relay = Relay(far, self.root / f"relay-{label}", self.env, "far") if use_relay else None
+        store = f"{far}&relay={relay.url}" if relay else far
+        self.proxy.set_link(self.bench.wan_mb_per_s * 2**20, self.bench.wan_rtt_ms / 1e3)
+        self.proxy.reset_counters()
+        try:
+            seconds, answers = _ready([store] * self.bench.engines_per_region, self.root, f"wan-{label}", self.base,
+                                      self.env, pull_only)
+            figures = {"seconds": seconds, "answers": answers, "wan_bytes": self.proxy.bytes_to_client}
+            if solo:
+                _, (figures["solo"],) = _ready([store], self.root, f"wan-{label}-solo", self.base, self.env)
+            return figures
+        finally:
+            self.proxy.set_link(None)
+            if relay is not None:
+                relay.stop()
+
+
 def _wan(bench: StoreBench, root: Path, base: Path, trained: Path, env: dict[str, str], model_bytes: int) -> dict:
-    from miles_disagg.bench.store_fleet import Relay
     from miles_disagg.bench.wan_proxy import S3Proxy
 
     hosts = bench.engines_per_region
     with S3Proxy(env["AWS_ENDPOINT_URL"]).start() as proxy:
+        region = FarRegion(bench, proxy, root, base, env)
         figures: dict[str, Any] = {"far_region_hosts": hosts}
         for label in ("direct", "relay"):
             store = f"s3://{BUCKET}/wan-{label}"
             _, version_bytes = _publish(store, base, trained)
             far = f"{store}?endpoint={proxy.url}"
-            relay = Relay(far, root / f"relay-{label}", env, "far") if label == "relay" else None
             say(f"wan ({label}): {hosts} far hosts behind {bench.wan_mb_per_s:.0f} MiB/s, {bench.wan_rtt_ms:.0f} ms")
-            proxy.set_link(bench.wan_mb_per_s * 2**20, bench.wan_rtt_ms / 1e3)
-            proxy.reset_counters()
-            engine_store = f"{far}&relay={relay.url}" if relay else far
-            try:
-                ready_s, answers = _ready([engine_store] * hosts, root, f"wan-{label}", base, env)
-                wan_bytes = proxy.bytes_to_client
-                _, (solo,) = _ready([engine_store], root, f"wan-{label}-solo", base, env)
-            finally:
-                proxy.set_link(None)
-                if relay is not None:
-                    relay.stop()
-            fetch_s, apply_alone_s = max(a["fetch_s"] for a in answers), solo["seconds"] - solo["fetch_s"]
-            figures[label] = {"ready_s": ready_s, "fetch_s": fetch_s, "apply_alone_s": apply_alone_s,
+            fetch = region.round(far, f"{label}-fetch", pull_only=True)
+            ready = region.round(far, label, solo=True)
+            solo = ready["solo"]
+            fetch_s, apply_alone_s = fetch["seconds"], solo["seconds"] - solo["fetch_s"]
+            figures[label] = {"ready_s": ready["seconds"], "fetch_s": fetch_s, "apply_alone_s": apply_alone_s,
                               "ready_own_cpus_s": fetch_s + apply_alone_s,
-                              "wan_bytes": wan_bytes, "version_bytes": version_bytes,
-                              "wan_bytes_vs_version": wan_bytes / version_bytes,
-                              "relay_fallbacks": sum(a["transfer"].get("relay_fallbacks", 0) for a in answers)}
+                              "wan_bytes": ready["wan_bytes"], "version_bytes": version_bytes,
+                              "wan_bytes_vs_version": ready["wan_bytes"] / version_bytes,
+                              "relay_fallbacks": sum(a["transfer"].get("relay_fallbacks", 0) for a in ready["answers"])}
         figures.update(_full_checkpoint(bench, proxy, base, hosts, model_bytes))
     return figures
 
