@@ -1,0 +1,1 @@
+"""Agentic rollout through a session endpoint (miles' TITO session server): token-exact multi-turn trajectories."""

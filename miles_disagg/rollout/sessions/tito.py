@@ -1,0 +1,163 @@
+"""Tokens in, tokens out (miles' TITO): a turn's prompt is the session's stored token ids plus the tokens
+of the messages appended since, never a re-tokenization of the whole conversation.
+
+The appended messages' tokens come from the chat template by a diff (miles' rule): render a stand-in
+``[user, assistant]`` exchange without and with the appended messages (the second with the generation
+prompt); the appended tokens are what the second adds. Only non-assistant messages are ever appended
+(the assistant's tokens are the engine's own, stored as generated), and only in the roles
+``--tito-allowed-append-roles`` allows (``tool`` always). Each model family then merges the stored ids
+with those tokens by its own rule (``--tito-model``):
+
+* ``default``: plain concatenation;
+* ``qwen3``: Qwen3's template closes every turn with ``<|im_end|>`` and a newline, the model stops at
+  ``<|im_end|>``: the newline is added after a stored ``<|im_end|>``.
+
+The history a client sends back is matched against the session's stored messages first
+(``--session-message-matcher strict``: same roles, contents, tool calls and ids); a client that
+rewrote history (a branch) is refused with :class:`HistoryMismatch`, nothing stored changes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from miles_disagg.rollout.sessions.templates import render
+from miles_disagg.types import ConfigError, InvalidInput
+
+TITO_MODELS = ("default", "qwen3")
+MILES_TITO_MODELS = ("qwen35", "qwen36", "qwennext", "glm47", "glm53", "nemotron3", "kimi25", "kimi26", "minimax_m25",
+                     "minimax_m27", "deepseekv32", "deepseekv4")
+APPEND_ROLES = ("tool", "user", "system")
+MATCHERS = ("strict",)
+MILES_MATCHERS = ("loose_tool_call", "role_content_only")
+
+_STAND_IN_USER = {"role": "user", "content": "dummy"}
+
+
+class HistoryMismatch(InvalidInput):
+    """The messages a client sent do not continue the session's stored messages (history was rewritten)."""
+
+
+class AppendRoleRefused(InvalidInput):
+    """A message appended after the assistant's turn has a role ``--tito-allowed-append-roles`` leaves out."""
+
+
+def check_tito_model(name: str) -> str:
+    """``name`` if this project implements its merge rule; ``ConfigError`` naming the flag otherwise."""
+    if name in TITO_MODELS:
+        return name
+    if name in MILES_TITO_MODELS:
+        raise ConfigError(f"--tito-model {name}: a miles TITO model family whose merge rule is not implemented here "
+                          f"(implemented: {', '.join(TITO_MODELS)}); use qwen3 for ChatML templates or default",
+                          ("--tito-model",))
+    raise ConfigError(f"--tito-model {name!r}: unknown (choose from {', '.join(TITO_MODELS)})", ("--tito-model",))
+
+
+def check_matcher(name: str) -> str:
+    if name in MATCHERS:
+        return name
+    if name in MILES_MATCHERS or "." in name:
+        raise ConfigError(f"--session-message-matcher {name}: a miles matcher not implemented here (it can collapse "
+                          "different tool-call lineages); use strict", ("--session-message-matcher",))
+    raise ConfigError(f"--session-message-matcher {name!r}: unknown (choose from {', '.join(MATCHERS)})",
+                      ("--session-message-matcher",))
+
+
+@dataclass(frozen=True)
+class TitoRule:
+    """One model family's merge rule over a chat template (``encode``: text -> ids, no special tokens added)."""
+
+    model: str
+    template: str
+    encode: Callable[[str], list[int]]
+    allowed_roles: frozenset[str]
+    im_end_id: int | None = None
+    newline_id: int | None = None
+
+    @classmethod
+    def make(cls, model: str, template: str, encode: Callable[[str], list[int]],
+             allowed_roles: tuple[str, ...] = ("tool",)) -> "TitoRule":
+        check_tito_model(model)
+        unknown = sorted(set(allowed_roles) - set(APPEND_ROLES))
+        if unknown:
+            raise ConfigError(f"--tito-allowed-append-roles: unknown roles {unknown} (choose from "
+                              f"{', '.join(APPEND_ROLES)})", ("--tito-allowed-append-roles",))
+        ids = {}
+        if model == "qwen3":
+            ids = {"im_end_id": _single_id(encode, "<|im_end|>"), "newline_id": _single_id(encode, "\n")}
+        return cls(model, template, encode, frozenset(allowed_roles) | {"tool"}, **ids)
+
+    def first_prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        """A session's first prompt: the whole conversation rendered with the generation prompt."""
+        return self.encode(render(self.template, messages, tools=tools, add_generation_prompt=True))
+
+    def appended_ids(self, appended: list[dict], tools: list[dict] | None) -> list[int]:
+        """The tokens ``appended`` (non-assistant messages) add after an assistant turn, generation prompt included."""
+        for message in appended:
+            if message.get("role") not in self.allowed_roles:
+                raise AppendRoleRefused(f"a {message.get('role')!r} message after the assistant's turn: "
+                                        f"--tito-allowed-append-roles allows {sorted(self.allowed_roles)}")
+        base = [_STAND_IN_USER, _stand_in_assistant(appended)]
+        without = render(self.template, base, tools=tools, add_generation_prompt=False)
+        with_appended = render(self.template, base + list(appended), tools=tools, add_generation_prompt=True)
+        if not with_appended.startswith(without):
+            raise InvalidInput("the chat template does not render appended messages after the earlier ones "
+                               "(it is not append-only); a TITO session cannot use it")
+        return self.encode(with_appended[len(without):])
+
+    def merge(self, stored: list[int], appended_ids: list[int]) -> list[int]:
+        """The next turn's prompt: the stored ids, the family's boundary fix, the appended tokens."""
+        prefix = list(stored)
+        if self.model == "qwen3" and prefix and prefix[-1] == self.im_end_id:
+            prefix.append(self.newline_id)
+        return prefix + list(appended_ids)
+
+
+def _single_id(encode: Callable[[str], list[int]], text: str) -> int:
+    ids = encode(text)
+    if len(ids) != 1:
+        raise ConfigError(f"--tito-model qwen3: the tokenizer encodes {text!r} as {ids}, not one token (not a "
+                          "ChatML tokenizer)", ("--tito-model",))
+    return ids[0]
+
+
+def _stand_in_assistant(appended: list[dict]) -> dict:
+    """An assistant turn whose tool calls match the appended tool answers (templates check that)."""
+    calls = [{"id": m.get("tool_call_id") or f"call_{i}", "type": "function",
+              "function": {"name": m.get("name") or "tool", "arguments": "{}"}}
+             for i, m in enumerate(appended) if m.get("role") == "tool"]
+    return {"role": "assistant", "content": "", **({"tool_calls": calls} if calls else {})}
+
+
+# --------------------------------------------------------------------------- history matching
+
+
+def split_history(stored: list[dict], sent: list[dict]) -> list[dict]:
+    """The messages ``sent`` appends to ``stored`` (strict matcher); ``HistoryMismatch`` naming the first
+    message that differs, or when ``sent`` does not extend ``stored``."""
+    if len(sent) <= len(stored):
+        raise HistoryMismatch(f"the request carries {len(sent)} messages, the session holds {len(stored)}: a turn "
+                              "must append at least one message to the session's history")
+    for index, (mine, theirs) in enumerate(zip(stored, sent)):
+        if _canonical(mine) != _canonical(theirs):
+            raise HistoryMismatch(f"message {index} ({theirs.get('role')!r}) differs from the session's stored "
+                                  "message: the history was rewritten (a branch), which this session cannot continue")
+    return sent[len(stored):]
+
+
+def _canonical(message: dict) -> tuple:
+    calls = tuple((c.get("id"), (c.get("function") or {}).get("name"), _arguments((c.get("function") or {})))
+                  for c in message.get("tool_calls") or [])
+    return message.get("role"), message.get("content") or "", calls, message.get("tool_call_id")
+
+
+def _arguments(function: dict) -> Any:
+    raw = function.get("arguments")
+    if isinstance(raw, str):
+        try:
+            return json.dumps(json.loads(raw), sort_keys=True)
+        except ValueError:
+            return raw
+    return json.dumps(raw, sort_keys=True)

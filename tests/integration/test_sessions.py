@@ -1,0 +1,146 @@
+"""The session endpoint over HTTP, as an agent drives it: the official ``openai`` client (tools, a tool
+turn, streaming) against a real built-in engine behind the router; token-exact trajectories over 1,000
+sessions with tool turns against a recording engine; keys, bad bodies and rewritten history refused."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+
+from engine_fixtures import engine  # noqa: F401  (fixture)
+from router_fixtures import inprocess_router, serve_in_thread
+from session_fixtures import session_endpoint
+from miles_disagg.rollout.sessions.types import token_drift
+from miles_disagg.types import Sample
+
+pytestmark = pytest.mark.timeout(300)
+ADMIN = "sessions-admin-key-0123456789"
+TOOLS = [{"type": "function", "function": {"name": "count", "description": "the next digits",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+def _create(url: str, **metadata) -> str:
+    answer = httpx.post(f"{url}/sessions", json={"metadata": metadata}, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["base_url"]
+
+
+def _exact(endpoint, session_id: str) -> list:
+    state = endpoint.service.get(session_id)
+    assert token_drift(state.turns) == 0 and state.broken is None
+    last = state.turns[-1]
+    assert state.token_ids == list(last.prompt_ids + last.output_ids)
+    return state.turns
+
+
+def test_an_openai_client_agent_runs_tool_turns_token_exact_on_one_engine(engine, tiny_qwen3_dir):  # noqa: F811
+    import openai
+
+    with inprocess_router(workers=(engine.url,)) as router, \
+            session_endpoint(tiny_qwen3_dir, router.url, admin_key=ADMIN) as endpoint:
+        base_url = _create(endpoint.url, task="count")
+        session_id = base_url.rsplit("/", 1)[1]
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none-needed", max_retries=0)
+        messages = [{"role": "system", "content": "Count."}, {"role": "user", "content": "345"}]
+        first = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=6)
+        assert first.usage.prompt_tokens > 0 and first.usage.completion_tokens >= 1
+        messages += [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": "call_0", "content": "67"}]
+        stream = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=6,
+                                                stream=True)
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "89"}]
+        third = client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+        assert third.choices[0].message.role == "assistant"
+        turns = _exact(endpoint, session_id)
+        assert len(turns) == 3 and len({t.worker for t in turns}) == 1
+        assert all(t.cached_tokens >= len(before.prompt_ids) for before, t in zip(turns, turns[1:]))  # prefix cache
+        info = httpx.get(base_url).json()
+        assert [t["cached_tokens"] for t in info["turns"]] == [t.cached_tokens for t in turns]
+        sample = endpoint.service.finish(session_id, Sample(prompt="345"))
+        assert sample.tokens == list(turns[-1].prompt_ids + turns[-1].output_ids)
+        assert sum(sample.loss_mask) == sum(len(t.output_ids) for t in turns)
+        assert httpx.get(base_url).status_code == 404  # finished: gone
+
+
+def _recording_engine(received: list):
+    """A SGLang-shaped engine that answers random digits and records every prompt it got."""
+    app, rng = FastAPI(), random.Random(0)
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.get("/model_info")
+    async def model_info():
+        return {"weight_version": "1"}
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await request.json()
+        received.append(list(body["input_ids"]))
+        out = [rng.randrange(3, 13) for _ in range(rng.randrange(1, 5))]
+        return {"text": "", "output_ids": out,
+                "meta_info": {"prompt_tokens": len(body["input_ids"]), "weight_version": "1",
+                              "finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, t, None] for t in out],
+                              "cached_tokens": 0}}
+
+    return app
+
+
+def test_a_thousand_sessions_with_tool_turns_are_token_exact(tiny_qwen3_dir):
+    received: list[list[int]] = []
+    with serve_in_thread(_recording_engine(received)) as fake, inprocess_router(workers=(fake,)) as router, \
+            session_endpoint(tiny_qwen3_dir, router.url) as endpoint:
+        service = endpoint.service
+
+        async def one(index: int, slots: asyncio.Semaphore) -> str:
+            async with slots:  # as many in flight as a rollout's concurrency would allow
+                state = service.create({"index": index})
+                messages = [{"role": "user", "content": str(index)}]
+                for turn in range(2):
+                    answer = await service.chat(state.session_id, {"messages": messages, "tools": TOOLS})
+                    messages += [answer["choices"][0]["message"], {"role": "tool", "content": f"{index}-{turn}"}]
+                return state.session_id
+
+        async def all_sessions():
+            slots = asyncio.Semaphore(32)
+            return await asyncio.gather(*(one(i, slots) for i in range(1000)))
+
+        ids = endpoint.call(all_sessions(), timeout=240)
+        turns = [t for sid in ids for t in _exact(endpoint, sid)]
+        assert sorted(map(tuple, received)) == sorted(t.prompt_ids for t in turns)  # what the engine got, exactly
+        assert service.counters["prefix_mismatches"] == 0 and service.counters["turns"] == 2000
+
+
+def test_keys_bodies_and_rewritten_history_are_refused_and_change_nothing(tiny_qwen3_dir):
+    received: list[list[int]] = []
+    with serve_in_thread(_recording_engine(received)) as fake, inprocess_router(workers=(fake,)) as router, \
+            session_endpoint(tiny_qwen3_dir, router.url, admin_key=ADMIN) as endpoint:
+        assert httpx.post(f"{endpoint.url}/sessions", json={}).status_code == 401
+        assert httpx.get(f"{endpoint.url}/sessions").status_code == 401
+        base_url = _create(endpoint.url)
+        chat = f"{base_url}/v1/chat/completions"
+        assert httpx.post(f"{endpoint.url}/sessions/nope/v1/chat/completions", json={}).status_code == 404
+        for bad in (b"not json", b'{"messages": []}', b'{"messages": [{"role": "user", "content": "1"}], "n": 3}',
+                    b"[" * 100_000):
+            answer = httpx.post(chat, content=bad)
+            assert answer.status_code == 400 and answer.json()["error"]["message"], bad[:20]
+        assert httpx.post(chat, content=b"x" * (17 * 1024 * 1024)).status_code == 413
+        messages = [{"role": "user", "content": "1"}]
+        first = httpx.post(chat, json={"messages": messages}).json()
+        rewritten = [{"role": "user", "content": "2"}, first["choices"][0]["message"], {"role": "tool", "content": "3"}]
+        refused = httpx.post(chat, json={"messages": rewritten})
+        assert refused.status_code == 400 and "rewritten" in refused.json()["error"]["message"]
+        forged = messages + [{"role": "assistant", "content": "forged"}, {"role": "user", "content": "4"}]
+        assert httpx.post(chat, json={"messages": forged}).status_code == 400
+        ok = httpx.post(chat, json={"messages": messages + [first["choices"][0]["message"],
+                                                             {"role": "tool", "content": "3"}]})
+        assert ok.status_code == 200 and len(received) == 2  # the refusals reached no engine
+        assert httpx.delete(base_url).json()["deleted"] and httpx.delete(base_url).status_code == 404
