@@ -61,10 +61,10 @@ class SimFleetProcess:
 
     @classmethod
     def start(cls, log_path: Path, num_engines: int, command: Any, timeout_s: float = 120.0,
-              processes: int = 1) -> "SimFleetProcess":
+              processes: int = 1, stock_activation: bool = False) -> "SimFleetProcess":
         """``num_engines`` simulated engines timed by ``command``'s ``per_request_ms``, ``pull_ms`` and
         ``load_ms`` (a :class:`~miles_disagg.bench.scale.ScaleBench`) in ``processes`` processes; returns
-        once every process printed its URLs."""
+        once every process printed its URLs. ``stock_activation``: engines without one-call activation."""
         processes = max(1, min(processes, num_engines))
         counts = [num_engines // processes + (i < num_engines % processes) for i in range(processes)]
         procs, urls = [], []
@@ -72,7 +72,7 @@ class SimFleetProcess:
             for index, count in enumerate(counts):
                 argv = [sys.executable, "-m", "miles_disagg.cli", "sim-engines", "--num-engines", str(count),
                         "--per-request-ms", str(command.per_request_ms), "--pull-ms", str(command.pull_ms),
-                        "--load-ms", str(command.load_ms)]
+                        "--load-ms", str(command.load_ms), *(["--stock-activation"] if stock_activation else [])]
                 path = log_path if processes == 1 else log_path.with_name(f"{log_path.stem}-{index}{log_path.suffix}")
                 proc, line = start_announcing(argv, path, timeout_s, "sim-engines")
                 procs.append(proc)

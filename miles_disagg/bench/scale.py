@@ -11,6 +11,11 @@ and load window after load window, so a change in the machine's load (it is shar
   updater's CPU and the simulators' (their headroom: their total and their busiest process). Medians over
   the updates. ``threads`` (up to :data:`THREADS_BASELINE_MAX_ENGINES` engines): each update is followed by
   one done as before (a thread and a synchronous client per engine), so the two are compared side by side.
+  The simulated engines announce one-call activation (``/activate_weights``, as the built-in engine and the
+  agent do); ``fanout_per_step`` is the same measurement over N engines that do not (stock SGLang attached
+  directly: the updater's per-step activation, five requests per engine, at most
+  :data:`~miles_disagg.engines.updater.MAX_STEPPING_AT_ONCE` engines paused at once), in turn with the other
+  (``--fanout-activation``).
 * ``router``: ``miles-disagg router`` with each ``--router-workers`` count over the N engines, started for
   its window alone, ``--in-flight`` requests kept in flight for ``--duration`` seconds from one asyncio
   client, ``--rounds`` windows (:mod:`miles_disagg.bench.scale_router`): requests/s, client latency p50/p99,
@@ -54,6 +59,7 @@ from miles_disagg.config.fields import flag
 
 _progress = progress("scale")
 SECTIONS = ("fanout", "router", "rollout", "service")
+ACTIVATION_PATHS = ("one-call", "per-step")
 POOL_SECTIONS = ("fanout", "router", "rollout")
 THREADS_BASELINE_MAX_ENGINES = 256  # a thread per engine beyond this measures the machine's threads, not the updater
 
@@ -76,6 +82,9 @@ class ScaleBench:
     pull_ms: float = flag(100.0, "Simulated /pull_weights time.", metavar="MS")
     load_ms: float = flag(50.0, "Simulated /update_weights_from_disk time.", metavar="MS")
     rollout_concurrency: int = flag(256, "The rollout manager's --rollout-concurrency (equal for every pool).")
+    fanout_activation: str = flag("one-call,per-step", "fanout: the activation paths measured, comma-separated: "
+                                  "one-call (engines that announce /activate_weights) and per-step (engines that do "
+                                  "not, as stock SGLang attached directly).", metavar="PATH,PATH")
     sections: str = flag("fanout,router,rollout", "What to measure, comma-separated: fanout, router, rollout, "
                          "service (the rollout service's convergence with --service-replicas; not in the default set).")
     service_replicas: int = flag(64, "service: replicas, each attached to its own simulated engine.", metavar="N")
@@ -102,6 +111,13 @@ class ScaleBench:
         unknown = set(self.section_names()) - set(SECTIONS)
         if unknown:
             raise ValueError(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+        paths = self.activation_paths()
+        if not paths or set(paths) - set(ACTIVATION_PATHS):
+            raise ValueError(f"--fanout-activation must list {' and/or '.join(ACTIVATION_PATHS)}, got "
+                             f"{self.fanout_activation!r}")
+
+    def activation_paths(self) -> list[str]:
+        return [part.strip() for part in self.fanout_activation.split(",") if part.strip()]
 
     def pool_sizes(self) -> list[int]:
         try:
@@ -149,6 +165,7 @@ def _settings(command: ScaleBench) -> dict:
     return {"in_flight": command.in_flight, "rollout_concurrency": command.rollout_concurrency,
             "duration_s": command.duration, "rounds": command.rounds, "updates": command.updates,
             "per_request_ms": command.per_request_ms, "pull_ms": command.pull_ms, "load_ms": command.load_ms,
+            "fanout_activation": command.activation_paths(),
             "router_workers": command.worker_counts(),
             "sim_processes": {size: command.sim_processes_for(size) for size in command.pool_sizes()}}
 
@@ -156,26 +173,41 @@ def _settings(command: ScaleBench) -> dict:
 def _all_pools(root: Path, command: ScaleBench) -> dict[int, dict]:
     """Every pool size's fleet runs for the whole bench; fan-out updates and router load windows take
     turns between the sizes (round after round), so a change of the machine's load hits every size."""
-    sizes = command.pool_sizes()
+    sizes, sections = command.pool_sizes(), command.section_names()
+    fanout_paths = command.activation_paths() if "fanout" in sections else []
     fleets: dict[int, SimFleetProcess] = {}
+    stock: dict[int, SimFleetProcess] = {}  # engines without one-call activation (the per-step fan-out)
     try:
         for size in sizes:
             _progress(f"starting {size} simulated engines in {command.sim_processes_for(size)} process(es)")
-            fleets[size] = SimFleetProcess.start(root / f"sim-{size}.log", size, command,
-                                                 processes=command.sim_processes_for(size))
+            if "one-call" in fanout_paths or {"router", "rollout"} & set(sections):
+                fleets[size] = SimFleetProcess.start(root / f"sim-{size}.log", size, command,
+                                                     processes=command.sim_processes_for(size))
+            if "per-step" in fanout_paths:
+                stock[size] = SimFleetProcess.start(root / f"sim-stock-{size}.log", size, command,
+                                                    processes=command.sim_processes_for(size), stock_activation=True)
         per_size: dict[int, dict] = {size: {"num_engines": size} for size in sizes}
-        if "fanout" in command.section_names():
-            for size, result in _fanout_all(root, fleets, command.updates).items():
-                per_size[size]["fanout"] = result
-        if {"router", "rollout"} & set(command.section_names()):
+        if fanout_paths:
+            _fanout_sections(root, fleets if "one-call" in fanout_paths else {}, stock, command.updates, per_size)
+        if {"router", "rollout"} & set(sections):
             _router_sections(root, fleets, command, per_size)
         for size in sizes:
-            memory = [rss_mb(proc.pid) for proc in fleets[size].procs]
+            memory = [rss_mb(proc.pid) for proc in (fleets.get(size) or stock[size]).procs]
             per_size[size]["sim_engines_rss_mb"] = memory[0] if len(memory) == 1 else memory
         return per_size
     finally:
-        for fleet in fleets.values():
+        for fleet in [*fleets.values(), *stock.values()]:
             fleet.stop()
+
+
+def _fanout_sections(root: Path, fleets: dict[int, SimFleetProcess], stock: dict[int, SimFleetProcess], updates: int,
+                     per_size: dict[int, dict]) -> None:
+    """``fanout`` over the engines that announce one-call activation, ``fanout_per_step`` over those that
+    do not (no threaded baseline there: the per-step path is what is measured)."""
+    for key, pools, threads in (("fanout", fleets, True), ("fanout_per_step", stock, False)):
+        if pools:
+            for size, result in _fanout_all(root, pools, updates, threads=threads, name=key).items():
+                per_size[size][key] = result
 
 
 def _router_sections(root: Path, fleets: dict[int, SimFleetProcess], command: ScaleBench,
@@ -211,20 +243,22 @@ def _router_sections(root: Path, fleets: dict[int, SimFleetProcess], command: Sc
 # --------------------------------------------------------------------------- fan-out
 
 
-def _fanout_all(root: Path, fleets: dict[int, SimFleetProcess], updates: int) -> dict[int, dict]:
+def _fanout_all(root: Path, fleets: dict[int, SimFleetProcess], updates: int, *, threads: bool = True,
+                name: str = "fanout") -> dict[int, dict]:
     """``updates`` rounds; in each, every pool size gets one update by the updater (one event loop) and
     then one the way it was done before (a thread and a synchronous client per engine: its public
     per-engine steps). ``sim_engines_cpu_s``: the simulated engines' CPU per update (their process is one
     event loop: far less than one core over the update's seconds means they are not what it waits for)."""
     from miles_disagg.engines.updater import DiskDeltaUpdater
 
-    updaters = {size: DiskDeltaUpdater(fleet.urls, store_dir=str(root / f"store-{size}"),
-                                       local_dirs=[str(root / f"fanout-{size}" / f"engine-{i}")
+    updaters = {size: DiskDeltaUpdater(fleet.urls, store_dir=str(root / f"store-{name}-{size}"),
+                                       local_dirs=[str(root / f"{name}-{size}" / f"engine-{i}")
                                                    for i in range(size)])
                 for size, fleet in fleets.items()}
     loop_runs: dict[int, list] = {size: [] for size in fleets}
     thread_runs: dict[int, list] = {size: [] for size in fleets}
-    threads = {size: size <= THREADS_BASELINE_MAX_ENGINES for size in fleets}
+    with_threads = threads
+    threads = {size: with_threads and size <= THREADS_BASELINE_MAX_ENGINES for size in fleets}
     try:
         for size, updater in updaters.items():
             _loop_update(updater, 1)  # warm-up (imports, first connections): not measured
@@ -244,7 +278,7 @@ def _fanout_all(root: Path, fleets: dict[int, SimFleetProcess], updates: int) ->
     results = {size: {**_fanout_summary(loop_runs[size], thread_runs[size]),
                       "updater_process_rss_mb": rss_mb(os.getpid())} for size in fleets}
     for size, result in results.items():
-        _progress(f"  fan-out, {size} engines: {result}")
+        _progress(f"  {name}, {size} engines: {result}")
     return results
 
 
@@ -319,6 +353,10 @@ def _ratios(per_size: dict[int, dict]) -> dict:
 
 def _versus_smallest(result: dict, base: dict) -> dict:
     entry: dict[str, Any] = {}
+    if "fanout_per_step" in result:
+        mine, theirs = result["fanout_per_step"], base["fanout_per_step"]
+        entry["fanout_per_step_update_time_vs_smallest"] = _ratio(mine["update_s"], theirs["update_s"])
+        entry["fanout_per_step_max_pause_vs_smallest"] = _ratio(mine["max_pause_s"], theirs["max_pause_s"])
     if "fanout" in result:
         entry["fanout_update_time_vs_smallest"] = _ratio(result["fanout"]["update_s"], base["fanout"]["update_s"])
         entry["fanout_max_pause_vs_smallest"] = _ratio(result["fanout"]["max_pause_s"], base["fanout"]["max_pause_s"])

@@ -11,7 +11,9 @@ committed ``version``, with the per-engine steps of :mod:`miles_disagg.engines.a
    and the router routes to it again by the version it really serves. An engine whose pull
    answer announced it (the built-in engine, ``miles-disagg agent``) does all of that itself in
    one request (``/activate_weights``), so its pause holds no round trip to this process and does
-   not grow with the number of engines updated at once; a stock SGLang gets the five requests.
+   not grow with the number of engines updated at once; a stock SGLang gets the five requests, at
+   most :data:`MAX_STEPPING_AT_ONCE` engines at a time (a rolling activation, so one engine's pause
+   does not wait on the others' requests either).
 
 Both phases run on one event loop (a private thread's, so a caller inside a loop is fine) with
 :class:`~miles_disagg.engines.async_client.AsyncEngineClient`: with a thread and a synchronous
@@ -40,6 +42,11 @@ from miles_disagg.types import MilesDisaggError, ReplaceReplica
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 CONNECT_TIMEOUT_S = 30.0
+MAX_STEPPING_AT_ONCE = 8
+"""Engines on the per-step activation path (no one-call) paused at once in one update: each such pause holds
+four round trips to this process, so with every engine paused together each pause waited for every other
+engine's requests and grew with their number (4.0x at 256 engines against 8, ``bench scale``: ``fanout_per_step``); a rolling
+activation of this many at a time keeps one engine's pause what it is for a few engines."""
 
 
 class UpdateFailed(ReplaceReplica):
@@ -156,7 +163,9 @@ class DiskDeltaUpdater(_Fleet):
             await self._all_async([self.prepare_one(i, engine, version) for i, engine in enumerate(engines)],
                                   "prepare")
             prepared = time.perf_counter()
-            pauses = await self._all_async([self._activate_async(engine, version) for engine in engines], "activate")
+            stepping = asyncio.Semaphore(MAX_STEPPING_AT_ONCE)  # the per-step path's engines paused at once
+            pauses = await self._all_async([self._activate_async(engine, version, stepping) for engine in engines],
+                                           "activate")
             done = time.perf_counter()
         finally:
             await session.aclose()
@@ -182,9 +191,16 @@ class DiskDeltaUpdater(_Fleet):
             raise UpdateFailed("; ".join(errors))
         return outcomes
 
-    async def _activate_async(self, engine: Any, version: int) -> float:
-        """``_activate`` on the loop; the router hook (synchronous) runs on the fleet's threads. An
-        activation's own failure wins over a failure to tell the router afterwards."""
+    async def _activate_async(self, engine: Any, version: int, stepping: asyncio.Semaphore) -> float:
+        """``_activate`` on the loop (an engine on the per-step path holds one of ``stepping``'s places
+        from its router pause to its router ready); the router hook (synchronous) runs on the fleet's
+        threads. An activation's own failure wins over a failure to tell the router afterwards."""
+        if getattr(engine, "one_call_activation", False) is True:
+            return await self._activate_sequence(engine, version)
+        async with stepping:
+            return await self._activate_sequence(engine, version)
+
+    async def _activate_sequence(self, engine: Any, version: int) -> float:
         await self._tell_router(engine.url, "paused")
         try:
             pause_s = await activate_async(engine, version, pause_mode=self.pause_mode)

@@ -65,6 +65,37 @@ def test_the_updater_brings_every_engine_to_the_version_and_the_router_routes_by
         router.stop()
 
 
+def test_engines_without_one_call_take_the_steps_at_most_so_many_paused_at_once(tmp_path, monkeypatch) -> None:
+    """Simulated engines answering as stock SGLang (``--stock-activation``: no ``/activate_weights``, none
+    announced): the updater takes the per-step path, every engine reaches the version, and never more than
+    :data:`~miles_disagg.engines.updater.MAX_STEPPING_AT_ONCE` of them are out of the router at once."""
+    from miles_disagg.engines import updater as updater_module
+
+    monkeypatch.setenv(ADMIN_API_KEY_ENV, ADMIN_KEY)
+    monkeypatch.setattr(updater_module, "MAX_STEPPING_AT_ONCE", 2)
+    stock = SimFleetProcess.start(tmp_path / "sim.log", 5, ScaleBench(per_request_ms=5, pull_ms=10, load_ms=20),
+                                  stock_activation=True)
+    events: list[tuple[str, str]] = []
+    try:
+        assert httpx.post(stock.urls[0] + "/activate_weights", json={}, headers=ADMIN).status_code == 404
+        updater = DiskDeltaUpdater(stock.urls, store_dir=str(tmp_path / "store"),
+                                   local_dirs=[str(tmp_path / f"local-{i}") for i in range(5)],
+                                   set_state=lambda url, state: events.append((url, state)))
+        try:
+            report = updater.update(1)
+        finally:
+            updater.close()
+        assert [httpx.get(u + "/model_info").json()["weight_version"] for u in stock.urls] == ["1"] * 5
+    finally:
+        stock.stop()
+    assert len(report.per_engine_pause_s) == 5 and min(report.per_engine_pause_s) >= 0.02  # the load, timed here
+    out, most = 0, 0
+    for _url, state in events:
+        out += 1 if state == "paused" else -1
+        most = max(most, out)
+    assert most == 2 and out == 0 and len(events) == 10, events
+
+
 def test_an_unstaged_version_fails_the_activation_and_the_engine_is_not_left_paused(fleet, monkeypatch) -> None:
     root, sim = fleet
     monkeypatch.setenv(ADMIN_API_KEY_ENV, ADMIN_KEY)
@@ -135,9 +166,11 @@ def test_bench_scale_prints_one_json_object_with_every_pool_size(tmp_path: Path)
         assert len(two["router_processes_rss_mb"]) == 2 and two["routing_overhead_ms"]["count"] > 0
         assert len(pool["sim_engines_rss_mb"]) == 2  # the simulated engines in two processes
         assert pool["fanout"]["sim_engines_cpu_s"] >= 0 and len(pool["router"]["throughput_vs_smallest_per_round"]) == 2
+        per_step = pool["fanout_per_step"]  # engines without one-call activation, measured the same way
+        assert per_step["update_s"] > 0 and per_step["max_pause_s"] > 0 and per_step["threads"] is None
         assert pool["rollout"]["samples_per_s"] > 0 and pool["rollout"]["rollout_concurrency"] == 16
         assert len(pool["rollout"]["samples_per_s_per_round"]) == 2 and pool["router"]["router_net_cpu_ms_per_request"] >= 0
-    assert {"fanout_update_time_vs_smallest", "router_throughput_vs_smallest",
+    assert {"fanout_update_time_vs_smallest", "fanout_per_step_max_pause_vs_smallest", "router_throughput_vs_smallest",
             "router_throughput_vs_smallest_median_of_rounds", "rollout_samples_per_s_vs_smallest_median_of_rounds",
             "rollout_samples_per_s_vs_smallest"} <= set(out["ratios"]["4_vs_2"])
     assert out["settings"]["rounds"] == 2

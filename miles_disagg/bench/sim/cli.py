@@ -28,6 +28,8 @@ class SimEnginesCommand(ServerFlags):
     pull_ms: float = flag(100.0, "Time of /pull_weights.", metavar="MS")
     pause_ms: float = flag(0.0, "Time of /pause_generation.", metavar="MS")
     load_ms: float = flag(50.0, "Time of /update_weights_from_disk.", metavar="MS")
+    stock_activation: bool = flag(False, "Answer as stock SGLang attached directly: no /activate_weights, none "
+                                  "announced (updaters take the per-step activation).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -61,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(command: SimEnginesCommand) -> None:
     from miles_disagg.bench.sim.engines import SimulatedFleet
 
-    fleet = SimulatedFleet(command.num_engines, command.latency(), host=command.host, guard=command.guard())
+    fleet = SimulatedFleet(command.num_engines, command.latency(), host=command.host, guard=command.guard(),
+                           one_call=not command.stock_activation)
     urls = await fleet.start(command.port)
     print(json.dumps({"urls": urls}), flush=True)
     try:

@@ -13,7 +13,9 @@ built-in engine answers it:
   activates a staged one (400 otherwise: the engine serves only versions it staged);
   ``/pause_generation`` (``pause_s``), ``/continue_generation``, ``/flush_cache``, ``/abort_request``;
   ``POST /activate_weights`` does the pause, the load and the continue in one request (announced in
-  every ``/pull_weights`` answer and ``/server_info``, as the built-in engine announces it).
+  every ``/pull_weights`` answer and ``/server_info``, as the built-in engine announces it). With
+  ``one_call=False`` (``sim-engines --stock-activation``) an engine answers as stock SGLang attached
+  directly does: no ``/activate_weights`` (404) and nothing announced, so updaters take the per-step path.
 * ``GET /health``, ``/health_generate``, ``/model_info``, ``/server_info`` (and the ``/get_*`` forms),
   ``/get_weight_version``.
 
@@ -77,6 +79,8 @@ class SimulatedEngine:
 
     index: int
     latency: LatencyModel
+    one_call: bool = True
+    """Whether it serves and announces ``/activate_weights`` (False: as stock SGLang)."""
     version: int = 0
     staged: set[int] = field(default_factory=set)
     paused: bool = False
@@ -132,8 +136,8 @@ class SimulatedEngine:
                 raise BadRequest(f"{name} must be a path string without NUL bytes, got {body.get(name)!r}")
         await asyncio.sleep(self.latency.pull_s)
         self.staged.add(version)
-        return {"success": True, "message": f"staged version {version}", "version": version,
-                "miles_disagg": ONE_CALL_ANNOUNCEMENT}
+        answer = {"success": True, "message": f"staged version {version}", "version": version}
+        return {**answer, "miles_disagg": ONE_CALL_ANNOUNCEMENT} if self.one_call else answer
 
     async def activate(self, body: dict) -> dict:
         """``/activate_weights``: pause, load the staged version, continue, in one request (the pause is
@@ -186,7 +190,8 @@ class SimulatedEngine:
     def server_info(self) -> dict:
         return {"tp_size": 1, "dtype": "bfloat16", "context_length": 1 << 20, "weight_version": str(self.version),
                 "internal_states": [{"num_running_requests": self.running, "num_waiting_requests": 0}],
-                "miles_disagg": {"simulated": True, "delta_filters": [], **ONE_CALL_ANNOUNCEMENT}}
+                "miles_disagg": {"simulated": True, "delta_filters": [],
+                                 **(ONE_CALL_ANNOUNCEMENT if self.one_call else {})}}
 
 
 def _new_tokens(body: dict, default: int) -> int:
@@ -236,8 +241,9 @@ def make_app(engine: SimulatedEngine, guard: ServerGuard):
                           client_max_size=guard.max_request_bytes or 1 << 62)
     posts = {"/generate": engine.generate, "/pull_weights": engine.pull, "/pause_generation": engine.pause,
              "/continue_generation": engine.resume, "/update_weights_from_disk": engine.load,
-             ACTIVATE_PATH: engine.activate,
              "/flush_cache": _ok, "/abort_request": _ok}
+    if engine.one_call:
+        posts[ACTIVATE_PATH] = engine.activate
     gets = {"/health": lambda: {}, "/health_generate": lambda: {},
             "/model_info": engine.model_info, "/get_model_info": engine.model_info,
             "/server_info": engine.server_info, "/get_server_info": engine.server_info,
@@ -301,12 +307,12 @@ class SimulatedFleet:
     """``num_engines`` simulated engines on one event loop, each on its own port of ``host``."""
 
     def __init__(self, num_engines: int, latency: LatencyModel, *, host: str = "127.0.0.1",
-                 guard: ServerGuard | None = None):
+                 guard: ServerGuard | None = None, one_call: bool = True):
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.host, self.latency = host, latency
         self.guard = guard if guard is not None else ServerGuard.from_env()
-        self.engines = [SimulatedEngine(i, latency) for i in range(num_engines)]
+        self.engines = [SimulatedEngine(i, latency, one_call) for i in range(num_engines)]
         self.urls: list[str] = []
         self._runners: list = []
 
