@@ -89,6 +89,11 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {f.flag: f for f in (
     RefusedFlag("--no-sglang-lora-use-virtual-experts",
                 "it picks how SGLang serves adapters on MoE experts, and adapters here are not put on experts",
                 "drop it"),
+    RefusedFlag("--opd-teacher-adapters",
+                "it picks, per sample, a LoRA adapter (lora_path) the one OPD teacher server was started with, and "
+                "the teachers here are whole engines, one per --opd-teacher-urls name",
+                "serve each teacher (its adapter merged) as its own engine and name them with --opd-teacher-urls "
+                "NAME=URL"),
     RefusedFlag("--partial-rollout",
                 "it recycles unfinished samples into the next rollout; here every group is generated whole",
                 "drop it (--max-weight-staleness bounds how old a consumed sample may be)"),
