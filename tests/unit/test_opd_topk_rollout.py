@@ -19,8 +19,9 @@ import pytest
 from miles_disagg.config.actors import RolloutManagerConfig
 from miles_disagg.config.components import RolloutConfig
 from miles_disagg.rollout.generate import GenerationFailed
-from miles_disagg.rollout.manager import RolloutManager
+from miles_disagg.rollout.manager import RolloutManager, load_groups, save_groups
 from miles_disagg.rollout.opd_topk import STUDENT_TOP_KEY
+from miles_disagg.types import Group
 
 pytestmark = pytest.mark.timeout(120)
 K = 2
@@ -80,9 +81,10 @@ def generate(manager: RolloutManager, version: int = 4):
     return [s for g in asyncio.run(scenario()).groups for s in g.samples]
 
 
-def test_a_training_group_is_scored_by_top_k_on_both_sides(tokenizer_dir):
+def test_a_training_group_is_scored_by_top_k_on_both_sides(tokenizer_dir, tmp_path):
     fakes = Fakes()
-    samples = generate(make_manager(tokenizer_dir, fakes))
+    manager = make_manager(tokenizer_dir, fakes)
+    samples = generate(manager)
     generation = [b for host, b in fakes.calls if host == "router" and b["sampling_params"]["max_new_tokens"] > 0]
     teacher = [b for host, b in fakes.calls if host == "teacher"]
     student = [b for host, b in fakes.calls if host == "router" and b["sampling_params"]["max_new_tokens"] == 0]
@@ -98,6 +100,11 @@ def test_a_training_group_is_scored_by_top_k_on_both_sides(tokenizer_dir):
         # S = {3, 4} at both positions: student from its top (-0.1, -0.2), teacher from its top (same)
         assert sample.opd_reverse_kl == pytest.approx([0.0, 0.0])
         assert sample.teacher_logprobs == [-0.3, -0.3] and sample.teacher_version == "2"
+    # --save-debug-rollout-data / --load-debug-rollout-data keep the terms (a train-only run trains on them)
+    save_groups(tmp_path / "0.jsonl", [Group(prompt_index=0, samples=samples)], consumed_at_version=4)
+    (loaded,) = load_groups(tmp_path / "0.jsonl")
+    assert [s.opd_reverse_kl for s in loaded.samples] == [s.opd_reverse_kl for s in samples]
+    assert [s.metadata[STUDENT_TOP_KEY] for s in loaded.samples] == [s.metadata[STUDENT_TOP_KEY] for s in samples]
 
 
 def test_a_tool_s_tokens_get_empty_rows_and_the_teacher_is_routed_by_name(tokenizer_dir):
