@@ -128,10 +128,6 @@ class Teacher:
                              "teacher's top-k ids")
         self.counters: dict[str, int] = counters if counters is not None else {}
 
-    @property
-    def url(self) -> str:
-        return ", ".join(self.routes.urls)
-
     async def score(self, samples: list[Sample]) -> None:
         """Set every sample's ``teacher_logprobs`` and ``teacher_version`` (one request each, concurrently),
         and with top-k its ``opd_reverse_kl``."""
