@@ -352,3 +352,28 @@ def test_a_stalled_router_delays_an_update_and_a_killed_one_is_started_again(run
             (url, "ready", manager.slots.version) for url in members}
     [restart] = [e for e in manager.events if e["event"] == "router_restarted"]
     assert restart["workers"] == members and "exited" in restart["why"], restart
+
+
+def test_an_update_whose_router_calls_failed_is_made_again_not_left_half_applied(run, monkeypatch):
+    """The router call marking an engine ready again fails for good (after the keeper's retries and
+    restart: simulated here) once: the update is made again, the engine already at the version is only
+    marked ready, and the update returns with every engine at the version and routed."""
+    from miles_disagg.router.client import RouterUnreachable
+
+    manager, versions = run["manager"], run["versions"]
+    keeper, real_call = manager.routing.keeper, manager.routing.keeper.call
+    failed: list[str] = []
+
+    def failing_once(what: str, fn):
+        if what.startswith("set_worker_state") and what.endswith(" ready") and not failed:
+            failed.append(what)
+            raise RouterUnreachable(f"{what}: the router did not answer, also after it was restarted")
+        return real_call(what, fn)
+
+    monkeypatch.setattr(keeper, "call", failing_once)
+    version = versions.publish_next(seed=8)
+    manager.update_weights(version)
+    assert failed and manager.slots.version == version
+    with RouterClient(run["router_url"]) as router:
+        assert {(w["state"], w["weight_version"]) for w in router.list_workers()} == {("ready", version)}
+    assert set(manager.versions()) == {str(version)}
