@@ -127,7 +127,7 @@ def test_return_text_in_logprobs_and_group_name():
 
 
 @pytest.mark.parametrize("field", [{"logprob_start_len": -2}, {"top_logprobs_num": -1}, {"token_ids_logprob": [[1]]},
-                                   {"return_hidden_states": True}, {"lora_path": "a"}, {"image_data": "x.png"},
+                                   {"return_hidden_states": True}, {"lora_path": ["a"]}, {"image_data": "x.png"},
                                    {"logprob_start_len": [-1, 0, 1]}, {"logprob_start_len": 1.5}])
 def test_unimplemented_or_malformed_generate_fields_are_refused(field):
     with pytest.raises(InvalidInput, match=next(iter(field))):

@@ -49,6 +49,14 @@ class EngineConfig:
     enable_return_routed_experts: bool = flag(False, "Let /generate requests ask for return_routed_experts (SGLang's "
                                                      "flag): each token's experts in meta_info['routed_experts'] "
                                                      "(mixture-of-experts models only).")
+    enable_lora: bool = flag(False, "SGLang's: serve LoRA adapters (/load_lora_adapter, /unload_lora_adapter, "
+                                    "lora_path on /generate); several resident, a batch may mix them.")
+    max_loaded_loras: int = flag(4, "SGLang's: most LoRA adapters resident at once (a load beyond is refused, 409).",
+                                 metavar="N")
+    max_lora_rank: int = flag(64, "SGLang's: the highest adapter rank a load accepts.", metavar="N")
+    lora_roots: list[str] = flag([], "A directory /load_lora_adapter may read adapters under (repeatable); any "
+                                     "other lora_path is refused with 403.", name="--lora-root", metavar="DIR",
+                                 repeat="append")
     api_key: str | None = flag(None, API_KEY_HELP, metavar="KEY")
     admin_api_key: str | None = flag(None, ADMIN_API_KEY_HELP, metavar="KEY")
     max_request_bytes: int = flag(DEFAULT_MAX_REQUEST_BYTES, MAX_REQUEST_BYTES_HELP, metavar="N")
@@ -60,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"--dtype must be one of {', '.join(ENGINE_DTYPES)}, got {self.dtype!r}")
         if self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.max_loaded_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("--max-loaded-loras and --max-lora-rank must be >= 1")
         if self.prefix_cache_tokens < 0:
             raise ValueError(f"--prefix-cache-tokens must be >= 0, got {self.prefix_cache_tokens}")
         if not 0 <= self.port < 65536:

@@ -41,7 +41,7 @@ UNSUPPORTED_SAMPLING = {
 UNSUPPORTED_GENERATE = {
     "return_hidden_states": (False,),
     "return_indexer_topk": (False,), "return_sampling_mask": (False,),
-    "lora_path": (), "input_embeds": (), "image_data": (), "video_data": (), "audio_data": (),
+    "input_embeds": (), "image_data": (), "video_data": (), "audio_data": (),
 }
 
 
@@ -151,6 +151,8 @@ class GenerateReqInput(Body):
     return_text_in_logprobs: bool = False
     stream: bool = False
     extra_key: tuple[Annotated[str, Field(max_length=256)] | None, ...] = ()
+    lora_path: tuple[Annotated[str, Field(min_length=1, max_length=256)] | None, ...] = ()
+    """SGLang's: the loaded LoRA adapter (by its lora_name) each item runs with (None: the base)."""
     """SGLang's cache isolation key (one per item or shared): requests with different keys never
     share prefix-cache entries."""
 
@@ -178,6 +180,7 @@ class GenerateReqInput(Body):
             "token_ids_logprob": _id_lists(obj.get("token_ids_logprob"), count, batched),
             "token_ids_logprob_positions": _position_lists(obj.get("token_ids_logprob_positions"), count, batched),
             "extra_key": _per_item(obj.get("extra_key"), count, "extra_key", None),
+            "lora_path": _per_item(obj.get("lora_path"), count, "lora_path", None),
             "rid": (tuple(f"{rid}_{i}" for i in range(count)) if batched and isinstance(rid, str)
                     else _per_item(rid, count, "rid", "")),
         }
@@ -315,6 +318,8 @@ class GenerateItem:
         return self.return_logprob and (self.token_ids_logprob is not None
                                         or self.token_ids_logprob_positions is not None)
     extra_key: str | None = None
+    lora_path: str | None = None
+    """SGLang's: the name of the loaded LoRA adapter this item runs with (None: the base)."""
     """SGLang's cache isolation key: the prefix-cache namespace this request reads and fills."""
 
     @property
@@ -397,6 +402,7 @@ def parse_generate(body: bytes | Any, max_prompt_tokens: int | None = None,
             routed_experts_start_len=req.routed_experts_start_len[i],
             logprob_start_len=req.logprob_start_len[i] if req.return_logprob[i] else -1,
             extra_key=req.extra_key[i],
+            lora_path=req.lora_path[i],
             token_ids_logprob=req.token_ids_logprob[i],
             token_ids_logprob_positions=req.token_ids_logprob_positions[i],
         )

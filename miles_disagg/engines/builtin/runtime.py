@@ -74,16 +74,16 @@ _SINGLE_PROCESS_SERVER_ARGS = {"tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_siz
 
 
 class _ReleasingSink:
-    """Forwards to the HTTP sink and frees the request id when the sequence finishes."""
+    """Forwards to the HTTP sink and frees the request id (and its LoRA adapter) when the sequence finishes."""
 
-    def __init__(self, inner: Sink, release: Callable[[str], None]):
+    def __init__(self, inner: Sink, release: Callable[[Sequence], None]):
         self.inner, self.release = inner, release
 
     def on_token(self, seq: Sequence) -> None:
         self.inner.on_token(seq)
 
     def on_finish(self, seq: Sequence) -> None:
-        self.release(seq.rid)
+        self.release(seq)
         self.inner.on_finish(seq)
 
 
@@ -104,7 +104,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.runner, version=config.weight_version, max_running=config.max_running_requests,
             seed=config.random_seed, stop_text=self._matched_stop_text,
-            prefix_cache_tokens=config.prefix_cache_tokens,
+            prefix_cache_tokens=config.prefix_cache_tokens, lora=self._lora_bank(config),
         )
         self.memory = MemoryState()  # colocation: released tags (see engines/builtin/memory.py)
         self.updates = WeightUpdates(config, self.runner, self.scheduler, self.memory)
@@ -113,6 +113,26 @@ class Engine:
         self.max_request_tokens = REQUEST_BATCHES * config.max_running_requests * self.runner.max_context
         self._rid_lock = threading.Lock()
         self._live_rids: set[str] = set()
+
+    def _lora_bank(self, config: EngineConfig):
+        if not config.enable_lora:
+            return None
+        from miles_disagg.engines.builtin.lora import LoraBank
+
+        return LoraBank(self.runner.model, max_loaded=config.max_loaded_loras, max_rank=config.max_lora_rank,
+                        roots=config.lora_roots)
+
+    @property
+    def lora(self):
+        """The resident LoRA adapters (None without --enable-lora)."""
+        return self.scheduler.lora
+
+    def _adapter(self, item: GenerateItem):
+        if item.lora_path is None:
+            return None
+        if self.lora is None:
+            raise InvalidInput("lora_path needs an engine started with --enable-lora")
+        return self.lora.acquire(item.lora_path)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -150,12 +170,22 @@ class Engine:
             check_logprob_start_len(item, len(prompt))
             check_reported_logprobs(item, len(prompt), self.runner.vocab_size)
         self._claim_rids([item.rid for item in request.items])
+        adapters: list = []
+        try:
+            adapters.extend(self._adapter(item) for item in request.items)
+        except BaseException:
+            for adapter in adapters:
+                if adapter is not None:
+                    self.lora.release(adapter)
+            for item in request.items:
+                self._release_rid(item.rid)
+            raise
         return [
             Sequence(
                 item=item, prompt_ids=prompt, generator=self.scheduler.new_generator(item.sampling.sampling_seed),
-                sink=_ReleasingSink(make_sink(item), self._release_rid), stop_ids=self.stop_ids,
+                sink=_ReleasingSink(make_sink(item), self._release), stop_ids=self.stop_ids, adapter=adapter,
             )
-            for item, prompt in zip(request.items, prompts)
+            for item, prompt, adapter in zip(request.items, prompts, adapters)
         ]
 
     def _claim_rids(self, rids: list[str]) -> None:
@@ -168,6 +198,11 @@ class Engine:
     def _release_rid(self, rid: str) -> None:
         with self._rid_lock:
             self._live_rids.discard(rid)
+
+    def _release(self, seq: Sequence) -> None:
+        self._release_rid(seq.rid)
+        if seq.adapter is not None:
+            self.lora.release(seq.adapter)
 
     def submit(self, seq: Sequence) -> None:
         if seq.item.sampling.max_new_tokens == 0 and not seq.item.wants_input_logprobs:  # scoring needs a prefill
@@ -315,6 +350,9 @@ class Engine:
             "max_running_requests": self.config.max_running_requests,
             "random_seed": self.config.random_seed,
             "enable_return_routed_experts": self.config.enable_return_routed_experts,  # SGLang's server arg
+            "enable_lora": self.config.enable_lora,  # SGLang's server args, and the adapters resident
+            "max_loaded_loras": self.config.max_loaded_loras, "max_lora_rank": self.config.max_lora_rank,
+            "loaded_lora_adapters": self.lora.describe() if self.lora is not None else [],
             "context_length": self.runner.max_context,
             "max_req_input_len": self.runner.max_context - 1,
             "weight_version": self.version,

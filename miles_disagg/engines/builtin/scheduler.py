@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -95,6 +96,9 @@ class Sequence:
     retraction keeps them, as SGLang does)."""
     cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache at the (last) prefill (SGLang's meta_info)."""
+    adapter: Any = None
+    """The LoRA adapter it runs with (:class:`~miles_disagg.engines.builtin.lora.ResidentAdapter`; None:
+    the base), held from admission to its end."""
     cache_key: Hashable | None = None
     """The weights key (:attr:`Scheduler.cache_key`) its KV was computed under; None until its prefill.
     Its KV joins the prefix cache at the end only if the key is still live (never mixed-version KV)."""
@@ -135,8 +139,10 @@ class Scheduler:
         seed: int,
         stop_text: StopTextChecker,
         prefix_cache_tokens: int = 0,
+        lora: Any = None,
     ):
         self.runner = runner
+        self.lora = lora  # engines/builtin/lora.py's LoraBank with --enable-lora
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.weights_epoch = 0  # bumped by every swap of live tensors (weights_changed)
         self.version = version
@@ -365,7 +371,7 @@ class Scheduler:
         warm = [(seq, hit) for seq, hit in zip(joining, hits) if hit is not None]
         try:
             parts = ([self._prefill_cold(cold)] if cold else []) + [
-                self.runner.extend(past, seq.all_ids[seq.cached_tokens:]) for seq, past in warm]
+                self._extend(seq, past) for seq, past in warm]
         except Exception as exc:  # they are in neither queue now: answer them before re-raising
             message = f"internal engine error: {type(exc).__name__}: {exc}"
             for seq in joining:
@@ -389,10 +395,19 @@ class Scheduler:
         seq.cached_tokens, past = self.prefix_cache.match(tokens, self.cache_key, len(tokens) - 1, _namespace(seq))
         return past
 
+    def _adapters(self, rows: list[Sequence]):
+        """The LoRA adapters of a forward pass's rows (a no-op without --enable-lora)."""
+        return self.lora.rows([seq.adapter for seq in rows]) if self.lora is not None else contextlib.nullcontext()
+
+    def _extend(self, seq: Sequence, past) -> tuple[torch.Tensor, KVBatch]:
+        with self._adapters([seq]):
+            return self.runner.extend(past, seq.all_ids[seq.cached_tokens:])
+
     def _prefill_cold(self, joining: list[Sequence]) -> tuple[torch.Tensor, KVBatch]:
         scoring = [_scoring(seq) for seq in joining]
-        logits, kv = self.runner.prefill([seq.all_ids for seq in joining], _wants_routing(joining),
-                                         scoring if any(s is not None for s in scoring) else None)
+        with self._adapters(joining):
+            logits, kv = self.runner.prefill([seq.all_ids for seq in joining], _wants_routing(joining),
+                                             scoring if any(s is not None for s in scoring) else None)
         for offset, seq in enumerate(joining):
             if seq.item.return_routed_experts and self.runner.last_routed is not None:
                 seq.routed = [self.runner.last_routed[offset, -len(seq.all_ids):]]
@@ -411,8 +426,9 @@ class Scheduler:
     def _decode(self) -> bool:
         if not self.running:
             return False
-        logits = self.runner.decode(self.kv, [seq.output_ids[-1] for seq in self.running],
-                                    _wants_routing(self.running))
+        with self._adapters(self.running):
+            logits = self.runner.decode(self.kv, [seq.output_ids[-1] for seq in self.running],
+                                        _wants_routing(self.running))
         for row, seq in enumerate(self.running):
             if seq.item.return_routed_experts and self.runner.last_routed is not None:
                 seq.routed.append(self.runner.last_routed[row])  # the token fed at this step
@@ -494,8 +510,9 @@ def _scoring(seq: Sequence) -> InputScoring | None:
 
 
 def _namespace(seq: Sequence) -> Hashable:
-    """The prefix-cache partition a request reads and fills (SGLang's ``extra_key``)."""
-    return seq.item.extra_key
+    """The prefix-cache partition a request reads and fills (SGLang's ``extra_key``; a LoRA adapter's
+    KV is its own)."""
+    return seq.item.extra_key if seq.adapter is None else (seq.item.extra_key, "lora", seq.adapter.key)
 
 
 def _wants_routing(rows: list[Sequence]) -> bool:

@@ -34,9 +34,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from miles_disagg.net.asgi_guard import ServerGuard, install_guard, server_app
 from miles_disagg.engines.activation import ACTIVATE_PATH
 from miles_disagg.engines.builtin import one_call, protocol
+from miles_disagg.engines.builtin.lora import LoadLoraAdapter, UnloadLoraAdapter
 from miles_disagg.engines.builtin.runtime import Engine
 from miles_disagg.engines.builtin.scheduler import Sequence
 from miles_disagg.net.httpjson import error_json, status_for
+from miles_disagg.types import InvalidInput
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +178,19 @@ class EngineEndpoints:
         return await self.parse_then_call(request, one_call.ActivateWeights.from_json,
                                           lambda req: one_call.activate_here(self.engine, req))
 
+    async def load_lora_adapter(self, request: Request):
+        return await self.parse_then_call(request, LoadLoraAdapter.from_json,
+                                          lambda req: self._lora_bank().load_request(req))
+
+    async def unload_lora_adapter(self, request: Request):
+        return await self.parse_then_call(request, UnloadLoraAdapter.from_json,
+                                          lambda req: self._lora_bank().unload_request(req))
+
+    def _lora_bank(self):
+        if self.engine.lora is None:
+            raise InvalidInput("LoRA adapters need an engine started with --enable-lora")
+        return self.engine.lora
+
     async def pull_weights(self, request: Request):
         return await self.parse_then_call(request, protocol.PullWeights.from_json, self.engine.updates.pull_weights)
 
@@ -311,6 +326,8 @@ def create_app(engine: Engine, guard: ServerGuard | None = None):
         ("/generate", api.generate, ["POST", "PUT"]),
         ("/update_weights_from_disk", api.update_weights_from_disk, post),
         ("/pull_weights", api.pull_weights, post),
+        ("/load_lora_adapter", api.load_lora_adapter, post),
+        ("/unload_lora_adapter", api.unload_lora_adapter, post),
         (ACTIVATE_PATH, api.activate_weights, post),
         ("/init_weights_update_group", api.init_weights_update_group, post),
         ("/update_weights_from_distributed", api.update_weights_from_distributed, post),

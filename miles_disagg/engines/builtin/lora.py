@@ -1,0 +1,211 @@
+"""LoRA adapters on the built-in engine (``--enable-lora``): several resident at once, each request
+choosing one by name (SGLang's ``lora_path``), a batch mixing them row by row.
+
+The base model stays as it is. With ``--enable-lora`` every projection an adapter may target
+(``q_proj`` ... ``down_proj``) gets one forward hook at start; a forward pass with no adapter in its
+batch costs one Python call per projection. In a pass whose rows carry adapters (:meth:`LoraBank.rows`),
+each adapter's rows get ``x @ A^T @ B^T * alpha / r`` added to the projection's output, as PEFT's
+LoRA layer computes it.
+
+Lifecycle of one adapter (SGLang's ``/load_lora_adapter`` and ``/unload_lora_adapter``): loading
+reads a directory checked whole (:func:`~miles_disagg.weights.adapters.check_adapter_dir`) under the
+engine's ``--lora-root`` directories while generation goes on; it is served as soon as it is
+resident. A request holds its adapter from admission to its end (``in_flight``), so a request
+finishes on the adapter it started with. Unloading never waits: the adapter takes no new request at
+once and leaves when its in-flight count reaches zero. At most ``--max-loaded-loras`` are resident;
+loading one more is refused (409) until one is unloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from pydantic import Field
+
+from miles_disagg.engines.builtin.protocol import Body
+from miles_disagg.types import Forbidden, InvalidInput, Retryable
+from miles_disagg.weights.adapters import ADAPTER_WEIGHTS, AdapterInfo, check_adapter_dir
+
+TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MAX_NAME_CHARS = 256
+
+
+class LoraBankFull(Retryable):
+    """``--max-loaded-loras`` adapters are resident (409: retry once one is unloaded); nothing changed."""
+
+
+class LoadLoraAdapter(Body):
+    """SGLang's ``LoadLoRAAdapterReqInput``."""
+
+    lora_name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    pinned: bool = False
+
+
+class UnloadLoraAdapter(Body):
+    """SGLang's ``UnLoadLoRAAdapterReqInput``."""
+
+    lora_name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+
+
+@dataclass
+class ResidentAdapter:
+    name: str
+    path: str
+    info: AdapterInfo
+    pinned: bool
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A [r, in], B [out, r])
+    in_flight: int = 0
+    unloading: bool = False
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)  # this load's identity (its prefix-cache partition)
+
+    def describe(self) -> dict:
+        return {"lora_name": self.name, "lora_path": self.path, "rank": self.info.rank, "lora_alpha": self.info.alpha,
+                "target_modules": list(self.info.targets), "pinned": self.pinned, "in_flight": self.in_flight,
+                "unloading": self.unloading}
+
+
+@dataclass
+class _Rows:
+    groups: list[tuple[ResidentAdapter, torch.Tensor]] = field(default_factory=list)
+
+
+class LoraBank:
+    """The resident adapters of one model and the hooks that apply them; see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, *, max_loaded: int, max_rank: int, roots: list[str]):
+        self.max_loaded, self.max_rank = max_loaded, max_rank
+        self.roots = [Path(os.path.realpath(r)) for r in roots]
+        self._lock = threading.Lock()
+        self._adapters: dict[str, ResidentAdapter] = {}
+        self._rows = _Rows()
+        self.modules = {name: module for name, module in model.named_modules()
+                        if name.rsplit(".", 1)[-1] in TARGETABLE and isinstance(module, torch.nn.Linear)}
+        for name, module in self.modules.items():
+            module.register_forward_hook(self._hook(name))
+
+    # ------------------------------------------------------------------ load / unload
+
+    def load(self, name: str, path: str, pinned: bool = False) -> dict:
+        """Make adapter ``name`` resident from directory ``path`` (``InvalidInput``: malformed or not
+        this model's, or the name is taken; ``Forbidden``: outside the roots; ``LoraBankFull``)."""
+        if not name or len(name) > MAX_NAME_CHARS:
+            raise InvalidInput(f"lora_name must be 1 to {MAX_NAME_CHARS} characters")
+        directory = self._inside_roots(path)
+        info = check_adapter_dir(directory)
+        if info.rank > self.max_rank:
+            raise InvalidInput(f"adapter {name!r} has rank {info.rank}, above --max-lora-rank {self.max_rank}")
+        weights = self._read_weights(directory, info)
+        with self._lock:
+            if name in self._adapters:
+                raise InvalidInput(f"a LoRA adapter named {name!r} is already loaded; unload it first or use another name")
+            if len(self._adapters) >= self.max_loaded:
+                raise LoraBankFull(f"{len(self._adapters)} LoRA adapters are resident, the most --max-loaded-loras allows; "
+                               "unload one first")
+            self._adapters[name] = ResidentAdapter(name, str(directory), info, pinned, weights)
+            return self._adapters[name].describe()
+
+    def unload(self, name: str) -> dict:
+        """Stop serving ``name`` now; it leaves once its in-flight requests finish (never waits)."""
+        with self._lock:
+            adapter = self._adapters.get(name)
+            if adapter is None:
+                raise InvalidInput(f"no LoRA adapter named {name!r} is loaded")
+            adapter.unloading = True
+            if adapter.in_flight == 0:
+                del self._adapters[name]
+            return {"lora_name": name, "unloaded": name not in self._adapters, "in_flight": adapter.in_flight}
+
+    def _inside_roots(self, path: str) -> Path:
+        real = Path(os.path.realpath(path))
+        if not any(real == root or root in real.parents for root in self.roots):
+            raise Forbidden(f"lora_path {path!r} is outside this engine's --lora-root directories "
+                            f"({', '.join(map(str, self.roots)) or 'none given'})")
+        return real
+
+    def _read_weights(self, directory: Path, info: AdapterInfo) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(directory / ADAPTER_WEIGHTS))
+        weights = {}
+        for module in info.modules:
+            layer = self.modules.get(module.module)
+            if layer is None or (layer.in_features, layer.out_features) != (module.in_features, module.out_features):
+                raise InvalidInput(f"adapter at {str(directory)!r} adapts {module.module} "
+                                   f"[{module.in_features} -> {module.out_features}], which this model does not have")
+            prefix = f"base_model.model.{module.module}"
+            a, b = tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"]
+            weights[module.module] = (a.to(layer.weight.device, layer.weight.dtype),
+                                      (b * info.scaling).to(layer.weight.device, layer.weight.dtype))
+        return weights
+
+    # ------------------------------------------------------------------ requests
+
+    def acquire(self, name: str) -> ResidentAdapter:
+        """The adapter a new request runs with, held until :meth:`release` (``InvalidInput``: not served)."""
+        with self._lock:
+            adapter = self._adapters.get(name)
+            if adapter is None or adapter.unloading:
+                raise InvalidInput(f"lora_path {name!r} names no loaded LoRA adapter "
+                                   f"(loaded: {sorted(n for n, a in self._adapters.items() if not a.unloading)})")
+            adapter.in_flight += 1
+            return adapter
+
+    def release(self, adapter: ResidentAdapter) -> None:
+        with self._lock:
+            adapter.in_flight -= 1
+            if adapter.unloading and adapter.in_flight == 0 and self._adapters.get(adapter.name) is adapter:
+                del self._adapters[adapter.name]
+
+    def describe(self) -> list[dict]:
+        with self._lock:
+            return [a.describe() for a in self._adapters.values()]
+
+    def load_request(self, req: LoadLoraAdapter) -> dict:
+        """``/load_lora_adapter``'s answer (SGLang's ``LoadLoRAAdapterReqOutput`` fields)."""
+        adapter = self.load(req.lora_name, req.lora_path, req.pinned)
+        return {"success": True, "error_message": "", "adapter": adapter, "loaded_adapters": self._names()}
+
+    def unload_request(self, req: UnloadLoraAdapter) -> dict:
+        outcome = self.unload(req.lora_name)
+        return {"success": True, "error_message": "", **outcome, "loaded_adapters": self._names()}
+
+    def _names(self) -> dict[str, str]:
+        with self._lock:
+            return {a.name: a.path for a in self._adapters.values() if not a.unloading}
+
+    @contextlib.contextmanager
+    def rows(self, adapters: list[ResidentAdapter | None]) -> Iterator[None]:
+        """The forward passes inside run row ``i`` with ``adapters[i]`` (None: the base)."""
+        groups: dict[int, tuple[ResidentAdapter, list[int]]] = {}
+        for row, adapter in enumerate(adapters):
+            if adapter is not None:
+                groups.setdefault(id(adapter), (adapter, []))[1].append(row)
+        self._rows = _Rows([(a, torch.tensor(r, dtype=torch.long)) for a, r in groups.values()])
+        try:
+            yield
+        finally:
+            self._rows = _Rows()
+
+    def _hook(self, module_name: str):
+        def apply(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+            groups = self._rows.groups
+            if not groups:
+                return output
+            x = inputs[0]
+            for adapter, rows in groups:
+                pair = adapter.weights.get(module_name)
+                if pair is None:
+                    continue
+                a, b = pair
+                rows = rows.to(x.device)
+                output = output.index_add(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+            return output
+        return apply

@@ -1,0 +1,156 @@
+"""The built-in engine serves LoRA adapters (``--enable-lora``) through SGLang's API: adapters the
+trainer made, loaded by ``/load_lora_adapter`` while it generates, chosen per request by
+``lora_path``, mixed in one batch; their logprobs are PEFT's own model's on the same weights; at
+most ``--max-loaded-loras`` resident; unloading waits for in-flight requests without blocking
+anything; malformed adapters and paths outside ``--lora-root`` are refused with nothing loaded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from engine_fixtures import inprocess_engine, long_request, wait_in_flight, wait_until
+
+from miles_disagg.config.components import TrainConfig
+from miles_disagg.types import Sample
+
+pytestmark = pytest.mark.timeout(300)
+PROMPT = [5, 6, 7, 8, 9]
+
+
+def samples(step: int) -> list[Sample]:
+    return [Sample(prompt_ids=[5, 6, 7], response_ids=[8 + (i + step) % 3, 9, 10 + i % 2], response_logprobs=[-3.0] * 3,
+                   advantage=float(i % 2) - 0.5) for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_qwen3_dir, tmp_path_factory):
+    """Two versions of one trained adapter (``v1``, ``v2``) under one root, and a third."""
+    from miles_disagg.trainer.fsdp import FSDPBackend
+    from miles_disagg.trainer.lora import adapter_config
+    from miles_disagg.weights.adapters import write_adapter_dir
+
+    root = tmp_path_factory.mktemp("lora-root")
+    trainer = FSDPBackend(TrainConfig(lr=5e-2, global_batch_size=4, micro_batch_size=2, train_backend="fsdp",
+                                      lora_rank=4, lora_alpha=8), str(tiny_qwen3_dir), rank=0, world_size=1)
+    for version in (1, 2, 3):
+        for step in range(3):
+            trainer.train([samples(step + version)])
+        write_adapter_dir(root / f"v{version}", adapter_config(trainer.lora), trainer.adapter_tensors())
+    return root
+
+
+def peft_logprobs(model_dir, adapter_dir, tokens: list[int]) -> torch.Tensor:
+    """PEFT's model on transformers' Qwen3: the logprob of each token after the prompt."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                      str(adapter_dir)).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return torch.stack([logprobs[i - 1, tokens[i]] for i in range(len(PROMPT), len(tokens))])
+
+
+def generate(handle, lora_path, rid: str, max_new_tokens: int = 6, seed: int = 3):
+    body = {"input_ids": [PROMPT] * len(lora_path) if isinstance(lora_path, list) else PROMPT, "rid": rid,
+            "lora_path": lora_path, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True,
+                                "sampling_seed": seed}}
+    if isinstance(lora_path, list):
+        body["rid"] = [f"{rid}-{i}" for i in range(len(lora_path))]
+    return handle.generate(body)
+
+
+def tokens_and_logprobs(result) -> tuple[list[int], torch.Tensor]:
+    triples = result["meta_info"]["output_token_logprobs"]
+    return [t[1] for t in triples], torch.tensor([t[0] for t in triples])
+
+
+@pytest.fixture(scope="module")
+def served(tiny_qwen3_dir, adapters):
+    # the prefix cache on: a row's KV is reused only under its own adapter (the base's first run of
+    # PROMPT must not serve the later rows that run it with v1 or v2)
+    with inprocess_engine(tiny_qwen3_dir, enable_lora=True, lora_roots=[str(adapters)],
+                          max_loaded_loras=2) as (engine, handle):
+        yield engine, handle
+
+
+def test_adapters_serve_peft_logprobs_and_mix_in_one_batch(served, adapters, tiny_qwen3_dir) -> None:
+    _, handle = served
+    for name in ("v1", "v2"):
+        answer = handle.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(adapters / name)})
+        assert answer.status_code == 200 and answer.json()["success"], answer.text
+    info = handle.get("/server_info").json()
+    assert info["enable_lora"] and info["max_loaded_loras"] == 2
+    assert {a["lora_name"] for a in info["loaded_lora_adapters"]} == {"v1", "v2"}
+
+    base_tokens, base_logprobs = tokens_and_logprobs(generate(handle, None, "alone-base"))
+    alone = {}
+    for name in ("v1", "v2"):
+        tokens, logprobs = tokens_and_logprobs(generate(handle, name, f"alone-{name}"))
+        torch.testing.assert_close(logprobs, peft_logprobs(tiny_qwen3_dir, adapters / name, PROMPT + tokens),
+                                   rtol=1e-4, atol=1e-4)
+        alone[name] = (tokens, logprobs)
+    cache = lambda: handle.get("/server_info").json()["internal_states"][0]["prefix_cache"]["hit_tokens"]  # noqa: E731
+    assert cache() == 0  # the base's PROMPT served neither adapter
+    assert not torch.allclose(base_logprobs, alone["v1"][1], atol=1e-3)  # the adapter changes the policy
+    mixed = generate(handle, ["v1", "v2", None, "v1"], "mixed")
+    for result, name in zip(mixed, ["v1", "v2", None, "v1"]):
+        tokens, logprobs = tokens_and_logprobs(result)
+        expected_tokens, expected = alone[name] if name else (base_tokens, base_logprobs)
+        assert tokens == expected_tokens
+        torch.testing.assert_close(logprobs, expected, rtol=1e-4, atol=1e-5)
+    assert cache() > 0  # rows reused the KV of their own adapter's earlier run
+
+
+def test_bounded_unload_waits_for_in_flight_and_blocks_nothing(served, adapters) -> None:
+    _, handle = served
+    full = handle.post("/load_lora_adapter", {"lora_name": "v3", "lora_path": str(adapters / "v3")})
+    assert full.status_code == 409 and "--max-loaded-loras" in full.text
+    running = long_request(handle, "long-v1", 400, lora_path="v1")
+    wait_in_flight(handle, [running])
+    answer = handle.post("/unload_lora_adapter", {"lora_name": "v1"}).json()
+    assert answer["unloaded"] is False and answer["in_flight"] == 1  # answered at once, the request goes on
+    refused = handle.post("/generate", {"input_ids": PROMPT, "lora_path": "v1", "sampling_params": {"max_new_tokens": 1}})
+    assert refused.status_code == 400 and "no loaded LoRA adapter" in refused.text
+    loaded = handle.post("/load_lora_adapter", {"lora_name": "v3", "lora_path": str(adapters / "v3")})
+    assert loaded.status_code == 409  # v1 still holds its slot while its request runs
+    assert len(running.result()["output_ids"]) == 400  # finished on v1
+    wait_until(lambda: "v1" not in {a["lora_name"] for a in handle.get("/server_info").json()["loaded_lora_adapters"]},
+               what="v1 unloaded after its last request")
+    loaded = handle.post("/load_lora_adapter", {"lora_name": "v3", "lora_path": str(adapters / "v3")})
+    assert loaded.status_code == 200, loaded.text
+    assert handle.post("/unload_lora_adapter", {"lora_name": "v3"}).json()["unloaded"] is True
+
+
+def test_malformed_adapters_and_paths_are_refused_with_nothing_loaded(served, adapters, tmp_path) -> None:
+    _, handle = served
+    before = handle.get("/server_info").json()["loaded_lora_adapters"]
+    bad = adapters / "bad-rank"
+    shutil.copytree(adapters / "v1", bad, dirs_exist_ok=True)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "r": 2}))
+    truncated = adapters / "truncated"
+    shutil.copytree(adapters / "v1", truncated, dirs_exist_ok=True)
+    weights = truncated / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(adapters / "v1", outside)
+    for body, status, fragment in (
+        ({"lora_name": "bad", "lora_path": str(bad)}, 400, "r = 2"),
+        ({"lora_name": "bad", "lora_path": str(truncated)}, 400, "truncated"),
+        ({"lora_name": "bad", "lora_path": str(outside)}, 403, "--lora-root"),
+        ({"lora_name": "bad", "lora_path": str(adapters / "v1" / ".." / ".." / outside.name)}, 403, "--lora-root"),
+        ({"lora_name": "", "lora_path": str(adapters / "v1")}, 400, "lora_name"),
+        ({"lora_name": "x" * 300, "lora_path": str(adapters / "v1")}, 400, "lora_name"),
+        ({"lora_path": str(adapters / "v1")}, 400, "lora_name"),
+    ):
+        answer = handle.post("/load_lora_adapter", body)
+        assert answer.status_code == status and fragment in answer.text, (body, answer.text)
+    assert handle.get("/server_info").json()["loaded_lora_adapters"] == before
+    unknown = handle.post("/generate", {"input_ids": PROMPT, "lora_path": "nope", "sampling_params": {"max_new_tokens": 1}})
+    assert unknown.status_code == 400 and "nope" in unknown.text
