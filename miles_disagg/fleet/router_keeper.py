@@ -16,8 +16,9 @@ ready, wait for a worker's version, list them) goes through :class:`GuardedRoute
   The call is then made on the new router, within a new bound. One restart at a time: callers that
   failed on the same router share one (:attr:`RouterKeeper.generation`).
 * The engine manager's monitor asks :meth:`RouterKeeper.check` each health-check interval: a router
-  whose process exited is restarted at once, one that has not answered ``/health`` for
-  :data:`STALL_BOUND_S` is too, so a dead router does not wait for the next control call.
+  whose process exited is restarted at once, one that does not answer ``/health`` and has answered
+  nothing (neither a probe nor a control call) for :data:`STALL_BOUND_S` is too, so a dead router does
+  not wait for the next control call.
 
 A restart is an event of the engine set (``router_restarted``, with why, in ``engine_events.json``)
 and counted: ``rollout/router_restarts`` and ``rollout/router_call_retries`` in each update's metrics
@@ -43,7 +44,7 @@ RETRY_S = 0.5
 """Pause between two tries of a control call the router did not answer."""
 CALL_TIMEOUT_S = 15.0
 """One try of a control call (the client's timeout)."""
-HEALTH_TIMEOUT_S = 2.0
+HEALTH_TIMEOUT_S = 5.0
 """One ``/health`` probe of the monitor."""
 PAUSED_STATES = ("paused", "activating")
 
@@ -74,7 +75,8 @@ class RouterKeeper:
         self.intended: dict[str, str] = {}
         """The state the run last set for each worker (``paused``/``ready``): what a restart restores."""
         self._restarting = threading.Lock()
-        self._silent_since: float | None = None
+        self.last_answered = clock()
+        """When the router last answered the run (a control call or a probe)."""
 
     # ------------------------------------------------------------------ calls
 
@@ -83,9 +85,14 @@ class RouterKeeper:
         restarted = False
         first_failure: float | None = None
         while True:
+            if self._restarting.locked():  # a restart is under way: the new router, once it is there
+                with self._restarting:
+                    pass
             generation, client, tried_at = self.generation, self.routing.raw_client, self.clock()
             try:
-                return fn(client)
+                answer = fn(client)
+                self.last_answered = self.clock()
+                return answer
             except Exception as exc:  # noqa: BLE001 - only "did not answer" is retried; the rest propagates
                 if not unreachable(exc) or self.stopping.is_set():
                     raise
@@ -125,7 +132,7 @@ class RouterKeeper:
             registered = self._register_members()
             self.generation += 1
             self.restarts += 1
-            self._silent_since = None
+            self.last_answered = self.clock()
             self.record({"event": "router_restarted", "why": why, "url": self.routing.router.url,
                          "workers": registered, "restart_s": round(self.clock() - started, 3), "time": time.time()})
 
@@ -145,8 +152,8 @@ class RouterKeeper:
     # ------------------------------------------------------------------ the monitor's check
 
     def check(self) -> None:
-        """The monitor's: restart a router whose process exited, or that has not answered ``/health``
-        for :data:`STALL_BOUND_S`."""
+        """The monitor's: restart a router whose process exited, or that does not answer ``/health`` and
+        has answered nothing for :data:`STALL_BOUND_S`."""
         import httpx
 
         router = self.routing.router
@@ -162,11 +169,10 @@ class RouterKeeper:
             answered = False
         now = self.clock()
         if answered:
-            self._silent_since = None
-            return
-        self._silent_since = now if self._silent_since is None else self._silent_since
-        if now - self._silent_since >= STALL_BOUND_S:
-            self.restart(generation, why=f"it did not answer /health for {now - self._silent_since:.0f}s")
+            self.last_answered = now
+        elif now - self.last_answered >= STALL_BOUND_S:
+            self.restart(generation, why=f"it answered nothing for {now - self.last_answered:.0f}s (/health "
+                                         f"unanswered within {HEALTH_TIMEOUT_S:g}s)")
 
     def metrics(self) -> dict[str, float]:
         return {"rollout/router_restarts": float(self.restarts), "rollout/router_call_retries": float(self.call_retries)}

@@ -85,13 +85,13 @@ class EngineRouting:
         """The keeper's restart: kill the router process (a stopped one too) and start one at its address."""
         from urllib.parse import urlsplit
 
-        old = self.router
+        old, old_client = self.router, self.raw_client
         port = urlsplit(old.url).port
         old.proc.kill()
         old.proc.wait(timeout=30)
-        if hasattr(self.raw_client, "close"):
-            self.raw_client.close()
         self.start(self.members() if self.router_kind() == "sglang" else [], port=port)
+        if hasattr(old_client, "close"):
+            old_client.close()  # once no caller can pick it up any more
 
     def router_kind(self) -> str:
         from miles_disagg.fleet.plan import router_plan

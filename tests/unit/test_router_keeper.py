@@ -150,3 +150,19 @@ def test_a_call_failing_after_the_restart_raises() -> None:
     with pytest.raises(RouterUnreachable, match="also after it was restarted"):
         GuardedRouter(keeper).set_worker_state("http://e:1", "ready")
     assert keeper.restarts == 1
+
+
+def test_the_monitor_restarts_a_live_router_only_once_it_answered_nothing_for_the_bound() -> None:
+    """A probe that fails (nothing listens at the fake's address) right after the router answered a control
+    call is no reason to restart it (a router busy after a stall, or a starved core): only silence as long
+    as the bound is."""
+    routing, events = FakeRouting(FakeClient(), ["http://e:1"]), []
+    keeper, clock = keeper_of(routing, events)
+    clock.now = 40.0
+    GuardedRouter(keeper).add_worker("http://e:1")  # it answered the run at 40 s
+    clock.now = 80.0
+    keeper.check()
+    assert keeper.restarts == 0
+    clock.now = 86.0
+    keeper.check()
+    assert keeper.restarts == 1 and events[0]["why"].startswith("it answered nothing for 46s"), events
