@@ -79,6 +79,14 @@ class EngineClient(KeyedHttpClient):
     def pause(self, mode: str) -> None:
         self.post("/pause_generation", {"mode": mode})
 
+    def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> dict[str, Any]:
+        """SGLang's ``/load_lora_adapter``: the adapter directory ``path`` served as ``name`` (while it generates)."""
+        return self.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "pinned": pinned})
+
+    def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        """SGLang's ``/unload_lora_adapter``: no new request takes ``name``; it leaves once its requests end."""
+        return self.post("/unload_lora_adapter", {"lora_name": name})
+
     def flush(self) -> None:
         self.post("/flush_cache", {})
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from miles_disagg.config.sglang_args import PASSTHROUGH_PREFIX, PassthroughValue, sglang_flag_name
@@ -35,6 +36,29 @@ MANAGED_FLAGS = frozenset({
 })
 
 
+LORA_FLAGS = frozenset({"enable-lora", "max-loras-per-batch", "max-loaded-loras", "max-lora-rank",
+                        "lora-target-modules", "lora-paths"})
+
+
+@dataclass(frozen=True)
+class LoraServing:
+    """SGLang's LoRA server args for an engine that serves a run's adapters (set by the launcher, so
+    a ``--sglang-*`` passthrough of the same flags is refused)."""
+
+    max_lora_rank: int
+    target_modules: tuple[str, ...]
+    max_loaded_loras: int = 4
+    max_loras_per_batch: int = 4
+
+    def argv(self) -> list[str]:
+        if self.max_lora_rank < 1 or not self.target_modules or min(self.max_loaded_loras, self.max_loras_per_batch) < 1:
+            raise ConfigError(f"SGLang LoRA serving needs a rank, targets and adapter counts >= 1, got {self}",
+                              flags=("--lora-rank", "--target-modules"))
+        return ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
+                "--lora-target-modules", *self.target_modules,
+                "--max-loaded-loras", str(self.max_loaded_loras), "--max-loras-per-batch", str(self.max_loras_per_batch)]
+
+
 PLACEHOLDER = re.compile(r"^\{[a-z_]+\}$")
 """A value decided at launch on the engine's node (``{port}``, ``{base_gpu_id}``): ``--dry-run`` plans."""
 
@@ -43,13 +67,15 @@ def sglang_command(
     model_path: str, *, host: str, port: int | str, tp_size: int, base_gpu_id: int | str, dtype: str,
     weight_version: int | str, extra_args: Mapping[str, PassthroughValue] | None = None,
     trust_remote_code: bool = True, random_seed: int | None = None, python: str = sys.executable,
+    lora: LoraServing | None = None,
 ) -> list[str]:
     """The argv that starts one SGLang server; ``ConfigError`` naming the flag for bad input.
 
     ``extra_args`` are passthrough options keyed by SGLang's flag name (``mem-fraction-static``;
     ``--`` prefix and underscores are accepted), as returned by :func:`miles_disagg.config.sglang_args.parse_sglang_passthrough`.
     ``trust_remote_code`` defaults to on, as miles launches SGLang. ``random_seed``: the engine's
-    sampling seed (None: SGLang picks one at random).
+    sampling seed (None: SGLang picks one at random). ``lora``: serve LoRA adapters (SGLang's
+    ``--enable-lora`` and its group).
     """
     _check_managed(model_path, host, port, tp_size, base_gpu_id, dtype, weight_version)
     argv = [
@@ -68,7 +94,12 @@ def sglang_command(
         argv += ["--random-seed", str(random_seed)]
     if trust_remote_code:
         argv.append("--trust-remote-code")
+    if lora is not None:
+        argv += lora.argv()
     for name, value in (extra_args or {}).items():
+        if lora is not None and sglang_flag_name(name) in LORA_FLAGS:
+            raise ConfigError(f"{PASSTHROUGH_PREFIX}{sglang_flag_name(name)} conflicts with the LoRA server args this "
+                              "launcher sets from --lora-rank and --target-modules", flags=(f"{PASSTHROUGH_PREFIX}{name}",))
         argv += _passthrough_argv(name, value)
     return argv
 

@@ -49,14 +49,17 @@ class SamplingSettings:
 
 def request_body(prompt_ids: list[int], sampling: SamplingSettings, min_version: int | None,
                  exact_version: int | None = None, num_samples: int = 1, run_id: str | None = None,
-                 top_logprobs_num: int = 0) -> dict[str, Any]:
+                 top_logprobs_num: int = 0, lora_path: str | None = None) -> dict[str, Any]:
     """One ``/generate`` body; ``num_samples > 1`` sends the prompt that many times in one
     batched request (SGLang's list-of-prompts form), answered by a list of results;
-    ``top_logprobs_num``: also each output token's most likely tokens (top-k OPD's student side)."""
+    ``top_logprobs_num``: also each output token's most likely tokens (top-k OPD's student side);
+    ``lora_path``: the loaded LoRA adapter every sample runs with (SGLang's field; None: the base)."""
     input_ids: Any = prompt_ids if num_samples == 1 else [list(prompt_ids) for _ in range(num_samples)]
     body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling.to_json(), "return_logprob": True}
     if top_logprobs_num:
         body["top_logprobs_num"] = top_logprobs_num
+    if lora_path is not None:
+        body["lora_path"] = lora_path
     return constrained(body, min_version, exact_version, run_id)
 
 

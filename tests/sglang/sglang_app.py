@@ -145,6 +145,18 @@ class FakeTokenizerManager:
         self.received.append(("flush_cache", timeout_s))
         return FlushCacheReqOutput(success=True)
 
+    async def load_lora_adapter(self, obj, request=None):
+        from sglang.srt.managers.io_struct import LoRAUpdateOutput
+
+        self.received.append(obj)
+        return LoRAUpdateOutput(success=True, loaded_adapters={obj.lora_name: obj.lora_path})
+
+    async def unload_lora_adapter(self, obj, request=None):
+        from sglang.srt.managers.io_struct import LoRAUpdateOutput
+
+        self.received.append(obj)
+        return LoRAUpdateOutput(success=True, loaded_adapters={})
+
     async def update_weights_from_disk(self, obj, request=None):
         self.received.append(obj)
         if obj.weight_version is not None:
