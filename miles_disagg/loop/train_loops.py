@@ -63,12 +63,14 @@ def train_async(job: Job, tracker: MetricsTracker, state: LoopState, progress: L
             progress.activating = (step, pending) if pending is not None else None
             job.rollout.set_version(version)
         last = step == cfg.rollout.num_rollout - 1
-        update_metrics.update(maybe_evaluate(job, step, version, last=last))
+        with still(f"evaluating v{version}"):
+            update_metrics.update(maybe_evaluate(job, step, version, last=last))
         timings = {"perf/wait_rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
                    "perf/step_time": time.perf_counter() - start, "perf/engine_busy_fraction": busy.fraction()}
         _log_step(tracker, cfg, step, batch, train_metrics, update_metrics, timings, note=activated)
         activated = None
-        maybe_save(job, LoopState(step + 1, version), last=last)  # after the record: a resume never misses it
+        with still(f"saving step {step}"):
+            maybe_save(job, LoopState(step + 1, version), last=last)  # after the record: a resume never misses it
     _log_activation(tracker, cfg, progress.activating)
     progress.activating = None
 
@@ -103,7 +105,8 @@ def _train(job: Job, tracker: MetricsTracker, step: int, batch: RolloutBatch) ->
     (``step`` = global optimizer step ``rollout_step * steps_per_rollout + k``); returns the
     rollout's summary for its record. With a critic (PPO) both groups train (``loop/critic.py``)."""
     samples = _advantages(batch, job.config.train)
-    result = train_with_critic(job, step, samples) if job.critic is not None else job.trainer.train(samples)
+    with still(f"training on step {step}'s {len(samples)} samples"):
+        result = train_with_critic(job, step, samples) if job.critic is not None else job.trainer.train(samples)
     for k, metrics in enumerate(result.steps):
         tracker.log_stream(TRAIN_STEPS_STREAM, step * len(result.steps) + k,
                            {"rollout_step": step, "step_in_rollout": k, **metrics})
@@ -128,12 +131,14 @@ def train_sync(job: Job, tracker: MetricsTracker, state: LoopState, progress: Lo
             with still(f"publishing v{version + 1} and bringing every engine to it"):
                 version, update_metrics = publish_and_update(job, version)
         last = step == cfg.rollout.num_rollout - 1
-        update_metrics.update(maybe_evaluate(job, step, version, last=last))
+        with still(f"evaluating v{version}"):
+            update_metrics.update(maybe_evaluate(job, step, version, last=last))
         timings = {"perf/rollout_time": got_batch - start, "perf/train_time": trained - got_batch,
                    "perf/step_time": time.perf_counter() - start, "perf/engine_busy_fraction": busy.fraction()}
         _log_step(tracker, job.config, step, batch, train_metrics, update_metrics, timings)
         if job.trainer is not None:
-            maybe_save(job, LoopState(step + 1, version), last=last)  # after the record: a resume never misses it
+            with still(f"saving step {step}"):
+                maybe_save(job, LoopState(step + 1, version), last=last)  # after the record: a resume never misses it
 
 
 def _serving(job: Job):
