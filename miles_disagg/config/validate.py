@@ -12,6 +12,7 @@ from miles_disagg.config.loss_rules import check_loss_rules
 from miles_disagg.config.opd_rules import check_opd_rules
 from miles_disagg.config.routing_replay import check_routing_replay
 from miles_disagg.config.sglang_args import check_parallel_passthrough
+from miles_disagg.config.session_rules import check_session_rules
 from miles_disagg.config.miles_flags import miles_refusal
 from miles_disagg.config.model_args import check_expert_layout, check_model_args
 from miles_disagg.types import ConfigError
@@ -26,7 +27,7 @@ def validate(config: RunConfig) -> None:
                   _check_topology, _check_batches, _check_colocate, _check_debug, _check_save_and_eval, _check_megatron,
                   _check_megatron_only_flags, _check_routing, _check_ci, check_model_args, check_expert_layout,
                   _check_miles_logging_and_data, _check_offload, _check_trainer_restarts, _check_min_engines,
-                  check_critic_rules):
+                  check_critic_rules, check_session_rules):
         check(config)
     check_routing_replay(config)  # MoE: the routing-replay flags need a MoE checkpoint
     launched = not (config.rollout.rollout_external or config.rollout.rollout_service_url)  # servers this job starts

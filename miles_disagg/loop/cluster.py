@@ -135,7 +135,7 @@ def _alive_ray_nodes() -> set[str]:
 
 
 def placement_record(placement: Placement, *, trainer_address: str | None, engines: EngineManagerHandle | None,
-                     router_url: str | None, engines_attached: bool) -> dict:
+                     router_url: str | None, engines_attached: bool, sessions_url: str | None = None) -> dict:
     """What ``placement.json`` holds for a started run. ``trainer_address``: the trainer group's
     rendezvous address (rank 0's entry; None: the run has no trainer); ``engines``: the engine set
     (None: no engines, or the rollout service at ``router_url``); ``engines_attached``: the engines
@@ -156,6 +156,8 @@ def placement_record(placement: Placement, *, trainer_address: str | None, engin
         record["router"] = {"address": engines.router_url, **record["driver"]}
     elif router_url:
         record["rollout_service"] = {"address": router_url}
+    if sessions_url:  # --use-session-server: the session endpoint (rollout/sessions/app.py), on the driver's node
+        record["sessions"] = {"address": sessions_url, **record["driver"]}
     return record
 
 

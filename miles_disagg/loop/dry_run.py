@@ -30,6 +30,7 @@ PLACEHOLDERS = {
     "{agent_port}": "a free port for the engine's agent, chosen at launch",
     "{base_gpu_id}": "the GPU Ray gives the engine's first bundle",
     "{engine_urls}": "the engines' URLs once they answer",
+    "{session_port}": "a free port for the session endpoint, chosen at launch (--session-server-port fixes it)",
 }
 ANNOUNCE_TIMEOUT_S = 5.0
 
@@ -66,9 +67,20 @@ def plan_launch(config: RunConfig) -> dict[str, Any]:
         "processes": processes,
         "delta_filter": _delta_filter(config, backend, len(layout.engines), attached),
         "initial_weights": _initial_weights(config),
+        **({"sessions": _sessions(rollout)} if rollout.use_session_server else {}),
         "placeholders": PLACEHOLDERS,
         "warnings": warnings,
     }
+
+
+def _sessions(rollout) -> dict[str, Any]:
+    """``--use-session-server``: the session endpoint the rollout manager serves (rollout/sessions/app.py)."""
+    port = rollout.session_server_port[0] if rollout.session_server_port else "{session_port}"
+    return {"address": f"http://127.0.0.1:{port}", "agent": rollout.custom_agent_function_path,
+            "tito_model": rollout.tito_model, "allowed_append_roles": sorted(set(rollout.tito_allowed_append_roles)
+                                                                              | {"tool"}),
+            "routes": ["POST /sessions", "GET /sessions/{id}", "DELETE /sessions/{id}",
+                       "POST /sessions/{id}/v1/chat/completions"]}
 
 
 def _check_model(config: RunConfig) -> list[str]:

@@ -120,9 +120,13 @@ class Job:
             colocate.start(self.trainer)
         elif with_trainer and with_engines and cfg.weights.update_weight_transfer_mode == "broadcast":
             self._join_broadcast_group()
+        sessions_url = self.rollout.session_url() if self.rollout is not None and cfg.rollout.use_session_server else None
+        if sessions_url:
+            status(f"session endpoint at {sessions_url}/sessions (agents' OpenAI routes under /sessions/ID/v1)")
         write_placement(cfg.tracking.run_dir, placement_record(
             self.placement, trainer_address=self.trainer.dist_address if self.trainer is not None else None,
-            engines=self.engines, router_url=self.router_url, engines_attached=cfg.rollout.rollout_external))
+            engines=self.engines, router_url=self.router_url, engines_attached=cfg.rollout.rollout_external,
+            sessions_url=sessions_url))
         if self.engines is not None:  # after placement.json, which membership changes rewrite
             self.engines.serve_membership()  # engines may join and leave from now on (miles-disagg engines)
 

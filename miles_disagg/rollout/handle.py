@@ -31,6 +31,10 @@ class RolloutManagerHandle:
             ray.kill(self._actor)
             raise
 
+    def session_url(self) -> str | None:
+        """``--use-session-server``: the session endpoint's address (started now if it was not); else None."""
+        return Pending([self._actor.session_url.remote()]).result()
+
     def start(self) -> None:
         """Begin continuous generation (train_async.py)."""
         Pending([self._actor.start.remote()]).result()

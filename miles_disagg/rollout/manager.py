@@ -23,6 +23,7 @@ post-process sets the samples' advantages.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -81,7 +82,10 @@ class RolloutManager:
             self.prompts.load_state_dict({**self.prompts.state_dict(), "epoch": data_position // n,
                                           "offset": data_position % n})
         self.reward = load_sample_reward(config)
-        self.hooks = load_rollout_hooks(config)
+        # a session run's generate function is the endpoint's own (rollout/sessions/agent.py), also under miles' path
+        self.hooks = load_rollout_hooks(dataclasses.replace(config, custom_generate_function_path=None)
+                                        if config.use_session_server else config)
+        self._agents = None  # --use-session-server: the session endpoint and its agent (rollout/sessions/agent.py)
         self.sampling = SamplingSettings(config.rollout_max_response_len, config.rollout_temperature,
                                          config.rollout_top_p, config.rollout_top_k, tuple(config.rollout_stop),
                                          tuple(config.rollout_stop_token_ids))
@@ -122,9 +126,10 @@ class RolloutManager:
             self._proxy = AttributionProxy(self._client, self.router_url, self.counters, self._training_bound, hook,
                                            replay_after_dispatch=replay, run_id=self.run_id, routing=self.routing)
         self._teacher = self._make_teacher()
+        custom_generate = await self._start_sessions() if self.config.use_session_server else self.hooks.custom_generate
         self.generator = GroupGenerator(client=self._client, router_url=self.router_url, counters=self.counters,
                                      tokenizer=self.tokenizer, reward=self.reward,
-                                     custom_generate=self.hooks.custom_generate, replay_after_dispatch=replay,
+                                     custom_generate=custom_generate, replay_after_dispatch=replay,
                                      run_id=self.run_id, routing=self.routing, proxy=self._proxy,
                                      teacher=self._teacher, student_top_k=student_top_k(self.opd_topk))
         engine = EngineCaller(self._client, self.router_url, self.counters, self._training_bound, self.tokenizer,
@@ -151,6 +156,20 @@ class RolloutManager:
             student = StudentScorer(self._client, self.router_url, self.counters, self._training_bound, self.run_id)
         return Teacher(self._router_client(headers), teacher_routes(self.config, self.teacher_url),
                        topk=self.opd_topk, student=student)
+
+    async def _start_sessions(self):
+        """The session endpoint on this actor's loop; its generate function (one agent session per sample)."""
+        from miles_disagg.rollout.sessions.agent import AgentRollout
+
+        self._agents = AgentRollout(self.config, self.hf_dir, self.tokenizer, self._client, self.router_url,
+                                    self._training_bound, run_id=self.run_id)
+        await self._agents.start()
+        return self._agents.generate
+
+    async def session_url(self) -> str | None:
+        """The session endpoint's address (``--use-session-server``; None without), started if it was not."""
+        await self._ensure_client()
+        return self._agents.server.url if self._agents is not None else None
 
     def _router_client(self, headers: dict[str, str]):
         max_connections = self.config.rollout_concurrency + 8
@@ -226,6 +245,8 @@ class RolloutManager:
         self.buffer.close()
         if self._proxy is not None:
             await self._proxy.close()
+        if self._agents is not None:
+            await self._agents.close()
         if self._teacher is not None:
             await self._teacher.aclose()
         if self._client is not None:
@@ -406,7 +427,9 @@ class RolloutManager:
         """Cumulative request counters (retries of refused requests, groups given up)."""
         return {"rollout/requests_retried": float(self.counters.get("retried", 0)),
                 "rollout/version_not_ready": float(self.counters.get("version_not_ready", 0)),
-                "rollout/lost_groups": float(self.counters.get("lost_groups", 0))}
+                "rollout/lost_groups": float(self.counters.get("lost_groups", 0)),
+                **({f"rollout/sessions/{name}": float(n) for name, n in self._agents.counters.items()}
+                   if self._agents is not None else {})}
 
     def _raise_failure(self) -> None:
         if self._failure is not None:

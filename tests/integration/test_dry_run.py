@@ -259,3 +259,22 @@ def test_ctrl_c_while_waiting_for_an_engine_ends_with_one_line(tmp_path, tiny_qw
         server.shutdown()
         server.server_close()
     assert not (tmp_path / "run").exists()
+
+
+def test_the_session_endpoint_is_in_the_plan_and_its_miles_flags_are_checked(capsys, tmp_path, tiny_qwen3_dir) -> None:
+    sessions = ["--use-session-server", "--custom-agent-function-path", "my_agents.run_agent", "--tito-model", "qwen3",
+                "--tito-allowed-append-roles", "tool", "user"]
+    plan = dry_run(capsys, *disk_delta(tmp_path, tiny_qwen3_dir), "--rollout-backend", "builtin", *sessions,
+                   "--session-server-port", "31234")
+    assert plan["sessions"]["address"] == "http://127.0.0.1:31234"
+    assert plan["sessions"]["allowed_append_roles"] == ["tool", "user"]
+    assert "POST /sessions/{id}/v1/chat/completions" in plan["sessions"]["routes"]
+    for extra, message in ((["--tito-model", "glm47"], "--tito-model glm47 is a miles flag that does not apply here"),
+                           (["--session-message-matcher", "role_content_only"], "a miles flag"),
+                           (["--session-server-port", "1", "2"], "one port"),
+                           (["--custom-generate-function-path", "x.y"], "would replace it")):
+        assert main("train_async", [*disk_delta(tmp_path, tiny_qwen3_dir), *sessions, *extra, "--dry-run"]) == 2
+        assert message in capsys.readouterr().err
+    assert main("train_async", [*disk_delta(tmp_path, tiny_qwen3_dir), "--custom-agent-function-path", "a.b",
+                                "--dry-run"]) == 2
+    assert "add --use-session-server" in capsys.readouterr().err

@@ -9,8 +9,8 @@ import pytest
 from miles_disagg.models.tokenizer import load_tokenizer
 from miles_disagg.rollout.sessions.chat import assistant_message, parse_chat_request, sse_chunks
 from miles_disagg.rollout.sessions.templates import CHATML_TOOLS_TEMPLATE, checkpoint_template, render
-from miles_disagg.rollout.sessions.tito import (AppendRoleRefused, HistoryMismatch, TitoRule, check_matcher,
-                                                check_tito_model, split_history)
+from miles_disagg.config.session_rules import check_matcher, check_tito_model
+from miles_disagg.rollout.sessions.tito import AppendRoleRefused, HistoryMismatch, TitoRule, split_history
 from miles_disagg.rollout.sessions.types import PrefixMismatch, SessionState, Turn, session_sample, token_drift
 from miles_disagg.types import ConfigError, InvalidInput, Sample
 
@@ -90,9 +90,9 @@ def test_a_rewritten_history_is_refused_and_names_the_message():
 
 def test_miles_families_and_matchers_not_implemented_are_refused_with_one_line():
     assert check_tito_model("qwen3") == "qwen3" and check_matcher("strict") == "strict"
-    with pytest.raises(ConfigError, match="--tito-model glm47: a miles TITO model family"):
+    with pytest.raises(ConfigError, match="--tito-model glm47 is a miles flag that does not apply here"):
         check_tito_model("glm47")
-    with pytest.raises(ConfigError, match="--session-message-matcher loose_tool_call: a miles matcher"):
+    with pytest.raises(ConfigError, match="--session-message-matcher loose_tool_call is a miles flag"):
         check_matcher("loose_tool_call")
 
 

@@ -70,15 +70,19 @@ class SessionService:
         self.counters: Counter = counters if counters is not None else Counter()
         self.sessions: dict[str, SessionState] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._bounds: dict[str, VersionBound] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
-    def create(self, metadata: dict | None = None) -> SessionState:
+    def create(self, metadata: dict | None = None, version_bound: VersionBound | None = None) -> SessionState:
+        """A new session; ``version_bound``: the constraint its turns ask for (default: the service's, the
+        training bound; an evaluation's sessions ask for exactly its version)."""
         if len(self.sessions) >= MAX_SESSIONS:
             raise TooManySessions(f"{MAX_SESSIONS} sessions are live; finish or delete one first")
         state = SessionState(secrets.token_urlsafe(18), dict(metadata or {}))
         self.sessions[state.session_id] = state
         self._locks[state.session_id] = asyncio.Lock()
+        self._bounds[state.session_id] = version_bound or self.version_bound
         self.counters["sessions_created"] += 1
         return state
 
@@ -92,6 +96,7 @@ class SessionService:
         state = self.get(session_id)
         del self.sessions[session_id]
         self._locks.pop(session_id, None)
+        self._bounds.pop(session_id, None)
         return state
 
     def finish(self, session_id: str, base: Sample) -> Sample:
@@ -146,7 +151,7 @@ class SessionService:
         return appended, self.rule.merge(state.token_ids, self.rule.appended_ids(appended, tools))
 
     async def _generate(self, session_id: str, prompt: list[int], params: dict) -> dict:
-        min_version, exact_version = self.version_bound()
+        min_version, exact_version = self._bounds.get(session_id, self.version_bound)()
         body = constrained({"input_ids": prompt, "sampling_params": params, "return_logprob": True},
                            min_version, exact_version, self.settings.run_id)
         self.counters["requests"] += 1

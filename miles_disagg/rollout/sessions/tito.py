@@ -23,15 +23,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from miles_disagg.config.session_rules import check_append_roles, check_tito_model
 from miles_disagg.rollout.sessions.templates import render
 from miles_disagg.types import ConfigError, InvalidInput
-
-TITO_MODELS = ("default", "qwen3")
-MILES_TITO_MODELS = ("qwen35", "qwen36", "qwennext", "glm47", "glm53", "nemotron3", "kimi25", "kimi26", "minimax_m25",
-                     "minimax_m27", "deepseekv32", "deepseekv4")
-APPEND_ROLES = ("tool", "user", "system")
-MATCHERS = ("strict",)
-MILES_MATCHERS = ("loose_tool_call", "role_content_only")
 
 _STAND_IN_USER = {"role": "user", "content": "dummy"}
 
@@ -42,27 +36,6 @@ class HistoryMismatch(InvalidInput):
 
 class AppendRoleRefused(InvalidInput):
     """A message appended after the assistant's turn has a role ``--tito-allowed-append-roles`` leaves out."""
-
-
-def check_tito_model(name: str) -> str:
-    """``name`` if this project implements its merge rule; ``ConfigError`` naming the flag otherwise."""
-    if name in TITO_MODELS:
-        return name
-    if name in MILES_TITO_MODELS:
-        raise ConfigError(f"--tito-model {name}: a miles TITO model family whose merge rule is not implemented here "
-                          f"(implemented: {', '.join(TITO_MODELS)}); use qwen3 for ChatML templates or default",
-                          ("--tito-model",))
-    raise ConfigError(f"--tito-model {name!r}: unknown (choose from {', '.join(TITO_MODELS)})", ("--tito-model",))
-
-
-def check_matcher(name: str) -> str:
-    if name in MATCHERS:
-        return name
-    if name in MILES_MATCHERS or "." in name:
-        raise ConfigError(f"--session-message-matcher {name}: a miles matcher not implemented here (it can collapse "
-                          "different tool-call lineages); use strict", ("--session-message-matcher",))
-    raise ConfigError(f"--session-message-matcher {name!r}: unknown (choose from {', '.join(MATCHERS)})",
-                      ("--session-message-matcher",))
 
 
 @dataclass(frozen=True)
@@ -80,10 +53,7 @@ class TitoRule:
     def make(cls, model: str, template: str, encode: Callable[[str], list[int]],
              allowed_roles: tuple[str, ...] = ("tool",)) -> "TitoRule":
         check_tito_model(model)
-        unknown = sorted(set(allowed_roles) - set(APPEND_ROLES))
-        if unknown:
-            raise ConfigError(f"--tito-allowed-append-roles: unknown roles {unknown} (choose from "
-                              f"{', '.join(APPEND_ROLES)})", ("--tito-allowed-append-roles",))
+        check_append_roles(allowed_roles)
         ids = {}
         if model == "qwen3":
             ids = {"im_end_id": _single_id(encode, "<|im_end|>"), "newline_id": _single_id(encode, "\n")}

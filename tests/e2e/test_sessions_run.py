@@ -1,0 +1,69 @@
+"""Agentic rollout through the session endpoint, as a user runs it: ``train_async.py --use-session-server
+--custom-agent-function-path session_agent.run_agent`` (miles' flags), the agent written with the official
+``openai`` client (``tests/e2e/session_agent.py``): two policy turns around a counter tool's answer (a
+``tool`` message), on the count-up-tool task. The policy learns; every consumed sample is one session,
+token-exact: the tool's tokens masked, one engine call per turn recorded, the reward the task's on the
+agent's positions; the endpoint is listed in ``placement.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from base_model import place_base_model
+from deadlines import scaled
+
+from miles_disagg.tracking import read_metrics
+
+pytestmark = pytest.mark.timeout(900)
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+STEPS = 20
+CONCAT_TEMPLATE = "{%- for message in messages %}{{ message.content }}{%- endfor %}"
+"""Messages as their contents, one after another: the digits model's episode as the multi-turn example has it."""
+
+
+def test_an_openai_client_agent_learns_through_the_session_endpoint(tmp_path: Path, digits_base_model: Path) -> None:
+    from miles_disagg.rollout.counter_tool import count_up_tool_reward
+
+    place_base_model(digits_base_model, tmp_path)
+    (tmp_path / "concat.jinja").write_text(CONCAT_TEMPLATE)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+           "RAY_AUTH_MODE": "disabled",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)}
+    argv = [sys.executable, str(REPO / "train_async.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
+            "--task", "count-up-tool", "--use-session-server", "--custom-agent-function-path",
+            "session_agent.run_agent", "--tito-model", "default", "--tito-allowed-append-roles", "tool",
+            "--chat-template-path", str(tmp_path / "concat.jinja"), "--rollout-max-response-len", "6",
+            "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size", "64",
+            "--micro-batch-size", "64", "--lr", "3e-3", "--rollout-concurrency", "128",
+            "--num-rollout", str(STEPS), "--run-dir", str(run_dir), "--hf-checkpoint", str(tmp_path / "base-model"),
+            "--save-debug-rollout-data", str(run_dir / "consumed" / "{rollout_id}.jsonl")]
+    result = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(900), env=env)
+    assert result.returncode == 0, result.stderr[-6000:]
+    placement = json.loads((run_dir / "placement.json").read_text())
+    assert placement["sessions"]["address"].startswith("http://127.0.0.1:")
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    rewards = [m["rollout/raw_reward"] for m in metrics]
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last >= first + 0.2, rewards
+    assert metrics[-1]["rollout/sessions/sessions_finished"] >= STEPS * 16 * 8
+    assert metrics[-1].get("rollout/sessions/prefix_mismatches", 0) == 0
+    two_turns = 0
+    for line in (run_dir / "consumed" / f"{STEPS - 1}.jsonl").read_text().splitlines():
+        for sample in json.loads(line)["samples"]:
+            turns = sample["metadata"]["session"]["num_turns"]
+            assert len(sample["call_versions"]) == turns == len(sample["metadata"]["session"]["turn_versions"])
+            if turns == 2:  # the tool's two tokens sit between the policy's turns, masked
+                two_turns += 1
+                assert sample["loss_mask"] == [1, 1, 0, 0, 1, 1]
+                assert sample["response"] == sample["metadata"]["agent_response"]
+            assert sample["reward"] == count_up_tool_reward(sample["prompt"], sample["response"], 4, sample["metadata"])
+    assert two_turns > 0
