@@ -1,4 +1,4 @@
-"""``miles-disagg bench {delta,engine,async,service,hostile,colocate,http,scale,publish,store}``: dispatch to the benchmark modules.
+"""``miles-disagg bench {delta,engine,async,service,hostile,colocate,http,scale,publish,store,lora}``: dispatch to the benchmark modules.
 
 Each benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int`` (the parsed
 namespace carries it as ``run_benchmark``) and prints one JSON object on stdout.
@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "http": ("miles_disagg.bench.http_client", "the generation hot path's HTTP client: httpx vs pooled_http"),
     "scale": ("miles_disagg.bench.scale", "control plane at scale with simulated engines: fan-out, router, memory"),
     "publish": ("miles_disagg.bench.publish", "sharded publication: per-rank snapshot and payload bytes, wall, wire by rank count"),
+    "lora": ("miles_disagg.bench.lora", "LoRA adapter versions vs full weights: bytes, activation stall, mixing, throughput"),
     "store": ("miles_disagg.bench.store", "object store vs shared directory, one WAN copy per region with a relay, pull memory"),
 }
 

@@ -19,6 +19,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
     from miles_disagg.bench.delta import DeltaBench
     from miles_disagg.bench.engine import EngineBench
     from miles_disagg.bench.hostile import HostileBench
+    from miles_disagg.bench.lora import LoraBench
     from miles_disagg.bench.http_client import HttpBench
     from miles_disagg.bench.scale import ScaleBench
     from miles_disagg.bench.publish import PublishBench
@@ -55,6 +56,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
         ("bench", "scale"): (ScaleBench,),
         ("bench", "publish"): (PublishBench,),
         ("bench", "store"): (StoreBench,),
+        ("bench", "lora"): (LoraBench,),
         ("sim-engines",): (SimEnginesCommand,),
         **{("engines", action): (cls,) for action, cls in ENGINES_ACTIONS.items()},
     }

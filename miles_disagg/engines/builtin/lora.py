@@ -35,6 +35,7 @@ from miles_disagg.weights.adapters import ADAPTER_WEIGHTS, AdapterInfo, check_ad
 
 TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAX_NAME_CHARS = 256
+MAX_STACKS = 256  # cached (module, adapters) rank stacks; cleared whole beyond
 
 
 class LoraBankFull(Retryable):
@@ -74,7 +75,32 @@ class ResidentAdapter:
 
 @dataclass
 class _Rows:
-    groups: list[tuple[ResidentAdapter, torch.Tensor]] = field(default_factory=list)
+    """A forward pass's adapters (in order) and, where rows differ, each row's 0/1 mask over their
+    stacked ranks ``[rows, 1, total rank]`` (None: every row runs the one adapter)."""
+
+    adapters: tuple[ResidentAdapter, ...] = ()
+    mask: torch.Tensor | None = None
+
+
+def _batch_rows(row_adapters: list[ResidentAdapter | None]) -> _Rows:
+    adapters: list[ResidentAdapter] = []
+    for adapter in row_adapters:
+        if adapter is not None and all(adapter is not a for a in adapters):
+            adapters.append(adapter)
+    if not adapters:
+        return _Rows()
+    if len(adapters) == 1 and all(a is adapters[0] for a in row_adapters):
+        return _Rows(tuple(adapters))
+    offsets, total = {}, 0
+    for adapter in adapters:
+        offsets[id(adapter)] = total
+        total += adapter.info.rank
+    mask = torch.zeros(len(row_adapters), 1, total)
+    for row, adapter in enumerate(row_adapters):
+        if adapter is not None:
+            start = offsets[id(adapter)]
+            mask[row, 0, start:start + adapter.info.rank] = 1
+    return _Rows(tuple(adapters), mask)
 
 
 class LoraBank:
@@ -86,6 +112,7 @@ class LoraBank:
         self._lock = threading.Lock()
         self._adapters: dict[str, ResidentAdapter] = {}
         self._rows = _Rows()
+        self._stacks: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.modules = {name: module for name, module in model.named_modules()
                         if name.rsplit(".", 1)[-1] in TARGETABLE and isinstance(module, torch.nn.Linear)}
         for name, module in self.modules.items():
@@ -184,11 +211,7 @@ class LoraBank:
     @contextlib.contextmanager
     def rows(self, adapters: list[ResidentAdapter | None]) -> Iterator[None]:
         """The forward passes inside run row ``i`` with ``adapters[i]`` (None: the base)."""
-        groups: dict[int, tuple[ResidentAdapter, list[int]]] = {}
-        for row, adapter in enumerate(adapters):
-            if adapter is not None:
-                groups.setdefault(id(adapter), (adapter, []))[1].append(row)
-        self._rows = _Rows([(a, torch.tensor(r, dtype=torch.long)) for a, r in groups.values()])
+        self._rows = _batch_rows(adapters)
         try:
             yield
         finally:
@@ -196,16 +219,28 @@ class LoraBank:
 
     def _hook(self, module_name: str):
         def apply(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-            groups = self._rows.groups
-            if not groups:
+            rows = self._rows
+            if not rows.adapters:
                 return output
-            x = inputs[0]
-            for adapter, rows in groups:
-                pair = adapter.weights.get(module_name)
-                if pair is None:
-                    continue
-                a, b = pair
-                rows = rows.to(x.device)
-                output = output.index_add(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
-            return output
+            a, b = self._stacked(module_name, rows.adapters, module.weight)
+            hidden = inputs[0] @ a  # [rows, tokens, total rank]
+            if rows.mask is not None:  # several adapters (or the base too): each row keeps its own block
+                hidden = hidden * rows.mask.to(hidden.device, hidden.dtype)
+            return output.add_(hidden @ b)  # the projection's own fresh output (inference only)
         return apply
+
+    def _stacked(self, module_name: str, adapters: tuple[ResidentAdapter, ...], weight: torch.Tensor):
+        """``(A^T, alpha / r * B^T)`` of ``adapters`` side by side along the rank (zeros where one does
+        not adapt this module): one pair of matmuls for a batch whatever its mix of adapters."""
+        key = (module_name, tuple(a.key for a in adapters))
+        stacked = self._stacks.get(key)
+        if stacked is None:
+            parts = [a.weights.get(module_name) for a in adapters]
+            a_t = torch.cat([p[0].T if p else weight.new_zeros(weight.shape[1], ad.info.rank)
+                             for p, ad in zip(parts, adapters)], dim=1).contiguous()
+            b_t = torch.cat([p[1].T if p else weight.new_zeros(ad.info.rank, weight.shape[0])
+                             for p, ad in zip(parts, adapters)], dim=0).contiguous()
+            if len(self._stacks) > MAX_STACKS:
+                self._stacks.clear()
+            stacked = self._stacks[key] = (a_t, b_t)
+        return stacked
