@@ -27,7 +27,8 @@ from miles_disagg.weights.object_layout import (
     base_files,
     base_manifest_key,
 )
-from miles_disagg.weights.object_store import ObjectVersionStore, file_checksum, pull_all
+from miles_disagg.weights.object_pulls import file_checksum, pull_all
+from miles_disagg.weights.object_store import ObjectVersionStore
 from miles_disagg.weights.s3_client import ConditionFailed
 
 MARKER_NAME = ".miles-disagg-base.json"  # in a pulled base: which manifest it holds

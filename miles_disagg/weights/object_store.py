@@ -20,10 +20,8 @@ import contextlib
 import json
 import logging
 import os
-import threading
 import shutil
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -55,6 +53,7 @@ from miles_disagg.weights.object_layout import (
     parse_pointer,
     split_manifest_key,
 )
+from miles_disagg.weights.object_pulls import TransferStats, check_object, file_checksum, pull_all
 from miles_disagg.weights.relay_client import RelayClient, RelayFailed
 from miles_disagg.weights.s3_client import ConditionFailed, ObjectClient
 from miles_disagg.weights.store import STAGING_PREFIX, PostWriteHook, VersionStore, not_published
@@ -63,40 +62,6 @@ logger = logging.getLogger(__name__)
 
 MIRROR_NAME = "mirror"
 STALE_ATTEMPT_S = 3600.0
-HASH_BYTES = 4 * 1024 * 1024
-OBJECTS_IN_FLIGHT = 4  # objects of one version pulled at once (each in parallel ranges of its own)
-
-
-def file_checksum(path: Path) -> tuple[int, str]:
-    """``(size, xxh3-128)`` of a file, read in bounded pieces."""
-    hasher, size = new_hasher(OBJECT_CHECKSUM), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_BYTES):
-            hasher.update(chunk)
-            size += len(chunk)
-    return size, hasher.hexdigest()
-
-
-class TransferStats:
-    """Bytes a store's pulls moved: straight from the object store, from the region's relay (and of
-    those, what the relay itself pulled across the WAN for them), and relay fallbacks."""
-
-    FIELDS = ("store_bytes", "relay_bytes", "relay_wan_bytes", "relay_fallbacks")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts = dict.fromkeys(self.FIELDS, 0)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, value in counts.items():
-                self._counts[name] += value
-
-    def snapshot(self) -> dict[str, int]:
-        """The counts, plus ``wan_bytes``: what crossed the WAN for these pulls (direct + the relay's)."""
-        with self._lock:
-            counts = dict(self._counts)
-        return {**counts, "wan_bytes": counts["store_bytes"] + counts["relay_wan_bytes"]}
 
 
 class ObjectVersionStore(VersionStore):
@@ -204,7 +169,7 @@ class ObjectVersionStore(VersionStore):
             if self.relay is None or not self._from_relay(key, tmp, expected, where):
                 size = self.client.download(key, tmp, expected.nbytes)
                 self.transfer.add(store_bytes=max(size, 0))
-                _check_object(tmp, size, expected, where, relative_key)
+                check_object(tmp, size, expected, where, relative_key)
             os.replace(tmp, dest)
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -223,7 +188,7 @@ class ObjectVersionStore(VersionStore):
         finally:
             os.close(fd)
         try:
-            _check_object(tmp, answer.nbytes, expected, where, key)
+            check_object(tmp, answer.nbytes, expected, where, key)
         except (FormatError, ChecksumMismatch) as exc:
             self._relay_fell_back(f"its copy is wrong ({exc})")
             return False
@@ -379,31 +344,6 @@ class ObjectVersionStore(VersionStore):
         self.client.delete([key for objects in self._attempts().values() for key, _ in objects])
         self.client.delete([info.key for info in self.client.list(f"{BASE_PREFIX}/")])
         shutil.rmtree(self.root / MIRROR_NAME, ignore_errors=True)
-
-
-def pull_all(pulls: list, concurrency: int = OBJECTS_IN_FLIGHT) -> None:
-    """Run ``pulls`` (callables) a few at a time, so a version's objects share the link (and a relay
-    pulls them side by side); the first failure is raised once every pull started has ended."""
-    if len(pulls) <= 1:
-        for pull in pulls:
-            pull()
-        return
-    with ThreadPoolExecutor(min(concurrency, len(pulls)), thread_name_prefix="s3-object") as pool:
-        futures = [pool.submit(pull) for pull in pulls]
-        errors = [f.exception() for f in futures]
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
-
-
-def _check_object(path: Path, size: int, expected: StoredObject, where: str, name: str) -> None:
-    if size < 0:
-        raise FormatError(f"{where} is missing (the manifest names it)")
-    if size != expected.nbytes:
-        raise FormatError(f"{where} is {size} bytes, the manifest says {expected.nbytes}")
-    _, digest = file_checksum(path)
-    if digest != expected.checksum:
-        raise ChecksumMismatch(name, expected.checksum, digest, OBJECT_CHECKSUM)
 
 
 def _staging_attempt(staging: Path) -> tuple[int, str]:

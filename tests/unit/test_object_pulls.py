@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from miles_disagg.types import ChecksumMismatch
-from miles_disagg.weights.object_store import OBJECTS_IN_FLIGHT, pull_all
+from miles_disagg.weights.object_pulls import OBJECTS_IN_FLIGHT, pull_all
 
 
 def test_objects_are_pulled_side_by_side_up_to_the_bound():
