@@ -4,7 +4,9 @@ its own local checkpoint, fetches the base (version 0) from the store, and pulls
 through its region's ``miles-disagg relay``. Mid-run the eu relay is killed; the run goes on with
 direct pulls for that region (counted), trains, and every consumed sample is attributed to the
 version whose weights recompute its logprobs. Each update records the WAN bytes per region: with the
-relay, one copy of the version; and the relay's own record says it pulled each object once."""
+relay, one copy of the version; and the relay's own record says it pulled each object once. After
+two updates a third engine, started by hand on a node of its own (its base fetched with ``weights
+fetch-base``), joins by ``engines add`` and catches up from the store alone."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+from unittest import mock
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +36,7 @@ pytestmark = [pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 STEPS, BATCH, SAMPLES = 6, 8, 4
 REGIONS = ("us", "eu")
+HAND_REGION = "ap"  # the engine started by hand and added mid-run: one engine, no relay
 RUN_TIMEOUT_S = 300
 
 
@@ -43,6 +47,7 @@ class ObjectStoreRun:
     env: dict
     relays: dict = field(default_factory=dict)  # region -> (process, url)
     relay_info: dict = field(default_factory=dict)
+    joined: dict = field(default_factory=dict)  # `engines add` of the engine started by hand
     returncode: int | None = None
     output: str = ""
 
@@ -82,10 +87,12 @@ def object_store_run(s3_server, digits_base_model, tmp_path_factory) -> ObjectSt
            "--custom-rm-path", "scoring_gate.reward",
            "--save-debug-rollout-data", str(run.run_dir / "consumed" / "{rollout_id}.jsonl")]
     log = root / "run.log"
+    hand_engine = None
     with open(log, "w") as out:
         driver = subprocess.Popen(cmd, cwd=REPO, env=run.env, stdout=out, stderr=subprocess.STDOUT)
         try:
             wait_while_running(lambda: len(run.updates()) >= 2, driver, log, scaled(RUN_TIMEOUT_S), "two updates")
+            hand_engine, run.joined = _add_engine_by_hand(run)
             eu_relay = run.relays["eu"][0]
             eu_relay.kill()  # mid-run: the eu engine must fall back to the store
             eu_relay.wait(scaled(30))
@@ -95,11 +102,37 @@ def object_store_run(s3_server, digits_base_model, tmp_path_factory) -> ObjectSt
             gate.unlink(missing_ok=True)
             if driver.poll() is None:
                 driver.kill()
+            if hand_engine is not None:
+                hand_engine.stop()
             run.relay_info = _relay_info(run)
             for proc, _ in run.relays.values():
                 proc.kill()
     run.output = log.read_text()
     return run
+
+
+def _add_engine_by_hand(run: ObjectStoreRun):
+    """An engine its user starts on a node of its own (region ap, no relay, nothing shared): the base
+    fetched from the store by hand, then ``engines add``. Returns the engine and its join record."""
+    from miles_disagg.engines.launch import launch_engine
+
+    def cli(*argv: str) -> dict:
+        result = subprocess.run([sys.executable, "-m", "miles_disagg.cli", *argv], env=run.env, capture_output=True,
+                                text=True, timeout=scaled(300))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout)
+
+    cli("weights", "fetch-base", "--store", run.url, "--dest", str(run.root / "hand-base"))
+    with mock.patch.dict(os.environ, {k: v for k, v in run.env.items() if k.startswith("AWS_")}):
+        engine = launch_engine(run.root / "hand-base", log_path=run.root / "hand-engine.log",
+                               extra_args=["--weight-store-dir", run.url, "--region", HAND_REGION,
+                                           "--local-checkpoint-dir", str(run.root / "hand-local")])
+    try:
+        [joined] = cli("engines", "add", "--json", "--run-dir", str(run.run_dir), engine.url)["joined"]
+    except BaseException:
+        engine.stop()
+        raise
+    return engine, joined
 
 
 def _relay_info(run: ObjectStoreRun) -> dict:
@@ -116,6 +149,7 @@ def test_the_run_trains_on_an_object_store_across_two_regions(object_store_run: 
     assert summary["steps"] == STEPS, summary
     for index in range(2):  # each engine's own node-local base, fetched from the store
         assert (run.run_dir / "rollout-checkpoints" / f"engine-{index}.base" / "config.json").is_file()
+    assert run.joined["version"] >= 1, run.joined  # the engine added by hand caught up from the store alone
 
 
 def speak_to_the_store(run: ObjectStoreRun, monkeypatch) -> None:
@@ -134,6 +168,9 @@ def test_every_update_records_one_wan_copy_per_region_and_the_dead_relay_as_fall
         size = _version_bytes(store, update["weights/version"])
         for region in REGIONS:
             assert update[f"weights/wan_bytes/{region}"] == size, (region, update)  # 1.0x the version, not 1x per engine
+    joined_later = [u for u in updates if u["weights/version"] > run.joined["version"]]
+    assert joined_later and all(u[f"weights/wan_bytes/{HAND_REGION}"] == _version_bytes(store, u["weights/version"])
+                                for u in joined_later)
     assert sum(u["weights/relay_fallbacks"] for u in updates[2:]) >= STEPS - 2  # the eu engine after its relay died
     assert run.relay_info["num_hits"] == 0 and run.relay_info["num_pulls"] >= 2 * STEPS  # each object pulled once
     assert sorted(map(int, run.relay_info["wan_bytes_by_version"])) == list(range(0, STEPS + 1))  # the base too
