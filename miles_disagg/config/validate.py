@@ -18,6 +18,9 @@ from miles_disagg.config.model_args import check_expert_layout, check_model_args
 from miles_disagg.types import ConfigError
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,5})$")
+MAX_ENGINE_ADDRESS_CHARS = 300
+"""The longest engine address taken (``https://``, the longest host name DNS allows, ``:65535``, with room);
+longer ones are refused as too long, here and wherever an address is named (``fleet/vetting.py``)."""
 
 
 def validate(config: RunConfig) -> None:
@@ -35,7 +38,10 @@ def validate(config: RunConfig) -> None:
 
 
 def parse_host_port(addr: str) -> tuple[str, int]:
-    """``host:port`` -> (host, port); ``ValueError`` when malformed."""
+    """``host:port`` -> (host, port); ``ValueError`` when malformed or too long."""
+    if len(addr) > MAX_ENGINE_ADDRESS_CHARS:
+        raise ValueError(f"engine address too long: {len(addr)} characters, at most {MAX_ENGINE_ADDRESS_CHARS} "
+                         f"({addr[:60]!r}...)")
     match = _HOST_PORT.match(addr)
     if not match or not 0 < int(match.group(2)) < 65536:
         raise ValueError(f"malformed engine address {addr!r}: expected host:port with port 1-65535")

@@ -21,7 +21,7 @@ header, that it is an engine of this job:
    engine's ``/server_info``; absent means refused).
 
 A URL carrying ``user:password@`` is refused before anything is sent (an HTTP client would send
-them), and so is one longer than :data:`MAX_ENGINE_URL_CHARS` (or a host name longer than DNS allows).
+them), and so is one longer than :data:`MAX_ENGINE_ADDRESS_CHARS` (or a host name longer than DNS allows).
 Nothing here raises for what an address answered: :class:`Vetting` says why it is refused.
 """
 
@@ -34,6 +34,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from miles_disagg.config.actors import EngineManagerConfig
+from miles_disagg.config.validate import MAX_ENGINE_ADDRESS_CHARS
 from miles_disagg.engines.roots import same_store
 from miles_disagg.net.asgi_guard import SERVER_ID_HEADER
 from miles_disagg.net.auth import ApiKeys, AuthLevel
@@ -47,8 +48,6 @@ MAX_ANSWER_BYTES = 4 << 20
 """An info answer longer than this is not read (an engine's is a few kB)."""
 MAX_HOSTNAME_CHARS = 253
 """The longest host name DNS allows."""
-MAX_ENGINE_URL_CHARS = 300
-"""The longest engine address taken: ``https://`` plus the longest host name plus ``:65535``, with room."""
 KEY_BEFORE_VETTING_FLAG = "--rollout-api-key-before-vetting"
 WANTS_KEY = ("answers /server_info with 401: it wants a key before it has shown it is an engine of this job, and the "
              "run sends a key only to an address that has (start it with its info endpoints open, or pass "
@@ -83,8 +82,8 @@ def check_engine_url(url: str) -> str:
     ``InvalidInput`` naming what is wrong: credentials (``user:pass@``), another scheme, a path,
     query or fragment, no host, no or a bad port, too long."""
     shown = url if len(url) <= 100 else url[:97] + "..."
-    if len(url) > MAX_ENGINE_URL_CHARS:
-        raise InvalidInput(f"engine address too long: {len(url)} characters, at most {MAX_ENGINE_URL_CHARS} ({shown!r})")
+    if len(url) > MAX_ENGINE_ADDRESS_CHARS:
+        raise InvalidInput(f"engine address too long: {len(url)} characters, at most {MAX_ENGINE_ADDRESS_CHARS} ({shown!r})")
     try:
         parts = urlsplit(url)
         port = parts.port

@@ -136,6 +136,8 @@ def test_train_async_rejects_colocate() -> None:
     (["--rollout-external"], "--rollout-external requires --rollout-external-engine-addrs"),
     (["--rollout-external", "--rollout-external-engine-addrs", "10.0.0.1"], "'10.0.0.1'"),
     (["--rollout-external", "--rollout-external-engine-addrs", "h:1", "h:99999"], "'h:99999'"),
+    (["--rollout-external", "--rollout-external-engine-addrs", "a" * 400 + ":1"],
+     "engine address too long: 402 characters, at most 300"),
     (["--rollout-external-engine-addrs", "h:1"], "needs --rollout-external"),
     (["--rollout-external", "--rollout-external-engine-addrs", "h:1", "--rollout-service-url", "http://x"],
      "different topologies"),
