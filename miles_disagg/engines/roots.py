@@ -89,6 +89,16 @@ class WeightRoots:
         raise self._refuse("model_path", model_path)
 
 
+def inside_lora_roots(lora_path: str, roots) -> Path:
+    """``lora_path`` (real path) when it lies under one of ``roots`` (``--lora-root``: the directories a
+    LoRA adapter may be loaded from), else ``OutsideRoots`` naming them."""
+    real = _real(lora_path)
+    if not any(real == _real(root) or _real(root) in real.parents for root in roots):
+        raise OutsideRoots(f"lora_path {lora_path!r} is outside this server's --lora-root directories "
+                           f"({', '.join(repr(str(r)) for r in roots) or 'none given'})")
+    return real
+
+
 def same_store(a: str | Path, b: str | Path) -> bool:
     """Two store texts name one store: equal canonical URLs, or directories with one real path."""
     if is_url(a) or is_url(b):

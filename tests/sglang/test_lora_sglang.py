@@ -44,3 +44,28 @@ def test_adapter_calls_and_lora_path_reach_sglang_as_its_request_types(sglang, m
     assert unload.lora_name == "v2"
     (req,) = manager.of_type("GenerateReqInput")
     assert req.lora_path == ["v3", "v3"]  # SGLang normalized it: one per prompt
+
+
+def test_the_agent_forwards_adapter_loads_under_its_lora_roots_only(sglang, manager, io_struct, tiny_qwen3_dir,
+                                                                    tmp_path):
+    from miles_disagg.engines.launch import launch_agent
+
+    root, elsewhere = tmp_path / "adapters", tmp_path / "elsewhere"
+    (root / "v1").mkdir(parents=True)
+    elsewhere.mkdir()
+    (tmp_path / "host").mkdir()
+    agent = launch_agent(sglang.url, tmp_path / "host" / "ckpt", log_path=tmp_path / "agent.log",
+                         base_dir=tiny_qwen3_dir, extra_args=["--lora-root", str(root)])
+    try:
+        with EngineClient(agent.url) as client:
+            client.load_lora_adapter("v1", str(root / "v1"))
+            refused = client.request("POST", "/load_lora_adapter",
+                                     json={"lora_name": "x", "lora_path": str(root / ".." / "elsewhere")})
+            client.generate({"input_ids": [1, 2], "lora_path": "v1", "sampling_params": {"max_new_tokens": 1}})
+    finally:
+        agent.stop()
+    assert refused.status_code == 403 and "--lora-root" in refused.text
+    (load,) = manager.of_type("LoadLoRAAdapterReqInput")  # the refused one never reached SGLang
+    assert (load.lora_name, load.lora_path) == ("v1", str(root / "v1"))
+    (req,) = manager.of_type("GenerateReqInput")
+    assert req.lora_path == "v1"

@@ -53,6 +53,7 @@ from miles_disagg.engines.agent.state import Agent
 from miles_disagg.engines.async_client import AsyncEngineClient
 from miles_disagg.engines.builtin import protocol
 from miles_disagg.engines.builtin.one_call import ActivateWeights
+from miles_disagg.engines.roots import inside_lora_roots
 from miles_disagg.net.asgi_guard import install_guard, server_app
 from miles_disagg.net.auth import ApiKeys, forward_headers
 from miles_disagg.net.httpjson import error_json
@@ -179,6 +180,15 @@ class AgentEndpoints:
             return error_response(exc)
         return await self._forward(request, raw)
 
+    async def load_lora_adapter(self, request: Request):
+        """SGLang's ``/load_lora_adapter``, forwarded only for an adapter under ``--lora-root`` (else 403)."""
+        raw = await request.body()
+        try:
+            inside_lora_roots(protocol.LoadLoraAdapter.from_json(raw).lora_path, self.agent.config.lora_roots)
+        except Exception as exc:
+            return error_response(exc)
+        return await self._forward(request, raw)
+
     async def proxy(self, request: Request, path: str):
         return await self._forward(request, await request.body())
 
@@ -257,6 +267,7 @@ def create_app(agent: Agent):
         ("/update_weights_from_disk", api.update_weights_from_disk, ["POST"]),
         (ACTIVATE_PATH, api.activate_weights, ["POST"]),
         ("/update_weight_version", api.update_weight_version, ["POST"]),
+        ("/load_lora_adapter", api.load_lora_adapter, ["POST"]),
         ("/{path:path}", api.proxy, PROXY_METHODS),  # last: everything else goes to the engine
     ):
         app.add_api_route(path, endpoint, methods=methods)

@@ -41,6 +41,9 @@ class AgentCommand(ServerFlags):
                                              "source_dir is refused with 403.",
                                          name="--weight-store-dir", metavar="DIR", repeat="append")
     region: str = flag("", REGION_HELP, metavar="NAME")
+    lora_roots: list[str] = flag([], "A directory /load_lora_adapter may name a LoRA adapter under (repeatable); "
+                                     "any other lora_path is refused with 403 before it reaches the engine.",
+                                 name="--lora-root", metavar="DIR", repeat="append")
     wait_for_engine_s: float = flag(0.0, "Wait up to this long for the engine's /health before serving "
                                          "(0: do not wait).")
 
@@ -70,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     agent = Agent(AgentConfig(engine_url=engine_url, local_checkpoint_dir=command.local_checkpoint_dir,
                               base_dir=command.base_dir, pre_read_hook=command.custom_pull_weights_pre_read_hook,
                               store_dirs=tuple(command.weight_store_dirs), guard=command.guard(),
-                              region=command.region))
+                              region=command.region, lora_roots=tuple(command.lora_roots)))
     if command.wait_for_engine_s > 0:
         wait_for_engine(engine_url, command.wait_for_engine_s)
     uvicorn.run(create_app(agent), host=command.host, port=command.port, log_level=command.log_level)

@@ -61,6 +61,8 @@ class AgentConfig:
     """The version stores a pull may read (``--weight-store-dir``); none: every pull is refused."""
     region: str = ""
     """This host's region label, carried by pull answers (WAN bytes per region)."""
+    lora_roots: tuple[str, ...] = ()
+    """The directories ``/load_lora_adapter`` may name an adapter under (``--lora-root``); none: every load refused."""
     guard: ServerGuard = field(default_factory=ServerGuard)
     """Keys the agent enforces (and sends to the engine) and its request-size limit."""
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S

@@ -19,7 +19,6 @@ loading one more is refused (409) until one is unloaded.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -27,33 +26,19 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from pydantic import Field
 
-from miles_disagg.engines.builtin.protocol import Body
-from miles_disagg.types import Forbidden, InvalidInput, Retryable
+from miles_disagg.engines.builtin.protocol import MAX_LORA_NAME_CHARS, LoadLoraAdapter, UnloadLoraAdapter
+from miles_disagg.engines.roots import inside_lora_roots
+from miles_disagg.types import InvalidInput, Retryable
 from miles_disagg.weights.adapters import ADAPTER_WEIGHTS, AdapterInfo, check_adapter_dir
 
 TARGETABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MAX_NAME_CHARS = 256
+MAX_NAME_CHARS = MAX_LORA_NAME_CHARS
 MAX_STACKS = 256  # cached (module, adapters) rank stacks; cleared whole beyond
 
 
 class LoraBankFull(Retryable):
     """``--max-loaded-loras`` adapters are resident (409: retry once one is unloaded); nothing changed."""
-
-
-class LoadLoraAdapter(Body):
-    """SGLang's ``LoadLoRAAdapterReqInput``."""
-
-    lora_name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
-    lora_path: str = Field(min_length=1, max_length=4096)
-    pinned: bool = False
-
-
-class UnloadLoraAdapter(Body):
-    """SGLang's ``UnLoadLoRAAdapterReqInput``."""
-
-    lora_name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
 
 
 @dataclass
@@ -108,7 +93,7 @@ class LoraBank:
 
     def __init__(self, model: torch.nn.Module, *, max_loaded: int, max_rank: int, roots: list[str]):
         self.max_loaded, self.max_rank = max_loaded, max_rank
-        self.roots = [Path(os.path.realpath(r)) for r in roots]
+        self.roots = list(roots)
         self._lock = threading.Lock()
         self._adapters: dict[str, ResidentAdapter] = {}
         self._rows = _Rows()
@@ -125,7 +110,7 @@ class LoraBank:
         this model's, or the name is taken; ``Forbidden``: outside the roots; ``LoraBankFull``)."""
         if not name or len(name) > MAX_NAME_CHARS:
             raise InvalidInput(f"lora_name must be 1 to {MAX_NAME_CHARS} characters")
-        directory = self._inside_roots(path)
+        directory = inside_lora_roots(path, self.roots)
         info = check_adapter_dir(directory)
         if info.rank > self.max_rank:
             raise InvalidInput(f"adapter {name!r} has rank {info.rank}, above --max-lora-rank {self.max_rank}")
@@ -149,13 +134,6 @@ class LoraBank:
             if adapter.in_flight == 0:
                 del self._adapters[name]
             return {"lora_name": name, "unloaded": name not in self._adapters, "in_flight": adapter.in_flight}
-
-    def _inside_roots(self, path: str) -> Path:
-        real = Path(os.path.realpath(path))
-        if not any(real == root or root in real.parents for root in self.roots):
-            raise Forbidden(f"lora_path {path!r} is outside this engine's --lora-root directories "
-                            f"({', '.join(map(str, self.roots)) or 'none given'})")
-        return real
 
     def _read_weights(self, directory: Path, info: AdapterInfo) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         from safetensors.torch import load_file

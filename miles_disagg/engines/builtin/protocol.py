@@ -502,6 +502,23 @@ class UpdateFromTensor(Body):
     weight_version: VersionString | None = None
 
 
+MAX_LORA_NAME_CHARS = 256
+
+
+class LoadLoraAdapter(Body):
+    """SGLang's ``LoadLoRAAdapterReqInput``."""
+
+    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    pinned: bool = False
+
+
+class UnloadLoraAdapter(Body):
+    """SGLang's ``UnLoadLoRAAdapterReqInput``."""
+
+    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)
+
+
 class PullWeights(Body):
     """This project's ``/pull_weights``: materialize and stage a published version."""
 

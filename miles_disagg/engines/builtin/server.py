@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from miles_disagg.net.asgi_guard import ServerGuard, install_guard, server_app
 from miles_disagg.engines.activation import ACTIVATE_PATH
 from miles_disagg.engines.builtin import one_call, protocol
-from miles_disagg.engines.builtin.lora import LoadLoraAdapter, UnloadLoraAdapter
+from miles_disagg.engines.builtin.protocol import LoadLoraAdapter, UnloadLoraAdapter
 from miles_disagg.engines.builtin.runtime import Engine
 from miles_disagg.engines.builtin.scheduler import Sequence
 from miles_disagg.net.httpjson import error_json, status_for
