@@ -22,6 +22,7 @@ from typing import Any
 from miles_disagg.config.actors import EngineManagerConfig
 from miles_disagg.config.components import RunConfig
 from miles_disagg.config.critic_rules import uses_critic
+from miles_disagg.config.lora_rules import describe_lora
 from miles_disagg.types import ConfigError, MilesDisaggError
 
 PLACEHOLDERS = {
@@ -60,6 +61,7 @@ def plan_launch(config: RunConfig) -> dict[str, Any]:
         "entry": config.entry,
         "topology": topology,
         "train_backend": config.train.train_backend,
+        "lora": describe_lora(config.train),  # None: full fine-tuning
         "update_weight_transfer_mode": config.weights.update_weight_transfer_mode,
         "ray": {"address": os.environ.get("RAY_ADDRESS") or "local", "bundles": layout.num_bundles},
         "placement": _placement(config, layout),
