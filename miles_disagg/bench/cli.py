@@ -1,4 +1,4 @@
-"""``miles-disagg bench {delta,engine,async,service,hostile,colocate,http,scale,publish,store,lora}``: dispatch to the benchmark modules.
+"""``miles-disagg bench {delta,engine,async,service,hostile,colocate,http,scale,publish,store,lora,agentic}``: dispatch to the benchmark modules.
 
 Each benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int`` (the parsed
 namespace carries it as ``run_benchmark``) and prints one JSON object on stdout.
@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "scale": ("miles_disagg.bench.scale", "control plane at scale with simulated engines: fan-out, router, memory"),
     "publish": ("miles_disagg.bench.publish", "sharded publication: per-rank snapshot and payload bytes, wall, wire by rank count"),
     "lora": ("miles_disagg.bench.lora", "LoRA adapter versions vs full weights: bytes, activation stall, mixing, throughput"),
+    "agentic": ("miles_disagg.bench.agentic", "agent sessions over N engines: prefix-cache hits and sessions/s with and without affinity"),
     "store": ("miles_disagg.bench.store", "object store vs shared directory, one WAN copy per region with a relay, pull memory"),
 }
 

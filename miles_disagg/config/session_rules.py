@@ -55,6 +55,10 @@ def check_session_rules(config) -> None:
         raise ConfigError("--custom-agent-function-path runs an agent against the session endpoint: add "
                           "--use-session-server", ("--custom-agent-function-path", "--use-session-server"))
     if not rollout.use_session_server:
+        if rollout.custom_generate_function_path == AGENTIC_GENERATE:
+            raise ConfigError(f"--custom-generate-function-path {AGENTIC_GENERATE} runs agents against the session "
+                              "endpoint: add --use-session-server and --custom-agent-function-path",
+                              ("--custom-generate-function-path", "--use-session-server"))
         return
     generate = rollout.custom_generate_function_path
     if not rollout.custom_agent_function_path:

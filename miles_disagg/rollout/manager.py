@@ -23,7 +23,6 @@ post-process sets the samples' advantages.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -41,7 +40,7 @@ from miles_disagg.rollout.filters import apply_dynamic_filter, buffer_selector
 from miles_disagg.rollout.generate import GenerationFailed, RequestLost, SamplingSettings
 from miles_disagg.rollout.groups import GroupGenerator
 from miles_disagg.rollout.hook_args import EngineCaller, EvalSamples, PromptSamples, RolloutArgs
-from miles_disagg.rollout.hooks import load_rollout_hooks
+from miles_disagg.rollout.sessions.agent import rollout_hooks_of
 from miles_disagg.rollout.outputs import eval_metrics, groups_from_rollout_output, post_process_rewards
 from miles_disagg.rollout.routed_experts import RoutingShape, from_jsonable, to_jsonable
 from miles_disagg.rollout.opd_topk import student_top_k
@@ -82,9 +81,7 @@ class RolloutManager:
             self.prompts.load_state_dict({**self.prompts.state_dict(), "epoch": data_position // n,
                                           "offset": data_position % n})
         self.reward = load_sample_reward(config)
-        # a session run's generate function is the endpoint's own (rollout/sessions/agent.py), also under miles' path
-        self.hooks = load_rollout_hooks(dataclasses.replace(config, custom_generate_function_path=None)
-                                        if config.use_session_server else config)
+        self.hooks = rollout_hooks_of(config)  # a session run's generate function is the endpoint's own
         self._agents = None  # --use-session-server: the session endpoint and its agent (rollout/sessions/agent.py)
         self.sampling = SamplingSettings(config.rollout_max_response_len, config.rollout_temperature,
                                          config.rollout_top_p, config.rollout_top_k, tuple(config.rollout_stop),

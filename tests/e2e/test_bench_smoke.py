@@ -35,6 +35,9 @@ TINY: dict[str, list[str]] = {
               "--", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
               "--micro-batch-size", "4"],
     "publish": ["--ranks", "1,2", "--size-mb", "1"],
+    # two engines, four sessions of two turns, one activation: both modes, every figure
+    "agentic": ["--engines", "2", "--sessions", "4", "--turns", "2", "--appended-tokens", "20", "--hidden-size", "64",
+                "--num-layers", "1", "--activations", "1", "--concurrency", "2"],
     "lora": ["--hidden-size", "64", "--num-layers", "1", "--steps", "2", "--requests", "4", "--max-new-tokens", "8"],
     # moto on loopback, one host per region, a short WAN round trip
     "store": ["--size-mb", "4", "--engines-per-region", "1", "--memory-sizes-mb", "2,8", "--wan-rtt-ms", "5"],
@@ -56,6 +59,8 @@ EXPECTED_KEYS: dict[str, set[str]] = {
     "http": {"httpx", "pooled_http"},
     "async": {"samples_per_s_sync", "samples_per_s_async", "ratio", "engine_busy_fraction"},
     "publish": {"results", "wire_equal_within_1pct", "model_bytes"},
+    "agentic": {"prefix_cache_hit_ratio_vs_ideal", "token_drift", "kv_reuse_across_versions",
+                "sessions_per_s_affinity_vs_none", "prefill_per_turn_vs_appended", "affinity", "none"},
     "lora": {"adapter_bytes_vs_full", "activation_stall_vs_median_gap", "full_activation_stall_vs_median_gap",
              "samples_mixing_versions", "throughput_two_adapters_vs_one", "throughput_one_adapter_vs_base",
              "trainer_step_time_lora_vs_full"},
@@ -89,7 +94,7 @@ def bench(name: str, tmp_path: Path, timeout: float) -> dict:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["delta", "http", "hostile", "engine", "colocate", "service", "publish", "store",
-                                  "lora"])
+                                  "agentic", "lora"])
 def test_bench_runs_with_json(name: str, tmp_path: Path) -> None:
     bench(name, tmp_path, timeout=scaled(600))
 

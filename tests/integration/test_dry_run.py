@@ -261,7 +261,12 @@ def test_ctrl_c_while_waiting_for_an_engine_ends_with_one_line(tmp_path, tiny_qw
     assert not (tmp_path / "run").exists()
 
 
-def test_the_session_endpoint_is_in_the_plan_and_its_miles_flags_are_checked(capsys, tmp_path, tiny_qwen3_dir) -> None:
+def test_the_session_endpoint_is_in_the_plan_and_its_miles_flags_are_checked(capsys, tmp_path, tiny_qwen3_dir,
+                                                                           monkeypatch) -> None:
+    (tmp_path / "my_agents.py").write_text("async def run_agent(base_url, prompt, request_kwargs, metadata):\n"
+                                          "    return None\n\ndef not_async(base_url, prompt, request_kwargs, metadata):\n"
+                                          "    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
     sessions = ["--use-session-server", "--custom-agent-function-path", "my_agents.run_agent", "--tito-model", "qwen3",
                 "--tito-allowed-append-roles", "tool", "user"]
     plan = dry_run(capsys, *disk_delta(tmp_path, tiny_qwen3_dir), "--rollout-backend", "builtin", *sessions,
@@ -275,6 +280,16 @@ def test_the_session_endpoint_is_in_the_plan_and_its_miles_flags_are_checked(cap
                            (["--custom-generate-function-path", "x.y"], "would replace it")):
         assert main("train_async", [*disk_delta(tmp_path, tiny_qwen3_dir), *sessions, *extra, "--dry-run"]) == 2
         assert message in capsys.readouterr().err
+    agent = sessions.index("--custom-agent-function-path") + 1
+    for bad, message in (("my_agents.not_async", "must be an async def function"), ("nowhere.run_agent", "cannot import")):
+        wrong = sessions[:agent] + [bad] + sessions[agent + 1:]
+        assert main("train_async", [*disk_delta(tmp_path, tiny_qwen3_dir), *wrong, "--dry-run"]) == 2
+        assert message in capsys.readouterr().err
     assert main("train_async", [*disk_delta(tmp_path, tiny_qwen3_dir), "--custom-agent-function-path", "a.b",
                                 "--dry-run"]) == 2
     assert "add --use-session-server" in capsys.readouterr().err
+    miles_generate = ["--custom-generate-function-path", "miles.rollout.generate_hub.agentic_tool_call.generate"]
+    assert main("train_async", [*disk_delta(tmp_path, tiny_qwen3_dir), *miles_generate, "--dry-run"]) == 2
+    assert "add --use-session-server" in capsys.readouterr().err
+    plan = dry_run(capsys, *disk_delta(tmp_path, tiny_qwen3_dir), *sessions, *miles_generate)  # miles' own line
+    assert plan["sessions"]["agent"] == "my_agents.run_agent"

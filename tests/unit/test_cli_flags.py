@@ -17,6 +17,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
     from miles_disagg.bench.async_train import AsyncBench
     from miles_disagg.bench.colocate import ColocateBench
     from miles_disagg.bench.delta import DeltaBench
+    from miles_disagg.bench.agentic import AgenticBench
     from miles_disagg.bench.engine import EngineBench
     from miles_disagg.bench.hostile import HostileBench
     from miles_disagg.bench.lora import LoraBench
@@ -48,6 +49,7 @@ def command_configs() -> dict[tuple[str, ...], tuple[type, ...]]:
         **{("weights", action): (cls,) for action, cls in ACTIONS.items()},
         ("bench", "delta"): (DeltaBench,),
         ("bench", "engine"): (EngineBench,),
+        ("bench", "agentic"): (AgenticBench,),
         ("bench", "async"): (AsyncBench,),
         ("bench", "service"): (ServiceBench,),
         ("bench", "hostile"): (HostileBench,),

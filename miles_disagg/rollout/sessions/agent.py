@@ -35,6 +35,23 @@ AGENT_FUNCTION = HookKind("--custom-agent-function-path", (), True,
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "sampling_seed": "seed"}
 
 
+def load_agent_function(config):
+    """``--custom-agent-function-path``, imported and its signature checked (``ConfigError`` naming the flag)."""
+    return load_hook(AGENT_FUNCTION, config.custom_agent_function_path)
+
+
+def rollout_hooks_of(config):
+    """The run's rollout hooks; a session run's generate function is the endpoint's own (also when miles'
+    ``agentic_tool_call.generate`` path names it), so that flag is not imported then."""
+    import dataclasses
+
+    from miles_disagg.rollout.hooks import load_rollout_hooks
+
+    if config.use_session_server:
+        config = dataclasses.replace(config, custom_generate_function_path=None)
+    return load_rollout_hooks(config)
+
+
 class SessionDropped(RequestLost):
     """A session's trajectory cannot be trained on (it broke a check, or the agent never called the model)."""
 
@@ -50,7 +67,7 @@ class AgentRollout:
 
     def __init__(self, config, hf_dir: str, tokenizer, client, router_url: str, version_bound, *,
                  run_id: str | None = None, host: str = "127.0.0.1"):
-        self.agent = load_hook(AGENT_FUNCTION, config.custom_agent_function_path)
+        self.agent = load_agent_function(config)
         encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         rule = TitoRule.make(config.tito_model, checkpoint_template(hf_dir, config.chat_template_path), encode,
                              tuple(config.tito_allowed_append_roles))

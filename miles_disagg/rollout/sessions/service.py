@@ -58,6 +58,8 @@ class SessionSettings:
     """Most tokens one turn may generate (``--rollout-max-response-len``)."""
     model_name: str = "policy"
     run_id: str | None = None
+    routing_key: bool = True
+    """Send ``X-SMG-Routing-Key`` (session affinity); off only to measure what affinity buys (``bench agentic``)."""
 
 
 class SessionService:
@@ -155,7 +157,7 @@ class SessionService:
         body = constrained({"input_ids": prompt, "sampling_params": params, "return_logprob": True},
                            min_version, exact_version, self.settings.run_id)
         self.counters["requests"] += 1
-        client = _RoutedPost(self._client, {ROUTING_KEY_HEADER: session_id})
+        client = _RoutedPost(self._client, {ROUTING_KEY_HEADER: session_id} if self.settings.routing_key else {})
         payload = await generate_one(client, self._url, body, self.counters)
         if not isinstance(payload, dict):
             raise GenerationFailed(f"one prompt was sent, the router answered {type(payload).__name__}")

@@ -1,0 +1,256 @@
+"""``miles-disagg bench agentic``: multi-turn agent sessions over N built-in engines, with and without
+session affinity, with weight activations during each run.
+
+Sets up a random Qwen3 (character vocabulary, ``--hidden-size``/``--num-layers``), ``--engines`` built-in
+engines (prefix cache on) behind the router (processes), and the session endpoint
+(:mod:`miles_disagg.rollout.sessions`) in this process. Each mode runs ``--sessions`` sessions of
+``--turns`` turns, ``--concurrency`` at a time: a unique first message, then per turn the engine's answer
+and, after ``--tool-ms`` of tool time, a tool message of ``--appended-tokens`` characters (one token each). ``--activations`` times during a
+mode (after equal shares of its sessions finished) every engine activates a new version
+(``/update_weights_from_disk`` of the same weights under a new label: a real swap, the caches drop).
+The two modes differ only in the routing key the session endpoint sends (``X-SMG-Routing-Key``); the
+caches are flushed before each.
+
+Figures per mode: prefix-cache hit rate (cached prompt tokens / prompt tokens) and the workload's ideal
+(a turn may reuse its session's previous prompt and output, less the never-fed last token, when the same
+version served both), prefill tokens computed per turn against the tokens the turn appended, turn latency
+p50/p99, sessions per second, session moves (the router's count), token drift (turns whose prompt does not
+extend the previous turn's prompt and output, plus prefix-check failures) and KV reuse across versions
+(turns after a version change that reused more than the template's shared opening, plus the engines' own
+``cross_version_tokens``). Ratios: ``prefix_cache_hit_ratio_vs_ideal`` (affinity), the same without,
+``sessions_per_s_affinity_vs_none``, ``prefill_per_turn_vs_appended`` (affinity).
+
+Prints one JSON object on stdout; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import string
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles_disagg.bench.common import print_result, progress, qwen3_shape, work_dir
+from miles_disagg.config.commands import add_config_arguments, config_from_args
+from miles_disagg.config.fields import flag
+
+_progress = progress("agentic")
+TEXT = string.ascii_letters + string.digits
+
+
+@dataclass(kw_only=True)
+class AgenticBench:
+    """multi-turn agentic sessions: prefix-cache hits and sessions/s with and without affinity, across activations"""
+
+    json: bool = flag(False, "Print the result as JSON (always on; kept for scripts).")
+    engines: int = flag(4, "Built-in engines behind the router.")
+    sessions: int = flag(64, "Sessions per mode.")
+    turns: int = flag(8, "Turns per session.")
+    appended_tokens: int = flag(200, "Tokens a tool message appends per turn.")
+    max_new_tokens: int = flag(8, "Tokens generated per turn.")
+    concurrency: int = flag(32, "Sessions in flight at once.")
+    tool_ms: float = flag(50.0, "Time the tool takes between two turns of a session (the agent waits; its engine serves others).")
+    activations: int = flag(2, "Activations of every engine during each mode.")
+    prefix_cache_tokens: int = flag(16384, "Each engine's --prefix-cache-tokens (its KV memory for cached prefixes: "
+                                           "sized for its share of the sessions in flight, as a GPU's KV pool is).")
+    hidden_size: int = flag(256, "Hidden size of the random Qwen3 (a multiple of 64).")
+    num_layers: int = flag(4, "Layers of the random Qwen3.")
+    work_dir: Path | None = flag(None, "Keep the model and logs here (default: a temp dir).")
+
+    def __post_init__(self) -> None:
+        qwen3_shape(self.hidden_size, self.num_layers)
+        for name in ("engines", "sessions", "turns", "appended_tokens", "max_new_tokens", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.activations < 0 or self.tool_ms < 0:
+            raise ValueError(f"--activations and --tool-ms must be >= 0, got {self.activations}, {self.tool_ms}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, AgenticBench)
+
+
+def run(args: argparse.Namespace) -> int:
+    command = config_from_args(AgenticBench, args)
+    with work_dir("agentic", command.work_dir) as root:
+        return print_result(_bench(root, command))
+
+
+def _bench(root: Path, command: AgenticBench) -> dict:
+    from miles_disagg.engines.launch import launch_engine
+    from miles_disagg.models.tiny_qwen3 import make_tiny_qwen3
+    from miles_disagg.router.launch import launch_router
+
+    model_dir = make_tiny_qwen3(root / "model", **qwen3_shape(command.hidden_size, command.num_layers))
+    _progress(f"starting {command.engines} engines and the router")
+    engines = [launch_engine(model_dir, log_path=root / f"engine-{i}.log",
+                             extra_args=("--allow-unverified-versions", "--max-running-requests", "32",
+                                         "--prefix-cache-tokens", str(command.prefix_cache_tokens)))
+               for i in range(command.engines)]
+    router = launch_router(log_path=root / "router.log", workers=[e.url for e in engines], health_check_interval_s=0.5)
+    try:
+        fleet = Fleet(model_dir, [e.url for e in engines], router.url)
+        modes = {mode: asyncio.run(fleet.run_mode(command, affinity=mode == "affinity"))
+                 for mode in ("affinity", "none")}
+    finally:
+        router.stop()
+        for engine in engines:
+            engine.stop()
+    return _result(command, modes)
+
+
+class Fleet:
+    """The engines, the router and the session endpoint's service, driven mode by mode."""
+
+    def __init__(self, model_dir: Path, engine_urls: list[str], router_url: str):
+        from miles_disagg.models.tokenizer import load_tokenizer
+
+        self.model_dir, self.engine_urls, self.router_url = model_dir, engine_urls, router_url
+        self.tokenizer = load_tokenizer(model_dir)
+        self.version = 0
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    async def run_mode(self, command: AgenticBench, affinity: bool) -> dict:
+        import httpx
+
+        from miles_disagg.rollout.sessions.service import SessionService, SessionSettings
+        from miles_disagg.rollout.sessions.templates import checkpoint_template
+        from miles_disagg.rollout.sessions.tito import TitoRule
+
+        rule = TitoRule.make("qwen3", checkpoint_template(self.model_dir), self.encode, ("tool", "user"))
+        settings = SessionSettings({"temperature": 1.0}, command.max_new_tokens, routing_key=affinity)
+        async with httpx.AsyncClient(timeout=600.0, trust_env=False) as client:
+            await self._flush(client)
+            moves_before = await self._moves(client)
+            service = SessionService(client, self.router_url, rule,
+                                     lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), settings,
+                                     lambda: (None, None), Counter())
+            _progress(f"{'with' if affinity else 'without'} affinity: {command.sessions} sessions x {command.turns} turns")
+            runner = ModeRun(self, service, command, random.Random(1))
+            started = time.perf_counter()
+            turns = await runner.run(client)
+            wall_s = time.perf_counter() - started
+            moves = await self._moves(client) - moves_before
+            cross = await self._cross_version_tokens(client)
+        return _mode_figures(turns, runner.latencies_s, wall_s, command, moves, cross,
+                             service.counters["prefix_mismatches"], len(self.encode("<|im_start|>user\n")))
+
+    async def activate_all(self, client) -> None:
+        """Every engine swaps in the same weights under the next version (its prefix cache drops)."""
+        self.version += 1
+        for url in self.engine_urls:
+            answer = await client.post(f"{url}/update_weights_from_disk",
+                                       json={"model_path": str(self.model_dir), "weight_version": str(self.version)})
+            answer.raise_for_status()
+
+    async def _flush(self, client) -> None:
+        for url in self.engine_urls:
+            (await client.post(f"{url}/flush_cache")).raise_for_status()
+
+    async def _moves(self, client) -> int:
+        return int((await client.get(f"{self.router_url}/metrics")).json().get("session_moves", 0))
+
+    async def _cross_version_tokens(self, client) -> int:
+        total = 0
+        for url in self.engine_urls:
+            info = (await client.get(f"{url}/get_server_info")).json()
+            total += int(info["internal_states"][0]["prefix_cache"]["cross_version_tokens"])
+        return total
+
+
+class ModeRun:
+    """One mode's sessions (``concurrency`` at a time) and its activations."""
+
+    def __init__(self, fleet: Fleet, service, command: AgenticBench, rng: random.Random):
+        self.fleet, self.service, self.command, self.rng = fleet, service, command, rng
+        self.latencies_s: list[float] = []
+        self.finished = 0
+
+    async def run(self, client) -> list[list]:
+        slots = asyncio.Semaphore(self.command.concurrency)
+        every = max(1, self.command.sessions // (self.command.activations + 1))
+        pending: set[asyncio.Task] = set()
+
+        async def one(index: int) -> list:
+            async with slots:
+                turns = await self.session(index)
+            self.finished += 1
+            if self.finished % every == 0 and self.finished // every <= self.command.activations:
+                pending.add(asyncio.ensure_future(self.fleet.activate_all(client)))
+            return turns
+
+        sessions = await asyncio.gather(*(one(i) for i in range(self.command.sessions)))
+        await asyncio.gather(*pending)
+        return sessions
+
+    async def session(self, index: int) -> list:
+        state = self.service.create({"index": index})
+        messages = [{"role": "user", "content": self._text(40)}]
+        for _ in range(self.command.turns):
+            started = time.perf_counter()
+            answer = await self.service.chat(state.session_id, {"messages": messages})
+            self.latencies_s.append(time.perf_counter() - started)
+            await asyncio.sleep(self.command.tool_ms / 1000)  # the tool runs; the session holds no engine meanwhile
+            messages += [answer["choices"][0]["message"],
+                         {"role": "tool", "content": self._text(self.command.appended_tokens)}]
+        return self.service.delete(state.session_id).turns
+
+    def _text(self, n: int) -> str:
+        return "".join(self.rng.choice(TEXT) for _ in range(n))
+
+
+def _mode_figures(sessions: list[list], latencies_s: list[float], wall_s: float, command: AgenticBench, moves: int,
+                  cross_tokens: int, prefix_mismatches: int, shared_head: int) -> dict:
+    from miles_disagg.rollout.sessions.types import token_drift
+
+    prompt = cached = ideal = appended = reused_across = 0
+    for turns in sessions:
+        previous = None
+        for turn in turns:
+            held = len(previous.prompt_ids) + len(previous.output_ids) if previous is not None else 0
+            same_version = previous is not None and previous.version_end == turn.version_start
+            prompt, cached = prompt + len(turn.prompt_ids), cached + turn.cached_tokens
+            ideal += max(0, held - 1) if same_version else 0
+            appended += len(turn.prompt_ids) - held
+            reused_across += previous is not None and not same_version and turn.cached_tokens > shared_head
+            previous = turn
+    num_turns = sum(len(t) for t in sessions)
+    ordered = sorted(latencies_s)
+    return {
+        "prefix_cache_hit_rate": round(cached / prompt, 4), "ideal_hit_rate": round(ideal / prompt, 4),
+        "prefill_tokens_per_turn": round((prompt - cached) / num_turns, 1),
+        "appended_tokens_per_turn": round(appended / num_turns, 1),
+        "turn_latency_ms": {"p50": round(ordered[len(ordered) // 2] * 1e3, 1),
+                            "p99": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3, 1)},
+        "sessions_per_s": round(len(sessions) / wall_s, 3), "wall_s": round(wall_s, 2), "turns": num_turns,
+        "session_moves": moves, "token_drift": sum(token_drift(t) for t in sessions) + prefix_mismatches,
+        "kv_reuse_across_versions": int(reused_across) + cross_tokens,
+        "version_changes_seen": sum(1 for t in sessions for a, b in zip(t, t[1:]) if a.version_end != b.version_start),
+    }
+
+
+def _result(command: AgenticBench, modes: dict[str, dict]) -> dict:
+    with_, without = modes["affinity"], modes["none"]
+    ratio = lambda a, b: round(a / b, 3) if b else None  # noqa: E731
+    return {
+        "settings": {name: getattr(command, name) for name in ("engines", "sessions", "turns", "appended_tokens",
+                                                               "max_new_tokens", "concurrency", "activations",
+                                                               "hidden_size", "num_layers", "tool_ms",
+                                                               "prefix_cache_tokens")},
+        "affinity": with_, "none": without,
+        "prefix_cache_hit_ratio_vs_ideal": ratio(with_["prefix_cache_hit_rate"], with_["ideal_hit_rate"]),
+        "prefix_cache_hit_ratio_vs_ideal_without_affinity": ratio(without["prefix_cache_hit_rate"],
+                                                                  without["ideal_hit_rate"]),
+        "prefill_per_turn_vs_appended": ratio(with_["prefill_tokens_per_turn"], with_["appended_tokens_per_turn"]),
+        "sessions_per_s_affinity_vs_none": ratio(with_["sessions_per_s"], without["sessions_per_s"]),
+        "token_drift": with_["token_drift"] + without["token_drift"],
+        "kv_reuse_across_versions": with_["kv_reuse_across_versions"] + without["kv_reuse_across_versions"],
+        "session_moves": {"affinity": with_["session_moves"], "none": without["session_moves"]},
+    }
