@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_disagg.config.components import ClusterConfig, RolloutConfig, RunConfig, WeightUpdateConfig
+from miles_disagg.config.lora_rules import adapter_base_dir, serves_adapters
 
 from miles_disagg.config.training import TrainConfig
 
@@ -37,6 +38,9 @@ class EngineManagerConfig:
     """The checkpoint is a mixture-of-experts model (its config.json names experts)."""
     use_rollout_routing_replay: bool = False
     """Engines start with ``--enable-return-routed-experts`` (see :mod:`miles_disagg.config.routing_replay`)."""
+    lora_base_dir: str | None = None
+    """The run's engines serve its LoRA adapter versions, whose chain starts at this directory
+    (:func:`miles_disagg.config.lora_rules.serves_adapters`)."""
 
     @classmethod
     def from_run(cls, config: RunConfig) -> "EngineManagerConfig":
@@ -46,7 +50,8 @@ class EngineManagerConfig:
                    model_path=str(config.train.hf_checkpoint), run_dir=str(config.tracking.run_dir),
                    seed=config.train.seed, sglang_args=dict(config.sglang_args),
                    moe=moe_routing_shape(config.train.hf_checkpoint) is not None,
-                   use_rollout_routing_replay=config.train.use_rollout_routing_replay)
+                   use_rollout_routing_replay=config.train.use_rollout_routing_replay,
+                   lora_base_dir=_lora_base_dir(config))
 
     def returns_routing(self, backend: str) -> bool:
         """Whether managed engines of ``backend`` start with ``--enable-return-routed-experts``."""
@@ -74,6 +79,9 @@ class TrainerGroupConfig:
     initial_checkpoint: tuple[str, str] | None = None
     """``(path, flag)``: a Megatron torch_dist checkpoint the policy starts from (miles' ``--load``
     or ``--ref-load``) instead of the HF checkpoint's weights."""
+    lora_base_dir: str | None = None
+    """LoRA runs whose engines serve adapter versions: the trainer publishes its adapter, whose
+    chain's version 0 it writes here once (None: it publishes the policy's full weights)."""
 
     @classmethod
     def from_run(cls, config: RunConfig, initial_checkpoint: tuple[str, str] | None = None) -> "TrainerGroupConfig":
@@ -82,7 +90,8 @@ class TrainerGroupConfig:
         return cls(train=config.train, weights=config.weights, hf_dir=str(config.train.hf_checkpoint),
                    train_dir=str(config.train.train_hf_checkpoint or config.train.hf_checkpoint),
                    colocated=config.cluster.colocate, temperature=config.rollout.rollout_temperature,
-                   miles_args=config_to_namespace(config), initial_checkpoint=initial_checkpoint)
+                   miles_args=config_to_namespace(config), initial_checkpoint=initial_checkpoint,
+                   lora_base_dir=_lora_base_dir(config))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,3 +155,7 @@ class RolloutManagerConfig:
                    seed=config.train.seed, run_id=run_id, routed_experts=rollout_routing_shape(config, backend),
                    opd_teacher_url=teacher, opd_teacher_run_keys=job_teacher_url is not None,
                    use_opd=config.train.use_opd)
+
+
+def _lora_base_dir(config: RunConfig) -> str | None:
+    return adapter_base_dir(config.weights.update_weight_disk_dir) if serves_adapters(config) else None

@@ -79,11 +79,31 @@ def check_lora_rules(config) -> None:
     resolve_targets(train.target_modules, train.exclude_modules)
 
 
-def describe_lora(train) -> str | None:
+def serves_adapters(config) -> bool:
+    """Whether the run's engines serve its adapter versions (built-in engines this job launches,
+    disk-delta into a directory store); otherwise they serve the base merged with the adapter."""
+    train, rollout, weights = config.train, config.rollout, config.weights
+    return (train.lora_rank > 0 and not train.lora_train_only and rollout.rollout_backend == "builtin"
+            and not (rollout.rollout_external or rollout.rollout_service_url)
+            and weights.update_weight_transfer_mode == "disk-delta" and not config.cluster.colocate
+            and "://" not in (weights.update_weight_disk_dir or "://"))
+
+
+def adapter_base_dir(store_dir: str) -> str:
+    """Where an adapter-serving run writes its adapter chain's version 0 (beside the store)."""
+    return store_dir.rstrip("/") + ".lora-v0"
+
+
+def describe_lora(config) -> str | None:
     """The run's one line about its adapter (None: full fine-tuning)."""
+    train = config.train
     if train.lora_rank == 0:
         return None
     targets = ",".join(resolve_targets(train.target_modules, train.exclude_modules))
-    served = ("--lora-train-only: the adapter is trained and the engines roll out on the frozen base"
-              if train.lora_train_only else "the engines serve the base merged with the current adapter")
+    if train.lora_train_only:
+        served = "--lora-train-only: the adapter is trained and the engines roll out on the frozen base"
+    elif serves_adapters(config):
+        served = "the engines serve adapter versions beside the resident base, activated without a pause"
+    else:
+        served = "the engines serve the base merged with the current adapter"
     return f"LoRA rank {train.lora_rank}, alpha {train.lora_alpha} on {targets}: {served}"

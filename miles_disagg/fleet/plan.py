@@ -53,6 +53,8 @@ def engine_specs(config: EngineManagerConfig, engines: Sequence[Sequence[int]], 
     if routing and backend == "sglang":
         sglang_args["enable-return-routed-experts"] = True  # SGLang's flag (routing replay)
     builtin_args = ("--enable-return-routed-experts",) if routing and backend == "builtin" else ()
+    if config.lora_base_dir and backend == "builtin":  # the run's adapter versions, served beside the base
+        builtin_args += ("--enable-lora", "--lora-base-dir", config.lora_base_dir)
     base_from_store = config.weights.rollout_base_from_store  # each node fetches version 0 from the store
     return [EngineSpec(backend=backend, name=f"engine-{index}",
                        model_path=root / f"engine-{index}.base" if base_from_store else Path(config.model_path),

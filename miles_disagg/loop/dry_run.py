@@ -61,7 +61,7 @@ def plan_launch(config: RunConfig) -> dict[str, Any]:
         "entry": config.entry,
         "topology": topology,
         "train_backend": config.train.train_backend,
-        "lora": describe_lora(config.train),  # None: full fine-tuning
+        "lora": describe_lora(config),  # None: full fine-tuning
         "update_weight_transfer_mode": config.weights.update_weight_transfer_mode,
         "ray": {"address": os.environ.get("RAY_ADDRESS") or "local", "bundles": layout.num_bundles},
         "placement": _placement(config, layout),

@@ -26,6 +26,7 @@ class TrainerRank:
         self.temperature = config.temperature
         self.miles_args = config.miles_args
         self.initial_checkpoint = config.initial_checkpoint
+        self.lora_base_dir = config.lora_base_dir  # publishes adapter versions (LoRA served by the engines)
         self.rollout_engines: tuple[str, ...] = ()
         self.backend = None
         self.publisher = None
@@ -65,14 +66,33 @@ class TrainerRank:
         if self.rank == 0:  # the committing rank runs the post-write hook, once per version
             hook = load_hook(w.custom_update_weight_post_write_path, POST_WRITE_FLAG,
                              MilesHookContext(self.miles_args, lambda: self.rollout_engines))
-        sizes = {name: entry.nbytes for name, (_, entry) in checkpoint_tensors(self.hf_dir).items()}
+        base_dir = self._adapter_chain_base() if self.lora_base_dir else self.hf_dir
+        sizes = {name: entry.nbytes for name, (_, entry) in checkpoint_tensors(base_dir).items()}
         publisher = DeltaPublisher(
-            w.update_weight_disk_dir, base_dir=self.hf_dir, run_id=run_id, encoding=w.update_weight_delta_encoding,
+            w.update_weight_disk_dir, base_dir=base_dir, run_id=run_id, encoding=w.update_weight_delta_encoding,
             checksum=w.update_weight_delta_checksum, filter=delta_filter, post_write_hook=hook,
             full_anchor_interval=w.update_weight_full_anchor_interval, base_in_store=w.rollout_base_from_store,
             share=self.backend.publish_share(sizes), collective=TorchCollective() if self.world_size > 1 else None)
         publisher.capture_baseline()  # the first update only captures the baseline
         return publisher
+
+    def _adapter_chain_base(self) -> str:
+        """The adapter chain's version 0 (the adapter as initialised: ``--seed``, or
+        ``--lora-adapter-path``), written once by rank 0 and kept by later runs that build on it."""
+        import torch.distributed as dist
+
+        from miles_disagg.trainer.lora import adapter_config
+        from miles_disagg.weights.adapters import is_adapter_dir, write_adapter_dir
+
+        tensors = self.backend.adapter_tensors()  # collective under FSDP2
+        if self.rank == 0 and not is_adapter_dir(self.lora_base_dir):
+            write_adapter_dir(self.lora_base_dir, adapter_config(self.backend.lora, self.hf_dir), tensors)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+        return self.lora_base_dir
+
+    def _published_tensors(self):
+        return self.backend.adapter_tensors().items() if self.lora_base_dir else self.backend.share_tensors()
 
     def set_rollout_engines(self, urls: list[str]) -> None:
         """The engines' URLs, for miles-signature post-write hooks (``rollout_engines``)."""
@@ -158,7 +178,7 @@ class TrainerRank:
     def publish(self, full: bool = False):
         """Publish the current policy as the next version, every rank its share (collective; rank 0
         returns the version's ``PublishResult``, the others None)."""
-        tensors = self.backend.share_tensors()
+        tensors = self._published_tensors()
         if self.publisher is None:
             for _ in tensors:
                 pass

@@ -154,3 +154,42 @@ def test_malformed_adapters_and_paths_are_refused_with_nothing_loaded(served, ad
     assert handle.get("/server_info").json()["loaded_lora_adapters"] == before
     unknown = handle.post("/generate", {"input_ids": PROMPT, "lora_path": "nope", "sampling_params": {"max_new_tokens": 1}})
     assert unknown.status_code == 400 and "nope" in unknown.text
+
+
+def test_a_runs_adapter_versions_activate_beside_the_served_one_without_a_pause(tiny_qwen3_dir, adapters,
+                                                                               tmp_path) -> None:
+    """``--lora-base-dir``: /pull_weights materializes adapter versions from the store, /activate_weights
+    serves one without pausing; a request in flight finishes on its version, start to end, while the
+    next one is activated, and the version before leaves once that request ends."""
+    from safetensors.torch import load_file
+
+    from miles_disagg.weights.publisher import DeltaPublisher
+
+    store, local = tmp_path / "store", tmp_path / "host" / "ckpt"
+    local.parent.mkdir()
+    publisher = DeltaPublisher(store, base_dir=adapters / "v1", run_id="lora", encoding="xor", filter="none")
+    publisher.capture_baseline()
+    for source in ("v2", "v3"):  # versions 1 and 2 of the chain
+        publisher.publish(load_file(str(adapters / source / "adapter_model.safetensors")).items())
+    publisher.close()
+    with inprocess_engine(tiny_qwen3_dir, enable_lora=True, lora_base_dir=adapters / "v1",
+                          weight_store_dirs=[str(store)], local_checkpoint_dir=local) as (engine, handle):
+        def update(version: int) -> dict:
+            pulled = handle.post("/pull_weights", {"target_version": version, "source_dir": str(store)})
+            assert pulled.status_code == 200 and pulled.json()["lora"], pulled.text
+            answer = handle.post("/activate_weights", {"weight_version": str(version)})
+            assert answer.status_code == 200, answer.text
+            return answer.json()
+
+        assert update(1)["pause_ms"] == 0.0
+        running = long_request(handle, "on-v1", 300)
+        wait_in_flight(handle, [running])
+        assert update(2)["pause_ms"] == 0.0 and handle.version() == "2"  # while v1 still decodes
+        fresh = handle.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+        meta = running.result()["meta_info"]
+        assert (meta["weight_version_start"], meta["weight_version_end"]) == ("1", "1")
+        assert (fresh["meta_info"]["weight_version_start"], fresh["meta_info"]["weight_version_end"]) == ("2", "2")
+        wait_until(lambda: [a["lora_name"] for a in handle.get("/server_info").json()["loaded_lora_adapters"]] == ["v2"],
+                   what="v1 unloaded once its request ended")
+        refused = handle.post("/unload_lora_adapter", {"lora_name": "v2"})
+        assert refused.status_code == 400 and "served" in refused.text  # never left serving the bare base

@@ -54,6 +54,9 @@ class EngineConfig:
     max_loaded_loras: int = flag(4, "SGLang's: most LoRA adapters resident at once (a load beyond is refused, 409).",
                                  metavar="N")
     max_lora_rank: int = flag(64, "SGLang's: the highest adapter rank a load accepts.", metavar="N")
+    lora_base_dir: Path | None = flag(None, "A run's LoRA adapter versions: /pull_weights materializes the store's "
+                                            "adapter chain onto this version 0 and /activate_weights serves it beside "
+                                            "the base without a pause (needs --enable-lora).", metavar="DIR")
     lora_roots: list[str] = flag([], "A directory /load_lora_adapter may read adapters under (repeatable); any "
                                      "other lora_path is refused with 403.", name="--lora-root", metavar="DIR",
                                  repeat="append")
@@ -68,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"--dtype must be one of {', '.join(ENGINE_DTYPES)}, got {self.dtype!r}")
         if self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.lora_base_dir is not None and not self.enable_lora:
+            raise ValueError("--lora-base-dir needs --enable-lora")
         if self.max_loaded_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("--max-loaded-loras and --max-lora-rank must be >= 1")
         if self.prefix_cache_tokens < 0:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ class ResidentAdapter:
     in_flight: int = 0
     unloading: bool = False
     key: str = field(default_factory=lambda: uuid.uuid4().hex)  # this load's identity (its prefix-cache partition)
+    version: str | None = None  # a run's adapter version: what a request on it reports as its weight version
 
     def describe(self) -> dict:
         return {"lora_name": self.name, "lora_path": self.path, "rank": self.info.rank, "lora_alpha": self.info.alpha,
@@ -98,6 +100,8 @@ class LoraBank:
         self._adapters: dict[str, ResidentAdapter] = {}
         self._rows = _Rows()
         self._stacks: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.served: str | None = None  # the adapter of requests that name none (adapter versions of a run)
+        self.versions: AdapterVersions | None = None
         self.modules = {name: module for name, module in model.named_modules()
                         if name.rsplit(".", 1)[-1] in TARGETABLE and isinstance(module, torch.nn.Linear)}
         for name, module in self.modules.items():
@@ -110,7 +114,10 @@ class LoraBank:
         this model's, or the name is taken; ``Forbidden``: outside the roots; ``LoraBankFull``)."""
         if not name or len(name) > MAX_NAME_CHARS:
             raise InvalidInput(f"lora_name must be 1 to {MAX_NAME_CHARS} characters")
-        directory = inside_lora_roots(path, self.roots)
+        return self.load_dir(name, inside_lora_roots(path, self.roots), pinned)
+
+    def load_dir(self, name: str, directory: Path, pinned: bool = False, version: str | None = None) -> dict:
+        """:meth:`load` of a directory the engine itself chose (its own materialized adapter versions)."""
         info = check_adapter_dir(directory)
         if info.rank > self.max_rank:
             raise InvalidInput(f"adapter {name!r} has rank {info.rank}, above --max-lora-rank {self.max_rank}")
@@ -121,7 +128,7 @@ class LoraBank:
             if len(self._adapters) >= self.max_loaded:
                 raise LoraBankFull(f"{len(self._adapters)} LoRA adapters are resident, the most --max-loaded-loras allows; "
                                "unload one first")
-            self._adapters[name] = ResidentAdapter(name, str(directory), info, pinned, weights)
+            self._adapters[name] = ResidentAdapter(name, str(directory), info, pinned, weights, version=version)
             return self._adapters[name].describe()
 
     def unload(self, name: str) -> dict:
@@ -130,6 +137,8 @@ class LoraBank:
             adapter = self._adapters.get(name)
             if adapter is None:
                 raise InvalidInput(f"no LoRA adapter named {name!r} is loaded")
+            if name == self.served:
+                raise InvalidInput(f"{name!r} is the adapter served to requests that name none; activate another first")
             adapter.unloading = True
             if adapter.in_flight == 0:
                 del self._adapters[name]
@@ -153,9 +162,22 @@ class LoraBank:
 
     # ------------------------------------------------------------------ requests
 
-    def acquire(self, name: str) -> ResidentAdapter:
-        """The adapter a new request runs with, held until :meth:`release` (``InvalidInput``: not served)."""
+    def serve(self, name: str) -> str | None:
+        """Make ``name`` the adapter of requests that name none; returns the one it replaces."""
         with self._lock:
+            if name not in self._adapters or self._adapters[name].unloading:
+                raise InvalidInput(f"no LoRA adapter named {name!r} is loaded")
+            previous, self.served = self.served, name
+            return previous
+
+    def acquire(self, name: str | None) -> ResidentAdapter | None:
+        """The adapter a new request runs with, held until :meth:`release` (``InvalidInput``: not served);
+        ``name`` None: the served adapter (:meth:`serve`), or the base when none is."""
+        with self._lock:
+            if name is None:
+                if self.served is None:
+                    return None
+                name = self.served
             adapter = self._adapters.get(name)
             if adapter is None or adapter.unloading:
                 raise InvalidInput(f"lora_path {name!r} names no loaded LoRA adapter "
@@ -222,3 +244,60 @@ class LoraBank:
                 self._stacks.clear()
             stacked = self._stacks[key] = (a_t, b_t)
         return stacked
+
+
+class AdapterVersions:
+    """``--lora-base-dir``: the engine serves a run's LoRA adapter versions beside its resident base.
+
+    ``/pull_weights`` materializes the store's adapter chain (version 0 at ``--lora-base-dir``) into
+    the local checkpoint and verifies it, as it would a model version; ``/activate_weights`` then
+    loads that version beside the one served, makes it the served adapter and the engine's version,
+    and unloads the one before once its in-flight requests end: nothing pauses. A request that names
+    no ``lora_path`` runs on the served adapter (never the bare base), and each request reports the
+    version of the adapter it ran on, start to end."""
+
+    def __init__(self, bank: LoraBank, base_dir: Path):
+        self.bank, self.base_dir = bank, Path(base_dir)
+        self.prepared: dict[int, Path] = {}
+        self._lock = threading.Lock()
+
+    def pull(self, source: str, version: int, local: Path, pre_read_hook=None) -> dict:
+        from miles_disagg.weights.materializer import Materializer
+
+        started = time.perf_counter()
+        host = Materializer(local, base_dir=self.base_dir, pre_read_hook=pre_read_hook)
+        try:
+            prepared = host.prepare(source, version)
+        finally:
+            host.close()
+        self._stage(prepared.ref.version, Path(prepared.path))
+        return {"success": True, "message": f"Prepared LoRA adapter version {version}; activate it with "
+                                            "/activate_weights (no pause)", "target_version": prepared.ref.version,
+                "run_id": prepared.ref.run_id, "path": str(prepared.path), "lora": True,
+                "prepare_ms": round((time.perf_counter() - started) * 1e3, 3), "transfer": prepared.transfer}
+
+    def _stage(self, version: int, path: Path) -> None:
+        """Read the prepared version's tensors now (its slot is rewritten by the pull after next)."""
+        name = adapter_name(version)
+        if name not in {a["lora_name"] for a in self.bank.describe()}:
+            self.bank.load_dir(name, path, version=str(version))
+        with self._lock:
+            self.prepared[version] = path
+
+    def activate(self, version: int, set_version) -> dict:
+        """Serve adapter ``version`` (prepared by :meth:`pull`): no pause; the previous adapter leaves
+        once its requests end. ``set_version``: makes the engine report ``version``."""
+        name = adapter_name(version)
+        with self._lock:
+            if version not in self.prepared:
+                raise InvalidInput(f"LoRA adapter version {version} was not prepared by /pull_weights")
+        previous = self.bank.serve(name)
+        set_version(str(version))
+        if previous is not None and previous != name:
+            self.bank.unload(previous)
+        return {"success": True, "weight_version": str(version), "pause_ms": 0.0, "activation": "lora",
+                "message": f"Serving LoRA adapter version {version} beside the base (no pause)."}
+
+
+def adapter_name(version: int) -> str:
+    return f"v{version}"

@@ -73,6 +73,9 @@ def activate_here(engine: Engine, req: ActivateWeights) -> dict:
     (503: the pause had begun). Refused before anything pauses: a version that is not a number
     (``InvalidInput``, 400), a ``model_path`` outside the roots (``OutsideRoots``, 403)."""
     version = req.version_number()
+    if engine.lora is not None and engine.lora.versions is not None:  # an adapter version: nothing pauses
+        return engine.lora.versions.activate(version, lambda v: engine.scheduler.call(
+            lambda s: setattr(s, "version", v)).result())
     roots = engine.updates.roots
     model_path = req.model_path if req.model_path is not None else str(roots.local(None))
     roots.loadable(model_path)  # a path outside the roots is refused (403) before anything pauses

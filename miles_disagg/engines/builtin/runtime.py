@@ -117,10 +117,13 @@ class Engine:
     def _lora_bank(self, config: EngineConfig):
         if not config.enable_lora:
             return None
-        from miles_disagg.engines.builtin.lora import LoraBank
+        from miles_disagg.engines.builtin.lora import AdapterVersions, LoraBank
 
-        return LoraBank(self.runner.model, max_loaded=config.max_loaded_loras, max_rank=config.max_lora_rank,
+        bank = LoraBank(self.runner.model, max_loaded=config.max_loaded_loras, max_rank=config.max_lora_rank,
                         roots=config.lora_roots)
+        if config.lora_base_dir is not None:
+            bank.versions = AdapterVersions(bank, config.lora_base_dir)
+        return bank
 
     @property
     def lora(self):
@@ -128,8 +131,8 @@ class Engine:
         return self.scheduler.lora
 
     def _adapter(self, item: GenerateItem):
-        if item.lora_path is None:
-            return None
+        if item.lora_path is None:  # the served adapter of a run's adapter versions, else the base
+            return self.lora.acquire(None) if self.lora is not None else None
         if self.lora is None:
             raise InvalidInput("lora_path needs an engine started with --enable-lora")
         return self.lora.acquire(item.lora_path)

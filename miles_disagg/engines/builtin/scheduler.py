@@ -364,7 +364,7 @@ class Scheduler:
         joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
         for seq in joining:
             if seq.version_start is None:
-                seq.version_start = self.version
+                seq.version_start = self._version_of(seq)
             seq.cache_key = self.cache_key
         hits = [self._cached_prefix(seq) for seq in joining]
         cold = [seq for seq, hit in zip(joining, hits) if hit is None]
@@ -394,6 +394,16 @@ class Scheduler:
         tokens = seq.all_ids
         seq.cached_tokens, past = self.prefix_cache.match(tokens, self.cache_key, len(tokens) - 1, _namespace(seq))
         return past
+
+    def _version_of(self, seq: Sequence) -> str:
+        """The weight version ``seq``'s tokens come from: its adapter's (a run's adapter version); under
+        adapter versions a base row's stays the one it started with (the base never changes); else the engine's."""
+        adapter = seq.adapter
+        if adapter is not None and adapter.version is not None:
+            return adapter.version
+        if self.lora is not None and self.lora.versions is not None and seq.version_start is not None:
+            return seq.version_start
+        return self.version
 
     def _adapters(self, rows: list[Sequence]):
         """The LoRA adapters of a forward pass's rows (a no-op without --enable-lora)."""
@@ -453,7 +463,7 @@ class Scheduler:
             if seq.item.token_ids_logprob and seq.item.return_logprob:
                 seq.output_token_ids_logprobs.append(ids_logprobs(logits[offset], seq.item.sampling,
                                                                   seq.item.token_ids_logprob))
-            seq.record_token(token, logprob, self.version)
+            seq.record_token(token, logprob, self._version_of(seq))
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 seq.finish = reason

@@ -140,6 +140,10 @@ class WeightUpdates:
         """Materialize + verify + stage (blocking, off the scheduler thread); only from a
         ``--weight-store-dir`` into ``--local-checkpoint-dir`` (``OutsideRoots`` otherwise)."""
         source, local = self.roots.source(req.source_dir), self.roots.local(req.local_checkpoint_dir)
+        versions = self.scheduler.lora.versions if self.scheduler.lora is not None else None
+        if versions is not None:  # a run's LoRA adapter versions (engines/builtin/lora.py)
+            return {**versions.pull(source, req.target_version, local, self.config.pull_weights_pre_read_hook),
+                    "region": self.config.region, "miles_disagg": ONE_CALL_ANNOUNCEMENT}
         try:
             staged = self.stager.pull(source, req.target_version, local)
         except OSError as exc:  # the paths the caller named are unusable; nothing was staged or activated
