@@ -27,7 +27,7 @@ def prepare_run(config: RunConfig) -> None:
     status(f"run directory: {output_dir}")
     ensure_base_checkpoint(config)
     fp8_line = check_quantized_base(config)
-    for line in (fp8_line, describe_lora(config.train)):
+    for line in (fp8_line, describe_lora(config)):
         if line:
             status(line)
     check_model_args(config)  # again: the checkpoint may have just been created
