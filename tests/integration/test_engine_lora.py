@@ -171,6 +171,7 @@ def test_a_runs_adapter_versions_activate_beside_the_served_one_without_a_pause(
     publisher.capture_baseline()
     for source in ("v2", "v3"):  # versions 1 and 2 of the chain
         publisher.publish(load_file(str(adapters / source / "adapter_model.safetensors")).items())
+    published = publisher.published_checksums("xxh3-128")  # what an engine serving version 2 must hold
     publisher.close()
     with inprocess_engine(tiny_qwen3_dir, enable_lora=True, lora_base_dir=adapters / "v1",
                           weight_store_dirs=[str(store)], local_checkpoint_dir=local) as (engine, handle):
@@ -191,5 +192,7 @@ def test_a_runs_adapter_versions_activate_beside_the_served_one_without_a_pause(
         assert (fresh["meta_info"]["weight_version_start"], fresh["meta_info"]["weight_version_end"]) == ("2", "2")
         wait_until(lambda: [a["lora_name"] for a in handle.get("/server_info").json()["loaded_lora_adapters"]] == ["v2"],
                    what="v1 unloaded once its request ended")
+        sums = handle.get("/weight_checksums", params={"algorithm": "xxh3-128"}).json()  # --check-weight-update-equal
+        assert (sums["weight_version"], sums["source"], sums["checksums"]) == ("2", "lora", published)
         refused = handle.post("/unload_lora_adapter", {"lora_name": "v2"})
         assert refused.status_code == 400 and "served" in refused.text  # never left serving the bare base

@@ -24,7 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -53,6 +53,7 @@ class ResidentAdapter:
     unloading: bool = False
     key: str = field(default_factory=lambda: uuid.uuid4().hex)  # this load's identity (its prefix-cache partition)
     version: str | None = None  # a run's adapter version: what a request on it reports as its weight version
+    sums: Callable[[str], dict] = lambda algorithm: {}  # a run's adapter version: its checksums as loaded, by PEFT name
 
     def describe(self) -> dict:
         return {"lora_name": self.name, "lora_path": self.path, "rank": self.info.rank, "lora_alpha": self.info.alpha,
@@ -128,7 +129,9 @@ class LoraBank:
             if len(self._adapters) >= self.max_loaded:
                 raise LoraBankFull(f"{len(self._adapters)} LoRA adapters are resident, the most --max-loaded-loras allows; "
                                "unload one first")
-            self._adapters[name] = ResidentAdapter(name, str(directory), info, pinned, weights, version=version)
+            self._adapters[name] = ResidentAdapter(name, str(directory), info, pinned, weights, version=version,
+                                                   sums=_file_checksums(directory) if version is not None
+                                                   else (lambda algorithm: {}))
             return self._adapters[name].describe()
 
     def unload(self, name: str) -> dict:
@@ -161,6 +164,16 @@ class LoraBank:
         return weights
 
     # ------------------------------------------------------------------ requests
+
+    def served_checksums(self, algorithm: str) -> dict:
+        """``--check-weight-update-equal`` under adapter versions: the served adapter's tensors as it
+        loaded them, by PEFT name (what the trainer published for that version)."""
+        with self._lock:
+            adapter = self._adapters.get(self.served) if self.served else None
+        if adapter is None:
+            raise InvalidInput("no LoRA adapter version is served yet")
+        return {"weight_version": adapter.version, "algorithm": algorithm, "source": "lora",
+                "checksums": adapter.sums(algorithm)}
 
     def serve(self, name: str) -> str | None:
         """Make ``name`` the adapter of requests that name none; returns the one it replaces."""
@@ -301,3 +314,13 @@ class AdapterVersions:
 
 def adapter_name(version: int) -> str:
     return f"v{version}"
+
+
+def _file_checksums(directory: Path):
+    """``algorithm -> {name: checksum}`` of an adapter directory's tensors, read once now (its slot
+    may be rewritten later) and hashed when asked."""
+    from miles_disagg.weights.checksums import checksum
+    from miles_disagg.weights.safetensors_io import checkpoint_tensors, read_bytes
+
+    raw = {name: bytes(read_bytes(directory / file, entry)) for name, (file, entry) in checkpoint_tensors(directory).items()}
+    return lambda algorithm: {name: checksum(algorithm, data) for name, data in raw.items()}

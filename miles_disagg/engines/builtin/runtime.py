@@ -327,6 +327,8 @@ class Engine:
 
         if algorithm not in CHECKSUMS:
             raise InvalidInput(f"unknown checksum {algorithm!r} (known: {', '.join(CHECKSUMS)})")
+        if self.lora is not None and self.lora.versions is not None:  # the run's weights are its adapter versions
+            return self.lora.served_checksums(algorithm)
         version, tensors = self.scheduler.call(
             lambda s: (s.version, {name: t.data for name, t in self.runner.named_weights().items()})).result()
         return {"weight_version": version, "algorithm": algorithm, "source": "live",
