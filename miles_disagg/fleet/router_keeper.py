@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from miles_disagg.router.client import RouterUnreachable
@@ -75,6 +76,10 @@ class RouterKeeper:
         self.intended: dict[str, str] = {}
         """The state the run last set for each worker (``paused``/``ready``): what a restart restores."""
         self._restarting = threading.Lock()
+        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="router-launch")
+        """Starts every new router process: a thread that lives as long as the keeper. The router
+        gets SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG is per thread), so a
+        restart made from a caller's short-lived thread would be killed again once that thread ends."""
         self.last_answered = clock()
         """When the router last answered the run (a control call or a probe)."""
 
@@ -128,7 +133,7 @@ class RouterKeeper:
                 return  # another caller restarted it already (or the run stops)
             log.warning("the router at %s is restarted: %s", self.routing.router.url, why)
             started = self.clock()
-            self.routing.relaunch()
+            self._launcher.submit(self.routing.relaunch).result()
             registered = self._register_members()
             self.generation += 1
             self.restarts += 1

@@ -29,6 +29,7 @@ SPECIAL = {
     "WorkerVersionMismatch": lambda cls: cls("http://127.0.0.1:1", 3, 2),
     "NodeLost": lambda cls: cls("node 10.0.0.2 left", node_id="ab" * 28, node_ip="10.0.0.2"),
     "RunInterrupted": lambda cls: cls(15),
+    "PrefixMismatch": lambda cls: cls("s1", 12, "the engine got another prompt"),
 }
 
 

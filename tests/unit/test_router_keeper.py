@@ -166,3 +166,21 @@ def test_the_monitor_restarts_a_live_router_only_once_it_answered_nothing_for_th
     clock.now = 86.0
     keeper.check()
     assert keeper.restarts == 1 and events[0]["why"].startswith("it answered nothing for 46s"), events
+
+
+def test_a_restart_asked_from_a_short_lived_thread_starts_the_router_from_the_keepers_own_thread() -> None:
+    """The router gets SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG is per thread):
+    it must not be the caller's, which may be an update's worker thread."""
+    routing, events = FakeRouting(FakeClient(), ["http://e:1"]), []
+    starters: list[threading.Thread] = []
+    relaunch = routing.relaunch
+    routing.relaunch = lambda: (starters.append(threading.current_thread()), relaunch())
+    keeper, _ = keeper_of(routing, events)
+    routing.router.proc.code = -9  # the process was killed
+    for _ in range(2):
+        caller = threading.Thread(target=keeper.check)
+        caller.start()
+        caller.join()
+        routing.router.proc.code = -9
+    assert len(starters) == 2 and starters[0] is starters[1]  # one long-lived launcher, not the callers
+    assert starters[0].is_alive() and starters[0] is not threading.current_thread()
