@@ -159,7 +159,7 @@ def host_main(store: str, local_dir: str, base_dir: str, mode: str) -> None:
             if mode == "pull":
                 reader = open_store(store, cache_dir=Path(local_dir) / "mirror")
                 reader.version_files(version)
-                transfer = reader.transfer_counts()
+                transfer, fetch_s = reader.transfer_counts(), time.perf_counter() - start
             else:
                 prepared = materializer.prepare(store, version)
                 transfer, fetch_s = prepared.transfer, prepared.fetch_s
@@ -169,7 +169,7 @@ def host_main(store: str, local_dir: str, base_dir: str, mode: str) -> None:
         finally:
             peak = sampler.stop()
         seconds = time.perf_counter() - start
-        print(json.dumps({"state": "done", "seconds": seconds, "fetch_s": fetch_s if mode != "pull" else seconds,
+        print(json.dumps({"state": "done", "seconds": seconds, "fetch_s": fetch_s,
                           "transfer": transfer, "peak_rss_bytes": peak}), flush=True)
 
 

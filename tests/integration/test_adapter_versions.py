@@ -12,36 +12,29 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_fixtures import lora_samples, lora_trainer
 
-from miles_disagg.config.components import TrainConfig
-from miles_disagg.types import ChecksumMismatch, FormatError, Sample
+from miles_disagg.types import ChecksumMismatch, FormatError
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def samples(step: int) -> list[Sample]:
-    return [Sample(prompt_ids=[5, 6, 7], response_ids=[8 + (i + step) % 3, 9, 10 + i % 2], response_logprobs=[-3.0] * 3,
-                   advantage=float(i % 2) - 0.5) for i in range(4)]
 
 
 @pytest.fixture(scope="module")
 def published(tiny_qwen3_dir, tmp_path_factory):
     """Four adapter versions of one trainer in a store; the trainer's adapter at each version."""
-    from miles_disagg.trainer.fsdp import FSDPBackend
     from miles_disagg.trainer.lora import adapter_config
     from miles_disagg.weights.adapters import write_adapter_dir
     from miles_disagg.weights.publisher import DeltaPublisher
 
     tmp = tmp_path_factory.mktemp("adapters")
-    trainer = FSDPBackend(TrainConfig(lr=1e-2, global_batch_size=4, micro_batch_size=2, train_backend="fsdp",
-                                      lora_rank=4, lora_alpha=8), str(tiny_qwen3_dir), rank=0, world_size=1)
+    trainer = lora_trainer(tiny_qwen3_dir, lr=1e-2)
     initial = write_adapter_dir(tmp / "adapter-v0", adapter_config(trainer.lora), trainer.adapter_tensors())
     publisher = DeltaPublisher(tmp / "store", base_dir=initial, run_id="lora-run", encoding="xor", filter="none",
                                full_anchor_interval=3, prune_on_anchor=False)
     publisher.capture_baseline()
     adapters, results = {}, {}
     for version in range(1, 5):
-        trainer.train([samples(version)])
+        trainer.train([lora_samples(version)])
         adapters[version] = trainer.adapter_tensors()
         results[version] = publisher.publish(adapters[version].items())
     publisher.close()

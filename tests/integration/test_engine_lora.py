@@ -12,32 +12,23 @@ import shutil
 import pytest
 import torch
 from engine_fixtures import inprocess_engine, long_request, wait_in_flight, wait_until
-
-from miles_disagg.config.components import TrainConfig
-from miles_disagg.types import Sample
+from lora_fixtures import lora_samples, lora_trainer
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = [5, 6, 7, 8, 9]
 
 
-def samples(step: int) -> list[Sample]:
-    return [Sample(prompt_ids=[5, 6, 7], response_ids=[8 + (i + step) % 3, 9, 10 + i % 2], response_logprobs=[-3.0] * 3,
-                   advantage=float(i % 2) - 0.5) for i in range(4)]
-
-
 @pytest.fixture(scope="module")
 def adapters(tiny_qwen3_dir, tmp_path_factory):
     """Two versions of one trained adapter (``v1``, ``v2``) under one root, and a third."""
-    from miles_disagg.trainer.fsdp import FSDPBackend
     from miles_disagg.trainer.lora import adapter_config
     from miles_disagg.weights.adapters import write_adapter_dir
 
     root = tmp_path_factory.mktemp("lora-root")
-    trainer = FSDPBackend(TrainConfig(lr=5e-2, global_batch_size=4, micro_batch_size=2, train_backend="fsdp",
-                                      lora_rank=4, lora_alpha=8), str(tiny_qwen3_dir), rank=0, world_size=1)
+    trainer = lora_trainer(tiny_qwen3_dir, lr=5e-2)
     for version in (1, 2, 3):
         for step in range(3):
-            trainer.train([samples(step + version)])
+            trainer.train([lora_samples(step + version)])
         write_adapter_dir(root / f"v{version}", adapter_config(trainer.lora), trainer.adapter_tensors())
     return root
 
