@@ -273,12 +273,12 @@ def _reference(scheduler, bank, adapter, tokens):
 
 def _full_activation(engine, published: dict, command: LoraBench) -> float:
     """Today's full-weight activation across in-flight requests: pull (no pause), then one call."""
-    from miles_disagg.engines.builtin import one_call, protocol
+    from miles_disagg.engines.builtin import control_bodies, one_call
 
     in_flight = _submit(engine, [None] * max(1, command.requests // 4), 4 * command.max_new_tokens)
     local = str(engine.config.local_checkpoint_dir)
-    engine.updates.pull_weights(protocol.PullWeights(target_version=1, source_dir=str(published["full_store"]),
-                                                     local_checkpoint_dir=local))
+    engine.updates.pull_weights(control_bodies.PullWeights(target_version=1, source_dir=str(published["full_store"]),
+                                                           local_checkpoint_dir=local))
     while min(len(s.times) for s in in_flight) < command.max_new_tokens:
         time.sleep(0.005)
     started = time.perf_counter()

@@ -355,7 +355,7 @@ def test_the_cli_refuses_a_bad_engine_url(tmp_path, url):
 def test_a_pull_never_rewrites_a_slot_an_activation_still_reads(tiny_qwen3_dir, tmp_path):
     """In process: the slot of version N is the scratch of the pull of N+2; that pull must wait."""
     from miles_disagg.engines.agent.state import Agent, AgentConfig
-    from miles_disagg.engines.builtin.protocol import PullWeights
+    from miles_disagg.engines.builtin.control_bodies import PullWeights
     from miles_disagg.types import Retryable
     from miles_disagg.weights.publisher import DeltaPublisher
 

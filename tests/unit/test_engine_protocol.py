@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from miles_disagg.engines.builtin import protocol
+from miles_disagg.engines.builtin import control_bodies, protocol
+from miles_disagg.net.httpjson import parse_json
 from miles_disagg.types import InvalidInput
 
 
@@ -50,43 +51,43 @@ def test_bad_generate_bodies_raise_invalid_input(body):
 @pytest.mark.parametrize("raw", [b"{", b"[1]", b"\xff", b'"s"'])
 def test_parse_json_rejects_non_objects(raw):
     with pytest.raises(InvalidInput):
-        protocol.parse_json(raw)
+        parse_json(raw)
 
 
 def test_update_from_disk_accepts_int_or_string_versions():
-    assert protocol.UpdateFromDisk.from_json({"model_path": "p", "weight_version": 3}).weight_version == "3"
-    req = protocol.UpdateFromDisk.from_json({"model_path": "p", "weight_version": "v3", "abort_all_requests": True})
+    assert control_bodies.UpdateFromDisk.from_json({"model_path": "p", "weight_version": 3}).weight_version == "3"
+    req = control_bodies.UpdateFromDisk.from_json({"model_path": "p", "weight_version": "v3", "abort_all_requests": True})
     assert req.weight_version == "v3" and req.abort_all_requests and req.flush_cache
     for body in ({}, {"model_path": ""}, {"model_path": "p", "weight_version": 1.5}, {"model_path": "p", "flush_cache": 1}):
         with pytest.raises(InvalidInput):
-            protocol.UpdateFromDisk.from_json(body)
+            control_bodies.UpdateFromDisk.from_json(body)
 
 
 def test_pause_modes_and_abort():
-    assert protocol.PauseGeneration.from_json({}).mode == "abort"
-    assert protocol.PauseGeneration.from_json({"mode": "in_place"}).mode == "in_place"
+    assert control_bodies.PauseGeneration.from_json({}).mode == "abort"
+    assert control_bodies.PauseGeneration.from_json({"mode": "in_place"}).mode == "in_place"
     with pytest.raises(InvalidInput):
-        protocol.PauseGeneration.from_json({"mode": "later"})
-    abort = protocol.AbortReq.from_json({"rid": "r"})
+        control_bodies.PauseGeneration.from_json({"mode": "later"})
+    abort = control_bodies.AbortReq.from_json({"rid": "r"})
     assert (abort.rid, abort.abort_all) == ("r", False)
-    abort = protocol.AbortReq.from_json({"abort_all": True})
+    abort = control_bodies.AbortReq.from_json({"abort_all": True})
     assert (abort.rid, abort.abort_all) == ("", True)
 
 
 def test_pull_and_group_requests():
-    pull = protocol.PullWeights.from_json({"target_version": 4, "source_dir": "s", "local_checkpoint_dir": "l"})
+    pull = control_bodies.PullWeights.from_json({"target_version": 4, "source_dir": "s", "local_checkpoint_dir": "l"})
     assert pull.target_version == 4
     for wrong in (-1, "4", 4.0, True, None, [4]):  # a string is refused like every other wrong type (issue 30)
         with pytest.raises(InvalidInput, match="target_version"):
-            protocol.PullWeights.from_json({"target_version": wrong, "source_dir": "s", "local_checkpoint_dir": "l"})
-    group = protocol.InitGroup.from_json({"master_address": "h", "master_port": 1234, "rank_offset": 1, "world_size": 2})
+            control_bodies.PullWeights.from_json({"target_version": wrong, "source_dir": "s", "local_checkpoint_dir": "l"})
+    group = control_bodies.InitGroup.from_json({"master_address": "h", "master_port": 1234, "rank_offset": 1, "world_size": 2})
     assert group.group_name == "weight_update_group" and group.backend == "nccl"
     with pytest.raises(InvalidInput):
-        protocol.InitGroup.from_json({"master_address": "h", "master_port": 1234, "rank_offset": 2, "world_size": 2})
-    upd = protocol.DistributedUpdate.from_json({"names": ["a"], "dtypes": ["bfloat16"], "shapes": [[2, 3]]})
+        control_bodies.InitGroup.from_json({"master_address": "h", "master_port": 1234, "rank_offset": 2, "world_size": 2})
+    upd = control_bodies.DistributedUpdate.from_json({"names": ["a"], "dtypes": ["bfloat16"], "shapes": [[2, 3]]})
     assert upd.shapes == ((2, 3),) and upd.flush_cache
     with pytest.raises(InvalidInput):
-        protocol.DistributedUpdate.from_json({"names": ["a"], "dtypes": [], "shapes": [[2]]})
+        control_bodies.DistributedUpdate.from_json({"names": ["a"], "dtypes": [], "shapes": [[2]]})
 
 
 def test_batch_rid_string_is_a_prefix_and_rids_must_be_distinct():
@@ -121,9 +122,9 @@ def test_finish_reason_abort_has_sglang_keys():
 def test_return_text_in_logprobs_and_group_name():
     req = protocol.parse_generate({"input_ids": [1], "return_logprob": True, "return_text_in_logprobs": True})
     assert req.items[0].return_text_in_logprobs
-    assert protocol.DestroyGroup.from_json({}).group_name == "weight_update_group"
+    assert control_bodies.DestroyGroup.from_json({}).group_name == "weight_update_group"
     with pytest.raises(InvalidInput):
-        protocol.DestroyGroup.from_json({"group_name": 3})
+        control_bodies.DestroyGroup.from_json({"group_name": 3})
 
 
 @pytest.mark.parametrize("field", [{"logprob_start_len": -2}, {"top_logprobs_num": -1}, {"token_ids_logprob": [[1]]},
@@ -157,9 +158,9 @@ def test_logprob_start_len_is_per_item_and_kept_only_with_return_logprob():
 
 
 def test_a_nul_byte_in_a_path_field_is_invalid_input():
-    for kind, body in ((protocol.PullWeights, {"target_version": 1, "source_dir": "/s\x00/x"}),
-                       (protocol.PullWeights, {"target_version": 1, "source_dir": "/s", "local_checkpoint_dir": "\x00"}),
-                       (protocol.UpdateFromDisk, {"model_path": "/m\x00"})):
+    for kind, body in ((control_bodies.PullWeights, {"target_version": 1, "source_dir": "/s\x00/x"}),
+                       (control_bodies.PullWeights, {"target_version": 1, "source_dir": "/s", "local_checkpoint_dir": "\x00"}),
+                       (control_bodies.UpdateFromDisk, {"model_path": "/m\x00"})):
         with pytest.raises(InvalidInput, match="NUL"):
             kind.from_json(body)
 

@@ -51,12 +51,12 @@ from miles_disagg.engines.activation import ACTIVATE_PATH
 from miles_disagg.engines.agent.one_call import activate_through, check_request
 from miles_disagg.engines.agent.state import Agent
 from miles_disagg.engines.async_client import AsyncEngineClient
-from miles_disagg.engines.builtin import protocol
+from miles_disagg.engines.builtin import control_bodies
 from miles_disagg.engines.builtin.one_call import ActivateWeights
 from miles_disagg.engines.roots import inside_lora_roots
 from miles_disagg.net.asgi_guard import install_guard, server_app
 from miles_disagg.net.auth import ApiKeys, forward_headers
-from miles_disagg.net.httpjson import error_json
+from miles_disagg.net.httpjson import error_json, parse_json
 from miles_disagg.net.httpjson import status_for as _status_for
 from miles_disagg.net.keyed_client import pooled_limits
 from miles_disagg.net.pooled_http import PooledSession
@@ -118,8 +118,8 @@ class AgentEndpoints:
     async def pull_weights(self, request: Request):
         agent = self.agent
         try:
-            body = protocol.parse_json(await request.body())
-            req = protocol.PullWeights.from_json({"local_checkpoint_dir": str(agent.local_dir), **body})
+            body = parse_json(await request.body())
+            req = control_bodies.PullWeights.from_json({"local_checkpoint_dir": str(agent.local_dir), **body})
             await self._ensure_base_dir()
             result = await asyncio.get_running_loop().run_in_executor(None, agent.pull, req)
         except Exception as exc:
@@ -129,8 +129,8 @@ class AgentEndpoints:
     async def update_weights_from_disk(self, request: Request):
         agent = self.agent
         try:
-            body = protocol.parse_json(await request.body())
-            req = protocol.UpdateFromDisk.from_json(body)
+            body = parse_json(await request.body())
+            req = control_bodies.UpdateFromDisk.from_json(body)
             by_version = req.weight_version is not None and _is_version_number(req.weight_version)
             if req.weight_version is not None and not by_version:
                 raise Forbidden(f"weight_version {req.weight_version!r} is not a version number; labels come only "
@@ -171,7 +171,7 @@ class AgentEndpoints:
     async def update_weight_version(self, request: Request):
         raw = await request.body()
         try:
-            req = protocol.UpdateWeightVersion.from_json(raw)
+            req = control_bodies.UpdateWeightVersion.from_json(raw)
             serving = str((await self._engine_json("/get_weight_version")).get("weight_version"))
             if req.new_version != serving:
                 raise Forbidden(f"relabelling the engine's weights (version {serving}) as {req.new_version!r} without "
@@ -184,7 +184,7 @@ class AgentEndpoints:
         """SGLang's ``/load_lora_adapter``, forwarded only for an adapter under ``--lora-root`` (else 403)."""
         raw = await request.body()
         try:
-            inside_lora_roots(protocol.LoadLoraAdapter.from_json(raw).lora_path, self.agent.config.lora_roots)
+            inside_lora_roots(control_bodies.LoadLoraAdapter.from_json(raw).lora_path, self.agent.config.lora_roots)
         except Exception as exc:
             return error_response(exc)
         return await self._forward(request, raw)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from miles_disagg.engines.activation import ONE_CALL_ANNOUNCEMENT
-from miles_disagg.engines.builtin import protocol
+from miles_disagg.engines.builtin import control_bodies
 from miles_disagg.engines.roots import OutsideRoots, WeightRoots
 from miles_disagg.net.asgi_guard import ServerGuard
 from miles_disagg.types import Forbidden, InvalidInput, Retryable, VersionRef
@@ -101,7 +101,7 @@ class Agent:
         with self._cond:
             return self._held
 
-    def pull(self, req: protocol.PullWeights) -> dict:
+    def pull(self, req: control_bodies.PullWeights) -> dict:
         """Materialize + verify ``req.target_version`` (blocking; run off the event loop).
 
         Waits (up to ``reader_wait_s``, then ``Retryable``) while an activation reads a slot
@@ -138,7 +138,7 @@ class Agent:
                            f"/activate_weights (or update_weights_from_disk) weight_version={prepared.ref.version}",
                 "miles_disagg": ONE_CALL_ANNOUNCEMENT}  # the caller may activate it in one call
 
-    def _failed(self, req: protocol.PullWeights, exc: Exception) -> Exception:
+    def _failed(self, req: control_bodies.PullWeights, exc: Exception) -> Exception:
         failed = f"pull of version {req.target_version} failed: "
         self.last_error = str(exc) if str(exc).startswith(failed) else f"{failed}{type(exc).__name__}: {exc}"
         log.warning("%s", self.last_error)

@@ -5,5 +5,6 @@ Modules (dependencies point down): ``cli`` (flags) -> ``server`` (FastAPI app) -
 ``scheduler`` (continuous batching, pause modes, activation between steps) ->
 ``model_runner`` (HF model, batched KV cache), ``sampling``, ``staging`` (pulled weights
 held in RAM), ``dist_update`` (torch.distributed weight-update group), ``protocol``
-(request parsing with SGLang's field names). Nothing heavy is imported here.
+(``/generate``'s body), ``control_bodies`` (the control endpoints' bodies) and ``bodies`` (their strict
+base), with SGLang's field names. Nothing heavy is imported here.
 """

@@ -20,7 +20,7 @@ import threading
 import torch
 
 from miles_disagg.distributed import DEFAULT_TIMEOUT_S, init_custom_process_group
-from miles_disagg.engines.builtin.protocol import DistributedUpdate, InitGroup
+from miles_disagg.engines.builtin.control_bodies import DistributedUpdate, InitGroup
 from miles_disagg.types import InvalidInput
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from miles_disagg.engines.builtin.protocol import MAX_LORA_NAME_CHARS, LoadLoraAdapter, UnloadLoraAdapter
+from miles_disagg.engines.builtin.control_bodies import MAX_LORA_NAME_CHARS, LoadLoraAdapter, UnloadLoraAdapter
 from miles_disagg.engines.roots import inside_lora_roots
 from miles_disagg.types import InvalidInput, Retryable
 from miles_disagg.weights.adapters import ADAPTER_WEIGHTS, AdapterInfo, check_adapter_dir

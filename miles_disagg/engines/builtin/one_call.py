@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from miles_disagg.engines.activation import activate, one_call_answer
-from miles_disagg.engines.builtin.protocol import Body, PathStr, PauseMode, UpdateFromDisk, VersionString
+from miles_disagg.engines.builtin.bodies import Body, PathStr, VersionString
+from miles_disagg.engines.builtin.control_bodies import PauseMode, UpdateFromDisk
 from miles_disagg.types import InvalidInput
 
 if TYPE_CHECKING:

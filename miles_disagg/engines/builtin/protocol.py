@@ -1,31 +1,26 @@
-"""Request bodies of SGLang's HTTP API as pydantic models.
+"""``/generate``'s request body as pydantic models, split into the items the engine generates.
 
-Field names and defaults follow SGLang's ``io_struct.py`` (``GenerateReqInput``,
-``UpdateWeightFromDiskReqInput``, ``PauseGenerationReqInput``, ``AbortReq``,
-``InitWeightsUpdateGroupReqInput``, ``UpdateWeightsFromDistributedReqInput``,
-``DestroyWeightsUpdateGroupReqInput``, ``UpdateWeightVersionReqInput``,
-``ReleaseMemoryOccupationReqInput``, ``ResumeMemoryOccupationReqInput``,
-``UpdateWeightsFromTensorReqInput``) plus this project's
-``PullWeightsReqInput``. ``Model.from_json(raw_body_or_dict)`` validates strictly (an int
-field takes no float, string or bool) and raises ``InvalidInput`` with a message naming the
-field; nothing is half-parsed. Unknown fields are ignored and ``null`` means the default,
-as in SGLang.
+Field names and defaults follow SGLang's ``io_struct.py`` (``GenerateReqInput`` and its
+``sampling_params``); validation as in ``bodies.py`` (strict, ``InvalidInput`` naming the field,
+unknown fields ignored, ``null`` the default). The control endpoints' bodies are in
+``control_bodies.py``.
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Self
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import BeforeValidator, Field, ValidationInfo, model_validator
 
-from miles_disagg.net.httpjson import parse_body, parse_json  # noqa: F401  (re-exported: protocol.parse_json)
+from miles_disagg.engines.builtin.bodies import Body, Ints, NonEmptyStr, TokenId, as_tuple
+from miles_disagg.net.httpjson import parse_body, parse_json
+from miles_disagg.types import InvalidInput
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 MAX_PROMPT_TOKENS = "max_prompt_tokens"  # validation context key: the server's context length
-DEFAULT_GROUP = "weight_update_group"
-PauseMode = Literal["abort", "retract", "in_place"]
+
 
 # SGLang sampling knobs this engine does not implement, with their no-op values. A client that
 # sends the no-op value (as SGLang clients commonly do) is served; any other value is refused
@@ -45,59 +40,12 @@ UNSUPPORTED_GENERATE = {
 }
 
 
-def _array(value: Any) -> Any:
-    """A JSON array as a tuple (strict validation takes tuples only)."""
-    return tuple(value) if isinstance(value, list) else value
-
-
-def _version_string(value: Any) -> Any:
-    """SGLang's versions are strings; ints are accepted and reported as their decimal string."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    if isinstance(value, str) and value:
-        return value
-    raise ValueError(f"must be a non-empty string or an int, got {value!r}")
-
-
-def _no_nul(value: str) -> str:
-    """A path with a NUL byte names no file (the OS refuses it): 400, not a server error."""
-    if "\x00" in value:
-        raise ValueError("a path must not contain a NUL byte")
-    return value
-
-
 def refuse_version_constraint(obj: Any) -> None:
     """``weight_version`` in a generation request is a router constraint: an engine serves whatever it
     holds, so taking the field silently would let a client believe its request was constrained."""
     if isinstance(obj, dict) and "weight_version" in obj:
         raise ValueError("weight_version: an engine serves the version it holds and ignores constraints; send "
                          "constrained requests to the router (or the rollout service), or drop the field")
-
-
-NonEmptyStr = Annotated[str, Field(min_length=1)]
-PathStr = Annotated[str, Field(min_length=1), AfterValidator(_no_nul)]
-Ints = Annotated[tuple[int, ...], BeforeValidator(_array)]
-TokenId = Annotated[int, Field(ge=0)]
-VersionString = Annotated[str, BeforeValidator(_version_string)]
-
-
-class Body(BaseModel):
-    """A JSON request body: strict types, unknown fields ignored, ``null`` meaning the default."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, obj: Any) -> Any:
-        return {k: v for k, v in obj.items() if v is not None} if isinstance(obj, dict) else obj
-
-    @classmethod
-    def from_json(cls, body: bytes | Any) -> Self:
-        """The body (raw bytes or decoded JSON) validated; ``InvalidInput`` naming the field otherwise."""
-        return parse_body(cls, body)
-
-
-# --------------------------------------------------------------------------- generate
 
 
 class SamplingParams(Body):
@@ -109,7 +57,7 @@ class SamplingParams(Body):
     top_p: float = Field(1.0, ge=1e-9, le=1.0)
     top_k: int = Field(-1, ge=-1)  # -1 or 0: the whole vocabulary
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    stop: Annotated[tuple[NonEmptyStr, ...], BeforeValidator(lambda v: (v,) if isinstance(v, str) else _array(v))] = ()
+    stop: Annotated[tuple[NonEmptyStr, ...], BeforeValidator(lambda v: (v,) if isinstance(v, str) else as_tuple(v))] = ()
     stop_token_ids: Ints = ()
     ignore_eos: bool = False
     no_stop_trim: bool = False
@@ -199,9 +147,6 @@ PRECHECK_BYTES = 1 << 20
 
 
 def _precheck(body: bytes, max_prompt_tokens: int | None, max_total_tokens: int | None) -> None:
-    from miles_disagg.net.httpjson import parse_json
-    from miles_disagg.types import InvalidInput
-
     if max_total_tokens is not None and b'"input_ids"' in body and body.count(b",") > max_total_tokens:
         raise InvalidInput(f"input_ids: more than {max_total_tokens} tokens in one request (what this server's "
                            "batch and context could ever hold)")
@@ -332,8 +277,6 @@ class GenerateItem:
 def check_logprob_start_len(item: GenerateItem, prompt_len: int) -> None:
     """SGLang refuses a ``logprob_start_len`` past the prompt's end (the tokenized prompt, so a
     ``text`` prompt is checked after tokenizing): ``InvalidInput`` naming both."""
-    from miles_disagg.types import InvalidInput
-
     if item.wants_input_logprobs and item.logprob_start_len > prompt_len:
         raise InvalidInput(f"logprob_start_len={item.logprob_start_len} is higher than the number of input tokens "
                            f"{prompt_len}; use a smaller logprob_start_len")
@@ -351,8 +294,6 @@ scored input positions and its output tokens): a bounded answer whatever the bod
 def check_reported_logprobs(item: GenerateItem, prompt_len: int, vocab_size: int) -> None:
     """Every id of ``token_ids_logprob`` (and of its per-position form) names a token of the vocabulary,
     and the answer's top-k and id entries stay within :data:`MAX_REPORTED_LOGPROBS`."""
-    from miles_disagg.types import InvalidInput
-
     rows = [item.token_ids_logprob or ()] + list(item.token_ids_logprob_positions or ())
     bad = next((t for row in rows for t in row if t >= vocab_size), None)
     if bad is not None:
@@ -409,122 +350,6 @@ def parse_generate(body: bytes | Any, max_prompt_tokens: int | None = None,
         for i, prompt in enumerate(prompts)
     )
     return GenerateRequest(items=items, batched=req.batched, stream=req.stream)
-
-
-# --------------------------------------------------------------------------- control endpoints
-
-
-class UpdateFromDisk(Body):
-    """``UpdateWeightFromDiskReqInput`` (fields this engine acts on)."""
-
-    model_path: PathStr
-    weight_version: VersionString | None = None
-    abort_all_requests: bool = False
-    flush_cache: bool = True
-
-
-class PauseGeneration(Body):
-    """``PauseGenerationReqInput``."""
-
-    mode: PauseMode = "abort"
-
-
-class UpdateWeightVersion(Body):
-    """``UpdateWeightVersionReqInput``."""
-
-    new_version: VersionString
-    abort_all_requests: bool = True
-
-
-class AbortReq(Body):
-    """``AbortReq``: one request by ``rid``, or all of them."""
-
-    rid: str = ""
-    abort_all: bool = False
-
-
-class DestroyGroup(Body):
-    """``DestroyWeightsUpdateGroupReqInput``."""
-
-    group_name: str = DEFAULT_GROUP
-
-
-class InitGroup(Body):
-    """``InitWeightsUpdateGroupReqInput`` (this engine joins at ``rank_offset``; rank 0 is the trainer)."""
-
-    master_address: NonEmptyStr
-    master_port: int = Field(gt=0, lt=65536)
-    rank_offset: int = Field(gt=0)
-    world_size: int
-    group_name: str = DEFAULT_GROUP
-    backend: str = "nccl"
-
-    @model_validator(mode="after")
-    def _rank_in_world(self) -> Self:
-        if not self.rank_offset < self.world_size:
-            raise ValueError(f"need 0 < rank_offset < world_size, got rank_offset {self.rank_offset}, "
-                             f"world_size {self.world_size}")
-        return self
-
-
-class DistributedUpdate(Body):
-    """``UpdateWeightsFromDistributedReqInput``: names/dtypes/shapes broadcast from rank 0."""
-
-    names: Annotated[tuple[str, ...], BeforeValidator(_array)]
-    dtypes: Annotated[tuple[str, ...], BeforeValidator(_array)]
-    shapes: Annotated[tuple[Annotated[tuple[Annotated[int, Field(ge=0)], ...], BeforeValidator(_array)], ...],
-                      BeforeValidator(_array)]
-    group_name: str = DEFAULT_GROUP
-    weight_version: VersionString | None = None
-    abort_all_requests: bool = False
-    flush_cache: bool = True
-
-    @model_validator(mode="after")
-    def _same_lengths(self) -> Self:
-        if not len(self.names) == len(self.dtypes) == len(self.shapes):
-            raise ValueError("names, dtypes and shapes must have the same length")
-        return self
-
-
-class MemoryOccupation(Body):
-    """``ReleaseMemoryOccupationReqInput`` / ``ResumeMemoryOccupationReqInput``: ``tags`` null = all."""
-
-    tags: Annotated[tuple[str, ...], BeforeValidator(_array)] | None = None
-
-
-class UpdateFromTensor(Body):
-    """``UpdateWeightsFromTensorReqInput``: one serialized entry per TP rank (this engine has one)."""
-
-    serialized_named_tensors: Annotated[tuple[NonEmptyStr, ...], BeforeValidator(_array), Field(min_length=1)]
-    load_format: Literal["direct"] | None = None
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: VersionString | None = None
-
-
-MAX_LORA_NAME_CHARS = 256
-
-
-class LoadLoraAdapter(Body):
-    """SGLang's ``LoadLoRAAdapterReqInput``."""
-
-    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)
-    lora_path: str = Field(min_length=1, max_length=4096)
-    pinned: bool = False
-
-
-class UnloadLoraAdapter(Body):
-    """SGLang's ``UnLoadLoRAAdapterReqInput``."""
-
-    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)
-
-
-class PullWeights(Body):
-    """This project's ``/pull_weights``: materialize and stage a published version."""
-
-    target_version: Annotated[int, Field(ge=0)]  # an int: "3" is refused like every other wrong type
-    source_dir: PathStr
-    local_checkpoint_dir: PathStr | None = None  # None: the server's own (--local-checkpoint-dir)
 
 
 @dataclass

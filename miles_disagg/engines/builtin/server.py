@@ -33,11 +33,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from miles_disagg.net.asgi_guard import ServerGuard, install_guard, server_app
 from miles_disagg.engines.activation import ACTIVATE_PATH
-from miles_disagg.engines.builtin import one_call, protocol
-from miles_disagg.engines.builtin.protocol import LoadLoraAdapter, UnloadLoraAdapter
+from miles_disagg.engines.builtin import control_bodies, one_call, protocol
+from miles_disagg.engines.builtin.control_bodies import LoadLoraAdapter, UnloadLoraAdapter
 from miles_disagg.engines.builtin.runtime import Engine
 from miles_disagg.engines.builtin.scheduler import Sequence
-from miles_disagg.net.httpjson import error_json, status_for
+from miles_disagg.net.httpjson import error_json, parse_json, status_for
 from miles_disagg.types import InvalidInput
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class EngineEndpoints:
         return await self.weight_call(request, handler)
 
     async def update_weights_from_disk(self, request: Request):
-        return await self.parse_then_call(request, protocol.UpdateFromDisk.from_json,
+        return await self.parse_then_call(request, control_bodies.UpdateFromDisk.from_json,
                                           self.engine.updates.update_from_disk)
 
     async def activate_weights(self, request: Request):
@@ -192,29 +192,30 @@ class EngineEndpoints:
         return self.engine.lora
 
     async def pull_weights(self, request: Request):
-        return await self.parse_then_call(request, protocol.PullWeights.from_json, self.engine.updates.pull_weights)
+        return await self.parse_then_call(request, control_bodies.PullWeights.from_json,
+                                          self.engine.updates.pull_weights)
 
     async def init_weights_update_group(self, request: Request):
-        return await self.parse_then_call(request, protocol.InitGroup.from_json,
+        return await self.parse_then_call(request, control_bodies.InitGroup.from_json,
                                           self.engine.updates.init_weights_update_group)
 
     async def update_weights_from_distributed(self, request: Request):
-        return await self.parse_then_call(request, protocol.DistributedUpdate.from_json,
+        return await self.parse_then_call(request, control_bodies.DistributedUpdate.from_json,
                                           self.engine.updates.update_from_distributed)
 
     async def update_weights_from_tensor(self, request: Request):
-        return await self.parse_then_call(request, protocol.UpdateFromTensor.from_json,
+        return await self.parse_then_call(request, control_bodies.UpdateFromTensor.from_json,
                                           self.engine.updates.update_from_tensor)
 
     async def destroy_weights_update_group(self, request: Request):
         async def handler(body: bytes) -> dict:
-            req = protocol.DestroyGroup.from_json(body)
+            req = control_bodies.DestroyGroup.from_json(body)
             return await self.blocking(self.engine.updates.destroy_weights_update_group, req.group_name)
         return await self.weight_call(request, handler)
 
     async def update_weight_version(self, request: Request):
         async def handler(body: bytes) -> dict:
-            req = protocol.UpdateWeightVersion.from_json(body)
+            req = control_bodies.UpdateWeightVersion.from_json(body)
             await self.blocking(self.engine.updates.set_version, req.new_version, req.abort_all_requests)
             return {"success": True, "message": f"Weight version updated to {req.new_version}",
                     "new_version": req.new_version}
@@ -247,7 +248,7 @@ class EngineEndpoints:
 
     def _memory_call(self, call: Callable[[Any], dict]):
         async def handler(body: bytes) -> dict:
-            tags = protocol.MemoryOccupation.from_json(body or b"{}").tags
+            tags = control_bodies.MemoryOccupation.from_json(body or b"{}").tags
             return await self.blocking(call, list(tags) if tags is not None else None)
         return handler
 
@@ -255,7 +256,7 @@ class EngineEndpoints:
 
     async def pause_generation(self, request: Request):
         try:
-            mode = protocol.PauseGeneration.from_json(await request.body()).mode
+            mode = control_bodies.PauseGeneration.from_json(await request.body()).mode
             count = await self.blocking(self.engine.pause, mode)
         except Exception as exc:
             return error_response(exc)
@@ -264,7 +265,7 @@ class EngineEndpoints:
 
     async def continue_generation(self, request: Request):
         try:
-            protocol.parse_json(await request.body())  # a JSON object (SGLang's takes no fields)
+            parse_json(await request.body())  # a JSON object (SGLang's takes no fields)
             await self.blocking(self.engine.resume)
         except Exception as exc:
             return error_response(exc)
@@ -284,7 +285,7 @@ class EngineEndpoints:
 
     async def abort_request(self, request: Request):
         try:
-            req = protocol.AbortReq.from_json(await request.body())
+            req = control_bodies.AbortReq.from_json(await request.body())
             await self.blocking(self.engine.abort, req.rid, req.abort_all)
         except Exception as exc:
             return error_response(exc)
@@ -368,6 +369,6 @@ def _fault_of(result: dict) -> dict | None:
 
 def _acknowledge(path: str):
     async def handler(body: bytes) -> dict:
-        protocol.parse_json(body)
+        parse_json(body)
         return {"success": True, "message": f"{path.strip('/')}: nothing to do for unpacked weights"}
     return handler

@@ -23,8 +23,8 @@ from miles_disagg.engines.builtin.config import EngineConfig
 from miles_disagg.engines.builtin.dist_update import DistUpdater
 from miles_disagg.engines.builtin.memory import WEIGHTS, MemoryReleased, MemoryState
 from miles_disagg.engines.builtin.model_runner import ModelRunner
-from miles_disagg.engines.builtin.protocol import (DistributedUpdate, InitGroup, PullWeights, UpdateFromDisk,
-                                                   UpdateFromTensor)
+from miles_disagg.engines.builtin.control_bodies import (DistributedUpdate, InitGroup, PullWeights, UpdateFromDisk,
+                                                         UpdateFromTensor)
 from miles_disagg.engines.builtin.scheduler import Scheduler
 from miles_disagg.engines.builtin.staging import Stager, version_ref_from_string
 from miles_disagg.types import Forbidden, InvalidInput, VersionRef
