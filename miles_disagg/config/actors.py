@@ -158,4 +158,6 @@ class RolloutManagerConfig:
 
 
 def _lora_base_dir(config: RunConfig) -> str | None:
-    return adapter_base_dir(config.weights.update_weight_disk_dir) if serves_adapters(config) else None
+    if not serves_adapters(config):
+        return None
+    return adapter_base_dir(config.weights.update_weight_disk_dir, str(config.tracking.run_dir))

@@ -77,20 +77,59 @@ def check_lora_rules(config) -> None:
                           "trains full weights only; use --train-backend fsdp (a PEFT adapter on the frozen base)",
                           ("--lora-rank", "--train-backend"))
     resolve_targets(train.target_modules, train.exclude_modules)
+    refusal = adapter_serving_refusal(config)
+    if refusal is not None:
+        raise ConfigError(*refusal)
 
 
 def serves_adapters(config) -> bool:
-    """Whether the run's engines serve its adapter versions (built-in engines this job launches,
-    disk-delta into a directory store); otherwise they serve the base merged with the adapter."""
-    train, rollout, weights = config.train, config.rollout, config.weights
-    return (train.lora_rank > 0 and not train.lora_train_only and rollout.rollout_backend == "builtin"
-            and not (rollout.rollout_external or rollout.rollout_service_url)
-            and weights.update_weight_transfer_mode == "disk-delta" and not config.cluster.colocate
-            and "://" not in (weights.update_weight_disk_dir or "://"))
+    """Whether the run's engines serve its adapter versions: a LoRA run (not ``--lora-train-only``)
+    publishing disk-delta versions, to built-in engines this job launches or to attached engines
+    (vetted to serve adapter versions), through a directory or an object store. Every other LoRA
+    topology is refused by :func:`adapter_serving_refusal`, never served the merged policy."""
+    train, weights = config.train, config.weights
+    return (train.lora_rank > 0 and not train.lora_train_only and adapter_serving_refusal(config) is None
+            and weights.update_weight_transfer_mode == "disk-delta")
 
 
-def adapter_base_dir(store_dir: str) -> str:
-    """Where an adapter-serving run writes its adapter chain's version 0 (beside the store)."""
+def adapter_serving_refusal(config) -> tuple[str, tuple[str, ...]] | None:
+    """``(line, flags)`` when a LoRA run's engines could not serve its adapter versions (each case
+    names what to use instead); None when they can, or when no adapter is served (full
+    fine-tuning, ``--lora-train-only``: the engines roll out on the base)."""
+    train, rollout, weights, cluster = config.train, config.rollout, config.weights, config.cluster
+    if train.lora_rank == 0 or train.lora_train_only:
+        return None
+    engines = "use built-in engines (managed, or attached with --enable-lora --lora-base-dir)"
+    if cluster.colocate:
+        return (f"--lora-rank with --colocate: colocated engines take the merged policy in memory, not adapter "
+                f"versions; run disaggregated with --update-weight-transfer-mode disk-delta and {engines}, "
+                "or --lora-train-only", ("--lora-rank", "--colocate"))
+    if weights.update_weight_transfer_mode != "disk-delta":
+        return (f"--lora-rank with --update-weight-transfer-mode {weights.update_weight_transfer_mode}: adapter "
+                "versions travel through the version store (miles broadcasts merged weights); use "
+                "--update-weight-transfer-mode disk-delta", ("--lora-rank", "--update-weight-transfer-mode"))
+    if rollout.rollout_service_url:
+        return (f"--lora-rank with --rollout-service-url: the rollout service's replicas serve full-weight versions "
+                f"only; {engines}", ("--lora-rank", "--rollout-service-url"))
+    if not rollout.rollout_external and rollout.rollout_backend == "sglang":
+        return (f"--lora-rank with --rollout-backend sglang: launched SGLang engines do not get adapter versions in "
+                f"a run yet; {engines}, or --lora-train-only", ("--lora-rank", "--rollout-backend"))
+    if weights.rollout_base_from_store:
+        return ("--lora-rank with --rollout-base-from-store: the store's version 0 is the model, and an adapter "
+                "run's chain starts at its own adapter; give the engines the base on their disk (drop "
+                "--rollout-base-from-store)", ("--lora-rank", "--rollout-base-from-store"))
+    return None
+
+
+def adapter_base_dir(store_dir: str, run_dir: str | None = None) -> str:
+    """Where an adapter-serving run writes its adapter chain's version 0: beside a directory store,
+    or for an object store (``s3://``) in the run directory (a local path the engines read, as they
+    read the base checkpoint)."""
+    if "://" in store_dir:
+        if not run_dir:
+            raise ConfigError(f"an adapter chain on {store_dir} needs a run directory for its version 0",
+                              ("--update-weight-disk-dir",))
+        return str(run_dir).rstrip("/") + "/lora-v0"
     return store_dir.rstrip("/") + ".lora-v0"
 
 
@@ -102,8 +141,6 @@ def describe_lora(config) -> str | None:
     targets = ",".join(resolve_targets(train.target_modules, train.exclude_modules))
     if train.lora_train_only:
         served = "--lora-train-only: the adapter is trained and the engines roll out on the frozen base"
-    elif serves_adapters(config):
+    else:  # every other topology is refused (adapter_serving_refusal)
         served = "the engines serve adapter versions beside the resident base, activated without a pause"
-    else:
-        served = "the engines serve the base merged with the current adapter"
     return f"LoRA rank {train.lora_rank}, alpha {train.lora_alpha} on {targets}: {served}"

@@ -18,7 +18,9 @@ header, that it is an engine of this job:
 3. :func:`~miles_disagg.engines.check.check_engine_matches` finds nothing (every compared field
    present, well typed and equal) and, for disk-delta, the engine names this job's version store
    among those it pulls from (``weight_store_dirs``: an agent's ``/agent_info``, else the built-in
-   engine's ``/server_info``; absent means refused).
+   engine's ``/server_info``; absent means refused); a run serving LoRA adapter versions needs an
+   engine that serves them from its adapter chain (``enable_lora``, ``lora_base_dir``), never one
+   that would serve the bare base.
 
 A URL carrying ``user:password@`` is refused before anything is sent (an HTTP client would send
 them), and so is one longer than :data:`MAX_ENGINE_ADDRESS_CHARS` (or a host name longer than DNS allows).
@@ -28,6 +30,7 @@ Nothing here raises for what an address answered: :class:`Vetting` says why it i
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -223,6 +226,26 @@ def store_problems(config: EngineManagerConfig, server_info: dict, agent_info: d
             f"this job publishes to {ours!r}; start it with --weight-store-dir {ours}"]
 
 
+def lora_problems(config: EngineManagerConfig, server_info: dict, agent_info: dict | None) -> list[str]:
+    """A run serving LoRA adapter versions: the engine must serve them (``enable_lora``) from this
+    run's adapter chain (its ``lora_base_dir``); one that would serve the bare base is a problem."""
+    ours = config.lora_base_dir
+    if not ours:
+        return []
+    start = f"start a built-in engine with --enable-lora --lora-base-dir {ours}"
+    if agent_info is not None:
+        return [f"LoRA adapter versions: this run publishes adapter versions and an agent does not serve them "
+                f"(it would serve the bare base); {start}"]
+    if server_info.get("enable_lora") is not True:
+        return [f"LoRA adapter versions: the engine was started without --enable-lora and would serve the bare base; "
+                f"{start}"]
+    theirs = server_info.get("lora_base_dir")
+    if not isinstance(theirs, str) or os.path.realpath(theirs) != os.path.realpath(ours):
+        return [f"LoRA adapter versions: the engine's adapter chain starts at {theirs!r} (--lora-base-dir), this "
+                f"run's at {ours!r}; {start}"]
+    return []
+
+
 def vet(config: EngineManagerConfig, url: str, *, answer_timeout_s: float) -> Vetting:
     """Everything the module docstring lists, in that order; stops at the first step that fails.
     ``InvalidInput`` (nothing sent) for a URL :func:`check_engine_url` refuses."""
@@ -243,7 +266,8 @@ def vet(config: EngineManagerConfig, url: str, *, answer_timeout_s: float) -> Ve
     expected = EngineExpectation.from_hf_checkpoint(config.model_path, config.cluster.rollout_num_gpus_per_engine,
                                                     config.rollout.engine_dtype)
     problems = (check_engine_matches(expected, info["server_info"], info["model_info"])
-                + store_problems(config, info["server_info"], info["agent_info"]))
+                + store_problems(config, info["server_info"], info["agent_info"])
+                + lora_problems(config, info["server_info"], info["agent_info"]))
     server_ids = server_ids or sglang_identity(info["server_info"])
     refusal = f"does not match this job: {'; '.join(problems)}" if problems else None
     return Vetting(url, server_ids, refusal, problems=tuple(problems), info=info)

@@ -59,3 +59,48 @@ def test_lora_refusals_name_the_flags(tmp_path: Path, extra, fragment, flags) ->
     assert fragment in str(info.value)
     assert set(flags) <= set(info.value.flags) or all(f in str(info.value) for f in flags)
     assert "\n" not in str(info.value)
+
+
+LORA = ["--lora-rank", "8"]
+
+
+@pytest.mark.parametrize("extra, entry, fragment, flag", [
+    (["--rollout-service-url", "http://127.0.0.1:9"], "train_async", "rollout service", "--rollout-service-url"),
+    (["--rollout-backend", "sglang"], "train_async", "launched SGLang engines", "--rollout-backend"),
+    (["--colocate", "--update-weight-transfer-mode", "broadcast"], "train", "--colocate", "--colocate"),
+])
+def test_lora_topologies_that_cannot_serve_adapter_versions_are_refused(tmp_path: Path, extra, entry, fragment,
+                                                                        flag) -> None:
+    """Each topology whose engines would serve the merged policy (or the bare base) is one line naming what
+    to use instead; --lora-train-only (the base is what it rolls out on) is not refused."""
+    base = [] if "--colocate" in extra else DISK_DELTA
+    args = base + ["--hf-checkpoint", str(tmp_path), "--train-backend", "fsdp", *LORA, *extra]
+    with pytest.raises(ConfigError) as info:
+        load_config(args, entry)
+    assert fragment in str(info.value) and flag in info.value.flags and "\n" not in str(info.value)
+    assert "built-in engines" in str(info.value) or "disk-delta" in str(info.value)
+    assert load_config(args + ["--lora-train-only"], entry)[0].train.lora_train_only
+
+
+def test_lora_over_broadcast_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="disk-delta") as info:
+        load_config(["--hf-checkpoint", str(tmp_path), "--train-backend", "fsdp", *LORA], "train_async")
+    assert "--update-weight-transfer-mode" in info.value.flags
+
+
+def test_adapter_versions_on_an_object_store_and_attached_engines(tmp_path: Path) -> None:
+    """An s3:// store keeps the adapter chain's version 0 in the run directory (a local path); attached
+    engines serve the adapter versions too (vetted for it), and so does the trainer publish them."""
+    from miles_disagg.config.actors import EngineManagerConfig, TrainerGroupConfig
+    from miles_disagg.config.lora_rules import serves_adapters
+
+    s3 = ["--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", "s3://bucket/run",
+          "--hf-checkpoint", str(tmp_path), "--train-backend", "fsdp", "--rollout-backend", "builtin",
+          "--run-dir", str(tmp_path / "out"), *LORA]
+    config = load_config(s3, "train_async")[0]
+    assert serves_adapters(config)
+    assert EngineManagerConfig.from_run(config).lora_base_dir == str(tmp_path / "out") + "/lora-v0"
+    attached = load_config(DISK_DELTA + ["--hf-checkpoint", str(tmp_path), "--train-backend", "fsdp", *LORA,
+                                         "--rollout-external", "--rollout-external-engine-addrs", "127.0.0.1:9"],
+                           "train_async")[0]
+    assert serves_adapters(attached) and TrainerGroupConfig.from_run(attached).lora_base_dir == "/tmp/d.lora-v0"

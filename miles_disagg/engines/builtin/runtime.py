@@ -358,6 +358,8 @@ class Engine:
             "enable_lora": self.config.enable_lora,  # SGLang's server args, and the adapters resident
             "max_loaded_loras": self.config.max_loaded_loras, "max_lora_rank": self.config.max_lora_rank,
             "loaded_lora_adapters": self.lora.describe() if self.lora is not None else [],
+            # a run's adapter chain (--lora-base-dir): what a job attaching this engine checks it serves
+            "lora_base_dir": str(self.config.lora_base_dir) if self.config.lora_base_dir else None,
             "context_length": self.runner.max_context,
             "max_req_input_len": self.runner.max_context - 1,
             "weight_version": self.version,
