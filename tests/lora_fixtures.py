@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from miles_disagg.config.components import TrainConfig
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 
 def lora_samples(step: int) -> list[Sample]:

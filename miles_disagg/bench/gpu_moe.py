@@ -75,7 +75,7 @@ def _samples_with_routing(prompt: list[int], answers: list[dict], shape: dict) -
     import numpy as np
 
     from miles_disagg.rollout.routed_experts import RoutingShape, append_call_routing
-    from miles_disagg.types import Group, Sample
+    from miles_disagg.samples import Group, Sample
 
     routing = RoutingShape(shape["num_hidden_layers"], shape["num_experts_per_tok"])
     samples = []

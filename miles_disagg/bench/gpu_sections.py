@@ -150,7 +150,7 @@ def _samples_from_engine(model_dir: Path, work: Path, shapes: Shapes, count: int
     """``count`` samples the engine generated (temperature 1, its logprobs), random rewards, one group."""
     import random
 
-    from miles_disagg.types import Group, Sample
+    from miles_disagg.samples import Group, Sample
 
     engine = HttpEngine(_start_engine(model_dir, work, shapes))
     rng = random.Random(0)
@@ -202,7 +202,7 @@ def section_megatron(shapes: Shapes, work: Path) -> dict:
     import importlib.util
 
     from miles_disagg.models.tiny_qwen3 import make_tiny_qwen3
-    from miles_disagg.types import Group, Sample
+    from miles_disagg.samples import Group, Sample
 
     if importlib.util.find_spec("megatron.core") is None:
         return {"skipped": "megatron-core is not installed (carry its wheel to run this section)"}

@@ -94,7 +94,7 @@ def _bench(root: Path, command: LoraBench) -> dict:
 
 
 def _samples(step: int, vocab: int):
-    from miles_disagg.types import Sample
+    from miles_disagg.samples import Sample
 
     return [Sample(prompt_ids=[3, 4, 5, 6], response_ids=[(7 + i + step) % vocab, 8, (9 + i) % vocab],
                    response_logprobs=[-3.0] * 3, advantage=float(i % 2) - 0.5) for i in range(8)]

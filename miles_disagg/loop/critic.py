@@ -26,7 +26,8 @@ from miles_disagg.config.critic_rules import critic_load_dir, critic_save_dir, u
 from miles_disagg.trainer.checkpoint import SaveMeta, find_latest, read_complete, save_name, write_save
 from miles_disagg.trainer.results import TrainResult
 from miles_disagg.tracking import status
-from miles_disagg.types import ConfigError, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import ConfigError
 
 CRITIC_STATE_FORMAT = "fsdp/critic-torch-distributed-checkpoint"
 ACTOR_TRAINED = "critic/actor_trained"

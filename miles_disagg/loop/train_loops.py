@@ -25,7 +25,7 @@ from miles_disagg.rollout.manager import load_groups, save_groups
 from miles_disagg.tracking import TRAIN_STEPS_STREAM, UPDATES_STREAM, MetricsTracker, pass_at_k, status
 from miles_disagg.trainer.sequence_advantages import assign_advantages
 from miles_disagg.trainer.torch_dist import initial_checkpoint
-from miles_disagg.types import RolloutBatch
+from miles_disagg.samples import RolloutBatch
 
 
 def train_async(job: Job, tracker: MetricsTracker, state: LoopState, progress: LoopProgress | None = None) -> None:

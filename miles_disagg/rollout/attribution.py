@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from miles_disagg.rollout.generate import GenerationFailed, RequestLost, constrained, generate_one
 from miles_disagg.rollout.routed_experts import RoutedExpertsMissing, RoutingShape, decode_all_rows, extend_routing
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_JSON_DEPTH = 64

@@ -45,7 +45,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from miles_disagg.types import Group, InvalidInput, MilesDisaggError, Retryable
+from miles_disagg.samples import Group
+from miles_disagg.types import InvalidInput, MilesDisaggError, Retryable
 
 
 class BufferClosed(MilesDisaggError):

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from miles_disagg.rollout.data import Prompt, digit_run_prompts
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 TURN_TOKENS = 2
 TOOL_DIGITS = 2

@@ -21,7 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from miles_disagg.types import FailRun, Group, Sample, SampleStatus
+from miles_disagg.samples import Group, Sample, SampleStatus
+from miles_disagg.types import FailRun
 
 
 class FilterError(FailRun):

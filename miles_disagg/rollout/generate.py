@@ -14,7 +14,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from miles_disagg.types import FailRun, Retryable, Sample, SampleStatus
+from miles_disagg.samples import Sample, SampleStatus
+from miles_disagg.types import FailRun, Retryable
 
 RETRYABLE_STATUS = (409, 429, 502, 503)
 MAX_ATTEMPTS = 200

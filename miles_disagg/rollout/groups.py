@@ -27,7 +27,8 @@ from miles_disagg.rollout.hook_args import RolloutArgs, keep_top
 from miles_disagg.rollout.routed_experts import RoutingShape, append_call_routing, check_covers_tokens, request_fields
 from miles_disagg.rollout.sample_rewards import SampleReward
 from miles_disagg.rollout.teacher import Teacher
-from miles_disagg.types import Group, InvalidInput, Sample, SampleStatus
+from miles_disagg.samples import Group, Sample, SampleStatus
+from miles_disagg.types import InvalidInput
 
 VersionBound = Callable[[], "tuple[int | None, int | None]"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from miles_disagg.config.actors import RolloutManagerConfig
 from miles_disagg.remote import Pending
-from miles_disagg.types import RolloutBatch
+from miles_disagg.samples import RolloutBatch
 
 
 class RolloutManagerHandle:

@@ -45,7 +45,7 @@ from miles_disagg.rollout.opd_topk import TopKError, keep_student_top, pad_stude
 from miles_disagg.rollout.generate import (
     GenerationFailed, SamplingSettings, constrained, generate_one, sample_from_response)
 from miles_disagg.rollout.routed_experts import RoutingShape, append_call_routing, request_fields, rows_held
-from miles_disagg.types import Sample, SampleStatus
+from miles_disagg.samples import Sample, SampleStatus
 
 VersionBound = Callable[[], "tuple[int | None, int | None]"]
 """Called at each request: ``(min_version, exact_version)`` to ask for (either may be None)."""

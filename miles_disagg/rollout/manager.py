@@ -45,7 +45,8 @@ from miles_disagg.rollout.outputs import eval_metrics, groups_from_rollout_outpu
 from miles_disagg.rollout.routed_experts import RoutingShape, from_jsonable, to_jsonable
 from miles_disagg.rollout.opd_topk import student_top_k
 from miles_disagg.rollout.teacher import StudentScorer, Teacher, teacher_routes, topk_settings
-from miles_disagg.types import ConfigError, Group, RolloutBatch
+from miles_disagg.samples import Group, RolloutBatch
+from miles_disagg.types import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -485,7 +486,7 @@ def save_groups(path: str | Path, groups: list[Group], consumed_at_version: int)
 
 def load_groups(path: str | Path) -> list[Group]:
     """``--load-debug-rollout-data``: what ``save_groups`` wrote."""
-    from miles_disagg.types import Sample
+    from miles_disagg.samples import Sample
 
     groups = []
     for line in Path(path).read_text().splitlines():

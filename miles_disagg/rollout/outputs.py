@@ -16,7 +16,7 @@ import numbers
 from typing import Any, Callable
 
 from miles_disagg.rollout.generate import GenerationFailed
-from miles_disagg.types import Group, Sample
+from miles_disagg.samples import Group, Sample
 
 
 def groups_from_rollout_output(output: Any, finish: Callable[[Sample], Sample]) -> tuple[list[Group], dict]:

@@ -27,7 +27,7 @@ from typing import Any
 from miles_disagg.models.routed_experts_wire import ROUTED_EXPERTS_FIELD, START_LEN_FIELD, RoutingWireError
 from miles_disagg.models.routed_experts_wire import decode_routed_experts as decode_payload
 from miles_disagg.rollout.generate import GenerationFailed
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 ENGINE_FLAG = "--enable-return-routed-experts"
 """The server flag (SGLang's; the built-in engine takes the same)."""

@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 from miles_disagg.rollout.generate import GenerationFailed
 from miles_disagg.rollout.rewards import CUSTOM_RM_FLAG, get_reward_fn
-from miles_disagg.types import ConfigError, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import ConfigError
 
 GROUP_RM_FLAG = "--group-rm"
 

@@ -39,7 +39,8 @@ from miles_disagg.config.opd_rules import parse_teacher_urls
 from miles_disagg.rollout import opd_topk
 from miles_disagg.rollout.generate import GenerationFailed, constrained, generate_one
 from miles_disagg.rollout.opd_topk import TopKError, TopKSettings
-from miles_disagg.types import ConfigError, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import ConfigError
 
 GENERATE_PATH = "/generate"
 

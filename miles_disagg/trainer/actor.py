@@ -14,7 +14,7 @@ import time
 from miles_disagg.config.actors import TrainerGroupConfig
 
 PUSH_BUCKET_BYTES = 512 << 20  # colocated weight handoff: tensors shared per request
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 
 class TrainerRank:

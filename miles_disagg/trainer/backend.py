@@ -12,7 +12,8 @@ from typing import Iterator
 import torch
 
 from miles_disagg.trainer.results import TrainResult
-from miles_disagg.types import ConfigError, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import ConfigError
 
 
 class TrainerBackend(ABC):

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from miles_disagg.trainer.critic_values import values_of
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 
 @dataclass

@@ -29,7 +29,7 @@ from miles_disagg.trainer.losses import masked_sum
 from miles_disagg.trainer.reduction import StepMetrics, step_denominators, sum_over_ranks
 from miles_disagg.trainer.results import TrainResult
 from miles_disagg.trainer.shares import micro_batches
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 VALUE_HEAD_STD = 0.02
 SCHEDULE_KEY = "critic_schedule"

@@ -24,7 +24,7 @@ from miles_disagg.config.actors import CriticGroupConfig
 from miles_disagg.remote import Pending, wait_for
 from miles_disagg.trainer.critic_values import attach_values
 from miles_disagg.trainer.shares import split_for_steps
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 if TYPE_CHECKING:
     from miles_disagg.trainer.placement import Placement

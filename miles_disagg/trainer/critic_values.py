@@ -3,7 +3,7 @@
 The driver asks the critic for each sample's value of every response token and attaches them
 to the sample (miles' rollout-data key ``values``); the policy's ranks pack them
 (``PackedBatch.values``) for GAE, and the critic's ranks train against them as the old values.
-A sample takes free attributes (``types.Sample``): the values travel with it through Ray.
+A sample takes free attributes (``samples.Sample``): the values travel with it through Ray.
 Torch-free, as the driver is.
 """
 

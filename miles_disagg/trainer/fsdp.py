@@ -33,7 +33,7 @@ from miles_disagg.trainer.losses import token_logprobs_and_entropy
 from miles_disagg.trainer.objective import TrainObjective
 from miles_disagg.trainer.reduction import StepMetrics
 from miles_disagg.trainer.rollout_inputs import FrozenInputs, prepare_rollout
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ from typing import Sequence
 import torch
 
 from miles_disagg.trainer.batches import PackedBatch
-from miles_disagg.types import InvalidInput, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import InvalidInput
 
 REPLAY_MATCH, AGREEMENT = "train/routing_replay_match", "train/routing_agreement"
 MOE_TYPE = "qwen3_moe"

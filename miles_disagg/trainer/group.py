@@ -14,7 +14,8 @@ from miles_disagg.config.actors import TrainerGroupConfig
 from miles_disagg.remote import WATCH_INTERVAL_S, Pending, run_watches
 from miles_disagg.trainer.shares import split_for_steps
 from miles_disagg.trainer.placement import Placement
-from miles_disagg.types import FailRun, Sample, TrainerLost
+from miles_disagg.samples import Sample
+from miles_disagg.types import FailRun, TrainerLost
 
 if TYPE_CHECKING:
     from miles_disagg.trainer.results import TrainResult

@@ -1,6 +1,6 @@
 """The split of a rollout's samples into optimizer steps, ranks' shares and micro-batches.
 
-Pure Python on :class:`~miles_disagg.types.Sample` lists: the driver splits a rollout here without
+Pure Python on :class:`~miles_disagg.samples.Sample` lists: the driver splits a rollout here without
 importing torch (packing into tensors is :mod:`miles_disagg.trainer.batches`, on the ranks).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 
 def split_for_steps(samples: Sequence[Sample], global_batch_size: int, world_size: int,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 
 def ragged_samples(n: int = 8) -> list[Sample]:

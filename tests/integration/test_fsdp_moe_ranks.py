@@ -15,7 +15,7 @@ import torch
 from moe_fixtures import tiny_qwen3_moe_dir  # noqa: F401  (fixture)
 
 from miles_disagg.config.components import TrainConfig, WeightUpdateConfig
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 pytestmark = pytest.mark.timeout(400)
 UNUSED_EXPERT = 3

@@ -20,7 +20,8 @@ from moe_fixtures import tiny_qwen3_moe_dir  # noqa: F401  (fixture)
 
 from miles_disagg.config.components import TrainConfig
 from miles_disagg.models.routed_experts_wire import decode_routed_experts
-from miles_disagg.types import ConfigError, InvalidInput, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import ConfigError, InvalidInput
 
 pytestmark = pytest.mark.timeout(300)
 LAYERS, TOP_K, EXPERTS = 2, 2, 4

@@ -16,7 +16,8 @@ from checkpoint_reading import read_state
 from moe_fixtures import tiny_qwen3_moe_dir  # noqa: F401  (fixture)
 
 from miles_disagg.config.components import TrainConfig
-from miles_disagg.types import ConfigError, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import ConfigError
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -25,7 +25,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from checkpoint_reading import assert_same_state, read_state  # noqa: E402
 
 from miles_disagg.config.components import TrainConfig, WeightUpdateConfig  # noqa: E402
-from miles_disagg.types import Sample  # noqa: E402
+from miles_disagg.samples import Sample  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -31,7 +31,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'miles-disagg[megatron]')")
 
 from miles_disagg.config.components import TrainConfig, WeightUpdateConfig  # noqa: E402
-from miles_disagg.types import Sample  # noqa: E402
+from miles_disagg.samples import Sample  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 

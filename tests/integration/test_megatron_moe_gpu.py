@@ -33,7 +33,7 @@ def test_grouped_gemm_moe_round_trip_logits_and_replay_on_one_gpu(tmp_path) -> N
     from miles_disagg.distributed import init_distributed
     from miles_disagg.engines.launch import free_port
     from miles_disagg.trainer.megatron.backend import MegatronBackend
-    from miles_disagg.types import Sample
+    from miles_disagg.samples import Sample
 
     model_dir = make_tiny_moe(tmp_path / "moe")
     init_distributed(0, 1, "127.0.0.1", free_port())

@@ -14,7 +14,8 @@ import torch
 from engine_fixtures import engine  # noqa: F401  (fixture)
 from miles_disagg.rollout.generate import GenerationFailed
 from miles_disagg.rollout.teacher import Teacher, base_url, probe_teacher, read_scores, scoring_body
-from miles_disagg.types import ConfigError, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import ConfigError
 
 pytestmark = pytest.mark.timeout(180)
 TOLERANCE = 1e-4

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from miles_disagg.config.components import TrainConfig
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -15,7 +15,7 @@ from engine_fixtures import engine  # noqa: F401  (fixture)
 from router_fixtures import inprocess_router, serve_in_thread
 from session_fixtures import session_endpoint
 from miles_disagg.rollout.sessions.types import token_drift
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 pytestmark = pytest.mark.timeout(300)
 ADMIN = "sessions-admin-key-0123456789"

@@ -13,7 +13,7 @@ import torch
 from checkpoint_reading import assert_same_state, read_state
 
 from miles_disagg.config.components import TrainConfig
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 pytestmark = [
     pytest.mark.gpu,

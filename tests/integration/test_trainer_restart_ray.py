@@ -16,7 +16,8 @@ import tempfile
 import pytest
 import torch
 
-from miles_disagg.types import Sample, TrainerLost
+from miles_disagg.samples import Sample
+from miles_disagg.types import TrainerLost
 
 pytestmark = pytest.mark.timeout(400)
 NUM_STEPS = 5

@@ -13,7 +13,7 @@ import torch
 from moe_fixtures import tiny_qwen3_moe_dir  # noqa: F401  (fixture)
 
 from miles_disagg.config.components import TrainConfig
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 from miles_disagg.weights.materializer import Materializer
 from miles_disagg.weights.publisher import DeltaPublisher
 

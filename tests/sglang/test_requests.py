@@ -138,7 +138,7 @@ def test_the_opd_teacher_scoring_call_and_its_answer(sglang, manager, io_struct)
     import httpx
 
     from miles_disagg.rollout.teacher import Teacher, probe_teacher
-    from miles_disagg.types import Sample
+    from miles_disagg.samples import Sample
 
     manager.version = "5"
     sample = Sample(prompt_ids=[3, 4, 5], response_ids=[6, 7], response_logprobs=[-1.0, -1.0])
@@ -221,7 +221,8 @@ def test_the_top_k_opd_calls_parse_as_sglang_requests(sglang, manager, io_struct
     from miles_disagg.rollout.generate import SamplingSettings, request_body
     from miles_disagg.rollout.opd_topk import STUDENT_TOP_KEY, TopKSettings, keep_student_top
     from miles_disagg.rollout.teacher import StudentScorer, Teacher, probe_teacher
-    from miles_disagg.types import ConfigError, Sample
+    from miles_disagg.samples import Sample
+    from miles_disagg.types import ConfigError
 
     answers = httpx.post(f"{sglang.url}/generate", json=request_body([3, 4, 5], SamplingSettings(2), None,
                                                                      num_samples=2, top_logprobs_num=2)).json()

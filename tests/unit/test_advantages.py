@@ -17,7 +17,8 @@ from miles_disagg.trainer.advantages import (
 )
 from miles_disagg.trainer.sequence_advantages import assign_advantages, grpo_advantages
 from miles_disagg.trainer.batches import pack
-from miles_disagg.types import ConfigError, Group, Sample
+from miles_disagg.samples import Group, Sample
+from miles_disagg.types import ConfigError
 
 
 def group(index: int, rewards: list[float]) -> Group:

@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from miles_disagg.rollout.buffer import BufferClosed, BufferTimeout, GroupBuffer, TakeResult
-from miles_disagg.types import Group, InvalidInput, Retryable, Sample
+from miles_disagg.samples import Group, Sample
+from miles_disagg.types import InvalidInput, Retryable
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -27,7 +27,7 @@ from miles_disagg.trainer.losses import masked_sum
 from miles_disagg.trainer.reduction import step_denominators
 from miles_disagg.trainer.results import TrainResult
 from miles_disagg.trainer.sequence_advantages import assign_advantages
-from miles_disagg.types import Group, Sample
+from miles_disagg.samples import Group, Sample
 
 MASKS = [[1, 1, 0, 1, 1], [1, 1, 1], [0, 0], [1, 0, 1, 1, 0, 1], [1]]
 REWARDS = [1.0, -0.5, 0.25, 0.8, 0.0]

@@ -12,7 +12,7 @@ from miles_disagg.config.components import TrainConfig
 from miles_disagg.trainer.batches import pack
 from miles_disagg.trainer.objective import miles_batch
 from miles_disagg.trainer.rollout_inputs import prepare_rollout
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 CPU = torch.device("cpu")
 

@@ -8,7 +8,8 @@ import torch
 
 from miles_disagg.trainer.batches import pack
 from miles_disagg.trainer.fsdp_routing import RoutingCounts, RoutingShape, equal_sets, pack_engine_routing, trained_positions
-from miles_disagg.types import InvalidInput, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import InvalidInput
 
 SHAPE = RoutingShape(layers=2, top_k=2, sparse_layers=(0, 1), num_experts=4)
 

@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "miles_disagg"
 
 # Each room may import only rooms listed after it (and itself).
 ORDER = ["launcher", "cli", "bench", "loop", "service", "trainer", "fleet", "rollout", "engines", "router", "weights",
-         "models", "config", "tracking", "distributed", "remote", "net", "types", "startup"]
+         "models", "config", "tracking", "distributed", "remote", "net", "samples", "types", "startup"]
 
 # Underscore members of third-party objects this package has to reach (module path, attribute): each is
 # the only way to the value it names in the library version this project pins.

@@ -14,7 +14,7 @@ from miles_disagg.trainer.losses import (
     kl_penalty, masked_mean, masked_sum, policy_loss, tis_weights, token_logprobs_and_entropy,
 )
 from miles_disagg.trainer.policy_gradient import rl_loss
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 
 def test_policy_loss_is_minus_advantage_on_policy() -> None:

@@ -14,7 +14,8 @@ from qwen3_shapes import hf_tensors
 from miles_disagg.trainer.megatron.batching import (
     cp_merge, cp_split, fixed_size_batches, make_micro_batch, token_budget_batches)
 from miles_disagg.trainer.megatron.convert import ModelShape, param_rules, stage_layers, to_hf, to_megatron
-from miles_disagg.types import ConfigError, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import ConfigError
 
 SHAPE = ModelShape(num_layers=4, hidden_size=8, ffn_hidden_size=12, num_attention_heads=4, num_query_groups=2,
                    head_dim=3, vocab_size=10, max_position_embeddings=64, rope_theta=1e6, norm_eps=1e-6,

@@ -21,7 +21,8 @@ from miles_disagg.trainer.losses import kl_penalty, policy_loss, tis_weights
 from miles_disagg.trainer.policy_gradient import rl_loss
 from miles_disagg.trainer.rollout_inputs import prepare_rollout
 from miles_disagg.trainer.sequence_advantages import assign_advantages
-from miles_disagg.types import ConfigError, Group, Sample
+from miles_disagg.samples import Group, Sample
+from miles_disagg.types import ConfigError
 
 LOGPROBS = [[-0.2, -1.5, -0.7], [-2.0, -0.1, -0.9]]
 OLD = [[-0.9, -0.3, -0.7], [-0.5, -1.2, -0.2]]

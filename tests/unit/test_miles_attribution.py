@@ -16,7 +16,7 @@ from miles_disagg.rollout.data import Prompt
 from miles_disagg.rollout.generate import GenerationFailed, SamplingSettings
 from miles_disagg.rollout.manager import RolloutManager
 from miles_disagg.rollout.miles_compat import install_miles_imports
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 pytestmark = pytest.mark.timeout(120)
 HOOKS = "miles_hook_examples"

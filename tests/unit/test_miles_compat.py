@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_disagg.types import InvalidInput, Sample, SampleStatus
+from miles_disagg.samples import Sample, SampleStatus
+from miles_disagg.types import InvalidInput
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,8 +39,8 @@ def test_miles_paths_are_served_when_miles_is_not_installed() -> None:
         from miles.rollout.rm_hub.math_utils import extract_answer, grade_answer_verl
         from miles.rollout.filter_hub.base_types import DynamicFilterOutput
         from miles.rollout.filter_hub.dynamic_sampling_filters import check_reward_nonzero_std
-        import miles_disagg.types
-        assert Sample is miles_disagg.types.Sample and Sample.Status.ABORTED == "aborted"
+        import miles_disagg.samples
+        assert Sample is miles_disagg.samples.Sample and Sample.Status.ABORTED == "aborted"
         assert RolloutFnTrainInput(3).evaluation is False and RolloutFnEvalInput(3).evaluation is True
         assert compute_score("so. Answer: 1,000", "1000") == {"score": 1.0, "acc": True, "pred": "1000"}
         assert extract_answer("x \\\\boxed{\\\\frac{1}{2}}") == "\\\\frac{1}{2}"

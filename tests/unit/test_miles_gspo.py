@@ -17,7 +17,7 @@ from miles_disagg.config.components import TrainConfig
 from miles_disagg.trainer.batches import pack
 from miles_disagg.trainer.policy_gradient import rl_loss
 from miles_disagg.trainer.sequence_advantages import assign_advantages
-from miles_disagg.types import Group, Sample
+from miles_disagg.samples import Group, Sample
 
 MASKS = [[1, 1, 0, 1, 1], [1, 1, 1], [0, 0], [1, 0, 1, 1]]
 

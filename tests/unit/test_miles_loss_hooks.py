@@ -19,7 +19,8 @@ from miles_disagg.trainer.batches import pack, response_logits
 from miles_disagg.trainer.losses import token_logprobs_and_entropy
 from miles_disagg.trainer.objective import TrainObjective
 from miles_disagg.trainer.rollout_inputs import prepare_rollout
-from miles_disagg.types import ConfigError, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import ConfigError
 
 HOOKS = "miles_loss_examples"
 VOCAB, TEMPERATURE = 11, 0.7

@@ -18,7 +18,8 @@ from miles_disagg.config.components import TrainConfig
 from miles_disagg.trainer.batches import pack
 from miles_disagg.trainer.objective import TrainObjective
 from miles_disagg.trainer.rollout_inputs import prepare_rollout
-from miles_disagg.types import ConfigError, InvalidInput, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import ConfigError, InvalidInput
 
 MASKS = [[1, 1, 0, 1, 1], [1, 1, 1], [0, 0], [1, 0, 1, 1]]
 SIGNALS = (1.5, -0.8, 0.4, -2.0)

@@ -14,7 +14,8 @@ from miles_disagg.config.components import RolloutConfig
 from miles_disagg.rollout.generate import GenerationFailed
 from miles_disagg.rollout.miles_rm_types import dapo_score, f1_score, gpqa_reward, score_rm_type
 from miles_disagg.rollout.sample_rewards import load_sample_reward
-from miles_disagg.types import ConfigError, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import ConfigError
 
 
 @pytest.fixture

@@ -14,7 +14,8 @@ from miles_disagg.engines.updater import plan_buckets
 from miles_disagg.loop.ci_gates import CIGateFailed, check_step
 from miles_disagg.rollout.generate import SamplingSettings
 from miles_disagg.trainer.shares import split_for_steps
-from miles_disagg.types import ConfigError, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import ConfigError
 from miles_disagg.weights.hooks import POST_WRITE_FLAG, MilesHookContext, load_hook
 from miles_disagg.weights.publisher import choose_delta_filter
 

@@ -21,7 +21,8 @@ from miles_disagg.rollout.opd_topk import TopKError, TopKSettings
 from miles_disagg.rollout.teacher import Teacher, TeacherRoutes
 from miles_disagg.trainer.batches import pack
 from miles_disagg.trainer.rollout_inputs import prepare_rollout
-from miles_disagg.types import ConfigError, InvalidInput, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import ConfigError, InvalidInput
 
 # One response position. Student: top-2 {1: .6, 2: .4}, and (scoring the teacher's ids) 3: .3.
 # Teacher: top-2 {2: .5, 3: .5}, and (scoring the student's ids) 1: .2, 2: .5.

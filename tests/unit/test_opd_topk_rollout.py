@@ -21,7 +21,7 @@ from miles_disagg.config.components import RolloutConfig
 from miles_disagg.rollout.generate import GenerationFailed
 from miles_disagg.rollout.manager import RolloutManager, load_groups, save_groups
 from miles_disagg.rollout.opd_topk import STUDENT_TOP_KEY
-from miles_disagg.types import Group
+from miles_disagg.samples import Group
 
 pytestmark = pytest.mark.timeout(120)
 K = 2

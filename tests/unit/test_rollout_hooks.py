@@ -17,7 +17,8 @@ from miles_disagg.rollout import hooks
 from miles_disagg.rollout.generate import GenerationFailed, SamplingSettings
 from miles_disagg.rollout.manager import RolloutManager
 from miles_disagg.rollout.tasks import count_up_reward
-from miles_disagg.types import ConfigError, Sample, SampleStatus, asdict
+from miles_disagg.samples import Sample, SampleStatus
+from miles_disagg.types import ConfigError, asdict
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,7 +22,7 @@ from miles_disagg.rollout.generate import GenerationFailed
 from miles_disagg.rollout.manager import RolloutManager, load_groups, save_groups
 from miles_disagg.rollout.routed_experts import (
     RoutedExpertsMissing, RoutingShape, append_call_routing, decode_routed_experts)
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 pytestmark = pytest.mark.timeout(120)
 

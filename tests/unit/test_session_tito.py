@@ -12,7 +12,8 @@ from miles_disagg.rollout.sessions.templates import CHATML_TOOLS_TEMPLATE, check
 from miles_disagg.config.session_rules import check_matcher, check_tito_model
 from miles_disagg.rollout.sessions.tito import AppendRoleRefused, HistoryMismatch, TitoRule, split_history
 from miles_disagg.rollout.sessions.types import PrefixMismatch, SessionState, Turn, session_sample, token_drift
-from miles_disagg.types import ConfigError, InvalidInput, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import ConfigError, InvalidInput
 
 TOOLS = [{"type": "function", "function": {"name": "count", "parameters": {"type": "object"}}}]
 CALL = {"id": "call_1", "type": "function", "function": {"name": "count", "arguments": '{"from": 3}'}}

@@ -17,7 +17,7 @@ from miles_disagg.loop.resume import LoopState
 from miles_disagg.loop.train_loops import train_async
 from miles_disagg.tracking import MetricsTracker, read_metrics
 from miles_disagg.trainer.backend import TrainResult
-from miles_disagg.types import Group, RolloutBatch, Sample
+from miles_disagg.samples import Group, RolloutBatch, Sample
 
 STEPS = 4
 

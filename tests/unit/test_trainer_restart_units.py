@@ -15,7 +15,8 @@ from miles_disagg.loop.resume import LoopState
 from miles_disagg.loop.trainer_restart import TrainerRestarts, trainer_failure
 from miles_disagg.rollout.buffer import GroupBuffer
 from miles_disagg.tracking import MetricsTracker, read_records
-from miles_disagg.types import ConfigError, Group, NodeLost, Sample, TrainerLost
+from miles_disagg.samples import Group, Sample
+from miles_disagg.types import ConfigError, NodeLost, TrainerLost
 
 DD = ["--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", "/shared/updates",
       "--update-weight-local-checkpoint-dir", "/local/ckpt"]

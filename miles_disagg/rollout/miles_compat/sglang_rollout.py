@@ -11,7 +11,7 @@ import asyncio
 import weakref
 from typing import Any
 
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 _SEMAPHORES: "weakref.WeakKeyDictionary[Any, asyncio.Semaphore]" = weakref.WeakKeyDictionary()
 

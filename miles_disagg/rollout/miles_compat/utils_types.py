@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 RolloutBatch = dict
 """miles' training batch type: a dict of per-sample lists (``loss_masks``, ``log_probs`` ...); see

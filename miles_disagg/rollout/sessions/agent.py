@@ -25,7 +25,8 @@ from miles_disagg.rollout.sessions.app import SessionServer
 from miles_disagg.rollout.sessions.service import SessionService, SessionSettings
 from miles_disagg.rollout.sessions.templates import checkpoint_template
 from miles_disagg.rollout.sessions.tito import TitoRule
-from miles_disagg.types import InvalidInput, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import InvalidInput
 
 log = logging.getLogger(__name__)
 

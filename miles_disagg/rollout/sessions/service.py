@@ -29,7 +29,8 @@ from miles_disagg.rollout.sessions.tito import TitoRule, split_history
 from miles_disagg.rollout.sessions.types import (MAX_SESSIONS, PrefixMismatch, SessionNotFound, SessionState, Turn,
                                                  session_sample)
 from miles_disagg.router.affinity import ROUTING_KEY_HEADER
-from miles_disagg.types import InvalidInput, Retryable, Sample
+from miles_disagg.samples import Sample
+from miles_disagg.types import InvalidInput, Retryable
 
 VersionBound = Callable[[], "tuple[int | None, int | None]"]
 

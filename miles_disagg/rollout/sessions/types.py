@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_disagg.types import InvalidInput, MilesDisaggError, Sample, SampleStatus
+from miles_disagg.samples import Sample, SampleStatus
+from miles_disagg.types import InvalidInput, MilesDisaggError
 
 MAX_SESSIONS = 10_000
 MAX_TURNS = 256

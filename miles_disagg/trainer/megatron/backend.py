@@ -36,7 +36,7 @@ from miles_disagg.trainer.megatron.step import (
 from miles_disagg.trainer.objective import TrainObjective
 from miles_disagg.trainer.reduction import StepMetrics
 from miles_disagg.trainer.rollout_inputs import prepare_rollout
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 
 class MegatronBackend(TrainerBackend):

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from miles_disagg.trainer.batches import PackedBatch, pack
-from miles_disagg.types import Sample
+from miles_disagg.samples import Sample
 
 
 def token_budget_batches(samples: Sequence[Sample], max_tokens: int) -> list[list[Sample]]:
