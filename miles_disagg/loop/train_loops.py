@@ -21,7 +21,7 @@ from miles_disagg.loop.resume import LoopState, find_resume, maybe_save, restore
 from miles_disagg.loop.trainer_restart import LoopProgress, TrainerRestarts
 from miles_disagg.loop.updates import publish, publish_and_update, start_update
 from miles_disagg.loop.waiting import still
-from miles_disagg.rollout.manager import load_groups, save_groups
+from miles_disagg.rollout.debug_data import load_groups, save_groups
 from miles_disagg.tracking import TRAIN_STEPS_STREAM, UPDATES_STREAM, MetricsTracker, pass_at_k, status
 from miles_disagg.trainer.sequence_advantages import assign_advantages
 from miles_disagg.trainer.torch_dist import initial_checkpoint

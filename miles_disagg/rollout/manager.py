@@ -7,12 +7,9 @@ staleness-aware buffer. Each request asks for ``min_version = current - K``
 (``--max-weight-staleness``); ``take`` applies the same bound when the trainer consumes.
 Sync mode (``train.py``) uses ``generate(n)`` instead: exactly n kept groups, then idle.
 
-The producer's window: at most ``capacity`` groups are in flight or buffered
-(``--rollout-batch-size + --over-sampling-batch-size`` by default). A group frees its slot the
-moment it leaves for good - taken by the trainer, dropped as stale (also while a take is still
-waiting, and when ``set_version`` makes buffered groups stale), filtered out, or lost - so the
-window refills even when every group in it turned stale at once (``K = 0``, or an activation
-slower than a training step).
+The producer's window (``rollout/producer.py``): at most ``capacity`` groups are in flight or
+buffered (``--rollout-batch-size + --over-sampling-batch-size`` by default); a group frees its slot
+the moment it leaves for good, so the window refills even when every group in it turned stale at once.
 
 Extension points (``rollout/hooks.py``): a custom generate function replaces how each sample
 is generated, a rollout function replaces how a batch of groups is generated, an eval function
@@ -23,26 +20,25 @@ post-process sets the samples' advantages.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import Counter
-from pathlib import Path
-from typing import Any
 
 from miles_disagg.net.auth import ApiKeys
 from miles_disagg.config.actors import RolloutManagerConfig
 from miles_disagg.net.keyed_client import pooled_limits
 from miles_disagg.net.pooled_http import PooledSession
 from miles_disagg.rollout.attribution import AttributionProxy
-from miles_disagg.rollout.buffer import BufferClosed, BufferTimeout, GroupBuffer
+from miles_disagg.rollout.batch_metrics import counter_metrics, filter_metrics, group_metrics
+from miles_disagg.rollout.buffer import BufferTimeout, GroupBuffer
 from miles_disagg.rollout.filters import apply_dynamic_filter, buffer_selector
-from miles_disagg.rollout.generate import GenerationFailed, RequestLost, SamplingSettings
+from miles_disagg.rollout.generate import GenerationFailed, SamplingSettings
 from miles_disagg.rollout.groups import GroupGenerator
 from miles_disagg.rollout.hook_args import EngineCaller, EvalSamples, PromptSamples, RolloutArgs
 from miles_disagg.rollout.sessions.agent import rollout_hooks_of
 from miles_disagg.rollout.outputs import eval_metrics, groups_from_rollout_output, post_process_rewards
-from miles_disagg.rollout.routed_experts import RoutingShape, from_jsonable, to_jsonable
+from miles_disagg.rollout.producer import ProducerWindow
+from miles_disagg.rollout.routed_experts import RoutingShape
 from miles_disagg.rollout.opd_topk import student_top_k
 from miles_disagg.rollout.teacher import StudentScorer, Teacher, teacher_routes, topk_settings
 from miles_disagg.samples import Group, RolloutBatch
@@ -89,23 +85,18 @@ class RolloutManager:
                                          tuple(config.rollout_stop_token_ids))
         self.batch_size = config.rollout_batch_size or 1
         self.over_sampling = config.over_sampling_batch_size or self.batch_size
-        select = buffer_selector(self.hooks.buffer_filter, lambda: self.args) if self.hooks.buffer_filter else None
-        self.buffer = GroupBuffer(config.max_weight_staleness, on_dropped=self._dropped_from_buffer, select=select)
         self.capacity = capacity_groups or self.batch_size + self.over_sampling
         self.current_version = 0
         self.counters: dict[str, int] = {"requests": 0, "retried": 0, "version_not_ready": 0, "groups": 0}
+        self.window = ProducerWindow(self.capacity, self.counters)  # async mode's producer
+        select = buffer_selector(self.hooks.buffer_filter, lambda: self.args) if self.hooks.buffer_filter else None
+        self.buffer = GroupBuffer(config.max_weight_staleness, on_dropped=self.window.dropped, select=select)
         self.filtered: Counter[str] = Counter()  # dynamic filter drops since the last batch, by reason
         self.rollout_metrics: dict[str, float] = {}  # what a rollout function reported since the last batch
         self._rollout_calls = 0
         self._client = None
         self._transport = http_transport
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._producer: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()
-        self._window = 0  # groups drawn and not yet taken, dropped, filtered out or lost
-        self._room: asyncio.Event | None = None
         self._slots: asyncio.Semaphore | None = None
-        self._failure: BaseException | None = None
         self._proxy = None  # the generate hook's per-sample router addresses (rollout/attribution.py)
 
     # ------------------------------------------------------------------ lifecycle
@@ -113,11 +104,10 @@ class RolloutManager:
     async def _ensure_client(self) -> None:
         if self._client is not None:
             return
-        self._loop = asyncio.get_running_loop()
+        self.window.attach()
         self._client = self._router_client(ApiKeys.from_env().headers_for("/generate"))  # the run's keys
         # one slot per group in flight: the concurrency bound counts samples
         self._slots = asyncio.Semaphore(max(1, self.config.rollout_concurrency // self.config.n_samples_per_prompt))
-        self._room = asyncio.Event()
         replay = not self.config.rollout_service_url  # a service request failed after dispatch is not replayed
         if self.hooks.custom_generate is not None:
             hook = f"--custom-generate-function-path {self.config.custom_generate_function_path}"
@@ -191,8 +181,8 @@ class RolloutManager:
     async def start(self) -> None:
         """Begin continuous generation (train_async.py)."""
         await self._ensure_client()
-        if self._producer is None:
-            self._producer = asyncio.create_task(self._produce_forever())
+        round_size = min(self.batch_size if self.hooks.rollout_function else 1, self.capacity)
+        self.window.start(round_size, self._next_groups, self.buffer.put)
 
     async def set_version(self, version: int) -> None:
         """The trainer's newest version: new requests ask for at least ``version - K``, and groups
@@ -207,17 +197,17 @@ class RolloutManager:
 
     async def take(self, n_groups: int, current_version: int, timeout_s: float = 900.0) -> RolloutBatch:
         """The next ``n_groups`` admissible groups (oldest first) and their staleness metrics."""
-        self._raise_failure()
+        self.window.raise_failure()
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 result = await asyncio.to_thread(self.buffer.take, n_groups, current_version, 1.0)
                 break
             except BufferTimeout:  # nothing yet: check the producer, then keep waiting
-                self._raise_failure()
+                self.window.raise_failure()
                 if time.monotonic() > deadline:
                     raise
-        self._release(len(result.groups))
+        self.window.release(len(result.groups))
         return self._batch(result)
 
     async def generate(self, n_groups: int, current_version: int) -> RolloutBatch:
@@ -237,9 +227,7 @@ class RolloutManager:
         return self._batch(result)
 
     async def stop(self) -> None:
-        for task in [self._producer, *self._tasks]:
-            if task is not None:
-                task.cancel()
+        self.window.stop()
         self.buffer.close()
         if self._proxy is not None:
             await self._proxy.close()
@@ -259,7 +247,7 @@ class RolloutManager:
     def data_position(self) -> int:
         """Prompts whose groups the trainer has or will have consumed: drawn minus those still
         buffered or in flight (a resumed run generates those again)."""
-        return self.drawn - self._window
+        return self.drawn - self.window.in_window
 
     # ------------------------------------------------------------------ evaluation
 
@@ -293,67 +281,15 @@ class RolloutManager:
                                              run_group=lambda samples: self.generator.run_samples(samples, eval_args))
         return eval_args
 
-    # ------------------------------------------------------------------ producer (async mode)
-
-    async def _produce_forever(self) -> None:
-        try:
-            while self._failure is None:  # after a failure, take() reports it; stop generating
-                size = min(self.batch_size if self.hooks.rollout_function else 1, self.capacity)
-                while self._window + size > self.capacity:
-                    self._room.clear()
-                    await self._room.wait()
-                if self._failure is not None:
-                    break
-                self._window += size
-                self._spawn(self._fill(size))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # surfaced to the trainer by take()
-            self._failure = exc
-            raise
-
-    async def _fill(self, reserved: int) -> None:
-        """Generate ``reserved`` groups' worth into the buffer; free the slots of those that do not arrive."""
-        put = 0
-        try:
-            if self.hooks.rollout_function is not None:
-                groups = await self._rollout_function_groups()
-            else:
-                group = await self._make_group(self._draw(1)[0], self.config.n_samples_per_prompt, self.args,
-                                               self._training_bound)
-                groups = [group] if self._keep(group) else []
-            for group in groups:
-                self.buffer.put(group)
-                put += 1
-        except asyncio.CancelledError:
-            raise
-        except RequestLost:
-            self.counters["lost_groups"] = self.counters.get("lost_groups", 0) + 1
-        except BufferClosed:
-            return
-        except BaseException as exc:
-            log.exception("rollout group failed")
-            self._failure = exc
-        self._release(reserved - put)
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._tasks.discard)
-
-    def _release(self, n: int) -> None:
-        """``n`` groups left the window (in the event loop's thread)."""
-        if self._producer is None or n == 0:
-            return
-        self._window -= n
-        self._room.set()
-
-    def _dropped_from_buffer(self, n: int) -> None:
-        """The buffer dropped ``n`` stale groups (any thread, buffer lock held)."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._release, n)
-
     # ------------------------------------------------------------------ groups
+
+    async def _next_groups(self) -> list[Group]:
+        """One round of the async producer: a rollout function's groups, or one group if it is kept."""
+        if self.hooks.rollout_function is not None:
+            return await self._rollout_function_groups()
+        group = await self._make_group(self._draw(1)[0], self.config.n_samples_per_prompt, self.args,
+                                       self._training_bound)
+        return [group] if self._keep(group) else []
 
     async def _make_group(self, prompt, n: int, args: RolloutArgs, bound) -> Group:
         async with self._slots:
@@ -407,46 +343,13 @@ class RolloutManager:
         if self.hooks.reward_post_process is not None:
             post_process_rewards(self.hooks.reward_post_process, self.args, result.groups)
             advantages_given = True
-        metrics = {**result.metrics(), **self._group_metrics(result.groups), **self._counter_metrics(),
-                   **self._filter_metrics(), **self.rollout_metrics}
+        filtered = filter_metrics(self.filtered) if self.hooks.dynamic_filter is not None else {}
+        self.filtered.clear()
+        sessions = self._agents.counters if self._agents is not None else None
+        metrics = {**result.metrics(), **group_metrics(result.groups), **counter_metrics(self.counters, sessions),
+                   **filtered, **self.rollout_metrics}
         self.rollout_metrics = {}
         return RolloutBatch(result.groups, metrics, advantages_given=advantages_given)
-
-    def _filter_metrics(self) -> dict[str, float]:
-        """Groups the dynamic filter dropped since the previous batch (total and by reason)."""
-        if self.hooks.dynamic_filter is None:
-            return {}
-        metrics = {"rollout/dynamic_filtered_groups": float(sum(self.filtered.values()))}
-        metrics.update({f"rollout/dynamic_filter/drop_{reason}": float(n) for reason, n in self.filtered.items()})
-        self.filtered.clear()
-        return metrics
-
-    def _counter_metrics(self) -> dict[str, float]:
-        """Cumulative request counters (retries of refused requests, groups given up)."""
-        return {"rollout/requests_retried": float(self.counters.get("retried", 0)),
-                "rollout/version_not_ready": float(self.counters.get("version_not_ready", 0)),
-                "rollout/lost_groups": float(self.counters.get("lost_groups", 0)),
-                **({f"rollout/sessions/{name}": float(n) for name, n in self._agents.counters.items()}
-                   if self._agents is not None else {})}
-
-    def _raise_failure(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-
-    @staticmethod
-    def _group_metrics(groups: list[Group]) -> dict[str, Any]:
-        samples = [s for g in groups for s in g.samples]
-        if not samples:
-            return {}
-        lengths = [len(s.response_ids) for s in samples]
-        metrics = {"rollout/raw_reward": sum(s.reward for s in samples) / len(samples),
-                   "rollout/response_len_mean": sum(lengths) / len(lengths),
-                   "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
-                   "rollout/served_version_mean": _mean(s.weight_version_end for s in samples)}
-        if any(s.loss_mask is not None for s in samples):
-            metrics["rollout/trained_token_ratio"] = sum(s.effective_response_length for s in samples) / sum(lengths)
-            metrics["rollout/engine_calls_mean"] = _mean(len(s.call_versions) for s in samples)
-        return metrics
 
 
 def _no_global_dataset(n: int):
@@ -463,35 +366,3 @@ def _check_exact(samples: list, exact_version: int) -> None:
         if any(call != [exact_version, exact_version] for call in s.call_versions or [[s.weight_version_start,
                                                                                        s.weight_version_end]]):
             raise GenerationFailed(f"an eval sample was not served by exactly version {exact_version}")
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values) if values else 0.0
-
-
-def save_groups(path: str | Path, groups: list[Group], consumed_at_version: int) -> None:
-    """``--save-debug-rollout-data``: one JSON line per group, with the trainer version that consumed it."""
-    from miles_disagg.types import asdict
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for g in groups:
-            record = asdict(g)
-            for sample, original in zip(record["samples"], g.samples):  # numpy routing as nested lists
-                sample["rollout_routed_experts"] = to_jsonable(original.rollout_routed_experts)
-            f.write(json.dumps({**record, "consumed_at_version": consumed_at_version}) + "\n")
-
-
-def load_groups(path: str | Path) -> list[Group]:
-    """``--load-debug-rollout-data``: what ``save_groups`` wrote."""
-    from miles_disagg.samples import Sample
-
-    groups = []
-    for line in Path(path).read_text().splitlines():
-        raw = json.loads(line)
-        samples = [Sample(**{**s, "rollout_routed_experts": from_jsonable(s.get("rollout_routed_experts"))})
-                   for s in raw["samples"]]
-        groups.append(Group(prompt_index=raw["prompt_index"], samples=samples))
-    return groups

@@ -19,7 +19,8 @@ import pytest
 from miles_disagg.config.actors import RolloutManagerConfig
 from miles_disagg.config.components import RolloutConfig
 from miles_disagg.rollout.generate import GenerationFailed
-from miles_disagg.rollout.manager import RolloutManager, load_groups, save_groups
+from miles_disagg.rollout.debug_data import load_groups, save_groups
+from miles_disagg.rollout.manager import RolloutManager
 from miles_disagg.rollout.opd_topk import STUDENT_TOP_KEY
 from miles_disagg.samples import Group
 

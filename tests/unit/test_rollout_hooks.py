@@ -130,7 +130,7 @@ def test_a_generate_function_that_bypasses_the_engine_caller_fails_the_run(token
         manager = make_manager(tokenizer_dir, router,
                                custom_generate_function_path="hook_examples.posts_around_the_router")
         await manager.start()
-        await wait_until(lambda: manager._failure is not None, "the producer to fail")
+        await wait_until(lambda: manager.window.failure is not None, "the producer to fail")
         with pytest.raises(GenerationFailed, match="args.engine.generate"):
             await manager.take(2, 0)
         await manager.stop()

@@ -59,7 +59,7 @@ def test_a_window_that_turns_stale_at_once_refills_with_the_new_version(tokenize
         assert len(batch.groups) == 2 and all(s.weight_version_start == 1 for s in samples)
         assert batch.metrics["rollout/staleness_max"] == 0
         assert batch.metrics["rollout/stale_groups_dropped"] == 4
-        assert manager.data_position() == manager.drawn - manager._window
+        assert manager.data_position() == manager.drawn - manager.window.in_window
         await manager.stop()
 
     asyncio.run(scenario())
