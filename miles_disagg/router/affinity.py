@@ -30,7 +30,7 @@ import hashlib
 from collections import Counter
 from typing import AbstractSet, Any, Hashable, Mapping
 
-from miles_disagg.router.policy import satisfies
+from miles_disagg.router.policy import worker_satisfies
 from miles_disagg.router.registry import Worker, WorkerState
 from miles_disagg.types import InvalidInput, VersionConstraint
 
@@ -96,7 +96,7 @@ def choose_for_session(policy: Any, registry: Any, peers: Any, key: str, constra
     ``policy.choose_in`` does when the session must move and nothing can take it."""
     previous = peers.session_worker(key)
     if (previous is not None and previous is not GONE and previous.state is WorkerState.READY and previous not in skip
-            and satisfies(previous.weight_version, constraint, previous.run_id)):
+            and worker_satisfies(previous, constraint)):
         counters["session_affinity_hits"] += 1
         return previous
     worker = policy.choose_in(registry, constraint, skip=skip)

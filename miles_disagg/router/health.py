@@ -1,4 +1,5 @@
-"""Health checks: probe every worker's ``/health`` and ``/model_info`` (its ``weight_version``) each interval.
+"""Health checks: probe every worker's ``/health`` and ``/model_info`` (its ``weight_version``, and the older
+LoRA adapter versions it keeps resident: ``resident_weight_versions``) each interval.
 
 One pass at a time; within a pass the workers' probes start spread over the interval and run
 concurrently, each bounded by the client's timeout, so one hung worker never delays the others' checks. A refused
@@ -38,7 +39,7 @@ from miles_disagg.net.asgi_guard import SERVER_ID_HEADER
 from miles_disagg.net.auth import ApiKeys
 from miles_disagg.net.pooled_http import ConnectTimedOut, NotConnected, Reply, TimedOut, TransportFailed
 from miles_disagg.router.loop_lag import LoopLag
-from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, parse_version
+from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, parse_older_versions, parse_version
 from miles_disagg.router.upstream import UpstreamClient
 from miles_disagg.types import MilesDisaggError
 
@@ -126,7 +127,7 @@ class HealthChecker:
         before = worker.state
         started, started_at = asyncio.get_running_loop().time(), time.monotonic()
         try:
-            version = await self.probe(worker.url)
+            version, older = await self.probe(worker.url)
         except ProbeFailed as exc:
             if not exc.definite and self._lagged_since(started):
                 log.info("worker %s: probe timed out while this router's loop lagged; not counted", worker.url)
@@ -135,7 +136,7 @@ class HealthChecker:
                 return  # it answered a proxied request meanwhile (maybe through another router process)
             self.registry.record_probe_failure(worker, str(exc), definite=exc.definite, ticket=ticket)
         else:
-            self.registry.record_probe_ok(worker, version, ticket)
+            self.registry.record_probe_ok(worker, version, ticket, older)
         if worker.state is not before:
             level = logging.WARNING if worker.state is WorkerState.UNHEALTHY else logging.INFO
             log.log(level, "worker %s: %s -> %s (version %s%s)", worker.url, before.value, worker.state.value,
@@ -144,8 +145,9 @@ class HealthChecker:
     def _lagged_since(self, started: float) -> bool:
         return self.loop_lag is not None and self.timeout_s is not None and self.loop_lag.excuses(started, self.timeout_s)
 
-    async def probe(self, url: str) -> int | None:
-        """The worker's version if ``/health`` answers 200; ``ProbeFailed`` otherwise."""
+    async def probe(self, url: str) -> tuple[int | None, dict[int, str]]:
+        """The worker's version and its older resident versions if ``/health`` answers 200; ``ProbeFailed``
+        otherwise (a malformed ``resident_weight_versions`` too)."""
         health = await self._get(url, "/health")
         if self.answers_as_self(health):
             raise ProbeFailed("it answers as this router itself (an alias of its own address): requests would loop",
@@ -154,11 +156,13 @@ class HealthChecker:
             raise ProbeFailed(f"/health answered {health.status_code}: {health.text[:200]}", definite=True)
         answer = await self._get(url, "/model_info")
         if answer.status_code == 404:
-            return None
+            return None, {}
         if answer.status_code != 200:
             raise ProbeFailed(f"/model_info answered {answer.status_code}: {answer.text[:200]}", definite=True)
         try:
-            return parse_version(answer.json().get("weight_version"))
+            info = answer.json()
+            version = parse_version(info.get("weight_version"))
+            return version, parse_older_versions(info.get("resident_weight_versions"), version)
         except (ValueError, AttributeError) as exc:
             raise ProbeFailed(f"/model_info answered {answer.text[:200]!r}: {exc}", definite=True)
 

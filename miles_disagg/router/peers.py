@@ -180,7 +180,8 @@ class LeaderPeers(_SharedPeers):
             self._at_slot[slot] = worker
             self.table.clear_load(0, slot)
         record = SlotRecord(slot, True, worker.url, worker.admin_state.value, worker.ever_healthy, worker.unhealthy,
-                            worker.weight_version, worker.run_id, worker.failure_seq)
+                            worker.weight_version, worker.run_id, worker.failure_seq,
+                            tuple(sorted(worker.older_versions.items())))
         if self._written.get(slot) != record:
             self.table.write(record)
             self._written[slot] = record
@@ -310,11 +311,13 @@ class FollowerPeers(_SharedPeers):
                 unhealthy = True
         self._failures[worker] = record.failures
         self.registry.assign(worker, admin_state=WorkerState(record.admin_state), weight_version=record.weight_version,
-                             run_id=record.run_id, ever_healthy=record.ever_healthy, unhealthy=unhealthy)
+                             run_id=record.run_id, ever_healthy=record.ever_healthy, unhealthy=unhealthy,
+                             older_versions=dict(record.older_versions))
 
     def observe_version(self, worker: Worker, version: int | None) -> None:
         """Never applied here: the leader publishes it for every process at once."""
-        if version is None or version == worker.weight_version or self._hinted.get(worker) == version:
+        if (version is None or version == worker.weight_version or version in worker.older_versions
+                or self._hinted.get(worker) == version):
             return
         self._hinted[worker] = version
         self.hint({"op": "version", "url": worker.url, "version": version})

@@ -10,13 +10,19 @@ A request states its constraint in the body (``"weight_version": {"min_version":
 ``{"exact_version": N}``, either optionally with ``"run_id"``: then only workers known to serve
 that run's versions qualify, which only the rollout service's gateway knows) or in the ``X-Weight-Version-Min`` / ``X-Weight-Version-Exact``
 headers; :func:`request_constraint` reads (and strips) it.
+
+A worker's versions are the newest it serves (``weight_version``) and the older LoRA adapter versions it
+keeps resident (:attr:`~miles_disagg.router.registry.Worker.older_versions`): an ``exact_version``
+request may go to a worker holding that version among its older ones, and is then sent with that
+version's ``lora_path`` (:func:`pinned_body`); ``min_version`` is judged against the newest alone (the
+one a request naming no adapter runs on), and so is everything for a worker of one version.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict
-from typing import AbstractSet, Mapping, Sequence
+from typing import AbstractSet, Any, Mapping, Sequence
 
 from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, parse_version
 from miles_disagg.types import InvalidInput, Retryable, VersionConstraint, VersionNotReady
@@ -44,10 +50,45 @@ def satisfies(version: int | None, constraint: VersionConstraint, run_id: str | 
     return constraint.allows(version, run_id)
 
 
+def worker_satisfies(worker: Worker, constraint: VersionConstraint) -> bool:
+    """Whether ``worker`` may serve ``constraint``: at its newest version, or (``exact_version``) on an
+    older version it keeps resident."""
+    exact = constraint.exact_version
+    if exact is not None and exact in worker.older_versions:  # an empty mapping for most workers: O(1)
+        return constraint.allows(exact, worker.run_id)
+    return satisfies(worker.weight_version, constraint, worker.run_id)
+
+
+def pinned_path(worker: Worker, constraint: VersionConstraint) -> str | None:
+    """The ``lora_path`` an ``exact_version`` request must carry to run on ``worker``'s older resident
+    version (None: it runs on the newest, as every other request)."""
+    exact = constraint.exact_version
+    return None if exact is None else worker.older_versions.get(exact)
+
+
+def pinned_body(body: Any, worker: Worker, constraint: VersionConstraint) -> dict | None:
+    """``body`` with the ``lora_path`` of the older resident version it is pinned to on ``worker``
+    (:func:`pinned_path`), or None when it needs none or names its own ``lora_path`` (then the engine's
+    answer shows the version it ran on, judged as any other)."""
+    path = pinned_path(worker, constraint)
+    if path is None or not isinstance(body, dict) or body.get("lora_path") is not None:
+        return None
+    return {**body, "lora_path": path}
+
+
+def version_served(worker: Worker, constraint: VersionConstraint) -> int | None:
+    """The version a request under ``constraint`` runs on at ``worker`` (its newest unless pinned)."""
+    return constraint.exact_version if pinned_path(worker, constraint) is not None else worker.weight_version
+
+
 def ready_versions(workers: Sequence[Worker]) -> list[int]:
-    """Distinct known versions of the ready workers, ascending."""
-    return sorted({w.weight_version for w in workers
-                   if w.state is WorkerState.READY and w.weight_version is not None})
+    """Distinct known versions of the ready workers (their older resident ones too), ascending."""
+    versions: set[int] = set()
+    for w in workers:
+        if w.state is WorkerState.READY and w.weight_version is not None:
+            versions.add(w.weight_version)
+            versions.update(w.older_versions)
+    return sorted(versions)
 
 
 class LeastOutstandingPolicy:
@@ -70,7 +111,7 @@ class LeastOutstandingPolicy:
             if worker.state is not WorkerState.READY:
                 continue
             any_ready = True
-            if not satisfies(worker.weight_version, constraint, worker.run_id):
+            if not worker_satisfies(worker, constraint):
                 continue
             if fewest < 0 or worker.outstanding < fewest:
                 fewest, tied = worker.outstanding, [worker]
@@ -93,7 +134,7 @@ class LeastOutstandingPolicy:
         already tried (``NoWorkerAvailable`` when only they are eligible)."""
         for worker in registry.by_load():
             if (worker.state is WorkerState.READY and worker not in skip
-                    and satisfies(worker.weight_version, constraint, worker.run_id)):
+                    and worker_satisfies(worker, constraint)):
                 break
         else:
             chosen = self.choose(registry.workers(), constraint)  # raises NoWorkerAvailable / VersionNotReady

@@ -74,7 +74,7 @@ from miles_disagg.router.hops import HOPS_HEADER, LOOP_DETECTED, RouterLoop, hop
 from miles_disagg.router.loop_lag import LoopLag
 from miles_disagg.router.peers import SoleRouter
 from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, annotate_served_versions,
-                                       constraint_json, request_constraint, violates)
+                                       constraint_json, pinned_body, request_constraint, version_served, violates)
 from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, normalize_url, parse_version
 from miles_disagg.router.shared_table import COUNTERS as METRIC_COUNTERS
 from miles_disagg.router.upstream import UpstreamClient
@@ -228,7 +228,8 @@ class Router:
         # without a cache namespace gets the served version's (router/affinity.py), so it is encoded per worker
         keyed = key is not None and path == GENERATE_PATH and isinstance(body, dict) and "extra_key" not in body
         payload = await _encode_async(body, len(raw)) if constrained_in_body else raw
-        response = await self._route(request, path, payload, record, hops, body if keyed else None)
+        exact_body = body if constraint.exact_version is not None else None  # may be pinned to an older adapter
+        response = await self._route(request, path, payload, record, hops, body if keyed else None, exact_body)
         record.status, record.total_s = response.status_code, time.perf_counter() - started
         overhead_s = record.total_s - record.upstream_s
         self.overheads_s.append(overhead_s)
@@ -238,7 +239,7 @@ class Router:
         return response
 
     async def _route(self, request: Any, path: str, payload: bytes, record: ProxyRecord, hops: int = 0,
-                     keyed_body: dict | None = None) -> Any:
+                     keyed_body: dict | None = None, exact_body: dict | None = None) -> Any:
         constraint = record.constraint
         level = getattr(request.state, "auth_level", None)
         keyed = self._headers.get((level, path))
@@ -253,9 +254,8 @@ class Router:
                 worker = self._choose(record, tried)
             except (VersionNotReady, NoWorkerAvailable) as exc:
                 return self._not_ready(exc, constraint)
-            if keyed_body is not None:
-                payload = _encode({**keyed_body, "extra_key": version_extra_key(worker.weight_version)})
-            response = await self._dispatch(worker, path, payload, headers, request, record)
+            sent = _payload_for(worker, payload, constraint, keyed_body, exact_body)
+            response = await self._dispatch(worker, path, sent, headers, request, record)
             if response is not None:
                 return response
             tried.add(worker)
@@ -277,7 +277,7 @@ class Router:
     async def _dispatch(self, worker: Worker, path: str, payload: bytes, headers: dict, request: Any,
                         record: ProxyRecord) -> Any:
         """Send to ``worker``; ``None`` if it could not be reached (nothing was sent)."""
-        dispatch_version = worker.weight_version
+        dispatch_version = version_served(worker, record.constraint)
         record.worker = worker.url
         self.registry.acquire(worker)
         self.peers.load_changed(worker)
@@ -380,6 +380,17 @@ def _percentiles_ms(values_s: collections.deque) -> dict[str, float | int | None
 
 
 # --------------------------------------------------------------------------- request/response helpers
+
+
+def _payload_for(worker: Worker, payload: bytes, constraint: VersionConstraint, keyed_body: dict | None,
+                 exact_body: dict | None) -> bytes:
+    """What ``worker`` gets: ``payload``, or the body re-encoded with the ``lora_path`` of the older
+    resident version it is pinned to (:func:`~miles_disagg.router.policy.pinned_body`) and a session's
+    cache namespace of the version it runs on (``keyed_body``)."""
+    pinned = pinned_body(exact_body, worker, constraint) if exact_body is not None else None
+    if keyed_body is not None:
+        return _encode({**(pinned or keyed_body), "extra_key": version_extra_key(version_served(worker, constraint))})
+    return payload if pinned is None else _encode(pinned)
 
 
 def _json_or_none(response: Reply) -> Any:

@@ -12,7 +12,10 @@ requests. Because the axes are separate, a worker that recovers from ``unhealthy
 returns to its admin state: a worker paused for an update stays out of routing until the
 updater marks it ready again, so a half-updated engine is never routed to by accident.
 
-Versions are ints; ``None`` means unknown (e.g. SGLang's ``"default"``). The version a
+Versions are ints; ``None`` means unknown (e.g. SGLang's ``"default"``). A worker serving LoRA adapter
+versions may keep older ones resident beside its newest (``weight_version``): ``older_versions`` maps
+each to the ``lora_path`` that runs a request on it (the engine's ``resident_weight_versions``, read with
+its version by every probe); exact-version requests for them may go there. The version a
 probe reads is authoritative (it may go down, e.g. an engine restarted from the base),
 except that a probe whose read predates a newer version seen since it started does not
 move the version back. A version seen in a proxied response only moves it forward.
@@ -26,11 +29,20 @@ state, health, version, run): a multi-process router publishes those to its othe
 from __future__ import annotations
 
 import enum
+import json
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 from miles_disagg.types import InvalidInput
+
+
+MAX_OLDER_VERSIONS = 16
+"""Older resident versions a worker may list (a longer list in a probe's answer fails the probe)."""
+MAX_OLDER_VERSIONS_BYTES = 512
+"""The most bytes their JSON (:func:`older_versions_json`) may take: a router's processes share it."""
+NO_OLDER_VERSIONS: Mapping[int, str] = types.MappingProxyType({})
 
 
 class UnknownWorker(InvalidInput):
@@ -111,6 +123,8 @@ class Worker:
     answered_seq: int = 0  # proxied requests it answered (evidence it is alive, whatever a probe saw meanwhile)
     last_answer_at: float | None = None  # time.monotonic() of the last one
     probe_due: bool = False  # an answer contradicted its known version: its next probe is not skipped
+    older_versions: Mapping[int, str] = field(default_factory=dict)  # older resident version -> its lora_path
+    # (module docstring); set whole, never changed in place
 
     def busy_seconds(self, now: float | None = None) -> float:
         """Cumulative time this worker had a request in flight (the engine-busy metric)."""
@@ -132,7 +146,9 @@ class Worker:
         return self.ever_healthy and not self.unhealthy and self.consecutive_failures == 0
 
     def to_json(self) -> dict[str, Any]:
+        older = {str(v): path for v, path in self.older_versions.items()}
         return {"url": self.url, "weight_version": self.weight_version, "run_id": self.run_id, "state": self.state.value,
+                **({"older_versions": older} if older else {}),
                 "outstanding": self.outstanding, "healthy": self.healthy, "last_error": self.last_error,
                 "num_served": self.num_served, "busy_s": round(self.busy_seconds(), 6)}
 
@@ -237,11 +253,12 @@ class WorkerRegistry:
         return worker
 
     def assign(self, worker: Worker, *, admin_state: WorkerState | str, weight_version: int | None, run_id: str | None,
-               ever_healthy: bool, unhealthy: bool) -> None:
+               ever_healthy: bool, unhealthy: bool, older_versions: Mapping[int, str] = NO_OLDER_VERSIONS) -> None:
         """Take what routing reads of ``worker`` from an authoritative copy (the view a router process
         keeps of the leader's registry, :mod:`miles_disagg.router.peers`); load and history stay this one's."""
         worker.admin_state = WorkerState(admin_state)
         self._set_version(worker, weight_version)
+        worker.older_versions = older_versions or NO_OLDER_VERSIONS
         worker.run_id = run_id
         worker.ever_healthy, worker.unhealthy = ever_healthy, unhealthy
 
@@ -284,7 +301,7 @@ class WorkerRegistry:
         the worker's next probe due (:attr:`Worker.probe_due`: an engine restarted from an older version
         answers so until a probe reads its version).
         """
-        if version is None:
+        if version is None or version in worker.older_versions:  # an answer of an older resident adapter
             return
         if worker.weight_version is None or version > worker.weight_version:
             self._set_version(worker, version)
@@ -303,11 +320,12 @@ class WorkerRegistry:
         """Take before probing ``worker``; hand back to :meth:`record_probe_ok`."""
         return ProbeTicket(worker.version_seq, worker.failure_seq, worker.answered_seq)
 
-    def record_probe_ok(self, worker: Worker, version: int | None, ticket: ProbeTicket) -> None:
-        """A probe found the worker healthy at ``version``.
+    def record_probe_ok(self, worker: Worker, version: int | None, ticket: ProbeTicket,
+                        older_versions: Mapping[int, str] = NO_OLDER_VERSIONS) -> None:
+        """A probe found the worker healthy at ``version``, with ``older_versions`` resident beside it.
 
         Ignored when a failure was recorded after the probe started (the next probe decides).
-        The version read is applied unless a newer one was learned while the probe ran.
+        The version read (and its older versions) is applied unless a newer one was learned while the probe ran.
         """
         if worker.failure_seq != ticket.failure_seq:
             return
@@ -315,6 +333,7 @@ class WorkerRegistry:
             version is None or (worker.weight_version is not None and version < worker.weight_version))
         if not newer_seen:
             self._set_version(worker, version)
+            worker.older_versions = older_versions or NO_OLDER_VERSIONS
         worker.ever_healthy = True
         worker.unhealthy = False
         worker.consecutive_failures = 0
@@ -349,3 +368,31 @@ class WorkerRegistry:
         worker.failure_seq += 1
         worker.unhealthy = True
         self._changed(worker)
+
+
+def parse_older_versions(listed: Any, newest: int | None) -> dict[int, str]:
+    """An engine's ``resident_weight_versions`` (``{"version": lora_path}``, its newest among them) as the
+    versions older than ``newest`` with their ``lora_path``s; ``ValueError`` naming what is malformed
+    (absent or ``null``: none)."""
+    if listed is None:
+        return {}
+    if not isinstance(listed, dict) or len(listed) > MAX_OLDER_VERSIONS + 1:
+        raise ValueError(f"resident_weight_versions must be an object of at most {MAX_OLDER_VERSIONS + 1} "
+                         "version -> lora_path entries")
+    older = {}
+    for key, path in listed.items():
+        version = parse_version(key)
+        if version is None or not isinstance(path, str) or not path or not path.isprintable():
+            raise ValueError(f"resident_weight_versions: {key!r} -> {path!r} is not a version and a lora_path")
+        if newest is None or version > newest:
+            raise ValueError(f"resident_weight_versions lists {version}, newer than weight_version {newest}")
+        if version < newest:
+            older[version] = path
+    if len(older_versions_json(older)) > MAX_OLDER_VERSIONS_BYTES:
+        raise ValueError(f"resident_weight_versions takes more than {MAX_OLDER_VERSIONS_BYTES} bytes")
+    return older
+
+
+def older_versions_json(older: Mapping[int, str]) -> bytes:
+    """``older`` as compact JSON bytes (what a multi-process router's shared table holds)."""
+    return json.dumps({str(v): path for v, path in sorted(older.items())}, separators=(",", ":")).encode()

@@ -3,8 +3,8 @@
 One file on a RAM-backed file system (``/dev/shm`` where there is one), mapped by every process of the router:
 
 * **Slots** (:data:`CAPACITY`): one per registered worker, written only by the leader (the process that
-  probes and takes the registry calls): URL, admin state, health, weight version, run id and the count of
-  failures it recorded. Each write appends the slot's index to a **change ring** and then bumps the
+  probes and takes the registry calls): URL, admin state, health, weight version, run id, the older LoRA
+  adapter versions it keeps resident (their JSON) and the count of failures it recorded. Each write appends the slot's index to a **change ring** and then bumps the
   table's **sequence number**, all under the table's lock (``flock`` on the file).
 * A reader (every process that routes) compares the sequence number with the last one it applied before
   each routing decision (one 8-byte read) and, when it moved, reads the changed slots under the lock
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import math
 import mmap
 import os
@@ -35,11 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from miles_disagg.router.registry import MAX_OLDER_VERSIONS_BYTES, older_versions_json
+
 CAPACITY = 4096
 """Workers a multi-process router can hold at once (a registration beyond it is refused)."""
-URL_BYTES, RUN_BYTES = 256, 128
+URL_BYTES, RUN_BYTES, OLDER_BYTES = 256, 128, MAX_OLDER_VERSIONS_BYTES
+STRING_BYTES = URL_BYTES + RUN_BYTES + OLDER_BYTES  # per slot
 RING = 8192
-SLOT_INTS = 8  # present, admin state, health flags, version (-1: unknown), failure count, url length, run id length, -
+SLOT_INTS = 8  # present, admin state, health flags, version (-1: unknown), failure count, url length, run id length,
+# older versions' JSON length
 HEADER_INTS = 8  # magic, capacity, processes, sequence number, -
 STAT_FIELDS = 5  # in flight, answered, busy seconds, busy since (0: idle), last answer (time.monotonic, 0: none)
 PROC_FIELDS = 24  # pid, serving, applied sequence number, -, then COUNTERS
@@ -72,6 +77,7 @@ class SlotRecord:
     weight_version: int | None = None
     run_id: str | None = None
     failures: int = 0
+    older_versions: tuple[tuple[int, str], ...] = ()  # (version, lora_path), ascending
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,7 @@ def _layout(processes: int) -> dict[str, int]:
     at = {"ring": HEADER_INTS * 8}
     at["slots"] = at["ring"] + RING * 8
     at["strings"] = at["slots"] + CAPACITY * SLOT_INTS * 8
-    at["procs"] = at["strings"] + CAPACITY * (URL_BYTES + RUN_BYTES)
+    at["procs"] = at["strings"] + CAPACITY * STRING_BYTES
     at["stats"] = at["procs"] + processes * PROC_FIELDS * 8
     at["hist"] = at["stats"] + processes * CAPACITY * STAT_FIELDS * 8
     at["affinity"] = at["hist"] + processes * HIST_BUCKETS * 8
@@ -160,20 +166,24 @@ class SharedTable:
     def write(self, record: SlotRecord) -> None:
         """Write one slot and announce it (ring, then sequence number), under the lock."""
         url, run = record.url.encode(), (record.run_id or "").encode()
-        if len(url) > URL_BYTES or len(run) > RUN_BYTES:
-            raise ValueError(f"a worker URL of at most {URL_BYTES} bytes and a run id of at most {RUN_BYTES} "
-                             f"bytes fit the table, got {len(url)} and {len(run)}")
+        older = older_versions_json(dict(record.older_versions)) if record.older_versions else b""
+        if len(url) > URL_BYTES or len(run) > RUN_BYTES or len(older) > OLDER_BYTES:
+            raise ValueError(f"a worker URL of at most {URL_BYTES} bytes, a run id of at most {RUN_BYTES} bytes and "
+                             f"older versions of at most {OLDER_BYTES} bytes fit the table, got {len(url)}, "
+                             f"{len(run)} and {len(older)}")
         base = self._slots_at + record.slot * SLOT_INTS
         flags = (EVER_HEALTHY if record.ever_healthy else 0) | (UNHEALTHY if record.unhealthy else 0)
         version = -1 if record.weight_version is None else record.weight_version
-        text_at = record.slot * (URL_BYTES + RUN_BYTES)
+        text_at = record.slot * STRING_BYTES
         with self.locked():
             ints = self._ints
             for offset, value in enumerate((int(record.present), ADMIN_CODES.index(record.admin_state), flags,
-                                            version, record.failures, len(url), len(run))):
+                                            version, record.failures, len(url), len(run), len(older))):
                 ints[base + offset] = value
             self._bytes[text_at:text_at + len(url)] = url
             self._bytes[text_at + URL_BYTES:text_at + URL_BYTES + len(run)] = run
+            older_at = text_at + URL_BYTES + RUN_BYTES
+            self._bytes[older_at:older_at + len(older)] = older
             seq = ints[3]
             ints[HEADER_INTS + seq % RING] = record.slot
             ints[3] = seq + 1
@@ -191,14 +201,17 @@ class SharedTable:
 
     def _read(self, slot: int) -> SlotRecord:
         base = self._slots_at + slot * SLOT_INTS
-        present, admin, flags, version, failures, url_len, run_len = self._ints[base:base + 7].tolist()
+        present, admin, flags, version, failures, url_len, run_len, older_len = self._ints[base:base + 8].tolist()
         if not present:
             return SlotRecord(slot, False)
-        text_at = slot * (URL_BYTES + RUN_BYTES)
+        text_at = slot * STRING_BYTES
         url = bytes(self._bytes[text_at:text_at + url_len]).decode()
         run = bytes(self._bytes[text_at + URL_BYTES:text_at + URL_BYTES + run_len]).decode()
+        older_at = text_at + URL_BYTES + RUN_BYTES
+        older = json.loads(bytes(self._bytes[older_at:older_at + older_len])) if older_len else {}
         return SlotRecord(slot, True, url, ADMIN_CODES[admin], bool(flags & EVER_HEALTHY), bool(flags & UNHEALTHY),
-                          None if version < 0 else version, run or None, failures)
+                          None if version < 0 else version, run or None, failures,
+                          tuple((int(v), path) for v, path in older.items()))
 
     # ------------------------------------------------------------------ load columns (each process its own)
 

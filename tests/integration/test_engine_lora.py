@@ -11,8 +11,9 @@ import shutil
 
 import pytest
 import torch
-from engine_fixtures import inprocess_engine, long_request, wait_in_flight, wait_until
+from engine_fixtures import Background, inprocess_engine, long_request, wait_in_flight, wait_until
 from lora_fixtures import lora_samples, lora_trainer
+from router_fixtures import generate_body, inprocess_router
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = [5, 6, 7, 8, 9]
@@ -147,11 +148,13 @@ def test_malformed_adapters_and_paths_are_refused_with_nothing_loaded(served, ad
     assert unknown.status_code == 400 and "nope" in unknown.text
 
 
-def test_a_runs_adapter_versions_activate_beside_the_served_one_without_a_pause(tiny_qwen3_dir, adapters,
-                                                                               tmp_path) -> None:
+def test_a_runs_adapter_versions_activate_without_a_pause_and_older_ones_serve_pinned_requests(
+        tiny_qwen3_dir, adapters, tmp_path) -> None:
     """``--lora-base-dir``: /pull_weights materializes adapter versions from the store, /activate_weights
-    serves one without pausing; a request in flight finishes on its version, start to end, while the
-    next one is activated, and the version before leaves once that request ends."""
+    serves one without pausing; a request in flight finishes on its version, start to end. The newest
+    ``--lora-resident-versions`` (2) stay resident: through the router an exact-version request for the
+    older one runs on its adapter (what that version alone served); the oldest beyond two leaves once its
+    last request ends, and an exact request for it is then the router's 409."""
     from safetensors.torch import load_file
 
     from miles_disagg.weights.publisher import DeltaPublisher
@@ -160,12 +163,14 @@ def test_a_runs_adapter_versions_activate_beside_the_served_one_without_a_pause(
     local.parent.mkdir()
     publisher = DeltaPublisher(store, base_dir=adapters / "v1", run_id="lora", encoding="xor", filter="none")
     publisher.capture_baseline()
-    for source in ("v2", "v3"):  # versions 1 and 2 of the chain
+    for source in ("v2", "v3", "v1"):  # versions 1, 2 and 3 of the chain
         publisher.publish(load_file(str(adapters / source / "adapter_model.safetensors")).items())
-    published = publisher.published_checksums("xxh3-128")  # what an engine serving version 2 must hold
+        if source == "v3":
+            published = publisher.published_checksums("xxh3-128")  # what an engine serving version 2 must hold
     publisher.close()
-    with inprocess_engine(tiny_qwen3_dir, enable_lora=True, lora_base_dir=adapters / "v1",
-                          weight_store_dirs=[str(store)], local_checkpoint_dir=local) as (engine, handle):
+    with inprocess_engine(tiny_qwen3_dir, enable_lora=True, lora_base_dir=adapters / "v1", lora_resident_versions=2,
+                          weight_store_dirs=[str(store)], local_checkpoint_dir=local) as (engine, handle), \
+            inprocess_router(workers=(handle.url,)) as router:
         def update(version: int) -> dict:
             pulled = handle.post("/pull_weights", {"target_version": version, "source_dir": str(store)})
             assert pulled.status_code == 200 and pulled.json()["lora"], pulled.text
@@ -173,17 +178,61 @@ def test_a_runs_adapter_versions_activate_beside_the_served_one_without_a_pause(
             assert answer.status_code == 200, answer.text
             return answer.json()
 
+        def loaded() -> dict[str, int]:
+            return {a["lora_name"]: a["in_flight"] for a in handle.get("/server_info").json()["loaded_lora_adapters"]}
+
+        def older_seen() -> dict:
+            return router.client.worker(handle.url).get("older_versions", {})
+
+        def pinned(version: int, **extra):
+            return router.generate({**generate_body(return_logprob=True), "weight_version": {"exact_version": version},
+                                    **extra})
+
         assert update(1)["pause_ms"] == 0.0
+        alone_v1 = tokens_and_logprobs(handle.generate(generate_body(return_logprob=True)))  # version 1 alone
         running = long_request(handle, "on-v1", 300)
         wait_in_flight(handle, [running])
-        assert update(2)["pause_ms"] == 0.0 and handle.version() == "2"  # while v1 still decodes
+        second = update(2)  # while v1 still decodes
+        assert (second["pause_ms"], second["resident_weight_versions"], handle.version()) == (0.0, {"1": "v1", "2": "v2"}, "2")
         fresh = handle.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
         meta = running.result()["meta_info"]
         assert (meta["weight_version_start"], meta["weight_version_end"]) == ("1", "1")
         assert (fresh["meta_info"]["weight_version_start"], fresh["meta_info"]["weight_version_end"]) == ("2", "2")
-        wait_until(lambda: [a["lora_name"] for a in handle.get("/server_info").json()["loaded_lora_adapters"]] == ["v2"],
-                   what="v1 unloaded once its request ended")
+        info = handle.get("/model_info").json()
+        assert (info["weight_version"], info["resident_weight_versions"]) == ("2", {"1": "v1", "2": "v2"})
+        assert loaded() == {"v1": 0, "v2": 0}  # v1 idle but resident: K is not exceeded
         sums = handle.get("/weight_checksums", params={"algorithm": "xxh3-128"}).json()  # --check-weight-update-equal
         assert (sums["weight_version"], sums["source"], sums["checksums"]) == ("2", "lora", published)
-        refused = handle.post("/unload_lora_adapter", {"lora_name": "v2"})
+
+        wait_until(lambda: older_seen() == {"1": "v1"}, what="the router reads the older resident version")
+        answer = pinned(1)
+        assert answer.status_code == 200, answer.text
+        assert tokens_and_logprobs(answer.json())[0] == alone_v1[0]
+        torch.testing.assert_close(tokens_and_logprobs(answer.json())[1], alone_v1[1], rtol=0, atol=0)
+        meta = answer.json()["meta_info"]
+        assert (meta["weight_version_start"], meta["weight_version_end"]) == (1, 1)  # the adapter it ran on
+        newest = router.generate(generate_body(), headers={"X-Weight-Version-Exact": "2"}).json()["meta_info"]
+        assert (newest["weight_version_start"], newest["weight_version_end"]) == (2, 2)
+        refused = router.generate({**generate_body(), "weight_version": {"min_version": 3}})
+        assert refused.status_code == 409 and refused.json()["available_versions"] == [1, 2]
+
+        on_v1 = Background(lambda: pinned(1, input_ids=[5, 6, 7, 8], sampling_params={
+            "max_new_tokens": 300, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 1}))
+        wait_until(lambda: loaded().get("v1") == 1, what="a pinned request decoding on v1")
+        third = update(3)  # K exceeded: v1 is evicted, and leaves once its request ends
+        assert (third["pause_ms"], third["evicted_versions"], third["resident_weight_versions"]) == \
+            (0.0, ["1"], {"2": "v2", "3": "v3"})
+        assert loaded() == {"v1": 1, "v2": 0, "v3": 0}  # still running its request
+        meta = on_v1.result().json()["meta_info"]
+        assert (meta["weight_version_start"], meta["weight_version_end"]) == (1, 1)
+        wait_until(lambda: set(loaded()) == {"v2", "v3"}, what="v1 unloaded once its request ended")
+        wait_until(lambda: older_seen() == {"2": "v2"}, what="the router reads v1's eviction")
+        gone = pinned(1)
+        assert gone.status_code == 409 and gone.json()["available_versions"] == [2, 3], gone.text
+        assert engine.scheduler.paused_mode is None and \
+            handle.get("/server_info").json()["internal_states"][0]["num_aborted_requests"] == 0
+
+        assert handle.post("/unload_lora_adapter", {"lora_name": "v2"}).status_code == 200  # by hand: no longer listed
+        assert handle.get("/model_info").json()["resident_weight_versions"] == {"3": "v3"}
+        refused = handle.post("/unload_lora_adapter", {"lora_name": "v3"})
         assert refused.status_code == 400 and "served" in refused.text  # never left serving the bare base

@@ -57,6 +57,9 @@ class EngineConfig:
     lora_base_dir: Path | None = flag(None, "A run's LoRA adapter versions: /pull_weights materializes the store's "
                                             "adapter chain onto this version 0 and /activate_weights serves it beside "
                                             "the base without a pause (needs --enable-lora).", metavar="DIR")
+    lora_resident_versions: int = flag(2, "With --lora-base-dir: the most adapter versions kept resident after an "
+                                          "activation, the newest served and the older ones for requests pinned "
+                                          "to them (the oldest leaves once its requests end).", metavar="K")
     lora_roots: list[str] = flag([], "A directory /load_lora_adapter may read adapters under (repeatable); any "
                                      "other lora_path is refused with 403.", name="--lora-root", metavar="DIR",
                                  repeat="append")
@@ -75,6 +78,11 @@ class EngineConfig:
             raise ValueError("--lora-base-dir needs --enable-lora")
         if self.max_loaded_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("--max-loaded-loras and --max-lora-rank must be >= 1")
+        if self.lora_resident_versions < 1 or (self.lora_base_dir is not None
+                                               and self.lora_resident_versions > self.max_loaded_loras - 2):
+            raise ValueError(f"--lora-resident-versions must be >= 1 and, with --lora-base-dir, at most "
+                             f"--max-loaded-loras - 2 ({self.max_loaded_loras - 2}: the next version loads beside "
+                             f"them while an evicted one finishes its requests), got {self.lora_resident_versions}")
         if self.prefix_cache_tokens < 0:
             raise ValueError(f"--prefix-cache-tokens must be >= 0, got {self.prefix_cache_tokens}")
         if not 0 <= self.port < 65536:

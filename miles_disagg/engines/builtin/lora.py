@@ -211,13 +211,14 @@ class LoraBank:
     def load_request(self, req: LoadLoraAdapter) -> dict:
         """``/load_lora_adapter``'s answer (SGLang's ``LoadLoRAAdapterReqOutput`` fields)."""
         adapter = self.load(req.lora_name, req.lora_path, req.pinned)
-        return {"success": True, "error_message": "", "adapter": adapter, "loaded_adapters": self._names()}
+        return {"success": True, "error_message": "", "adapter": adapter, "loaded_adapters": self.live_names()}
 
     def unload_request(self, req: UnloadLoraAdapter) -> dict:
         outcome = self.unload(req.lora_name)
-        return {"success": True, "error_message": "", **outcome, "loaded_adapters": self._names()}
+        return {"success": True, "error_message": "", **outcome, "loaded_adapters": self.live_names()}
 
-    def _names(self) -> dict[str, str]:
+    def live_names(self) -> dict[str, str]:
+        """The adapters that take new requests (not unloading): name -> path."""
         with self._lock:
             return {a.name: a.path for a in self._adapters.values() if not a.unloading}
 
@@ -264,14 +265,19 @@ class AdapterVersions:
 
     ``/pull_weights`` materializes the store's adapter chain (version 0 at ``--lora-base-dir``) into
     the local checkpoint and verifies it, as it would a model version; ``/activate_weights`` then
-    loads that version beside the one served, makes it the served adapter and the engine's version,
-    and unloads the one before once its in-flight requests end: nothing pauses. A request that names
-    no ``lora_path`` runs on the served adapter (never the bare base), and each request reports the
-    version of the adapter it ran on, start to end."""
+    loads that version beside the ones served, makes it the served adapter and the engine's version,
+    and keeps the ``keep`` (``--lora-resident-versions``) newest activated versions resident: a request
+    naming an older one's adapter (``lora_path`` of :meth:`resident`) runs on it, and the oldest beyond
+    ``keep`` is unloaded, leaving once its in-flight requests end: nothing pauses or waits. A request
+    that names no ``lora_path`` runs on the served adapter (never the bare base), and each request
+    reports the version of the adapter it ran on, start to end."""
 
-    def __init__(self, bank: LoraBank, base_dir: Path):
-        self.bank, self.base_dir = bank, Path(base_dir)
+    def __init__(self, bank: LoraBank, base_dir: Path, keep: int = 2):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.bank, self.base_dir, self.keep = bank, Path(base_dir), keep
         self.prepared: dict[int, Path] = {}
+        self.activated: list[int] = []  # the resident activated versions, oldest first (the last one served)
         self._lock = threading.Lock()
 
     def pull(self, source: str, version: int, local: Path, pre_read_hook=None) -> dict:
@@ -304,12 +310,34 @@ class AdapterVersions:
         with self._lock:
             if version not in self.prepared:
                 raise InvalidInput(f"LoRA adapter version {version} was not prepared by /pull_weights")
-        previous = self.bank.serve(name)
+        self.bank.serve(name)
         set_version(str(version))
-        if previous is not None and previous != name:
-            self.bank.unload(previous)
+        with self._lock:
+            self.activated = [v for v in self.activated if v != version] + [version]
+            evicted, self.activated = self.activated[:-self.keep], self.activated[-self.keep:]
+            for old in evicted:
+                self.prepared.pop(old, None)
+        for old in evicted:
+            with contextlib.suppress(InvalidInput):  # InvalidInput: it was unloaded by hand already
+                self.bank.unload(adapter_name(old))  # leaves once its requests end; never waits
         return {"success": True, "weight_version": str(version), "pause_ms": 0.0, "activation": "lora",
+                "resident_weight_versions": self.resident(), "evicted_versions": [str(v) for v in evicted],
                 "message": f"Serving LoRA adapter version {version} beside the base (no pause)."}
+
+    def resident(self) -> dict[str, str]:
+        """The resident versions, oldest first, each with the ``lora_path`` that runs a request on it
+        (the newest is the engine's ``weight_version``, served to requests that name none)."""
+        live = self.bank.live_names()
+        with self._lock:
+            return {str(v): adapter_name(v) for v in self.activated if adapter_name(v) in live}
+
+
+def resident_versions(bank: LoraBank | None) -> dict:
+    """``/model_info``'s and ``/server_info``'s ``resident_weight_versions`` under adapter versions
+    (:meth:`AdapterVersions.resident`); nothing otherwise (an engine's one version is its ``weight_version``)."""
+    if bank is None or bank.versions is None:
+        return {}
+    return {"resident_weight_versions": bank.versions.resident()}
 
 
 def adapter_name(version: int) -> str:
