@@ -11,7 +11,8 @@ import torch
 
 from miles_disagg.engines.builtin.model_runner import ModelRunner
 from miles_disagg.engines.builtin.protocol import GenerateItem, SamplingParams
-from miles_disagg.engines.builtin.scheduler import Scheduler, Sequence
+from miles_disagg.engines.builtin.scheduler import Scheduler
+from miles_disagg.engines.builtin.sequence import Sequence
 
 pytestmark = pytest.mark.timeout(120)
 

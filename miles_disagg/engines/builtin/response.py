@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 
-from miles_disagg.engines.builtin.scheduler import Sequence
+from miles_disagg.engines.builtin.sequence import Sequence
 from miles_disagg.models.routed_experts_wire import ROUTED_EXPERTS_FIELD, START_LEN_FIELD, encode_routed_experts
 
 

@@ -26,105 +26,38 @@ until a later step runs a forward pass cleanly; if the thread itself ever dies,
 :attr:`Scheduler.dead` is set, every queued and in-flight request and command is failed
 (503) and later ones fail at once. Both show in ``/health``: the engine never dies silently.
 
-Prefix cache (:mod:`.prefix_cache`): a joining request whose prompt continues a cached sequence
+Prefix cache (:mod:`.prefix_cache`, through :mod:`.forward_passes`, which makes each step's model
+calls): a joining request whose prompt continues a cached sequence
 runs only its new tokens (:meth:`ModelRunner.extend`); a finishing one leaves its KV there unless
 the weights changed since its prefill (:meth:`Scheduler.weights_changed` drops the cache at every
 swap, so KV never crosses weights).
 
 Versions: a request records the live weight version at its first forward pass
 (``weight_version_start``) and at every sampled token (``weight_version_end``); they
-differ exactly when an activation happened while it was in flight.
+differ exactly when an activation happened while it was in flight. A request's own state and rules
+(:class:`~.sequence.Sequence`) are in :mod:`.sequence`.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import logging
 import threading
-import time
 import traceback
-from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Protocol
+from typing import Any, Callable
 
 import torch
 
-from miles_disagg.engines.builtin.model_runner import InputScores, InputScoring, KVBatch, ModelRunner
+from miles_disagg.engines.builtin.forward_passes import ForwardPasses
+from miles_disagg.engines.builtin.model_runner import KVBatch, ModelRunner
 from miles_disagg.engines.builtin.prefix_cache import PrefixCache
-from miles_disagg.engines.builtin.protocol import FinishReason, GenerateItem
-from miles_disagg.engines.builtin.sampling import ids_logprobs, make_generator, sample_token, top_logprobs
+from miles_disagg.engines.builtin.protocol import FinishReason
+from miles_disagg.engines.builtin.sampling import make_generator
+from miles_disagg.engines.builtin.sequence import Sequence, StopTextChecker, finish_reason
 from miles_disagg.types import EngineUnrecoverable
 
 log = logging.getLogger(__name__)
-
-
-class Sink(Protocol):
-    """Where a sequence's progress goes (the HTTP layer bridges it to the event loop)."""
-
-    def on_token(self, seq: "Sequence") -> None: ...
-
-    def on_finish(self, seq: "Sequence") -> None: ...
-
-
-@dataclass
-class Sequence:
-    """One request in flight: its tokens, sampling state, versions and result sink."""
-
-    item: GenerateItem
-    prompt_ids: list[int]
-    generator: torch.Generator
-    sink: Sink
-    stop_ids: frozenset[int]
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    version_start: str | None = None
-    version_end: str | None = None
-    finish: FinishReason | None = None
-    num_retractions: int = 0
-    created_s: float = field(default_factory=time.monotonic)
-    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    """``token_ids_logprob``: the asked ids' ``(logprob, id)`` at each output token."""
-    version_spans: list[list] = field(default_factory=list)
-    """SGLang's ``weight_versions``: ``[version, start, end)`` over output-token indices."""
-    routed: list[torch.Tensor] = field(default_factory=list)
-    """``return_routed_experts``: int32 ``[positions, layers, top_k]`` chunks, one per forward pass
-    that fed this sequence tokens, in position order (a re-prefill after a retraction starts over)."""
-    input_scores: InputScores | None = None
-    """SGLang's input logprobs (``logprob_start_len``), from the first prefill (a re-prefill after a
-    retraction keeps them, as SGLang does)."""
-    cached_tokens: int = 0
-    """Prompt tokens whose KV came from the prefix cache at the (last) prefill (SGLang's meta_info)."""
-    adapter: Any = None
-    """The LoRA adapter it runs with (:class:`~miles_disagg.engines.builtin.lora.ResidentAdapter`; None:
-    the base), held from admission to its end."""
-    cache_key: Hashable | None = None
-    """The weights key (:attr:`Scheduler.cache_key`) its KV was computed under; None until its prefill.
-    Its KV joins the prefix cache at the end only if the key is still live (never mixed-version KV)."""
-
-    @property
-    def rid(self) -> str:
-        return self.item.rid
-
-    def record_token(self, token: int, logprob: float, version: str) -> None:
-        """Append a sampled token and the weight version whose forward pass produced it."""
-        self.output_ids.append(token)
-        self.output_logprobs.append(logprob)
-        self.version_end = version
-        count = len(self.output_ids)
-        if self.version_spans and self.version_spans[-1][0] == version:
-            self.version_spans[-1][2] = count
-        else:
-            self.version_spans.append([version, count - 1, count])
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-
-class StopTextChecker(Protocol):
-    def __call__(self, seq: Sequence) -> str | None: ...
 
 
 class Scheduler:
@@ -144,6 +77,7 @@ class Scheduler:
         self.runner = runner
         self.lora = lora  # engines/builtin/lora.py's LoraBank with --enable-lora
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self.passes = ForwardPasses(runner, self.prefix_cache, lora)
         self.weights_epoch = 0  # bumped by every swap of live tensors (weights_changed)
         self.version = version
         self.max_running = max_running
@@ -366,12 +300,12 @@ class Scheduler:
             if seq.version_start is None:
                 seq.version_start = self._version_of(seq)
             seq.cache_key = self.cache_key
-        hits = [self._cached_prefix(seq) for seq in joining]
+        hits = [self.passes.cached_prefix(seq, self.cache_key) for seq in joining]
         cold = [seq for seq, hit in zip(joining, hits) if hit is None]
         warm = [(seq, hit) for seq, hit in zip(joining, hits) if hit is not None]
         try:
-            parts = ([self._prefill_cold(cold)] if cold else []) + [
-                self._extend(seq, past) for seq, past in warm]
+            parts = ([self.passes.prefill(cold)] if cold else []) + [
+                self.passes.extend(seq, past) for seq, past in warm]
         except Exception as exc:  # they are in neither queue now: answer them before re-raising
             message = f"internal engine error: {type(exc).__name__}: {exc}"
             for seq in joining:
@@ -384,17 +318,6 @@ class Scheduler:
         self._sample_rows(torch.cat([logits for logits, _ in parts]), first_row=len(self.running) - len(joined))
         return True
 
-    def _cached_prefix(self, seq: Sequence):
-        """The cached KV of ``seq``'s longest cached prefix (at least one token left to run), or None.
-        Requests that need every prompt position's forward pass (input logprobs, routed experts)
-        skip the lookup."""
-        seq.cached_tokens = 0
-        if not self.prefix_cache.enabled or seq.item.return_routed_experts or seq.item.wants_input_logprobs:
-            return None
-        tokens = seq.all_ids
-        seq.cached_tokens, past = self.prefix_cache.match(tokens, self.cache_key, len(tokens) - 1, _namespace(seq))
-        return past
-
     def _version_of(self, seq: Sequence) -> str:
         """The weight version ``seq``'s tokens come from: its adapter's (a run's adapter version); under
         adapter versions a base row's stays the one it started with (the base never changes); else the engine's."""
@@ -405,44 +328,10 @@ class Scheduler:
             return seq.version_start
         return self.version
 
-    def _adapters(self, rows: list[Sequence]):
-        """The LoRA adapters of a forward pass's rows (a no-op without --enable-lora)."""
-        return self.lora.rows([seq.adapter for seq in rows]) if self.lora is not None else contextlib.nullcontext()
-
-    def _extend(self, seq: Sequence, past) -> tuple[torch.Tensor, KVBatch]:
-        with self._adapters([seq]):
-            return self.runner.extend(past, seq.all_ids[seq.cached_tokens:])
-
-    def _prefill_cold(self, joining: list[Sequence]) -> tuple[torch.Tensor, KVBatch]:
-        scoring = [_scoring(seq) for seq in joining]
-        with self._adapters(joining):
-            logits, kv = self.runner.prefill([seq.all_ids for seq in joining], _wants_routing(joining),
-                                             scoring if any(s is not None for s in scoring) else None)
-        for offset, seq in enumerate(joining):
-            if seq.item.return_routed_experts and self.runner.last_routed is not None:
-                seq.routed = [self.runner.last_routed[offset, -len(seq.all_ids):]]
-            if scoring[offset] is not None:
-                seq.input_scores = self.runner.last_input_scores[offset]
-        return logits, kv
-
-    def _remember(self, row: int) -> None:
-        """A finishing row's KV joins the prefix cache, unless it was computed under other weights."""
-        seq = self.running[row]
-        if not self.prefix_cache.enabled or seq.cache_key != self.cache_key or self.kv is None:
-            return
-        layers = self.runner.row_layers(self.kv, row)
-        self.prefix_cache.insert(seq.all_ids[:layers[0][0].shape[1]], layers, self.cache_key, _namespace(seq))
-
     def _decode(self) -> bool:
         if not self.running:
             return False
-        with self._adapters(self.running):
-            logits = self.runner.decode(self.kv, [seq.output_ids[-1] for seq in self.running],
-                                        _wants_routing(self.running))
-        for row, seq in enumerate(self.running):
-            if seq.item.return_routed_experts and self.runner.last_routed is not None:
-                seq.routed.append(self.runner.last_routed[row])  # the token fed at this step
-        self._sample_rows(logits, first_row=0)
+        self._sample_rows(self.passes.decode(self.kv, self.running), first_row=0)
         return True
 
     def _sample_rows(self, logits: torch.Tensor, first_row: int) -> None:
@@ -456,15 +345,8 @@ class Scheduler:
                 seq.finish = FinishReason("length", {"length": 0})
                 finished.append(row)
                 continue
-            token, logprob = sample_token(logits[offset], seq.item.sampling, seq.generator)
-            if seq.item.top_logprobs_num:
-                seq.output_top_logprobs.append(top_logprobs(logits[offset], seq.item.sampling,
-                                                            seq.item.top_logprobs_num))
-            if seq.item.token_ids_logprob and seq.item.return_logprob:
-                seq.output_token_ids_logprobs.append(ids_logprobs(logits[offset], seq.item.sampling,
-                                                                  seq.item.token_ids_logprob))
-            seq.record_token(token, logprob, self._version_of(seq))
-            reason = self._finish_reason(seq, token)
+            token = seq.sample(logits[offset], self._version_of(seq))
+            reason = finish_reason(seq, token, self._stop_text, self.runner.max_context)
             if reason is not None:
                 seq.finish = reason
                 finished.append(row)
@@ -472,7 +354,7 @@ class Scheduler:
                 seq.sink.on_token(seq)
         if finished:
             for row in finished:
-                self._remember(row)
+                self.passes.remember(self.running[row], self.kv, row, self.cache_key)
             done = [self.running[row] for row in finished]
             self._keep_rows([i for i in range(len(self.running)) if i not in set(finished)])
             for seq in done:
@@ -481,22 +363,6 @@ class Scheduler:
     def _keep_rows(self, keep: list[int]) -> None:
         self.kv = self.runner.select(self.kv, keep) if self.kv is not None else None
         self.running = [self.running[i] for i in keep]
-
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        params = seq.item.sampling
-        if token in seq.stop_ids and not params.ignore_eos:
-            return FinishReason("stop", {"matched": token})
-        if token in params.stop_token_ids:
-            return FinishReason("stop", {"matched": token})
-        if params.stop:
-            matched = self._stop_text(seq)
-            if matched is not None:
-                return FinishReason("stop", {"matched": matched})
-        if len(seq.output_ids) >= params.max_new_tokens:
-            return FinishReason("length", {"length": params.max_new_tokens})
-        if len(seq.all_ids) >= self.runner.max_context:
-            return FinishReason("length", {"length": len(seq.output_ids)})
-        return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish = reason
@@ -509,22 +375,3 @@ class Scheduler:
             seq.sink.on_finish(seq)
         except Exception:  # a broken sink must not take the loop down
             log.error("result sink failed:\n%s", traceback.format_exc())
-
-
-def _scoring(seq: Sequence) -> InputScoring | None:
-    """What this sequence's prefill scores of its prompt (None: nothing, or already scored)."""
-    if not seq.item.wants_input_logprobs or seq.input_scores is not None:
-        return None
-    return InputScoring(seq.item.logprob_start_len, seq.item.top_logprobs_num, seq.item.token_ids_logprob,
-                        seq.item.token_ids_logprob_positions)
-
-
-def _namespace(seq: Sequence) -> Hashable:
-    """The prefix-cache partition a request reads and fills (SGLang's ``extra_key``; a LoRA adapter's
-    KV is its own)."""
-    return seq.item.extra_key if seq.adapter is None else (seq.item.extra_key, "lora", seq.adapter.key)
-
-
-def _wants_routing(rows: list[Sequence]) -> bool:
-    """Record routed experts only in the forward passes of batches where some request asked."""
-    return any(seq.item.return_routed_experts for seq in rows)

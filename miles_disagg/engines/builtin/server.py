@@ -36,7 +36,7 @@ from miles_disagg.engines.activation import ACTIVATE_PATH
 from miles_disagg.engines.builtin import control_bodies, one_call, protocol
 from miles_disagg.engines.builtin.control_bodies import LoadLoraAdapter, UnloadLoraAdapter
 from miles_disagg.engines.builtin.runtime import Engine
-from miles_disagg.engines.builtin.scheduler import Sequence
+from miles_disagg.engines.builtin.sequence import Sequence
 from miles_disagg.net.httpjson import error_json, parse_json, status_for
 from miles_disagg.types import InvalidInput
 
