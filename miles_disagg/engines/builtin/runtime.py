@@ -49,6 +49,7 @@ from typing import Callable
 
 from miles_disagg.engines.activation import ONE_CALL_ANNOUNCEMENT
 from miles_disagg.engines.builtin.config import EngineConfig
+from miles_disagg.engines.builtin.lora import resident_versions
 from miles_disagg.engines.builtin.memory import MemoryState
 from miles_disagg.engines.builtin.model_runner import ModelRunner
 from miles_disagg.engines.builtin.protocol import (
@@ -123,7 +124,7 @@ class Engine:
         bank = LoraBank(self.runner.model, max_loaded=config.max_loaded_loras, max_rank=config.max_lora_rank,
                         roots=config.lora_roots)
         if config.lora_base_dir is not None:
-            bank.versions = AdapterVersions(bank, config.lora_base_dir)
+            bank.versions = AdapterVersions(bank, config.lora_base_dir, keep=config.lora_resident_versions)
         return bank
 
     @property
@@ -310,6 +311,7 @@ class Engine:
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.version,
+            **resident_versions(self.lora),
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": self.runner.config_json.get("model_type"),
@@ -364,6 +366,7 @@ class Engine:
             "context_length": self.runner.max_context,
             "max_req_input_len": self.runner.max_context - 1,
             "weight_version": self.version,
+            **resident_versions(self.lora),
             "version": ENGINE_VERSION,
             "miles_disagg": ANNOUNCEMENT,
             # this engine's roots: a job attaching it must pull from one of these and into this
