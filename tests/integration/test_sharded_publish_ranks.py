@@ -198,3 +198,28 @@ def test_a_rank_killed_mid_publish_leaves_no_version_and_the_resumed_run_publish
     assert not [p for p in store.iterdir() if p.name.startswith((STAGING_PREFIX, TRASH_PREFIX))]
     assert verify_cli(store, tiny_qwen3_dir)["version"] == 2
     assert held_digests(Materializer(tmp_path / "host", base_dir=tiny_qwen3_dir).prepare(store).path) == expected
+
+
+def test_a_lora_adapter_version_published_over_two_ranks_is_the_one_rank_version(pool, tiny_qwen3_dir: Path,
+                                                                                 tmp_path: Path) -> None:
+    """LoRA (FSDP, 2 ranks, gloo): the adapter chain's version 0 is written once (rank 0), each rank
+    writes its share of the adapter version, and a host holds the trainer's adapter byte for byte, the
+    same bytes as one publisher alone makes of it; the base is never published."""
+    from miles_disagg.config.actors import TrainerGroupConfig
+    from miles_disagg.weights.adapters import check_adapter_dir
+
+    store, base = tmp_path / "store", tmp_path / "store.lora-v0"
+    config = TrainerGroupConfig(train=TrainConfig(lr=5e-2, global_batch_size=8, micro_batch_size=2, seed=0,
+                                                  train_backend="fsdp", lora_rank=4, lora_alpha=8),
+                                weights=disk_delta(store), hf_dir=str(tiny_qwen3_dir), lora_base_dir=str(base))
+    with pool.group(2, config, run_id=None, delta_filter="none") as group:
+        group.train(samples())
+        result = group.publish()
+        expected = group.weight_checksums("xxh3-128")  # the trainer's adapter, both shares merged
+    assert result.ref.version == 1 and result.num_ranks == 2, result
+    assert len(VersionStore(store).read_index(1).files()) == 2  # each rank wrote its share
+    assert all(".lora_" in name for name in expected) and len(expected) == 2 * len(check_adapter_dir(base).modules)
+    host = Materializer(tmp_path / "host", base_dir=base).prepare(store)
+    held = {n: bytes(read_bytes(host.path / f, e)) for n, (f, e) in checkpoint_tensors(host.path).items()}
+    assert held_digests(host.path) == expected and check_adapter_dir(host.path).rank == 4
+    assert one_rank_publish(base, tmp_path / "one-rank", held) == expected
