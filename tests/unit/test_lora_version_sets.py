@@ -5,6 +5,8 @@ the engine's ``--lora-resident-versions`` is bounded by its adapter slots."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -116,3 +118,39 @@ def test_the_engines_resident_versions_flag_is_bounded_by_its_adapter_slots(tmp_
     for bad in ({"lora_resident_versions": 0}, {"lora_resident_versions": 3}):
         with pytest.raises(ValueError, match="--lora-resident-versions"):
             EngineConfig(**lora, **bad)
+
+
+class _Answer:
+    def __init__(self, body: dict):
+        self.status_code, self.headers, self._body = 200, {}, body
+        self.text = json.dumps(body)
+
+    def json(self) -> dict:
+        return self._body
+
+
+class _Engine:
+    """What a probe reads of an engine: ``/health`` and ``/model_info`` (``info``)."""
+
+    def __init__(self, info: dict):
+        self.info = info
+
+    async def get(self, url: str, path: str, headers=None) -> _Answer:
+        return _Answer(self.info if path == "/model_info" else {})
+
+
+def test_a_probe_reads_the_set_and_a_malformed_one_takes_the_worker_out_naming_it() -> None:
+    from miles_disagg.router.health import HealthChecker
+
+    registry = WorkerRegistry()
+    worker = registry.add("http://sets:1")
+    engine = _Engine({"weight_version": "3", "resident_weight_versions": {"2": "v2", "3": "v3"}})
+    checker = HealthChecker(registry, client=engine, interval_s=1.0)
+    asyncio.run(checker.check(worker))
+    assert (worker.state.value, worker.weight_version, dict(worker.older_versions)) == ("ready", 3, {2: "v2"})
+    engine.info = {"weight_version": "3", "resident_weight_versions": {"4": "v4"}}
+    asyncio.run(checker.check(worker))
+    assert worker.state.value == "unhealthy" and "resident_weight_versions lists 4" in worker.last_error
+    engine.info = {"weight_version": "4"}  # an engine of one version: no older ones
+    asyncio.run(checker.check(worker))
+    assert (worker.state.value, worker.weight_version, dict(worker.older_versions)) == ("ready", 4, {})
