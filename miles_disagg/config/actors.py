@@ -41,6 +41,10 @@ class EngineManagerConfig:
     lora_base_dir: str | None = None
     """The run's engines serve its LoRA adapter versions, whose chain starts at this directory
     (:func:`miles_disagg.config.lora_rules.serves_adapters`)."""
+    lora_rank: int = 0
+    """With ``lora_base_dir``: the adapters' rank (managed SGLang engines start with ``--max-lora-rank``)."""
+    lora_targets: tuple[str, ...] = ()
+    """With ``lora_base_dir``: the modules adapted (SGLang's ``--lora-target-modules``)."""
 
     @classmethod
     def from_run(cls, config: RunConfig) -> "EngineManagerConfig":
@@ -51,7 +55,8 @@ class EngineManagerConfig:
                    seed=config.train.seed, sglang_args=dict(config.sglang_args),
                    moe=moe_routing_shape(config.train.hf_checkpoint) is not None,
                    use_rollout_routing_replay=config.train.use_rollout_routing_replay,
-                   lora_base_dir=_lora_base_dir(config))
+                   lora_base_dir=_lora_base_dir(config), lora_rank=config.train.lora_rank,
+                   lora_targets=_lora_targets(config))
 
     def returns_routing(self, backend: str) -> bool:
         """Whether managed engines of ``backend`` start with ``--enable-return-routed-experts``."""
@@ -161,3 +166,10 @@ def _lora_base_dir(config: RunConfig) -> str | None:
     if not serves_adapters(config):
         return None
     return adapter_base_dir(config.weights.update_weight_disk_dir, str(config.tracking.run_dir))
+
+
+def _lora_targets(config: RunConfig) -> tuple[str, ...]:
+    from miles_disagg.config.lora_rules import resolve_targets
+
+    train = config.train
+    return resolve_targets(train.target_modules, train.exclude_modules) if train.lora_rank else ()

@@ -84,9 +84,10 @@ def check_lora_rules(config) -> None:
 
 def serves_adapters(config) -> bool:
     """Whether the run's engines serve its adapter versions: a LoRA run (not ``--lora-train-only``)
-    publishing disk-delta versions, to built-in engines this job launches or to attached engines
-    (vetted to serve adapter versions), through a directory or an object store. Every other LoRA
-    topology is refused by :func:`adapter_serving_refusal`, never served the merged policy."""
+    publishing disk-delta versions through a directory or an object store, to engines this job
+    launches or attached ones (vetted to serve adapter versions): built-in engines, or SGLang behind
+    the agent. Every other LoRA topology is refused by :func:`adapter_serving_refusal`, never served
+    the merged policy."""
     train, weights = config.train, config.weights
     return (train.lora_rank > 0 and not train.lora_train_only and adapter_serving_refusal(config) is None
             and weights.update_weight_transfer_mode == "disk-delta")
@@ -99,7 +100,7 @@ def adapter_serving_refusal(config) -> tuple[str, tuple[str, ...]] | None:
     train, rollout, weights, cluster = config.train, config.rollout, config.weights, config.cluster
     if train.lora_rank == 0 or train.lora_train_only:
         return None
-    engines = "use built-in engines (managed, or attached with --enable-lora --lora-base-dir)"
+    engines = "use engines the job launches or attached ones (built-in, or SGLang behind the agent)"
     if cluster.colocate:
         return (f"--lora-rank with --colocate: colocated engines take the merged policy in memory, not adapter "
                 f"versions; run disaggregated with --update-weight-transfer-mode disk-delta and {engines}, "
@@ -111,9 +112,6 @@ def adapter_serving_refusal(config) -> tuple[str, tuple[str, ...]] | None:
     if rollout.rollout_service_url:
         return (f"--lora-rank with --rollout-service-url: the rollout service's replicas serve full-weight versions "
                 f"only; {engines}", ("--lora-rank", "--rollout-service-url"))
-    if not rollout.rollout_external and rollout.rollout_backend == "sglang":
-        return (f"--lora-rank with --rollout-backend sglang: launched SGLang engines do not get adapter versions in "
-                f"a run yet; {engines}, or --lora-train-only", ("--lora-rank", "--rollout-backend"))
     if weights.rollout_base_from_store:
         return ("--lora-rank with --rollout-base-from-store: the store's version 0 is the model, and an adapter "
                 "run's chain starts at its own adapter; give the engines the base on their disk (drop "

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from miles_disagg.net.process import LaunchedProcess, free_port, start_http_process
 from miles_disagg.types import EngineUnrecoverable
@@ -75,6 +75,10 @@ class EngineSpec:
     """Raw extra arguments for the engine command line (built-in engine or SGLang)."""
     sglang_env: Mapping[str, str] | None = None
     """The SGLang server's whole environment (None: this process's)."""
+    lora: Any = None
+    """SGLang only: its LoRA server args (:class:`~miles_disagg.engines.sglang.LoraServing`; None: none)."""
+    agent_args: tuple[str, ...] = ()
+    """SGLang only: extra arguments of the agent in front of it (``--lora-base-dir`` of a LoRA run)."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -128,10 +132,11 @@ def engine_processes(spec: EngineSpec, *, port: int | str, agent_port: int | str
 
     cmd = sglang_command(str(spec.model_path), host=spec.host, port=port, tp_size=spec.tp_size,
                          base_gpu_id=spec.base_gpu_id, dtype=spec.dtype, weight_version=0, random_seed=spec.seed,
-                         extra_args={**spec.sglang_args, **_sglang_key_args(spec)}) + list(spec.extra_args)
+                         extra_args={**spec.sglang_args, **_sglang_key_args(spec)}, lora=spec.lora) + list(spec.extra_args)
     agent = agent_command(engine_url or f"http://{spec.host}:{port}", spec.local_checkpoint_dir, host=spec.host,
                           port=agent_port if agent_port is not None else "{agent_port}", base_dir=spec.model_path,
-                          pre_read_hook=spec.pre_read_hook, store_dirs=_store_dirs(spec), region=spec.region)
+                          pre_read_hook=spec.pre_read_hook, store_dirs=_store_dirs(spec), region=spec.region,
+                          extra_args=spec.agent_args)
     return [PlannedProcess("sglang", cmd, spec.log_dir / f"sglang-{spec.name}.log"),
             PlannedProcess("agent", agent, spec.log_dir / f"agent-{spec.name}.log")]
 
@@ -184,7 +189,8 @@ def _start_sglang_with_agent(spec: EngineSpec) -> RunningEngine:
     try:
         agent = launch_agent(engine.url, spec.local_checkpoint_dir, log_path=agent_plan.log_path,
                              host=spec.host, base_dir=spec.model_path, pre_read_hook=spec.pre_read_hook,
-                             store_dirs=_store_dirs(spec), extra_args=("--region", spec.region) if spec.region else ())
+                             store_dirs=_store_dirs(spec),
+                             extra_args=(("--region", spec.region) if spec.region else ()) + spec.agent_args)
     except BaseException:
         engine.stop()
         raise

@@ -55,6 +55,7 @@ def engine_specs(config: EngineManagerConfig, engines: Sequence[Sequence[int]], 
     builtin_args = ("--enable-return-routed-experts",) if routing and backend == "builtin" else ()
     if config.lora_base_dir and backend == "builtin":  # the run's adapter versions, served beside the base
         builtin_args += ("--enable-lora", "--lora-base-dir", config.lora_base_dir)
+    lora, agent_args = sglang_lora(config) if backend == "sglang" else (None, ())
     base_from_store = config.weights.rollout_base_from_store  # each node fetches version 0 from the store
     return [EngineSpec(backend=backend, name=f"engine-{index}",
                        model_path=root / f"engine-{index}.base" if base_from_store else Path(config.model_path),
@@ -65,8 +66,23 @@ def engine_specs(config: EngineManagerConfig, engines: Sequence[Sequence[int]], 
                        tp_size=len(bundles), dtype=config.rollout.engine_dtype, seed=config.seed + index,
                        max_running_requests=per_engine,
                        pre_read_hook=config.weights.sglang_custom_pull_weights_pre_read_hook,
-                       sglang_args=sglang_args, extra_args=builtin_args)
+                       sglang_args=sglang_args, extra_args=builtin_args, lora=lora, agent_args=agent_args)
             for index, bundles in enumerate(engines)]
+
+
+def sglang_lora(config: EngineManagerConfig):
+    """``(LoraServing, agent args)`` of managed SGLang engines serving the run's adapter versions: SGLang
+    starts with ``--enable-lora`` and its group, the agent in front of it with ``--lora-base-dir`` (it
+    loads each adapter version and pins every ``/generate`` to one); ``(None, ())`` otherwise."""
+    from miles_disagg.engines.agent.adapters import DEFAULT_KEEP
+    from miles_disagg.engines.sglang import LoraServing
+
+    if not config.lora_base_dir:
+        return None, ()
+    loaded = DEFAULT_KEEP + 1  # the resident versions and the next one, loaded beside them
+    lora = LoraServing(max_lora_rank=config.lora_rank, target_modules=config.lora_targets,
+                       max_loaded_loras=loaded, max_loras_per_batch=loaded)
+    return lora, ("--lora-base-dir", config.lora_base_dir, "--lora-resident-versions", str(DEFAULT_KEEP))
 
 
 def launch_specs(config: EngineManagerConfig, engines: Sequence[Sequence[int]]) -> list[EngineSpec]:

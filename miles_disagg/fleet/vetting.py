@@ -228,21 +228,23 @@ def store_problems(config: EngineManagerConfig, server_info: dict, agent_info: d
 
 def lora_problems(config: EngineManagerConfig, server_info: dict, agent_info: dict | None) -> list[str]:
     """A run serving LoRA adapter versions: the engine must serve them (``enable_lora``) from this
-    run's adapter chain (its ``lora_base_dir``); one that would serve the bare base is a problem."""
+    run's adapter chain (``lora_base_dir``: the built-in engine's ``/server_info``, an agent's
+    ``/agent_info``); one that would serve the bare base is a problem."""
     ours = config.lora_base_dir
     if not ours:
         return []
-    start = f"start a built-in engine with --enable-lora --lora-base-dir {ours}"
     if agent_info is not None:
-        return [f"LoRA adapter versions: this run publishes adapter versions and an agent does not serve them "
-                f"(it would serve the bare base); {start}"]
+        start = f"start the agent with --lora-base-dir {ours} in front of SGLang started with --enable-lora"
+        where, theirs = "the agent's", agent_info.get("lora_base_dir")
+    else:
+        start = f"start a built-in engine with --enable-lora --lora-base-dir {ours}"
+        where, theirs = "the engine's", server_info.get("lora_base_dir")
     if server_info.get("enable_lora") is not True:
         return [f"LoRA adapter versions: the engine was started without --enable-lora and would serve the bare base; "
                 f"{start}"]
-    theirs = server_info.get("lora_base_dir")
     if not isinstance(theirs, str) or os.path.realpath(theirs) != os.path.realpath(ours):
-        return [f"LoRA adapter versions: the engine's adapter chain starts at {theirs!r} (--lora-base-dir), this "
-                f"run's at {ours!r}; {start}"]
+        return [f"LoRA adapter versions: {where} adapter chain starts at {theirs!r} (--lora-base-dir), this run's at "
+                f"{ours!r}, so it would not serve this run's adapters; {start}"]
     return []
 
 

@@ -48,7 +48,6 @@ def check_before_start(config: RunConfig, warnings: list[str] | None = None) -> 
             raise
         warnings.append(f"on this machine: {exc}")
     check_sglang_args(config)
-    check_lora_engines(config)
     if warnings is not None:
         warnings += outputs_in_use(config)
     if rollout.debug_train_only:
@@ -228,18 +227,6 @@ def check_sglang_args(config: RunConfig) -> None:
         status(f"--sglang-* options not checked: SGLang's ServerArgs does not import here ({type(exc).__name__}: {exc})")
         return
     parse_with_server_args(config.sglang_args, parser)
-
-
-def check_lora_engines(config: RunConfig) -> None:
-    """A LoRA run whose launched engines resolve to SGLang (``--rollout-backend auto`` on a GPU
-    machine) is refused like ``--rollout-backend sglang``: its engines would not serve adapter versions."""
-    from miles_disagg.config.lora_rules import serves_adapters
-    from miles_disagg.fleet.plan import managed_backend
-
-    if serves_adapters(config) and managed_backend(config.rollout) == "sglang":
-        raise ConfigError("--lora-rank with --rollout-backend auto on a GPU machine launches SGLang engines, which do "
-                          "not get adapter versions in a run yet; give --rollout-backend builtin, attach built-in "
-                          "engines, or use --lora-train-only", ("--lora-rank", "--rollout-backend"))
 
 
 def _importable(module: str) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from engine_fixtures import inprocess_engine
-from lora_fixtures import lora_samples, lora_trainer
+from lora_fixtures import publish_adapter_chain
 from s3_fixtures import s3_bucket, s3_env, s3_server  # noqa: F401 - fixtures
 
 from miles_disagg.types import ConfigError
@@ -27,26 +27,6 @@ def run_config(model: Path, store: str, run_dir: Path, addr: str):
                           "--update-weight-disk-dir", store, "--run-dir", str(run_dir), "--rollout-external",
                           "--rollout-external-engine-addrs", addr], "train_async")[0]
     return EngineManagerConfig.from_run(config)
-
-
-def publish_adapter_chain(model: Path, store: str, base_dir: Path, versions: int) -> dict[str, str]:
-    """The trainer's adapter as version 0 at ``base_dir`` and ``versions`` adapter deltas in ``store``;
-    returns the checksums of the last version (what an engine serving it must hold)."""
-    from miles_disagg.trainer.lora import adapter_config
-    from miles_disagg.weights.adapters import write_adapter_dir
-    from miles_disagg.weights.publisher import DeltaPublisher
-
-    trainer = lora_trainer(model, lr=5e-2)
-    write_adapter_dir(base_dir, adapter_config(trainer.lora), trainer.adapter_tensors())
-    publisher = DeltaPublisher(store, base_dir=base_dir, run_id="lora-s3", encoding="xor", filter="none")
-    try:
-        publisher.capture_baseline()
-        for step in range(1, versions + 1):
-            trainer.train([lora_samples(step)])
-            publisher.publish(trainer.adapter_tensors().items())
-        return publisher.published_checksums("xxh3-128")
-    finally:
-        publisher.close()
 
 
 def test_an_attached_engine_serves_adapter_versions_from_an_object_store_without_a_pause(
@@ -108,4 +88,7 @@ def test_lora_problems_name_an_agent_and_another_adapter_chain(tmp_path) -> None
     other = lora_problems(config, {"enable_lora": True, "lora_base_dir": "/elsewhere"}, None)
     assert len(other) == 1 and "'/elsewhere'" in other[0] and ours in other[0]
     agent = lora_problems(config, {"enable_lora": True}, {"weight_store_dirs": []})
-    assert len(agent) == 1 and "agent does not serve them" in agent[0]
+    assert len(agent) == 1 and f"start the agent with --lora-base-dir {ours}" in agent[0] and "None" in agent[0]
+    assert lora_problems(config, {"enable_lora": True}, {"lora_base_dir": ours}) == []
+    bare = lora_problems(config, {"enable_lora": False}, {"lora_base_dir": ours})
+    assert len(bare) == 1 and "without --enable-lora" in bare[0] and "bare base" in bare[0]

@@ -157,6 +157,10 @@ class FakeTokenizerManager:
         self.received.append(obj)
         return LoRAUpdateOutput(success=True, loaded_adapters={})
 
+    async def update_weight_version(self, obj):
+        self.received.append(obj)
+        self.version = obj.new_version
+
     async def update_weights_from_disk(self, obj, request=None):
         self.received.append(obj)
         if obj.weight_version is not None:

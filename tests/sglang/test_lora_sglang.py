@@ -4,6 +4,8 @@ SGLang's HTTP app into its ``io_struct`` request types."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from test_server_args import BASE, ArgvRefused, parse
 
@@ -69,3 +71,93 @@ def test_the_agent_forwards_adapter_loads_under_its_lora_roots_only(sglang, mana
     assert (load.lora_name, load.lora_path) == ("v1", str(root / "v1"))
     (req,) = manager.of_type("GenerateReqInput")
     assert req.lora_path == "v1"
+
+
+def test_the_agent_serves_a_runs_adapter_versions_on_sglang_without_a_pause(sglang, manager, io_struct,
+                                                                           tiny_qwen3_dir, tmp_path):
+    """``--lora-base-dir``: the run's updater brings the agent to adapter versions 0, 1, 2 from the store;
+    SGLang gets each by /load_lora_adapter from the host-local copy and its label by /update_weight_version
+    without aborting anything, never a pause; the oldest leaves by /unload_lora_adapter; a /generate naming
+    no adapter reaches SGLang with the served one's lora_path and is attributed to that version."""
+    import time
+
+    from lora_fixtures import publish_adapter_chain
+
+    from miles_disagg.engines.launch import launch_agent
+    from miles_disagg.engines.updater import DiskDeltaUpdater
+    from miles_disagg.weights.adapters import check_adapter_dir
+    from miles_disagg.weights.checksums import checksum
+    from miles_disagg.weights.safetensors_io import checkpoint_tensors, read_bytes
+
+    store, base, local = tmp_path / "store", tmp_path / "store.lora-v0", tmp_path / "host" / "ckpt"
+    published = publish_adapter_chain(tiny_qwen3_dir, str(store), base, versions=2)
+    local.parent.mkdir()
+    agent = launch_agent(sglang.url, local, log_path=tmp_path / "agent.log", base_dir=tiny_qwen3_dir,
+                         store_dirs=[str(store)], extra_args=["--lora-base-dir", str(base),
+                                                              "--lora-resident-versions", "1"])
+    try:
+        updater = DiskDeltaUpdater([agent.url], store_dir=str(store), local_dirs=[str(local)])
+        try:
+            pauses = [updater.update(version).pause_time_s for version in (0, 1, 2)]
+        finally:
+            updater.close()
+        with EngineClient(agent.url) as client:
+            deadline = time.monotonic() + 60
+            while len(manager.of_type("UnloadLoRAAdapterReqInput")) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            answer = client.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+            info = client.request("GET", "/model_info").json()
+    finally:
+        agent.stop()
+    assert pauses == [0.0, 0.0, 0.0] and not manager.of_type("PauseGenerationReqInput")
+    loads = manager.of_type("LoadLoRAAdapterReqInput")
+    assert [load.lora_name for load in loads] == ["v0", "v1", "v2"]
+    served = Path(loads[-1].lora_path)
+    assert served.parent == local.parent / "ckpt.adapters" and check_adapter_dir(served).rank == 4
+    assert {n: checksum("xxh3-128", read_bytes(served / f, e)) for n, (f, e) in checkpoint_tensors(served).items()} \
+        == published  # the host-local copy SGLang loaded is the trainer's adapter version 2
+    labels = manager.of_type("UpdateWeightVersionReqInput")
+    assert [(r.new_version, r.abort_all_requests) for r in labels] == [("0", False), ("1", False), ("2", False)]
+    assert [r.lora_name for r in manager.of_type("UnloadLoRAAdapterReqInput")] == ["v0", "v1"]
+    (req,) = manager.of_type("GenerateReqInput")
+    assert req.lora_path == "v2"  # never the bare base by omission
+    meta = answer["meta_info"]
+    assert (meta["weight_version_start"], meta["weight_version_end"]) == ("2", "2")
+    assert info["resident_weight_versions"] == {"2": "v2"} and info["weight_version"] == "2"
+
+
+def test_a_run_vets_the_agents_sglang_for_lora_and_launches_sglang_with_its_lora_args(sglang, manager,
+                                                                                     tiny_qwen3_dir, tmp_path):
+    """An agent whose SGLang was started without --enable-lora is refused (it would serve the bare base;
+    the agent's own chain matches, so that is the one LoRA problem); launched SGLang engines of a LoRA run start with the LoRA server args SGLang's ServerArgs
+    reads and the agent with the run's --lora-base-dir."""
+    from miles_disagg.config.actors import EngineManagerConfig
+    from miles_disagg.config.loader import load_config
+    from miles_disagg.engines.launch import engine_processes, launch_agent
+    from miles_disagg.fleet.plan import engine_specs
+    from miles_disagg.fleet.vetting import vet
+
+    store, local = tmp_path / "store", tmp_path / "host" / "ckpt"
+    store.mkdir()
+    local.parent.mkdir()
+    config = EngineManagerConfig.from_run(load_config([
+        "--hf-checkpoint", str(tiny_qwen3_dir), "--train-backend", "fsdp", "--lora-rank", "8",
+        "--target-modules", "attn", "--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir",
+        str(store), "--run-dir", str(tmp_path / "run"), "--rollout-backend", "sglang"], "train_async")[0])
+    base = f"{store}.lora-v0"
+    agent = launch_agent(sglang.url, local, log_path=tmp_path / "agent.log", base_dir=tiny_qwen3_dir,
+                         store_dirs=[str(store)], extra_args=["--lora-base-dir", base])
+    try:
+        vetting = vet(config, agent.url, answer_timeout_s=30)  # SGLang's own /server_info, through the agent
+    finally:
+        agent.stop()
+    assert vetting.info["agent_info"]["lora_base_dir"] == base  # the agent serves this run's chain ...
+    (problem,) = [p for p in vetting.problems if p.startswith("LoRA")]  # ... but SGLang would run on the bare base
+    assert "without --enable-lora" in problem and "bare base" in problem and "--lora-base-dir" in problem
+    (spec,) = engine_specs(config, [[0]], "sglang")
+    server, agent_plan = engine_processes(spec, port=30001)
+    args = parse(server.argv)
+    assert (args.enable_lora, args.max_lora_rank, set(args.lora_target_modules)) == (
+        True, 8, {"q_proj", "k_proj", "v_proj", "o_proj"})
+    assert args.max_loaded_loras == args.max_loras_per_batch == 3
+    assert agent_plan.argv[agent_plan.argv.index("--lora-base-dir") + 1] == base

@@ -48,7 +48,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from miles_disagg.engines.activation import ACTIVATE_PATH
-from miles_disagg.engines.agent.one_call import activate_through, check_request
+from miles_disagg.engines.agent.adapters import AgentAdapters
+from miles_disagg.engines.agent.one_call import activate_adapter, activate_through, check_request
 from miles_disagg.engines.agent.state import Agent
 from miles_disagg.engines.async_client import AsyncEngineClient
 from miles_disagg.engines.builtin import control_bodies
@@ -60,7 +61,7 @@ from miles_disagg.net.httpjson import error_json, parse_json
 from miles_disagg.net.httpjson import status_for as _status_for
 from miles_disagg.net.keyed_client import pooled_limits
 from miles_disagg.net.pooled_http import PooledSession
-from miles_disagg.types import EngineUnreachable, Forbidden, VersionRef
+from miles_disagg.types import EngineUnreachable, Forbidden, InvalidInput, VersionRef
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,9 @@ class AgentEndpoints:
     async def update_weights_from_disk(self, request: Request):
         agent = self.agent
         try:
+            if agent.adapters is not None:
+                raise InvalidInput("this agent serves a run's LoRA adapter versions (--lora-base-dir): they are "
+                                   "loaded beside the base by /activate_weights, never as the model's weights")
             body = parse_json(await request.body())
             req = control_bodies.UpdateFromDisk.from_json(body)
             by_version = req.weight_version is not None and _is_version_number(req.weight_version)
@@ -152,6 +156,8 @@ class AgentEndpoints:
             req = ActivateWeights.from_json(await request.body())
             check_request(self.agent, req)  # nothing pauses for a version the agent does not hold
             engine = AsyncEngineClient(self.agent.engine_url, await self._control_session(), keys=self.keys)
+            if self.agent.adapters is not None:  # a run's LoRA adapter version: loaded beside, nothing pauses
+                return JSONResponse(await activate_adapter(self.agent, engine, req))
             return JSONResponse(await activate_through(self.agent, engine, req))
         except Exception as exc:
             return error_response(exc)
@@ -190,7 +196,52 @@ class AgentEndpoints:
         return await self._forward(request, raw)
 
     async def proxy(self, request: Request, path: str):
+        adapters = self.agent.adapters
+        if adapters is not None and request.method == "POST" and path == "generate":
+            return await self._generate_on_adapter(request, adapters)
+        if adapters is not None and request.method == "GET" and path in ("model_info", "get_model_info"):
+            return await self._model_info(request, adapters)
         return await self._forward(request, await request.body())
+
+    async def _generate_on_adapter(self, request: Request, adapters: AgentAdapters):
+        """``/generate`` pinned to an adapter version (the served one where the body names none), its
+        answer's ``meta_info`` naming that version (:meth:`AgentAdapters.label`)."""
+        try:
+            pinned = adapters.pin(parse_json(await request.body()))
+        except Exception as exc:
+            return error_response(exc)
+        content = json.dumps(pinned).encode()
+        if not isinstance(pinned, dict) or pinned.get("stream"):
+            return await self._forward(request, content)
+        try:
+            response = await self.client.post(request.url.path, content=content,
+                                              headers=self._upstream_headers(request, request.url.path))
+        except httpx.TransportError as exc:
+            return error_response(_unreachable(self.agent.engine_url, exc))
+        try:
+            answer = response.json()
+        except ValueError:
+            return Response(response.content, status_code=response.status_code,
+                            media_type=response.headers.get("content-type"))
+        if response.status_code == 200:
+            answer = adapters.label(pinned, answer)
+        return JSONResponse(answer, status_code=response.status_code)
+
+    async def _model_info(self, request: Request, adapters: AgentAdapters):
+        """The engine's ``/model_info`` with the adapter versions resident (``resident_weight_versions``)."""
+        try:
+            response = await self.client.get(request.url.path, headers=self._upstream_headers(request, request.url.path))
+        except httpx.TransportError as exc:
+            return error_response(_unreachable(self.agent.engine_url, exc))
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = None
+        if response.status_code != 200 or not isinstance(answer, dict):
+            return Response(response.content, status_code=response.status_code,
+                            media_type=response.headers.get("content-type"))
+        resident = adapters.resident_map()
+        return JSONResponse({**answer, "resident_weight_versions": resident} if resident else answer)
 
     # ---------------------------------------------------------------- towards the engine
 

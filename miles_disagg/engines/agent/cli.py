@@ -44,6 +44,11 @@ class AgentCommand(ServerFlags):
     lora_roots: list[str] = flag([], "A directory /load_lora_adapter may name a LoRA adapter under (repeatable); "
                                      "any other lora_path is refused with 403 before it reaches the engine.",
                                  name="--lora-root", metavar="DIR", repeat="append")
+    lora_base_dir: Path | None = flag(None, "A run's LoRA adapter chain (its version 0): /pull_weights materializes "
+                                            "the store's adapter versions and /activate_weights loads each into the "
+                                            "engine beside the base without a pause; every /generate then runs on an "
+                                            "adapter (the engine needs SGLang's --enable-lora).", metavar="DIR")
+    lora_resident_versions: int = flag(2, "With --lora-base-dir: the newest adapter versions kept loaded.", metavar="K")
     wait_for_engine_s: float = flag(0.0, "Wait up to this long for the engine's /health before serving "
                                          "(0: do not wait).")
 
@@ -51,6 +56,8 @@ class AgentCommand(ServerFlags):
         super().__post_init__()
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.lora_resident_versions < 1:
+            raise ValueError(f"--lora-resident-versions must be >= 1, got {self.lora_resident_versions}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
     agent = Agent(AgentConfig(engine_url=engine_url, local_checkpoint_dir=command.local_checkpoint_dir,
                               base_dir=command.base_dir, pre_read_hook=command.custom_pull_weights_pre_read_hook,
                               store_dirs=tuple(command.weight_store_dirs), guard=command.guard(),
-                              region=command.region, lora_roots=tuple(command.lora_roots)))
+                              region=command.region, lora_roots=tuple(command.lora_roots),
+                              lora_base_dir=command.lora_base_dir,
+                              lora_resident_versions=command.lora_resident_versions))
     if command.wait_for_engine_s > 0:
         wait_for_engine(engine_url, command.wait_for_engine_s)
     uvicorn.run(create_app(agent), host=command.host, port=command.port, log_level=command.log_level)

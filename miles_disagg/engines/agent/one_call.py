@@ -84,3 +84,23 @@ async def activate_through(agent: Agent, engine: AsyncEngineClient, req: Activat
     pause_s = await activate_async(port, version, pause_mode=req.pause_mode, flush=req.flush_cache)
     path, load = port.loaded if port.loaded is not None else (None, {})
     return {**one_call_answer(version, pause_s), "loaded_path": str(path) if path else None, "load": load}
+
+
+async def activate_adapter(agent: Agent, engine: AsyncEngineClient, req: ActivateWeights) -> dict:
+    """``--lora-base-dir``: serve the held adapter version beside the resident ones, without a pause
+    (:mod:`miles_disagg.engines.agent.adapters`); recorded as any activation is (``last_activation``)."""
+    import asyncio
+
+    version = check_request(agent, req)
+    path, ref = agent.begin_activation(str(version))
+    status, error = None, "cancelled"
+    try:
+        directory = await asyncio.get_running_loop().run_in_executor(None, agent.adapters.stage, version, path)
+        answer = await agent.adapters.activate(engine, version, directory)
+        status, error = 200, None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        agent.end_activation(path, ref, status, error)
+    return {**answer, "loaded_path": str(directory)}

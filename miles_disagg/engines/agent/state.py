@@ -63,6 +63,11 @@ class AgentConfig:
     """This host's region label, carried by pull answers (WAN bytes per region)."""
     lora_roots: tuple[str, ...] = ()
     """The directories ``/load_lora_adapter`` may name an adapter under (``--lora-root``); none: every load refused."""
+    lora_base_dir: Path | None = None
+    """A run's LoRA adapter chain (its version 0, ``--lora-base-dir``): pulls materialize adapter versions
+    and activations load them into the engine beside the base (:mod:`miles_disagg.engines.agent.adapters`)."""
+    lora_resident_versions: int = 2
+    """With ``lora_base_dir``: the newest adapter versions kept loaded (``--lora-resident-versions``)."""
     guard: ServerGuard = field(default_factory=ServerGuard)
     """Keys the agent enforces (and sends to the engine) and its request-size limit."""
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
@@ -87,6 +92,11 @@ class Agent:
         held = view.held()
         self._held: tuple[VersionRef, Path] | None = (held, view.held_path()) if held is not None else None
         self._materializer: Any = None
+        self.adapters = None  # a run's LoRA adapter versions (--lora-base-dir)
+        if config.lora_base_dir is not None:
+            from miles_disagg.engines.agent.adapters import AgentAdapters
+
+            self.adapters = AgentAdapters(config.lora_base_dir, self.local_dir, config.lora_resident_versions)
         self._cond = threading.Condition()
         self._reading: Counter[Path] = Counter()  # slot path -> activations reading it now
         self._pull_lock = threading.Lock()
@@ -165,9 +175,10 @@ class Agent:
         from miles_disagg.weights.materializer import Materializer
 
         if self._materializer is None:
-            if self.base_dir is None:
+            base = self.adapters.base_dir if self.adapters is not None else self.base_dir  # the chain's version 0
+            if base is None:
                 raise InvalidInput("the base checkpoint is unknown (pass --base-dir)")
-            self._materializer = Materializer(self.local_dir, base_dir=self.base_dir, pre_read_hook=self._hook)
+            self._materializer = Materializer(self.local_dir, base_dir=base, pre_read_hook=self._hook)
         return self._materializer
 
     def set_base_dir(self, model_path: str) -> None:
@@ -241,6 +252,7 @@ class Agent:
             # the stores /pull_weights reads: a job attaching this agent must publish to one of them
             "weight_store_dirs": [str(d) for d in self.config.store_dirs],
             "region": self.config.region,
+            **(self.adapters.info() if self.adapters is not None else {}),  # a run's LoRA adapter versions
             **ONE_CALL_ANNOUNCEMENT,  # /activate_weights: pause, flush, load, continue, check in one call
         }
 
