@@ -48,6 +48,13 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {f.flag: f for f in (
                 "it points miles at an already running router, but this job starts its own version-aware router, "
                 "which must know every engine's policy version",
                 "drop it (--sglang-router-port sets the port of the job's router)"),
+    RefusedFlag("--session-sample-picker-path",
+                "it picks which branch samples of a session's trajectory tree survive, and here every branch is kept "
+                "(miles' default picker), completions shared by branches trained once",
+                "drop it (a harness's retries become branches of their own)"),
+    RefusedFlag("--session-server-workers",
+                "it starts several session server instances, and the run serves one session endpoint",
+                "drop it"),
     RefusedFlag("--sglang-router-request-timeout-secs",
                 "it sets sglang-router's per-request timeout, which the job's router does not take",
                 "drop it"),

@@ -13,8 +13,7 @@ MILES_TITO_MODELS = ("qwen35", "qwen36", "qwen38small", "qwen4exp", "qwennext", 
                      "kimi25", "kimi26", "minimax_m25", "minimax_m27", "deepseekv32", "deepseekv4", "deepseekv41",
                      "inkling")
 APPEND_ROLES = ("tool", "user", "system")
-MATCHERS = ("strict",)
-MILES_MATCHERS = ("loose_tool_call", "role_content_only")
+MATCHERS = ("strict", "loose_tool_call", "role_content_only")
 AGENTIC_GENERATE = "miles.rollout.generate_hub.agentic_tool_call.generate"
 """miles' generate function of agentic rollout: here the session endpoint's own (the same contract)."""
 
@@ -31,14 +30,12 @@ def check_tito_model(name: str) -> str:
 
 
 def check_matcher(name: str) -> str:
-    if name in MATCHERS:
+    """``name`` if it is one of miles' matchers or a dotted import path (``pkg.module.function``, imported when
+    the endpoint starts); ``ConfigError`` naming the flag otherwise."""
+    if name in MATCHERS or ("." in name and all(part.isidentifier() for part in name.split("."))):
         return name
-    if name in MILES_MATCHERS or "." in name:
-        raise ConfigError(miles_refusal(f"--session-message-matcher {name}", "only the strict matcher is implemented "
-                                        "here (the others can collapse different tool-call lineages)", "use strict"),
-                          ("--session-message-matcher",))
-    raise ConfigError(f"--session-message-matcher {name!r}: unknown (choose from {', '.join(MATCHERS)})",
-                      ("--session-message-matcher",))
+    raise ConfigError(f"--session-message-matcher {name!r}: unknown (choose from {', '.join(MATCHERS)}, or a "
+                      "trusted pkg.module.function)", ("--session-message-matcher",))
 
 
 def check_append_roles(roles: list[str] | tuple[str, ...]) -> None:

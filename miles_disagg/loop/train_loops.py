@@ -105,12 +105,14 @@ def _train(job: Job, tracker: MetricsTracker, step: int, batch: RolloutBatch) ->
     (``step`` = global optimizer step ``rollout_step * steps_per_rollout + k``); returns the
     rollout's summary for its record. With a critic (PPO) both groups train (``loop/critic.py``)."""
     samples = _advantages(batch, job.config.train)
+    whole = len(samples) - len(samples) % (job.config.train.global_batch_size or len(samples) or 1)
+    trimmed, samples = len(samples) - whole, samples[:whole]  # miles' trim: a session's extra branch samples
     with still(f"training on step {step}'s {len(samples)} samples"):
         result = train_with_critic(job, step, samples) if job.critic is not None else job.trainer.train(samples)
     for k, metrics in enumerate(result.steps):
         tracker.log_stream(TRAIN_STEPS_STREAM, step * len(result.steps) + k,
                            {"rollout_step": step, "step_in_rollout": k, **metrics})
-    return result.summary()
+    return {**result.summary(), **({"rollout/trimmed_samples": trimmed} if trimmed else {})}
 
 
 def train_sync(job: Job, tracker: MetricsTracker, state: LoopState, progress: LoopProgress | None = None) -> None:

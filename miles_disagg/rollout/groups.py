@@ -72,7 +72,8 @@ class GroupGenerator:
 
     async def run_samples(self, samples: list[Sample], args: RolloutArgs) -> list[Sample]:
         """Generate (custom function, or one engine call each) and score pending samples concurrently."""
-        samples = list(await asyncio.gather(*(self._one(sample, args) for sample in samples)))
+        done = await asyncio.gather(*(self._one(sample, args) for sample in samples))
+        samples = [sample for each in done for sample in each]
         await self.score(samples, args)
         return samples
 
@@ -84,11 +85,15 @@ class GroupGenerator:
             return
         await asyncio.gather(self._reward.score(args, samples), self._teacher.score(samples))
 
-    async def _one(self, sample: Sample, args: RolloutArgs) -> Sample:
+    async def _one(self, sample: Sample, args: RolloutArgs) -> list[Sample]:
+        """The pending sample generated: one sample, or (a session run's trajectory tree, miles' list
+        return) one per branch."""
         if self._custom is None:
             result = await args.engine.generate(sample, args.sampling_params)
         elif self._proxy is None:
             result = await self._custom(args, sample, args.sampling_params)
+            if isinstance(result, list) and result:
+                return [self.finish(each, args) for each in result]
         else:
             async with self._proxy.slot(args.engine.version_bound) as (router_url, log):
                 try:
@@ -97,7 +102,7 @@ class GroupGenerator:
                     log.raise_lost()  # the hook failed on a request lost after dispatch: the group is given up
                     raise
             log.apply(result)
-        return self.finish(result, args)
+        return [self.finish(result, args)]
 
     async def _batched(self, prompt, n: int, args: RolloutArgs, bound: VersionBound) -> list[Sample]:
         prompt_ids = self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]

@@ -5,7 +5,8 @@ Generation (each request proxied to one worker; the HTTP app, :mod:`miles_disagg
 :meth:`Router.proxy`). A version constraint comes from the body key ``"weight_version":
 {"min_version": N}`` or ``{"exact_version": N}`` (removed before forwarding; the engine does not know
 it) or from the headers ``X-Weight-Version-Min`` / ``X-Weight-Version-Exact``; giving both,
-differently, is a 400. ``stream: true`` is refused with 400: the router does not relay SSE.
+differently, is a 400. ``stream: true`` on ``/generate`` is relayed as the engine streams it
+(:mod:`~miles_disagg.router.streams`); on the OpenAI routes it is a 400.
 
 Contracts:
 
@@ -77,6 +78,7 @@ from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailabl
                                        constraint_json, pinned_body, request_constraint, version_served, violates)
 from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, normalize_url, parse_version
 from miles_disagg.router.shared_table import COUNTERS as METRIC_COUNTERS
+from miles_disagg.router.streams import StreamRelay, dispatch_stream
 from miles_disagg.router.upstream import UpstreamClient
 from miles_disagg.types import InvalidInput, Retryable, VersionConstraint, VersionNotReady
 
@@ -115,6 +117,7 @@ class ProxyRecord:
     total_s: float = 0.0  # in the router, from the body read to the answer
     upstream_s: float = 0.0  # waiting for workers (every try)
     routing_key: str | None = None  # the session it belongs to (router/affinity.py), if it named one
+    stream: bool = False  # "stream": true: the worker's SSE answer relayed as it comes (router/streams.py)
 
 
 class Router:
@@ -135,6 +138,7 @@ class Router:
         self.policy = LeastOutstandingPolicy()
         self.counters: Counter[str] = Counter()
         self._client: UpstreamClient | None = None
+        self.streams: StreamRelay | None = None  # "stream": true requests (router/streams.py)
         self.health: HealthChecker | None = None
         self._health_task: asyncio.Task | None = None
         self._lag_task: asyncio.Task | None = None
@@ -152,6 +156,8 @@ class Router:
         # worker failure); worker traffic never goes through an env proxy.
         self._client = UpstreamClient(connect_timeout_s=self.config.connect_timeout_s,
                                       read_timeout_s=self.config.request_timeout_s)
+        self.streams = StreamRelay(connect_timeout_s=self.config.connect_timeout_s,
+                                   read_timeout_s=self.config.request_timeout_s)
         self._lag_task = asyncio.create_task(self.loop_lag.run_forever())
         if not probes:
             return
@@ -172,7 +178,7 @@ class Router:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        for client in (self._client, self.health and self.health.client):
+        for client in (self._client, self.health and self.health.client, self.streams):
             if client is not None:
                 await client.aclose()
 
@@ -216,13 +222,14 @@ class Router:
             constrained_in_body = "weight_version" in body
             constraint = request_constraint(body, request.headers)
             key = routing_key(request.headers)
-            if body.get("stream"):
-                raise InvalidInput("stream=true is not supported by the router; send stream=false")
+            stream = bool(isinstance(body, dict) and body.get("stream"))
+            if stream and path != GENERATE_PATH:
+                raise InvalidInput(f"stream=true is relayed for {GENERATE_PATH} only; send stream=false to {path}")
         except RouterLoop as exc:
             return error_response(LOOP_DETECTED, exc, hops=exc.hops, limit=exc.limit)
         except InvalidInput as exc:
             return error_response(400, exc)
-        record = ProxyRecord(constraint, routing_key=key)
+        record = ProxyRecord(constraint, routing_key=key, stream=stream)
         started = time.perf_counter()
         # the body goes on as it came unless its constraint had to be taken out; a session's /generate
         # without a cache namespace gets the served version's (router/affinity.py), so it is encoded per worker
@@ -255,7 +262,8 @@ class Router:
             except (VersionNotReady, NoWorkerAvailable) as exc:
                 return self._not_ready(exc, constraint)
             sent = _payload_for(worker, payload, constraint, keyed_body, exact_body)
-            response = await self._dispatch(worker, path, sent, headers, request, record)
+            dispatch = self._dispatch_stream if record.stream else self._dispatch
+            response = await dispatch(worker, path, sent, headers, request, record)
             if response is not None:
                 return response
             tried.add(worker)
@@ -316,6 +324,13 @@ class Router:
             self.registry.release(worker, served=served)
             self.peers.load_changed(worker)
         return self._relay(worker, path, upstream, dispatch_version, record)
+
+    async def _dispatch_stream(self, worker: Worker, path: str, payload: bytes, headers: dict, request: Any,
+                               record: ProxyRecord) -> Any:
+        refuse = lambda message: self._not_ready(VersionNotReady(record.constraint, [worker.weight_version]),  # noqa: E731
+                                                 record.constraint, message=message)
+        return await dispatch_stream(self.streams, self, worker, path, payload, headers, record, fail=self._fail,
+                                     refuse=refuse)
 
     def _fail(self, worker: Worker, reason: str) -> None:
         log.warning("worker %s taken out of routing: %s", worker.url, reason)

@@ -34,12 +34,12 @@ LEARNING_ENV = "MILES_DISAGG_SESSION_LEARNING_RUN"
 figures are in docs/rollout-extensions.md)."""
 
 
-def _run(tmp_path: Path, base: Path, steps: int, sizes: list[str]) -> Path:
+def _run(tmp_path: Path, base: Path, steps: int, sizes: list[str], **extra_env: str) -> Path:
     place_base_model(base, tmp_path)
     (tmp_path / "concat.jinja").write_text(CONCAT_TEMPLATE)
     run_dir = tmp_path / "run"
     env = {**os.environ, "MILES_DISAGG_RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"),
-           "RAY_AUTH_MODE": "disabled",
+           "RAY_AUTH_MODE": "disabled", **extra_env,
            "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)}
     argv = [sys.executable, str(REPO / "train_async.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
             "--task", "count-up-tool", "--use-session-server", "--custom-agent-function-path",
@@ -52,13 +52,18 @@ def _run(tmp_path: Path, base: Path, steps: int, sizes: list[str]) -> Path:
     return run_dir
 
 
-def _check_samples(run_dir: Path, step: int) -> None:
+def _check_samples(run_dir: Path, step: int) -> int:
+    """Every consumed sample checked; how many were a retry's branch."""
     from miles_disagg.rollout.counter_tool import count_up_tool_reward
 
-    two_turns = 0
+    two_turns, retries = 0, 0
     for line in (run_dir / "consumed" / f"{step}.jsonl").read_text().splitlines():
         for sample in json.loads(line)["samples"]:
-            turns = sample["metadata"]["session"]["num_turns"]
+            session = sample["metadata"]["session"]
+            turns = session["num_turns"]
+            if session["num_branches"] == 2 and session["branch"]["path"] == [1]:  # the retried first turn
+                retries += 1
+                assert turns == 1 and sample["loss_mask"] == [1] * len(sample["response_ids"])
             assert len(sample["call_versions"]) == turns == len(sample["metadata"]["session"]["turn_versions"])
             if turns == 2:  # the tool's two tokens sit between the policy's turns, masked
                 two_turns += 1
@@ -66,18 +71,24 @@ def _check_samples(run_dir: Path, step: int) -> None:
                 assert sample["response"] == sample["metadata"]["agent_response"]
             assert sample["reward"] == count_up_tool_reward(sample["prompt"], sample["response"], 4, sample["metadata"])
     assert two_turns > 0
+    return retries
 
 
 def test_an_openai_client_agent_trains_through_the_session_endpoint(tmp_path: Path, digits_base_model: Path) -> None:
-    """Three steps: the endpoint in placement.json, every consumed sample one token-exact session."""
+    """Three steps: the endpoint in placement.json, every consumed sample a token-exact branch of a session
+    (the agent retries its first turn in about half the sessions: those sessions give two samples each, and
+    the rollout's samples beyond whole global batches are trimmed, as miles trims them)."""
     run_dir = _run(tmp_path, digits_base_model, 3, ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-                                                    "--global-batch-size", "16", "--micro-batch-size", "16"])
+                                                    "--global-batch-size", "16", "--micro-batch-size", "16"],
+                   SESSION_AGENT_RETRIES="1")
     placement = json.loads((run_dir / "placement.json").read_text())
     assert placement["sessions"]["address"].startswith("http://127.0.0.1:")
     metrics = read_metrics(run_dir / "metrics.jsonl")
     assert len(metrics) == 3 and metrics[-1]["rollout/sessions/sessions_finished"] >= 3 * 16
     assert metrics[-1].get("rollout/sessions/prefix_mismatches", 0) == 0
-    _check_samples(run_dir, 2)
+    assert metrics[-1]["rollout/sessions/session_samples"] > metrics[-1]["rollout/sessions/sessions_finished"]
+    assert any(m.get("rollout/trimmed_samples", 0) > 0 for m in metrics)
+    assert sum(_check_samples(run_dir, step) for step in range(3)) > 0
 
 
 @pytest.mark.skipif(os.environ.get(LEARNING_ENV) != "1", reason=f"the 20-step learning run (115 CPU-s); {LEARNING_ENV}=1")

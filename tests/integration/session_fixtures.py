@@ -12,6 +12,7 @@ from typing import Iterator
 
 from miles_disagg.models.tokenizer import load_tokenizer
 from miles_disagg.net.auth import ApiKeys
+from miles_disagg.rollout.sessions.agent import load_matcher
 from miles_disagg.rollout.sessions.app import SessionServer
 from miles_disagg.rollout.sessions.service import SessionService, SessionSettings
 from miles_disagg.rollout.sessions.templates import checkpoint_template
@@ -35,7 +36,7 @@ class SessionEndpoint:
 @contextlib.contextmanager
 def session_endpoint(model_dir: Path, router_url: str, *, admin_key: str | None = None, model: str = "qwen3",
                      roles: tuple[str, ...] = ("tool", "user"), max_new_tokens: int = 8,
-                     version_bound=lambda: (None, None)) -> Iterator[SessionEndpoint]:
+                     version_bound=lambda: (None, None), matcher: str = "strict") -> Iterator[SessionEndpoint]:
     import httpx
 
     tokenizer = load_tokenizer(model_dir)
@@ -51,7 +52,8 @@ def session_endpoint(model_dir: Path, router_url: str, *, admin_key: str | None 
         nonlocal client
         client = httpx.AsyncClient(timeout=120.0, trust_env=False)
         service = SessionService(client, router_url, rule, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                                 SessionSettings({"temperature": 1.0}, max_new_tokens), version_bound, Counter())
+                                 SessionSettings({"temperature": 1.0}, max_new_tokens), version_bound, Counter(),
+                                 load_matcher(matcher), stream_client=client)
         server = SessionServer(service, ApiKeys(admin_api_key=admin_key))
         await server.start()
         return server

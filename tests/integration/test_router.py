@@ -177,6 +177,37 @@ def test_client_disconnect_aborts_the_engine_request(engines):
         wait_until(lambda: router.client.worker(a.url)["outstanding"] == 0, what="outstanding released")
 
 
+def _data_lines(response) -> list[str]:
+    return [line[5:].strip() for line in response.iter_lines() if line.startswith("data:")]
+
+
+def test_a_streamed_generate_is_relayed_event_by_event_and_a_client_that_leaves_aborts_it(engines):
+    a, _ = engines
+    with inprocess_router(workers=(a.url,)) as router:
+        body = generate_body(max_new_tokens=6, stream=True, weight_version={"min_version": 0})
+        with httpx.stream("POST", f"{router.url}/generate", json=body, timeout=scaled(60)) as response:
+            assert response.status_code == 200 and response.headers["x-routed-worker"] == a.url
+            lines = _data_lines(response)
+        assert lines[-1] == "[DONE]"
+        events = [json.loads(line) for line in lines[:-1]]
+        assert [len(e["output_ids"]) for e in events][:6] == [1, 2, 3, 4, 5, 6]  # one event per token
+        assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"  # the last: the whole answer
+        assert all(e["meta_info"]["weight_version_start"] == 0 and e["meta_info"]["routed_worker"] == a.url
+                   for e in events)
+        whole = router.generate(generate_body(max_new_tokens=6)).json()
+        assert events[-1]["output_ids"] == whole["output_ids"]  # greedy: the same tokens as a whole answer
+        assert router.client.worker(a.url)["outstanding"] == 0
+        refused = router.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "1"}],
+                                                                   "stream": True})
+        assert refused.status_code == 400 and "stream" in refused.json()["message"]
+        aborted_before = a.internal_state()["num_aborted_requests"]
+        with httpx.stream("POST", f"{router.url}/generate", json=generate_body(max_new_tokens=2000, stream=True),
+                          timeout=scaled(60)) as response:
+            assert next(response.iter_lines()).startswith("data:")  # one event, then the client leaves
+        wait_until(lambda: a.internal_state()["num_aborted_requests"] > aborted_before, what="upstream abort")
+        wait_until(lambda: router.client.worker(a.url)["outstanding"] == 0, what="outstanding released")
+
+
 def test_openai_routes_and_unknown_versions_via_fake_worker():
     fake = FakeWorker(weight_version="default")
     with serve_in_thread(fake_worker_app(fake)) as worker_url, inprocess_router(workers=(worker_url,)) as router:

@@ -1,19 +1,25 @@
 """The session endpoint over HTTP, as an agent drives it: the official ``openai`` client (tools, a tool
 turn, streaming) against a real built-in engine behind the router; token-exact trajectories over 1,000
-sessions with tool turns against a recording engine; keys, bad bodies and rewritten history refused."""
+sessions with tool turns against a recording engine; keys and bad bodies refused; a harness that
+rewrites and retries history gets one token-exact sample per branch."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import threading
 
 import httpx
 import pytest
+from deadlines import scaled
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from engine_fixtures import engine  # noqa: F401  (fixture)
 from router_fixtures import inprocess_router, serve_in_thread
 from session_fixtures import session_endpoint
+from miles_disagg.rollout.sessions.chat import assistant_message
 from miles_disagg.rollout.sessions.types import token_drift
 from miles_disagg.samples import Sample
 
@@ -51,10 +57,13 @@ def test_an_openai_client_agent_runs_tool_turns_token_exact_on_one_engine(engine
         messages += [first.choices[0].message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": "call_0", "content": "67"}]
         stream = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=6,
-                                                stream=True)
+                                                stream=True)  # relayed by the router as the engine streams it
         chunks = list(stream)
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
+        streamed = endpoint.service.get(session_id).turns[-1]
+        assert text == assistant_message(endpoint.service.decode(list(streamed.output_ids)))[0]["content"]
+        assert endpoint.service.counters["streamed_turns"] == 1
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "89"}]
         third = client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
         assert third.choices[0].message.role == "assistant"
@@ -63,7 +72,7 @@ def test_an_openai_client_agent_runs_tool_turns_token_exact_on_one_engine(engine
         assert all(t.cached_tokens >= len(before.prompt_ids) for before, t in zip(turns, turns[1:]))  # prefix cache
         info = httpx.get(base_url).json()
         assert [t["cached_tokens"] for t in info["turns"]] == [t.cached_tokens for t in turns]
-        sample = endpoint.service.finish(session_id, Sample(prompt="345"))
+        [sample] = endpoint.service.finish(session_id, Sample(prompt="345"))
         assert sample.tokens == list(turns[-1].prompt_ids + turns[-1].output_ids)
         assert sum(sample.loss_mask) == sum(len(t.output_ids) for t in turns)
         assert httpx.get(base_url).status_code == 404  # finished: gone
@@ -119,7 +128,7 @@ def test_a_thousand_sessions_with_tool_turns_are_token_exact(tiny_qwen3_dir):
         assert service.counters["prefix_mismatches"] == 0 and service.counters["turns"] == 2000
 
 
-def test_keys_bodies_and_rewritten_history_are_refused_and_change_nothing(tiny_qwen3_dir):
+def test_keys_and_bad_bodies_are_refused_and_change_nothing(tiny_qwen3_dir):
     received: list[list[int]] = []
     with serve_in_thread(_recording_engine(received)) as fake, inprocess_router(workers=(fake,)) as router, \
             session_endpoint(tiny_qwen3_dir, router.url, admin_key=ADMIN) as endpoint:
@@ -135,12 +144,113 @@ def test_keys_bodies_and_rewritten_history_are_refused_and_change_nothing(tiny_q
         assert httpx.post(chat, content=b"x" * (17 * 1024 * 1024)).status_code == 413
         messages = [{"role": "user", "content": "1"}]
         first = httpx.post(chat, json={"messages": messages}).json()
-        rewritten = [{"role": "user", "content": "2"}, first["choices"][0]["message"], {"role": "tool", "content": "3"}]
-        refused = httpx.post(chat, json={"messages": rewritten})
-        assert refused.status_code == 400 and "rewritten" in refused.json()["error"]["message"]
-        forged = messages + [{"role": "assistant", "content": "forged"}, {"role": "user", "content": "4"}]
-        assert httpx.post(chat, json={"messages": forged}).status_code == 400
-        ok = httpx.post(chat, json={"messages": messages + [first["choices"][0]["message"],
-                                                             {"role": "tool", "content": "3"}]})
-        assert ok.status_code == 200 and len(received) == 2  # the refusals reached no engine
+        nothing_new = httpx.post(chat, json={"messages": messages + [first["choices"][0]["message"]]})
+        assert nothing_new.status_code == 400 and "append at least one" in nothing_new.json()["error"]["message"]
+        assert len(received) == 1  # the refusals reached no engine
         assert httpx.delete(base_url).json()["deleted"] and httpx.delete(base_url).status_code == 404
+
+
+def test_a_harness_that_rewrites_and_retries_history_gets_one_token_exact_sample_per_branch(tiny_qwen3_dir):
+    received: list[list[int]] = []
+    with serve_in_thread(_recording_engine(received)) as fake, inprocess_router(workers=(fake,)) as router, \
+            session_endpoint(tiny_qwen3_dir, router.url, admin_key=ADMIN, matcher="loose_tool_call") as endpoint:
+        base_url = _create(endpoint.url)
+        chat = f"{base_url}/v1/chat/completions"
+        session_id = base_url.rsplit("/", 1)[1]
+
+        def turn(messages):
+            answer = httpx.post(chat, json={"messages": messages, "tools": TOOLS})
+            assert answer.status_code == 200, answer.text
+            return answer.json()["choices"][0]["message"]
+
+        start = [{"role": "user", "content": "1"}]
+        a = turn(start)
+        line = start + [a, {"role": "tool", "content": "2"}]
+        b = turn(line)
+        turn(line + [b, {"role": "tool", "content": "3"}])  # the main line: a, b, c
+        turn(line)  # the latest turn retried: a sibling of b
+        turn(start + [{**a, "content": "an edited answer"}, {"role": "user", "content": "4"}])  # rewritten: a new root
+        turn([{"role": "user", "content": "another start"}])  # an unrelated start: a new root
+        state = endpoint.service.get(session_id)
+        assert [n.parent for n in state.nodes] == [None, 0, 1, 0, None, None]
+        assert endpoint.service.counters["branches"] == 3
+        assert httpx.get(base_url).json()["num_branches"] == 4
+        samples = endpoint.service.finish(session_id, Sample(prompt="1"))
+        assert len(samples) == 4
+        by_prompt = {tuple(ids): ids for ids in received}
+        for sample, leaf in zip(samples, (2, 3, 4, 5)):
+            node = state.nodes[leaf]
+            assert sample.tokens == node.token_ids  # the branch's tokens, exactly the engine's
+            assert tuple(node.turn.prompt_ids) in by_prompt
+            assert sample.metadata["session"]["branch"]["leaf"] == leaf
+        trained = sum(sum(s.loss_mask) for s in samples)
+        assert trained == sum(len(t.output_ids) for t in state.turns)  # every completion trained exactly once
+
+
+def _gated_streaming_engine(output_ids: list[int], gate: threading.Event, held: list[bool]):
+    """A SGLang-shaped engine that streams its first token, then holds the rest until ``gate`` is set (or a
+    generous deadline passes: ``held`` records it), then the rest and the whole answer."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.get("/model_info")
+    async def model_info():
+        return {"weight_version": "1"}
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await request.json()
+        assert body["stream"] is True
+
+        def event(n: int, finished: bool) -> str:
+            meta = {"prompt_tokens": len(body["input_ids"]), "weight_version": "1", "cached_tokens": 0,
+                    "finish_reason": {"type": "length"} if finished else None,
+                    "output_token_logprobs": [[-0.25, t, None] for t in output_ids[:n]]}
+            return f"data: {json.dumps({'text': '', 'output_ids': output_ids[:n], 'meta_info': meta})}\n\n"
+
+        async def events():
+            yield event(1, False)
+            held.append(not await asyncio.to_thread(gate.wait, scaled(60)))
+            for n in range(2, len(output_ids) + 1):
+                yield event(n, False)
+            yield event(len(output_ids), True)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def test_an_openai_client_stream_gets_chunks_before_the_turn_ends_and_the_turn_is_token_exact(tiny_qwen3_dir):
+    import openai
+
+    from miles_disagg.models.tokenizer import load_tokenizer
+
+    output_ids = load_tokenizer(tiny_qwen3_dir)("Hello there, friend", add_special_tokens=False)["input_ids"]
+    gate, held = threading.Event(), []
+    with serve_in_thread(_gated_streaming_engine(output_ids, gate, held)) as fake, \
+            inprocess_router(workers=(fake,)) as router, \
+            session_endpoint(tiny_qwen3_dir, router.url, admin_key=ADMIN) as endpoint:
+        base_url = _create(endpoint.url)
+        session_id = base_url.rsplit("/", 1)[1]
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none-needed", max_retries=0)
+        stream = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                                stream=True)
+        text, early = "", None
+        for chunk in stream:
+            delta = chunk.choices[0].delta.content if chunk.choices else None
+            if delta and early is None:  # the engine holds the rest of its turn until this is seen
+                early = (delta, len(endpoint.service.get(session_id).turns))
+                gate.set()
+            text += delta or ""
+        assert held == [False]  # the first chunk reached the client while the engine still held the turn
+        assert early[1] == 0 and early[0]  # ... and before the session recorded it
+        turn = endpoint.service.get(session_id).turns[-1]
+        assert list(turn.output_ids) == output_ids and turn.output_logprobs == (-0.25,) * len(output_ids)
+        assert text == endpoint.service.decode(output_ids)
+        [sample] = endpoint.service.finish(session_id, Sample(prompt="hi"))
+        assert sample.tokens == list(turn.prompt_ids) + output_ids and sample.loss_mask == [1] * len(output_ids)
+        assert sample.call_versions == [[1, 1]]

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 
 from miles_disagg.models.tokenizer import load_tokenizer
-from miles_disagg.rollout.sessions.chat import assistant_message, parse_chat_request, sse_chunks
+from miles_disagg.rollout.sessions.chat import assistant_message, parse_chat_request
+from miles_disagg.rollout.sessions.streaming import ContentDeltas
 from miles_disagg.rollout.sessions.templates import CHATML_TOOLS_TEMPLATE, checkpoint_template, render
 from miles_disagg.config.session_rules import check_matcher, check_tito_model
-from miles_disagg.rollout.sessions.tito import AppendRoleRefused, HistoryMismatch, TitoRule, split_history
-from miles_disagg.rollout.sessions.types import PrefixMismatch, SessionState, Turn, session_sample, token_drift
+from miles_disagg.rollout.sessions.tito import AppendRoleRefused, TitoRule
+from miles_disagg.rollout.sessions.types import PrefixMismatch, SessionState, Turn, session_samples, token_drift
 from miles_disagg.samples import Sample
 from miles_disagg.types import ConfigError, InvalidInput
 
@@ -76,25 +77,15 @@ def test_appended_roles_are_limited_to_the_allowed_ones_and_tool_is_always_allow
         _rule(encode, roles=("assistant",))
 
 
-def test_a_rewritten_history_is_refused_and_names_the_message():
-    stored = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2", "tool_calls": [CALL]}]
-    echoed = [{"role": "user", "content": "1"},
-              {"role": "assistant", "content": "2", "tool_calls": [{**CALL, "function": {
-                  "name": "count", "arguments": '{ "from" : 3 }'}}]},  # same arguments, other spacing
-              {"role": "tool", "content": "3"}]
-    assert split_history(stored, echoed) == [{"role": "tool", "content": "3"}]
-    with pytest.raises(HistoryMismatch, match="message 1"):
-        split_history(stored, [stored[0], {"role": "assistant", "content": "X"}, {"role": "tool", "content": "3"}])
-    with pytest.raises(HistoryMismatch, match="append at least one"):
-        split_history(stored, stored)
-
-
-def test_miles_families_and_matchers_not_implemented_are_refused_with_one_line():
-    assert check_tito_model("qwen3") == "qwen3" and check_matcher("strict") == "strict"
+def test_miles_families_not_implemented_are_refused_with_one_line_and_matchers_are_miles():
+    assert check_tito_model("qwen3") == "qwen3"
     with pytest.raises(ConfigError, match="--tito-model glm47 is a miles flag that does not apply here"):
         check_tito_model("glm47")
-    with pytest.raises(ConfigError, match="--session-message-matcher loose_tool_call is a miles flag"):
-        check_matcher("loose_tool_call")
+    for name in ("strict", "loose_tool_call", "role_content_only", "my_pkg.matchers.same"):
+        assert check_matcher(name) == name
+    for bad in ("loose", "a..b", "pkg.mod-ule.f"):
+        with pytest.raises(ConfigError, match="--session-message-matcher"):
+            check_matcher(bad)
 
 
 def _turn(prompt, out, start, end, finish="stop"):
@@ -108,7 +99,7 @@ def test_the_prefix_check_fails_on_a_prompt_that_does_not_extend_the_stored_ids(
     with pytest.raises(PrefixMismatch, match="token drift at position 3"):
         state.check_prefix([1, 2, 3, 7, 5, 9])
     with pytest.raises(PrefixMismatch):
-        state.record(_turn([1, 2], [4], 3, 3), {"role": "assistant", "content": "y"}, [])
+        state.record(_turn([1, 2], [4], 3, 3), {"role": "assistant", "content": "y"}, [], state.nodes[0])
     assert len(state.turns) == 1  # nothing recorded
 
 
@@ -118,7 +109,7 @@ def test_a_finished_session_is_one_sample_trained_on_generated_tokens_only():
     state.record(_turn([1, 2, 3, 4, 5, 6, 7], [8], 3, 4), {"role": "assistant", "content": "b"}, [])
     state.record(_turn([1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11], 5, 5, "length"), {"role": "assistant", "content": "c"}, [])
     assert token_drift(state.turns) == 0
-    sample = session_sample(state, Sample(prompt="p"))
+    [sample] = session_samples(state, Sample(prompt="p"))
     assert sample.prompt_ids == [1, 2, 3] and sample.response_ids == [4, 5, 6, 7, 8, 9, 10, 11]
     assert sample.loss_mask == [1, 1, 0, 0, 1, 0, 1, 1]
     assert sample.response_logprobs == pytest.approx([-0.1, -0.2, 0, 0, -0.1, 0, -0.1, -0.2])
@@ -128,9 +119,9 @@ def test_a_finished_session_is_one_sample_trained_on_generated_tokens_only():
     sample.check_consistent()
     broken = SessionState("b", broken="drift")
     with pytest.raises(InvalidInput, match="broke"):
-        session_sample(broken, Sample())
+        session_samples(broken, Sample())
     with pytest.raises(InvalidInput, match="no turns"):
-        session_sample(SessionState("e"), Sample())
+        session_samples(SessionState("e"), Sample())
 
 
 def test_token_drift_counts_turns_whose_prompt_does_not_continue_the_last():
@@ -138,15 +129,21 @@ def test_token_drift_counts_turns_whose_prompt_does_not_continue_the_last():
     assert token_drift(turns) == 1
 
 
-def test_tool_calls_are_parsed_out_of_the_completion_and_streamed_as_chunks():
+def test_tool_calls_are_parsed_out_of_the_completion_and_content_is_streamed_as_a_prefix():
     message, finish = assistant_message('ok\n<tool_call>\n{"name": "count", "arguments": {"from": 3}}\n</tool_call>')
     assert finish == "tool_calls" and message["content"] == "ok"
     assert message["tool_calls"][0]["function"] == {"name": "count", "arguments": '{"from": 3}'}
     assert assistant_message("<tool_call>{not json}</tool_call>") == (
         {"role": "assistant", "content": "<tool_call>{not json}</tool_call>"}, "")
-    chunks = sse_chunks({"id": "c", "created": 1, "model": "m", "usage": {}, "metadata": {},
-                         "choices": [{"message": message, "finish_reason": finish}]})
-    assert chunks[-1] == b"data: [DONE]\n\n" and b'"finish_reason": "tool_calls"' in chunks[-2]
+    for text, calls in (('ok\n<tool_call>\n{"name": "count", "arguments": {}}\n</tool_call>', True),
+                        ("plain\n\ntext", False), ("<tool_call>{not json}</tool_call>", False), ("é", False)):
+        deltas, sent = ContentDeltas(), ""
+        ids = text.encode()
+        for end in range(1, len(ids) + 1):  # the text as decoded token by token (bytes here)
+            sent += deltas.next(ids[:end].decode(errors="replace"))
+        content = assistant_message(text)[0]["content"]
+        assert content.startswith(sent) and sent + deltas.rest(content) == content, text
+        assert ("<tool" not in sent) and (calls or not text.startswith("<") or sent == "")
 
 
 def test_chat_bodies_are_checked():

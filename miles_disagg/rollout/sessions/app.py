@@ -4,7 +4,8 @@
 * ``GET /sessions`` -> the live sessions' ids (admin key)
 * ``GET /sessions/{id}`` -> the session's turns (tokens, cached tokens, versions, worker per turn)
 * ``DELETE /sessions/{id}`` -> ``{"deleted": id}``
-* ``POST /sessions/{id}/v1/chat/completions`` -> an OpenAI chat completion (``stream: true``: SSE chunks)
+* ``POST /sessions/{id}/v1/chat/completions`` -> an OpenAI chat completion (``stream: true``: SSE chunks as
+  the engine generates them, :mod:`.streaming`)
 * ``GET /health`` (open)
 
 Keys: creating and listing sessions take the run's admin key (``Authorization: Bearer``), like the
@@ -23,8 +24,8 @@ from typing import Any
 
 from miles_disagg.net.auth import ApiKeys, AuthLevel
 from miles_disagg.net.httpjson import error_json, parse_json, status_for
-from miles_disagg.rollout.sessions.chat import sse_chunks
 from miles_disagg.rollout.sessions.service import SessionService, TooManySessions
+from miles_disagg.rollout.sessions.streaming import open_turn_stream
 from miles_disagg.rollout.sessions.types import PrefixMismatch, SessionBroken, SessionNotFound
 
 log = logging.getLogger(__name__)
@@ -106,15 +107,19 @@ class SessionServer:
         sid = request.match_info["sid"]
         try:
             body = await self._body(request)
-            completion = await self.service.chat(sid, body)
+            if body.get("stream") is True:
+                chunks = await open_turn_stream(self.service, sid, body)
+            else:
+                return web.json_response(await self.service.chat(sid, body))
         except Exception as exc:  # typed errors become their status; anything else is a logged 500
             return _error(exc)
-        if not body.get("stream"):
-            return web.json_response(completion)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        for chunk in sse_chunks(completion):
-            await response.write(chunk)
+        try:
+            await response.prepare(request)
+            async for chunk in chunks:  # each as the engine generates it (rollout/sessions/streaming.py)
+                await response.write(chunk)
+        finally:
+            await chunks.aclose()  # a client that left: the stream to the router closes, nothing is recorded
         await response.write_eof()
         return response
 

@@ -1,5 +1,5 @@
 """OpenAI chat completions over a session: the request body, the engine's sampling parameters, tool calls
-parsed out of the completion (Qwen3's ``<tool_call>`` JSON), and the answer (one object, or SSE chunks).
+parsed out of the completion (Qwen3's ``<tool_call>`` JSON), and the answer (streamed: :mod:`.streaming`).
 
 Request bodies are validated strictly and bounded (messages, their size and nesting, tools); fields
 that change what is sampled and that this endpoint does not implement (``n`` > 1, ``logit_bias``,
@@ -29,12 +29,15 @@ class Message(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = Field(default=None, max_length=MAX_CONTENT_CHARS)
+    reasoning_content: str | None = Field(default=None, max_length=MAX_CONTENT_CHARS)
     tool_calls: list[dict[str, Any]] | None = Field(default=None, max_length=64)
     tool_call_id: str | None = Field(default=None, max_length=256)
     name: str | None = Field(default=None, max_length=256)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if self.reasoning_content:
+            out["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             out["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
@@ -113,21 +116,3 @@ def completion_json(session_id: str, message: dict, finish: str, usage: dict, me
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
             "usage": usage, "metadata": {"session_id": session_id, **meta}}
-
-
-def sse_chunks(completion: dict) -> list[bytes]:
-    """The completion as OpenAI's streaming chunks (role, content, each tool call, the finish), then ``[DONE]``.
-    The engine generates the whole turn first (the router relays no stream), so the chunks come at its end."""
-    choice, base = completion["choices"][0], {k: completion[k] for k in ("id", "created", "model")}
-    message = choice["message"]
-    deltas: list[dict] = [{"role": "assistant", "content": ""}]
-    if message.get("content"):
-        deltas.append({"content": message["content"]})
-    for index, call in enumerate(message.get("tool_calls") or []):
-        deltas.append({"tool_calls": [{"index": index, **call}]})
-    events = [{**base, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": d, "finish_reason": None}]}
-              for d in deltas]
-    events.append({**base, "object": "chat.completion.chunk", "usage": completion["usage"],
-                   "metadata": completion["metadata"],
-                   "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]})
-    return [f"data: {json.dumps(e)}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]

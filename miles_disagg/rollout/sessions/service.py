@@ -2,8 +2,11 @@
 
 Contracts:
 
-* **Token-exact.** A turn's prompt is built by the TITO rule (:mod:`.tito`) from the stored ids and the
-  appended messages only, checked to extend the stored ids, and sent as ``input_ids``; the engine's
+* **A tree.** A request attaches to the deepest node of the session's trajectory tree whose path of
+  messages it replays (:mod:`.tree`, matched by ``--session-message-matcher``); a rewritten or retried
+  history starts a branch there (counted in ``branches``), and each branch becomes one sample.
+* **Token-exact.** A turn's prompt is built by the TITO rule (:mod:`.tito`) from the attach node's ids and
+  the appended messages only, checked to extend those ids, and sent as ``input_ids``; the engine's
   answer must report exactly that many prompt tokens; its output ids and logprobs are stored as they
   came, never re-tokenized. A failed check breaks the session (:class:`~.types.PrefixMismatch`, counted
   in ``prefix_mismatches``); a broken session takes no more turns and yields no sample.
@@ -24,13 +27,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from miles_disagg.rollout.generate import GenerationFailed, constrained, generate_one
-from miles_disagg.rollout.sessions.chat import assistant_message, completion_json, parse_chat_request
-from miles_disagg.rollout.sessions.tito import TitoRule, split_history
+from miles_disagg.rollout.sessions.chat import ChatRequest, assistant_message, completion_json, parse_chat_request
+from miles_disagg.rollout.sessions.matchers import Matcher, strict
+from miles_disagg.rollout.sessions.tito import HistoryMismatch, TitoRule
+from miles_disagg.rollout.sessions.tree import AttachPoint, find_attach
 from miles_disagg.rollout.sessions.types import (MAX_SESSIONS, PrefixMismatch, SessionNotFound, SessionState, Turn,
-                                                 session_sample)
+                                                 session_samples)
 from miles_disagg.router.affinity import ROUTING_KEY_HEADER
 from miles_disagg.samples import Sample
-from miles_disagg.types import InvalidInput, Retryable
+from miles_disagg.types import Retryable
 
 VersionBound = Callable[[], "tuple[int | None, int | None]"]
 
@@ -47,6 +52,21 @@ class _RoutedPost:
 
     async def post(self, url: str, json: Any):
         return await self._client.post(url, json=json, headers=self._headers)
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """One turn between :meth:`SessionService.plan_turn` and :meth:`SessionService.complete_turn`."""
+
+    state: SessionState
+    request: ChatRequest
+    appended: list[dict]
+    point: AttachPoint
+    root: bool
+    prompt: list[int]
+    params: dict[str, Any]
+    body: dict[str, Any]
+    """The ``/generate`` body: ``input_ids``, ``sampling_params``, logprobs, the version constraint."""
 
 
 @dataclass
@@ -67,8 +87,13 @@ class SessionService:
     """Live sessions on one event loop (see the module docstring)."""
 
     def __init__(self, client, router_url: str, rule: TitoRule, decode: Callable[[list[int]], str],
-                 settings: SessionSettings, version_bound: VersionBound, counters: Counter | None = None):
-        self._client, self._url, self.rule, self._decode = client, router_url, rule, decode
+                 settings: SessionSettings, version_bound: VersionBound, counters: Counter | None = None,
+                 matches: Matcher = strict, stream_client=None):
+        self.matches = matches
+        self.stream_client = stream_client
+        """An ``httpx.AsyncClient`` with the run's keys for streamed turns (``stream: true``; none: refused)."""
+        self.router_url = router_url
+        self._client, self._url, self.rule, self.decode = client, router_url, rule, decode
         self.settings, self.version_bound = settings, version_bound
         self.counters: Counter = counters if counters is not None else Counter()
         self.sessions: dict[str, SessionState] = {}
@@ -102,12 +127,13 @@ class SessionService:
         self._bounds.pop(session_id, None)
         return state
 
-    def finish(self, session_id: str, base: Sample) -> Sample:
-        """The session as one training sample (``InvalidInput`` if it broke or never ran); it is deleted."""
+    def finish(self, session_id: str, base: Sample) -> list[Sample]:
+        """The session as training samples, one per branch (``InvalidInput`` if it broke or never ran); it is deleted."""
         state = self.delete(session_id)
-        sample = session_sample(state, base)
+        samples = session_samples(state, base)
         self.counters["sessions_finished"] += 1
-        return sample
+        self.counters["session_samples"] += len(samples)
+        return samples
 
     # ------------------------------------------------------------------ turns
 
@@ -116,50 +142,76 @@ class SessionService:
         state = self.get(session_id)
         request = parse_chat_request(body)
         async with self._locks[session_id]:
-            state.check_usable()
-            messages = [m.to_dict() for m in request.messages]
-            appended, prompt = self._prompt(state, messages, request.tools)
-            try:
-                state.check_prefix(prompt)
-            except PrefixMismatch as exc:
-                self._break(state, exc)
-                raise
-            params = request.sampling_params(self.settings.sampling, self.settings.max_new_tokens)
-            payload = await self._generate(session_id, prompt, params)
-            turn = self._turn(state, prompt, payload)
-            message, tool_finish = assistant_message(self._decode(list(turn.output_ids)))
-            state.record(turn, message, appended)
-            self.counters["turns"] += 1
-            self.counters["cached_tokens"] += turn.cached_tokens
-            self.counters["prompt_tokens"] += len(prompt)
+            plan = self.plan_turn(state, request)
+            payload = await self._generate(session_id, plan.body)
+            return self.complete_turn(plan, payload)
+
+    def lock(self, session_id: str) -> asyncio.Lock:
+        """The lock that serializes the session's turns (held from :meth:`plan_turn` to :meth:`complete_turn`)."""
+        self.get(session_id)
+        return self._locks[session_id]
+
+    def plan_turn(self, state: SessionState, request: ChatRequest) -> TurnPlan:
+        """The turn's prompt, where it attaches, its sampling parameters and its ``/generate`` body (with the
+        session's version constraint now), checked (``PrefixMismatch`` breaks the session). Under the lock."""
+        state.check_usable()
+        messages = [m.to_dict() for m in request.messages]
+        point, root, prompt = self._prompt(state, messages, request.tools)
+        try:
+            if not root:
+                state.check_prefix(prompt, point.node)
+        except PrefixMismatch as exc:
+            self._break(state, exc)
+            raise
+        params = request.sampling_params(self.settings.sampling, self.settings.max_new_tokens)
+        min_version, exact_version = self._bounds.get(state.session_id, self.version_bound)()
+        body = constrained({"input_ids": prompt, "sampling_params": params, "return_logprob": True},
+                           min_version, exact_version, self.settings.run_id)
+        return TurnPlan(state, request, messages[point.matched:], point, root, prompt, params, body)
+
+    def complete_turn(self, plan: TurnPlan, payload: dict) -> dict:
+        """The engine's answer recorded as the turn (checked token-exact); the OpenAI completion. Under the lock."""
+        state, prompt = plan.state, plan.prompt
+        turn = self._turn(state, prompt, payload)
+        message, tool_finish = assistant_message(self.decode(list(turn.output_ids)))
+        state.record(turn, message, plan.appended, plan.point.node, root=plan.root)
+        self.counters["turns"] += 1
+        self.counters["cached_tokens"] += turn.cached_tokens
+        self.counters["prompt_tokens"] += len(prompt)
         finish = tool_finish or ("length" if turn.finish_reason == "length" else "stop")
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(turn.output_ids),
                  "total_tokens": len(prompt) + len(turn.output_ids),
                  "prompt_tokens_details": {"cached_tokens": turn.cached_tokens}}
         meta = {"weight_version_start": turn.version_start, "weight_version_end": turn.version_end,
                 "routed_worker": turn.worker, "turn": len(state.turns)}
-        return completion_json(session_id, message, finish, usage, meta, request.model or self.settings.model_name)
+        return completion_json(state.session_id, message, finish, usage, meta,
+                               plan.request.model or self.settings.model_name)
 
-    def _prompt(self, state: SessionState, messages: list[dict], tools) -> tuple[list[dict], list[int]]:
-        if not state.turns:
-            return messages, self.rule.first_prompt(messages, tools)
-        try:
-            appended = split_history(state.messages, messages)
-        except InvalidInput:
+    def headers_for(self, session_id: str) -> dict[str, str]:
+        """The routing key every turn of the session carries (none when affinity is off)."""
+        return {ROUTING_KEY_HEADER: session_id} if self.settings.routing_key else {}
+
+    def _prompt(self, state: SessionState, messages: list[dict], tools) -> tuple[AttachPoint, bool, list[int]]:
+        """Where the request attaches in the tree, whether it starts a new root, and the turn's prompt: the
+        attach node's ids merged with the appended messages' tokens, or for a new root (nothing matches, or
+        the client wrote an assistant message beyond the match) the whole conversation rendered."""
+        point = find_attach(state.nodes, messages, self.matches)
+        appended = messages[point.matched:]
+        if not appended:
             self.counters["history_mismatches"] += 1
-            raise
-        if any(m["role"] == "assistant" for m in appended):
-            raise InvalidInput("an appended message has role 'assistant': a session's assistant turns are the "
-                               "engine's own (a client cannot write them)")
-        return appended, self.rule.merge(state.token_ids, self.rule.appended_ids(appended, tools))
+            raise HistoryMismatch(f"the request's {len(messages)} messages are all in the session already: a turn "
+                                  "must append at least one message to a path of the session's history")
+        root = point.node is None or any(m["role"] == "assistant" for m in appended)
+        if state.nodes and (root or any(n.parent == point.node.seq for n in state.nodes)):
+            self.counters["branches"] += 1
+        if root:
+            return AttachPoint(None, 0), True, self.rule.first_prompt(messages, tools)
+        return point, False, self.rule.merge(point.node.token_ids, self.rule.appended_ids(appended, tools))
 
-    async def _generate(self, session_id: str, prompt: list[int], params: dict) -> dict:
-        min_version, exact_version = self._bounds.get(session_id, self.version_bound)()
-        body = constrained({"input_ids": prompt, "sampling_params": params, "return_logprob": True},
-                           min_version, exact_version, self.settings.run_id)
+    async def _generate(self, session_id: str, body: dict) -> dict:
         self.counters["requests"] += 1
-        client = _RoutedPost(self._client, {ROUTING_KEY_HEADER: session_id} if self.settings.routing_key else {})
-        payload = await generate_one(client, self._url, body, self.counters)
+        payload = await generate_one(_RoutedPost(self._client, self.headers_for(session_id)), self._url, body,
+                                     self.counters)
         if not isinstance(payload, dict):
             raise GenerationFailed(f"one prompt was sent, the router answered {type(payload).__name__}")
         return payload

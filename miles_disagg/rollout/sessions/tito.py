@@ -12,16 +12,15 @@ with those tokens by its own rule (``--tito-model``):
 * ``qwen3``: Qwen3's template closes every turn with ``<|im_end|>`` and a newline, the model stops at
   ``<|im_end|>``: the newline is added after a stored ``<|im_end|>``.
 
-The history a client sends back is matched against the session's stored messages first
-(``--session-message-matcher strict``: same roles, contents, tool calls and ids); a client that
-rewrote history (a branch) is refused with :class:`HistoryMismatch`, nothing stored changes.
+The history a client sends back is matched against the session's trajectory tree first
+(:mod:`.tree`, with ``--session-message-matcher``): the appended messages are those beyond the deepest
+node whose path matches.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from miles_disagg.config.session_rules import check_append_roles, check_tito_model
 from miles_disagg.rollout.sessions.templates import render
@@ -31,7 +30,7 @@ _STAND_IN_USER = {"role": "user", "content": "dummy"}
 
 
 class HistoryMismatch(InvalidInput):
-    """The messages a client sent do not continue the session's stored messages (history was rewritten)."""
+    """The messages a client sent append nothing to a path of the session's history."""
 
 
 class AppendRoleRefused(InvalidInput):
@@ -99,35 +98,3 @@ def _stand_in_assistant(appended: list[dict]) -> dict:
               "function": {"name": m.get("name") or "tool", "arguments": "{}"}}
              for i, m in enumerate(appended) if m.get("role") == "tool"]
     return {"role": "assistant", "content": "", **({"tool_calls": calls} if calls else {})}
-
-
-# --------------------------------------------------------------------------- history matching
-
-
-def split_history(stored: list[dict], sent: list[dict]) -> list[dict]:
-    """The messages ``sent`` appends to ``stored`` (strict matcher); ``HistoryMismatch`` naming the first
-    message that differs, or when ``sent`` does not extend ``stored``."""
-    if len(sent) <= len(stored):
-        raise HistoryMismatch(f"the request carries {len(sent)} messages, the session holds {len(stored)}: a turn "
-                              "must append at least one message to the session's history")
-    for index, (mine, theirs) in enumerate(zip(stored, sent)):
-        if _canonical(mine) != _canonical(theirs):
-            raise HistoryMismatch(f"message {index} ({theirs.get('role')!r}) differs from the session's stored "
-                                  "message: the history was rewritten (a branch), which this session cannot continue")
-    return sent[len(stored):]
-
-
-def _canonical(message: dict) -> tuple:
-    calls = tuple((c.get("id"), (c.get("function") or {}).get("name"), _arguments((c.get("function") or {})))
-                  for c in message.get("tool_calls") or [])
-    return message.get("role"), message.get("content") or "", calls, message.get("tool_call_id")
-
-
-def _arguments(function: dict) -> Any:
-    raw = function.get("arguments")
-    if isinstance(raw, str):
-        try:
-            return json.dumps(json.loads(raw), sort_keys=True)
-        except ValueError:
-            return raw
-    return json.dumps(raw, sort_keys=True)

@@ -1,11 +1,11 @@
 """A session's record and the rules over it. Pure: no I/O.
 
-A session holds the exact token ids of its conversation so far (every turn's prompt as the engine
-received it, then what the engine generated), the messages as the client sees them (to match the
-history a client sends back) and one :class:`Turn` per engine call. After every turn the stored ids
-must be a prefix of the next prompt (:meth:`SessionState.check_prefix`): a mismatch is a
-:class:`PrefixMismatch`, the session is broken with its reason and its sample is dropped, never
-re-tokenized. A finished session becomes one training sample (:func:`session_sample`).
+A session is a trajectory tree (:mod:`.tree`): one node per engine call, holding the exact token ids
+the engine received and generated (:class:`Turn`) and the messages the call added, as the client sees
+them (to match the history a client sends back). A turn's prompt must extend the ids of the node it
+continues (:meth:`SessionState.check_prefix`): a mismatch is a :class:`PrefixMismatch`, the session is
+broken with its reason and its samples are dropped, never re-tokenized. A finished session becomes one
+training sample per branch (:func:`session_samples`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_disagg.samples import Sample, SampleStatus
+from miles_disagg.rollout.sessions.tree import Node, branch_samples, leaves
+from miles_disagg.samples import Sample
 from miles_disagg.types import InvalidInput, MilesDisaggError
 
 MAX_SESSIONS = 10_000
@@ -58,41 +59,55 @@ class SessionState:
 
     session_id: str
     metadata: dict[str, Any] = field(default_factory=dict)
-    messages: list[dict] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    turns: list[Turn] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    """The trajectory tree's nodes in commit order (:mod:`.tree`)."""
     broken: str | None = None
     created_s: float = field(default_factory=time.monotonic)
+
+    @property
+    def turns(self) -> list[Turn]:
+        """Every engine call of the session, in commit order (all branches)."""
+        return [node.turn for node in self.nodes]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The latest turn's prompt and output (the path a linear session holds)."""
+        return self.nodes[-1].token_ids if self.nodes else []
 
     def check_usable(self) -> None:
         if self.broken is not None:
             raise SessionBroken(f"session {self.session_id} is broken: {self.broken}")
-        if len(self.turns) >= MAX_TURNS:
+        if len(self.nodes) >= MAX_TURNS:
             raise InvalidInput(f"session {self.session_id} has {MAX_TURNS} turns, the most one session takes")
 
-    def check_prefix(self, prompt_ids: list[int]) -> None:
-        """``PrefixMismatch`` unless the stored ids are a prefix of ``prompt_ids``."""
-        stored = self.token_ids
+    def check_prefix(self, prompt_ids: list[int], parent: Node | None = None) -> None:
+        """``PrefixMismatch`` unless ``parent``'s ids (the latest node's when not given) are a prefix of ``prompt_ids``."""
+        stored = (parent or self.nodes[-1]).token_ids if (parent or self.nodes) else []
         if prompt_ids[:len(stored)] != stored:
             at = next((i for i, (a, b) in enumerate(zip(stored, prompt_ids)) if a != b), min(len(stored), len(prompt_ids)))
             raise PrefixMismatch(self.session_id, at, f"the next prompt has {len(prompt_ids)} tokens and does not "
                                                       f"start with the session's {len(stored)} stored tokens")
 
-    def record(self, turn: Turn, assistant_message: dict, appended: list[dict]) -> None:
-        """A turn the engine answered: its prompt and output become the stored ids."""
-        self.check_prefix(list(turn.prompt_ids))
-        self.messages.extend(appended)
-        self.messages.append(assistant_message)
-        self.token_ids = list(turn.prompt_ids) + list(turn.output_ids)
-        self.turns.append(turn)
+    def record(self, turn: Turn, assistant_message: dict, appended: list[dict], parent: Node | None = None,
+               *, root: bool = False) -> Node:
+        """A turn the engine answered, as a node under ``parent`` (default: the latest node; ``root``: a new root)."""
+        if not root and parent is None and self.nodes:
+            parent = self.nodes[-1]
+        if parent is not None:
+            self.check_prefix(list(turn.prompt_ids), parent)
+        node = Node(len(self.nodes), None if parent is None else parent.seq, tuple(appended) + (assistant_message,),
+                    turn)
+        self.nodes.append(node)
+        return node
 
     def to_json(self) -> dict[str, Any]:
-        return {"session_id": self.session_id, "num_turns": len(self.turns), "num_tokens": len(self.token_ids),
-                "num_messages": len(self.messages), "broken": self.broken, "metadata": self.metadata,
-                "turns": [{"prompt_tokens": len(t.prompt_ids), "completion_tokens": len(t.output_ids),
-                           "cached_tokens": t.cached_tokens, "weight_version_start": t.version_start,
-                           "weight_version_end": t.version_end, "finish_reason": t.finish_reason,
-                           "routed_worker": t.worker} for t in self.turns]}
+        branches = leaves(self.nodes)
+        return {"session_id": self.session_id, "num_turns": len(self.nodes), "num_tokens": len(self.token_ids),
+                "num_branches": len(branches), "broken": self.broken, "metadata": self.metadata,
+                "turns": [{"prompt_tokens": len(n.turn.prompt_ids), "completion_tokens": len(n.turn.output_ids),
+                           "cached_tokens": n.turn.cached_tokens, "weight_version_start": n.turn.version_start,
+                           "weight_version_end": n.turn.version_end, "finish_reason": n.turn.finish_reason,
+                           "routed_worker": n.turn.worker, "node": n.seq, "parent": n.parent} for n in self.nodes]}
 
 
 def token_drift(turns: list[Turn]) -> int:
@@ -102,28 +117,12 @@ def token_drift(turns: list[Turn]) -> int:
                != before.prompt_ids + before.output_ids)
 
 
-def session_sample(state: SessionState, base: Sample) -> Sample:
-    """The finished session as one training sample, filled into ``base`` (the prompt's sample): the first
-    turn's prompt is the prompt; then per turn the tokens appended since the previous turn (``loss_mask`` 0)
-    and the engine's output (``loss_mask`` 1, its logprobs); each turn recorded as one engine call, so the
-    sample's start version is its oldest turn's (the staleness rule) and its end the last turn's.
-    ``InvalidInput`` for a session without turns or one that broke."""
+def session_samples(state: SessionState, base: Sample) -> list[Sample]:
+    """The finished session as training samples filled into copies of ``base`` (the prompt's sample): one per
+    branch of its trajectory tree (:func:`~.tree.branch_samples`; a session whose harness never rewrote history
+    has one). ``InvalidInput`` for a session without turns or one that broke."""
     if state.broken is not None:
         raise InvalidInput(f"session {state.session_id} broke ({state.broken}); its trajectory is not token-exact")
-    if not state.turns:
+    if not state.nodes:
         raise InvalidInput(f"session {state.session_id} has no turns: the agent never called the model")
-    first = state.turns[0]
-    base.prompt_ids, base.response_ids, base.response_logprobs = list(first.prompt_ids), [], []
-    base.loss_mask, base.call_versions = [], []
-    held = len(first.prompt_ids)
-    for turn in state.turns:
-        base.append_response(list(turn.prompt_ids[held:]), trained=False)
-        base.append_response(list(turn.output_ids), list(turn.output_logprobs), trained=True)
-        base.record_engine_call(turn.version_start, turn.version_end)
-        held = len(turn.prompt_ids) + len(turn.output_ids)
-    last = state.turns[-1].finish_reason
-    base.finish_reason = last
-    base.status = (SampleStatus.TRUNCATED if last == "length" else SampleStatus.COMPLETED).value
-    base.metadata["session"] = {"session_id": state.session_id, "num_turns": len(state.turns),
-                                "turn_versions": [[t.version_start, t.version_end] for t in state.turns]}
-    return base
+    return branch_samples(state.nodes, base, {"session_id": state.session_id, "num_session_turns": len(state.nodes)})
