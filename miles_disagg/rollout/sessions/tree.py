@@ -26,8 +26,6 @@ from typing import Any
 from miles_disagg.rollout.sessions.matchers import Matcher
 from miles_disagg.samples import Sample, SampleStatus
 
-MAX_NODES = 1024
-
 
 @dataclass(frozen=True)
 class Node:
