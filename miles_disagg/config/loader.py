@@ -17,6 +17,7 @@ from miles_disagg.config.components import SECTIONS, RunConfig
 from miles_disagg.config.fields import ConfigArgumentParser, FlagSpec, add_flag, build_config, flag_specs
 from miles_disagg.config.miles_flags import REFUSED_FLAGS, check_refused, unknown_flags_error
 from miles_disagg.config.resolve import resolve_derived
+from miles_disagg.config.session_rules import session_server_argv
 from miles_disagg.config.validate import validate
 from miles_disagg.types import ConfigError
 
@@ -62,7 +63,7 @@ def load_launch(argv: Sequence[str] | None, entry: str) -> tuple[RunConfig, str]
     (``--print-config``) or ``dry-run`` (``--dry-run``)."""
     from miles_disagg.config.sglang_args import split_sglang_passthrough
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = session_server_argv(list(sys.argv[1:] if argv is None else argv))  # miles' --use-session-server v2
     # --sglang-* go to managed SGLang servers as they are, except the job's own --sglang-* flags
     sglang_args, argv = split_sglang_passthrough(argv, consumed=job_sglang_flags())
     parser = build_parser(entry)

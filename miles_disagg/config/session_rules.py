@@ -18,6 +18,23 @@ AGENTIC_GENERATE = "miles.rollout.generate_hub.agentic_tool_call.generate"
 """miles' generate function of agentic rollout: here the session endpoint's own (the same contract)."""
 
 
+def session_server_argv(argv: list[str]) -> list[str]:
+    """miles' ``--use-session-server v2`` (its trajectory tree: what ``--use-session-server`` serves here) as
+    ``--use-session-server``; miles' ``v1`` (linear, a retried turn rolled back) refused with one line."""
+    out = list(argv)
+    for index, arg in enumerate(out[:-1]):
+        if arg != "--use-session-server" or out[index + 1] not in ("v1", "v2"):
+            continue
+        if out[index + 1] == "v1":
+            raise ConfigError(miles_refusal("--use-session-server v1", "the session endpoint serves miles' v2 "
+                                            "trajectory tree (a linear session is its one-branch case; a retried turn "
+                                            "becomes a branch, not a rollback)", "give --use-session-server (or v2)"),
+                              ("--use-session-server",))
+        del out[index + 1]
+        break
+    return out
+
+
 def check_tito_model(name: str) -> str:
     """``name`` if its merge rule is implemented here; ``ConfigError`` naming the flag otherwise."""
     if name in TITO_MODELS:

@@ -161,3 +161,13 @@ def test_a_checkpoint_without_a_template_gets_the_chatml_one(tiny_qwen3_dir, tmp
     assert checkpoint_template(tiny_qwen3_dir, tmp_path / "t.jinja") == "{{ messages[0].content }}"
     with pytest.raises(ConfigError, match="--chat-template-path"):
         checkpoint_template(tiny_qwen3_dir, tmp_path / "missing.jinja")
+
+
+def test_miles_session_server_versions_v2_is_this_endpoint_and_v1_is_refused_with_one_line():
+    from miles_disagg.config.session_rules import session_server_argv
+
+    assert session_server_argv(["--use-session-server", "v2", "--tito-model", "qwen3"]) == [
+        "--use-session-server", "--tito-model", "qwen3"]
+    assert session_server_argv(["--use-session-server", "--x"]) == ["--use-session-server", "--x"]
+    with pytest.raises(ConfigError, match="--use-session-server v1 is a miles flag that does not apply here"):
+        session_server_argv(["--use-session-server", "v1"])
