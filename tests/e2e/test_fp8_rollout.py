@@ -32,7 +32,8 @@ from deadlines import scaled
 from miles_disagg.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 16
+STEPS = {"moe": 16, "dense": 12}
+"""Steps per run: the dense policy climbs faster (0.04 -> 0.27 over its first 12 steps)."""
 BLOCK = ["32", "32"]
 
 
@@ -60,7 +61,7 @@ def fp8_job(tmp: Path, kind: str) -> tuple[Path, Path, Path]:
         [sys.executable, str(REPO / "train_async.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
          "--run-dir", str(run_dir), "--hf-checkpoint", str(fp8), "--hf-checkpoint-init", "none",
          "--train-hf-checkpoint", str(bf16), "--use-tis", "--check-weight-update-equal", *TRAINED_AS[kind],
-         "--num-rollout", str(STEPS), "--save", str(run_dir / "saves"), "--save-interval", str(STEPS),
+         "--num-rollout", str(STEPS[kind]), "--save", str(run_dir / "saves"), "--save-interval", str(STEPS[kind]),
          *ONE_ENGINE],
         cwd=tmp, capture_output=True, text=True, timeout=scaled(300), env=env)
     assert result.returncode == 0, result.stderr[-6000:]
@@ -82,7 +83,7 @@ BOTH = pytest.mark.parametrize("kind", list(MODELS))
 def test_the_policy_learns_with_fp8_engines(fp8_runs, kind: str) -> None:
     _, _, run_dir = fp8_runs[kind]
     rewards = [r["rollout/raw_reward"] for r in read_metrics(run_dir / "metrics.jsonl")]
-    assert len(rewards) == STEPS
+    assert len(rewards) == STEPS[kind]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last >= first + 0.1, rewards
 
@@ -113,7 +114,7 @@ def test_the_mismatch_and_the_update_cost_are_recorded(fp8_runs, kind: str) -> N
     assert 0 < first["train/tis_weight_mean"] <= 2.0
     assert all(0 < r["perf/update_weights_density"] <= 1 and r["perf/update_weights_wire_bytes"] > 0 for r in records)
     updates = read_metrics(run_dir / "updates.jsonl")
-    assert len(updates) == STEPS and all(u["ci/weights_equal_engines"] for u in updates)
+    assert len(updates) == STEPS[kind] and all(u["ci/weights_equal_engines"] for u in updates)
 
 
 @BOTH
@@ -121,7 +122,7 @@ def test_every_fp8_version_verifies_and_equals_convert_fp8_of_the_trainers_weigh
     tmp, fp8, run_dir = fp8_runs[kind]
     store = next(p.parent for p in run_dir.rglob("LATEST"))
     latest = json.loads((store / "LATEST").read_text())["version"]
-    assert latest == STEPS
+    assert latest == STEPS[kind]
     verified = cli("weights", "verify", "--store", str(store), "--base-dir", str(fp8))
     assert verified.returncode == 0, verified.stdout + verified.stderr
     local = tmp / "host"
