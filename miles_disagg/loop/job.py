@@ -214,6 +214,9 @@ class Job:
                 self.trainer.remove_store_probe(probe)
         self.router_url = self.engines.router_url
         status(f"engines: {len(self.engines.engine_urls)} behind the router at {self.router_url}")
+        if manager_config.lora_base_dir and self.trainer is not None:  # the trainer wrote the chain's version 0
+            self.engines.update_weights(0)  # the adapter as initialised, resident: nothing runs on the bare base
+            status("engines: serving LoRA adapter version 0 (the adapter as initialised) beside the base")
         if self.trainer is not None:
             self.trainer.set_rollout_engines(self.engines.engine_urls)
         if self._publishes() and self.config.rollout.rollout_external:

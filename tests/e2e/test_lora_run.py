@@ -89,6 +89,8 @@ def best_window(rewards_by_step: list[float], width: int = 5) -> float:
 def test_lora_learns_the_counting_task(lora_runs) -> None:
     assert ("LoRA rank 8, alpha 16 on q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj: the engines serve "
             "adapter versions beside the resident base, activated without a pause") in lora_runs["first"].stderr
+    assert "engines: serving LoRA adapter version 0" in lora_runs["first"].stderr  # before step 1, never the bare base
+    assert "serving LoRA adapter version 0" not in lora_runs["resumed"].stderr  # --lora-train-only: the base
     learned = rewards(lora_runs["tmp"] / "run")
     assert len(learned) == STEPS
     untrained, best = sum(learned[:3]) / 3, best_window(learned)

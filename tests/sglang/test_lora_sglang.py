@@ -107,6 +107,7 @@ def test_the_agent_serves_a_runs_adapter_versions_on_sglang_without_a_pause(sgla
                 time.sleep(0.05)
             answer = client.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
             info = client.request("GET", "/model_info").json()
+            sums = client.request("GET", "/weight_checksums?algorithm=xxh3-128").json()  # --check-weight-update-equal
     finally:
         agent.stop()
     assert pauses == [0.0, 0.0, 0.0] and not manager.of_type("PauseGenerationReqInput")
@@ -124,6 +125,7 @@ def test_the_agent_serves_a_runs_adapter_versions_on_sglang_without_a_pause(sgla
     meta = answer["meta_info"]
     assert (meta["weight_version_start"], meta["weight_version_end"]) == ("2", "2")
     assert info["resident_weight_versions"] == {"2": "v2"} and info["weight_version"] == "2"
+    assert (sums["weight_version"], sums["checksums"]) == ("2", published)
 
 
 def test_a_run_vets_the_agents_sglang_for_lora_and_launches_sglang_with_its_lora_args(sglang, manager,
