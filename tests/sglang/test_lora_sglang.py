@@ -96,6 +96,11 @@ def test_the_agent_serves_a_runs_adapter_versions_on_sglang_without_a_pause(sgla
                          store_dirs=[str(store)], extra_args=["--lora-base-dir", str(base),
                                                               "--lora-resident-versions", "1"])
     try:
+        with EngineClient(agent.url) as client:  # before any adapter version: refused, never the bare base
+            early = client.request("POST", "/generate", json={"input_ids": [1, 2]})
+            as_model = client.request("POST", "/update_weights_from_disk", json={"model_path": str(base)})
+        assert early.status_code == 400 and "bare base" in early.text and not manager.of_type("GenerateReqInput")
+        assert as_model.status_code == 400 and "never as the model's weights" in as_model.text
         updater = DiskDeltaUpdater([agent.url], store_dir=str(store), local_dirs=[str(local)])
         try:
             pauses = [updater.update(version).pause_time_s for version in (0, 1, 2)]
