@@ -60,11 +60,12 @@ def check_runnable(config: RunConfig, warnings: list[str] | None = None) -> None
     for flag_name, value in (("--num-rollout", rollout.num_rollout), ("--rollout-batch-size", rollout.rollout_batch_size)):
         if value is None:
             raise ConfigError(f"{flag_name} is required to train", (flag_name,))
-    from miles_disagg.rollout.sessions.agent import load_agent_function, rollout_hooks_of
+    from miles_disagg.rollout.sessions.agent import load_agent_function, load_matcher, rollout_hooks_of
 
     rollout_hooks_of(rollout)  # imported and signature-checked before anything starts
     if rollout.use_session_server:
-        load_agent_function(rollout)  # the agent too
+        load_agent_function(rollout)  # the agent too, and a --session-message-matcher import path
+        load_matcher(rollout.session_message_matcher)
     if train.custom_loss_function_path or train.custom_tis_function_path or train.custom_pg_loss_reducer_function_path:
         from miles_disagg.trainer.miles_loss_api import load_hooks
 

@@ -274,8 +274,11 @@ def test_the_session_endpoint_is_in_the_plan_and_its_miles_flags_are_checked(cap
     assert plan["sessions"]["address"] == "http://127.0.0.1:31234"
     assert plan["sessions"]["allowed_append_roles"] == ["tool", "user"]
     assert "POST /sessions/{id}/v1/chat/completions" in plan["sessions"]["routes"]
+    for matcher in ("loose_tool_call", "role_content_only"):  # miles' matchers, with miles' meanings
+        dry_run(capsys, *disk_delta(tmp_path, tiny_qwen3_dir), *sessions, "--session-message-matcher", matcher)
     for extra, message in ((["--tito-model", "glm47"], "--tito-model glm47 is a miles flag that does not apply here"),
-                           (["--session-message-matcher", "role_content_only"], "a miles flag"),
+                           (["--session-message-matcher", "loose"], "--session-message-matcher 'loose': unknown"),
+                           (["--session-message-matcher", "nowhere.same"], "--session-message-matcher"),
                            (["--session-server-port", "1", "2"], "one port"),
                            (["--custom-generate-function-path", "x.y"], "would replace it")):
         assert main("train_async", [*disk_delta(tmp_path, tiny_qwen3_dir), *sessions, *extra, "--dry-run"]) == 2
