@@ -33,7 +33,8 @@ from miles_disagg.net.asgi_guard import GuardMiddleware, ServerGuard, install_gu
 from miles_disagg.net.httpjson import parse_body
 from miles_disagg.router.config import RouterConfig
 from miles_disagg.router.fast_path import GenerationFastPath
-from miles_disagg.router.proxy import GENERATE_PATH, OPENAI_PATHS, Router, WorkerVersionMismatch, error_response
+from miles_disagg.router.proxy import GENERATE_PATH, OPENAI_PATHS, Router, WorkerVersionMismatch
+from miles_disagg.router.replies import error_response
 from miles_disagg.router.registry import UnknownWorker, WorkerRegistry, WorkerState, parse_version
 from miles_disagg.types import InvalidInput, MilesDisaggError
 

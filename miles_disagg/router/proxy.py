@@ -53,7 +53,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import logging
 import math
 import time
@@ -61,13 +60,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import pydantic_core
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from miles_disagg.net.auth import ApiKeys, forward_headers
-from miles_disagg.net.httpjson import OFF_LOOP_BYTES, parse_json_async
+from miles_disagg.net.httpjson import parse_json_async
 from miles_disagg.net.pooled_http import ConnectTimedOut, NotConnected, Reply, TransportFailed
-from miles_disagg.router.affinity import choose_for_session, routing_key, version_extra_key
+from miles_disagg.router.affinity import choose_for_session, routing_key
 from miles_disagg.router.client_gone import ClientGone, unless_client_gone
 from miles_disagg.router.config import RouterConfig
 from miles_disagg.router.health import HealthChecker
@@ -75,8 +73,10 @@ from miles_disagg.router.hops import HOPS_HEADER, LOOP_DETECTED, RouterLoop, hop
 from miles_disagg.router.loop_lag import LoopLag
 from miles_disagg.router.peers import SoleRouter
 from miles_disagg.router.policy import (LeastOutstandingPolicy, NoWorkerAvailable, annotate_served_versions,
-                                       constraint_json, pinned_body, request_constraint, version_served, violates)
+                                       constraint_json, request_constraint, version_served, violates)
 from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, normalize_url, parse_version
+from miles_disagg.router.replies import (encode, encode_async, error_response, json_or_none, metas_of, payload_for,
+                                        percentiles_ms)
 from miles_disagg.router.shared_table import COUNTERS as METRIC_COUNTERS
 from miles_disagg.router.streams import StreamRelay, dispatch_stream
 from miles_disagg.router.upstream import UpstreamClient
@@ -234,7 +234,7 @@ class Router:
         # the body goes on as it came unless its constraint had to be taken out; a session's /generate
         # without a cache namespace gets the served version's (router/affinity.py), so it is encoded per worker
         keyed = key is not None and path == GENERATE_PATH and isinstance(body, dict) and "extra_key" not in body
-        payload = await _encode_async(body, len(raw)) if constrained_in_body else raw
+        payload = await encode_async(body, len(raw)) if constrained_in_body else raw
         exact_body = body if constraint.exact_version is not None else None  # may be pinned to an older adapter
         response = await self._route(request, path, payload, record, hops, body if keyed else None, exact_body)
         record.status, record.total_s = response.status_code, time.perf_counter() - started
@@ -261,7 +261,7 @@ class Router:
                 worker = self._choose(record, tried)
             except (VersionNotReady, NoWorkerAvailable) as exc:
                 return self._not_ready(exc, constraint)
-            sent = _payload_for(worker, payload, constraint, keyed_body, exact_body)
+            sent = payload_for(worker, payload, constraint, keyed_body, exact_body)
             dispatch = self._dispatch_stream if record.stream else self._dispatch
             response = await dispatch(worker, path, sent, headers, request, record)
             if response is not None:
@@ -342,11 +342,11 @@ class Router:
         constraint = record.constraint
         routed = {"X-Routed-Worker": worker.url}
         content_type = upstream.headers.get("content-type", "")
-        obj = _json_or_none(upstream) if upstream.is_success and "json" in content_type else None
+        obj = json_or_none(upstream) if upstream.is_success and "json" in content_type else None
         if obj is None:
             return Response(upstream.content, status_code=upstream.status_code,
                             media_type=content_type or None, headers=routed)
-        metas = _metas_of(obj, "meta_info" if path == GENERATE_PATH else "metadata")
+        metas = metas_of(obj, "meta_info" if path == GENERATE_PATH else "metadata")
         for meta in metas:
             self.peers.observe_version(worker, parse_version(meta.get("weight_version")))
         for meta in metas:
@@ -361,7 +361,7 @@ class Router:
             available = [worker.weight_version] if worker.weight_version is not None else []
             return self._not_ready(VersionNotReady(constraint, available), constraint, message=message)
         record.served = [(m["weight_version_start"], m["weight_version_end"]) for m in metas]
-        return Response(_encode(obj), status_code=upstream.status_code, media_type="application/json", headers=routed)
+        return Response(encode(obj), status_code=upstream.status_code, media_type="application/json", headers=routed)
 
     def _not_ready(self, exc: Retryable, constraint: VersionConstraint, message: str | None = None) -> Any:
         retry = {"Retry-After": str(max(1, math.ceil(self.config.retry_after_s)))}
@@ -381,72 +381,5 @@ class Router:
     def metrics(self) -> dict[str, Any]:
         own = {**{k: self.counters.get(k, 0) for k in METRIC_COUNTERS},
                "served_per_worker": {w.url: w.num_served for w in self.registry.workers()},
-               "routing_overhead_ms": _percentiles_ms(self.overheads_s)}
+               "routing_overhead_ms": percentiles_ms(self.overheads_s)}
         return self.peers.metrics(own)
-
-
-def _percentiles_ms(values_s: collections.deque) -> dict[str, float | int | None]:
-    """p50/p99/max in milliseconds of the router's own time per request (its time minus the workers')."""
-    ordered = sorted(values_s)
-    if not ordered:
-        return {"count": 0, "p50": None, "p99": None, "max": None}
-    at = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 3)  # noqa: E731
-    return {"count": len(ordered), "p50": at(0.5), "p99": at(0.99), "max": round(ordered[-1] * 1e3, 3)}
-
-
-# --------------------------------------------------------------------------- request/response helpers
-
-
-def _payload_for(worker: Worker, payload: bytes, constraint: VersionConstraint, keyed_body: dict | None,
-                 exact_body: dict | None) -> bytes:
-    """What ``worker`` gets: ``payload``, or the body re-encoded with the ``lora_path`` of the older
-    resident version it is pinned to (:func:`~miles_disagg.router.policy.pinned_body`) and a session's
-    cache namespace of the version it runs on (``keyed_body``)."""
-    pinned = pinned_body(exact_body, worker, constraint) if exact_body is not None else None
-    if keyed_body is not None:
-        return _encode({**(pinned or keyed_body), "extra_key": version_extra_key(version_served(worker, constraint))})
-    return payload if pinned is None else _encode(pinned)
-
-
-def _json_or_none(response: Reply) -> Any:
-    try:
-        return pydantic_core.from_json(response.content)
-    except ValueError:
-        return None
-
-
-def _encode(obj: Any) -> bytes:
-    """``obj`` as JSON (pydantic-core's encoder: a fifth of ``json.dumps``' time on a generation answer; the
-    standard one for what it refuses, e.g. lone surrogates)."""
-    try:
-        return pydantic_core.to_json(obj)
-    except ValueError:
-        return json.dumps(obj).encode()
-
-
-async def _encode_async(obj: Any, size_hint: int) -> bytes:
-    """:func:`_encode`, in a worker thread when ``size_hint`` (the body it came from) is big."""
-    if size_hint <= OFF_LOOP_BYTES:
-        return _encode(obj)
-    return await asyncio.to_thread(_encode, obj)
-
-
-def _metas_of(obj: Any, key: str) -> list[dict]:
-    """The per-item metadata dicts of a response (a batched ``/generate`` answers a list)."""
-    metas = []
-    for item in obj if isinstance(obj, list) else [obj]:
-        if isinstance(item, dict):
-            if not isinstance(item.get(key), dict):
-                item[key] = {}
-            metas.append(item[key])
-    return metas
-
-
-def error_response(status: int, exc: BaseException, *, type_name: str | None = None,
-                   headers: dict | None = None, message: str | None = None, **extra: Any) -> JSONResponse:
-    """The router's JSON error answer: ``{"type", "retryable", "message", **extra}`` with ``status``
-    (``type``: ``type_name`` or the exception's class name; ``retryable``: whether it is ``Retryable``)."""
-    body = {"type": type_name or type(exc).__name__, "retryable": isinstance(exc, Retryable),
-            "message": message or str(exc), **extra}
-    return JSONResponse(body, status_code=status, headers=headers)
-
