@@ -77,14 +77,18 @@ def test_the_agent_serves_a_runs_adapter_versions_on_sglang_without_a_pause(sgla
                                                                            tiny_qwen3_dir, tmp_path):
     """``--lora-base-dir``: the run's updater brings the agent to adapter versions 0, 1, 2 from the store;
     SGLang gets each by /load_lora_adapter from the host-local copy and its label by /update_weight_version
-    without aborting anything, never a pause; the oldest leaves by /unload_lora_adapter; a /generate naming
-    no adapter reaches SGLang with the served one's lora_path and is attributed to that version."""
+    without aborting anything, never a pause; the oldest beyond two leaves by /unload_lora_adapter. Through
+    the run's router, a rollout request (min_version) reaches SGLang with the served version's lora_path and
+    an exact_version request of the older resident one with its own, each attributed to its version."""
     import time
 
+    import httpx
     from lora_fixtures import publish_adapter_chain
 
     from miles_disagg.engines.launch import launch_agent
     from miles_disagg.engines.updater import DiskDeltaUpdater
+    from miles_disagg.rollout.generate import SamplingSettings, request_body
+    from miles_disagg.router.launch import launch_router
     from miles_disagg.weights.adapters import check_adapter_dir
     from miles_disagg.weights.checksums import checksum
     from miles_disagg.weights.safetensors_io import checkpoint_tensors, read_bytes
@@ -94,7 +98,7 @@ def test_the_agent_serves_a_runs_adapter_versions_on_sglang_without_a_pause(sgla
     local.parent.mkdir()
     agent = launch_agent(sglang.url, local, log_path=tmp_path / "agent.log", base_dir=tiny_qwen3_dir,
                          store_dirs=[str(store)], extra_args=["--lora-base-dir", str(base),
-                                                              "--lora-resident-versions", "1"])
+                                                              "--lora-resident-versions", "2"])
     try:
         with EngineClient(agent.url) as client:  # before any adapter version: refused, never the bare base
             early = client.request("POST", "/generate", json={"input_ids": [1, 2]})
@@ -108,11 +112,23 @@ def test_the_agent_serves_a_runs_adapter_versions_on_sglang_without_a_pause(sgla
             updater.close()
         with EngineClient(agent.url) as client:
             deadline = time.monotonic() + 60
-            while len(manager.of_type("UnloadLoRAAdapterReqInput")) < 2 and time.monotonic() < deadline:
+            while not manager.of_type("UnloadLoRAAdapterReqInput") and time.monotonic() < deadline:
                 time.sleep(0.05)
-            answer = client.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
             info = client.request("GET", "/model_info").json()
             sums = client.request("GET", "/weight_checksums?algorithm=xxh3-128").json()  # --check-weight-update-equal
+        router = launch_router(log_path=tmp_path / "router.log", workers=[agent.url], health_check_interval_s=0.2)
+        try:
+            with router.client() as client:
+                while not [w for w in client.list_workers() if w["state"] == "ready" and w["weight_version"] == 2]:
+                    assert time.monotonic() < deadline, client.list_workers()
+                    time.sleep(0.05)
+            settings = SamplingSettings(max_new_tokens=1)
+            newest, pinned = (httpx.post(f"{router.url}/generate", json=request_body([9, 8], settings, **constraint),
+                                         timeout=30) for constraint in ({"min_version": 2}, {"min_version": None,
+                                                                                             "exact_version": 1}))
+            assert newest.status_code == 200 and pinned.status_code == 200, (newest.text, pinned.text)
+        finally:
+            router.stop()
     finally:
         agent.stop()
     assert pauses == [0.0, 0.0, 0.0] and not manager.of_type("PauseGenerationReqInput")
@@ -124,12 +140,13 @@ def test_the_agent_serves_a_runs_adapter_versions_on_sglang_without_a_pause(sgla
         == published  # the host-local copy SGLang loaded is the trainer's adapter version 2
     labels = manager.of_type("UpdateWeightVersionReqInput")
     assert [(r.new_version, r.abort_all_requests) for r in labels] == [("0", False), ("1", False), ("2", False)]
-    assert [r.lora_name for r in manager.of_type("UnloadLoRAAdapterReqInput")] == ["v0", "v1"]
-    (req,) = manager.of_type("GenerateReqInput")
-    assert req.lora_path == "v2"  # never the bare base by omission
-    meta = answer["meta_info"]
-    assert (meta["weight_version_start"], meta["weight_version_end"]) == ("2", "2")
-    assert info["resident_weight_versions"] == {"2": "v2"} and info["weight_version"] == "2"
+    assert [r.lora_name for r in manager.of_type("UnloadLoRAAdapterReqInput")] == ["v0"]
+    rollouts = [r for r in manager.of_type("GenerateReqInput") if r.input_ids == [9, 8]]  # not SGLang's /health
+    assert [r.lora_path for r in rollouts] == ["v2", "v1"]  # never the bare base by omission
+    for answer, version in ((newest, 2), (pinned, 1)):
+        meta = answer.json()["meta_info"]
+        assert (meta["weight_version_start"], meta["weight_version_end"]) == (version, version), meta
+    assert info["resident_weight_versions"] == {"1": "v1", "2": "v2"} and info["weight_version"] == "2"
     assert (sums["weight_version"], sums["checksums"]) == ("2", published)
 
 
