@@ -55,6 +55,7 @@ class AgentAdapters:
         self.base_dir, self.keep = Path(base_dir), keep
         self.root = local_dir.parent / f"{local_dir.name}.adapters"
         self.resident: list[int] = []  # ascending activation order; the last is served
+        self.loaded: set[int] = set()  # loaded into the engine (resident, or activated halfway, or leaving)
         self._lock = threading.Lock()
         self._unloads: set[asyncio.Task] = set()
 
@@ -93,9 +94,10 @@ class AgentAdapters:
         """Load ``directory`` as adapter ``version`` beside the resident ones and serve it (no pause).
         ``engine``: an :class:`~miles_disagg.engines.async_client.AsyncEngineClient` of SGLang."""
         name = adapter_name(version)
-        if version not in self.resident:
+        if version not in self.loaded:  # an activation that failed after its load is made again without it
             engine.checked(await engine.send("POST", LOAD_PATH, {"lora_name": name, "lora_path": str(directory),
                                                                  "pinned": False}), LOAD_PATH)
+            self.loaded.add(version)
         engine.checked(await engine.send("POST", LABEL_PATH, {"new_version": str(version),
                                                               "abort_all_requests": False}), LABEL_PATH)
         with self._lock:
@@ -119,6 +121,7 @@ class AgentAdapters:
         except Exception as exc:  # noqa: BLE001 - logged: the adapter stays loaded, nothing is served wrong
             log.warning("unloading LoRA adapter version %s failed: %s", version, exc)
             return
+        self.loaded.discard(version)
         shutil.rmtree(self.root / adapter_name(version), ignore_errors=True)
 
     async def wait_unloads(self) -> None:
