@@ -1,5 +1,5 @@
 """PPO's critic as its own trainer group on real Ray (gloo; the rank processes pooled for the
-module: placing them in the critic's bundles is the PPO job's, tests/e2e/test_ppo_critic_job.py): two ranks train exactly as one (the value loss normalised over the global batch), and a
+module: placing them in the critic's bundles is the PPO job's, tests/e2e/test_ppo_opd_job.py): two ranks train exactly as one (the value loss normalised over the global batch), and a
 save written by two ranks loads into one with the same value head, values and lr schedule.
 """
 
