@@ -2,8 +2,9 @@
 machine (``ray start`` three times: a head offering the trainer's GPU, two rollout workers with
 one GPU and the ``rollout`` resource each, so each holds one engine) survives, in order:
 
-0. :func:`stall_the_router` and :func:`kill_the_router`: the router process is SIGSTOPped for 15 s
-   (the run's calls to it wait and go through once it answers: it is not restarted), then SIGKILLed
+0. :func:`stall_the_router` and :func:`kill_the_router`: the router process is SIGSTOPped for 8 s
+   (the monitor's ``/health`` probes time out meanwhile; the run's calls to it wait and go through
+   once it answers: it is not restarted), then SIGKILLed
    (the engine manager starts it again at its address with both engines registered again); the run
    trains on through both;
 1. :func:`kill_an_engine_process`: the process of the engine on rollout-b is SIGKILLed;
@@ -217,19 +218,28 @@ class ChaosRun:
         return {w["url"] for w in self.router_workers()}
 
 
+ROUTER_STALL_S = 8.0
+"""Longer than one of the monitor's ``/health`` probes and the interval between two (``HEALTH_TIMEOUT_S``
+5 s + ``--rollout-health-check-interval`` 1 s: at least one probe goes unanswered), far shorter than the
+keeper's bound before a restart (``STALL_BOUND_S`` 45 s). (15 s before: 7 s of the suite's time more.)"""
+
+
 def stall_the_router(run: ChaosRun) -> None:
-    """SIGSTOP the router process for 15 s, then SIGCONT: the run trains on, the router is not restarted."""
+    """SIGSTOP the router process for :data:`ROUTER_STALL_S`, then SIGCONT: the run trains on, not restarted."""
+    from miles_disagg.fleet.router_keeper import HEALTH_TIMEOUT_S, STALL_BOUND_S
+
+    assert HEALTH_TIMEOUT_S + 1.0 < ROUTER_STALL_S < STALL_BOUND_S / 2  # a probe unanswered, no restart due
     router = run.router_process()
     steps = run.steps_done()
     router.suspend()
     try:
-        assert not threading.Event().wait(15.0)  # the fault is the stall itself: 15 s of a stopped router
+        assert not threading.Event().wait(ROUTER_STALL_S)  # the fault is the stall itself: a stopped router
     finally:
         router.resume()
     run.allow(1)
     run.wait_steps_paced(steps + 1)
     assert run.router_process().pid == router.pid
-    run.notes["router_stalled_s"] = 15.0
+    run.notes["router_stalled_s"] = ROUTER_STALL_S
 
 
 def kill_the_router(run: ChaosRun) -> None:
