@@ -22,17 +22,20 @@ def lora_trainer(model_dir: Path, lr: float):
                                    lora_rank=4, lora_alpha=8), str(model_dir), rank=0, world_size=1)
 
 
-def publish_adapter_chain(model_dir: Path, store: str, base_dir: Path, versions: int) -> dict[str, str]:
+def publish_adapter_chain(model_dir: Path, store: str, base_dir: Path, versions: int,
+                          base_in_store: bool = False) -> dict[str, str]:
     """A LoRA run's publication without the run: the trainer's adapter as the chain's version 0 at
-    ``base_dir`` and ``versions`` trained adapter versions in ``store`` (a directory or ``s3://``);
-    returns the checksums of the last version (what an engine serving it must hold)."""
+    ``base_dir`` (``base_in_store``: and, with the model's base, in the object store ``store``, as a
+    LoRA run with --rollout-base-from-store puts them) and ``versions`` trained adapter versions in ``store`` (a directory or ``s3://``); returns the
+    checksums of the last version (what an engine serving it must hold)."""
     from miles_disagg.trainer.lora import adapter_config
     from miles_disagg.weights.adapters import write_adapter_dir
     from miles_disagg.weights.publisher import DeltaPublisher
 
     trainer = lora_trainer(model_dir, lr=5e-2)
     write_adapter_dir(base_dir, adapter_config(trainer.lora), trainer.adapter_tensors())
-    publisher = DeltaPublisher(store, base_dir=base_dir, run_id="lora-chain", encoding="xor", filter="none")
+    publisher = DeltaPublisher(store, base_dir=base_dir, run_id="lora-chain", encoding="xor", filter="none",
+                               base_in_store=base_in_store, model_in_store=model_dir if base_in_store else None)
     try:
         publisher.capture_baseline()
         for step in range(1, versions + 1):

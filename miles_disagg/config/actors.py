@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_disagg.config.components import ClusterConfig, RolloutConfig, RunConfig, WeightUpdateConfig
-from miles_disagg.config.lora_rules import adapter_base_dir, serves_adapters
+from miles_disagg.config.lora_rules import adapter_base_dir, adapter_base_in_store, serves_adapters
 
 from miles_disagg.config.training import TrainConfig
 
@@ -41,6 +41,9 @@ class EngineManagerConfig:
     lora_base_dir: str | None = None
     """The run's engines serve its LoRA adapter versions, whose chain starts at this directory
     (:func:`miles_disagg.config.lora_rules.serves_adapters`)."""
+    lora_base_from_store: bool = False
+    """With ``lora_base_dir``: the chain's version 0 is in the object store (the trainer's copy at
+    ``lora_base_dir`` is no engine's): each engine fetches it onto its node (``--lora-base-from-store``)."""
     lora_rank: int = 0
     """With ``lora_base_dir``: the adapters' rank (managed SGLang engines start with ``--max-lora-rank``)."""
     lora_targets: tuple[str, ...] = ()
@@ -56,7 +59,7 @@ class EngineManagerConfig:
                    moe=moe_routing_shape(config.train.hf_checkpoint) is not None,
                    use_rollout_routing_replay=config.train.use_rollout_routing_replay,
                    lora_base_dir=_lora_base_dir(config), lora_rank=config.train.lora_rank,
-                   lora_targets=_lora_targets(config))
+                   lora_targets=_lora_targets(config), lora_base_from_store=adapter_base_in_store(config))
 
     def returns_routing(self, backend: str) -> bool:
         """Whether managed engines of ``backend`` start with ``--enable-return-routed-experts``."""

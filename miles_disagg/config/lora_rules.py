@@ -112,17 +112,20 @@ def adapter_serving_refusal(config) -> tuple[str, tuple[str, ...]] | None:
     if rollout.rollout_service_url:
         return (f"--lora-rank with --rollout-service-url: the rollout service's replicas serve full-weight versions "
                 f"only; {engines}", ("--lora-rank", "--rollout-service-url"))
-    if weights.rollout_base_from_store:
-        return ("--lora-rank with --rollout-base-from-store: the store's version 0 is the model, and an adapter "
-                "run's chain starts at its own adapter; give the engines the base on their disk (drop "
-                "--rollout-base-from-store)", ("--lora-rank", "--rollout-base-from-store"))
     return None
 
 
+def adapter_base_in_store(config) -> bool:
+    """Whether the run's adapter chain's version 0 is in its object store (``s3://``): the trainer puts
+    it there once and every engine fetches it onto its own node (``--lora-base-from-store``), as
+    ``--rollout-base-from-store`` does the model's base. A directory store's is a path beside it."""
+    return serves_adapters(config) and "://" in (config.weights.update_weight_disk_dir or "")
+
+
 def adapter_base_dir(store_dir: str, run_dir: str | None = None) -> str:
-    """Where an adapter-serving run writes its adapter chain's version 0: beside a directory store,
-    or for an object store (``s3://``) in the run directory (a local path the engines read, as they
-    read the base checkpoint)."""
+    """Where an adapter-serving run's trainer writes its adapter chain's version 0: beside a directory
+    store (the path the engines read), or for an object store (``s3://``) in the run directory, from
+    where it goes into the store (:func:`adapter_base_in_store`): no engine reads that path."""
     if "://" in store_dir:
         if not run_dir:
             raise ConfigError(f"an adapter chain on {store_dir} needs a run directory for its version 0",

@@ -104,3 +104,22 @@ def same_store(a: str | Path, b: str | Path) -> bool:
     if is_url(a) or is_url(b):
         return is_url(a) and is_url(b) and parse_object_url(str(a)).store_url == parse_object_url(str(b)).store_url
     return _real(a) == _real(b)
+
+
+LORA_BASE_SUFFIX = ".lora-v0"  # an engine's own copy of an adapter chain's version 0, beside its local checkpoint
+
+
+def lora_base_from_store_dir(given: Path | None, local_checkpoint_dir: Path | None, stores) -> Path:
+    """Where ``--lora-base-from-store`` fetches the adapter chain's version 0 on this node: ``given``
+    (``--lora-base-dir``), else beside the local checkpoint; ``ValueError`` naming the flags when
+    there is neither, or when no ``--weight-store-dir`` is an object store."""
+    if not any(is_url(str(store)) for store in stores):
+        raise ValueError("--lora-base-from-store needs an object store --weight-store-dir (s3://...): only an "
+                         "object store holds the adapter chain's version 0")
+    if given is not None:
+        return Path(given)
+    if local_checkpoint_dir is None:
+        raise ValueError("--lora-base-from-store needs --local-checkpoint-dir (or --lora-base-dir): the adapter "
+                         "chain's version 0 is fetched beside it")
+    local = _abs(local_checkpoint_dir)
+    return local.parent / f"{local.name}{LORA_BASE_SUFFIX}"

@@ -54,7 +54,7 @@ def engine_specs(config: EngineManagerConfig, engines: Sequence[Sequence[int]], 
         sglang_args["enable-return-routed-experts"] = True  # SGLang's flag (routing replay)
     builtin_args = ("--enable-return-routed-experts",) if routing and backend == "builtin" else ()
     if config.lora_base_dir and backend == "builtin":  # the run's adapter versions, served beside the base
-        builtin_args += ("--enable-lora", "--lora-base-dir", config.lora_base_dir)
+        builtin_args += ("--enable-lora", *adapter_base_args(config))
     lora, agent_args = sglang_lora(config) if backend == "sglang" else (None, ())
     base_from_store = config.weights.rollout_base_from_store  # each node fetches version 0 from the store
     return [EngineSpec(backend=backend, name=f"engine-{index}",
@@ -82,7 +82,15 @@ def sglang_lora(config: EngineManagerConfig):
     loaded = DEFAULT_KEEP + 1  # the resident versions and the next one, loaded beside them
     lora = LoraServing(max_lora_rank=config.lora_rank, target_modules=config.lora_targets,
                        max_loaded_loras=loaded, max_loras_per_batch=loaded)
-    return lora, ("--lora-base-dir", config.lora_base_dir, "--lora-resident-versions", str(DEFAULT_KEEP))
+    return lora, (*adapter_base_args(config), "--lora-resident-versions", str(DEFAULT_KEEP))
+
+
+def adapter_base_args(config: EngineManagerConfig) -> tuple[str, ...]:
+    """Where a managed engine (or its agent) finds the adapter chain's version 0: the object store's,
+    fetched beside its own local checkpoint, or the path beside a directory store."""
+    if config.lora_base_from_store:
+        return ("--lora-base-from-store",)
+    return ("--lora-base-dir", str(config.lora_base_dir))
 
 
 def launch_specs(config: EngineManagerConfig, engines: Sequence[Sequence[int]]) -> list[EngineSpec]:

@@ -229,19 +229,27 @@ def store_problems(config: EngineManagerConfig, server_info: dict, agent_info: d
 def lora_problems(config: EngineManagerConfig, server_info: dict, agent_info: dict | None) -> list[str]:
     """A run serving LoRA adapter versions: the engine must serve them (``enable_lora``) from this
     run's adapter chain (``lora_base_dir``: the built-in engine's ``/server_info``, an agent's
-    ``/agent_info``); one that would serve the bare base is a problem."""
+    ``/agent_info``, or ``lora_base_from_store`` where the chain's version 0 is in the run's object
+    store); one that would serve the bare base is a problem."""
     ours = config.lora_base_dir
     if not ours:
         return []
+    given = "--lora-base-from-store" if config.lora_base_from_store else f"--lora-base-dir {ours}"
+    source = agent_info if agent_info is not None else server_info
     if agent_info is not None:
-        start = f"start the agent with --lora-base-dir {ours} in front of SGLang started with --enable-lora"
+        start = f"start the agent with {given} in front of SGLang started with --enable-lora"
         where, theirs = "the agent's", agent_info.get("lora_base_dir")
     else:
-        start = f"start a built-in engine with --enable-lora --lora-base-dir {ours}"
+        start = f"start a built-in engine with --enable-lora {given}"
         where, theirs = "the engine's", server_info.get("lora_base_dir")
     if server_info.get("enable_lora") is not True:
         return [f"LoRA adapter versions: the engine was started without --enable-lora and would serve the bare base; "
                 f"{start}"]
+    if config.lora_base_from_store:  # the chain's version 0 is the store's (which store: store_problems)
+        if source.get("lora_base_from_store") is True:
+            return []
+        return [f"LoRA adapter versions: {where} adapter chain starts at {theirs!r} (--lora-base-dir), this run's "
+                f"is in its object store {config.weights.update_weight_disk_dir}; {start}"]
     if not isinstance(theirs, str) or os.path.realpath(theirs) != os.path.realpath(ours):
         return [f"LoRA adapter versions: {where} adapter chain starts at {theirs!r} (--lora-base-dir), this run's at "
                 f"{ours!r}, so it would not serve this run's adapters; {start}"]

@@ -67,11 +67,15 @@ class TrainerRank:
             hook = load_hook(w.custom_update_weight_post_write_path, POST_WRITE_FLAG,
                              MilesHookContext(self.miles_args, lambda: self.rollout_engines))
         base_dir = self._adapter_chain_base() if self.lora_base_dir else self.hf_dir
+        base_in_store, model_in_store = w.rollout_base_from_store, None
+        if self.lora_base_dir and "://" in w.update_weight_disk_dir:  # the adapter chain's version 0 into the store
+            base_in_store, model_in_store = True, (self.hf_dir if w.rollout_base_from_store else None)
         sizes = {name: entry.nbytes for name, (_, entry) in checkpoint_tensors(base_dir).items()}
         publisher = DeltaPublisher(
             w.update_weight_disk_dir, base_dir=base_dir, run_id=run_id, encoding=w.update_weight_delta_encoding,
             checksum=w.update_weight_delta_checksum, filter=delta_filter, post_write_hook=hook,
-            full_anchor_interval=w.update_weight_full_anchor_interval, base_in_store=w.rollout_base_from_store,
+            full_anchor_interval=w.update_weight_full_anchor_interval, base_in_store=base_in_store,
+            model_in_store=model_in_store,
             share=self.backend.publish_share(sizes), collective=TorchCollective() if self.world_size > 1 else None)
         publisher.capture_baseline()  # the first update only captures the baseline
         return publisher

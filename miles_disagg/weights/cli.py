@@ -43,7 +43,9 @@ class PublishCommand:
     post_write_hook: str | None = flag(None, "Hook run before LATEST moves.", metavar="MODULE:FUNCTION")
     workers: int = flag(2, WORKERS_HELP)
     base_in_store: bool = flag(False, "Also put --base-dir into the object store once, as its version 0 (engines "
-                                      "and replicas started with --base-from-store fetch it from there).")
+                                      "and replicas started with --base-from-store fetch it from there; a LoRA "
+                                      "adapter directory becomes the adapter chain's version 0, which engines "
+                                      "started with --lora-base-from-store fetch).")
 
 
 @dataclass(kw_only=True)

@@ -5,14 +5,17 @@ Under the location's prefix::
     LATEST                                         the pointer (below); the one object ever overwritten
     base/<attempt>/manifest.json                   the base checkpoint (version 0), when the store holds it:
     base/<attempt>/<file>                          {"objects": {file: {"bytes", "checksum"}}}, every file of it
+    lora-base/<attempt>/manifest.json              a LoRA run's adapter chain's version 0 (the adapter as
+    lora-base/<attempt>/<file>                     initialised), in the same form, when the store holds it
     weight_v000007/<attempt>/model.safetensors.index.json    the manifest: the version's index, plus
                                                    "objects": {file: {"bytes": n, "checksum": xxh3-128}}
     weight_v000007/<attempt>/<file>.safetensors    the payloads the manifest names
 
 ``LATEST`` is ``{"format", "run_id", "version", "versions": {"7": {"manifest": key, "bytes": n,
 "checksum": h}, ...}, "base": {...}}``: every retained committed version, by the key of its manifest
-and that manifest's size and checksum, and the base's manifest when the store holds the base (then
-``version`` may be 0: a store holding only its base). A reader takes the version list from ``LATEST`` and the object list
+and that manifest's size and checksum, the base's manifest when the store holds the base, and
+``"lora_base"`` the adapter chain's version 0 when it holds that (then ``version`` may be 0: a store
+holding only its base). A reader takes the version list from ``LATEST`` and the object list
 from the manifest, never from a listing, and checks each object's size and checksum before use.
 
 Each publish attempt writes under a fresh ``<attempt>`` name that no reader follows; its commit is
@@ -34,6 +37,7 @@ from miles_disagg.weights.format import INDEX_NAME, check_payload_name
 
 POINTER_KEY = "LATEST"
 BASE_PREFIX = "base"
+ADAPTER_BASE_PREFIX = "lora-base"  # a LoRA run's adapter chain's version 0
 BASE_MANIFEST = "manifest.json"
 POINTER_FORMAT = "miles-disagg-object-store/1"
 OBJECT_CHECKSUM = "xxh3-128"
@@ -65,6 +69,7 @@ class Pointer:
     manifests: Mapping[int, StoredObject]  # version -> its manifest (name = the manifest's relative key)
     etag: str = ""
     base: StoredObject | None = None  # the base checkpoint's manifest, when the store holds the base
+    adapter_base: StoredObject | None = None  # the adapter chain's version 0's manifest, when it holds that
 
     def to_json(self) -> dict[str, Any]:
         obj: dict[str, Any] = {"format": POINTER_FORMAT, "run_id": self.ref.run_id, "version": self.ref.version,
@@ -72,13 +77,20 @@ class Pointer:
                                             for v, m in sorted(self.manifests.items())}}
         if self.base is not None:
             obj["base"] = {"manifest": self.base.name, **self.base.to_json()}
+        if self.adapter_base is not None:
+            obj["lora_base"] = {"manifest": self.adapter_base.name, **self.adapter_base.to_json()}
         return obj
 
     def with_version(self, ref: VersionRef, manifest: StoredObject) -> "Pointer":
-        return Pointer(ref, {**self.manifests, ref.version: manifest}, base=self.base)
+        return Pointer(ref, {**self.manifests, ref.version: manifest}, base=self.base, adapter_base=self.adapter_base)
 
     def keeping(self, versions: set[int]) -> "Pointer":
-        return Pointer(self.ref, {v: m for v, m in self.manifests.items() if v in versions}, self.etag, self.base)
+        return Pointer(self.ref, {v: m for v, m in self.manifests.items() if v in versions}, self.etag, self.base,
+                       self.adapter_base)
+
+    def at_etag(self, etag: str) -> "Pointer":
+        """This pointer as written, at the ETag the write returned."""
+        return Pointer(self.ref, self.manifests, etag, self.base, self.adapter_base)
 
 
 def attempt_prefix(version: int, attempt: str) -> str:
@@ -89,8 +101,8 @@ def manifest_key(version: int, attempt: str) -> str:
     return f"{attempt_prefix(version, attempt)}/{INDEX_NAME}"
 
 
-def base_manifest_key(attempt: str) -> str:
-    return f"{BASE_PREFIX}/{attempt}/{BASE_MANIFEST}"
+def base_manifest_key(attempt: str, prefix: str = BASE_PREFIX) -> str:
+    return f"{prefix}/{attempt}/{BASE_MANIFEST}"
 
 
 def check_attempt(attempt: str) -> str:
@@ -131,22 +143,24 @@ def parse_pointer(obj: Any, etag: str, where: str) -> Pointer:
     if version > 0 and version not in manifests:
         raise FormatError(f"{where}: names version {version} but lists no manifest for it")
     base = _base_entry(obj.get("base"), where)
-    if version == 0 and base is None:
+    adapter_base = _base_entry(obj.get("lora_base"), where, ADAPTER_BASE_PREFIX)
+    if version == 0 and base is None and adapter_base is None:
         raise FormatError(f"{where}: names version 0 but holds no base")
-    return Pointer(VersionRef(run_id, version), manifests, etag, base)
+    return Pointer(VersionRef(run_id, version), manifests, etag, base, adapter_base)
 
 
-def _base_entry(entry: Any, where: str) -> StoredObject | None:
+def _base_entry(entry: Any, where: str, prefix: str = BASE_PREFIX) -> StoredObject | None:
     if entry is None:
         return None
     parts = entry.get("manifest").split("/") if isinstance(entry, dict) and isinstance(entry.get("manifest"), str) else []
-    if len(parts) != 3 or parts[0] != BASE_PREFIX or parts[2] != BASE_MANIFEST or not _ATTEMPT.match(parts[1]):
-        raise FormatError(f"{where}: the base's manifest is not {BASE_PREFIX}/<attempt>/{BASE_MANIFEST}")
-    return StoredObject(entry["manifest"], *_size_and_checksum(entry, f"{where}: the base"))
+    if len(parts) != 3 or parts[0] != prefix or parts[2] != BASE_MANIFEST or not _ATTEMPT.match(parts[1]):
+        raise FormatError(f"{where}: the {prefix} manifest is not {prefix}/<attempt>/{BASE_MANIFEST}")
+    return StoredObject(entry["manifest"], *_size_and_checksum(entry, f"{where}: the {prefix}"))
 
 
-def base_files(obj: Any, where: str) -> dict[str, StoredObject]:
-    """The base manifest's objects: plain file names (config, tokenizer, weights) with sizes and checksums."""
+def base_files(obj: Any, where: str, required: str = "config.json") -> dict[str, StoredObject]:
+    """The base manifest's objects: plain file names (config, tokenizer, weights; or an adapter's
+    config and tensors) with sizes and checksums, ``required`` among them."""
     if not isinstance(obj, dict) or not isinstance(obj.get("objects"), dict) or len(obj["objects"]) > MAX_OBJECTS:
         raise FormatError(f"{where}: the base manifest must hold an 'objects' object")
     files = {}
@@ -156,8 +170,8 @@ def base_files(obj: Any, where: str) -> dict[str, StoredObject]:
         if not isinstance(entry, dict):
             raise FormatError(f"{where}: the base's {name!r} entry is not an object")
         files[name] = StoredObject(name, *_size_and_checksum(entry, f"{where}: {name!r}"))
-    if "config.json" not in files:
-        raise FormatError(f"{where}: the base holds no config.json")
+    if required not in files:
+        raise FormatError(f"{where}: the base holds no {required}")
     return files
 
 

@@ -39,6 +39,7 @@ from miles_disagg.weights.format import INDEX_NAME, VersionIndex, parse_index
 from miles_disagg.weights.jsonio import load_json
 from miles_disagg.weights.location import ObjectLocation
 from miles_disagg.weights.object_layout import (
+    ADAPTER_BASE_PREFIX,
     MAX_MANIFEST_BYTES,
     BASE_PREFIX,
     MAX_POINTER_BYTES,
@@ -274,7 +275,7 @@ class ObjectVersionStore(VersionStore):
             etag = self.client.put(self.location.key(POINTER_KEY), body, if_none_match=True)
         else:
             etag = self.client.put(self.location.key(POINTER_KEY), body, if_match=current.etag)
-        self._last = Pointer(proposed.ref, proposed.manifests, etag, proposed.base)
+        self._last = proposed.at_etag(etag)
 
     # ---------------------------------------------------------------- cleanup and retention
 
@@ -332,7 +333,7 @@ class ObjectVersionStore(VersionStore):
                                    if_match=current.etag)
         except ConditionFailed:
             return []
-        self._last = Pointer(kept.ref, kept.manifests, etag, kept.base)
+        self._last = kept.at_etag(etag)
         for version in removed:
             self._delete_attempt(version, split_manifest_key(current.manifests[version].name, version, self.display))
         return sorted(removed)
@@ -342,7 +343,8 @@ class ObjectVersionStore(VersionStore):
         self.client.delete([self.location.key(POINTER_KEY)])
         self._last = None
         self.client.delete([key for objects in self._attempts().values() for key, _ in objects])
-        self.client.delete([info.key for info in self.client.list(f"{BASE_PREFIX}/")])
+        for prefix in (BASE_PREFIX, ADAPTER_BASE_PREFIX):
+            self.client.delete([info.key for info in self.client.list(f"{prefix}/")])
         shutil.rmtree(self.root / MIRROR_NAME, ignore_errors=True)
 
 

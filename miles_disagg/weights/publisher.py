@@ -117,7 +117,7 @@ class DeltaPublisher:
                  post_write_hook: str | Callable[..., Any] | None = None, full_anchor_interval: int = 0,
                  num_workers: int = 2, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  shard_bytes: int = DEFAULT_SHARD_BYTES, prune_on_anchor: bool = True, reset_store: bool = False,
-                 base_in_store: bool = False,
+                 base_in_store: bool = False, model_in_store: str | Path | None = None,
                  share: Iterable[str] | None = None, collective: Collective | None = None):
         check_codec_choices(encoding, checksum, filter)
         if not isinstance(full_anchor_interval, int) or full_anchor_interval < 0:
@@ -129,6 +129,7 @@ class DeltaPublisher:
         self.full_anchor_interval = full_anchor_interval
         self.chunk_bytes, self.shard_bytes = chunk_bytes, shard_bytes
         self.prune_on_anchor, self.reset_store, self.base_in_store = prune_on_anchor, reset_store, base_in_store
+        self.model_in_store = None if model_in_store is None else Path(model_in_store)
         self.share = None if share is None else frozenset(share)
         self.collective: Collective = collective or SingleRank()
         self._post_write = load_hook(post_write_hook, POST_WRITE_FLAG) if self.collective.rank == 0 else None
@@ -210,15 +211,24 @@ class DeltaPublisher:
         if self.run_id is None:
             self.run_id = latest.run_id if latest is not None else uuid.uuid4().hex[:12]
         self.store.sweep()
-        if self.base_in_store:  # the engines' version 0 comes from the store: put it there once
-            from miles_disagg.weights.object_base import publish_base
-
-            if not isinstance(self.store, ObjectVersionStore):
-                raise ConfigError(f"{STORE_FLAG} {self.store.display}: only an object store holds the base",
-                                  flags=(STORE_FLAG,))
-            publish_base(self.store, self.base_dir, self.run_id)
+        if self.base_in_store or self.model_in_store is not None:
+            self._put_bases()  # the engines' version 0 comes from the store: put it there once
             latest = self.store.latest()
         return latest
+
+    def _put_bases(self) -> None:
+        """``base_dir`` as the store's version 0 of its kind (a model checkpoint, or an adapter
+        directory: the adapter chain's), and ``model_in_store`` as the model's base."""
+        from miles_disagg.weights.adapters import is_adapter_dir
+        from miles_disagg.weights.object_base import ADAPTER, MODEL, publish_base
+
+        if not isinstance(self.store, ObjectVersionStore):
+            raise ConfigError(f"{STORE_FLAG} {self.store.display}: only an object store holds the base",
+                              flags=(STORE_FLAG,))
+        if self.model_in_store is not None:
+            publish_base(self.store, self.model_in_store, self.run_id, MODEL)
+        if self.base_in_store:
+            publish_base(self.store, self.base_dir, self.run_id, ADAPTER if is_adapter_dir(self.base_dir) else MODEL)
 
     def publish(self, named_tensors: Iterable[tuple[str, Any]], *, full: bool = False) -> PublishResult | None:
         """Publish the next version from ``(hf_name, tensor)`` pairs (streamed, one at a time).

@@ -18,47 +18,83 @@ from miles_disagg.types import ConfigError
 pytestmark = pytest.mark.timeout(300)
 
 
-def run_config(model: Path, store: str, run_dir: Path, addr: str):
+def run_config(model: Path, store: str, run_dir: Path, addr: str, *extra: str):
     from miles_disagg.config.actors import EngineManagerConfig
     from miles_disagg.config.loader import load_config
 
     config = load_config(["--hf-checkpoint", str(model), "--train-backend", "fsdp", "--lora-rank", "4",
                           "--lora-alpha", "8", "--update-weight-transfer-mode", "disk-delta",
                           "--update-weight-disk-dir", store, "--run-dir", str(run_dir), "--rollout-external",
-                          "--rollout-external-engine-addrs", addr], "train_async")[0]
+                          "--rollout-external-engine-addrs", addr, *extra], "train_async")[0]
     return EngineManagerConfig.from_run(config)
 
 
-def test_an_attached_engine_serves_adapter_versions_from_an_object_store_without_a_pause(
+def s3(server):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=server.url, region_name="us-east-1", aws_access_key_id="testing",
+                        aws_secret_access_key="testing")
+
+
+def _corrupt_adapter_v0(server, bucket: str, store: str) -> tuple[str, bytes]:
+    """Flip one byte of the store's adapter v0 tensors object; returns its key and its true bytes."""
+    import json
+
+    client = s3(server)
+    prefix = store.removeprefix(f"s3://{bucket}/")
+    pointer = json.loads(client.get_object(Bucket=bucket, Key=f"{prefix}/LATEST")["Body"].read())
+    key = f"{prefix}/{pointer['lora_base']['manifest'].rsplit('/', 1)[0]}/adapter_model.safetensors"
+    good = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    bad = bytearray(good)
+    bad[-1] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(bad))
+    return key, good
+
+
+def test_an_engine_with_only_the_store_url_fetches_adapter_v0_and_versions_from_it_without_a_pause(
         tiny_qwen3_dir, s3_bucket, s3_env, tmp_path) -> None:  # noqa: F811 - fixtures
+    """No shared path: the trainer's copy of adapter v0 is gone before the engine starts, on a root of
+    its own; a corrupted v0 object is refused (4xx, nothing loaded, nothing fetched), then the engine
+    reaches v1 and v2 from the store alone with no pause, holding the publisher's checksums."""
+    import shutil
+
     from miles_disagg.engines.updater import DiskDeltaUpdater
     from miles_disagg.fleet.attach import attached_engines
     from miles_disagg.fleet.vetting import vet
+    from miles_disagg.weights.object_base import pull_base
+    from miles_disagg.weights.stores import open_store
 
     server, bucket = s3_bucket
-    store, run_dir = f"s3://{bucket}/lora-run", tmp_path / "run"
-    base_dir = run_dir / "lora-v0"  # where the run keeps an object store's adapter chain's version 0
-    published = publish_adapter_chain(tiny_qwen3_dir, store, base_dir, versions=2)
-    local = tmp_path / "host" / "ckpt"
+    store, run_dir = f"s3://{bucket}/lora-run", tmp_path / "trainer" / "run"
+    published = publish_adapter_chain(tiny_qwen3_dir, store, run_dir / "lora-v0", versions=2, base_in_store=True)
+    shutil.rmtree(tmp_path / "trainer")  # the trainer's node: nothing of it is readable by the engine
+    local = tmp_path / "engine-node" / "ckpt"
     local.parent.mkdir()
-    with inprocess_engine(tiny_qwen3_dir, enable_lora=True, lora_base_dir=base_dir, weight_store_dirs=[store],
+    model = pull_base(open_store(store, cache_dir=tmp_path / "engine-node" / ".mirror"), local.with_name("model"))
+    with inprocess_engine(model, enable_lora=True, lora_base_from_store=True, weight_store_dirs=[store],
                           local_checkpoint_dir=local) as (_engine, handle):
-        config = run_config(tiny_qwen3_dir, store, run_dir, handle.url.removeprefix("http://"))
-        assert config.lora_base_dir == str(base_dir)
+        config = run_config(tiny_qwen3_dir, store, run_dir, handle.url.removeprefix("http://"),
+                            "--rollout-base-from-store")  # the engines get the model and the adapter base from the store
+        assert config.lora_base_from_store and config.lora_base_dir == str(run_dir / "lora-v0")
         assert vet(config, handle.url, answer_timeout_s=30).refusal is None
         assert len(attached_engines(config)) == 1
+        key, good = _corrupt_adapter_v0(server, bucket, store)
+        refused = handle.post("/pull_weights", {"target_version": 0, "source_dir": store})
+        assert 400 <= refused.status_code < 500 and "checksum" in refused.text, refused.text
+        assert handle.get("/server_info").json()["loaded_lora_adapters"] == []
+        assert not local.with_name("ckpt.lora-v0").exists()
+        s3(server).put_object(Bucket=bucket, Key=key, Body=good)
         updater = DiskDeltaUpdater([handle.url], store_dir=store, local_dirs=[str(local)])
         try:
-            reports = [updater.update(0)]  # the chain's version 0 first: a run never serves the bare base
-            zero = handle.get("/server_info").json()["loaded_lora_adapters"]
-            reports += [updater.update(version) for version in (1, 2)]
+            reports = [updater.update(version) for version in (0, 1, 2)]  # v0 first: never the bare base
         finally:
             updater.close()
-        assert [a["lora_name"] for a in zero] == ["v0"]
         assert [r.pause_time_s for r in reports] == [0.0, 0.0, 0.0]  # activation beside the served adapter
         assert handle.version() == "2"
         info = handle.get("/server_info").json()
-        assert "v2" in [a["lora_name"] for a in info["loaded_lora_adapters"]] and info["lora_base_dir"] == str(base_dir)
+        assert info["lora_base_from_store"] is True and info["lora_base_dir"] == str(local.with_name("ckpt.lora-v0"))
+        assert (local.with_name("ckpt.lora-v0") / "adapter_config.json").is_file()  # fetched onto its own node
+        assert "v2" in [a["lora_name"] for a in info["loaded_lora_adapters"]]
         sums = handle.get("/weight_checksums", params={"algorithm": "xxh3-128"}).json()
         assert (sums["source"], sums["checksums"]) == ("lora", published)
         answer = handle.generate({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}})

@@ -1,7 +1,8 @@
 """A run's LoRA adapter versions served by stock SGLang through the agent (``--lora-base-dir``).
 
 The agent materializes each adapter version of the store into its local checkpoint as it would a
-model version (the chain's version 0 is ``--lora-base-dir``), and ``/activate_weights`` then
+model version (the chain's version 0 is ``--lora-base-dir``, or with ``--lora-base-from-store`` the
+object store's, fetched onto this node by the first pull), and ``/activate_weights`` then
 serves it without a pause: the version's files are copied to a directory of their own (the slot
 is rewritten by the pull after next), loaded into SGLang beside the versions it serves
 (``/load_lora_adapter`` ``{lora_name: "vN", lora_path}``), and SGLang's label is moved with
@@ -49,10 +50,10 @@ def version_of(name: Any) -> int | None:
 class AgentAdapters:
     """The adapter versions resident on the agent's SGLang engine (see the module docstring)."""
 
-    def __init__(self, base_dir: Path, local_dir: Path, keep: int = DEFAULT_KEEP):
+    def __init__(self, base_dir: Path, local_dir: Path, keep: int = DEFAULT_KEEP, from_store: bool = False):
         if keep < 1:
             raise InvalidInput(f"--lora-resident-versions must be >= 1, got {keep}")
-        self.base_dir, self.keep = Path(base_dir), keep
+        self.base_dir, self.keep, self.from_store = Path(base_dir), keep, from_store
         self.root = local_dir.parent / f"{local_dir.name}.adapters"
         self.resident: list[int] = []  # ascending activation order; the last is served
         self.loaded: set[int] = set()  # loaded into the engine (resident, or activated halfway, or leaving)
@@ -70,8 +71,17 @@ class AgentAdapters:
             return {str(v): adapter_name(v) for v in self.resident}
 
     def info(self) -> dict:
-        return {"lora_base_dir": str(self.base_dir), "lora_resident_versions": self.keep,
-                "resident_weight_versions": self.resident_map(), "served_lora_version": self.served()}
+        return {"lora_base_dir": str(self.base_dir), "lora_base_from_store": self.from_store,
+                "lora_resident_versions": self.keep, "resident_weight_versions": self.resident_map(),
+                "served_lora_version": self.served()}
+
+    def fetch_base(self, source: str | Path) -> None:
+        """``--lora-base-from-store``: the store's adapter chain's version 0 at ``base_dir`` on this
+        node (fetched the first time, checked whole; the pull's typed errors otherwise)."""
+        if self.from_store:
+            from miles_disagg.weights.object_base import fetch_adapter_base
+
+            fetch_adapter_base(str(source), self.base_dir)
 
     # ------------------------------------------------------------------ activation
 

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 from miles_disagg.config.commands import ServerFlags, add_config_arguments, config_from_args
 from miles_disagg.config.fields import REQUIRED, flag
 from miles_disagg.engines.builtin.config import REGION_HELP
+from miles_disagg.engines.roots import lora_base_from_store_dir
 from miles_disagg.types import ConfigError
 
 ENGINE_URL_FLAG = "--engine-url"
@@ -48,6 +49,10 @@ class AgentCommand(ServerFlags):
                                             "the store's adapter versions and /activate_weights loads each into the "
                                             "engine beside the base without a pause; every /generate then runs on an "
                                             "adapter (the engine needs SGLang's --enable-lora).", metavar="DIR")
+    lora_base_from_store: bool = flag(False, "The adapter chain's version 0 comes from the object store "
+                                             "(--weight-store-dir s3://...): the first /pull_weights fetches it "
+                                             "onto this node, into --lora-base-dir (default: "
+                                             "<--local-checkpoint-dir>.lora-v0).")
     lora_resident_versions: int = flag(2, "With --lora-base-dir: the newest adapter versions kept loaded.", metavar="K")
     wait_for_engine_s: float = flag(0.0, "Wait up to this long for the engine's /health before serving "
                                          "(0: do not wait).")
@@ -58,6 +63,10 @@ class AgentCommand(ServerFlags):
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.lora_resident_versions < 1:
             raise ValueError(f"--lora-resident-versions must be >= 1, got {self.lora_resident_versions}")
+        if self.lora_base_from_store:
+            object.__setattr__(self, "lora_base_dir",  # a frozen config: its default fixed here once
+                               lora_base_from_store_dir(self.lora_base_dir, self.local_checkpoint_dir,
+                                                        self.weight_store_dirs))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
                               base_dir=command.base_dir, pre_read_hook=command.custom_pull_weights_pre_read_hook,
                               store_dirs=tuple(command.weight_store_dirs), guard=command.guard(),
                               region=command.region, lora_roots=tuple(command.lora_roots),
-                              lora_base_dir=command.lora_base_dir,
+                              lora_base_dir=command.lora_base_dir, lora_base_from_store=command.lora_base_from_store,
                               lora_resident_versions=command.lora_resident_versions))
     if command.wait_for_engine_s > 0:
         wait_for_engine(engine_url, command.wait_for_engine_s)

@@ -66,6 +66,8 @@ class AgentConfig:
     lora_base_dir: Path | None = None
     """A run's LoRA adapter chain (its version 0, ``--lora-base-dir``): pulls materialize adapter versions
     and activations load them into the engine beside the base (:mod:`miles_disagg.engines.agent.adapters`)."""
+    lora_base_from_store: bool = False
+    """With ``lora_base_dir``: version 0 is the object store's, fetched there by the first pull (``--lora-base-from-store``)."""
     lora_resident_versions: int = 2
     """With ``lora_base_dir``: the newest adapter versions kept loaded (``--lora-resident-versions``)."""
     guard: ServerGuard = field(default_factory=ServerGuard)
@@ -96,7 +98,8 @@ class Agent:
         if config.lora_base_dir is not None:
             from miles_disagg.engines.agent.adapters import AgentAdapters
 
-            self.adapters = AgentAdapters(config.lora_base_dir, self.local_dir, config.lora_resident_versions)
+            self.adapters = AgentAdapters(config.lora_base_dir, self.local_dir, config.lora_resident_versions,
+                                          from_store=config.lora_base_from_store)
         self._cond = threading.Condition()
         self._reading: Counter[Path] = Counter()  # slot path -> activations reading it now
         self._pull_lock = threading.Lock()
@@ -125,6 +128,8 @@ class Agent:
             self.pulling = req.target_version
             start = time.perf_counter()
             try:
+                if self.adapters is not None:
+                    self.adapters.fetch_base(source)  # --lora-base-from-store: version 0 onto this node
                 prepared = self._get_materializer().prepare(source, req.target_version)
             except OSError as exc:  # the paths named are unusable; nothing was activated
                 unusable = InvalidInput(f"pull of version {req.target_version} failed: {type(exc).__name__}: {exc}")

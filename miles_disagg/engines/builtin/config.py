@@ -12,6 +12,7 @@ from miles_disagg.net.asgi_guard import DEFAULT_MAX_REQUEST_BYTES, MAX_REQUEST_B
 from miles_disagg.config.commands import ADMIN_API_KEY_HELP, API_KEY_HELP
 from miles_disagg.config.components import ENGINE_DTYPES  # weight dtypes the model runner loads
 from miles_disagg.config.fields import REQUIRED, flag
+from miles_disagg.engines.roots import lora_base_from_store_dir
 
 DEVICES = ("cpu", "cuda")
 
@@ -57,6 +58,10 @@ class EngineConfig:
     lora_base_dir: Path | None = flag(None, "A run's LoRA adapter versions: /pull_weights materializes the store's "
                                             "adapter chain onto this version 0 and /activate_weights serves it beside "
                                             "the base without a pause (needs --enable-lora).", metavar="DIR")
+    lora_base_from_store: bool = flag(False, "The adapter chain's version 0 comes from the object store "
+                                             "(--weight-store-dir s3://...): the first /pull_weights fetches it "
+                                             "onto this node, into --lora-base-dir (default: "
+                                             "<--local-checkpoint-dir>.lora-v0); needs --enable-lora.")
     lora_resident_versions: int = flag(2, "With --lora-base-dir: the most adapter versions kept resident after an "
                                           "activation, the newest served and the older ones for requests pinned "
                                           "to them (the oldest leaves once its requests end).", metavar="K")
@@ -74,6 +79,10 @@ class EngineConfig:
             raise ValueError(f"--dtype must be one of {', '.join(ENGINE_DTYPES)}, got {self.dtype!r}")
         if self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.lora_base_from_store:
+            object.__setattr__(self, "lora_base_dir",  # a frozen config: its default fixed here once
+                               lora_base_from_store_dir(self.lora_base_dir, self.local_checkpoint_dir,
+                                                        self.weight_store_dirs))
         if self.lora_base_dir is not None and not self.enable_lora:
             raise ValueError("--lora-base-dir needs --enable-lora")
         if self.max_loaded_loras < 1 or self.max_lora_rank < 1:

@@ -270,12 +270,14 @@ class AdapterVersions:
     naming an older one's adapter (``lora_path`` of :meth:`resident`) runs on it, and the oldest beyond
     ``keep`` is unloaded, leaving once its in-flight requests end: nothing pauses or waits. A request
     that names no ``lora_path`` runs on the served adapter (never the bare base), and each request
-    reports the version of the adapter it ran on, start to end."""
+    reports the version of the adapter it ran on, start to end. ``from_store``
+    (``--lora-base-from-store``): version 0 is the object store's, fetched onto this node at
+    ``base_dir`` by the first pull (checked whole; a refused one leaves nothing loaded)."""
 
-    def __init__(self, bank: LoraBank, base_dir: Path, keep: int = 2):
+    def __init__(self, bank: LoraBank, base_dir: Path, keep: int = 2, from_store: bool = False):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self.bank, self.base_dir, self.keep = bank, Path(base_dir), keep
+        self.bank, self.base_dir, self.keep, self.from_store = bank, Path(base_dir), keep, from_store
         self.prepared: dict[int, Path] = {}
         self.activated: list[int] = []  # the resident activated versions, oldest first (the last one served)
         self._lock = threading.Lock()
@@ -284,6 +286,10 @@ class AdapterVersions:
         from miles_disagg.weights.materializer import Materializer
 
         started = time.perf_counter()
+        if self.from_store:
+            from miles_disagg.weights.object_base import fetch_adapter_base
+
+            fetch_adapter_base(str(source), self.base_dir)  # kept while the store names the same one
         host = Materializer(local, base_dir=self.base_dir, pre_read_hook=pre_read_hook)
         try:
             prepared = host.prepare(source, version)

@@ -124,7 +124,8 @@ class Engine:
         bank = LoraBank(self.runner.model, max_loaded=config.max_loaded_loras, max_rank=config.max_lora_rank,
                         roots=config.lora_roots)
         if config.lora_base_dir is not None:
-            bank.versions = AdapterVersions(bank, config.lora_base_dir, keep=config.lora_resident_versions)
+            bank.versions = AdapterVersions(bank, config.lora_base_dir, keep=config.lora_resident_versions,
+                                            from_store=config.lora_base_from_store)
         return bank
 
     @property
@@ -363,6 +364,7 @@ class Engine:
             "loaded_lora_adapters": self.lora.describe() if self.lora is not None else [],
             # a run's adapter chain (--lora-base-dir): what a job attaching this engine checks it serves
             "lora_base_dir": str(self.config.lora_base_dir) if self.config.lora_base_dir else None,
+            "lora_base_from_store": self.config.lora_base_from_store,  # version 0 from the weight store
             "context_length": self.runner.max_context,
             "max_req_input_len": self.runner.max_context - 1,
             "weight_version": self.version,
