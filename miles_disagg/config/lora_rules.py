@@ -86,7 +86,8 @@ def serves_adapters(config) -> bool:
     """Whether the run's engines serve its adapter versions: a LoRA run (not ``--lora-train-only``)
     publishing disk-delta versions through a directory or an object store, to engines this job
     launches or attached ones (vetted to serve adapter versions): built-in engines, or SGLang behind
-    the agent. Every other LoRA topology is refused by :func:`adapter_serving_refusal`, never served
+    the agent; or a rollout service started with ``--lora-base-dir`` (checked before step 1). Every
+    other LoRA topology is refused by :func:`adapter_serving_refusal`, never served
     the merged policy."""
     train, weights = config.train, config.weights
     return (train.lora_rank > 0 and not train.lora_train_only and adapter_serving_refusal(config) is None
@@ -97,7 +98,7 @@ def adapter_serving_refusal(config) -> tuple[str, tuple[str, ...]] | None:
     """``(line, flags)`` when a LoRA run's engines could not serve its adapter versions (each case
     names what to use instead); None when they can, or when no adapter is served (full
     fine-tuning, ``--lora-train-only``: the engines roll out on the base)."""
-    train, rollout, weights, cluster = config.train, config.rollout, config.weights, config.cluster
+    train, weights, cluster = config.train, config.weights, config.cluster
     if train.lora_rank == 0 or train.lora_train_only:
         return None
     engines = "use engines the job launches or attached ones (built-in, or SGLang behind the agent)"
@@ -109,9 +110,6 @@ def adapter_serving_refusal(config) -> tuple[str, tuple[str, ...]] | None:
         return (f"--lora-rank with --update-weight-transfer-mode {weights.update_weight_transfer_mode}: adapter "
                 "versions travel through the version store (miles broadcasts merged weights); use "
                 "--update-weight-transfer-mode disk-delta", ("--lora-rank", "--update-weight-transfer-mode"))
-    if rollout.rollout_service_url:
-        return (f"--lora-rank with --rollout-service-url: the rollout service's replicas serve full-weight versions "
-                f"only; {engines}", ("--lora-rank", "--rollout-service-url"))
     return None
 
 

@@ -256,6 +256,26 @@ def lora_problems(config: EngineManagerConfig, server_info: dict, agent_info: di
     return []
 
 
+def service_lora_problems(lora_base_dir: str | None, service_info: dict) -> list[str]:
+    """The rollout service (its gateway's ``/service_info``) must serve what the run publishes: a run
+    serving LoRA adapter versions from ``lora_base_dir`` needs a service of that adapter chain, never
+    one that would serve the bare base; a full-weight run (None) needs a full-weight service."""
+    serves, theirs = service_info.get("serves"), service_info.get("lora_base_dir")
+    start = f"start it with `miles-disagg serve local|ray --lora-base-dir {lora_base_dir}`"
+    if lora_base_dir is None:
+        if serves == "lora_adapter_versions":
+            return [f"the service serves LoRA adapter versions from {theirs!r} and this run publishes full-weight "
+                    "versions; start it without --lora-base-dir"]
+        return []
+    if serves != "lora_adapter_versions":
+        return [f"LoRA adapter versions: the service serves full-weight versions (started without --lora-base-dir) "
+                f"and would serve the bare base; {start}"]
+    if not isinstance(theirs, str) or os.path.realpath(theirs) != os.path.realpath(lora_base_dir):
+        return [f"LoRA adapter versions: the service's adapter chain starts at {theirs!r} (--lora-base-dir), this "
+                f"run's at {lora_base_dir!r}, so it would not serve this run's adapters; {start}"]
+    return []
+
+
 def vet(config: EngineManagerConfig, url: str, *, answer_timeout_s: float) -> Vetting:
     """Everything the module docstring lists, in that order; stops at the first step that fails.
     ``InvalidInput`` (nothing sent) for a URL :func:`check_engine_url` refuses."""

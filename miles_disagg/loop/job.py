@@ -242,8 +242,15 @@ class Job:
         except httpx.HTTPError as exc:
             raise ConfigError(f"--rollout-service-url {url}: not answering /health ({exc})",
                               ("--rollout-service-url",)) from None
+        from miles_disagg.service.client import check_service_serves, wake_replicas
+
+        chain = EngineManagerConfig.from_run(self.config).lora_base_dir
+        check_service_serves(url, chain)  # its replicas serve this run's adapter chain, or full weights
+        if chain:  # the trainer has just written the chain's version 0: the replicas take it now
+            wake_replicas(url)
         self.router_url = url
-        status(f"rollout service at {url}; versions go through {self.config.weights.update_weight_disk_dir}")
+        status(f"rollout service at {url}; versions go through {self.config.weights.update_weight_disk_dir}"
+               + (f" (LoRA adapter versions of the chain at {chain})" if chain else ""))
         self._start_rollout()
 
     def _start_rollout(self) -> None:

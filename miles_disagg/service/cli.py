@@ -16,6 +16,7 @@ Each prints one line once it is serving; logs go to stderr. Bad settings exit 2.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import tempfile
 import threading
@@ -31,6 +32,10 @@ DEFAULT_GATEWAY_PORT = 30090
 ENGINE_FLAG = "--engine"
 PORT_HELP = "HTTP port (0: any free port)."
 BASE_DIR_HELP = "The base checkpoint (version 0); not with --base-from-store."
+LORA_BASE_DIR_FLAG = "--lora-base-dir"
+LORA_BASE_DIR_HELP = ("Serve a run's LoRA adapter versions: the adapter chain's version 0 (the run's "
+                      "--update-weight-disk-dir plus .lora-v0, or RUN_DIR/lora-v0 for an object store); it may "
+                      "appear only once the run starts.")
 
 
 @dataclass(kw_only=True)
@@ -44,6 +49,8 @@ class GatewayCommand(ServerFlags):
     request_timeout: float = flag(600.0, "Read timeout of a proxied generation request.", metavar="S")
     heartbeat_timeout: float = flag(3.0, "A replica silent this long is out of routing.", metavar="S")
     forget_after: float = flag(60.0, "A replica silent this long is removed.", metavar="S")
+    lora_base_dir: Path | None = flag(None, LORA_BASE_DIR_HELP + " Only replicas of this chain are taken.",
+                                      metavar="DIR")
 
 
 @dataclass(kw_only=True)
@@ -67,9 +74,17 @@ class ReplicaFlags:
     base_from_store: bool = flag(False, "Each replica fetches the base from the object store (put there by the "
                                         "trainer's --rollout-base-from-store or `weights publish --base-in-store`) "
                                         "onto its own node, instead of reading --base-dir.")
+    lora_base_dir: Path | None = flag(None, LORA_BASE_DIR_HELP + " Replicas run built-in engines with "
+                                      "--enable-lora and load each version beside the base, with no pause.",
+                                      metavar="DIR")
 
     def __post_init__(self) -> None:
         parse_engine(self.engine)
+        if self.lora_base_dir is not None and self.engine != "builtin":
+            raise ConfigError(f"{LORA_BASE_DIR_FLAG} with {ENGINE_FLAG} {self.engine}: the service's replicas serve "
+                              "adapter versions on built-in engines they launch; use --engine builtin (SGLang serves "
+                              "a run's adapters behind `miles-disagg agent --lora-base-dir`, attached to the run)",
+                              flags=(LORA_BASE_DIR_FLAG, ENGINE_FLAG))
 
     def replica_options(self):
         from miles_disagg.service.launch import ReplicaOptions
@@ -78,7 +93,8 @@ class ReplicaFlags:
                               heartbeat_interval_s=self.heartbeat_interval, pause_mode=self.pause_mode,
                               max_restages=self.max_restages, pre_read_hook=self.pre_read_hook,
                               phase_hook=self.phase_hook, engine_args=tuple(self.engine_args),
-                              drain_timeout_s=self.drain_timeout, base_from_store=self.base_from_store)
+                              drain_timeout_s=self.drain_timeout, base_from_store=self.base_from_store,
+                              lora_base_dir=_absolute(self.lora_base_dir))
 
 
 @dataclass(kw_only=True)
@@ -167,6 +183,10 @@ def _base_dir(command: ReplicaCommand | PoolFlags) -> Path | None:
     return path.resolve()
 
 
+def _absolute(path: Path | None) -> Path | None:
+    return None if path is None else Path(os.path.abspath(path))
+
+
 def _run_gateway(command: GatewayCommand) -> int:
     import uvicorn
 
@@ -179,7 +199,8 @@ def _run_gateway(command: GatewayCommand) -> int:
             router=RouterConfig(health_check_interval_s=command.health_check_interval,
                                 health_check_timeout_s=command.health_check_timeout,
                                 retry_after_s=command.retry_after_s, request_timeout_s=command.request_timeout),
-            heartbeat_timeout_s=command.heartbeat_timeout, forget_after_s=command.forget_after)
+            heartbeat_timeout_s=command.heartbeat_timeout, forget_after_s=command.forget_after,
+            lora_base_dir=str(_absolute(command.lora_base_dir)) if command.lora_base_dir else None)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     sock = listen_socket(command.host, command.port, backlog=2048)
@@ -198,13 +219,15 @@ def _run_replica(command: ReplicaCommand) -> int:
     kind, attach_url = parse_engine(command.engine)
     load_phase_hook(command.phase_hook)  # fail before anything starts
     local = command.local_checkpoint_dir
+    chain = _absolute(command.lora_base_dir)
+    lora_args = ("--enable-lora", "--lora-base-dir", str(chain)) if chain is not None else ()
     try:
         engine = EngineSpec(backend="builtin" if kind == "url" else kind,
                             model_path=base_dir or local.parent / f"{local.name}.base",
                             base_from_store=base_dir is None and kind != "url",
                             local_checkpoint_dir=local, store_dir=normalize_store(command.store, "--store"),
                             log_dir=command.log_dir or local.parent / f"{local.name}.logs", host=command.host,
-                            pre_read_hook=command.pre_read_hook, extra_args=tuple(command.engine_args),
+                            pre_read_hook=command.pre_read_hook, extra_args=lora_args + tuple(command.engine_args),
                             tp_size=command.tp_size, base_gpu_id=command.base_gpu_id, dtype=command.dtype)
         config = ReplicaConfig(
             replica_id=command.replica_id, store_dir=normalize_store(command.store, "--store"), gateway_url=command.gateway, engine=engine,
@@ -212,7 +235,7 @@ def _run_replica(command: ReplicaCommand) -> int:
             host=command.host, port=command.port, poll_interval_s=command.poll_interval,
             heartbeat_interval_s=command.heartbeat_interval, drain_timeout_s=command.drain_timeout,
             reconcile=ReconcileConfig(pause_mode=command.pause_mode, max_restages=command.max_restages),
-            phase_hook=command.phase_hook, guard=command.guard())
+            phase_hook=command.phase_hook, guard=command.guard(), lora_base_dir=chain)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     replica = Replica(config)
@@ -245,7 +268,11 @@ def _run_local(command: LocalCommand) -> int:
     service = launch_local_service(normalize_store(command.store, "--store"), base_dir, work_dir=work_dir,
                                    num_replicas=command.replicas, port=command.port, host=command.host, replica=options,
                                    heartbeat_timeout_s=command.heartbeat_timeout)
-    print(f"miles-disagg serve local: gateway {service.url}, {command.replicas} replicas ready (work dir {work_dir})",
+    from miles_disagg.service.local import awaits_adapter_chain
+
+    ready = (f"replicas start serving once the run writes the adapter chain's version 0 at {options.lora_base_dir}"
+             if awaits_adapter_chain(options) else "replicas ready")
+    print(f"miles-disagg serve local: gateway {service.url}, {command.replicas} {ready} (work dir {work_dir})",
           flush=True)
     _wait_for_signal()
     service.stop()

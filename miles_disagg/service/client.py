@@ -36,6 +36,23 @@ class GatewayClient(KeyedHttpClient):
         """``GET /service_metrics`` (see :mod:`miles_disagg.service.gateway`)."""
         return self._call("GET", "/service_metrics")
 
+    def service_info(self) -> dict:
+        """What the replicas serve (:data:`~miles_disagg.service.protocol.SERVICE_INFO_PATH`): full-weight
+        versions, or the LoRA adapter versions of one chain; a gateway that does not say serves full weights."""
+        from miles_disagg.service.protocol import SERVICE_INFO_PATH
+
+        try:
+            response = self.request("GET", SERVICE_INFO_PATH)
+        except httpx.HTTPError as exc:
+            raise GatewayUnreachable(f"GET {self.url}{SERVICE_INFO_PATH}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code == 404:
+            return {"serves": "full_weight_versions", "lora_base_dir": None}
+        if not response.is_success:
+            raise GatewayUnreachable(f"GET {self.url}{SERVICE_INFO_PATH} answered {response.status_code}: "
+                                     f"{response.text[:300]}")
+        answer = response.json()
+        return answer if isinstance(answer, dict) else {}
+
     def wake(self) -> dict:
         """Ask every replica to reconcile now; ``{"woken": [...], "failed": {...}}``."""
         return self._call("POST", "/wake")
@@ -82,6 +99,31 @@ class GatewayClient(KeyedHttpClient):
         if not response.is_success:
             raise GatewayUnreachable(f"{method} {self.url}{path} answered {response.status_code}: {response.text[:300]}")
         return response.json()
+
+
+def check_service_serves(url: str, lora_base_dir: str | None, *, flag: str = "--rollout-service-url") -> None:
+    """Before step 1: ``ConfigError`` (one line naming ``flag``) when the service at ``url`` does not
+    serve what the run publishes (:func:`~miles_disagg.fleet.vetting.service_lora_problems`)."""
+    from miles_disagg.fleet.vetting import service_lora_problems
+    from miles_disagg.types import ConfigError
+
+    with GatewayClient(url, timeout_s=10.0) as client:
+        try:
+            info = client.service_info()
+        except GatewayUnreachable as exc:
+            raise ConfigError(f"{flag} {url}: cannot read what the service serves ({exc})", (flag,)) from None
+    problems = service_lora_problems(lora_base_dir, info)
+    if problems:
+        raise ConfigError(f"{flag} {url}: {'; '.join(problems)}", (flag,))
+
+
+def wake_replicas(url: str) -> None:
+    """``POST /wake`` (its admin key from the environment), best effort: replicas also poll the store."""
+    with GatewayClient(url, timeout_s=5.0) as client:
+        try:
+            client.wake()
+        except GatewayUnreachable:
+            pass
 
 
 def _brief(replica: dict) -> str:

@@ -17,6 +17,11 @@ Service additions:
   gateway's key, reports the version the replica acknowledged; the registry takes versions
   only from the engine, and the run id from the (admin-authenticated) heartbeat. A request
   whose constraint names a ``run_id`` is served only by replicas of that run.
+* ``GET /service_info``: what the replicas serve, full-weight versions or the LoRA adapter
+  versions of one adapter chain (``lora_base_dir``, its version 0: ``serve gateway
+  --lora-base-dir``); a run checks it before step 1. A heartbeat naming another chain (or one
+  where the gateway has none, or none where it has one) is refused (400): that replica is
+  never routed to.
 * ``POST /deregister`` ``{"replica_id"}``: a replica leaves (after draining).
 * ``POST /wake``: asks every replica to reconcile now (``POST {replica}/wake``, concurrently,
   best effort); a publisher may call it after publishing, polling converges anyway.
@@ -38,6 +43,7 @@ the fleet again from the next heartbeats.
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +60,7 @@ from miles_disagg.router.proxy import ProxyRecord, Router
 from miles_disagg.router.registry import UnknownWorker
 from miles_disagg.service.fleet import Fleet
 from miles_disagg.service.metrics import DEFAULT_FRACTIONS, ConvergenceTracker, RequestStats, summary
-from miles_disagg.service.protocol import Deregistration, ReplicaStatus
+from miles_disagg.service.protocol import SERVICE_INFO_PATH, Deregistration, ReplicaStatus
 from miles_disagg.types import InvalidInput
 
 log = logging.getLogger(__name__)
@@ -76,6 +82,9 @@ class GatewayConfig:
     """Timeout of each ``POST {replica}/wake`` of a fan-out."""
     convergence_fractions: tuple[float, ...] = DEFAULT_FRACTIONS
     """Capacity fractions whose convergence time is reported per version."""
+    lora_base_dir: str | None = None
+    """The adapter chain (its version 0) whose LoRA adapter versions the replicas serve: only replicas
+    naming it are taken (None: full-weight versions, only replicas naming none)."""
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_timeout_s", "forget_after_s", "expire_interval_s", "wake_timeout_s"):
@@ -102,6 +111,9 @@ class Gateway:
 
     async def heartbeat(self, status: ReplicaStatus) -> dict:
         """Apply one heartbeat to the fleet and the router (registration on first contact)."""
+        refusal = chain_mismatch(self.config.lora_base_dir, status.lora_base_dir)
+        if refusal is not None:
+            raise InvalidInput(f"replica {status.replica_id}: {refusal}")
         applied = self.fleet.apply(status, time.monotonic(), time.time())
         if applied is None:
             return {"accepted": False, "reason": "stale heartbeat (an older seq of this incarnation)"}
@@ -125,6 +137,11 @@ class Gateway:
         self.convergence.observe_head(status.store_head)
         self.convergence.observe_fleet(self.fleet.capacity(), time.time())
         return {"accepted": True, "worker": None if worker is None else worker.to_json()}
+
+    def info(self) -> dict:
+        """:data:`~miles_disagg.service.protocol.SERVICE_INFO_PATH`'s answer: what every replica serves."""
+        chain = self.config.lora_base_dir
+        return {"serves": "lora_adapter_versions" if chain else "full_weight_versions", "lora_base_dir": chain}
 
     def deregister(self, replica_id: str) -> dict:
         entry = self.fleet.remove(replica_id)
@@ -197,6 +214,22 @@ class Gateway:
         }
 
 
+def chain_mismatch(ours: str | None, theirs: str | None) -> str | None:
+    """Why a replica serving ``theirs`` (its adapter chain; None: full weights) cannot join a gateway
+    serving ``ours``; None when it can."""
+    if ours is None and theirs is None:
+        return None
+    if ours is None:
+        return (f"it serves LoRA adapter versions from {theirs!r} and this gateway full-weight versions; "
+                "start the gateway with --lora-base-dir too")
+    if theirs is None:
+        return (f"it serves full-weight versions and this gateway LoRA adapter versions from {ours!r}; "
+                f"start the replica with --lora-base-dir {ours}")
+    if os.path.realpath(theirs) != os.path.realpath(ours):
+        return f"it serves the adapter chain at {theirs!r}, this gateway the one at {ours!r}"
+    return None
+
+
 def _registered(registry, url: str) -> bool:
     try:
         registry.get(url)
@@ -253,6 +286,10 @@ def create_gateway_app(config: GatewayConfig, guard: ServerGuard | None = None):
     async def replicas():
         now = time.monotonic()
         return {"replicas": [e.to_json(now) for e in gateway.fleet.entries()]}
+
+    @app.get(SERVICE_INFO_PATH)
+    async def service_info():
+        return gateway.info()
 
     @app.get("/service_metrics")
     async def service_metrics():

@@ -30,12 +30,15 @@ class ServiceStartFailed(ReplaceReplica):
 
 def launch_gateway(*, log_path: Path, port: int = 0, host: str = "127.0.0.1", health_check_interval_s: float = 0.5,
                    heartbeat_timeout_s: float = 3.0, retry_after_s: float = 1.0,
-                   startup_timeout_s: float = GATEWAY_STARTUP_TIMEOUT_S) -> LaunchedProcess:
-    """``python -m miles_disagg.service gateway`` on ``host:port`` (0: a free port), once it answers ``/health``."""
+                   startup_timeout_s: float = GATEWAY_STARTUP_TIMEOUT_S,
+                   lora_base_dir: Path | None = None) -> LaunchedProcess:
+    """``python -m miles_disagg.service gateway`` on ``host:port`` (0: a free port), once it answers ``/health``.
+    ``lora_base_dir``: its replicas serve the LoRA adapter versions of that chain (``--lora-base-dir``)."""
     port = port or free_port(host)
     cmd = [sys.executable, "-m", "miles_disagg.service", "gateway", "--host", host, "--port", str(port),
            "--health-check-interval", str(health_check_interval_s), "--heartbeat-timeout", str(heartbeat_timeout_s),
            "--retry-after-s", str(retry_after_s)]
+    cmd += ["--lora-base-dir", str(lora_base_dir)] if lora_base_dir is not None else []
     return start_http_process(cmd, url=f"http://{host}:{port}", log_path=log_path, health_path="/health",
                               what="gateway", error=ServiceStartFailed, startup_timeout_s=startup_timeout_s, poll_s=0.05)
 
@@ -55,6 +58,9 @@ class ReplicaOptions:
     drain_timeout_s: float = 30.0
     base_from_store: bool = False
     """Each replica fetches the store's base onto its node (then ``base_dir`` is ``None``)."""
+    lora_base_dir: Path | None = None
+    """Serve a run's LoRA adapter versions: the adapter chain's version 0 (built-in engines with
+    ``--enable-lora --lora-base-dir``; the gateway takes only replicas of this chain)."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment for the replica (and its engine), e.g. ``PYTHONPATH`` for hooks."""
 
@@ -70,7 +76,8 @@ def replica_command(*, replica_id: str, store_dir: str | Path, base_dir: Path | 
            "--pause-mode", options.pause_mode, "--max-restages", str(options.max_restages),
            "--drain-timeout", str(options.drain_timeout_s)]
     cmd += ["--base-from-store"] if options.base_from_store else ["--base-dir", str(base_dir)]
-    for flag, value in (("--pre-read-hook", options.pre_read_hook), ("--phase-hook", options.phase_hook)):
+    for flag, value in (("--pre-read-hook", options.pre_read_hook), ("--phase-hook", options.phase_hook),
+                        ("--lora-base-dir", options.lora_base_dir)):
         if value:
             cmd += [flag, value]
     for arg in options.engine_args:

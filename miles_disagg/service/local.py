@@ -81,7 +81,8 @@ class LocalService:
         cfg.work_dir.mkdir(parents=True, exist_ok=True)
         self.gateway = launch_gateway(log_path=cfg.work_dir / "gateway.log", port=cfg.port, host=cfg.host,
                                       health_check_interval_s=cfg.health_check_interval_s,
-                                      heartbeat_timeout_s=cfg.heartbeat_timeout_s, retry_after_s=cfg.retry_after_s)
+                                      heartbeat_timeout_s=cfg.heartbeat_timeout_s, retry_after_s=cfg.retry_after_s,
+                                      lora_base_dir=cfg.replica.lora_base_dir)
         try:
             for _ in range(cfg.num_replicas):
                 self.add_replica()
@@ -186,13 +187,15 @@ def launch_local_service(store_dir: str | Path, base_dir: str | Path | None, *, 
                          replica: ReplicaOptions | None = None, **config) -> LocalService:
     """Start a gateway and ``num_replicas`` replicas; with ``wait_ready_s``, return once every
     replica is ready at the store's newest version (``TimeoutError``/``VersionNotReady`` otherwise,
-    after stopping everything). ``config``: other :class:`LocalServiceConfig` fields."""
+    after stopping everything). ``config``: other :class:`LocalServiceConfig` fields. Replicas serving
+    LoRA adapter versions whose chain the run has not written yet (:func:`awaits_adapter_chain`) are
+    not waited for: they catch up once it appears."""
     cfg = LocalServiceConfig(store_dir=normalize_store(store_dir), base_dir=None if base_dir is None else Path(base_dir),
                              work_dir=Path(work_dir),
                              num_replicas=num_replicas, port=port, host=host, replica=replica or ReplicaOptions(),
                              **config)
     service = LocalService(cfg).start()
-    if wait_ready_s is not None and num_replicas > 0:
+    if wait_ready_s is not None and num_replicas > 0 and not awaits_adapter_chain(cfg.replica):
         try:
             with service.client() as client:
                 client.wait_converged(_store_head(cfg.store_dir), num_replicas=num_replicas, timeout_s=wait_ready_s)
@@ -200,6 +203,14 @@ def launch_local_service(store_dir: str | Path, base_dir: str | Path | None, *, 
             service.stop()
             raise
     return service
+
+
+def awaits_adapter_chain(options: ReplicaOptions) -> bool:
+    """Whether the replicas serve LoRA adapter versions of a chain whose version 0 is not written yet
+    (a run writes it as it starts; until then they stay ``catching_up``, serving nothing)."""
+    from miles_disagg.weights.adapters import is_adapter_dir
+
+    return options.lora_base_dir is not None and not is_adapter_dir(options.lora_base_dir)
 
 
 def _store_head(store_dir: str) -> int:

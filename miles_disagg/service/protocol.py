@@ -16,6 +16,11 @@ router's ``paused``/``activating`` worker states):
   later pass activates the store's newest version again.
 * ``draining``    - shutting down: no new requests; in-flight ones finish.
 
+Adapter versions: a replica serving a run's LoRA adapter versions names the adapter chain it
+serves them from (``lora_base_dir``, its version 0); a gateway takes only replicas of its own
+chain (:data:`SERVICE_INFO_PATH` announces it), and one serving full weights only replicas that
+name none.
+
 Ordering: each status carries ``incarnation`` (one per replica process) and ``seq``
 (increasing within it); the gateway ignores a status older than one it already applied,
 so a delayed heartbeat can never undo an activation acknowledgement.
@@ -28,6 +33,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MAX_ACTIVATIONS_REPORTED = 8
+SERVICE_INFO_PATH = "/service_info"
+"""The gateway's announcement of what its replicas serve: ``{"serves": "lora_adapter_versions",
+"lora_base_dir": DIR}`` or ``{"serves": "full_weight_versions", "lora_base_dir": null}``."""
 
 
 class ReplicaState(str, enum.Enum):
@@ -93,6 +101,7 @@ class ReplicaStatus:
     load: int | None = None  # requests running or queued in the engine, when it says
     activations: list[Activation] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
+    lora_base_dir: str | None = None  # the adapter chain (its version 0) the engine serves versions of; None: full weights
 
     def __post_init__(self) -> None:
         for name in ("replica_id", "incarnation"):

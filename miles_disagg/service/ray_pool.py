@@ -215,7 +215,7 @@ def run_ray_service(config: RayServiceConfig, *, address: str | None, stop: thre
     config = _bind_replicas(config)
     config.work_dir.mkdir(parents=True, exist_ok=True)
     gateway = launch_gateway(log_path=config.work_dir / "gateway.log", port=config.port, host=config.host,
-                             heartbeat_timeout_s=config.heartbeat_timeout_s)
+                             heartbeat_timeout_s=config.heartbeat_timeout_s, lora_base_dir=config.replica.lora_base_dir)
     pool = RayReplicaPool(config, gateway.url)
     try:
         pool.scale_to(config.scaling.min_replicas)

@@ -10,7 +10,9 @@ A pass (:meth:`Reconciler.run_pass`), one at a time:
    most ``max_restages`` times, so a fast publisher cannot starve activation.
 3. **Activate** in a short pause: report ``activating`` to the gateway (no new requests
    are routed here), pause, load the staged version, continue (always, whatever
-   happened), check that the engine reports the version.
+   happened), check that the engine reports the version. LoRA adapter versions
+   (``adapter_versions``) need no pause: the engine loads the version beside the served one in
+   one call, and the replica stays in routing on its current version until it is acknowledged.
 4. **Acknowledge**: only now is the new version advertised (state ``ready``).
 
 Failure contract:
@@ -75,6 +77,10 @@ class ReconcileConfig:
     a re-prefill), ``in_place`` (they keep their KV) or ``abort``."""
     max_restages: int = 2
     """Newer versions staged straight away after a stage completes, before activating."""
+    adapter_versions: bool = False
+    """The engine serves LoRA adapter versions (``--lora-base-dir``): activation loads the version
+    beside the served one in one call (``/activate_weights``) with no pause, so the replica stays in
+    routing on its current version meanwhile (no ``activating`` state, no ``paused`` phase)."""
 
     def __post_init__(self) -> None:
         if self.pause_mode not in PAUSE_MODES:
@@ -166,6 +172,11 @@ class Reconciler:
         """The engine died: out of rotation, live weights unknown, until it is back and caught up."""
         self._update(state=ReplicaState.FAILED, live=None, staged_version=None, last_error=reason)
 
+    def retry_now(self) -> None:
+        """A wake: the next pass tries a target that failed at once, not after its backoff (what it
+        waited for, e.g. a run writing its adapter chain's version 0, may be there now)."""
+        self._retry = None
+
     def draining(self) -> None:
         self._update(state=ReplicaState.DRAINING)
 
@@ -197,7 +208,8 @@ class Reconciler:
             self._update(state=ReplicaState.READY, last_error=None)
 
     def _backing_off(self, head: StoreHead) -> bool:
-        return self._retry is not None and self._retry[0] == head and self.clock() < self._retry[2]
+        retry = self._retry
+        return retry is not None and retry[0] == head and self.clock() < retry[2]
 
     def _stage(self, head: StoreHead) -> tuple[StoreHead, float, int]:
         """Pull ``head`` (then newer heads, coalescing); returns (staged head, prepare seconds, restages)."""
@@ -221,7 +233,8 @@ class Reconciler:
         message = f"staging failed: {type(exc).__name__}: {exc}"
         record = self.snapshot()
         head = record.store_head
-        failures = self._retry[1] + 1 if self._retry is not None and self._retry[0] == head else 1
+        retry = self._retry  # read once: a wake may clear it meanwhile (retry_now)
+        failures = retry[1] + 1 if retry is not None and retry[0] == head else 1
         wait_s = RETRY_BACKOFF_S[min(failures, len(RETRY_BACKOFF_S)) - 1]
         self._retry = (head, failures, self.clock() + wait_s) if head is not None else None
         if record.last_error != message:
@@ -233,10 +246,12 @@ class Reconciler:
     def _activate(self, head: StoreHead, prepare_s: float, restages: int) -> PassOutcome:
         """Pause, load, continue, check; acknowledge only after all of it succeeded."""
         version = head.version
-        self._update(state=ReplicaState.ACTIVATING)  # the gateway stops routing here before the pause
+        paused = None if self.config.adapter_versions else (lambda: self._hook("paused", version))
+        if paused is not None:
+            self._update(state=ReplicaState.ACTIVATING)  # the gateway stops routing here before the pause
         try:
-            pause_s = activate(self.engine, version, pause_mode=self.config.pause_mode,
-                               on_paused=lambda: self._hook("paused", version), timer=self.timer)
+            pause_s = activate(self.engine, version, pause_mode=self.config.pause_mode, on_paused=paused,
+                               timer=self.timer)
         except ActivationFailed as exc:
             return self._activation_failed(version, str(exc))
         activation = Activation(version, head.published_unix, self.clock(), prepare_s, pause_s, restages)

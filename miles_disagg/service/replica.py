@@ -80,6 +80,10 @@ class ReplicaConfig:
     guard: ServerGuard | None = None
     """Keys and request limit of the control API (None: keys from the environment); the replica
     sends the same keys to the gateway and to its engine."""
+    lora_base_dir: Path | None = None
+    """The engine serves the LoRA adapter versions of the chain whose version 0 is here (a built-in
+    engine started with ``--enable-lora --lora-base-dir``): it takes no traffic before it activated one
+    (the bare base is never served), and activation needs no pause."""
 
     def __post_init__(self) -> None:
         for name in ("poll_interval_s", "heartbeat_interval_s", "drain_timeout_s"):
@@ -114,7 +118,9 @@ class Replica:
         self.engine: RunningEngine | None = None
         self._engine_http: EngineClient | None = None
         self._num_engine_starts = 0
-        self.reconciler = Reconciler(StoreView(config.store_dir), _NoEngine(), config=config.reconcile,
+        reconcile = config.reconcile if config.lora_base_dir is None else \
+            dataclasses.replace(config.reconcile, adapter_versions=True)
+        self.reconciler = Reconciler(StoreView(config.store_dir), _NoEngine(), config=reconcile,
                                      notify=self.report, phase_hook=load_phase_hook(config.phase_hook))
         self._seq = itertools.count(1)
         self._report_lock = threading.Lock()
@@ -136,7 +142,8 @@ class Replica:
             engine_url=self.engine.url if self.engine else None, control_url=self.control_url, state=record.state,
             weight_version=live.version if live else None, run_id=live.run_id if live else "",
             staged_version=record.staged_version, store_head=record.store_head, last_error=record.last_error,
-            load=self._load, activations=record.activations, counters=record.counters)
+            load=self._load, activations=record.activations, counters=record.counters,
+            lora_base_dir=str(self.config.lora_base_dir) if self.config.lora_base_dir is not None else None)
 
     def report(self) -> None:
         """Send the current status now (best effort: a failure is logged once, the next beat retries)."""
@@ -151,6 +158,7 @@ class Replica:
                 self._last_report_error = str(exc)
 
     def wake(self) -> None:
+        self.reconciler.retry_now()
         self._wake.set()
 
     def stop(self) -> None:
@@ -188,7 +196,8 @@ class Replica:
         else:
             self._num_engine_starts += 1
             self.engine = start_engine(dataclasses.replace(spec, name=f"{spec.name}-{self._num_engine_starts}"))
-            live = VersionRef("", 0)  # a fresh managed engine serves the base
+            # a fresh managed engine serves the base; one serving adapter versions none until it activated one
+            live = VersionRef("", 0) if self.config.lora_base_dir is None else None
         if self._engine_http is not None:
             self._engine_http.close()
         self._engine_http = EngineClient(self.engine.url, store_dir=self.config.store_dir,

@@ -163,6 +163,8 @@ def test_lists_switches_and_positionals():
     (["make-tiny-checkpoint", "--out", "never-written", "--num-heads", "0"], ("--num-heads",)),
     (["serve", "replica", "--store", "s", "--gateway", "g", "--base-dir", "b", "--local-checkpoint-dir", "l",
       "--engine", "ftp"], ("--engine", "ftp")),
+    (["serve", "local", "--store", "s", "--base-dir", "b", "--lora-base-dir", "s.lora-v0", "--engine", "sglang"],
+     ("--lora-base-dir", "--engine sglang", "--engine builtin")),
     (["agent", "--engine-url", "http://127.0.0.1:1", "--local-checkpoint-dir", "l", "--port", "0"], ("--port",)),
     (["bench", "async", "--steps", "2", "--warmup-steps", "3"], ("--steps", "--warmup-steps")),
 ])

@@ -65,7 +65,6 @@ LORA = ["--lora-rank", "8"]
 
 
 @pytest.mark.parametrize("extra, entry, fragment, flag", [
-    (["--rollout-service-url", "http://127.0.0.1:9"], "train_async", "rollout service", "--rollout-service-url"),
     (["--colocate", "--update-weight-transfer-mode", "broadcast"], "train", "--colocate", "--colocate"),
 ])
 def test_lora_topologies_that_cannot_serve_adapter_versions_are_refused(tmp_path: Path, extra, entry, fragment,
@@ -103,3 +102,6 @@ def test_adapter_versions_on_an_object_store_and_attached_engines(tmp_path: Path
                                          "--rollout-external", "--rollout-external-engine-addrs", "127.0.0.1:9"],
                            "train_async")[0]
     assert serves_adapters(attached) and TrainerGroupConfig.from_run(attached).lora_base_dir == "/tmp/d.lora-v0"
+    service = load_config(DISK_DELTA + ["--hf-checkpoint", str(tmp_path), "--train-backend", "fsdp", *LORA,
+                                        "--rollout-service-url", "http://127.0.0.1:9"], "train_async")[0]
+    assert serves_adapters(service) and EngineManagerConfig.from_run(service).lora_base_dir == "/tmp/d.lora-v0"

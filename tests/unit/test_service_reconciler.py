@@ -255,3 +255,38 @@ def test_a_wiped_store_resets_the_replica_to_the_base_before_a_new_run_publishes
     store.version, store.run_id = 1, "run-b"
     assert reconciler.run_pass() is PassOutcome.ACTIVATED
     assert reconciler.snapshot().live == VersionRef("run-b", 1)
+
+
+class AdapterEngine(FakeEngine):
+    """An engine serving LoRA adapter versions: activation is one call, with no pause."""
+
+    one_call_activation = True
+
+    def activate_in_one_call(self, version: int, pause_mode: str, flush: bool) -> dict:
+        self._call("activate_weights", version)
+        self.live = version
+        return {"weight_version": str(version), "pause_ms": 0.0}
+
+
+def test_adapter_versions_activate_in_one_call_from_the_chains_v0_staying_in_routing():
+    log: list = []
+    store, engine, clock = FakeStore(None), AdapterEngine(log), Clock()
+    reconciler = Reconciler(store, engine, config=ReconcileConfig(adapter_versions=True), clock=clock, timer=clock)
+    reconciler.notify = lambda: log.append(("notify", reconciler.snapshot().state.value, _live(reconciler)))
+    reconciler.engine_started(None)  # the bare base is no version this replica serves
+    assert reconciler.run_pass() is PassOutcome.ACTIVATED  # an empty store: the adapter chain's version 0
+    store.publish(1)
+    assert reconciler.run_pass() is PassOutcome.ACTIVATED
+    assert [e for e in log if e[0] != "notify"] == [("pull", 0), ("activate_weights", 0), ("pull", 1),
+                                                   ("activate_weights", 1)]
+    assert advertised(log) == [("catching_up", None), ("ready", 0), ("ready", 1)]  # never "activating"
+    assert [a.pause_s for a in reconciler.snapshot().activations] == [0.0, 0.0]
+
+
+def test_a_wake_retries_a_failed_stage_without_waiting_out_the_backoff():
+    reconciler, store, engine, _, _ = make(1)
+    engine.fail["pull"] = StagingRefused("the adapter chain's version 0 is not there yet")
+    assert reconciler.run_pass() is PassOutcome.STAGING_FAILED
+    assert reconciler.run_pass() is PassOutcome.BACKING_OFF
+    reconciler.retry_now()
+    assert reconciler.run_pass() is PassOutcome.ACTIVATED
