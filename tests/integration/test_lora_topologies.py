@@ -51,39 +51,59 @@ def _corrupt_adapter_v0(server, bucket: str, store: str) -> tuple[str, bytes]:
     return key, good
 
 
-def test_an_engine_with_only_the_store_url_fetches_adapter_v0_and_versions_from_it_without_a_pause(
-        tiny_qwen3_dir, s3_bucket, s3_env, tmp_path) -> None:  # noqa: F811 - fixtures
-    """No shared path: the trainer's copy of adapter v0 is gone before the engine starts, on a root of
-    its own; a corrupted v0 object is refused (4xx, nothing loaded, nothing fetched), then the engine
-    reaches v1 and v2 from the store alone with no pause, holding the publisher's checksums."""
+@pytest.fixture(scope="module")
+def s3_chain(tiny_qwen3_dir, s3_server, tmp_path_factory):  # noqa: F811 - fixtures
+    """A LoRA run's publication on an object store (moto), the model's base and the adapter chain's
+    version 0 in it, v1 and v2 after; the trainer's own directory removed (no engine may read it)."""
     import shutil
+    import uuid
 
-    from miles_disagg.engines.updater import DiskDeltaUpdater
-    from miles_disagg.fleet.attach import attached_engines
-    from miles_disagg.fleet.vetting import vet
+    root = tmp_path_factory.mktemp("lora-s3")
+    bucket = s3_server.create_bucket(f"test-{uuid.uuid4().hex[:16]}")
+    store, run_dir = f"s3://{bucket}/lora-run", root / "trainer" / "run"
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in s3_server.env().items():
+            env.setenv(name, value)
+        published = publish_adapter_chain(tiny_qwen3_dir, store, run_dir / "lora-v0", versions=2, base_in_store=True)
+    shutil.rmtree(root / "trainer")  # the trainer's node: nothing of it is readable by an engine
+    return {"server": s3_server, "bucket": bucket, "store": store, "run_dir": run_dir, "published": published}
+
+
+def node_with_the_model_from(store: str, node: Path) -> Path:
+    """An engine node's own copy of the model's base, fetched from the store (``weights fetch-base``'s pull)."""
     from miles_disagg.weights.object_base import pull_base
     from miles_disagg.weights.stores import open_store
 
-    server, bucket = s3_bucket
-    store, run_dir = f"s3://{bucket}/lora-run", tmp_path / "trainer" / "run"
-    published = publish_adapter_chain(tiny_qwen3_dir, store, run_dir / "lora-v0", versions=2, base_in_store=True)
-    shutil.rmtree(tmp_path / "trainer")  # the trainer's node: nothing of it is readable by the engine
-    local = tmp_path / "engine-node" / "ckpt"
-    local.parent.mkdir()
-    model = pull_base(open_store(store, cache_dir=tmp_path / "engine-node" / ".mirror"), local.with_name("model"))
+    node.mkdir(parents=True)
+    return pull_base(open_store(store, cache_dir=node / ".mirror"), node / "model")
+
+
+def test_an_engine_with_only_the_store_url_fetches_adapter_v0_and_versions_from_it_without_a_pause(
+        tiny_qwen3_dir, s3_chain, s3_env, tmp_path) -> None:  # noqa: F811 - fixtures
+    """No shared path, the engine on a root of its own: a corrupted v0 object is refused (4xx, nothing
+    loaded, nothing fetched), then the engine reaches v1 and v2 from the store alone with no pause,
+    holding the publisher's checksums."""
+    from miles_disagg.engines.updater import DiskDeltaUpdater
+    from miles_disagg.fleet.attach import attached_engines
+    from miles_disagg.fleet.vetting import vet
+
+    store, local = s3_chain["store"], tmp_path / "engine-node" / "ckpt"
+    model = node_with_the_model_from(store, local.parent)
     with inprocess_engine(model, enable_lora=True, lora_base_from_store=True, weight_store_dirs=[store],
                           local_checkpoint_dir=local) as (_engine, handle):
-        config = run_config(tiny_qwen3_dir, store, run_dir, handle.url.removeprefix("http://"),
+        config = run_config(tiny_qwen3_dir, store, s3_chain["run_dir"], handle.url.removeprefix("http://"),
                             "--rollout-base-from-store")  # the engines get the model and the adapter base from the store
-        assert config.lora_base_from_store and config.lora_base_dir == str(run_dir / "lora-v0")
+        assert config.lora_base_from_store and config.lora_base_dir == str(s3_chain["run_dir"] / "lora-v0")
         assert vet(config, handle.url, answer_timeout_s=30).refusal is None
         assert len(attached_engines(config)) == 1
-        key, good = _corrupt_adapter_v0(server, bucket, store)
-        refused = handle.post("/pull_weights", {"target_version": 0, "source_dir": store})
+        key, good = _corrupt_adapter_v0(s3_chain["server"], s3_chain["bucket"], store)
+        try:
+            refused = handle.post("/pull_weights", {"target_version": 0, "source_dir": store})
+        finally:
+            s3(s3_chain["server"]).put_object(Bucket=s3_chain["bucket"], Key=key, Body=good)
         assert 400 <= refused.status_code < 500 and "checksum" in refused.text, refused.text
         assert handle.get("/server_info").json()["loaded_lora_adapters"] == []
         assert not local.with_name("ckpt.lora-v0").exists()
-        s3(server).put_object(Bucket=bucket, Key=key, Body=good)
         updater = DiskDeltaUpdater([handle.url], store_dir=store, local_dirs=[str(local)])
         try:
             reports = [updater.update(version) for version in (0, 1, 2)]  # v0 first: never the bare base
@@ -96,9 +116,48 @@ def test_an_engine_with_only_the_store_url_fetches_adapter_v0_and_versions_from_
         assert (local.with_name("ckpt.lora-v0") / "adapter_config.json").is_file()  # fetched onto its own node
         assert "v2" in [a["lora_name"] for a in info["loaded_lora_adapters"]]
         sums = handle.get("/weight_checksums", params={"algorithm": "xxh3-128"}).json()
-        assert (sums["source"], sums["checksums"]) == ("lora", published)
+        assert (sums["source"], sums["checksums"]) == ("lora", s3_chain["published"])
         answer = handle.generate({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}})
         assert answer["meta_info"]["weight_version_start"] == "2"  # a request naming no adapter: the served one
+
+
+def test_the_agent_with_only_the_store_url_serves_adapter_versions_and_labels_streamed_events(
+        s3_chain, s3_env, tmp_path) -> None:  # noqa: F811 - fixtures
+    """``agent --lora-base-from-store`` in front of an engine standing in for stock SGLang: v0 fetched
+    onto its node, v1 and v2 from the store with no pause; a streamed ``/generate`` pinned to the
+    older resident v1 has every SSE event labelled v1 (the engine's own label is 2)."""
+    import httpx
+    from deadlines import scaled
+    from engine_fixtures import sse_events
+
+    from miles_disagg.engines.launch import launch_agent
+    from miles_disagg.engines.updater import DiskDeltaUpdater
+
+    store, node = s3_chain["store"], tmp_path / "agent-node"
+    local, model = node / "ckpt", node_with_the_model_from(store, node)
+    with inprocess_engine(model, enable_lora=True, allow_unverified_versions=True, lora_roots=[str(node)]) as (_e, engine):
+        agent = launch_agent(engine.url, local, log_path=node / "agent.log", store_dirs=[store],
+                             extra_args=["--lora-base-from-store"])
+        client = httpx.Client(base_url=agent.url, timeout=scaled(60))
+        try:
+            updater = DiskDeltaUpdater([agent.url], store_dir=store, local_dirs=[str(local)])
+            try:
+                reports = [updater.update(version) for version in (0, 1, 2)]
+            finally:
+                updater.close()
+            info = client.get("/agent_info").json()
+            streamed = client.post("/generate", json={"input_ids": [5, 6, 7], "lora_path": "v1", "stream": True,
+                                                       "sampling_params": {"max_new_tokens": 3}})
+        finally:
+            client.close()
+            agent.stop()
+    assert [r.pause_time_s for r in reports] == [0.0, 0.0, 0.0]
+    assert info["lora_base_from_store"] is True and info["resident_weight_versions"] == {"1": "v1", "2": "v2"}
+    assert (node / "ckpt.lora-v0" / "adapter_config.json").is_file()
+    events = [e for e in sse_events(streamed) if e != "[DONE]"]
+    assert streamed.status_code == 200 and events, streamed.text
+    assert all((e["meta_info"]["weight_version_start"], e["meta_info"]["weight_version_end"]) == ("1", "1")
+               for e in events), events
 
 
 def test_an_attached_engine_that_would_serve_the_bare_base_is_refused_in_one_line(tiny_qwen3_dir, tmp_path) -> None:

@@ -13,7 +13,7 @@ waits for it, the #2780 deadlock).
 
 Every ``/generate`` the agent forwards runs on an adapter: a body that names no ``lora_path`` gets
 the served version's (stock SGLang would run it on the bare base), and the answer's
-``meta_info`` names the adapter version each item ran on, start to end (SGLang's own label is the
+``meta_info`` (each event of a streamed one) names the adapter version each item ran on, start to end (SGLang's own label is the
 engine's at the end, which may be a newer version's). ``/model_info`` gains
 ``resident_weight_versions`` (``{"N": "vN"}``), which the router reads for ``exact_version``
 requests of an older resident version.
@@ -22,11 +22,12 @@ requests of an older resident version.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from miles_disagg.types import InvalidInput
 
@@ -164,10 +165,54 @@ class AgentAdapters:
         paths = body.get("lora_path")
         items = answer if isinstance(answer, list) else [answer]
         for i, item in enumerate(items):
-            path = paths[i] if isinstance(paths, list) and i < len(paths) else paths
-            version = version_of(path)
-            meta = item.get("meta_info") if isinstance(item, dict) else None
-            if version is not None and isinstance(meta, dict):
-                meta.update(weight_version=str(version), weight_version_start=str(version),
-                            weight_version_end=str(version))
+            _label_item(paths[i] if isinstance(paths, list) and i < len(paths) else paths, item)
         return answer
+
+    @staticmethod
+    async def label_stream(body: dict, chunks: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+        """A streamed ``/generate``'s SSE bytes with each ``data:`` event labelled as :meth:`label`
+        does an answer (a batch's event by its ``index``); ``[DONE]`` and anything that is not a JSON
+        object pass unchanged. An event longer than ``MAX_EVENT_BYTES`` ends the stream with an
+        error event (never relayed unlabelled)."""
+        paths, pending = body.get("lora_path"), b""
+        try:
+            async for chunk in chunks:
+                *events, pending = (pending + chunk).split(b"\n\n")
+                for event in events:
+                    yield _labelled_event(paths, event) + b"\n\n"
+                if len(pending) > MAX_EVENT_BYTES:
+                    yield b'data: {"error": {"message": "a streamed event exceeded the agent\'s limit"}}\n\n'
+                    return
+            if pending:
+                yield _labelled_event(paths, pending)
+        finally:
+            await chunks.aclose()  # the engine's stream closes with ours
+
+
+MAX_EVENT_BYTES = 16 << 20
+
+
+def _label_item(path: Any, item: Any) -> None:
+    version = version_of(path)
+    meta = item.get("meta_info") if isinstance(item, dict) else None
+    if version is not None and isinstance(meta, dict):
+        meta.update(weight_version=str(version), weight_version_start=str(version), weight_version_end=str(version))
+
+
+def _labelled_event(paths: Any, event: bytes) -> bytes:
+    """One SSE event (``data: {json}``) with its item labelled by the adapter it ran on."""
+    if not event.startswith(b"data: ") or b"\n" in event:
+        return event
+    try:
+        item = json.loads(event[len(b"data: "):])
+    except ValueError:  # [DONE], or not JSON: nothing to label
+        return event
+    if not isinstance(item, dict):
+        return event
+    index = item.get("index", 0)
+    if isinstance(paths, list):
+        path = paths[index] if isinstance(index, int) and 0 <= index < len(paths) else None
+    else:
+        path = paths
+    _label_item(path, item)
+    return b"data: " + json.dumps(item).encode()

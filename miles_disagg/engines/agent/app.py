@@ -211,8 +211,10 @@ class AgentEndpoints:
         except Exception as exc:
             return error_response(exc)
         content = json.dumps(pinned).encode()
-        if not isinstance(pinned, dict) or pinned.get("stream"):
+        if not isinstance(pinned, dict):
             return await self._forward(request, content)
+        if pinned.get("stream"):
+            return await self._forward(request, content, relabel=lambda chunks: adapters.label_stream(pinned, chunks))
         try:
             response = await self.client.post(request.url.path, content=content,
                                               headers=self._upstream_headers(request, request.url.path))
@@ -282,8 +284,9 @@ class AgentEndpoints:
             self.agent.end_activation(path, ref, status, error)
         return _relay_with_path(response, path)
 
-    async def _forward(self, request: Request, body: bytes):
-        """``request`` with ``body`` to the engine, its answer relayed as it arrives (hop-by-hop headers dropped)."""
+    async def _forward(self, request: Request, body: bytes, relabel=None):
+        """``request`` with ``body`` to the engine, its answer relayed as it arrives (hop-by-hop headers
+        dropped); ``relabel``: rewrites a 200 answer's byte stream (its length then recomputed)."""
         client = self.client
         url = httpx.URL(path=request.url.path, query=request.url.query.encode())
         upstream_request = client.build_request(request.method, url,
@@ -292,9 +295,11 @@ class AgentEndpoints:
             upstream = await client.send(upstream_request, stream=True)
         except httpx.TransportError as exc:
             return error_response(_unreachable(self.agent.engine_url, exc))
-        response = StreamingResponse(_relay(upstream), status_code=upstream.status_code)
-        response.raw_headers = [(k, v) for k, v in upstream.headers.raw
-                                if k.decode("latin-1").lower() not in HOP_BY_HOP | SERVER_SET]
+        rewrite = relabel is not None and upstream.status_code == 200
+        response = StreamingResponse(relabel(_relay(upstream)) if rewrite else _relay(upstream),
+                                     status_code=upstream.status_code)
+        dropped = HOP_BY_HOP | SERVER_SET | ({"content-length"} if rewrite else set())
+        response.raw_headers = [(k, v) for k, v in upstream.headers.raw if k.decode("latin-1").lower() not in dropped]
         return response
 
 
