@@ -33,9 +33,8 @@ ENGINE_FLAG = "--engine"
 PORT_HELP = "HTTP port (0: any free port)."
 BASE_DIR_HELP = "The base checkpoint (version 0); not with --base-from-store."
 LORA_BASE_DIR_FLAG = "--lora-base-dir"
-LORA_BASE_DIR_HELP = ("Serve a run's LoRA adapter versions: the adapter chain's version 0 (the run's "
-                      "--update-weight-disk-dir plus .lora-v0, or RUN_DIR/lora-v0 for an object store); it may "
-                      "appear only once the run starts.")
+LORA_BASE_DIR_HELP = ("Serve a run's LoRA adapter versions: the adapter chain's version 0 (for a directory "
+                      "store, the run's --update-weight-disk-dir plus .lora-v0); the run writes it as it starts.")
 
 
 @dataclass(kw_only=True)
