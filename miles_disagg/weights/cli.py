@@ -83,6 +83,8 @@ class FetchBaseCommand:
 
     store: str = flag(REQUIRED, "The object store holding the base (s3://bucket/prefix).")
     dest: str = flag(REQUIRED, "Where the base goes (created; kept when it already holds this base).")
+    lora: bool = flag(False, "Fetch the store's LoRA adapter chain's version 0 instead of the model's base "
+                             "(checked whole as an adapter).")
 
 
 ACTIONS = {"publish": PublishCommand, "apply": ApplyCommand, "verify": VerifyCommand, "inspect": InspectCommand,
@@ -207,7 +209,7 @@ def _inspect(command: InspectCommand) -> dict[str, Any]:
 
 def _fetch_base(command: FetchBaseCommand) -> dict[str, Any]:
     from miles_disagg.weights.location import is_url
-    from miles_disagg.weights.object_base import pull_base
+    from miles_disagg.weights.object_base import ADAPTER, MODEL, pull_base
     from miles_disagg.weights.stores import open_store
 
     if not is_url(command.store):
@@ -215,8 +217,9 @@ def _fetch_base(command: FetchBaseCommand) -> dict[str, Any]:
                            "is the --base-dir its publisher was given)")
     dest = Path(command.dest)
     store = open_store(_require_store(command.store), cache_dir=dest.parent / f".{dest.name}.mirror")
-    status(f"fetching the base of {store.display} into {dest}")
-    folder = pull_base(store, dest)
+    kind = ADAPTER if command.lora else MODEL
+    status(f"fetching the {kind.what} of {store.display} into {dest}")
+    folder = pull_base(store, dest, kind)
     files = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
     return {"store": store.display, "dest": str(folder), "files": files,
             "bytes": sum((folder / f).stat().st_size for f in files)}

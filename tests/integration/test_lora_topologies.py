@@ -1,17 +1,20 @@
 """LoRA adapter versions beyond built-in engines the job launches on a directory store: an object
-store (``s3://``, moto) feeding an attached built-in engine, vetted for adapter serving before any key
-is sent, updated by the run's own disk-delta updater with no pause; an attached engine that would
+store (``s3://``, moto) holding the model's base and the adapter chain's version 0, feeding an
+attached built-in engine and an agent that have only its URL (each fetches both onto its own node),
+vetted for adapter serving before any key is sent, updated by the run's own disk-delta updater
+with no pause; an attached engine that would
 serve the bare base (started without ``--enable-lora``, or on another adapter chain, or an agent)
 is refused with one line before step 1."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from engine_fixtures import inprocess_engine
 from lora_fixtures import publish_adapter_chain
-from s3_fixtures import s3_bucket, s3_env, s3_server  # noqa: F401 - fixtures
+from s3_fixtures import s3_env, s3_server  # noqa: F401 - fixtures
 
 from miles_disagg.types import ConfigError
 
@@ -36,10 +39,19 @@ def s3(server):
                         aws_secret_access_key="testing")
 
 
+def weights_cli(*args: str):
+    import os
+    import subprocess
+    import sys
+
+    from deadlines import scaled
+
+    return subprocess.run([sys.executable, "-m", "miles_disagg.cli", "weights", *args], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=scaled(120))
+
+
 def _corrupt_adapter_v0(server, bucket: str, store: str) -> tuple[str, bytes]:
     """Flip one byte of the store's adapter v0 tensors object; returns its key and its true bytes."""
-    import json
-
     client = s3(server)
     prefix = store.removeprefix(f"s3://{bucket}/")
     pointer = json.loads(client.get_object(Bucket=bucket, Key=f"{prefix}/LATEST")["Body"].read())
@@ -97,11 +109,18 @@ def test_an_engine_with_only_the_store_url_fetches_adapter_v0_and_versions_from_
         assert vet(config, handle.url, answer_timeout_s=30).refusal is None
         assert len(attached_engines(config)) == 1
         key, good = _corrupt_adapter_v0(s3_chain["server"], s3_chain["bucket"], store)
+        by_hand = tmp_path / "by-hand" / "lora-v0"  # `weights fetch-base --lora`: an adapter v0 fetched by hand
         try:
             refused = handle.post("/pull_weights", {"target_version": 0, "source_dir": store})
+            cli_refused = weights_cli("fetch-base", "--lora", "--store", store, "--dest", str(by_hand))
         finally:
             s3(s3_chain["server"]).put_object(Bucket=s3_chain["bucket"], Key=key, Body=good)
         assert 400 <= refused.status_code < 500 and "checksum" in refused.text, refused.text
+        assert cli_refused.returncode == 2 and "checksum" in cli_refused.stderr and not by_hand.exists()
+        assert len(cli_refused.stderr.strip().splitlines()) <= 2 and "Traceback" not in cli_refused.stderr
+        fetched = weights_cli("fetch-base", "--lora", "--store", store, "--dest", str(by_hand))
+        assert fetched.returncode == 0, fetched.stderr
+        assert json.loads(fetched.stdout)["files"] == ["adapter_config.json", "adapter_model.safetensors"]
         assert handle.get("/server_info").json()["loaded_lora_adapters"] == []
         assert not local.with_name("ckpt.lora-v0").exists()
         updater = DiskDeltaUpdater([handle.url], store_dir=store, local_dirs=[str(local)])
