@@ -110,6 +110,11 @@ def adapter_serving_refusal(config) -> tuple[str, tuple[str, ...]] | None:
         return (f"--lora-rank with --update-weight-transfer-mode {weights.update_weight_transfer_mode}: adapter "
                 "versions travel through the version store (miles broadcasts merged weights); use "
                 "--update-weight-transfer-mode disk-delta", ("--lora-rank", "--update-weight-transfer-mode"))
+    if config.rollout.rollout_service_url and "://" in (weights.update_weight_disk_dir or ""):
+        return ("--lora-rank with --rollout-service-url on an object store: this run keeps its adapter chain's version "
+                "0 in the store, and the service's replicas read it from a directory (serve --lora-base-dir); use a "
+                "directory store shared with the service, or engines the job launches or attached ones",
+                ("--lora-rank", "--rollout-service-url", "--update-weight-disk-dir"))
     return None
 
 

@@ -105,3 +105,6 @@ def test_adapter_versions_on_an_object_store_and_attached_engines(tmp_path: Path
     service = load_config(DISK_DELTA + ["--hf-checkpoint", str(tmp_path), "--train-backend", "fsdp", *LORA,
                                         "--rollout-service-url", "http://127.0.0.1:9"], "train_async")[0]
     assert serves_adapters(service) and EngineManagerConfig.from_run(service).lora_base_dir == "/tmp/d.lora-v0"
+    with pytest.raises(ConfigError) as on_s3:  # the chain's version 0 in the store: no service replica reads it
+        load_config(s3 + ["--rollout-service-url", "http://127.0.0.1:9"], "train_async")
+    assert "object store" in str(on_s3.value) and "--rollout-service-url" in on_s3.value.flags
