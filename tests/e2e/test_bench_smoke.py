@@ -37,7 +37,7 @@ TINY: dict[str, list[str]] = {
     "publish": ["--ranks", "1,2", "--size-mb", "1"],
     # two engines, four sessions of two turns, one activation: both modes, every figure
     "agentic": ["--engines", "2", "--sessions", "4", "--turns", "2", "--appended-tokens", "20", "--hidden-size", "64",
-                "--num-layers", "1", "--activations", "1", "--concurrency", "2"],
+                "--num-layers", "1", "--activations", "1", "--concurrency", "2", "--tool-ms", "10"],
     "lora": ["--hidden-size", "64", "--num-layers", "1", "--steps", "2", "--requests", "4", "--max-new-tokens", "8"],
     # moto on loopback, one host per region, a short WAN round trip
     "store": ["--size-mb", "4", "--engines-per-region", "1", "--memory-sizes-mb", "2,8", "--wan-rtt-ms", "5"],
