@@ -67,7 +67,7 @@ class AgenticBench:
     engines: int = flag(4, "Built-in engines behind the router.")
     sessions: int = flag(48, "Sessions per mode.")
     turns: int = flag(8, "Turns per session.")
-    appended_tokens: int = flag(300, "Tokens a tool message appends per turn.")
+    appended_tokens: int = flag(200, "Tokens a tool message appends per turn.")
     max_new_tokens: int = flag(8, "Tokens generated per turn.")
     concurrency: int = flag(24, "Sessions in flight at once (several per engine, as on a fleet).")
     tool_ms: float = flag(3000.0, "Mean time the tool takes between two turns of a session (each drawn uniformly in "
