@@ -78,9 +78,9 @@ def test_an_openai_client_agent_runs_tool_turns_token_exact_on_one_engine(engine
         assert httpx.get(base_url).status_code == 404  # finished: gone
 
 
-def _recording_engine(received: list):
-    """A SGLang-shaped engine that answers random digits and records every prompt it got."""
-    app, rng = FastAPI(), random.Random(0)
+def _engine_app():
+    """A SGLang-shaped engine's app with its probes: ``/health`` and ``/model_info`` at version 1."""
+    app = FastAPI()
 
     @app.get("/health")
     async def health():
@@ -89,6 +89,13 @@ def _recording_engine(received: list):
     @app.get("/model_info")
     async def model_info():
         return {"weight_version": "1"}
+
+    return app
+
+
+def _recording_engine(received: list):
+    """A SGLang-shaped engine that answers random digits and records every prompt it got."""
+    app, rng = _engine_app(), random.Random(0)
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -190,15 +197,7 @@ def test_a_harness_that_rewrites_and_retries_history_gets_one_token_exact_sample
 def _gated_streaming_engine(output_ids: list[int], gate: threading.Event, held: list[bool]):
     """A SGLang-shaped engine that streams its first token, then holds the rest until ``gate`` is set (or a
     generous deadline passes: ``held`` records it), then the rest and the whole answer."""
-    app = FastAPI()
-
-    @app.get("/health")
-    async def health():
-        return {}
-
-    @app.get("/model_info")
-    async def model_info():
-        return {"weight_version": "1"}
+    app = _engine_app()
 
     @app.post("/generate")
     async def generate(request: Request):
