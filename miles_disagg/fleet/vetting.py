@@ -250,10 +250,7 @@ def lora_problems(config: EngineManagerConfig, server_info: dict, agent_info: di
             return []
         return [f"LoRA adapter versions: {where} adapter chain starts at {theirs!r} (--lora-base-dir), this run's "
                 f"is in its object store {config.weights.update_weight_disk_dir}; {start}"]
-    if not isinstance(theirs, str) or os.path.realpath(theirs) != os.path.realpath(ours):
-        return [f"LoRA adapter versions: {where} adapter chain starts at {theirs!r} (--lora-base-dir), this run's at "
-                f"{ours!r}, so it would not serve this run's adapters; {start}"]
-    return []
+    return chain_mismatch(where, theirs, ours, start)
 
 
 def service_lora_problems(lora_base_dir: str | None, service_info: dict) -> list[str]:
@@ -270,10 +267,16 @@ def service_lora_problems(lora_base_dir: str | None, service_info: dict) -> list
     if serves != "lora_adapter_versions":
         return [f"LoRA adapter versions: the service serves full-weight versions (started without --lora-base-dir) "
                 f"and would serve the bare base; {start}"]
-    if not isinstance(theirs, str) or os.path.realpath(theirs) != os.path.realpath(lora_base_dir):
-        return [f"LoRA adapter versions: the service's adapter chain starts at {theirs!r} (--lora-base-dir), this "
-                f"run's at {lora_base_dir!r}, so it would not serve this run's adapters; {start}"]
-    return []
+    return chain_mismatch("the service's", theirs, lora_base_dir, start)
+
+
+def chain_mismatch(where: str, theirs, ours: str, start: str) -> list[str]:
+    """The one-line problem when an adapter chain announced as ``theirs`` is not this run's ``ours``
+    (``where``: whose announcement; ``start``: how to start one that serves it)."""
+    if isinstance(theirs, str) and os.path.realpath(theirs) == os.path.realpath(ours):
+        return []
+    return [f"LoRA adapter versions: {where} adapter chain starts at {theirs!r} (--lora-base-dir), this run's at "
+            f"{ours!r}, so it would not serve this run's adapters; {start}"]
 
 
 def vet(config: EngineManagerConfig, url: str, *, answer_timeout_s: float) -> Vetting:
