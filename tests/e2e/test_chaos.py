@@ -65,7 +65,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-STEPS, BATCH, SAMPLES = 10, 4, 8
+STEPS, BATCH, SAMPLES = 13, 4, 8  # room for the faults: CI's run stood at step 8 of 10 when its node was lost
 WAIT_S = scaled(300)
 RUN_TIMEOUT_S = scaled(1200)
 
@@ -287,8 +287,7 @@ def lose_a_rollout_node_and_add_another(run: ChaosRun) -> None:
     run.notes["engine_out_after_s"] = round(time.monotonic() - killed, 1)
     run.wait_steps(steps_before + 1)  # the run goes on with one engine
     join_a_rollout_node(cluster)
-    joined = time.monotonic()
-    run.allow(2)
+    joined = time.monotonic()  # no steps let through meanwhile: placing the engine waits on no step
     run.notes["new_node"] = cluster.node_id_offering("chaos_c")
     run.wait_routed({lost_url}, "the lost engine placed on the new node and routed again")
     run.notes["replaced_after_join_s"] = round(time.monotonic() - joined, 1)
