@@ -30,7 +30,7 @@ import os
 import time
 from typing import Any, Callable
 
-from miles_disagg.router.affinity import GONE, LocalAffinity, key_hash
+from miles_disagg.router.affinity import GONE, LiveSessions, LocalAffinity, key_hash
 from miles_disagg.router.registry import Worker, WorkerRegistry, WorkerState, normalize_url
 from miles_disagg.router.shared_table import (ANSWERED, APPLIED_SEQ, BUSY_S, BUSY_SINCE, CAPACITY, COUNTERS, IN_FLIGHT,
                                               LAST_ANSWER, PID, SERVING, URL_BYTES, SharedTable, SlotRecord, bucket_of,
@@ -46,6 +46,8 @@ class SoleRouter:
     def __init__(self, registry: WorkerRegistry):
         self.registry = registry
         self.sessions = LocalAffinity()
+        self.live_sessions = LiveSessions()
+        """Sessions per worker that this process routed lately (where new sessions go: router/affinity.py)."""
 
     def session_worker(self, key: str) -> Worker | object | None:
         """The worker that served routing key ``key`` last (:mod:`~miles_disagg.router.affinity`): None for a

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from registry_workers import ready
 
-from miles_disagg.router.affinity import (LocalAffinity, choose_for_session, key_hash, routing_key,
+from miles_disagg.router.affinity import (LiveSessions, LocalAffinity, choose_for_session, key_hash, routing_key,
                                           version_extra_key)
 from miles_disagg.router.peers import FollowerPeers, LeaderPeers, SoleRouter
 from miles_disagg.router.policy import LeastOutstandingPolicy
@@ -37,6 +37,39 @@ def test_a_key_stays_on_its_worker_even_when_others_are_less_loaded():
     assert counters == Counter(session_affinity_hits=10)
     other = _route(registry, peers, "session-b", counters=counters)  # a new session: the least loaded
     assert other is not first and other in workers
+
+
+def test_new_sessions_go_where_the_fewest_live_sessions_are_not_the_fewest_requests():
+    """Sessions between turns have no request out: fewest outstanding alone would put every new session
+    on the engine whose sessions all wait on their tools."""
+    registry = WorkerRegistry()
+    workers = [ready(registry, f"http://w{i}:1", 3) for i in range(2)]
+    peers = SoleRouter(registry)
+    placed = [_route(registry, peers, f"s{i}") for i in range(4)]  # none has a request out: 2 on each
+    assert Counter(w.url for w in placed) == {w.url: 2 for w in workers}
+    busy = next(w for w in workers if w is not placed[0])
+    for _ in range(3):
+        registry.acquire(busy)  # its sessions' turns are running; the other worker's sessions wait on tools
+    assert _route(registry, peers, "s4") is not busy  # fewer requests out ...
+    assert _route(registry, peers, "s5") is busy  # ... but now more sessions: the next one goes to the busy one
+    assert [_route(registry, peers, f"s{i}") for i in range(4)] == placed  # each key stays where it was
+
+
+def test_live_sessions_lapse_after_their_window_and_only_steer_placement():
+    now = [0.0]
+    live = LiveSessions(live_s=10.0, clock=lambda: now[0])
+    live.touch("a", "w0")
+    live.touch("b", "w0")
+    live.touch("a", "w1")  # a moved
+    assert (live.held_by("w0"), live.held_by("w1")) == (1, 1)
+    now[0] = 8.0
+    live.touch("a", "w1")
+    now[0] = 12.0  # b last routed 12 s ago, a 4 s ago
+    assert (live.held_by("w0"), live.held_by("w1")) == (0, 1)
+    bounded = LiveSessions(capacity=2, clock=lambda: 0.0)
+    for key in "xyz":
+        bounded.touch(key, "w")
+    assert bounded.held_by("w") == 2
 
 
 @pytest.mark.parametrize("change", ["paused", "unhealthy", "removed", "older version", "tried"])
