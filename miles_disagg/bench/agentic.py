@@ -27,10 +27,14 @@ p50/p99, sessions per second (wall) and per CPU-second of the engines (the machi
 second does not move with other processes' load), how often a turn went to its session's previous engine,
 session moves (the router's count), token drift (turns whose prompt does not
 extend the previous turn's prompt and output, plus prefix-check failures) and KV reuse across versions
-(turns after a version change that reused more than the template's shared opening, plus the engines' own
-``cross_version_tokens``). Ratios: ``prefix_cache_hit_ratio_vs_ideal`` (affinity), the same without,
+(turns after a version change that reused more than any other session can share with them: the template's
+opening and half the session's unique first message (other sessions' prefixes computed under the new
+version may share its first few characters), plus the engines' own ``cross_version_tokens``).
+Ratios: ``prefix_cache_hit_ratio_vs_ideal`` (affinity), the same without,
 ``sessions_per_s_affinity_vs_none``, ``sessions_per_engine_cpu_s_affinity_vs_none``,
-``prefill_per_turn_vs_appended`` (affinity).
+``prefill_per_turn_vs_appended`` (affinity; every turn, those that recompute a context after an activation
+included) and ``prefill_per_turn_vs_appended_same_version_turns`` (the turns whose previous turn ended on the
+version they start on: what the cache alone leaves to compute).
 
 Prints one JSON object on stdout; progress goes to stderr.
 """
@@ -65,11 +69,11 @@ class AgenticBench:
 
     json: bool = flag(False, "Print the result as JSON (always on; kept for scripts).")
     engines: int = flag(4, "Built-in engines behind the router.")
-    sessions: int = flag(48, "Sessions per mode.")
+    sessions: int = flag(96, "Sessions per mode.")
     turns: int = flag(8, "Turns per session.")
     appended_tokens: int = flag(200, "Tokens a tool message appends per turn.")
     max_new_tokens: int = flag(8, "Tokens generated per turn.")
-    concurrency: int = flag(24, "Sessions in flight at once (several per engine, as on a fleet).")
+    concurrency: int = flag(48, "Sessions in flight at once (12 per engine at 4 engines, as on a fleet).")
     tool_ms: float = flag(3000.0, "Mean time the tool takes between two turns of a session (each drawn uniformly in "
                                   "0.5-1.5x; the agent waits, its engine serves others). Long enough that many other "
                                   "turns reach the router meanwhile, as on a fleet with many sessions per engine.")
@@ -78,7 +82,7 @@ class AgenticBench:
                                        "sized for its share of the sessions in flight, as a GPU's KV pool is "
                                        "(ceil(concurrency / engines) sessions at their mean length, times "
                                        "--cache-headroom).")
-    cache_headroom: float = flag(2.5, "With --prefix-cache-tokens 0: the KV memory per engine over its share of "
+    cache_headroom: float = flag(1.5, "With --prefix-cache-tokens 0: the KV memory per engine over its share of "
                                       "the sessions in flight at their mean length (half a whole session).")
     engine_threads: int = flag(1, "Torch threads per engine (OMP_NUM_THREADS): 1 keeps engines from contending "
                                   "for the same cores, so each gets a fair share of the CPU.")
@@ -296,6 +300,9 @@ def _mode_figures(sessions: list[list], latencies_s: list[float], wall_s: float,
     from miles_disagg.rollout.sessions.types import token_drift
 
     prompt = cached = ideal = appended = reused_across = same_engine = 0
+    kept_prefill = kept_appended = 0  # over the turns whose previous turn ended on the version they start on
+    reuse_cases: list[dict] = []
+    shareable = shared_head + FIRST_MESSAGE_TOKENS // 2  # what another session's prefix may have in common
     for turns in sessions:
         previous = None
         for turn in turns:
@@ -305,7 +312,14 @@ def _mode_figures(sessions: list[list], latencies_s: list[float], wall_s: float,
             prompt, cached = prompt + len(turn.prompt_ids), cached + turn.cached_tokens
             ideal += max(0, held - 1) if same_version else 0
             appended += len(turn.prompt_ids) - held
-            reused_across += previous is not None and not same_version and turn.cached_tokens > shared_head
+            if same_version:
+                kept_prefill += len(turn.prompt_ids) - turn.cached_tokens
+                kept_appended += len(turn.prompt_ids) - held
+            if previous is not None and not same_version and turn.cached_tokens > shareable:
+                reused_across += 1
+                reuse_cases.append({"previous_versions": [previous.version_start, previous.version_end],
+                                    "previous_finish": previous.finish_reason, "versions": [turn.version_start,
+                                    turn.version_end], "cached_tokens": turn.cached_tokens, "worker": turn.worker})
             previous = turn
     num_turns = sum(len(t) for t in sessions)
     ordered = sorted(latencies_s)
@@ -313,12 +327,14 @@ def _mode_figures(sessions: list[list], latencies_s: list[float], wall_s: float,
         "prefix_cache_hit_rate": round(cached / prompt, 4), "ideal_hit_rate": round(ideal / prompt, 4),
         "prefill_tokens_per_turn": round((prompt - cached) / num_turns, 1),
         "appended_tokens_per_turn": round(appended / num_turns, 1),
+        "prefill_vs_appended_same_version_turns": round(kept_prefill / kept_appended, 3) if kept_appended else None,
         "turn_latency_ms": {"p50": round(ordered[len(ordered) // 2] * 1e3, 1),
                             "p99": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3, 1)},
         "sessions_per_s": round(len(sessions) / wall_s, 3), "wall_s": round(wall_s, 2), "turns": num_turns,
         "same_engine_as_previous_turn": round(same_engine / max(1, num_turns - len(sessions)), 3),
         "session_moves": moves, "token_drift": sum(token_drift(t) for t in sessions) + prefix_mismatches,
         "kv_reuse_across_versions": int(reused_across) + cross_tokens,
+        "kv_reuse_cases": {"engine_cross_version_tokens": cross_tokens, "turns": reuse_cases[:5]},
         "version_changes_seen": sum(1 for t in sessions for a, b in zip(t, t[1:]) if a.version_end != b.version_start),
     }
 
@@ -340,6 +356,7 @@ def _result(command: AgenticBench, modes: dict[str, dict], cache_tokens: int) ->
         "prefix_cache_hit_ratio_vs_ideal_without_affinity": ratio(without["prefix_cache_hit_rate"],
                                                                   without["ideal_hit_rate"]),
         "prefill_per_turn_vs_appended": ratio(with_["prefill_tokens_per_turn"], with_["appended_tokens_per_turn"]),
+        "prefill_per_turn_vs_appended_same_version_turns": with_["prefill_vs_appended_same_version_turns"],
         "sessions_per_s_affinity_vs_none": ratio(with_["sessions_per_s"], without["sessions_per_s"]),
         "sessions_per_engine_cpu_s_affinity_vs_none": ratio(with_["sessions_per_engine_cpu_s"],
                                                             without["sessions_per_engine_cpu_s"]),
