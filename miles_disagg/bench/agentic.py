@@ -318,8 +318,9 @@ def _mode_figures(sessions: list[list], latencies_s: list[float], wall_s: float,
             if previous is not None and not same_version and turn.cached_tokens > shareable:
                 reused_across += 1
                 reuse_cases.append({"previous_versions": [previous.version_start, previous.version_end],
-                                    "previous_finish": previous.finish_reason, "versions": [turn.version_start,
-                                    turn.version_end], "cached_tokens": turn.cached_tokens, "worker": turn.worker})
+                                    "previous_finish": previous.finish_reason,
+                                    "versions": [turn.version_start, turn.version_end],
+                                    "cached_tokens": turn.cached_tokens, "worker": turn.worker})
             previous = turn
     num_turns = sum(len(t) for t in sessions)
     ordered = sorted(latencies_s)

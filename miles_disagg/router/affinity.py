@@ -111,8 +111,7 @@ class LiveSessions:
         self.live_s, self.capacity, self.clock = live_s, capacity, clock
         self._seen: collections.OrderedDict[str, tuple[Hashable, float]] = collections.OrderedDict()
         self._per_worker: Counter = Counter()
-        self.turn = 0
-        """Rotates placement among equally held workers."""
+        self._turn = 0
 
     def touch(self, key: str, worker: Hashable) -> None:
         """``key`` was just routed to ``worker``."""
@@ -123,6 +122,11 @@ class LiveSessions:
         self._seen[key] = (worker, now)
         self._per_worker[worker] += 1
         self._expire(now)
+
+    def in_turn(self, tied: list[Worker]) -> Worker:
+        """One of equally placed workers, rotating from call to call."""
+        self._turn += 1
+        return tied[self._turn % len(tied)]
 
     def held_by(self, worker: Hashable) -> int:
         self._expire(self.clock())
@@ -153,8 +157,7 @@ def place_session(policy: Any, registry: Any, live: LiveSessions, constraint: Ve
             tied.append(worker)
     if not tied:
         return policy.choose_in(registry, constraint, skip=skip)  # raises NoWorkerAvailable / VersionNotReady
-    live.turn += 1
-    return tied[live.turn % len(tied)]
+    return live.in_turn(tied)
 
 
 def choose_for_session(policy: Any, registry: Any, peers: Any, key: str, constraint: VersionConstraint,
